@@ -1,0 +1,275 @@
+"""What a night costs, split by transport.
+
+Every row of a job is billed once, by the transport that produced it: the
+batch path (cheap, slow, no deadline) or the synchronous fallback pool
+(about twice the price, fast enough to meet one). A night's bill is therefore
+two multiplications and a sum, and it is bounded above by the price of
+sending every row synchronously, whatever moment the cutoff fired at, as long
+as the batch price is not above the fallback price.
+
+Money is kept in ``Decimal`` so the worked examples come out to the cent
+(``300_000 * 0.003625`` is not exactly 1087.5 in binary floating point).
+Pure functions, no I/O; the CLI and the Airflow shells read counts and
+prices elsewhere and hand them in.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from decimal import ROUND_FLOOR, ROUND_HALF_UP, Decimal
+from typing import Any, Iterable
+
+CENT = Decimal("0.01")
+
+# The seed workload's prices: $0.00725 a row synchronously, half that on batch.
+DEFAULT_FALLBACK_PER_ROW = Decimal("0.00725")
+DEFAULT_BATCH_PER_ROW = DEFAULT_FALLBACK_PER_ROW / 2
+
+
+def _money(value: Any) -> Decimal:
+    # str() first so a float such as 0.00725 becomes Decimal("0.00725"),
+    # not the binary approximation 0.007249999999999999...
+    d = value if isinstance(value, Decimal) else Decimal(str(value))
+    if not d.is_finite() or d < 0:
+        raise ValueError(f"a price must be a finite number >= 0, got {value!r}")
+    return d
+
+
+def cents(amount: Decimal) -> Decimal:
+    """Round to the cent, half up, for display. Sums are taken before rounding."""
+    return amount.quantize(CENT, rounding=ROUND_HALF_UP)
+
+
+@dataclass(frozen=True)
+class Prices:
+    """Per-row prices of the two transports, named as in the job spec's ``cost`` block."""
+
+    batch_per_row: Decimal = DEFAULT_BATCH_PER_ROW
+    fallback_per_row: Decimal = DEFAULT_FALLBACK_PER_ROW
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "batch_per_row", _money(self.batch_per_row))
+        object.__setattr__(self, "fallback_per_row", _money(self.fallback_per_row))
+
+    @classmethod
+    def from_spec(cls, spec: Any) -> "Prices":
+        """From a ``JobSpec`` (its ``cost`` block), a spec dict, or a bare cost dict."""
+        cost = getattr(spec, "cost", None)
+        if cost is None and isinstance(spec, dict):
+            cost = spec.get("cost", spec)
+        if cost is None:
+            return cls()
+        get = cost.get if isinstance(cost, dict) else lambda k, d: getattr(cost, k, d)
+        return cls(
+            batch_per_row=get("batch_per_row", DEFAULT_BATCH_PER_ROW),
+            fallback_per_row=get("fallback_per_row", DEFAULT_FALLBACK_PER_ROW),
+        )
+
+    def to_dict(self) -> dict[str, float]:
+        return {"batch_per_row": float(self.batch_per_row), "fallback_per_row": float(self.fallback_per_row)}
+
+
+DEFAULT_PRICES = Prices()
+
+
+def _rows(n: int, name: str) -> int:
+    if isinstance(n, bool) or int(n) != n or n < 0:
+        raise ValueError(f"{name} must be a whole number >= 0, got {n!r}")
+    return int(n)
+
+
+def night_cost(batch_rows: int, fallback_rows: int, prices: Prices = DEFAULT_PRICES) -> Decimal:
+    """The bill for one night: each row at the price of the transport that produced it."""
+    b = _rows(batch_rows, "batch_rows")
+    f = _rows(fallback_rows, "fallback_rows")
+    return b * prices.batch_per_row + f * prices.fallback_per_row
+
+
+def all_synchronous_ceiling(rows: int, prices: Prices = DEFAULT_PRICES) -> Decimal:
+    """Every row through the synchronous API: what not using batch at all would cost.
+
+    A ceiling, not a bad case: a fallback night can only move rows from the
+    batch price up to this one, never past it (when batch <= fallback price).
+    """
+    return night_cost(0, rows, prices)
+
+
+def clean_batch_floor(rows: int, prices: Prices = DEFAULT_PRICES) -> Decimal:
+    """Every row through batch: a night on which the cutoff never fired."""
+    return night_cost(rows, 0, prices)
+
+
+@dataclass(frozen=True)
+class CostReport:
+    """One night's bill with the two reference points it sits between."""
+
+    batch_rows: int
+    fallback_rows: int
+    total_rows: int
+    batch_cost: Decimal
+    fallback_cost: Decimal
+    total: Decimal
+    all_synchronous_ceiling: Decimal
+    clean_batch_floor: Decimal
+    prices: Prices
+
+    @property
+    def overage(self) -> Decimal:
+        """What the fallback added over a clean batch night."""
+        return self.total - self.clean_batch_floor
+
+    @property
+    def savings(self) -> Decimal:
+        """What batch still saved against sending everything synchronously."""
+        return self.all_synchronous_ceiling - self.total
+
+    @property
+    def batch_fraction(self) -> float:
+        return self.batch_rows / self.total_rows if self.total_rows else 1.0
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "batch_rows": self.batch_rows,
+            "fallback_rows": self.fallback_rows,
+            "total_rows": self.total_rows,
+            "batch_fraction": round(self.batch_fraction, 6),
+            "batch_cost": float(cents(self.batch_cost)),
+            "fallback_cost": float(cents(self.fallback_cost)),
+            "total": float(cents(self.total)),
+            "clean_batch_floor": float(cents(self.clean_batch_floor)),
+            "all_synchronous_ceiling": float(cents(self.all_synchronous_ceiling)),
+            "overage": float(cents(self.overage)),
+            "savings_vs_all_synchronous": float(cents(self.savings)),
+            "prices": self.prices.to_dict(),
+        }
+
+    def lines(self) -> list[str]:
+        return [
+            f"batch     {self.batch_rows:>12,} rows  ${cents(self.batch_cost):>12,}",
+            f"fallback  {self.fallback_rows:>12,} rows  ${cents(self.fallback_cost):>12,}",
+            f"night     {self.batch_rows + self.fallback_rows:>12,} rows  ${cents(self.total):>12,}",
+            f"clean batch floor ${cents(self.clean_batch_floor):,}, "
+            f"all-synchronous ceiling ${cents(self.all_synchronous_ceiling):,}, "
+            f"overage ${cents(self.overage):,}, saved vs all-synchronous ${cents(self.savings):,}",
+        ]
+
+
+def cost_report(
+    batch_rows: int,
+    fallback_rows: int,
+    prices: Prices = DEFAULT_PRICES,
+    total_rows: int | None = None,
+) -> CostReport:
+    """The night's bill split by transport.
+
+    ``total_rows`` is the job's size when it differs from the rows billed so
+    far (a running job, or one with dead letters); floor and ceiling are taken
+    over it, so they stay the night's reference points while rows settle.
+    """
+    b = _rows(batch_rows, "batch_rows")
+    f = _rows(fallback_rows, "fallback_rows")
+    total = b + f if total_rows is None else _rows(total_rows, "total_rows")
+    if total < b + f:
+        raise ValueError(f"total_rows {total:,} is fewer than the {b + f:,} rows billed")
+    return CostReport(
+        batch_rows=b,
+        fallback_rows=f,
+        total_rows=total,
+        batch_cost=b * prices.batch_per_row,
+        fallback_cost=f * prices.fallback_per_row,
+        total=night_cost(b, f, prices),
+        all_synchronous_ceiling=all_synchronous_ceiling(total, prices),
+        clean_batch_floor=clean_batch_floor(total, prices),
+        prices=prices,
+    )
+
+
+def split_at(rows: int, completed_fraction: float | Decimal) -> tuple[int, int]:
+    """(batch rows, fallback rows) for a night abandoned with this fraction done.
+
+    Batch rows are rounded down: a part-row is re-driven, which errs towards
+    the higher bill, the safe side for a budget.
+    """
+    n = _rows(rows, "rows")
+    frac = Decimal(str(completed_fraction))
+    if not (0 <= frac <= 1):
+        raise ValueError(f"completed fraction must be within 0..1, got {completed_fraction!r}")
+    batch = int((n * frac).to_integral_value(rounding=ROUND_FLOOR))
+    return batch, n - batch
+
+
+def fallback_table(
+    rows: int,
+    completed: Iterable[float] = (1.0, 0.9, 0.75, 0.5, 0.4, 0.25, 0.0),
+    prices: Prices = DEFAULT_PRICES,
+) -> list[tuple[float, CostReport]]:
+    """The night's bill at each completion level the cutoff might fire at."""
+    return [(float(c), cost_report(*split_at(rows, c), prices=prices)) for c in completed]
+
+
+@dataclass(frozen=True)
+class MonthRow:
+    """A month with ``slip_nights`` nights abandoned at the same completion level."""
+
+    slip_nights: int
+    nights: int
+    total: Decimal
+    clean_month: Decimal
+    all_synchronous_month: Decimal
+
+    @property
+    def slip_rate(self) -> float:
+        return self.slip_nights / self.nights if self.nights else 0.0
+
+    @property
+    def overage(self) -> Decimal:
+        return self.total - self.clean_month
+
+    @property
+    def savings(self) -> Decimal:
+        return self.all_synchronous_month - self.total
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "slip_nights": self.slip_nights,
+            "nights": self.nights,
+            "slip_rate": round(self.slip_rate, 6),
+            "total": float(cents(self.total)),
+            "overage_vs_clean": float(cents(self.overage)),
+            "savings_vs_all_synchronous": float(cents(self.savings)),
+        }
+
+
+def month_view(
+    rows_per_night: int,
+    slip_nights_list: Iterable[int],
+    abandon_fraction: float | Decimal,
+    prices: Prices = DEFAULT_PRICES,
+    nights: int = 30,
+) -> list[MonthRow]:
+    """Month totals at several slip rates, each slip night abandoned at ``abandon_fraction`` done.
+
+    This is the break-even table; it never breaks even. A slip night costs
+    more than a clean one and less than an all-synchronous one, so every row
+    of the month sits below the all-synchronous month, and the argument for
+    relabelling the pipeline (docs/deadlines.md) is about operations, not money.
+    """
+    n = _rows(nights, "nights")
+    clean = clean_batch_floor(rows_per_night, prices)
+    slip = night_cost(*split_at(rows_per_night, abandon_fraction), prices=prices)
+    ceiling = all_synchronous_ceiling(rows_per_night, prices)
+    out = []
+    for s in slip_nights_list:
+        k = _rows(s, "slip nights")
+        if k > n:
+            raise ValueError(f"{k} slip nights in a {n}-night month")
+        out.append(
+            MonthRow(
+                slip_nights=k,
+                nights=n,
+                total=(n - k) * clean + k * slip,
+                clean_month=n * clean,
+                all_synchronous_month=n * ceiling,
+            )
+        )
+    return out
