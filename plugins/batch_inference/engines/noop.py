@@ -1,0 +1,256 @@
+"""The noop engine: instant, schema-valid answers with no model.
+
+For benchmarks (how fast can the ledger, worker and result writes go when the
+model costs nothing?) and for the chaos harness (inject delays, engine errors
+and invalid outputs at chosen rates). Never a default and never a source of
+real labels: every record gets the same smallest valid instance of
+``spec.output_schema``.
+
+Options:
+
+* ``delay_s`` (float, 0): sleep per record, to make shards slow enough to preempt.
+* ``fail_rate`` (0..1, 0): share of records answered with an engine error.
+* ``invalid_rate`` (0..1, 0): share answered with output that fails the schema.
+* ``seed`` (int, 0): seeds the draws. One generator per engine instance, drawn
+  once per record in order, so a retried record fails independently (a
+  fixed per-record draw would make ``fail_rate`` a dead-letter rate).
+
+Poison markers in a record's text force an outcome whatever the rates:
+``[[engine-error]]`` always yields an engine error, ``[[invalid-output]]``
+always yields output that fails schema validation.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import random
+import re
+import threading
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+from batch_inference.engines.base import Engine, Outcome, Request
+
+ENGINE_ERROR_MARKER = "[[engine-error]]"
+INVALID_OUTPUT_MARKER = "[[invalid-output]]"
+# A JSON array: parses, but can never satisfy an output schema, which the
+# spec requires to be an object.
+INVALID_OUTPUT = '["noop: deliberately invalid output"]'
+
+
+class NoopEngine(Engine):
+    name = "noop"
+    option_names = frozenset({"delay_s", "fail_rate", "invalid_rate", "seed"})
+
+    def __init__(self, spec, options=None):
+        super().__init__(spec, options)
+        self.delay_s = float(self.option("delay_s", 0.0))
+        self.fail_rate = float(self.option("fail_rate", 0.0))
+        self.invalid_rate = float(self.option("invalid_rate", 0.0))
+        for key in ("fail_rate", "invalid_rate"):
+            if not 0.0 <= getattr(self, key) <= 1.0:
+                raise ValueError(f"engine 'noop': option '{key}' must be between 0 and 1")
+        if self.delay_s < 0:
+            raise ValueError("engine 'noop': option 'delay_s' must not be negative")
+        self._rng = random.Random(int(self.option("seed", 0)))
+        self._answer = json.dumps(minimal_instance(spec.output_schema), separators=(",", ":"))
+
+    def load(self) -> None:
+        pass
+
+    def generate(self, requests: Sequence[Request], stop: threading.Event) -> Iterator[Outcome]:
+        for req in requests:
+            if stop.is_set():
+                return
+            if self.delay_s:
+                # wait() rather than sleep(): a stop cuts the delay short, and
+                # the record in hand is still answered (it was in flight).
+                stop.wait(self.delay_s)
+            yield self._answer_for(req)
+
+    def _answer_for(self, req: Request) -> Outcome:
+        text = "\n".join(m.get("content", "") for m in req.messages)
+        # Draw both numbers for every record so that the sequence of draws,
+        # and so the faults, do not depend on which markers appear.
+        fail_draw, invalid_draw = self._rng.random(), self._rng.random()
+        if ENGINE_ERROR_MARKER in text or fail_draw < self.fail_rate:
+            return Outcome(req.record_id, None, error="noop: injected engine error")
+        if INVALID_OUTPUT_MARKER in text or invalid_draw < self.invalid_rate:
+            return Outcome(req.record_id, INVALID_OUTPUT)
+        return Outcome(req.record_id, self._answer)
+
+
+# -- the smallest valid instance of a JSON schema ---------------------------
+
+_FORMAT_EXAMPLES = {
+    "date": "1970-01-01",
+    "date-time": "1970-01-01T00:00:00Z",
+    "time": "00:00:00Z",
+    "email": "a@example.com",
+    "uri": "urn:a",
+    "uuid": "00000000-0000-0000-0000-000000000000",
+    "ipv4": "0.0.0.0",
+    "ipv6": "::",
+    "hostname": "a",
+}
+
+
+def minimal_instance(schema: Any, root: Any = None) -> Any:
+    """The smallest JSON value valid for ``schema`` (Draft 2020-12 subset).
+
+    Enums give their first value, objects their required properties only,
+    strings ``minLength`` characters, numbers their minimum (or 0), arrays
+    ``minItems`` items; ``$ref`` to local ``$defs``, ``allOf``, ``anyOf`` and
+    ``oneOf`` (first branch) are followed. ``pattern`` is met only when a short
+    run of one character matches it; ``not``, ``if``/``then`` and
+    ``dependentSchemas`` are not solved.
+    """
+    root = schema if root is None else root
+    if schema is True or not isinstance(schema, dict):
+        return None
+    schema = _flatten(schema, root)
+    if "const" in schema:
+        return schema["const"]
+    if "enum" in schema:
+        return schema["enum"][0]
+    kind = schema.get("type")
+    if isinstance(kind, list):
+        kind = "null" if "null" in kind else kind[0]
+    if kind is None:
+        kind = _infer_type(schema)
+    if kind == "object":
+        return _minimal_object(schema, root)
+    if kind == "array":
+        return _minimal_array(schema, root)
+    if kind == "string":
+        return _minimal_string(schema)
+    if kind in ("integer", "number"):
+        return _minimal_number(schema, integer=kind == "integer")
+    if kind == "boolean":
+        return False
+    return None
+
+
+def _resolve(ref: str, root: Any) -> Any:
+    if not ref.startswith("#"):
+        raise ValueError(f"noop engine: only local $ref is supported, got '{ref}'")
+    node = root
+    for part in [p for p in ref[1:].split("/") if p]:
+        node = node[part.replace("~1", "/").replace("~0", "~")]
+    return node
+
+
+def _flatten(schema: dict[str, Any], root: Any, depth: int = 0) -> dict[str, Any]:
+    """Fold $ref, allOf and the first anyOf/oneOf branch into one schema."""
+    if depth > 32:
+        raise ValueError("noop engine: schema references nest too deeply")
+    schema = dict(schema)
+    if "$ref" in schema:
+        target = _resolve(schema.pop("$ref"), root)
+        schema = _merge(_flatten(target, root, depth + 1) if isinstance(target, dict) else {}, schema)
+    for key in ("anyOf", "oneOf"):
+        if key in schema:
+            branches = schema.pop(key)
+            schema = _merge(schema, _flatten(branches[0], root, depth + 1) if isinstance(branches[0], dict) else {})
+    for sub in schema.pop("allOf", []):
+        if isinstance(sub, dict):
+            schema = _merge(schema, _flatten(sub, root, depth + 1))
+    return schema
+
+
+def _merge(a: dict[str, Any], b: dict[str, Any]) -> dict[str, Any]:
+    out = {**a, **b}
+    if "properties" in a and "properties" in b:
+        out["properties"] = {**a["properties"], **b["properties"]}
+    if "required" in a and "required" in b:
+        out["required"] = list(dict.fromkeys([*a["required"], *b["required"]]))
+    for key in ("minLength", "minItems", "minProperties", "minimum"):
+        if key in a and key in b:
+            out[key] = max(a[key], b[key])
+    return out
+
+
+def _infer_type(schema: dict[str, Any]) -> str:
+    if {"properties", "required", "additionalProperties", "minProperties"} & schema.keys():
+        return "object"
+    if {"items", "prefixItems", "minItems"} & schema.keys():
+        return "array"
+    if {"minLength", "maxLength", "pattern", "format"} & schema.keys():
+        return "string"
+    if {"minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum", "multipleOf"} & schema.keys():
+        return "number"
+    return "null"
+
+
+def _minimal_object(schema: dict[str, Any], root: Any) -> dict[str, Any]:
+    props = schema.get("properties", {})
+    names = list(schema.get("required", []))
+    # minProperties beyond the required ones: take declared properties in order.
+    for extra in props:
+        if len(names) >= schema.get("minProperties", 0):
+            break
+        if extra not in names:
+            names.append(extra)
+    fallback = schema.get("additionalProperties", {})
+    return {n: minimal_instance(props.get(n, fallback), root) for n in names}
+
+
+def _minimal_array(schema: dict[str, Any], root: Any) -> list[Any]:
+    n = schema.get("minItems", 0)
+    prefix = schema.get("prefixItems", [])
+    items = schema.get("items", {})
+    out = [minimal_instance(s, root) for s in prefix[:n]]
+    if len(out) < n:
+        rest = n - len(out)
+        flat = _flatten(items, root) if isinstance(items, dict) else {}
+        if schema.get("uniqueItems") and "enum" in flat:
+            out.extend(flat["enum"][:rest])
+        elif schema.get("uniqueItems") and flat.get("type") in ("integer", "number"):
+            start = minimal_instance(flat, root)
+            out.extend(start + i for i in range(rest))
+        else:
+            out.extend(minimal_instance(items, root) for _ in range(rest))
+    return out
+
+
+def _minimal_string(schema: dict[str, Any]) -> str:
+    n = schema.get("minLength", 0)
+    fmt = schema.get("format")
+    if fmt in _FORMAT_EXAMPLES and len(_FORMAT_EXAMPLES[fmt]) >= n:
+        return _FORMAT_EXAMPLES[fmt]
+    pattern = schema.get("pattern")
+    if pattern:
+        for ch in "a0A -_.":
+            for k in range(n, n + 8):
+                if re.search(pattern, ch * k):
+                    return ch * k
+    return "x" * n
+
+
+def _minimal_number(schema: dict[str, Any], integer: bool) -> int | float:
+    lo, xlo = schema.get("minimum"), schema.get("exclusiveMinimum")
+    hi, xhi = schema.get("maximum"), schema.get("exclusiveMaximum")
+    if xlo is not None and (lo is None or xlo >= lo):
+        # Strictly above: the next integer, or halfway to the ceiling for numbers.
+        ceiling = xhi if xhi is not None else hi
+        if integer:
+            value: float = math.floor(xlo) + 1
+        elif ceiling is not None:
+            value = (xlo + ceiling) / 2
+        else:
+            value = xlo + 1
+    elif lo is not None:
+        value = lo
+    else:
+        value = 0
+        if hi is not None and hi < value:
+            value = hi
+        if xhi is not None and xhi <= value:
+            value = xhi - 1
+    step = schema.get("multipleOf")
+    if step:
+        value = math.ceil(value / step) * step
+    if integer or float(value).is_integer():
+        return int(math.ceil(value))
+    return value

@@ -1,0 +1,308 @@
+"""The openai engine: any OpenAI-compatible chat completions endpoint.
+
+Talks HTTP to a vLLM server, llama.cpp's server, or a hosted API. Requests
+run concurrently on an asyncio loop (httpx), bounded by ``concurrency`` and
+optionally by a request rate; transient failures are retried with
+exponential backoff and jitter.
+
+Options:
+
+* ``base_url``: the API root including ``/v1`` (``http://host:8000/v1``);
+  defaults to ``spec.fallback.base_url``.
+* ``model``: the model name sent in each request (default ``spec.model.name``).
+* ``api_key_env``: name of the environment variable holding the API key
+  (never the key itself: specs are stored and hashed).
+* ``response_format_style``: ``json_schema`` (default; vLLM and OpenAI:
+  ``{"type": "json_schema", "json_schema": {"name": "output", "schema": S, "strict": true}}``)
+  or ``json_object`` (llama.cpp server: ``{"type": "json_object", "schema": S}``;
+  it answers HTTP 500 to the other form).
+* ``concurrency`` (8): requests in flight at once.
+* ``max_retries`` (5): retries after the first try, on HTTP 408, 409, 429,
+  5xx and transport errors (connect, read timeout, dropped connection).
+  Other 4xx fail the record at once.
+* ``backoff_base_s`` (0.5), ``backoff_max_s`` (30): retry ``k`` (0-based)
+  waits a random time in ``[d/2, d]`` with ``d = min(max, base * 2**k)``;
+  a ``Retry-After`` header (seconds or HTTP date) replaces that, capped at
+  ``retry_after_max_s`` (120).
+* ``rate_limit`` (requests/s, none) and ``rate_burst`` (1): a token bucket
+  every HTTP request, retries included, must pass.
+* ``timeout_s`` (120): per HTTP request.
+* ``extra_body`` (dict): merged into every request body (server-specific knobs).
+
+``generate()`` is synchronous: it drives the event loop in a background
+thread and yields outcomes as they complete. ``agenerate()`` is the same as
+an async iterator, for callers that have a loop (the fallback pool).
+After ``stop`` is set no new request is sent: requests on the wire finish
+and are yielded; records not started, and those waiting to retry, get no
+outcome.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import email.utils
+import os
+import queue
+import random
+import threading
+import time
+from collections.abc import AsyncIterator, Iterable, Iterator, Sequence
+from typing import Any
+
+from batch_inference.engines.base import Engine, Outcome, Request, one_line
+from batch_inference.engines.llama_cpp import parse_completion
+from batch_inference.ratelimit import TokenBucket
+
+STYLES = ("json_schema", "json_object")
+RETRY_STATUS = frozenset({408, 409, 429})
+_DONE = object()
+
+
+def response_format(style: str, schema: dict[str, Any]) -> dict[str, Any]:
+    if style == "json_object":
+        return {"type": "json_object", "schema": schema}
+    if style == "json_schema":
+        return {"type": "json_schema", "json_schema": {"name": "output", "schema": schema, "strict": True}}
+    raise ValueError(f"engine 'openai': response_format_style must be one of {', '.join(STYLES)}, got '{style}'")
+
+
+def parse_retry_after(value: str | None, now: float | None = None) -> float | None:
+    """Seconds to wait from a Retry-After header (delta-seconds or HTTP date), or None."""
+    if not value:
+        return None
+    value = value.strip()
+    try:
+        return max(0.0, float(value))
+    except ValueError:
+        pass
+    try:
+        when = email.utils.parsedate_to_datetime(value)
+    except (TypeError, ValueError):
+        return None
+    if when is None:
+        return None
+    return max(0.0, when.timestamp() - (time.time() if now is None else now))
+
+
+def backoff_delay(attempt: int, base: float, cap: float, rng: random.Random) -> float:
+    """Retry ``attempt`` (0-based) waits in [d/2, d], d = min(cap, base * 2**attempt).
+
+    "Equal jitter": never less than half the exponential step, so retries
+    still back off, and never in lock-step with other clients.
+    """
+    d = min(cap, base * (2**attempt))
+    return d / 2 + rng.uniform(0, d / 2)
+
+
+class _Retryable(Exception):
+    def __init__(self, reason: str, retry_after: float | None = None):
+        super().__init__(reason)
+        self.reason = reason
+        self.retry_after = retry_after
+
+
+class OpenAIEngine(Engine):
+    name = "openai"
+    option_names = frozenset(
+        {
+            "base_url", "model", "api_key_env", "response_format_style", "concurrency", "max_retries",
+            "backoff_base_s", "backoff_max_s", "retry_after_max_s", "rate_limit", "rate_burst", "timeout_s",
+            "extra_body",
+        }
+    )
+
+    def __init__(self, spec, options=None):
+        super().__init__(spec, options)
+        base_url = self.option("base_url", spec.fallback.base_url)
+        if not base_url:
+            raise ValueError("engine 'openai': option 'base_url' is required (e.g. http://host:8000/v1)")
+        self.base_url = str(base_url).rstrip("/")
+        self.model = str(self.option("model", spec.model.name))
+        self.style = str(self.option("response_format_style", "json_schema"))
+        self.response_format = response_format(self.style, spec.output_schema)
+        self.concurrency = int(self.option("concurrency", 8))
+        self.max_retries = int(self.option("max_retries", 5))
+        self.backoff_base_s = float(self.option("backoff_base_s", 0.5))
+        self.backoff_max_s = float(self.option("backoff_max_s", 30.0))
+        self.retry_after_max_s = float(self.option("retry_after_max_s", 120.0))
+        self.timeout_s = float(self.option("timeout_s", 120.0))
+        self.rate_limit = self.option("rate_limit")
+        self.rate_burst = float(self.option("rate_burst", 1))
+        self.extra_body = dict(self.option("extra_body", {}))
+        if self.concurrency < 1 or self.max_retries < 0:
+            raise ValueError("engine 'openai': 'concurrency' must be at least 1 and 'max_retries' at least 0")
+        self._rng = random.Random()
+        self._headers: dict[str, str] | None = None
+        # One bucket per engine, shared by every generate() call: the limit is
+        # the endpoint's, not a call's.
+        self.bucket = TokenBucket(float(self.rate_limit), self.rate_burst) if self.rate_limit else None
+
+    # -- set-up -----------------------------------------------------------
+    def load(self) -> None:
+        headers = {"Content-Type": "application/json"}
+        env = self.option("api_key_env")
+        if env:
+            key = os.environ.get(env)
+            if not key:
+                raise ValueError(f"engine 'openai': environment variable '{env}' (option api_key_env) is not set")
+            headers["Authorization"] = f"Bearer {key}"
+        self._headers = headers
+
+    def body(self, req: Request) -> dict[str, Any]:
+        p = self.spec.params
+        body: dict[str, Any] = {
+            "model": self.model,
+            "messages": req.messages,
+            "temperature": p.temperature,
+            "top_p": p.top_p,
+            "max_tokens": p.max_tokens,
+            "response_format": self.response_format,
+        }
+        if p.seed is not None:
+            body["seed"] = p.seed
+        body.update(self.extra_body)
+        return body
+
+    def _client(self):
+        import httpx
+
+        limits = httpx.Limits(max_connections=self.concurrency, max_keepalive_connections=self.concurrency)
+        return httpx.AsyncClient(headers=self._headers, timeout=self.timeout_s, limits=limits)
+
+    # -- one record -------------------------------------------------------
+    async def _attempt(self, client: Any, req: Request) -> Outcome:
+        import httpx
+
+        try:
+            resp = await client.post(f"{self.base_url}/chat/completions", json=self.body(req))
+        except httpx.TransportError as exc:
+            raise _Retryable(one_line(exc)) from None
+        if resp.status_code in RETRY_STATUS or resp.status_code >= 500:
+            raise _Retryable(
+                f"HTTP {resp.status_code}: {one_line(resp.text, 200)}", parse_retry_after(resp.headers.get("retry-after"))
+            )
+        if resp.status_code >= 400:
+            return Outcome(req.record_id, None, error=f"HTTP {resp.status_code}: {one_line(resp.text, 300)}")
+        try:
+            data = resp.json()
+        except ValueError:
+            return Outcome(req.record_id, None, error=f"response is not JSON: {one_line(resp.text, 200)}")
+        return parse_completion(req.record_id, data)
+
+    async def _one(self, client: Any, req: Request, stop: threading.Event | None) -> Outcome | None:
+        """The outcome of one record, or None when ``stop`` came before it was sent."""
+        attempt = 0
+        while True:
+            if self.bucket is not None:
+                await self.bucket.acquire()
+            if attempt == 0 and stop is not None and stop.is_set():
+                return None
+            try:
+                return await self._attempt(client, req)
+            except _Retryable as exc:
+                if attempt >= self.max_retries:
+                    return Outcome(req.record_id, None, error=f"{exc.reason} (gave up after {attempt + 1} attempts)")
+                if exc.retry_after is not None:
+                    delay = min(exc.retry_after, self.retry_after_max_s)
+                else:
+                    delay = backoff_delay(attempt, self.backoff_base_s, self.backoff_max_s, self._rng)
+                if not await _sleep_unless(delay, stop):
+                    return None
+                attempt += 1
+            except Exception as exc:  # anything else fails this record, not the batch
+                return Outcome(req.record_id, None, error=one_line(exc))
+
+    # -- many records -------------------------------------------------------
+    async def agenerate(
+        self, requests: Iterable[Request], stop: threading.Event | None = None, client: Any = None
+    ) -> AsyncIterator[Outcome]:
+        """Outcomes as they complete, at most ``concurrency`` requests in flight."""
+        if self._headers is None:
+            self.load()
+        own = client is None
+        client = self._client() if own else client
+        pending: set[asyncio.Task] = set()
+        source = iter(requests)
+        exhausted = False
+        try:
+            while True:
+                while not exhausted and len(pending) < self.concurrency and not (stop is not None and stop.is_set()):
+                    req = next(source, None)
+                    if req is None:
+                        exhausted = True
+                    else:
+                        pending.add(asyncio.ensure_future(self._one(client, req, stop)))
+                if not pending:
+                    return
+                done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+                for task in done:
+                    outcome = task.result()
+                    if outcome is not None:
+                        yield outcome
+        finally:
+            for task in pending:
+                task.cancel()
+            if pending:
+                await asyncio.gather(*pending, return_exceptions=True)
+            if own:
+                await client.aclose()
+
+    def generate(self, requests: Sequence[Request], stop: threading.Event) -> Iterator[Outcome]:
+        if self._headers is None:
+            raise RuntimeError("engine 'openai': generate() called before load()")
+        out: queue.Queue = queue.Queue()
+        loop_box: dict[str, Any] = {}
+
+        async def drive() -> None:
+            loop_box["loop"] = asyncio.get_running_loop()
+            loop_box["task"] = asyncio.current_task()
+            async for outcome in self.agenerate(requests, stop):
+                out.put(outcome)
+
+        def run() -> None:
+            try:
+                asyncio.run(drive())
+            except asyncio.CancelledError:
+                pass
+            except BaseException as exc:  # surfaced in the caller's thread
+                out.put(exc)
+            finally:
+                out.put(_DONE)
+
+        thread = threading.Thread(target=run, name="openai-engine", daemon=True)
+        thread.start()
+        finished = False
+        try:
+            while True:
+                item = out.get()
+                if item is _DONE:
+                    finished = True
+                    return
+                if isinstance(item, BaseException):
+                    raise item
+                yield item
+        finally:
+            if not finished:
+                # The caller stopped iterating: nobody will read further
+                # outcomes, so cancel what is in flight instead of waiting.
+                while thread.is_alive() and "task" not in loop_box:
+                    time.sleep(0.01)  # the loop is still starting
+                loop, task = loop_box.get("loop"), loop_box.get("task")
+                if loop is not None and task is not None:
+                    try:
+                        loop.call_soon_threadsafe(task.cancel)
+                    except RuntimeError:  # the loop closed meanwhile: nothing left to cancel
+                        pass
+            thread.join()
+
+
+async def _sleep_unless(delay: float, stop: threading.Event | None) -> bool:
+    """Sleep ``delay`` seconds; False (early) if ``stop`` gets set meanwhile."""
+    deadline = time.monotonic() + delay
+    while True:
+        if stop is not None and stop.is_set():
+            return False
+        left = deadline - time.monotonic()
+        if left <= 0:
+            return True
+        await asyncio.sleep(min(left, 0.05))

@@ -1,0 +1,111 @@
+"""Output checking: is an engine's text a result, or a failed attempt?
+
+``check_output(spec, raw)`` runs on every record, so it is built for speed:
+the compiled Draft 2020-12 validator is cached per schema, and the schema is
+hashed only the first time a given schema object is seen. The order of checks
+is JSON syntax, then the JSON schema (with format assertions), then the
+spec's rules (checks a JSON schema cannot say, such as "this label set for
+this job" kept apart from the schema). The reason for a failure is one line,
+suitable for the dead-letter table.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from typing import Any
+
+from jsonschema import Draft202012Validator
+from jsonschema.exceptions import best_match
+
+from batch_inference.spec import JobSpec, Rule
+
+MAX_REASON = 300
+
+_by_hash: dict[str, Draft202012Validator] = {}
+# id(schema) -> (schema, validator). Keeping the schema object alive pins its
+# id, so an id hit is always the same object; the spec is frozen.
+_by_id: dict[int, tuple[dict[str, Any], Draft202012Validator]] = {}
+
+
+def schema_hash(schema: dict[str, Any]) -> str:
+    return hashlib.sha256(json.dumps(schema, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
+
+
+def validator_for(schema: dict[str, Any]) -> Draft202012Validator:
+    hit = _by_id.get(id(schema))
+    if hit is not None and hit[0] is schema:
+        return hit[1]
+    key = schema_hash(schema)
+    validator = _by_hash.get(key)
+    if validator is None:
+        # Formats are asserted: an LLM writing "yesterday" into a "date" field
+        # is exactly the failure worth catching.
+        validator = Draft202012Validator(schema, format_checker=Draft202012Validator.FORMAT_CHECKER)
+        _by_hash[key] = validator
+    if len(_by_id) > 256:  # a long-lived process checking many specs
+        _by_id.clear()
+    _by_id[id(schema)] = (schema, validator)
+    return validator
+
+
+def _short(text: str) -> str:
+    text = " ".join(text.split())
+    return text if len(text) <= MAX_REASON else text[: MAX_REASON - 3] + "..."
+
+
+def check_output(spec: JobSpec, raw: str | None) -> tuple[dict[str, Any] | None, str | None]:
+    """``(obj, None)`` for a valid output, else ``(None, one-line reason)``."""
+    if raw is None:
+        return None, "engine returned no output"
+    try:
+        obj = json.loads(raw)
+    except (json.JSONDecodeError, RecursionError) as exc:
+        detail = f"{exc.msg} at line {exc.lineno} column {exc.colno}" if isinstance(exc, json.JSONDecodeError) else "nested too deeply"
+        return None, _short(f"output is not valid JSON: {detail}")
+    validator = validator_for(spec.output_schema)
+    error = best_match(validator.iter_errors(obj))
+    if error is not None:
+        where = "/".join(str(p) for p in error.absolute_path) or "(top level)"
+        return None, _short(f"output does not match the schema at {where}: {error.message}")
+    if not isinstance(obj, dict):  # the spec forces type: object; belt and braces
+        return None, "output is not a JSON object"
+    for rule in spec.rules:
+        reason = check_rule(rule, obj)
+        if reason:
+            return None, _short(reason)
+    return obj, None
+
+
+def _same(a: Any, b: Any) -> bool:
+    # JSON equality: Python has True == 1, JSON does not.
+    return a == b and isinstance(a, bool) == isinstance(b, bool)
+
+
+def _empty(value: Any) -> bool:
+    return value is None or (isinstance(value, str) and not value.strip()) or (isinstance(value, (list, dict)) and not value)
+
+
+def check_rule(rule: Rule, obj: dict[str, Any]) -> str | None:
+    """The reason ``obj`` breaks ``rule``, or None.
+
+    A missing field breaks only ``not_empty``; the other checks apply to a
+    field that is present (the schema's ``required`` decides presence).
+    """
+    name = rule.field
+    if name not in obj:
+        return f"rule on '{name}': field is missing" if rule.not_empty else None
+    value = obj[name]
+    if rule.not_empty and _empty(value):
+        return f"rule on '{name}': must not be empty"
+    if rule.one_of is not None and not any(_same(value, c) for c in rule.one_of):
+        allowed = ", ".join(json.dumps(c) for c in rule.one_of)
+        return f"rule on '{name}': {json.dumps(value)[:80]} is not one of {allowed}"
+    if rule.min_length is not None or rule.max_length is not None:
+        if not isinstance(value, (str, list)):
+            return f"rule on '{name}': length rules need a string or array, got {type(value).__name__}"
+        if rule.min_length is not None and len(value) < rule.min_length:
+            return f"rule on '{name}': length {len(value)} is below min_length {rule.min_length}"
+        if rule.max_length is not None and len(value) > rule.max_length:
+            return f"rule on '{name}': length {len(value)} is above max_length {rule.max_length}"
+    return None

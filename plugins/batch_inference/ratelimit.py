@@ -1,0 +1,69 @@
+"""A token bucket for calls to rate-limited endpoints.
+
+``rate`` tokens per second refill a bucket of ``capacity`` tokens. Acquiring
+*reserves*: the bucket may go negative and the caller sleeps exactly until its
+token would have arrived. Waiters are therefore served in arrival order, each
+sleeps once, and the wait is a pure function of the clock, which is what
+makes the bucket testable: inject ``clock`` (and ``sleep``) and drive time by
+hand; ``reserve()`` is synchronous and does no sleeping at all.
+
+Safe to share between coroutines of one loop and between threads (a lock
+guards the arithmetic; nothing awaits while holding it).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from collections.abc import Awaitable, Callable
+
+
+class TokenBucket:
+    def __init__(
+        self,
+        rate: float,
+        capacity: float = 1.0,
+        *,
+        clock: Callable[[], float] = time.monotonic,
+        sleep: Callable[[float], Awaitable[None]] = asyncio.sleep,
+    ):
+        if rate <= 0:
+            raise ValueError(f"token bucket rate must be positive, got {rate}")
+        if capacity < 1:
+            raise ValueError(f"token bucket capacity must be at least 1, got {capacity}")
+        self.rate = float(rate)
+        self.capacity = float(capacity)
+        self._clock = clock
+        self._sleep = sleep
+        self._tokens = self.capacity  # start full: the first burst goes at once
+        self._stamp = clock()
+        self._lock = threading.Lock()
+
+    @property
+    def tokens(self) -> float:
+        """Tokens available now (negative: that many are owed to waiters)."""
+        with self._lock:
+            self._refill(self._clock())
+            return self._tokens
+
+    def _refill(self, now: float) -> None:
+        if now > self._stamp:
+            self._tokens = min(self.capacity, self._tokens + (now - self._stamp) * self.rate)
+            self._stamp = now
+
+    def reserve(self, n: float = 1.0) -> float:
+        """Take ``n`` tokens now; return how many seconds to wait before using them."""
+        if n > self.capacity:
+            raise ValueError(f"cannot take {n} tokens from a bucket of capacity {self.capacity}")
+        with self._lock:
+            self._refill(self._clock())
+            self._tokens -= n
+            return 0.0 if self._tokens >= 0 else -self._tokens / self.rate
+
+    async def acquire(self, n: float = 1.0) -> float:
+        """Wait until ``n`` tokens are ours; return the seconds waited."""
+        wait = self.reserve(n)
+        if wait > 0:
+            await self._sleep(wait)
+        return wait
