@@ -104,6 +104,9 @@ class SizeRow:
     lost_gpu_h: float
     duplicate_rows: float
     refused_writes: float
+    vs_best_h: float = 0.0  # mean per-seed makespan minus the best size's, same seed
+    vs_best_se: float = 0.0  # its standard error
+    near_best: bool = True  # within two standard errors of the best: as good, as far as we can tell
 
 
 @dataclass(frozen=True)
@@ -112,6 +115,11 @@ class Recommendation:
     ideal_h: float
     seeds: int
     rows: list[SizeRow] = field(default_factory=list)
+
+    @property
+    def near_best(self) -> tuple[int, ...]:
+        """Sizes the runs cannot tell from the best; often a wide, flat valley."""
+        return tuple(r.shard_size for r in self.rows if r.near_best)
 
     @property
     def best_row(self) -> SizeRow:
@@ -124,7 +132,8 @@ class Recommendation:
 
     def as_dict(self) -> dict:
         return {"best": self.best, "ideal_h": self.ideal_h, "overhead": self.overhead,
-                "seeds": self.seeds, "rows": [asdict(r) for r in self.rows]}
+                "seeds": self.seeds, "near_best": list(self.near_best),
+                "rows": [asdict(r) for r in self.rows]}
 
 
 # Event kinds. Ties at the same instant resolve by insertion order (seq).
@@ -326,19 +335,33 @@ def recommend_shard_size(
     """The candidate with the lowest mean makespan over ``seeds`` runs, and the table.
 
     Ties go to the larger shard: fewer rows in the shard table, fewer claims.
+    Every size runs on the same seeds, so each is also compared with the best
+    seed by seed (paired differences); sizes within two standard errors of it
+    are marked ``near_best``.
     """
     if seeds <= 0 or not candidates:
         raise ValueError("need at least one seed and one candidate")
+    runs = {size: [simulate(scenario, size, seed) for seed in range(seeds)] for size in candidates}
+
+    def mean(xs: list[float]) -> float:
+        return sum(xs) / len(xs)
+
+    makespans = {size: [r.makespan_h for r in rs] for size, rs in runs.items()}
+    best = min(candidates, key=lambda size: (round(mean(makespans[size]), 9), -size))
     rows = []
-    for size in candidates:
-        runs = [simulate(scenario, size, seed) for seed in range(seeds)]
+    for size, rs in runs.items():
+        diffs = [a - b for a, b in zip(makespans[size], makespans[best])]
+        d = mean(diffs)
+        se = (sum((x - d) ** 2 for x in diffs) / (seeds - 1) / seeds) ** 0.5 if seeds > 1 else 0.0
         rows.append(SizeRow(
             shard_size=size,
             shards=-(-scenario.records // size),
-            makespan_h=sum(r.makespan_h for r in runs) / seeds,
-            lost_gpu_h=sum(r.lost_gpu_h for r in runs) / seeds,
-            duplicate_rows=sum(r.duplicate_rows for r in runs) / seeds,
-            refused_writes=sum(r.refused_writes for r in runs) / seeds,
+            makespan_h=mean(makespans[size]),
+            lost_gpu_h=mean([r.lost_gpu_h for r in rs]),
+            duplicate_rows=mean([r.duplicate_rows for r in rs]),
+            refused_writes=mean([r.refused_writes for r in rs]),
+            vs_best_h=d,
+            vs_best_se=se,
+            near_best=d <= 2 * se,
         ))
-    best = min(rows, key=lambda r: (round(r.makespan_h, 9), -r.shard_size))
-    return Recommendation(best=best.shard_size, ideal_h=scenario.ideal_hours, seeds=seeds, rows=rows)
+    return Recommendation(best=best, ideal_h=scenario.ideal_hours, seeds=seeds, rows=rows)
