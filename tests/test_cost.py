@@ -15,7 +15,6 @@ from batch_inference.cost import (
     DEFAULT_PRICES,
     Prices,
     all_synchronous_ceiling,
-    cents,
     clean_batch_floor,
     cost_report,
     fallback_table,
@@ -171,6 +170,8 @@ def test_cli_errors(capsys):
     assert rc == 2 and "--rows" in out.err
     rc, out = _run(["cost", "--rows", "10", "--fallback-rows", "11"], capsys)
     assert rc == 2
+    rc, out = _run(["cost", "--rows", "10", "--batch-price", "cheap"], capsys)
+    assert rc == 2 and "price" in out.err
 
 
 def _contract_present() -> bool:

@@ -29,7 +29,10 @@ DEFAULT_BATCH_PER_ROW = DEFAULT_FALLBACK_PER_ROW / 2
 def _money(value: Any) -> Decimal:
     # str() first so a float such as 0.00725 becomes Decimal("0.00725"),
     # not the binary approximation 0.007249999999999999...
-    d = value if isinstance(value, Decimal) else Decimal(str(value))
+    try:
+        d = value if isinstance(value, Decimal) else Decimal(str(value))
+    except ArithmeticError:  # decimal.InvalidOperation: not a number at all
+        raise ValueError(f"a price must be a number, got {value!r}") from None
     if not d.is_finite() or d < 0:
         raise ValueError(f"a price must be a finite number >= 0, got {value!r}")
     return d
