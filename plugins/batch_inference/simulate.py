@@ -54,7 +54,9 @@ class Scenario:
     stall_fraction: float = 0.2  # of interruptions; the rest are deaths
     stall_extra_s: float = 300.0  # a stalled worker returns this long after its lease expired
     notice_fraction: float = 0.0  # of deaths that release the lease at once (0: the design's run)
-    fence_detect_s: float = 30.0  # a returning worker writes this long before it sees the fence
+    # A fenced worker learns at its first refused flush: gpu_runner flushes
+    # every 200 results or 2 s, whichever comes first.
+    fence_detect_s: float = 2.0
     claim_order: str = "lowest"  # "lowest": lowest claimable shard number (the ledger's order); "fifo"
 
     def __post_init__(self) -> None:

@@ -84,7 +84,7 @@ def register(sub: Any) -> None:
     g.add_argument("--notice-fraction", type=float, default=sc.notice_fraction,
                    help="deaths announced by a preemption notice (lease released at once)")
     g.add_argument("--fence-detect-s", type=float, default=sc.fence_detect_s,
-                   help="how long a fenced worker writes before it sees the refusal")
+                   help="how long a fenced worker computes before its first refused flush (worker: 2 s)")
     g.add_argument("--claim-order", choices=("lowest", "fifo"), default=sc.claim_order)
     g.add_argument("--seeds", type=int, default=20, help="runs averaged per shard size")
     g.add_argument("--sim-records", type=_count, default=sc.records, help="records in the simulated job")
