@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import importlib
 import json
 from decimal import Decimal
 
@@ -174,31 +173,22 @@ def test_cli_errors(capsys):
     assert rc == 2 and "price" in out.err
 
 
-def _contract_present() -> bool:
-    try:
-        status = importlib.import_module("batch_inference.status")
-        db = importlib.import_module("batch_inference.db")
-    except ImportError:
-        return False
-    return all(hasattr(status, f) for f in ("job_counts", "job_spec")) and hasattr(db, "connect")
+def test_cli_cost_of_a_job_version(db_url, conn, capsys):
+    # A real job on the embedded PostgreSQL: 20 records, 10 stored by the
+    # batch path, priced at the spec's own rates.
+    from batch_inference.plan import submit
+    from tests.conftest import make_source, make_spec, tickets
+    from tests.test_cutoff import _store_batch_results
 
+    make_source(conn, tickets(20))
+    job = submit(conn, make_spec(cost={"batch_per_row": 0.5, "fallback_per_row": 1.0})).job_version
+    _store_batch_results(db_url, job, 10)
 
-@pytest.mark.skipif(not _contract_present(),
-                    reason="batch_inference.status.job_counts/job_spec are not written yet (the core's part of issue 6)")
-def test_cli_cost_of_a_job_version(capsys, monkeypatch):
-    # Only the command's plumbing is under test: which count is priced at
-    # which rate. The counts' SQL is tested with the status module against PostgreSQL.
-    from batch_inference import db, status
-
-    monkeypatch.setattr(db, "connect", lambda url=None, **kw: None)
-    monkeypatch.setattr(status, "job_counts", lambda conn, jv: {
-        "records": 300_000, "stored": 270_000, "dead_letters": 0, "outstanding": 30_000,
-        "stored_batch": 270_000, "stored_fallback": 0})
-    monkeypatch.setattr(status, "job_spec", lambda conn, jv: {
-        "cost": {"batch_per_row": 0.003625, "fallback_per_row": 0.00725}})
-    rc, out = _run(["cost", "jv_0123456789abcdef", "--json"], capsys)
-    assert rc == 0
+    rc, out = _run(["cost", job, "--json", "--db", db_url], capsys)
+    assert rc == 0, out.err
     doc = json.loads(out.out)
-    assert doc["so_far"]["total"] == 978.75
-    assert doc["if_fallback_now"]["total"] == 1196.25
-    assert doc["if_fallback_now"]["all_synchronous_ceiling"] == 2175.0
+    assert (doc["records"], doc["stored"], doc["outstanding"]) == (20, 10, 10)
+    assert doc["so_far"]["batch_rows"] == 10 and doc["so_far"]["total"] == 5.0
+    fired = doc["if_fallback_now"]
+    assert (fired["batch_cost"], fired["fallback_cost"], fired["total"]) == (5.0, 10.0, 15.0)
+    assert fired["clean_batch_floor"] == 10.0 and fired["all_synchronous_ceiling"] == 20.0

@@ -69,15 +69,20 @@ def _job(args: argparse.Namespace) -> dict[str, Any]:
     records = int(counts["records"])
     batch, fallback = int(counts["stored_batch"]), int(counts["stored_fallback"])
     outstanding = int(counts["outstanding"])
-    so_far = cost_report(batch, fallback, prices, total_rows=records)
+    # Tonight's bill covers the rows this run produces: stored by either
+    # transport, or still to be. Reused rows were paid for by an earlier
+    # version and dead letters produced nothing, so neither is priced.
+    billable = batch + fallback + outstanding
+    so_far = cost_report(batch, fallback, prices, total_rows=billable)
     # If the cutoff fired now, every outstanding row would go synchronous.
-    fired = cost_report(batch, fallback + outstanding, prices, total_rows=max(records, batch + fallback + outstanding))
+    fired = cost_report(batch, fallback + outstanding, prices, total_rows=billable)
     return {
         "job_version": args.job_version,
         "records": records,
         "stored": int(counts["stored"]),
         "dead_letters": int(counts["dead_letters"]),
         "outstanding": outstanding,
+        "reused": int(counts.get("reused", 0)),
         "so_far": so_far.to_dict(),
         "if_fallback_now": fired.to_dict(),
     }
