@@ -1,0 +1,404 @@
+"""The worker: leased shards in, keyed results out.
+
+One process, one engine, one shard at a time:
+
+    claim -> list what is left -> submit it all -> validate each outcome ->
+    put-if-absent in batches (every ``flush_every`` results or
+    ``flush_seconds``) -> retry failures with backoff -> complete
+
+A background thread renews the lease every ``renew_seconds`` on its own
+connection; a refused renewal (stale epoch) halts the shard, and a renewal
+that reports the job in fallback mode drains it. SIGTERM (the preemption
+notice) stops taking records, lets in-flight ones finish and be written
+within the grace period, then releases the lease so the shard is pending
+again at once. Does not import Airflow: the same code runs in a pod, on the
+Airflow worker and from the CLI.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import psycopg
+
+from batch_inference import db
+from batch_inference.engines import load_engine
+from batch_inference.engines.base import Engine, Request
+from batch_inference.ledger import Failure, Lease, Ledger, StaleLease, new_owner_id
+from batch_inference.outputs import check_output
+from batch_inference.pinning import DigestMismatch, verify_weights
+from batch_inference.prompting import build_messages
+from batch_inference.spec import JobSpec
+from batch_inference.status import UnknownJob, job_counts, job_mode, job_spec
+
+log = logging.getLogger("batch_inference.worker")
+
+EXIT_OK, EXIT_DB, EXIT_DIGEST, EXIT_CONFIG, EXIT_PREEMPTED = 0, 2, 3, 4, 143
+
+
+class Fatal(RuntimeError):
+    def __init__(self, message: str, code: int):
+        super().__init__(message)
+        self.code = code
+
+
+@dataclass
+class WorkerConfig:
+    job_version: str
+    db_url: str | None = None
+    engine: str | None = None                  # default: the spec's engine
+    engine_options: dict[str, Any] | None = None
+    worker_id: str | None = None
+    transport: str = "batch"
+    grace_seconds: float = 20.0                 # preemption notice: AWS gives 120 s, GCP about 30 s
+    lease_seconds: int | None = None            # default: the spec's
+    flush_every: int = 200
+    flush_seconds: float = 2.0
+    backoff: tuple[float, ...] = (1.0, 4.0, 10.0)
+    wait_for_leases: bool = True                # poll while other workers hold the last shards
+    poll_seconds: float = 5.0
+    max_shards: int | None = None
+    db_retries: int = 8
+    progress_seconds: float = 30.0
+    progress_every: int = 500
+
+
+@dataclass
+class _Shard:
+    lease: Lease
+    halt: threading.Event = field(default_factory=threading.Event)   # stop generating for this shard
+    stale: threading.Event = field(default_factory=threading.Event)
+    drain: threading.Event = field(default_factory=threading.Event)
+
+
+class Worker:
+    def __init__(self, cfg: WorkerConfig):
+        self.cfg = cfg
+        self.owner = cfg.worker_id or new_owner_id("fallback" if cfg.transport == "fallback" else "worker")
+        self.stop = threading.Event()          # the preemption notice
+        self.conn: psycopg.Connection | None = None
+        self.ledger: Ledger | None = None
+        self.spec: JobSpec | None = None
+        self.engine: Engine | None = None
+        self.current: _Shard | None = None
+        self.stats = {"shards": 0, "stored": 0, "failed": 0, "dead": 0, "stale": 0}
+
+    # -- connections ------------------------------------------------------
+    def _connect(self) -> psycopg.Connection:
+        return db.connect(self.cfg.db_url, retries=self.cfg.db_retries, application_name=self.owner[:60])
+
+    def _db(self, fn, *args):
+        """Run a ledger call; on a lost connection reconnect (the database may be
+        restarting) and retry once. Every ledger write is safe to repeat except a
+        failed-attempt count, which may then count once more."""
+        try:
+            return fn(*args)
+        except psycopg.OperationalError as exc:
+            log.warning("database connection lost (%s); reconnecting", str(exc).strip().splitlines()[0]
+                        if str(exc).strip() else exc.__class__.__name__)
+            try:
+                if self.conn is not None:
+                    self.conn.close()
+            except Exception:  # noqa: BLE001 - already broken
+                pass
+            self.conn = self._connect()
+            assert self.ledger is not None
+            self.ledger.conn = self.conn
+            return fn(*args)
+
+    # -- lifecycle --------------------------------------------------------
+    def run(self) -> int:
+        try:
+            return self._run()
+        except Fatal as exc:
+            log.error("%s", exc)
+            return exc.code
+        except db.DatabaseUnavailable as exc:
+            log.error("fatal: %s", exc)
+            return EXIT_DB
+        finally:
+            if self.engine is not None:
+                self.engine.close()
+            if self.conn is not None:
+                self.conn.close()
+
+    def _run(self) -> int:
+        cfg = self.cfg
+        self.conn = self._connect()
+        try:
+            self.spec = job_spec(self.conn, cfg.job_version)
+        except UnknownJob as exc:
+            raise Fatal(f"fatal: {exc}", EXIT_CONFIG) from None
+        spec = self.spec
+        name = cfg.engine or spec.engine.name
+        try:
+            self.engine = load_engine(name, spec, cfg.engine_options)
+        except (ValueError, ImportError) as exc:
+            raise Fatal(f"fatal: engine {name!r}: {exc}", EXIT_CONFIG) from None
+        try:
+            verify_weights(self.engine, spec)   # before load, before any claim: a mismatch writes nothing
+        except DigestMismatch as exc:
+            raise Fatal(f"fatal: refusing to start: {exc}", EXIT_DIGEST) from None
+        t0 = time.perf_counter()
+        self.engine.load()
+        log.info("%s: engine %s loaded in %.2fs for %s (model %s, prompt %s)", self.owner, name,
+                 time.perf_counter() - t0, cfg.job_version, spec.model.name, spec.prompt.version)
+        self.ledger = Ledger(self.conn, cfg.job_version, self.owner, cfg.transport, cfg.lease_seconds)
+        self._install_signals()
+
+        while not self.stop.is_set():
+            if cfg.max_shards is not None and self.stats["shards"] >= cfg.max_shards:
+                break
+            lease = self._db(self.ledger.claim)
+            if lease is None:
+                if not self._should_wait():
+                    break
+                self.stop.wait(cfg.poll_seconds)
+                continue
+            self._process(lease)
+        log.info("%s: exiting: %d shards, %d stored, %d failed attempts, %d dead letters, %d stale refusals",
+                 self.owner, self.stats["shards"], self.stats["stored"], self.stats["failed"],
+                 self.stats["dead"], self.stats["stale"])
+        return EXIT_PREEMPTED if self.stop.is_set() else EXIT_OK
+
+    def _should_wait(self) -> bool:
+        """No shard to claim: wait while others hold leases that may still expire."""
+        assert self.conn is not None
+        mode, status = self._db(job_mode, self.conn, self.cfg.job_version)
+        if status != "running" or (mode == "fallback" and self.cfg.transport == "batch"):
+            log.info("%s: job is %s/%s; nothing for this worker", self.owner, status, mode)
+            return False
+        counts = self._db(job_counts, self.conn, self.cfg.job_version)
+        if counts["shards"]["leased"] == 0 and counts["shards"]["pending"] == 0:
+            return False
+        return self.cfg.wait_for_leases
+
+    def _install_signals(self) -> None:
+        if threading.current_thread() is not threading.main_thread():
+            return
+
+        def on_term(signum, _frame):
+            if self.stop.is_set():
+                return
+            log.warning("%s: preemption notice (signal %d): finishing in-flight records, grace %.0fs",
+                        self.owner, signum, self.cfg.grace_seconds)
+            self.stop.set()
+            if self.current is not None:
+                self.current.halt.set()
+            threading.Thread(target=self._grace_deadline, daemon=True).start()
+
+        signal.signal(signal.SIGTERM, on_term)
+        signal.signal(signal.SIGINT, on_term)
+
+    def _grace_deadline(self) -> None:
+        """The grace period ran out: release the lease from a fresh connection and leave."""
+        time.sleep(self.cfg.grace_seconds)
+        shard = self.current
+        if shard is not None:
+            try:
+                with self._connect() as conn:
+                    Ledger(conn, self.cfg.job_version, self.owner, self.cfg.transport).release(shard.lease)
+                log.warning("%s: grace period over; released shard %d", self.owner, shard.lease.shard_no)
+            except Exception as exc:  # noqa: BLE001 - the lease will expire instead
+                log.error("%s: could not release shard on exit: %s", self.owner, exc)
+        os._exit(EXIT_PREEMPTED)
+
+    # -- one shard --------------------------------------------------------
+    def _renew_loop(self, shard: _Shard) -> None:
+        assert self.spec is not None
+        interval = self.spec.renew_seconds
+        conn: psycopg.Connection | None = None
+        try:
+            while not shard.halt.wait(interval):
+                try:
+                    if conn is None:
+                        conn = self._connect()
+                    mode = Ledger(conn, self.cfg.job_version, self.owner, self.cfg.transport,
+                                  self.cfg.lease_seconds).renew(shard.lease)
+                except StaleLease as exc:
+                    log.warning("%s: %s; abandoning the shard", self.owner, exc)
+                    shard.stale.set()
+                    shard.halt.set()
+                    return
+                except (psycopg.OperationalError, db.DatabaseUnavailable) as exc:
+                    log.warning("%s: lease renewal failed (%s); will retry", self.owner, exc.__class__.__name__)
+                    if conn is not None:
+                        conn.close()
+                    conn = None
+                    continue
+                if mode == "fallback" and self.cfg.transport == "batch" and not shard.drain.is_set():
+                    log.warning("%s: cutoff fired: draining shard %d (in-flight records, then release)",
+                                self.owner, shard.lease.shard_no)
+                    shard.drain.set()
+                    shard.halt.set()
+        finally:
+            if conn is not None:
+                conn.close()
+
+    def _process(self, lease: Lease) -> None:
+        assert self.ledger is not None and self.spec is not None and self.engine is not None
+        shard = _Shard(lease)
+        self.current = shard
+        if self.stop.is_set():
+            shard.halt.set()
+        renewer = threading.Thread(target=self._renew_loop, args=(shard,), daemon=True,
+                                   name=f"renew-{lease.shard_no}")
+        renewer.start()
+        try:
+            outcome = self._work(shard)
+        except StaleLease as exc:
+            self.stats["stale"] += 1
+            log.warning("%s: %s; dropping shard %d (the new holder finishes it)", self.owner, exc, lease.shard_no)
+            outcome = "stale"
+        finally:
+            shard.halt.set()
+            renewer.join(timeout=5)
+            self.current = None
+        if outcome == "finished":
+            result = self._db(self.ledger.complete, lease)
+            if result == "done":
+                self.stats["shards"] += 1
+                log.info("%s: shard %d complete (epoch %d)", self.owner, lease.shard_no, lease.epoch)
+                return
+            outcome = result
+        if outcome in ("incomplete", "halted"):
+            released = self._db(self.ledger.release, lease)
+            log.info("%s: released shard %d (epoch %d, %s)%s", self.owner, lease.shard_no, lease.epoch,
+                     "drain" if shard.drain.is_set() else "preemption notice" if self.stop.is_set() else outcome,
+                     "" if released else " - release refused, lease was stale")
+
+    def _work(self, shard: _Shard) -> str:
+        """Drive the shard's records to stored or dead. Returns 'finished' or 'halted'."""
+        assert self.ledger is not None and self.spec is not None and self.engine is not None
+        spec, lease, ledger = self.spec, shard.lease, self.ledger
+        rows = self._db(ledger.records, lease)
+        log.info("%s: shard %d epoch %d: %d of %d records done already, %d to do", self.owner, lease.shard_no,
+                 lease.epoch, lease.records - len(rows), lease.records, len(rows))
+        texts = {r["record_id"]: r["text"] for r in rows}
+        attempts = {r["record_id"]: r["attempts"] for r in rows}
+        todo = list(texts)
+        progress = _Progress(self, lease, len(todo))
+        round_no = 0
+        while todo:
+            if shard.halt.is_set():
+                return "halted"
+            if round_no:
+                # Retry failures with a growing wait so a restarting server is not hammered.
+                wait = self.cfg.backoff[min(round_no, len(self.cfg.backoff)) - 1]
+                log.info("%s: shard %d: retrying %d failed record(s) in %.0fs", self.owner, lease.shard_no,
+                         len(todo), wait)
+                if shard.halt.wait(wait):
+                    return "halted"
+            round_no += 1
+            requests = [Request(rid, build_messages(spec, texts[rid])) for rid in todo]
+            retry = self._generate(shard, requests, progress)
+            todo = [rid for rid in retry if rid in attempts]
+        return "halted" if shard.stale.is_set() else "finished"
+
+    def _generate(self, shard: _Shard, requests: list[Request], progress: "_Progress") -> list[str]:
+        """One pass over ``requests``; returns the ids that failed and may be retried."""
+        assert self.ledger is not None and self.spec is not None and self.engine is not None
+        spec, lease = self.spec, shard.lease
+        ok_ids: list[str] = []
+        ok_out: list[dict[str, Any]] = []
+        ok_cat: list[str | None] = []
+        failures: dict[str, Failure] = {}
+        retry: list[str] = []
+        last_flush = time.monotonic()
+
+        def flush() -> None:
+            nonlocal last_flush
+            if ok_ids:
+                n = self._db(self.ledger.put_results, lease, ok_ids, ok_out, ok_cat)
+                self.stats["stored"] += n
+                progress.add(len(ok_ids))
+                ok_ids.clear(); ok_out.clear(); ok_cat.clear()
+            if failures:
+                counted = self._db(self.ledger.fail, lease, list(failures.values()))
+                for f in counted:
+                    self.stats["failed"] += 1
+                    if f.dead:
+                        self.stats["dead"] += 1
+                        progress.add(1)
+                        log.warning("%s: record %s dead-lettered after %d attempts", self.owner, f.record_id,
+                                    f.attempts)
+                    else:
+                        retry.append(f.record_id)
+                failures.clear()
+            last_flush = time.monotonic()
+
+        for outcome in self.engine.generate(requests, shard.halt):
+            if outcome.error is None:
+                obj, err = check_output(spec, outcome.text)
+            else:
+                obj, err = None, outcome.error
+            if obj is not None:
+                cat = obj.get(spec.category_field) if spec.category_field else None
+                ok_ids.append(outcome.record_id)
+                ok_out.append(obj)
+                ok_cat.append(cat if isinstance(cat, str) else None if cat is None else str(cat))
+            else:
+                failures[outcome.record_id] = Failure(outcome.record_id, err or "unknown error", outcome.text)
+            if len(ok_ids) + len(failures) >= self.cfg.flush_every or \
+                    time.monotonic() - last_flush >= self.cfg.flush_seconds:
+                flush()
+            if shard.stale.is_set():
+                raise StaleLease(f"lease on shard {lease.shard_no} epoch {lease.epoch} went stale")
+        flush()
+        return retry
+
+
+class _Progress:
+    """A log line every N records or every few seconds: shard and job progress, rate, ETA."""
+
+    def __init__(self, worker: Worker, lease: Lease, total: int):
+        self.w, self.lease, self.total = worker, lease, total
+        self.done = 0
+        self.t0 = self.last = time.monotonic()
+        self.last_done = 0
+
+    def add(self, n: int) -> None:
+        self.done += n
+        now = time.monotonic()
+        if self.done - self.last_done < self.w.cfg.progress_every and now - self.last < self.w.cfg.progress_seconds \
+                and self.done < self.total:
+            return
+        rate = self.done / max(now - self.t0, 1e-9)
+        eta = (self.total - self.done) / rate if rate > 0 else float("inf")
+        job = ""
+        try:
+            assert self.w.conn is not None
+            c = job_counts(self.w.conn, self.lease.job_version)
+            job_eta = c["outstanding"] / rate if rate > 0 else float("inf")
+            job = (f"; job {c['stored']}/{c['records']} stored, {c['dead_letters']} dead, "
+                   f"{c['outstanding']} outstanding (ETA {_fmt(job_eta)} at this worker's rate)")
+        except psycopg.Error:
+            pass
+        log.info("%s: shard %d: %d/%d (%.0f%%), %.1f records/s, ETA %s%s", self.w.owner, self.lease.shard_no,
+                 self.done, self.total, 100 * self.done / max(self.total, 1), rate, _fmt(eta), job)
+        self.last, self.last_done = now, self.done
+
+
+def _fmt(seconds: float) -> str:
+    if seconds == float("inf"):
+        return "?"
+    s = int(seconds)
+    return f"{s // 3600}h{s % 3600 // 60:02d}m" if s >= 3600 else f"{s // 60}m{s % 60:02d}s"
+
+
+def run_worker(cfg: WorkerConfig) -> int:
+    return Worker(cfg).run()
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m gpu_runner JOB_VERSION``: the container entrypoint without the full CLI."""
+    from batch_inference.cli import main as cli_main
+
+    return cli_main(["worker", *(argv if argv is not None else sys.argv[1:])])

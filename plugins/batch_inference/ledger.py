@@ -1,0 +1,137 @@
+"""The shard ledger: claim, renew, release and complete leases; write results
+and failed attempts under a lease.
+
+Every method is one call of a SQL function from sql/0002_ledger.sql, whose
+guard (state, epoch) sits inside the statement that changes state. A method
+that is refused because the epoch is stale raises ``StaleLease``: the caller
+stops working on that shard, and nothing it sent was written.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import uuid
+from collections.abc import Sequence
+from dataclasses import dataclass
+from datetime import datetime
+from typing import Any
+
+import psycopg
+
+from batch_inference.db import q
+
+
+class StaleLease(RuntimeError):
+    """The shard was re-leased (our epoch is stale): our write was refused."""
+
+
+@dataclass(frozen=True)
+class Lease:
+    job_version: str
+    shard_no: int
+    epoch: int
+    expires_at: datetime
+    records: int
+    owner: str
+    transport: str = "batch"
+
+
+@dataclass(frozen=True)
+class Failure:
+    record_id: str
+    error: str
+    raw_output: str | None = None
+
+
+@dataclass(frozen=True)
+class FailedAttempt:
+    record_id: str
+    attempts: int
+    dead: bool
+
+
+def new_owner_id(prefix: str = "worker") -> str:
+    """Unique per process start, readable in the shard table."""
+    return f"{prefix}-{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+
+
+class Ledger:
+    """The worker's view of the ledger, over one autocommit connection."""
+
+    def __init__(self, conn: psycopg.Connection, job_version: str, owner: str,
+                 transport: str = "batch", lease_seconds: int | None = None):
+        self.conn = conn
+        self.job_version = job_version
+        self.owner = owner
+        self.transport = transport
+        self.lease_seconds = lease_seconds
+
+    def _args(self, lease: Lease, **extra: Any) -> dict[str, Any]:
+        return {"job": lease.job_version, "shard": lease.shard_no, "epoch": lease.epoch,
+                "owner": self.owner, "transport": self.transport, **extra}
+
+    def claim(self) -> Lease | None:
+        r = self.conn.execute(q("claim_shard"), {"job": self.job_version, "owner": self.owner,
+                                                 "transport": self.transport,
+                                                 "lease_s": self.lease_seconds}).fetchone()
+        if r is None:
+            return None
+        return Lease(self.job_version, r["shard_no"], r["epoch"], r["lease_expires_at"], r["records"],
+                     self.owner, self.transport)
+
+    def renew(self, lease: Lease) -> str:
+        """Extend the lease; returns the job's mode ('batch' or 'fallback')."""
+        r = self.conn.execute(q("renew_lease"), self._args(lease, lease_s=self.lease_seconds)).fetchone()
+        if not r or not r["ok"]:
+            raise StaleLease(f"renew refused: shard {lease.shard_no} epoch {lease.epoch} is stale")
+        return r["mode"]
+
+    def release(self, lease: Lease) -> bool:
+        r = self.conn.execute(q("release_shard"), self._args(lease)).fetchone()
+        return bool(r and r["ok"])
+
+    def complete(self, lease: Lease) -> str:
+        """'done', or 'incomplete' (records left: release instead). Stale raises."""
+        r = self.conn.execute(q("complete_shard"), self._args(lease)).fetchone()
+        outcome = r["outcome"] if r else "stale"
+        if outcome == "stale":
+            raise StaleLease(f"complete refused: shard {lease.shard_no} epoch {lease.epoch} is stale")
+        return outcome
+
+    def records(self, lease: Lease) -> list[dict[str, Any]]:
+        """The shard's records not yet stored or dead-lettered, with attempts so far."""
+        return self.conn.execute(q("shard_records"), self._args(lease)).fetchall()
+
+    def put_results(self, lease: Lease, ids: Sequence[str], outputs: Sequence[dict[str, Any]],
+                    categories: Sequence[str | None]) -> int:
+        """Put-if-absent; returns how many rows were new."""
+        if not ids:
+            return 0
+        r = self.conn.execute(q("put_results"), self._args(
+            lease, ids=list(ids), outputs=[json.dumps(o, ensure_ascii=False) for o in outputs],
+            categories=list(categories))).fetchone()
+        n = r["n"] if r else -1
+        if n < 0:
+            raise StaleLease(f"results refused: shard {lease.shard_no} epoch {lease.epoch} is stale")
+        return n
+
+    def fail(self, lease: Lease, failures: Sequence[Failure]) -> list[FailedAttempt]:
+        """Count one failed attempt per record; returns the new counts (dead at the max)."""
+        if not failures:
+            return []
+        rows = self.conn.execute(q("fail_records"), self._args(
+            lease, ids=[f.record_id for f in failures], errors=[_safe(f.error) for f in failures],
+            outputs=[_safe(f.raw_output) if f.raw_output is not None else None for f in failures])).fetchall()
+        if len(rows) == 1 and rows[0]["record_id"] is None and rows[0]["attempts"] == -1:
+            raise StaleLease(f"failures refused: shard {lease.shard_no} epoch {lease.epoch} is stale")
+        return [FailedAttempt(r["record_id"], r["attempts"], r["dead"]) for r in rows]
+
+    def done_keys(self, job_version: str, shard_no: int) -> set[str]:
+        return {r["record_id"] for r in self.conn.execute(q("done_keys"), {"job": job_version, "shard": shard_no})}
+
+
+def _safe(text: str) -> str:
+    """PostgreSQL text cannot hold NUL; model output sometimes does."""
+    return text.replace("\x00", "\ufffd") if "\x00" in text else text

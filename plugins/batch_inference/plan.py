@@ -1,0 +1,94 @@
+"""Submit: spec -> snapshot -> plan, in one transaction.
+
+A failed submit leaves nothing behind (the transaction rolls back, partitions
+included). Submitting the same spec over the same rows returns the existing
+job version and writes nothing (I2: the version is a content hash).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Iterable, Mapping
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import psycopg
+from psycopg.types.json import Jsonb
+
+from batch_inference import snapshot
+from batch_inference.db import q
+from batch_inference.spec import JobSpec
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Manifest:
+    """What a submit returns: small enough for an XCom, never records."""
+
+    job_version: str
+    dataset: str
+    records: int
+    shards: int
+    dead_letters: int
+    reused: int
+    created: bool
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def submit(conn: psycopg.Connection, spec: JobSpec,
+           rows: Iterable[Mapping[str, Any]] | None = None) -> Manifest:
+    """Snapshot the source and plan shards. ``rows`` overrides the source (rows
+    read elsewhere: an object store, another database)."""
+    t0 = time.perf_counter()
+    source_name = spec.source.table or spec.source.s3_manifest or "query"
+    with conn.transaction():
+        conn.execute(q("stage_create"))
+        if rows is not None:
+            snapshot.stage_from_rows(conn, rows)
+        elif spec.source.kind == "postgres":
+            snapshot.stage_from_postgres(conn, spec.source)
+        else:
+            raise snapshot.SnapshotError(f"source kind {spec.source.kind!r} needs its rows read first "
+                                         "(batch_inference.sources)")
+        n = snapshot.check_stage(conn, source_name, spec.source.id_column)
+        identity = snapshot.snapshot_identity(conn)
+        job = spec.job_version(identity)
+
+        existing = conn.execute(q("job_manifest"), {"job": job}).fetchone()
+        if existing:
+            log.info("job version %s already exists for this spec and snapshot; nothing written", job)
+            return Manifest(existing["job_version"], existing["dataset"], existing["records"],
+                            existing["shards"], existing["dead_letters"], existing["reused"], created=False)
+
+        base = None
+        if spec.incremental:
+            r = conn.execute(q("base_for_reuse"), {"dataset": spec.dataset, "spec_hash": spec.spec_hash,
+                                                   "job": job}).fetchone()
+            base = r["job_version"] if r else None
+        conn.execute(q("job_insert"), {
+            "job": job, "dataset": spec.dataset, "spec_hash": spec.spec_hash, "snapshot_id": identity,
+            "spec": Jsonb(spec.model_dump(mode="json")), "model_name": spec.model.name,
+            "model_digest": spec.model.digest, "prompt_version": spec.prompt.version, "records": n,
+            "base": base})
+        conn.execute("SELECT bi.create_job_partitions_v1(%s)", (job,))
+        params = {"job": job, "base": base, "cap": spec.max_input_chars, "shard_size": spec.shard_size}
+        for name in ("plan_classify", "plan_snapshot", "plan_dead_letters", "plan_reuse", "plan_shards"):
+            conn.execute(q(name), params)
+        done = conn.execute(q("plan_finish"), params).fetchone()
+        assert done is not None
+    m = Manifest(job, spec.dataset, done["records"], done["shards"], done["dead_letters"], done["reused"],
+                 created=True)
+    log.info("submitted %s: %d records, %d shards, %d dead letters at planning, %d reused%s in %.2fs",
+             job, m.records, m.shards, m.dead_letters, m.reused, f" from {base}" if base else "",
+             time.perf_counter() - t0)
+    return m
+
+
+def drop_job_version(conn: psycopg.Connection, job_version: str) -> bool:
+    """Drop a job version's partitions and ledger rows (refused while published)."""
+    r = conn.execute(q("drop_job_version"), {"job": job_version}).fetchone()
+    return bool(r and r["dropped"])

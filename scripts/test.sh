@@ -1,0 +1,17 @@
+#!/usr/bin/env bash
+# The test suite on a fresh machine: builds .venv, then runs pytest against the
+# embedded PostgreSQL and the real CPU model. Extra arguments go to pytest.
+source "$(dirname "$0")/_venv.sh"
+if [ ! -x /usr/bin/chromium ] && command -v apt-get >/dev/null && [ "$(id -u)" = 0 ]; then
+  # The dashboard's browser tests drive Debian's Chromium (no browser download).
+  (apt-get update -qq && apt-get install -y -qq chromium >/dev/null) || echo "warning: could not install chromium; browser tests will fail" >&2
+fi
+set +e
+python -m pytest "$@"
+rc=$?
+set -e
+if [ "$rc" = 5 ]; then
+  echo "error: pytest collected no tests" >&2
+  exit 1
+fi
+exit "$rc"

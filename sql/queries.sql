@@ -1,0 +1,166 @@
+-- Named statements used by the package. Format: "-- name: NAME  what it does",
+-- then the statement. Loaded by batch_inference.db.queries().
+-- Statements with {placeholders} are composed with psycopg.sql identifiers.
+
+-- name: stage_create  a per-transaction staging table for the source rows (not WAL-logged)
+CREATE TEMP TABLE _bi_stage (record_id text, text text, acl text[], reject text) ON COMMIT DROP;
+
+-- name: stage_from_source  copy a PostgreSQL table or query into the staging table
+INSERT INTO _bi_stage (record_id, text, acl)
+SELECT ({id})::text, ({text})::text, {acl} FROM {source} AS src;
+
+-- name: stage_copy  COPY target for rows read in Python (object store, another database)
+COPY _bi_stage (record_id, text, acl, reject) FROM STDIN;
+
+-- name: stage_checks  what makes a snapshot unusable
+SELECT count(*) AS n,
+       count(*) FILTER (WHERE record_id IS NULL) AS null_ids
+  FROM _bi_stage;
+
+-- name: stage_duplicates  a few duplicate record ids, worst first
+SELECT record_id, count(*) AS n FROM _bi_stage WHERE record_id IS NOT NULL
+ GROUP BY record_id HAVING count(*) > 1 ORDER BY n DESC, record_id LIMIT 5;
+
+-- name: stage_identity  an order-independent content hash of the snapshot (multiset of rows)
+SELECT count(*) AS n,
+       coalesce(sum(('x' || substr(h, 1, 15))::bit(60)::bigint), 0)::text AS a,
+       coalesce(sum(('x' || substr(h, 16, 15))::bit(60)::bigint), 0)::text AS b
+  FROM (SELECT md5(record_id || chr(31) || coalesce(text, '') || chr(31) || coalesce(acl::text, '')) AS h
+          FROM _bi_stage) t;
+
+-- name: job_manifest  the small manifest of an existing job version
+SELECT job_version, dataset, records, shards, planned_dead AS dead_letters, reused, status, mode
+  FROM bi.jobs WHERE job_version = %(job)s;
+
+-- name: base_for_reuse  the newest validated version of the same dataset and spec (incremental runs)
+SELECT job_version FROM bi.jobs
+ WHERE dataset = %(dataset)s AND spec_hash = %(spec_hash)s AND status IN ('validated', 'published')
+   AND job_version <> %(job)s
+ ORDER BY (status = 'published') DESC, created_at DESC LIMIT 1;
+
+-- name: job_insert  register a job version (counts are filled in by plan_finish)
+INSERT INTO bi.jobs (job_version, dataset, spec_hash, snapshot_id, spec, model_name, model_digest,
+                     prompt_version, records, base_job_version)
+VALUES (%(job)s, %(dataset)s, %(spec_hash)s, %(snapshot_id)s, %(spec)s, %(model_name)s, %(model_digest)s,
+        %(prompt_version)s, %(records)s, %(base)s);
+
+-- name: plan_classify  decide each record's fate: rejected (why), reused, or its shard
+CREATE TEMP TABLE _bi_plan ON COMMIT DROP AS
+WITH c AS (
+    SELECT s.record_id, coalesce(s.text, '') AS text, s.acl,
+           md5(coalesce(s.text, '') || chr(31) || coalesce(s.acl::text, '')) AS content_hash,
+           CASE WHEN s.reject IS NOT NULL THEN s.reject
+                WHEN s.text IS NULL OR btrim(s.text) = '' THEN 'empty text'
+           END AS snapshot_reject,
+           CASE WHEN length(s.text) > %(cap)s
+                THEN format('input over the length cap (%%s characters > %%s)', length(s.text), %(cap)s)
+           END AS plan_reject
+      FROM _bi_stage s
+), r AS (
+    SELECT c.*, (base.record_id IS NOT NULL) AS reused
+      FROM c
+      LEFT JOIN (SELECT b.record_id, b.content_hash
+                   FROM bi.snapshot_rows b
+                   JOIN bi.results br ON br.job_version = b.job_version AND br.record_id = b.record_id
+                  WHERE b.job_version = %(base)s) base
+        ON base.record_id = c.record_id AND base.content_hash = c.content_hash
+       AND c.snapshot_reject IS NULL AND c.plan_reject IS NULL
+)
+SELECT r.record_id, r.text, r.acl, r.content_hash, r.reused,
+       coalesce(r.snapshot_reject, r.plan_reject) AS reject,
+       CASE WHEN r.snapshot_reject IS NOT NULL THEN 'snapshot' WHEN r.plan_reject IS NOT NULL THEN 'plan' END AS stage,
+       CASE WHEN r.snapshot_reject IS NULL AND r.plan_reject IS NULL AND NOT r.reused
+            THEN ((row_number() OVER (PARTITION BY (r.snapshot_reject IS NULL AND r.plan_reject IS NULL AND NOT r.reused)
+                                       ORDER BY r.record_id) - 1) / %(shard_size)s)::integer
+       END AS shard_no
+  FROM r;
+
+-- name: plan_snapshot  write the immutable snapshot rows
+INSERT INTO bi.snapshot_rows (job_version, record_id, shard_no, text, acl, content_hash)
+SELECT %(job)s, record_id, shard_no, text, acl, content_hash FROM _bi_plan;
+
+-- name: plan_dead_letters  records that never reach a worker, with their reason
+INSERT INTO bi.dead_letters (job_version, record_id, reason, error, raw_output, attempts, stage,
+                             model_name, model_digest, prompt_version, transport, acl)
+SELECT %(job)s, p.record_id, p.reject, p.reject, NULL, 0, p.stage, j.model_name, j.model_digest,
+       j.prompt_version, NULL, p.acl
+  FROM _bi_plan p JOIN bi.jobs j ON j.job_version = %(job)s
+ WHERE p.reject IS NOT NULL;
+
+-- name: plan_reuse  carry over results of unchanged records from the base version (incremental)
+INSERT INTO bi.results (job_version, record_id, output, category, model_name, model_digest, prompt_version,
+                        transport, worker_id, epoch, acl, content_hash, created_at)
+SELECT %(job)s, r.record_id, r.output, r.category, r.model_name, r.model_digest, r.prompt_version,
+       'reused', r.worker_id, r.epoch, p.acl, p.content_hash, r.created_at
+  FROM _bi_plan p
+  JOIN bi.results r ON r.job_version = %(base)s AND r.record_id = p.record_id
+ WHERE p.reused;
+
+-- name: plan_shards  one shard row per shard number
+INSERT INTO bi.shards (job_version, shard_no, records)
+SELECT %(job)s, shard_no, count(*) FROM _bi_plan WHERE shard_no IS NOT NULL GROUP BY shard_no;
+
+-- name: plan_finish  fixed counts of the job version
+UPDATE bi.jobs j SET
+    shards = (SELECT count(DISTINCT shard_no) FROM _bi_plan WHERE shard_no IS NOT NULL),
+    planned_dead = (SELECT count(*) FROM _bi_plan WHERE reject IS NOT NULL),
+    reused = (SELECT count(*) FROM _bi_plan WHERE reused)
+ WHERE j.job_version = %(job)s
+RETURNING job_version, dataset, records, shards, planned_dead AS dead_letters, reused;
+
+-- name: job_counts  live counts from the shard table (cost independent of records)
+SELECT * FROM bi.job_counts_v1(%(job)s);
+
+-- name: shards_by_state  the shard table of one job
+SELECT shard_no, state, epoch, lease_owner, lease_transport, lease_expires_at, claims, records, stored,
+       stored_fallback, dead, first_claim_at, done_at
+  FROM bi.shards WHERE job_version = %(job)s ORDER BY shard_no;
+
+-- name: dead_letters  the dead letters of one job
+SELECT record_id, reason, attempts, stage, error, raw_output, transport, created_at
+  FROM bi.dead_letters WHERE job_version = %(job)s ORDER BY record_id;
+
+-- name: done_keys  record ids of one shard already stored or dead-lettered (resume)
+SELECT sr.record_id
+  FROM bi.snapshot_rows sr
+ WHERE sr.job_version = %(job)s AND sr.shard_no = %(shard)s
+   AND (EXISTS (SELECT 1 FROM bi.results r WHERE r.job_version = sr.job_version AND r.record_id = sr.record_id)
+        OR EXISTS (SELECT 1 FROM bi.dead_letters d WHERE d.job_version = sr.job_version AND d.record_id = sr.record_id));
+
+-- name: claim_shard
+SELECT * FROM bi.claim_shard_v1(%(job)s, %(owner)s, %(transport)s, %(lease_s)s);
+
+-- name: renew_lease
+SELECT * FROM bi.renew_lease_v1(%(job)s, %(shard)s, %(epoch)s, %(owner)s, %(lease_s)s);
+
+-- name: release_shard
+SELECT bi.release_shard_v1(%(job)s, %(shard)s, %(epoch)s, %(owner)s) AS ok;
+
+-- name: complete_shard
+SELECT bi.complete_shard_v1(%(job)s, %(shard)s, %(epoch)s, %(owner)s) AS outcome;
+
+-- name: shard_records
+SELECT * FROM bi.shard_records_v1(%(job)s, %(shard)s, %(epoch)s);
+
+-- name: put_results
+SELECT bi.put_results_v1(%(job)s, %(shard)s, %(epoch)s, %(owner)s, %(transport)s,
+                         %(ids)s::text[], %(outputs)s::jsonb[], %(categories)s::text[]) AS n;
+
+-- name: fail_records
+SELECT * FROM bi.fail_records_v1(%(job)s, %(shard)s, %(epoch)s, %(owner)s, %(transport)s,
+                                 %(ids)s::text[], %(errors)s::text[], %(outputs)s::text[]);
+
+-- name: sweep_expired
+SELECT bi.sweep_expired_v1(%(job)s) AS n;
+
+-- name: enter_fallback
+SELECT bi.enter_fallback_v1(%(job)s) AS ok;
+
+-- name: job_spec
+SELECT * FROM bi.job_spec_v1(%(job)s);
+
+-- name: drop_job_version
+SELECT bi.drop_job_version_v1(%(job)s) AS dropped;
+
+-- name: fence_counts  refused stale-epoch writes by operation
+SELECT op, count(*) AS n FROM bi.fence_events WHERE job_version = %(job)s GROUP BY op ORDER BY op;

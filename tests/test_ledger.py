@@ -1,0 +1,190 @@
+"""The ledger on the real embedded PostgreSQL: leases, fencing epochs, keyed
+results, attempts and dead letters."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+
+from batch_inference import db
+from batch_inference.ledger import Failure, Ledger, StaleLease
+from batch_inference.plan import drop_job_version, submit
+from batch_inference.status import dead_letters, fence_counts, job_counts
+from tests.conftest import make_source, make_spec, tickets
+
+OUT = {"category": "billing", "summary": "charged twice"}
+
+
+@pytest.fixture
+def job(conn):
+    make_source(conn, tickets(25))
+    return submit(conn, make_spec()).job_version
+
+
+def ledger(db_url, job, owner, **kw):
+    return Ledger(db.connect(db_url), job, owner, **kw)
+
+
+def test_two_workers_never_hold_the_same_shard(db_url, job):
+    held: list[tuple[str, int, int]] = []
+    lock = threading.Lock()
+
+    def grab(owner: str) -> None:
+        lg = ledger(db_url, job, owner)
+        while (lease := lg.claim()) is not None:
+            with lock:
+                held.append((owner, lease.shard_no, lease.epoch))
+
+    threads = [threading.Thread(target=grab, args=(f"w{i}",)) for i in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    shard_nos = [s for _, s, _ in held]
+    assert sorted(shard_nos) == [0, 1, 2]          # 25 records in shards of 10: 3 shards, each claimed once
+    assert all(e == 1 for _, _, e in held)
+
+
+def test_stale_epoch_cannot_renew_complete_or_write(db_url, conn, job):
+    a = ledger(db_url, job, "a", lease_seconds=1)
+    b = ledger(db_url, job, "b")
+    la = a.claim()
+    assert la is not None and la.epoch == 1
+    time.sleep(1.2)                                  # a stalls past its lease
+    lb = b.claim()
+    assert lb is not None and lb.shard_no == la.shard_no and lb.epoch == la.epoch + 1
+
+    ids = [r["record_id"] for r in a.records(la)]
+    assert ids == []                                 # a stale holder cannot even read the shard's records
+    with pytest.raises(StaleLease):
+        a.renew(la)
+    with pytest.raises(StaleLease):
+        a.put_results(la, ["t00000"], [OUT], ["billing"])
+    with pytest.raises(StaleLease):
+        a.fail(la, [Failure("t00001", "boom")])
+    with pytest.raises(StaleLease):
+        a.complete(la)
+    assert a.release(la) is False
+    assert conn.execute("SELECT count(*) AS n FROM bi.results").fetchone()["n"] == 0
+    assert conn.execute("SELECT count(*) AS n FROM bi.attempts").fetchone()["n"] == 0
+    assert fence_counts(conn, job) == {"complete": 1, "fail_records": 1, "put_results": 1, "release": 1,
+                                       "renew": 1}
+    # the current holder is unaffected
+    assert b.renew(lb) == "batch"
+    rows = b.records(lb)
+    assert len(rows) == 10
+    assert b.put_results(lb, [r["record_id"] for r in rows], [OUT] * 10, ["billing"] * 10) == 10
+    assert b.complete(lb) == "done"
+
+
+def test_expired_lease_is_reclaimed_with_next_epoch(db_url, job):
+    a = ledger(db_url, job, "a", lease_seconds=1)
+    first = [a.claim() for _ in range(3)]
+    assert [l.epoch for l in first] == [1, 1, 1]
+    assert a.claim() is None                         # all leased, none expired
+    time.sleep(1.2)
+    again = ledger(db_url, job, "b").claim()
+    assert again is not None and again.shard_no == 0 and again.epoch == 2
+
+
+def test_release_makes_the_shard_pending_at_once(db_url, conn, job):
+    a = ledger(db_url, job, "a")
+    la = a.claim()
+    assert a.release(la) is True
+    lb = ledger(db_url, job, "b").claim()
+    assert lb.shard_no == la.shard_no and lb.epoch == la.epoch + 1
+
+
+def test_results_are_put_if_absent_and_done_keys_resume(db_url, conn, job):
+    a = ledger(db_url, job, "a")
+    la = a.claim()
+    ids = [r["record_id"] for r in a.records(la)]
+    assert a.put_results(la, ids[:4], [OUT] * 4, ["billing"] * 4) == 4
+    assert a.put_results(la, ids[:6], [OUT] * 6, ["billing"] * 6) == 2      # 4 were present already
+    assert a.release(la)
+    b = ledger(db_url, job, "b")
+    lb = b.claim()
+    assert b.done_keys(job, lb.shard_no) == set(ids[:6])
+    todo = [r["record_id"] for r in b.records(lb)]
+    assert todo == ids[6:]                           # the new holder skips what is done
+    assert b.put_results(lb, todo, [OUT] * 4, ["billing"] * 4) == 4
+    assert b.complete(lb) == "done"
+    c = job_counts(conn, job)
+    assert c["stored"] == 10 and c["outstanding"] == 15
+    assert conn.execute("SELECT count(*) AS n FROM bi.results").fetchone()["n"] == 10
+
+
+def test_a_record_outside_the_shard_is_not_written(db_url, conn, job):
+    a = ledger(db_url, job, "a")
+    la = a.claim()                                   # shard 0: t00000..t00009
+    assert a.put_results(la, ["t00024"], [OUT], ["billing"]) == 0
+
+
+def test_third_failure_dead_letters_with_error_and_raw_output(db_url, conn, job):
+    a = ledger(db_url, job, "a")
+    la = a.claim()
+    for attempt in (1, 2):
+        got = a.fail(la, [Failure("t00003", f"output is not valid JSON (try {attempt})", '{"category": "bil')])
+        assert got[0].attempts == attempt and not got[0].dead
+    a.release(la)
+    b = ledger(db_url, job, "b")                      # attempts survive the lease
+    lb = b.claim()
+    rec = {r["record_id"]: r["attempts"] for r in b.records(lb)}
+    assert rec["t00003"] == 2
+    got = b.fail(lb, [Failure("t00003", "output is not valid JSON (try 3)", '{"category": "bil')])
+    assert got[0].attempts == 3 and got[0].dead
+    dl = dead_letters(conn, job)
+    assert [(d["record_id"], d["attempts"], d["stage"]) for d in dl] == [("t00003", 3, "worker")]
+    assert dl[0]["raw_output"] == '{"category": "bil'
+    assert "failed 3 attempts" in dl[0]["reason"] and "try 3" in dl[0]["error"]
+    assert "t00003" not in {r["record_id"] for r in b.records(lb)}       # never loops
+    assert b.put_results(lb, ["t00003"], [OUT], ["billing"]) == 0         # and is never also stored
+    assert job_counts(conn, job)["dead_letters"] == 1
+
+
+def test_complete_refused_while_records_are_left(db_url, job):
+    a = ledger(db_url, job, "a")
+    la = a.claim()
+    assert a.complete(la) == "incomplete"
+
+
+def test_same_spec_same_snapshot_same_version(conn):
+    make_source(conn, tickets(25))
+    m1 = submit(conn, make_spec())
+    m2 = submit(conn, make_spec())
+    assert m1.job_version == m2.job_version and m1.created and not m2.created
+    assert conn.execute("SELECT count(*) AS n FROM bi.snapshot_rows").fetchone()["n"] == 25
+    assert conn.execute("SELECT count(*) AS n FROM bi.jobs").fetchone()["n"] == 1
+
+
+def test_changed_prompt_params_schema_or_model_is_a_new_version(conn):
+    make_source(conn, tickets(5))
+    base = submit(conn, make_spec()).job_version
+    changed = [
+        make_spec(prompt={"system": "Classify it, differently."}),
+        make_spec(prompt={"version": "v2"}),
+        make_spec(params={"max_tokens": 65}),
+        make_spec(model={"digest": "1" * 64}),
+        make_spec(output_schema={"type": "object", "properties": {"category": {"type": "string"}}}),
+    ]
+    versions = {submit(conn, s).job_version for s in changed}
+    assert base not in versions and len(versions) == len(changed)
+    # sharding and leases do not change results, so they do not change the version
+    assert submit(conn, make_spec(shard_size=3, lease_seconds=120)).job_version == base
+
+
+def test_changed_input_is_a_new_version(conn):
+    make_source(conn, tickets(5))
+    v1 = submit(conn, make_spec()).job_version
+    conn.execute("UPDATE public.tickets SET body = body || '!' WHERE id = 't00002'")
+    assert submit(conn, make_spec()).job_version != v1
+
+
+def test_drop_job_version_drops_partitions(conn, job):
+    assert drop_job_version(conn, job)
+    left = conn.execute("SELECT count(*) AS n FROM pg_tables WHERE schemaname = 'bi' AND tablename LIKE "
+                        "'results_%'").fetchone()["n"]
+    assert left == 0
+    assert conn.execute("SELECT count(*) AS n FROM bi.shards").fetchone()["n"] == 0
