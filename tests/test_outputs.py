@@ -89,6 +89,11 @@ def test_invalid_outputs_give_one_line_reasons(raw, expected):
     assert "\n" not in err and len(err) <= 300
 
 
+def test_raw_control_characters_in_strings_are_accepted():
+    obj, err = check_output(make_spec(), '{"category": "bug", "summary": "two\nlines"}')
+    assert err is None and obj["summary"] == "two\nlines"
+
+
 def test_long_invalid_value_reason_is_bounded():
     raw = json.dumps({"category": "bug", "summary": "y" * 5000})
     obj, err = check_output(make_spec(), raw)

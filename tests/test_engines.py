@@ -1,0 +1,500 @@
+"""Engines, the loader, weight pinning and the rate limiter.
+
+Real things where they run here: the llama-cpp engine loads the real
+SmolLM2 GGUF, the openai engine talks to a real ``llama_cpp.server`` (both
+``slow``) and, for retries, to a small real HTTP server in this file.
+vLLM cannot run here (no GPU, and it is not installed): its engine is tested
+through the pure functions that build its inputs and read its outputs, with
+small stand-in objects in place of vLLM's classes.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import subprocess
+import threading
+import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from types import SimpleNamespace
+
+import jsonschema
+import pytest
+
+from batch_inference.engines import TRUNCATED, Engine, Outcome, Request, engine_class, engine_for, load_engine
+from batch_inference.engines.noop import INVALID_OUTPUT, NoopEngine, minimal_instance
+from batch_inference.outputs import check_output
+from batch_inference.pinning import DigestMismatch, WeightsError, sha256_file, sha256_files, verify_weights
+from batch_inference.prompting import build_request
+from batch_inference.ratelimit import TokenBucket
+from tests.fixtures import make_spec
+from tests.fixtures.llama_server import free_port
+
+RECORDS = [
+    ("t1", "I was charged twice for my subscription this month."),
+    ("t2", "The app crashes when I click save on the settings page."),
+    ("t3", "Do you have a dark mode?"),
+]
+
+
+def requests_for(spec, records=RECORDS):
+    return [build_request(spec, rid, text) for rid, text in records]
+
+
+# -- noop: smallest valid instances --------------------------------------------------
+SCHEMAS = [
+    {"type": "object", "properties": {"a": {"type": "string"}}},
+    {"type": "object", "properties": {"label": {"enum": ["x", "y"]}, "n": {"type": "integer", "minimum": 3}}, "required": ["label", "n"]},
+    {
+        "type": "object",
+        "required": ["s", "num", "xnum", "neg", "flag", "tags", "inner", "maybe", "c"],
+        "properties": {
+            "s": {"type": "string", "minLength": 4},
+            "num": {"type": "number", "exclusiveMinimum": 0.5, "maximum": 1},
+            "xnum": {"type": "integer", "exclusiveMinimum": 7, "multipleOf": 3},
+            "neg": {"type": "integer", "maximum": -2},
+            "flag": {"type": "boolean"},
+            "tags": {"type": "array", "items": {"enum": ["a", "b", "c"]}, "minItems": 2, "uniqueItems": True},
+            "inner": {
+                "type": "object",
+                "required": ["deep", "list"],
+                "properties": {
+                    "deep": {"type": "object", "required": ["k"], "properties": {"k": {"type": "string", "pattern": "^[0-9]{3}$"}}},
+                    "list": {"type": "array", "minItems": 1, "items": {"type": "object", "required": ["v"], "properties": {"v": {"type": "number"}}}},
+                },
+            },
+            "maybe": {"type": ["string", "null"]},
+            "c": {"const": 42},
+            "optional": {"type": "string", "minLength": 10},
+        },
+    },
+    {
+        "type": "object",
+        "$defs": {"entity": {"type": "object", "required": ["name"], "properties": {"name": {"type": "string", "minLength": 1}}}},
+        "required": ["who", "when", "either"],
+        "properties": {
+            "who": {"$ref": "#/$defs/entity"},
+            "when": {"type": "string", "format": "date"},
+            "either": {"anyOf": [{"type": "integer", "minimum": 5}, {"type": "string"}]},
+        },
+        "allOf": [{"required": ["extra"], "properties": {"extra": {"type": "array", "prefixItems": [{"type": "boolean"}], "minItems": 1}}}],
+    },
+    {"type": "object", "minProperties": 2, "properties": {"p": {"type": "string"}, "q": {"type": "integer"}, "r": {"type": "null"}}},
+]
+
+
+@pytest.mark.parametrize("schema", SCHEMAS)
+def test_noop_minimal_instance_is_valid(schema):
+    instance = minimal_instance(schema)
+    jsonschema.Draft202012Validator(schema, format_checker=jsonschema.Draft202012Validator.FORMAT_CHECKER).validate(instance)
+
+
+def test_noop_minimal_instance_is_minimal():
+    assert minimal_instance(SCHEMAS[0]) == {}
+    assert minimal_instance(SCHEMAS[1]) == {"label": "x", "n": 3}
+    inst = minimal_instance(SCHEMAS[2])
+    assert "optional" not in inst
+    assert inst["s"] == "xxxx" and inst["xnum"] == 9 and inst["neg"] == -2 and inst["flag"] is False
+    assert inst["tags"] == ["a", "b"] and inst["maybe"] is None and inst["c"] == 42
+    assert inst["inner"] == {"deep": {"k": "000"}, "list": [{"v": 0}]}
+    assert minimal_instance(SCHEMAS[3])["who"] == {"name": "x"}
+
+
+def test_noop_answers_are_schema_valid_and_poison_markers_work():
+    spec = make_spec()
+    engine = load_engine("noop", spec)
+    engine.load()
+    records = [("ok", "fine"), ("err", "boom [[engine-error]] here"), ("bad", "x [[invalid-output]] y")]
+    out = {o.record_id: o for o in engine.generate(requests_for(spec, records), threading.Event())}
+    assert check_output(spec, out["ok"].text) == ({"category": "billing", "summary": "x"}, None)
+    assert out["err"] == Outcome("err", None, error="noop: injected engine error")
+    assert out["bad"].error is None and out["bad"].text == INVALID_OUTPUT
+    assert check_output(spec, out["bad"].text)[1] is not None
+    assert engine.weights_files() == []
+
+
+def test_noop_rates_are_seeded():
+    spec = make_spec()
+    reqs = requests_for(spec, [(str(i), "text") for i in range(400)])
+
+    def run(seed):
+        engine = NoopEngine(spec, {"fail_rate": 0.25, "invalid_rate": 0.25, "seed": seed})
+        return [(o.error is not None, o.text == INVALID_OUTPUT) for o in engine.generate(reqs, threading.Event())]
+
+    a = run(7)
+    assert a == run(7) and a != run(8)
+    fails = sum(e for e, _ in a)
+    invalid = sum(i for _, i in a)
+    assert 60 < fails < 140 and 40 < invalid < 120  # 25% of 400, and 25% of the remaining 75%
+
+
+def test_noop_stop_and_delay():
+    spec = make_spec()
+    engine = NoopEngine(spec, {"delay_s": 0.05})
+    stop = threading.Event()
+    got = []
+    t0 = time.monotonic()
+    for outcome in engine.generate(requests_for(spec, [(str(i), "t") for i in range(100)]), stop):
+        got.append(outcome)
+        if len(got) == 3:
+            stop.set()
+    assert len(got) == 3
+    assert 0.14 < time.monotonic() - t0 < 2
+
+
+# -- loader ------------------------------------------------------------------------
+def test_load_engine_by_name_and_dotted_path():
+    spec = make_spec()
+    assert type(load_engine("noop", spec)) is NoopEngine
+    assert engine_class("batch_inference.engines.noop:NoopEngine") is NoopEngine
+    assert engine_class("batch_inference.engines.noop.NoopEngine") is NoopEngine
+    assert type(engine_for(make_spec(engine={"name": "noop", "options": {"seed": 3}}))) is NoopEngine
+    for name in ("llama-cpp", "vllm", "openai"):
+        assert issubclass(engine_class(name), Engine) and engine_class(name).name == name
+
+
+@pytest.mark.parametrize(
+    "name, message",
+    [
+        ("gpt5", "unknown engine 'gpt5': use one of llama-cpp, vllm, openai, noop, or a dotted path package.module:ClassName"),
+        ("nosuch.module:Thing", "engine 'nosuch.module:Thing': cannot import module 'nosuch.module': ModuleNotFoundError"),
+        ("batch_inference.engines.noop:Nope", "engine 'batch_inference.engines.noop:Nope': module 'batch_inference.engines.noop' has no attribute 'Nope'"),
+        ("batch_inference.engines.noop:minimal_instance", "is not a subclass of batch_inference.engines.Engine"),
+    ],
+)
+def test_load_engine_errors(name, message):
+    with pytest.raises(ValueError) as info:
+        load_engine(name, make_spec())
+    assert message in str(info.value) and "\n" not in str(info.value)
+
+
+def test_unknown_option_is_rejected():
+    with pytest.raises(ValueError, match=r"^engine 'noop': unknown option 'fail_rat' \(known: delay_s, fail_rate, invalid_rate, seed\)$"):
+        load_engine("noop", make_spec(), {"fail_rat": 0.1})
+
+
+# -- pinning ---------------------------------------------------------------------------
+def test_sha256_single_and_several_files_match_sha256sum(tmp_path):
+    (tmp_path / "b.safetensors").write_bytes(b"bbb" * 1000)
+    (tmp_path / "a.safetensors").write_bytes(b"a" * (3 << 20))  # spans several 1 MiB chunks
+    one = tmp_path / "a.safetensors"
+    assert sha256_file(one) == hashlib.sha256(one.read_bytes()).hexdigest()
+    assert sha256_files([one]) == sha256_file(one)
+    files = [tmp_path / "b.safetensors", tmp_path / "a.safetensors"]
+    shell = subprocess.run(
+        "LC_ALL=C sha256sum *.safetensors | sha256sum", shell=True, cwd=tmp_path, capture_output=True, text=True, check=True
+    )
+    assert sha256_files(files) == shell.stdout.split()[0]
+    assert sha256_files(files) == sha256_files(reversed(files))
+
+
+class FileEngine(NoopEngine):
+    """A noop engine that claims local weights files, to exercise verify_weights."""
+
+    files: list[Path] = []
+
+    def weights_files(self):
+        return self.files
+
+
+def test_verify_weights(tmp_path):
+    weights = tmp_path / "model.gguf"
+    weights.write_bytes(b"weights")
+    digest = hashlib.sha256(b"weights").hexdigest()
+    engine = FileEngine(make_spec())
+    engine.files = [weights]
+    assert verify_weights(engine, make_spec(model={"digest": "sha256:" + digest})) == digest
+    with pytest.raises(DigestMismatch) as info:
+        verify_weights(engine, make_spec())
+    assert str(info.value) == (
+        f"model 'smollm2-135m' weights digest mismatch: expected sha256 {'0' * 64}, got {digest} for {weights}"
+    )
+    engine.files = [tmp_path / "missing.gguf"]
+    with pytest.raises(WeightsError, match="model weights file not found: .*missing.gguf$"):
+        verify_weights(engine, make_spec())
+    assert verify_weights(NoopEngine(make_spec()), make_spec()) is None  # remote/no files: nothing to pin
+
+
+def test_verify_weights_names_several_files(tmp_path):
+    for name in ("model-00001.safetensors", "model-00002.safetensors"):
+        (tmp_path / name).write_bytes(name.encode())
+    engine = FileEngine(make_spec())
+    engine.files = sorted(tmp_path.glob("*.safetensors"))
+    with pytest.raises(DigestMismatch, match=r"for 2 files in .* \(model-00001.safetensors, model-00002.safetensors\)$"):
+        verify_weights(engine, make_spec())
+
+
+# -- vllm without vllm ---------------------------------------------------------------------
+def test_vllm_pure_parts(tmp_path):
+    """vLLM cannot run here (no GPU, not installed): stand-ins replace its classes and outputs."""
+    from batch_inference.engines import vllm as v
+
+    for name in ("model-00002-of-00002.safetensors", "model-00001-of-00002.safetensors", "config.json"):
+        (tmp_path / name).write_bytes(name.encode())
+    spec = make_spec(model={"path": str(tmp_path)}, params={"temperature": 0.2, "max_tokens": 64, "top_p": 0.9, "seed": 5})
+    engine = load_engine("vllm", spec, {"gpu_memory_utilization": 0.85, "llm_kwargs": {"max_num_batched_tokens": 8192}})
+    assert [p.name for p in engine.weights_files()] == ["model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors"]
+    assert v.build_llm_kwargs(spec, engine.options) == {
+        "model": str(tmp_path), "enable_prefix_caching": True, "load_format": "safetensors",
+        "gpu_memory_utilization": 0.85, "max_num_batched_tokens": 8192,
+    }
+    assert v.build_sampling_kwargs(spec) == {"temperature": 0.2, "max_tokens": 64, "top_p": 0.9, "seed": 5}
+
+    class StructuredOutputsParams:  # stand-in for vllm.sampling_params.StructuredOutputsParams
+        def __init__(self, json=None):
+            self.json = json
+
+    class SamplingParams:  # stand-in for vllm.sampling_params.SamplingParams
+        def __init__(self, **kwargs):
+            self.kwargs = kwargs
+
+    sp = v.make_sampling_params(SimpleNamespace(SamplingParams=SamplingParams, StructuredOutputsParams=StructuredOutputsParams), spec)
+    assert sp.kwargs["structured_outputs"].json == spec.output_schema and sp.kwargs["seed"] == 5
+
+    reqs = requests_for(spec)
+    convs = v.build_conversations(reqs)
+    assert len(convs) == 3 and [m["role"] for m in convs[0]] == ["system", "user"]
+
+    def out(text, reason, n):
+        return SimpleNamespace(outputs=[SimpleNamespace(text=text, finish_reason=reason, token_ids=list(range(n)))])
+
+    outcomes = v.parse_outputs(reqs, [out('{"category":"bug","summary":"x"}', "stop", 9), out('{"category":"b', "length", 64)])
+    assert outcomes == [
+        Outcome("t1", '{"category":"bug","summary":"x"}', tokens_out=9),
+        Outcome("t2", '{"category":"b', error=TRUNCATED, tokens_out=64),
+        Outcome("t3", None, error="vLLM returned no output for this request"),
+    ]
+    assert v.parse_request_output("z", SimpleNamespace(outputs=[])).error == "vLLM returned no completion"
+
+    # One over-long prompt fails the whole chat call: the batch is retried record by record.
+    def chat(conversations, sampling, use_tqdm=False):
+        if any("POISON" in c[1]["content"] for c in conversations):
+            raise ValueError("prompt length 9000 exceeds max_model_len 4096")
+        return [out('{"category":"bug","summary":"x"}', "stop", 3) for _ in conversations]
+
+    mixed = requests_for(spec, [("a", "fine"), ("b", "POISON"), ("c", "fine")])
+    got = v.chat_batch(chat, mixed, sp, threading.Event())
+    assert [(o.record_id, o.ok) for o in got] == [("a", True), ("b", False), ("c", True)]
+    assert got[1].error == "vLLM: ValueError: prompt length 9000 exceeds max_model_len 4096"
+    with pytest.raises(RuntimeError, match="chat failed for every record"):
+        v.chat_batch(chat, requests_for(spec, [("a", "POISON"), ("b", "POISON")]), sp, threading.Event())
+
+    with pytest.raises(ValueError, match=r"no \*\.safetensors files in"):
+        load_engine("vllm", make_spec(model={"path": str(tmp_path / "empty")})).weights_files()
+    with pytest.raises(ValueError, match="needs the vllm package"):
+        engine.load()
+
+
+# -- llama-cpp, real model ------------------------------------------------------------------
+@pytest.mark.slow
+def test_llama_cpp_real_model():
+    pytest.importorskip("llama_cpp")
+    from batch_inference.engines.llama_cpp import SMOLLM2_GGUF_SHA256, default_gguf_path
+
+    spec = make_spec(model={"digest": SMOLLM2_GGUF_SHA256}, params={"max_tokens": 120})
+    engine = load_engine("llama-cpp", spec)
+    assert engine.weights_files() == [default_gguf_path()]
+    assert verify_weights(engine, spec) == SMOLLM2_GGUF_SHA256
+    engine.load()
+    try:
+        t0 = time.monotonic()
+        outcomes = list(engine.generate(requests_for(spec), threading.Event()))
+        elapsed = time.monotonic() - t0
+    finally:
+        engine.close()
+    assert sorted(o.record_id for o in outcomes) == ["t1", "t2", "t3"]
+    for o in outcomes:
+        if o.ok:
+            assert check_output(spec, o.text)[1] is None, o.text
+        else:
+            assert o.error == TRUNCATED and o.tokens_out == 120
+    print(f"llama-cpp: {len(outcomes) / elapsed:.2f} records/s, {sum(o.tokens_out for o in outcomes) / elapsed:.1f} tokens/s")
+
+
+# -- openai against the real llama.cpp server ---------------------------------------------------
+@pytest.mark.slow
+def test_openai_engine_against_llama_server(llama_server):
+    spec = make_spec(params={"max_tokens": 120})
+    engine = load_engine("openai", spec, {"base_url": llama_server, "response_format_style": "json_object", "concurrency": 2})
+    assert engine.weights_files() == []
+    engine.load()
+    outcomes = list(engine.generate(requests_for(spec), threading.Event()))
+    assert sorted(o.record_id for o in outcomes) == ["t1", "t2", "t3"]
+    for o in outcomes:
+        print("openai/llama_server:", o)
+        if o.ok:
+            assert check_output(spec, o.text)[1] is None, o.text
+        else:
+            assert o.error == TRUNCATED, o.error
+
+
+# -- openai retries against a tiny real HTTP server -------------------------------------------
+def completion(content='{"category": "bug", "summary": "x"}', finish="stop"):
+    return {"choices": [{"index": 0, "message": {"role": "assistant", "content": content}, "finish_reason": finish}], "usage": {"completion_tokens": 7}}
+
+
+class ScriptedServer(ThreadingHTTPServer):
+    """Answers POST /v1/chat/completions from a script of (status, headers, body); 200 once it runs out."""
+
+    daemon_threads = True
+
+    def __init__(self, script=(), delay=0.0):
+        super().__init__(("127.0.0.1", 0), ScriptedHandler)
+        self.script = list(script)
+        self.delay = delay
+        self.hits: list[tuple[float, dict, dict]] = []
+        self.lock = threading.Lock()
+        self.in_flight = 0
+        self.max_in_flight = 0
+
+    @property
+    def base_url(self):
+        return f"http://127.0.0.1:{self.server_address[1]}/v1"
+
+
+class ScriptedHandler(BaseHTTPRequestHandler):
+    def log_message(self, *args):
+        pass
+
+    def do_POST(self):
+        srv = self.server
+        body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+        with srv.lock:
+            srv.hits.append((time.monotonic(), body, dict(self.headers)))
+            status, headers, payload = srv.script.pop(0) if srv.script else (200, {}, completion())
+            srv.in_flight += 1
+            srv.max_in_flight = max(srv.max_in_flight, srv.in_flight)
+        time.sleep(srv.delay)
+        data = payload if isinstance(payload, bytes) else json.dumps(payload).encode()
+        self.send_response(status)
+        for k, v in headers.items():
+            self.send_header(k, v)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+        with srv.lock:
+            srv.in_flight -= 1
+
+
+@pytest.fixture
+def scripted():
+    servers = []
+
+    def start(script=(), delay=0.0):
+        srv = ScriptedServer(script, delay)
+        threading.Thread(target=srv.serve_forever, daemon=True).start()
+        servers.append(srv)
+        return srv
+
+    yield start
+    for srv in servers:
+        srv.shutdown()
+        srv.server_close()
+
+
+def run_openai(spec, options, records=RECORDS[:1], stop=None):
+    engine = load_engine("openai", spec, options)
+    engine.load()
+    return list(engine.generate(requests_for(spec, records), stop or threading.Event()))
+
+
+def test_openai_retries_429_and_500_with_backoff(scripted, monkeypatch):
+    srv = scripted([(429, {}, {"error": "slow down"}), (500, {}, {"error": "oops"})])
+    monkeypatch.setenv("TEST_API_KEY", "sk-test")
+    spec = make_spec()
+    [o] = run_openai(spec, {"base_url": srv.base_url, "backoff_base_s": 0.2, "max_retries": 3, "api_key_env": "TEST_API_KEY"})
+    assert o == Outcome("t1", '{"category": "bug", "summary": "x"}', tokens_out=7)
+    (t0, body, headers), (t1, _, _), (t2, _, _) = srv.hits
+    # Equal jitter: retry k waits in [0.2 * 2**k / 2, 0.2 * 2**k].
+    assert 0.1 <= t1 - t0 < 0.2 + 0.15
+    assert 0.2 <= t2 - t1 < 0.4 + 0.15
+    assert headers["Authorization"] == "Bearer sk-test"
+    assert body["response_format"] == {"type": "json_schema", "json_schema": {"name": "output", "schema": spec.output_schema, "strict": True}}
+    assert body["model"] == "smollm2-135m" and body["seed"] == 0 and body["messages"][0]["role"] == "system"
+
+
+def test_openai_honours_retry_after(scripted):
+    srv = scripted([(429, {"Retry-After": "1"}, {"error": "rate limited"})])
+    [o] = run_openai(make_spec(), {"base_url": srv.base_url, "backoff_base_s": 0.01, "response_format_style": "json_object"})
+    assert o.ok
+    (t0, _, _), (t1, body, _) = srv.hits
+    assert t1 - t0 >= 0.95
+    assert body["response_format"]["type"] == "json_object"
+
+
+def test_openai_gives_up_and_does_not_retry_client_errors(scripted):
+    srv = scripted([(503, {}, {"error": "down"})] * 3)
+    [o] = run_openai(make_spec(), {"base_url": srv.base_url, "backoff_base_s": 0.01, "max_retries": 2})
+    assert o.error == 'HTTP 503: {"error": "down"} (gave up after 3 attempts)' and len(srv.hits) == 3
+    srv = scripted([(400, {}, {"error": "bad schema"})])
+    [o] = run_openai(make_spec(), {"base_url": srv.base_url, "backoff_base_s": 0.01})
+    assert o.error == 'HTTP 400: {"error": "bad schema"}' and len(srv.hits) == 1
+
+
+def test_openai_truncation_and_connect_errors(scripted):
+    srv = scripted([(200, {}, completion('{"category": "bu', "length"))])
+    [o] = run_openai(make_spec(), {"base_url": srv.base_url})
+    assert o == Outcome("t1", '{"category": "bu', error=TRUNCATED, tokens_out=7)
+    [o] = run_openai(make_spec(), {"base_url": f"http://127.0.0.1:{free_port()}/v1", "backoff_base_s": 0.01, "max_retries": 1})
+    assert o.error.startswith("ConnectError") and o.error.endswith("(gave up after 2 attempts)")
+
+
+def test_openai_bounded_concurrency_and_stop(scripted):
+    srv = scripted(delay=0.1)
+    records = [(str(i), "text") for i in range(12)]
+    outcomes = run_openai(make_spec(), {"base_url": srv.base_url, "concurrency": 3}, records)
+    assert len(outcomes) == 12 and all(o.ok for o in outcomes)
+    assert srv.max_in_flight == 3
+
+    srv = scripted(delay=0.1)
+    engine = load_engine("openai", make_spec(), {"base_url": srv.base_url, "concurrency": 2})
+    engine.load()
+    stop = threading.Event()
+    got = []
+    for o in engine.generate(requests_for(make_spec(), records), stop):
+        got.append(o)
+        if not stop.is_set():
+            stop.set()
+            t_stop = time.monotonic()
+    # Requests already on the wire when stop was set finish and are yielded;
+    # none starts afterwards (the loop may have refilled a slot just before).
+    assert len(got) == len(srv.hits) <= 3
+    assert all(t <= t_stop + 0.05 for t, _, _ in srv.hits)
+
+
+def test_openai_rate_limit(scripted):
+    srv = scripted()
+    records = [(str(i), "text") for i in range(5)]
+    outcomes = run_openai(make_spec(), {"base_url": srv.base_url, "concurrency": 5, "rate_limit": 10}, records)
+    assert len(outcomes) == 5
+    times = [t for t, _, _ in srv.hits]
+    assert times[-1] - times[0] >= 0.35  # 5 requests at 10/s with a burst of 1: 0.4 s apart end to end
+
+
+# -- token bucket ----------------------------------------------------------------------------
+def test_token_bucket_with_injected_clock():
+    now = [100.0]
+    slept: list[float] = []
+
+    async def fake_sleep(s):
+        slept.append(s)
+        now[0] += s
+
+    bucket = TokenBucket(rate=2.0, capacity=2, clock=lambda: now[0], sleep=fake_sleep)
+    assert [bucket.reserve() for _ in range(4)] == [0.0, 0.0, 0.5, 1.0]  # burst of 2, then one every 0.5 s, in order
+    now[0] += 1.0
+    assert bucket.tokens == 0.0
+    now[0] += 10
+    assert bucket.tokens == 2.0  # never above capacity
+
+    import asyncio
+
+    async def take(n):
+        return [await bucket.acquire() for _ in range(n)]
+
+    assert asyncio.run(take(4)) == [0.0, 0.0, 0.5, 0.5]
+    assert slept == [0.5, 0.5]
+    with pytest.raises(ValueError, match="rate must be positive"):
+        TokenBucket(0)
