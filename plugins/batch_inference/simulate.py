@@ -13,8 +13,10 @@ It models this project's commit strategy, not a generic one:
 * a dead worker is replaced, and the replacement loads the model first;
 * some interruptions are stalls, not deaths: the worker freezes, comes back
   after its lease expired, and keeps writing until it learns it is fenced.
-  Those writes carry a stale epoch and are refused: counted as refused, never
-  as rows.
+  If another worker claimed the shard meanwhile, those writes carry a stale
+  epoch and are refused: counted as refused, never as rows. If nobody did,
+  the epoch is still its own (the ledger guards on the epoch alone) and it
+  carries on.
 
 Why a count, not a set, per shard: only the current lease holder's writes
 are accepted, and a holder works through the shard's remaining records in
@@ -36,6 +38,7 @@ import math
 import random
 from collections import deque
 from dataclasses import asdict, dataclass, field
+from functools import partial
 
 DEFAULT_CANDIDATES = (500, 1_000, 2_000, 5_000, 10_000, 25_000)
 
@@ -162,8 +165,7 @@ def simulate(scenario: Scenario, shard_size: int, seed: int = 0) -> SimResult:
     # back); take() skips any shard that is no longer claimable.
     if sc.claim_order == "lowest":
         queue: list[int] | deque[int] = list(range(n_shards))  # sorted, so already a heap
-        pop = lambda: heapq.heappop(queue)  # noqa: E731
-        add = lambda s: heapq.heappush(queue, s)  # noqa: E731
+        pop, add = partial(heapq.heappop, queue), partial(heapq.heappush, queue)
     else:
         queue = deque(range(n_shards))
         pop, add = queue.popleft, queue.append
