@@ -1,0 +1,121 @@
+"""The worker as a real process against the real database: kill it, tell it to
+leave, give it the wrong weights, feed it poison."""
+
+from __future__ import annotations
+
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from batch_inference import db
+from batch_inference.plan import submit
+from batch_inference.status import dead_letters, job_counts
+from gpu_runner.worker import EXIT_DIGEST, WorkerConfig, run_worker
+from tests.conftest import make_source, make_spec, tickets
+
+
+def start_worker(db_url: str, job: str, *extra: str) -> subprocess.Popen:
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    return subprocess.Popen([sys.executable, "-m", "gpu_runner", job, "--flush-every", "20", *extra],
+                            env=env | {"BATCH_INFERENCE_DB": db_url}, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+
+
+def duplicates(conn, job: str) -> int:
+    r = conn.execute("SELECT count(*) - count(DISTINCT record_id) AS d FROM bi.results WHERE job_version = %s",
+                     (job,)).fetchone()
+    return r["d"]
+
+
+def test_worker_runs_a_job_to_the_end_in_process(conn, db_url):
+    make_source(conn, tickets(35))
+    job = submit(conn, make_spec()).job_version
+    assert run_worker(WorkerConfig(job_version=job, db_url=db_url)) == 0
+    c = job_counts(conn, job)
+    assert (c["stored"], c["dead_letters"], c["outstanding"]) == (35, 0, 0)
+    assert c["shards"] == {"pending": 0, "leased": 0, "done": 4}
+    row = conn.execute("SELECT * FROM bi.results WHERE job_version = %s LIMIT 1", (job,)).fetchone()
+    assert row["model_name"] == "noop" and row["prompt_version"] == "v1" and row["transport"] == "batch"
+    assert row["acl"] is not None and row["output"]["category"] == "billing"
+
+
+def test_sigkill_at_a_random_point_then_a_new_worker_finishes(conn, db_url):
+    make_source(conn, tickets(300))
+    job = submit(conn, make_spec(shard_size=100, lease_seconds=2, renew_seconds=0.5)).job_version
+    w = start_worker(db_url, job, "--engine-option", "delay_s=0.01")
+    time.sleep(random.Random(7).uniform(1.0, 2.5))            # somewhere inside the first shards
+    w.send_signal(signal.SIGKILL)
+    w.wait()
+    mid = job_counts(conn, job)
+    assert mid["outstanding"] > 0                            # it really died mid-job
+    w2 = start_worker(db_url, job)
+    out, _ = w2.communicate(timeout=120)
+    assert w2.returncode == 0, out
+    c = job_counts(conn, job)
+    assert c["stored"] + c["dead_letters"] == 300 and c["outstanding"] == 0
+    assert duplicates(conn, job) == 0
+    assert conn.execute("SELECT count(*) AS n FROM bi.results WHERE job_version = %s", (job,)).fetchone()["n"] == 300
+
+
+def test_sigterm_releases_the_lease_at_once(conn, db_url):
+    make_source(conn, tickets(200))
+    job = submit(conn, make_spec(shard_size=200, lease_seconds=600)).job_version
+    w = start_worker(db_url, job, "--engine-option", "delay_s=0.05")
+    deadline = time.time() + 30
+    while time.time() < deadline:
+        if conn.execute("SELECT stored FROM bi.shards WHERE job_version = %s", (job,)).fetchone()["stored"] > 0:
+            break
+        time.sleep(0.1)
+    w.send_signal(signal.SIGTERM)
+    out, _ = w.communicate(timeout=30)
+    exited = time.time()
+    assert w.returncode == 143, out
+    assert "preemption notice" in out
+    shard = conn.execute("SELECT state, lease_owner, epoch FROM bi.shards WHERE job_version = %s", (job,)).fetchone()
+    # pending within a second of the exit, not in ten minutes when the lease would expire
+    assert shard["state"] == "pending" and shard["lease_owner"] is None
+    assert time.time() - exited < 1.0
+    stored = job_counts(conn, job)["stored"]
+    assert 0 < stored < 200                                  # in-flight work was written, the rest left
+    w2 = start_worker(db_url, job)
+    assert w2.wait(timeout=60) == 0
+    assert job_counts(conn, job)["stored"] == 200 and duplicates(conn, job) == 0
+
+
+def test_wrong_digest_refuses_to_start_and_writes_nothing(conn, db_url, tmp_path):
+    weights = tmp_path / "model.gguf"
+    weights.write_bytes(b"not the pinned weights")
+    make_source(conn, tickets(5))
+    job = submit(conn, make_spec(model={"name": "tiny", "digest": "a" * 64, "path": str(weights)},
+                                 engine={"name": "llama-cpp"})).job_version
+    w = start_worker(db_url, job)
+    out, _ = w.communicate(timeout=60)
+    assert w.returncode == EXIT_DIGEST
+    assert "refusing to start" in out and "a" * 12 in out
+    assert conn.execute("SELECT count(*) AS n FROM bi.results").fetchone()["n"] == 0
+    assert conn.execute("SELECT max(epoch) AS e FROM bi.shards").fetchone()["e"] == 0   # never even claimed
+
+
+def test_output_that_never_validates_is_dead_lettered_with_raw_output(conn, db_url):
+    rows = tickets(12)
+    rows[4] = ("t00004", "please [[invalid-output]] thanks", ["team1"])
+    rows[7] = ("t00007", "[[engine-error]]", None)
+    make_source(conn, rows)
+    job = submit(conn, make_spec()).job_version
+    cfg = WorkerConfig(job_version=job, db_url=db_url, backoff=(0.05, 0.05, 0.05))
+    assert run_worker(cfg) == 0
+    dl = {d["record_id"]: d for d in dead_letters(conn, job)}
+    assert set(dl) == {"t00004", "t00007"}
+    assert dl["t00004"]["attempts"] == 3 and dl["t00004"]["raw_output"]
+    assert dl["t00007"]["attempts"] == 3
+    c = job_counts(conn, job)
+    assert c["stored"] == 10 and c["dead_letters"] == 2 and c["outstanding"] == 0
+
+
+def test_unknown_job_is_a_clear_error(db_url):
+    assert run_worker(WorkerConfig(job_version="jv_missing", db_url=db_url)) == 4
