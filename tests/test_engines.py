@@ -25,7 +25,7 @@ import pytest
 from batch_inference.engines import TRUNCATED, Engine, Outcome, Request, engine_class, engine_for, load_engine
 from batch_inference.engines.noop import INVALID_OUTPUT, NoopEngine, minimal_instance
 from batch_inference.outputs import check_output
-from batch_inference.pinning import DigestMismatch, WeightsError, sha256_file, sha256_files, verify_weights
+from batch_inference.pinning import DigestMismatch, WeightsMissing, sha256_file, sha256_files, verify_weights
 from batch_inference.prompting import build_request
 from batch_inference.ratelimit import TokenBucket
 from tests.fixtures import make_spec
@@ -211,7 +211,7 @@ def test_verify_weights(tmp_path):
         f"model 'smollm2-135m' weights digest mismatch: expected sha256 {'0' * 64}, got {digest} for {weights}"
     )
     engine.files = [tmp_path / "missing.gguf"]
-    with pytest.raises(WeightsError, match="model weights file not found: .*missing.gguf$"):
+    with pytest.raises(WeightsMissing, match="model weights file not found: .*missing.gguf$"):
         verify_weights(engine, make_spec())
     assert verify_weights(NoopEngine(make_spec()), make_spec()) is None  # remote/no files: nothing to pin
 
@@ -280,7 +280,7 @@ def test_vllm_pure_parts(tmp_path):
     with pytest.raises(RuntimeError, match="chat failed for every record"):
         v.chat_batch(chat, requests_for(spec, [("a", "POISON"), ("b", "POISON")]), sp, threading.Event())
 
-    with pytest.raises(ValueError, match=r"no \*\.safetensors files in"):
+    with pytest.raises(DigestMismatch, match=r"no \*\.safetensors files in"):
         load_engine("vllm", make_spec(model={"path": str(tmp_path / "empty")})).weights_files()
     with pytest.raises(ValueError, match="needs the vllm package"):
         engine.load()

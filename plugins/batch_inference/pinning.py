@@ -34,12 +34,16 @@ CHUNK = 1 << 20  # 1 MiB: large enough for full disk speed, small enough to stre
 _cache: dict[tuple[str, int, int], str] = {}
 
 
-class WeightsError(ValueError):
-    """The weights cannot be verified (missing, unreadable, none found)."""
+class DigestMismatch(ValueError):
+    """The weights on disk are not the weights the spec pins.
+
+    Catching this one class covers every way the pin can fail, so a worker
+    refuses to start for all of them with the same exit code.
+    """
 
 
-class DigestMismatch(WeightsError):
-    """The weights on disk are not the weights the spec pins."""
+class WeightsMissing(DigestMismatch):
+    """The pinned weights are not there at all (missing, unreadable, none found)."""
 
 
 def sha256_file(path: str | os.PathLike[str]) -> str:
@@ -54,9 +58,9 @@ def sha256_file(path: str | os.PathLike[str]) -> str:
             while chunk := f.read(CHUNK):
                 h.update(chunk)
     except FileNotFoundError:
-        raise WeightsError(f"model weights file not found: {p}") from None
+        raise WeightsMissing(f"model weights file not found: {p}") from None
     except OSError as exc:
-        raise WeightsError(f"cannot read model weights file {p}: {exc.strerror}") from None
+        raise WeightsMissing(f"cannot read model weights file {p}: {exc.strerror}") from None
     _cache[key] = h.hexdigest()
     return _cache[key]
 
@@ -65,7 +69,7 @@ def sha256_files(paths: Iterable[str | os.PathLike[str]]) -> str:
     """The digest of one or several weights files (see the module docstring)."""
     files = sorted((Path(p) for p in paths), key=lambda p: (p.name, str(p)))
     if not files:
-        raise WeightsError("no weights files to hash")
+        raise WeightsMissing("no weights files to hash")
     if len(files) == 1:
         return sha256_file(files[0])
     manifest = "".join(f"{sha256_file(p)}  {p.name}\n" for p in files)

@@ -32,6 +32,7 @@ from pathlib import Path
 from typing import Any
 
 from batch_inference.engines.base import TRUNCATED, Engine, Outcome, Request, one_line
+from batch_inference.pinning import WeightsMissing
 from batch_inference.spec import JobSpec
 
 LLM_OPTIONS = ("tensor_parallel_size", "gpu_memory_utilization", "max_model_len", "max_num_seqs", "dtype", "enforce_eager", "quantization")
@@ -47,7 +48,7 @@ def safetensors_files(path: Path) -> list[Path]:
     """The weights to hash, sorted by name; a directory without any is an error, never 'nothing to verify'."""
     files = sorted(path.glob("*.safetensors"), key=lambda p: p.name)
     if not files:
-        raise ValueError(f"engine 'vllm': no *.safetensors files in {path}")
+        raise WeightsMissing(f"engine 'vllm': no *.safetensors files in {path}")
     return files
 
 
