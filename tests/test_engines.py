@@ -408,8 +408,8 @@ def test_openai_retries_429_and_500_with_backoff(scripted, monkeypatch):
     assert o == Outcome("t1", '{"category": "bug", "summary": "x"}', tokens_out=7)
     (t0, body, headers), (t1, _, _), (t2, _, _) = srv.hits
     # Equal jitter: retry k waits in [0.2 * 2**k / 2, 0.2 * 2**k].
-    assert 0.1 <= t1 - t0 < 0.2 + 0.15
-    assert 0.2 <= t2 - t1 < 0.4 + 0.15
+    assert 0.1 <= t1 - t0 < 0.2 + 0.5  # upper bounds leave room for a loaded machine
+    assert 0.2 <= t2 - t1 < 0.4 + 0.5
     assert headers["Authorization"] == "Bearer sk-test"
     assert body["response_format"] == {"type": "json_schema", "json_schema": {"name": "output", "schema": spec.output_schema, "strict": True}}
     assert body["model"] == "smollm2-135m" and body["seed"] == 0 and body["messages"][0]["role"] == "system"
@@ -459,9 +459,10 @@ def test_openai_bounded_concurrency_and_stop(scripted):
             stop.set()
             t_stop = time.monotonic()
     # Requests already on the wire when stop was set finish and are yielded;
-    # none starts afterwards (the loop may have refilled a slot just before).
-    assert len(got) == len(srv.hits) <= 3
-    assert all(t <= t_stop + 0.05 for t, _, _ in srv.hits)
+    # none starts afterwards. (The loop refills freed slots while the outcome
+    # crosses to this thread, so up to two rounds of `concurrency` started.)
+    assert len(got) == len(srv.hits) <= 4
+    assert all(t <= t_stop + 0.2 for t, _, _ in srv.hits)
 
 
 def test_openai_rate_limit(scripted):
