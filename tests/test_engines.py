@@ -22,7 +22,7 @@ from types import SimpleNamespace
 import jsonschema
 import pytest
 
-from batch_inference.engines import TRUNCATED, Engine, Outcome, Request, engine_class, engine_for, load_engine
+from batch_inference.engines import TRUNCATED, Engine, Outcome, engine_class, engine_for, load_engine
 from batch_inference.engines.noop import INVALID_OUTPUT, NoopEngine, minimal_instance
 from batch_inference.outputs import check_output
 from batch_inference.pinning import DigestMismatch, WeightsMissing, sha256_file, sha256_files, verify_weights

@@ -110,3 +110,18 @@ def one_line(exc: BaseException | str, limit: int = 400) -> str:
     text = exc if isinstance(exc, str) else (f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__)
     text = " ".join(text.split())
     return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def parse_chat_completion(record_id: str, result: dict[str, Any]) -> Outcome:
+    """An Outcome from an OpenAI-style chat completion dict (llama.cpp returns the same shape)."""
+    try:
+        choice = result["choices"][0]
+        text = choice["message"].get("content")
+    except (KeyError, IndexError, TypeError, AttributeError):
+        return Outcome(record_id, None, error="response has no choices[0].message")
+    tokens = int((result.get("usage") or {}).get("completion_tokens") or 0)
+    if choice.get("finish_reason") == "length":
+        return Outcome(record_id, text, error=TRUNCATED, tokens_out=tokens)
+    if text is None:
+        return Outcome(record_id, None, error="response message has no content", tokens_out=tokens)
+    return Outcome(record_id, text, tokens_out=tokens)

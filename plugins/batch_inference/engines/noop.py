@@ -70,7 +70,8 @@ class NoopEngine(Engine):
             yield self._answer_for(req)
 
     def _answer_for(self, req: Request) -> Outcome:
-        text = "\n".join(m.get("content", "") for m in req.messages)
+        # Markers count in the record (user turn) only, not in the system prompt.
+        text = "\n".join(m.get("content", "") for m in req.messages if m.get("role") == "user")
         # Draw both numbers for every record so that the sequence of draws,
         # and so the faults, do not depend on which markers appear.
         fail_draw, invalid_draw = self._rng.random(), self._rng.random()

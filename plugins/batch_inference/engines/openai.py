@@ -49,8 +49,7 @@ import time
 from collections.abc import AsyncIterator, Iterable, Iterator, Sequence
 from typing import Any
 
-from batch_inference.engines.base import Engine, Outcome, Request, one_line
-from batch_inference.engines.llama_cpp import parse_completion
+from batch_inference.engines.base import Engine, Outcome, Request, one_line, parse_chat_completion
 from batch_inference.ratelimit import TokenBucket
 
 STYLES = ("json_schema", "json_object")
@@ -187,7 +186,7 @@ class OpenAIEngine(Engine):
             data = resp.json()
         except ValueError:
             return Outcome(req.record_id, None, error=f"response is not JSON: {one_line(resp.text, 200)}")
-        return parse_completion(req.record_id, data)
+        return parse_chat_completion(req.record_id, data)
 
     async def _one(self, client: Any, req: Request, stop: threading.Event | None) -> Outcome | None:
         """The outcome of one record, or None when ``stop`` came before it was sent."""
