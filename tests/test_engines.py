@@ -112,6 +112,10 @@ def test_noop_answers_are_schema_valid_and_poison_markers_work():
     assert out["bad"].error is None and out["bad"].text == INVALID_OUTPUT
     assert check_output(spec, out["bad"].text)[1] is not None
     assert engine.weights_files() == []
+    # Markers count only in the record, not in the system prompt.
+    spec = make_spec(prompt={"system": "Never write [[engine-error]]."})
+    [o] = load_engine("noop", spec).generate(requests_for(spec, [("ok", "fine")]), threading.Event())
+    assert o.ok
 
 
 def test_noop_rates_are_seeded():
