@@ -40,7 +40,7 @@ from batch_inference.status import UnknownJob, job_counts, job_mode, job_spec
 
 log = logging.getLogger("batch_inference.worker")
 
-EXIT_OK, EXIT_DB, EXIT_DIGEST, EXIT_CONFIG, EXIT_PREEMPTED = 0, 2, 3, 4, 143
+EXIT_OK, EXIT_DB, EXIT_DIGEST, EXIT_CONFIG, EXIT_ENGINE, EXIT_PREEMPTED = 0, 2, 3, 4, 5, 143
 
 
 class Fatal(RuntimeError):
@@ -147,7 +147,10 @@ class Worker:
         except DigestMismatch as exc:
             raise Fatal(f"fatal: refusing to start: {exc}", EXIT_DIGEST) from None
         t0 = time.perf_counter()
-        self.engine.load()
+        try:
+            self.engine.load()
+        except (ValueError, ImportError, OSError) as exc:
+            raise Fatal(f"fatal: engine {name!r} could not load: {exc}", EXIT_CONFIG) from None
         log.info("%s: engine %s loaded in %.2fs for %s (model %s, prompt %s)", self.owner, name,
                  time.perf_counter() - t0, cfg.job_version, spec.model.name, spec.prompt.version)
         self.ledger = Ledger(self.conn, cfg.job_version, self.owner, cfg.transport, cfg.lease_seconds)
@@ -257,6 +260,17 @@ class Worker:
             self.stats["stale"] += 1
             log.warning("%s: %s; dropping shard %d (the new holder finishes it)", self.owner, exc, lease.shard_no)
             outcome = "stale"
+        except (psycopg.OperationalError, db.DatabaseUnavailable):
+            raise
+        except Exception as exc:  # noqa: BLE001 - the engine itself broke (lost GPU, OOM): give the shard back
+            shard.halt.set()
+            renewer.join(timeout=5)
+            self.current = None
+            try:
+                self._db(self.ledger.release, lease)
+            finally:
+                raise Fatal(f"fatal: engine failed on shard {lease.shard_no}: {exc.__class__.__name__}: {exc}; "
+                            "shard released", EXIT_ENGINE) from exc
         finally:
             shard.halt.set()
             renewer.join(timeout=5)

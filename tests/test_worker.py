@@ -15,7 +15,8 @@ import pytest
 from batch_inference import db
 from batch_inference.plan import submit
 from batch_inference.status import dead_letters, job_counts
-from gpu_runner.worker import EXIT_DIGEST, WorkerConfig, run_worker
+from batch_inference.engines.base import Engine, Outcome
+from gpu_runner.worker import EXIT_DIGEST, EXIT_ENGINE, WorkerConfig, run_worker
 from tests.conftest import make_source, make_spec, tickets
 
 
@@ -119,3 +120,27 @@ def test_output_that_never_validates_is_dead_lettered_with_raw_output(conn, db_u
 
 def test_unknown_job_is_a_clear_error(db_url):
     assert run_worker(WorkerConfig(job_version="jv_missing", db_url=db_url)) == 4
+
+
+class BrokenEngine(Engine):
+    """A user engine (loaded by dotted path) whose device fails mid-shard."""
+
+    name = "broken"
+
+    def load(self) -> None:
+        pass
+
+    def generate(self, requests, stop):
+        yield Outcome(requests[0].record_id, '{"category": "bug", "summary": "ok"}')
+        raise RuntimeError("CUDA error: device lost")
+
+
+def test_engine_failure_releases_the_shard_and_exits_non_zero(conn, db_url):
+    make_source(conn, tickets(10))
+    job = submit(conn, make_spec()).job_version
+    code = run_worker(WorkerConfig(job_version=job, db_url=db_url, engine="tests.test_worker:BrokenEngine",
+                                   flush_every=1))
+    assert code == EXIT_ENGINE
+    shard = conn.execute("SELECT state, epoch FROM bi.shards WHERE job_version = %s", (job,)).fetchone()
+    assert shard["state"] == "pending" and shard["epoch"] == 1      # given back at once
+    assert job_counts(conn, job)["stored"] == 1                     # what it finished is kept
