@@ -1,0 +1,145 @@
+"""``BatchInferenceHook``: an Airflow connection id -> the core's ledger connection.
+
+The warehouse (the ledger's PostgreSQL) is reached through an ordinary
+Airflow connection of type ``postgres`` (or this provider's
+``batch_inference`` type, the same fields), read by the postgres provider's
+``PostgresHook``. The hook does not use ``PostgresHook.get_uri()``: that URI
+has the SQLAlchemy scheme ``postgresql+psycopg://``, which libpq rejects, and
+it drops a Unix-socket host given as ``?host=/path`` (Airflow keeps query
+parameters in the connection's extra). Instead it builds a libpq conninfo
+string from the connection's fields and extra, which ``psycopg.connect`` and
+the worker's ``BATCH_INFERENCE_DB`` both accept as they are.
+
+Everything past the connection is the core: ``batch_inference.db.connect``
+(dict rows, autocommit) and ``batch_inference.db.migrate``.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import psycopg
+from airflow.sdk import BaseHook
+from psycopg.conninfo import conninfo_to_dict, make_conninfo
+
+from batch_inference import db
+
+if TYPE_CHECKING:
+    from airflow.sdk import Connection
+
+# Extra keys that are Airflow's or the postgres provider's, not libpq's.
+_NOT_LIBPQ = {
+    "iam", "redshift", "redshift-serverless", "cursor", "cluster-identifier", "workgroup-name",
+    "aws_conn_id", "sqlalchemy_scheme", "sqlalchemy_query", "azure_conn_id", "__extra__",
+}
+
+
+def normalize_url(url: str) -> str:
+    """A URL libpq accepts: SQLAlchemy's ``postgresql+driver://`` becomes ``postgresql://``.
+
+    ``postgres://`` and ``postgresql://`` are both libpq URIs already; a
+    ``key=value`` conninfo string passes through unchanged.
+    """
+    scheme, sep, rest = url.partition("://")
+    if sep and scheme.startswith("postgresql+"):
+        return "postgresql://" + rest
+    return url
+
+
+def conninfo_from_connection(conn: "Connection", *, iam_token: tuple[str, str, int] | None = None) -> str:
+    """libpq conninfo (``host=... dbname=...``) for an Airflow postgres connection.
+
+    ``host`` may be a hostname or a Unix-socket directory, given either as the
+    connection's host or as ``host`` in its extra (what a URI ``?host=/path``
+    becomes); extra keys libpq knows (``sslmode``, ``options``,
+    ``connect_timeout``...) pass through.
+    """
+    args: dict[str, Any] = {
+        "host": conn.host or None,
+        "port": conn.port or None,
+        "user": conn.login or None,
+        "password": conn.password or None,
+        "dbname": conn.schema or None,
+    }
+    for key, value in (conn.extra_dejson or {}).items():
+        if key not in _NOT_LIBPQ and value not in (None, ""):
+            args[key] = value
+    if iam_token is not None:
+        args["user"], args["password"], args["port"] = iam_token
+    text = make_conninfo("", **{k: v for k, v in args.items() if v is not None})
+    conninfo_to_dict(text)  # a malformed value fails here, naming the connection's problem, not at connect
+    return text
+
+
+def redact(conninfo: str) -> str:
+    """The conninfo without its password, for logs."""
+    parts = conninfo_to_dict(normalize_url(conninfo))
+    if parts.get("password"):
+        parts["password"] = "***"
+    return make_conninfo("", **parts)
+
+
+class BatchInferenceHook(BaseHook):
+    """The ledger database behind an Airflow postgres connection.
+
+    :param postgres_conn_id: an Airflow connection of type ``postgres`` or
+        ``batch_inference`` (host may be a Unix-socket directory).
+    :param migrate: apply the core's pending migrations on the first connect
+        (idempotent; one advisory-locked transaction).
+    """
+
+    conn_name_attr = "postgres_conn_id"
+    default_conn_name = "batch_inference_default"
+    conn_type = "batch_inference"
+    hook_name = "Batch inference ledger (PostgreSQL)"
+
+    def __init__(self, postgres_conn_id: str = default_conn_name, *, migrate: bool = True, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.postgres_conn_id = postgres_conn_id
+        self.migrate = migrate
+        self._conninfo: str | None = None
+
+    @classmethod
+    def get_ui_field_behaviour(cls) -> dict[str, Any]:
+        return {
+            "hidden_fields": [],
+            "relabeling": {"schema": "Database", "host": "Host or Unix-socket directory"},
+            "placeholders": {"extra": '{"sslmode": "require"}'},
+        }
+
+    def _postgres_hook(self):
+        # Imported here: the providers manager imports this module to list
+        # connection types, and the postgres provider is only needed to connect.
+        from airflow.providers.postgres.hooks.postgres import PostgresHook
+
+        return PostgresHook(postgres_conn_id=self.postgres_conn_id)
+
+    def get_conninfo(self) -> str:
+        """libpq conninfo for the connection (contains the password: never log it)."""
+        if self._conninfo is None:
+            pg = self._postgres_hook()
+            conn = pg.connection
+            token = pg.get_iam_token(conn) if conn.extra_dejson.get("iam") else None
+            self._conninfo = conninfo_from_connection(conn, iam_token=token)
+        return self._conninfo
+
+    def get_conn(self) -> psycopg.Connection:
+        """A core connection (dict rows, autocommit), migrated on first use."""
+        info = self.get_conninfo()
+        self.log.info("connecting to the batch-inference ledger: %s", redact(info))
+        conn = db.connect(info, retries=2)
+        if self.migrate:
+            applied = db.migrate(conn)
+            if applied:
+                self.log.info("applied ledger migrations: %s", ", ".join(applied))
+            self.migrate = False
+        return conn
+
+    def test_connection(self) -> tuple[bool, str]:
+        """The UI's "Test" button."""
+        try:
+            with db.connect(self.get_conninfo()) as conn:
+                version = conn.execute("SHOW server_version").fetchone()
+        except Exception as exc:  # noqa: BLE001 - the message goes back to the UI
+            return False, str(exc).strip().splitlines()[0] if str(exc).strip() else exc.__class__.__name__
+        return True, f"connected (PostgreSQL {version['server_version'] if version else '?'})"
