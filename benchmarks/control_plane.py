@@ -1,0 +1,154 @@
+"""Control-plane throughput: how fast can the ledger and the result writes go
+when the model costs nothing?
+
+W worker processes (``python -m gpu_runner JOB --no-wait``, exactly the
+container's entrypoint) run the noop engine over shards of 5,000 records on a
+fresh embedded PostgreSQL. The rate is records / (last ``done_at`` - first
+``first_claim_at``), so process start-up and imports are not counted; lease
+renewals, record reads, schema checks, fenced put-if-absent writes and shard
+completions are.
+
+Beside it, in the same run, the raw ceiling: one connection inserting the same
+number of rows, with the same ~280-byte jsonb payload, into a partitioned
+table shaped like ``bi.results``, with ``INSERT ... SELECT FROM unnest ... ON
+CONFLICT DO NOTHING`` in batches the size of the worker's flush. Ceiling and
+pipeline alternate within each repeat so both see the same machine load.
+
+    python -m benchmarks.control_plane [--records N] [--workers W] [--flush 200,1000] [--repeats R]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import resource
+import subprocess
+import time
+from typing import Any
+
+import psycopg
+
+from batch_inference import db
+from batch_inference.engines.noop import minimal_instance
+from batch_inference.plan import submit
+from benchmarks.common import (BENCH_SCHEMA, PYTHON, REPO, bench_spec, emit, fresh_server, machine, make_tickets,
+                               median, pg_version, rnd, worker_env)
+
+TARGET = 0.80  # pipeline rate / raw ceiling
+
+RAW_TABLE = """
+CREATE TABLE IF NOT EXISTS public.raw_results (
+    job_version text NOT NULL, record_id text NOT NULL, output jsonb NOT NULL, category text,
+    model_name text NOT NULL, model_digest text NOT NULL, prompt_version text NOT NULL,
+    transport text NOT NULL, worker_id text, epoch bigint, acl text[], content_hash text,
+    created_at timestamptz NOT NULL DEFAULT clock_timestamp(),
+    PRIMARY KEY (job_version, record_id)
+) PARTITION BY LIST (job_version)
+"""
+
+RAW_INSERT = """
+INSERT INTO public.raw_results (job_version, record_id, output, category, model_name, model_digest,
+                                prompt_version, transport, worker_id, epoch, acl, content_hash)
+SELECT %(job)s, u.id, u.output, u.category, 'noop', %(digest)s, 'v1', 'batch', 'raw', 1,
+       ARRAY['team0'], md5(u.id)
+  FROM unnest(%(ids)s::text[], %(outputs)s::jsonb[], %(categories)s::text[]) AS u(id, output, category)
+ON CONFLICT (job_version, record_id) DO NOTHING
+"""
+
+
+def raw_ceiling(conn: psycopg.Connection, run: str, records: int, batch: int) -> float:
+    """Rows/s of one connection putting ``records`` new rows, ``batch`` per statement (autocommit:
+    one transaction per batch, as the worker's flushes)."""
+    conn.execute(RAW_TABLE)
+    part = f"raw_results_{run}"
+    conn.execute(f"CREATE TABLE {part} PARTITION OF public.raw_results FOR VALUES IN ('{run}')")
+    # The same text the worker sends: json.dumps of the parsed noop answer.
+    payload = json.dumps(minimal_instance(BENCH_SCHEMA), ensure_ascii=False)
+    ids = [f"t{i:09d}" for i in range(1, records + 1)]
+    t0 = time.perf_counter()
+    for s in range(0, records, batch):
+        chunk = ids[s:s + batch]
+        conn.execute(RAW_INSERT, {"job": run, "digest": "0" * 64, "ids": chunk,
+                                  "outputs": [payload] * len(chunk), "categories": ["billing"] * len(chunk)})
+    elapsed = time.perf_counter() - t0
+    n = conn.execute(f"SELECT count(*) AS n FROM {part}").fetchone()["n"]  # type: ignore[index]
+    assert n == records, (n, records)
+    conn.execute(f"DROP TABLE {part}")
+    return records / elapsed
+
+
+def pipeline(url: str, conn: psycopg.Connection, run: str, records: int, shard_size: int, workers: int,
+             flush_every: int) -> dict[str, Any]:
+    # A distinct prompt version per run gives a distinct job version over the same rows.
+    spec = bench_spec(shard_size=shard_size, prompt={"version": run, "system": "Classify the support ticket."})
+    job = submit(conn, spec).job_version
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
+    procs = [subprocess.Popen([PYTHON, "-m", "gpu_runner", job, "--no-wait", "--flush-every", str(flush_every)],
+                              cwd=REPO, env=worker_env(url), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                              text=True) for _ in range(workers)]
+    errors = []
+    for p in procs:
+        _, err = p.communicate(timeout=3600)
+        if p.returncode != 0:
+            errors.append(err[-2000:])
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    if errors:
+        raise RuntimeError(f"worker failed: {errors[0]}")
+    r = conn.execute("""SELECT sum(stored) AS stored, count(*) FILTER (WHERE state = 'done') AS done, count(*) AS shards,
+                               extract(epoch FROM max(done_at) - min(first_claim_at)) AS seconds
+                          FROM bi.shards WHERE job_version = %s""", (job,)).fetchone()
+    assert r is not None and r["stored"] == records and r["done"] == r["shards"], r
+    seconds = float(r["seconds"])
+    return {"rate": records / seconds, "seconds": seconds,
+            "worker_cpu_s": (after.ru_utime + after.ru_stime) - (before.ru_utime + before.ru_stime)}
+
+
+def run(records: int = 100_000, shard_size: int = 5000, workers: int = 2, flush: tuple[int, ...] = (200, 1000),
+        repeats: int = 3, patches: tuple[str, ...] = ()) -> dict[str, Any]:
+    with fresh_server() as url, db.connect(url) as conn:
+        for path in patches:  # a prototype of a core change, applied over the migrated schema
+            conn.execute((REPO / path).read_text() if not path.startswith("/") else open(path).read())
+        make_tickets(conn, records)
+        per_flush: dict[int, dict[str, list[float]]] = {f: {"ceiling": [], "pipeline": [], "ratio": [], "cpu": []}
+                                                       for f in flush}
+        for rep in range(repeats):
+            for f in flush:
+                run_id = f"r{rep}_f{f}"
+                ceiling = raw_ceiling(conn, run_id, records, f)
+                p = pipeline(url, conn, run_id, records, shard_size, workers, f)
+                d = per_flush[f]
+                d["ceiling"].append(ceiling)
+                d["pipeline"].append(p["rate"])
+                d["ratio"].append(p["rate"] / ceiling)
+                d["cpu"].append(p["worker_cpu_s"])
+        version = pg_version(conn)
+    results = {
+        str(f): {"raw_ceiling_rows_s": rnd(median(d["ceiling"])), "pipeline_records_s": rnd(median(d["pipeline"])),
+                 "ratio": round(median(d["ratio"]), 3),
+                 "worker_cpu_us_per_record": rnd(median(d["cpu"]) / records * 1e6)}
+        for f, d in per_flush.items()}
+    default = results[str(flush[0])]
+    return {"benchmark": "control_plane", "records": records, "shard_size": shard_size, "workers": workers,
+            "repeats": repeats, "flush_every": list(flush), "by_flush": results,
+            "ratio": default["ratio"], "target": f">= {TARGET}", "met": default["ratio"] >= TARGET,
+            "patches": list(patches), "postgres": version, "machine": machine()}
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--records", type=int, default=100_000)
+    ap.add_argument("--shard-size", type=int, default=5000)
+    ap.add_argument("--workers", type=int, default=2)
+    ap.add_argument("--flush", default="200,1000", help="comma-separated flush sizes; the first is judged")
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--patch", action="append", default=[],
+                    help="SQL file applied after the migrations (a prototype of a core fix, e.g. "
+                         "benchmarks/prototypes/put_results_pkey_probe.sql)")
+    a = ap.parse_args(argv)
+    emit(run(a.records, a.shard_size, a.workers, tuple(int(x) for x in a.flush.split(",")), a.repeats,
+             tuple(a.patch)))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
