@@ -164,3 +164,96 @@ SELECT bi.drop_job_version_v1(%(job)s) AS dropped;
 
 -- name: fence_counts  refused stale-epoch writes by operation
 SELECT op, count(*) AS n FROM bi.fence_events WHERE job_version = %(job)s GROUP BY op ORDER BY op;
+
+-- validate and publish
+
+-- name: validate_job  the job fields the validator and publish need
+SELECT job_version, dataset, status, records, reused, planned_dead, validation
+  FROM bi.jobs WHERE job_version = %(job)s;
+
+-- name: validate_work_mem  room for hash joins over a million record ids (this transaction only)
+SELECT set_config('work_mem', '256MB', true);
+
+-- name: validate_coverage  snapshot records against results and dead letters, by record id, in one pass
+SELECT count(*) AS snapshot,
+       count(*) FILTER (WHERE r.record_id IS NULL AND d.record_id IS NULL) AS missing,
+       count(*) FILTER (WHERE r.record_id IS NOT NULL AND d.record_id IS NOT NULL) AS in_both,
+       count(r.record_id) AS stored_in_snapshot,
+       count(d.record_id) AS dead_in_snapshot
+  FROM bi.snapshot_rows s
+  LEFT JOIN bi.results r ON r.job_version = %(job)s AND r.record_id = s.record_id
+  LEFT JOIN bi.dead_letters d ON d.job_version = %(job)s AND d.record_id = s.record_id
+ WHERE s.job_version = %(job)s;
+
+-- name: validate_totals  all stored results and dead letters of a version, in the snapshot or not
+SELECT (SELECT count(*) FROM bi.results WHERE job_version = %(job)s) AS stored,
+       (SELECT count(*) FROM bi.dead_letters WHERE job_version = %(job)s) AS dead_letters;
+
+-- name: validate_missing_ids  the first snapshot records with neither a result nor a dead letter
+SELECT s.record_id FROM bi.snapshot_rows s
+ WHERE s.job_version = %(job)s
+   AND NOT EXISTS (SELECT 1 FROM bi.results r WHERE r.job_version = s.job_version AND r.record_id = s.record_id)
+   AND NOT EXISTS (SELECT 1 FROM bi.dead_letters d WHERE d.job_version = s.job_version AND d.record_id = s.record_id)
+ ORDER BY s.record_id LIMIT %(n)s;
+
+-- name: validate_in_both_ids  the first records with both a result and a dead letter
+SELECT r.record_id FROM bi.results r
+  JOIN bi.dead_letters d ON d.job_version = r.job_version AND d.record_id = r.record_id
+ WHERE r.job_version = %(job)s ORDER BY r.record_id LIMIT %(n)s;
+
+-- name: validate_orphan_ids  the first results or dead letters whose record is not in the snapshot
+SELECT t.record_id FROM (SELECT record_id FROM bi.results WHERE job_version = %(job)s
+                         UNION SELECT record_id FROM bi.dead_letters WHERE job_version = %(job)s) t
+ WHERE NOT EXISTS (SELECT 1 FROM bi.snapshot_rows s WHERE s.job_version = %(job)s AND s.record_id = t.record_id)
+ ORDER BY t.record_id LIMIT %(n)s;
+
+-- name: validate_results  one scan: rows per category, and rows the SQL form of the schema cannot vouch for ({valid})
+SELECT r.category, count(*) AS n, count(*) FILTER (WHERE NOT {valid}) AS unvouched
+  FROM bi.results r WHERE r.job_version = %(job)s GROUP BY r.category;
+
+-- name: validate_unvouched  the outputs {valid} does not vouch for, as JSON text, for the full check in Python
+SELECT r.record_id, r.output::text AS output
+  FROM bi.results r WHERE r.job_version = %(job)s AND NOT {valid};
+
+-- name: category_counts  rows per category of one version (drift, when its report lacks them)
+SELECT category, count(*) AS n FROM bi.results WHERE job_version = %(job)s GROUP BY category;
+
+-- name: validate_sample  a seeded random sample of stored results with their input text (order-independent)
+SELECT r.record_id, s.text, r.output::text AS output
+  FROM (SELECT record_id, output FROM bi.results WHERE job_version = %(job)s
+         ORDER BY hashtextextended(record_id, %(seed)s), record_id LIMIT %(n)s) r
+  JOIN bi.snapshot_rows s ON s.job_version = %(job)s AND s.record_id = r.record_id
+ ORDER BY r.record_id;
+
+-- name: record_validation  store the report; status validated or failed_validation (guarded: every shard done)
+SELECT bi.record_validation_v1(%(job)s, %(report)s, %(passed)s) AS status;
+
+-- name: published_version  the version a dataset's view shows now, with its last validation report
+SELECT p.dataset, p.job_version, p.switched_at, p.switched_by, j.validation
+  FROM bi.publish_pointer p JOIN bi.jobs j ON j.job_version = p.job_version
+ WHERE p.dataset = %(dataset)s;
+
+-- name: set_lock_timeout  for DDL (the first publish creates the view): fail fast and retry, never queue readers
+SELECT set_config('lock_timeout', %(timeout)s, true);
+
+-- name: ensure_published_view  the dataset's view, created at its first publish (no DDL once it exists)
+SELECT bi.ensure_published_view_v1(%(dataset)s, %(text_fields)s::text[], %(json_fields)s::text[]) AS view_name;
+
+-- name: publish  switch the dataset's pointer to a version and record it (guards in bi.publish_v1)
+SELECT * FROM bi.publish_v1(%(dataset)s, %(job)s, %(actor)s, %(force)s, %(reason)s);
+
+-- name: rollback  switch the dataset's pointer back to the version the current one replaced
+SELECT * FROM bi.rollback_v1(%(dataset)s, %(actor)s, %(reason)s);
+
+-- name: published_view  the dataset's view, if created
+SELECT dataset, view_name, fields, created_at, created_by FROM bi.published_views WHERE dataset = %(dataset)s;
+
+-- name: publish_history  the latest publishes and rollbacks of a dataset, newest first
+SELECT id, dataset, from_version, to_version, action, forced, reason, actor, at
+  FROM bi.publish_history WHERE dataset = %(dataset)s ORDER BY id DESC LIMIT %(n)s;
+
+-- name: dataset_null_acl  what a record without an ACL means for the dataset's readers
+SELECT coalesce((SELECT null_acl FROM bi.dataset_acl WHERE dataset = %(dataset)s), 'all_readers') AS null_acl;
+
+-- name: set_null_acl  all_readers or nobody
+SELECT bi.set_null_acl_v1(%(dataset)s, %(mode)s) AS null_acl;

@@ -1,0 +1,48 @@
+"""``batch-inference validate JOB_VERSION``: coverage, schema, dead letters,
+drift and a sample; exit 0 if the version passed, 1 if it failed."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from typing import Any
+
+
+def register(sub: Any) -> None:
+    p = sub.add_parser("validate", help="check a finished job version before publish (exit 1 if it fails)",
+                       description=__doc__.splitlines()[0])
+    p.add_argument("job_version")
+    p.add_argument("--json", action="store_true", help="print the whole report as one JSON object")
+    p.add_argument("--sample-dir", default=None,
+                   help="where the JSONL sample goes (default: $BATCH_INFERENCE_HOME/samples)")
+    p.add_argument("--db", default=argparse.SUPPRESS, help="database URL (default: $BATCH_INFERENCE_DB)")
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from batch_inference import db
+    from batch_inference.validate import validate
+
+    with db.connect(getattr(args, "db", None)) as conn:
+        db.migrate(conn)
+        report = validate(conn, args.job_version, sample_dir=args.sample_dir)
+    if args.json:
+        print(json.dumps(report, default=str, ensure_ascii=False))
+    else:
+        c, s, d = report["coverage"], report["schema"], report["drift"]
+        print(f"{args.job_version}: {'PASSED' if report.passed else 'FAILED'} ({report['status']})")
+        missing = f", {c['missing']} missing" if c["missing"] else ""
+        print(f"  coverage: {c['snapshot']} snapshot = {c['stored']} stored + {c['dead_letters']} dead letters"
+              f"{missing}")
+        print(f"  schema: {s['checked']} checked, {s['invalid']} invalid")
+        print(f"  dead letters: {report['dead_letter_rate']:.2%} (gate {report['dead_letter_gate']:.2%})")
+        if d["distance"] is not None:
+            print(f"  drift: {d['distance']:.3f} against {d['against']} (gate {d['threshold']:.2f})")
+        if report["sample"]["path"]:
+            print(f"  sample: {report['sample']['rows']} rows in {report['sample']['path']}")
+        for note in report["notes"]:
+            print(f"  note: {note}")
+        for failure in report["failures"]:
+            print(f"  FAIL {failure}", file=sys.stderr)
+    return 0 if report.passed else 1

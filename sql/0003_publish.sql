@@ -1,0 +1,341 @@
+-- 0003_publish: validation results, the published views, publish and rollback,
+-- and row-level access control for readers.
+--
+-- Downstream reads one stable view per dataset, published.<dataset>, which
+-- joins bi.results to the dataset's row in bi.publish_pointer. Publishing or
+-- rolling back is one UPDATE of that row: readers never wait on a lock and a
+-- statement sees exactly one version (one snapshot reads both the pointer and
+-- the rows). The view itself is created once, at the first publish; no DDL
+-- runs on the switch.
+--
+-- State changes are SQL functions with the guard in the statement. Unlike the
+-- ledger functions they are SECURITY INVOKER: the caller must own the tables
+-- (the admin or migrating role), so a reader or a worker that can EXECUTE
+-- them still cannot publish. That also keeps current_user as the default actor.
+
+CREATE SCHEMA IF NOT EXISTS published;
+-- Only bi_reader (below) may look inside; PUBLIC gets nothing.
+REVOKE ALL ON SCHEMA published FROM PUBLIC;
+
+-- Readers: a NOLOGIN group. Grant it to login roles (or to groups of them).
+-- Roles are cluster-wide, so several databases migrating at once may race here.
+DO $$
+BEGIN
+    IF NOT EXISTS (SELECT 1 FROM pg_roles WHERE rolname = 'bi_reader') THEN
+        CREATE ROLE bi_reader NOLOGIN;
+    END IF;
+EXCEPTION WHEN duplicate_object OR unique_violation THEN
+    NULL;  -- another database's migration created it first
+END $$;
+
+-- One row per published view (created at the dataset's first publish).
+CREATE TABLE IF NOT EXISTS bi.published_views (
+    dataset     text PRIMARY KEY,
+    view_name   text NOT NULL,          -- qualified and quoted, e.g. published.tickets_triage
+    fields      jsonb NOT NULL,         -- output fields exposed as columns: {"name": "text" | "jsonb"}
+    created_at  timestamptz NOT NULL DEFAULT clock_timestamp(),
+    created_by  text NOT NULL DEFAULT current_user
+);
+
+-- Principal mapping. A reader's principals are its own role name, the names of
+-- the roles whose privileges it has (pg_has_role USAGE: inherited membership),
+-- and every principal mapped here to any of those roles. A source's ACL
+-- entries rarely are PostgreSQL role names ('team:billing', an LDAP group), so
+-- this table says which database role stands for which ACL entry.
+CREATE TABLE IF NOT EXISTS bi.reader_principals (
+    role      text NOT NULL,   -- a database role: a reader or a group readers belong to
+    principal text NOT NULL,   -- an ACL entry as the source writes it
+    PRIMARY KEY (role, principal)
+);
+
+-- What a record without an ACL (acl IS NULL) means, per dataset. Absent row:
+-- 'all_readers', i.e. every member of bi_reader sees it. An empty ACL ('{}')
+-- overlaps nothing and is visible to no reader, whatever this says.
+CREATE TABLE IF NOT EXISTS bi.dataset_acl (
+    dataset  text PRIMARY KEY,
+    null_acl text NOT NULL DEFAULT 'all_readers' CHECK (null_acl IN ('all_readers', 'nobody'))
+);
+
+-- SECURITY INVOKER on purpose: current_user must be the reader, not the owner.
+-- Called once per statement from the policy (as an uncorrelated sub-select,
+-- so it is an InitPlan, not a per-row call).
+CREATE OR REPLACE FUNCTION bi.current_principals() RETURNS text[]
+LANGUAGE sql STABLE SET search_path = pg_catalog, pg_temp AS $$
+    WITH held AS (
+        SELECT r.rolname::text AS name FROM pg_roles r
+         WHERE pg_has_role(current_user, r.oid, 'USAGE')
+    )
+    SELECT coalesce(array_agg(DISTINCT p), '{}') FROM (
+        SELECT name AS p FROM held
+        UNION ALL
+        SELECT m.principal FROM bi.reader_principals m JOIN held ON held.name = m.role
+    ) t;
+$$;
+
+-- Row-level security on results. The owner (the migrating role) and
+-- superusers bypass it, and so do the ledger's SECURITY DEFINER functions,
+-- which run as their owner: workers keep writing. Any other role sees no row
+-- unless a policy admits it, and only bi_reader has a policy: a reader sees a
+-- row only if its version is published somewhere (never a half-finished or
+-- superseded version, even reading bi.results directly) and its ACL overlaps
+-- the reader's principals, or it has no ACL and the dataset's null_acl says so.
+ALTER TABLE bi.results ENABLE ROW LEVEL SECURITY;
+
+DROP POLICY IF EXISTS results_published_acl ON bi.results;
+CREATE POLICY results_published_acl ON bi.results FOR SELECT TO bi_reader
+USING (
+    CASE WHEN acl IS NULL
+         THEN job_version IN (SELECT p.job_version FROM bi.publish_pointer p
+                                LEFT JOIN bi.dataset_acl a ON a.dataset = p.dataset
+                               WHERE coalesce(a.null_acl, 'all_readers') = 'all_readers')
+         ELSE job_version IN (SELECT p.job_version FROM bi.publish_pointer p)
+              AND acl && (SELECT bi.current_principals())
+    END
+);
+
+-- The mapping is readable by readers (the policy runs as them), but each sees
+-- only the rows of roles it holds.
+ALTER TABLE bi.reader_principals ENABLE ROW LEVEL SECURITY;
+DROP POLICY IF EXISTS reader_principals_own ON bi.reader_principals;
+CREATE POLICY reader_principals_own ON bi.reader_principals FOR SELECT TO bi_reader
+USING (role IN (SELECT r.rolname FROM pg_roles r WHERE pg_has_role(current_user, r.oid, 'USAGE')));
+
+-- The views are security_invoker, so the reader needs the base privileges;
+-- RLS above narrows them to the rows it may see.
+GRANT USAGE ON SCHEMA bi TO bi_reader;
+GRANT USAGE ON SCHEMA published TO bi_reader;
+GRANT SELECT ON bi.results, bi.publish_pointer, bi.dataset_acl, bi.reader_principals, bi.published_views
+    TO bi_reader;
+GRANT EXECUTE ON FUNCTION bi.current_principals() TO bi_reader;
+
+
+-- Partitions without an ACCESS EXCLUSIVE lock on the parent. CREATE TABLE ...
+-- PARTITION OF locks bi.results exclusively: a submit would queue behind any
+-- long reader of a published view and every later reader would queue behind
+-- the submit. CREATE TABLE (LIKE ...) plus ATTACH PARTITION takes only SHARE
+-- UPDATE EXCLUSIVE on the parent, which readers never conflict with.
+-- (Replaces the 0002 definition; same signature and effect.)
+CREATE OR REPLACE FUNCTION bi.create_job_partitions_v1(p_job text) RETURNS void
+LANGUAGE plpgsql SET search_path = pg_catalog, pg_temp AS $$
+DECLARE
+    t text;
+    part text;
+    suffix text := substr(md5(p_job), 1, 16);
+BEGIN
+    FOREACH t IN ARRAY ARRAY['snapshot_rows', 'results', 'dead_letters', 'attempts'] LOOP
+        part := t || '_' || suffix;
+        IF to_regclass(format('bi.%I', part)) IS NULL THEN
+            EXECUTE format('CREATE TABLE bi.%I (LIKE bi.%I INCLUDING DEFAULTS INCLUDING CONSTRAINTS)', part, t);
+            EXECUTE format('ALTER TABLE bi.%I ATTACH PARTITION bi.%I FOR VALUES IN (%L)', t, part, p_job);
+        END IF;
+    END LOOP;
+END $$;
+
+
+-- Store a validation report. Guard: every shard done and the version not
+-- dropped. A published version keeps its status (the pointer names it);
+-- otherwise the status becomes validated or failed_validation. Returns the
+-- status, or nothing when the guard refused.
+CREATE OR REPLACE FUNCTION bi.record_validation_v1(p_job text, p_report jsonb, p_passed boolean)
+RETURNS text
+LANGUAGE sql SET search_path = pg_catalog, pg_temp AS $$
+    UPDATE bi.jobs j
+       SET validation = p_report,
+           status = CASE WHEN j.status = 'published' THEN j.status
+                         WHEN p_passed THEN 'validated' ELSE 'failed_validation' END
+     WHERE j.job_version = p_job
+       AND j.status <> 'dropped'
+       AND NOT EXISTS (SELECT 1 FROM bi.shards s WHERE s.job_version = p_job AND s.state <> 'done')
+    RETURNING j.status;
+$$;
+
+
+-- The view of one dataset, created if absent. The column list is fixed here:
+-- the output's top-level fields are taken from the first published version's
+-- schema (strings as text, anything else as jsonb, so a later schema can
+-- never make a cast fail at read time); every field stays in `output`.
+CREATE OR REPLACE FUNCTION bi.ensure_published_view_v1(p_dataset text, p_text_fields text[] DEFAULT '{}',
+                                                      p_json_fields text[] DEFAULT '{}')
+RETURNS text
+LANGUAGE plpgsql SET search_path = pg_catalog, pg_temp AS $$
+DECLARE
+    v_name text := format('published.%I', p_dataset);
+    fixed text[] := ARRAY['record_id', 'output', 'category', 'model_name', 'model_digest', 'prompt_version',
+                          'transport', 'job_version', 'created_at', 'acl'];
+    cols text := '';
+    fields jsonb := '{}';
+    f text;
+BEGIN
+    IF to_regclass(v_name) IS NOT NULL THEN
+        RETURN v_name;
+    END IF;
+    FOREACH f IN ARRAY coalesce(p_text_fields, '{}') LOOP
+        CONTINUE WHEN f = ANY (fixed) OR fields ? f OR length(f) > 63;
+        cols := cols || format(', r.output ->> %L AS %I', f, f);
+        fields := fields || jsonb_build_object(f, 'text');
+    END LOOP;
+    FOREACH f IN ARRAY coalesce(p_json_fields, '{}') LOOP
+        CONTINUE WHEN f = ANY (fixed) OR fields ? f OR length(f) > 63;
+        cols := cols || format(', r.output -> %L AS %I', f, f);
+        fields := fields || jsonb_build_object(f, 'jsonb');
+    END LOOP;
+    BEGIN
+        -- security_invoker: the policy on bi.results is checked against the
+        -- reader, not the view's owner (who bypasses RLS).
+        EXECUTE format(
+            'CREATE VIEW published.%I WITH (security_invoker = true) AS '
+            'SELECT r.record_id, r.output, r.category%s, r.model_name, r.model_digest, r.prompt_version, '
+            'r.transport, r.job_version, r.created_at, r.acl '
+            'FROM bi.results r '
+            'WHERE r.job_version = (SELECT p.job_version FROM bi.publish_pointer p WHERE p.dataset = %L)',
+            p_dataset, cols, p_dataset);
+    EXCEPTION WHEN duplicate_table THEN
+        RETURN v_name;  -- a concurrent first publish created it
+    END;
+    EXECUTE format('REVOKE ALL ON %s FROM PUBLIC', v_name);
+    EXECUTE format('GRANT SELECT ON %s TO bi_reader', v_name);
+    EXECUTE format('COMMENT ON VIEW %s IS %L', v_name,
+                   format('Published results of dataset %s: the version named in bi.publish_pointer. '
+                          'Rows are filtered by ACL for bi_reader members.', p_dataset));
+    INSERT INTO bi.published_views (dataset, view_name, fields) VALUES (p_dataset, v_name, fields)
+    ON CONFLICT (dataset) DO NOTHING;
+    RETURN v_name;
+END $$;
+
+
+-- The status a version returns to when it stops being the published one: what
+-- its last validation said (a forced publish of a failed or never-validated
+-- version must not come back as 'validated').
+CREATE OR REPLACE FUNCTION bi.unpublished_status_v1(p_validation jsonb) RETURNS text
+LANGUAGE sql IMMUTABLE AS $$
+    SELECT CASE WHEN (p_validation ->> 'passed')::boolean IS TRUE THEN 'validated' ELSE 'failed_validation' END;
+$$;
+
+
+-- Publish: switch the dataset's pointer to p_job and record it, in one
+-- transaction. Refused (SQLSTATE 55000, one line) when the version belongs to
+-- another dataset, is dropped, still has shards to do, or is not validated and
+-- not forced with a reason. Publishing the version already published is a
+-- no-op (an Airflow retry must not write history twice).
+CREATE OR REPLACE FUNCTION bi.publish_v1(p_dataset text, p_job text, p_actor text DEFAULT NULL,
+                                        p_force boolean DEFAULT false, p_reason text DEFAULT NULL)
+RETURNS TABLE (dataset text, from_version text, to_version text, action text, forced boolean,
+               changed boolean, history_id bigint)
+LANGUAGE plpgsql SET search_path = pg_catalog, pg_temp AS $$
+#variable_conflict use_column
+DECLARE
+    j record;
+    v_from text;
+    v_open bigint;
+    v_id bigint;
+    v_actor text := coalesce(nullif(btrim(p_actor), ''), current_user);
+    v_reason text := nullif(btrim(p_reason), '');
+BEGIN
+    -- One publisher per dataset at a time, including the very first publish
+    -- (no pointer row to lock yet).
+    PERFORM pg_advisory_xact_lock(hashtextextended('bi.publish:' || p_dataset, 0));
+    SELECT jb.job_version, jb.dataset, jb.status, jb.validation INTO j
+      FROM bi.jobs jb WHERE jb.job_version = p_job FOR UPDATE;
+    IF NOT FOUND THEN
+        RAISE EXCEPTION 'no job version %', p_job USING ERRCODE = 'no_data_found';
+    END IF;
+    IF j.dataset <> p_dataset THEN
+        RAISE EXCEPTION 'job version % belongs to dataset %, not %', p_job, j.dataset, p_dataset
+            USING ERRCODE = 'object_not_in_prerequisite_state';
+    END IF;
+    SELECT p.job_version INTO v_from FROM bi.publish_pointer p WHERE p.dataset = p_dataset FOR UPDATE;
+    IF v_from = p_job THEN
+        RETURN QUERY SELECT p_dataset, v_from, p_job, 'publish'::text, false, false, NULL::bigint;
+        RETURN;
+    END IF;
+    IF j.status = 'dropped' THEN
+        RAISE EXCEPTION 'job version % was dropped and cannot be published', p_job
+            USING ERRCODE = 'object_not_in_prerequisite_state';
+    END IF;
+    SELECT count(*) INTO v_open FROM bi.shards s WHERE s.job_version = p_job AND s.state <> 'done';
+    IF v_open > 0 THEN
+        -- Never forcible: it would publish half a job (I3).
+        RAISE EXCEPTION 'job version % is not finished (% shard(s) not done); it cannot be published, even forced',
+            p_job, v_open USING ERRCODE = 'object_not_in_prerequisite_state';
+    END IF;
+    IF j.status <> 'validated' AND NOT p_force THEN
+        RAISE EXCEPTION 'job version % is %, not validated: refused (publish --force --reason TEXT to override)',
+            p_job, CASE j.status WHEN 'running' THEN 'not validated yet' ELSE j.status END
+            USING ERRCODE = 'object_not_in_prerequisite_state';
+    END IF;
+    IF p_force AND v_reason IS NULL THEN
+        RAISE EXCEPTION 'a forced publish needs a reason' USING ERRCODE = 'object_not_in_prerequisite_state';
+    END IF;
+
+    INSERT INTO bi.publish_pointer AS pp (dataset, job_version, switched_at, switched_by)
+    VALUES (p_dataset, p_job, clock_timestamp(), v_actor)
+    ON CONFLICT ON CONSTRAINT publish_pointer_pkey DO UPDATE
+       SET job_version = excluded.job_version, switched_at = excluded.switched_at,
+           switched_by = excluded.switched_by;
+    UPDATE bi.jobs jb SET status = 'published' WHERE jb.job_version = p_job;
+    UPDATE bi.jobs jb SET status = bi.unpublished_status_v1(jb.validation)
+     WHERE jb.job_version = v_from AND jb.status = 'published';
+    INSERT INTO bi.publish_history (dataset, from_version, to_version, action, forced, reason, actor)
+    VALUES (p_dataset, v_from, p_job, 'publish', p_force AND j.status <> 'validated', v_reason, v_actor)
+    RETURNING id INTO v_id;
+    RETURN QUERY SELECT p_dataset, v_from, p_job, 'publish'::text, p_force AND j.status <> 'validated', true, v_id;
+END $$;
+
+
+-- Rollback: switch the pointer back to the version the current one replaced
+-- (from_version of the latest publish that made the current version live).
+-- Repeated rollbacks walk back through the publishes, like an undo stack.
+CREATE OR REPLACE FUNCTION bi.rollback_v1(p_dataset text, p_actor text DEFAULT NULL, p_reason text DEFAULT NULL)
+RETURNS TABLE (dataset text, from_version text, to_version text, action text, forced boolean,
+               changed boolean, history_id bigint)
+LANGUAGE plpgsql SET search_path = pg_catalog, pg_temp AS $$
+#variable_conflict use_column
+DECLARE
+    v_cur text;
+    v_to text;
+    v_id bigint;
+    v_actor text := coalesce(nullif(btrim(p_actor), ''), current_user);
+BEGIN
+    PERFORM pg_advisory_xact_lock(hashtextextended('bi.publish:' || p_dataset, 0));
+    SELECT p.job_version INTO v_cur FROM bi.publish_pointer p WHERE p.dataset = p_dataset FOR UPDATE;
+    IF NOT FOUND THEN
+        RAISE EXCEPTION 'dataset % has never been published; nothing to roll back', p_dataset
+            USING ERRCODE = 'object_not_in_prerequisite_state';
+    END IF;
+    SELECT h.from_version INTO v_to FROM bi.publish_history h
+     WHERE h.dataset = p_dataset AND h.action = 'publish' AND h.to_version = v_cur
+     ORDER BY h.id DESC LIMIT 1;
+    IF v_to IS NULL THEN
+        RAISE EXCEPTION 'nothing to roll back to: % was the first version published for dataset %', v_cur, p_dataset
+            USING ERRCODE = 'object_not_in_prerequisite_state';
+    END IF;
+    IF NOT EXISTS (SELECT 1 FROM bi.jobs jb WHERE jb.job_version = v_to AND jb.status <> 'dropped') THEN
+        RAISE EXCEPTION 'cannot roll back dataset % to %: that version was dropped', p_dataset, v_to
+            USING ERRCODE = 'object_not_in_prerequisite_state';
+    END IF;
+    UPDATE bi.publish_pointer p SET job_version = v_to, switched_at = clock_timestamp(), switched_by = v_actor
+     WHERE p.dataset = p_dataset;
+    UPDATE bi.jobs jb SET status = 'published' WHERE jb.job_version = v_to;
+    UPDATE bi.jobs jb SET status = bi.unpublished_status_v1(jb.validation)
+     WHERE jb.job_version = v_cur AND jb.status = 'published';
+    INSERT INTO bi.publish_history (dataset, from_version, to_version, action, forced, reason, actor)
+    VALUES (p_dataset, v_cur, v_to, 'rollback', false, nullif(btrim(p_reason), ''), v_actor)
+    RETURNING id INTO v_id;
+    RETURN QUERY SELECT p_dataset, v_cur, v_to, 'rollback'::text, false, true, v_id;
+END $$;
+
+
+-- What a record without an ACL means for one dataset's readers.
+CREATE OR REPLACE FUNCTION bi.set_null_acl_v1(p_dataset text, p_mode text) RETURNS text
+LANGUAGE sql SET search_path = pg_catalog, pg_temp AS $$
+    INSERT INTO bi.dataset_acl (dataset, null_acl) VALUES (p_dataset, p_mode)
+    ON CONFLICT (dataset) DO UPDATE SET null_acl = excluded.null_acl
+    RETURNING null_acl;
+$$;
+
+-- Publishing is an owner's act: nobody else may even call these.
+REVOKE EXECUTE ON FUNCTION bi.publish_v1(text, text, text, boolean, text) FROM PUBLIC;
+REVOKE EXECUTE ON FUNCTION bi.rollback_v1(text, text, text) FROM PUBLIC;
+REVOKE EXECUTE ON FUNCTION bi.record_validation_v1(text, jsonb, boolean) FROM PUBLIC;
+REVOKE EXECUTE ON FUNCTION bi.ensure_published_view_v1(text, text[], text[]) FROM PUBLIC;
+REVOKE EXECUTE ON FUNCTION bi.set_null_acl_v1(text, text) FROM PUBLIC;
