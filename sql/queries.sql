@@ -165,6 +165,34 @@ SELECT bi.drop_job_version_v1(%(job)s) AS dropped;
 -- name: fence_counts  refused stale-epoch writes by operation
 SELECT op, count(*) AS n FROM bi.fence_events WHERE job_version = %(job)s GROUP BY op ORDER BY op;
 
+-- deadline and fallback
+
+-- name: cutoff_job  what the cutoff and the fallback pool read of a job: spec, mode, when it fired, the DB clock
+SELECT job_version, dataset, spec, mode, status, fallback_at, clock_timestamp() AS db_now
+  FROM bi.jobs WHERE job_version = %(job)s;
+
+-- name: fallback_history  the last n measured fallback runs of a dataset, newest first
+SELECT job_version, dataset, records, rate, overhead_s, started_at, finished_at
+  FROM bi.fallback_runs WHERE dataset = %(dataset)s ORDER BY finished_at DESC, id DESC LIMIT %(n)s;
+
+-- name: progress_insert  one progress sample (the burn-down chart, the moving cutoff's history)
+INSERT INTO bi.progress (job_version, stored, dead_letters, outstanding, latest_safe_start, deadline)
+VALUES (%(job)s, %(stored)s, %(dead_letters)s, %(outstanding)s, %(latest_safe_start)s, %(deadline)s);
+
+-- name: fallback_run_insert  one measured fallback run: started_at is when the cutoff fired (jobs.fallback_at)
+INSERT INTO bi.fallback_runs (job_version, dataset, started_at, finished_at, records, rate, overhead_s)
+VALUES (%(job)s, %(dataset)s, %(started_at)s, %(finished_at)s, %(records)s, %(rate)s, %(overhead_s)s)
+RETURNING id;
+
+-- name: fallback_run_add_load  add the measured warehouse load to the job's latest fallback run (publish calls it)
+UPDATE bi.fallback_runs SET overhead_s = overhead_s + %(load_s)s
+ WHERE id = (SELECT max(id) FROM bi.fallback_runs WHERE job_version = %(job)s)
+RETURNING id, overhead_s;
+
+-- name: leases_by_transport  shards still leased, by transport (batch leases are the drain still to come)
+SELECT lease_transport AS transport, count(*) AS n
+  FROM bi.shards WHERE job_version = %(job)s AND state = 'leased' GROUP BY lease_transport;
+
 -- validate and publish
 
 -- name: validate_job  the job fields the validator and publish need

@@ -1,0 +1,369 @@
+"""The cutoff watch: poll a job's counts, record progress, decide.
+
+This is the loop ``CutoffTrigger`` runs in Airflow's triggerer. The CLI
+(``batch-inference fallback --deadline``) runs the same loop, so both
+decide with the same code. It is written against ``psycopg.AsyncConnection``
+because a triggerer runs every trigger of the deployment on one event loop.
+A blocking call here would stall all the others, so every database call is
+awaited and nothing else does I/O.
+
+Each poll:
+
+1. reads the job's counts from the shard table (``bi.job_counts_v1`` sums
+   per-shard counters, so a poll costs the same for a thousand records or
+   fifty million);
+2. evaluates the moving cutoff (:func:`batch_inference.cutoff.decide`) and,
+   once, the early warning (:func:`batch_inference.cutoff.early_warning`);
+3. writes a progress sample to ``bi.progress`` (the burn-down chart and the
+   cutoff's history);
+4. logs done / outstanding / cutoff on one line.
+
+It ends with one of four outcomes, returned as a JSON-safe dict (the
+trigger event's payload):
+
+* ``complete``: nothing outstanding, so there is nothing to re-drive.
+* ``cutoff``: now >= the latest safe start (the moving cutoff), or the fixed
+  relabel time has come (always-re-drive mode), or the job is already in
+  fallback mode.
+* ``early_warning``: the batch's throughput so far projects it to finish
+  after the cutoff fires. A trigger can only end with an event, so the
+  caller notifies and starts watching again with ``warned=True``.
+* ``error``: the job does not exist, or the database stayed unreachable
+  until the deadline passed.
+
+Rate and overhead come from the last ``spec.fallback.history_runs`` runs in
+``bi.fallback_runs`` for the dataset when there are any, else from the
+spec. An explicit override beats both. The first poll logs which was used.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, replace
+from datetime import datetime, timezone
+from typing import Any
+
+import psycopg
+from psycopg.rows import dict_row
+
+from batch_inference import db
+from batch_inference.cost import Prices
+from batch_inference.cutoff import (
+    CutoffDecision,
+    DerivedConstants,
+    EarlyWarning,
+    FallbackRun,
+    decide,
+    derive_rate_and_overhead,
+    early_warning,
+    projected_finish,
+)
+from batch_inference.spec import JobSpec
+from batch_inference.status import UnknownJob
+
+log = logging.getLogger("batch_inference.deadline")
+
+UTC = timezone.utc
+COMPLETE, CUTOFF, EARLY_WARNING, ERROR, WAIT = "complete", "cutoff", "early_warning", "error", "wait"
+
+
+def utcnow() -> datetime:
+    return datetime.now(UTC)
+
+
+@dataclass(frozen=True)
+class WatchConfig:
+    """What to watch and against what. These are the trigger's serialized fields, with no secrets."""
+
+    job_version: str
+    deadline: datetime
+    poll_interval_s: float = 60.0
+    rate: float | None = None  # override; None: history, else the spec
+    overhead_s: float | None = None  # override; None: history, else the spec
+    relabel_at: datetime | None = None  # always-re-drive: fire at this time whatever the counts
+    warned: bool = False  # the early warning was already sent for this run
+    step_s: int = 60  # latest_safe_start is floored to this many seconds
+
+    def __post_init__(self) -> None:
+        if self.deadline.tzinfo is None:
+            object.__setattr__(self, "deadline", self.deadline.replace(tzinfo=UTC))
+        if self.relabel_at is not None and self.relabel_at.tzinfo is None:
+            object.__setattr__(self, "relabel_at", self.relabel_at.replace(tzinfo=UTC))
+        if not self.poll_interval_s > 0:
+            raise ValueError(f"poll interval must be positive, got {self.poll_interval_s!r}")
+
+
+@dataclass(frozen=True)
+class JobContext:
+    """What a watch reads once: the job's spec, its prices and the constants in force."""
+
+    job_version: str
+    dataset: str
+    spec: JobSpec
+    constants: DerivedConstants
+    prices: Prices
+
+
+# -- database reads and writes (async) --------------------------------------
+
+
+async def _one(aconn: psycopg.AsyncConnection, name: str, params: dict[str, Any]) -> dict[str, Any] | None:
+    cur = await aconn.execute(db.q(name), params)
+    return await cur.fetchone()
+
+
+async def poll_counts(aconn: psycopg.AsyncConnection, job_version: str) -> dict[str, Any]:
+    """The job's live counts from the shard table's counters (``bi.job_counts_v1``).
+
+    The same figures as :func:`batch_inference.status.job_counts`, read
+    without blocking the loop. Raises :class:`UnknownJob` for a missing job.
+    """
+    r = await _one(aconn, "job_counts", {"job": job_version})
+    if r is None:
+        raise UnknownJob(f"no job version {job_version!r}")
+    out = dict(r)
+    out["job_version"] = job_version
+    out["shards"] = {"pending": out.pop("shards_pending"), "leased": out.pop("shards_leased"),
+                     "done": out.pop("shards_done")}
+    return out
+
+
+async def fallback_history(aconn: psycopg.AsyncConnection, dataset: str, n: int) -> list[FallbackRun]:
+    if n <= 0:
+        return []
+    cur = await aconn.execute(db.q("fallback_history"), {"dataset": dataset, "n": n})
+    return [FallbackRun(records=int(r["records"]), rate=float(r["rate"]), overhead_s=float(r["overhead_s"]),
+                        finished_at=r["finished_at"], job_version=r["job_version"], dataset=r["dataset"])
+            for r in await cur.fetchall()]
+
+
+def choose_constants(spec: JobSpec, history: list[FallbackRun], rate: float | None,
+                     overhead_s: float | None) -> DerivedConstants:
+    """History over the spec's constants; an explicit override over both."""
+    derived = derive_rate_and_overhead(history, default_rate=spec.fallback.rate,
+                                       default_overhead=spec.fallback.overhead_s, n=spec.fallback.history_runs)
+    if rate is None and overhead_s is None:
+        return derived
+    parts = []
+    if rate is not None:
+        parts.append(f"rate {float(rate):g}/s given")
+    if overhead_s is not None:
+        parts.append(f"overhead {float(overhead_s):,.0f} s given")
+    return replace(derived, rate=float(rate) if rate is not None else derived.rate,
+                   overhead_s=float(overhead_s) if overhead_s is not None else derived.overhead_s,
+                   source="override: " + "; ".join(parts) + f" (otherwise {derived.source})")
+
+
+async def load_context(aconn: psycopg.AsyncConnection, cfg: WatchConfig) -> JobContext:
+    job = await _one(aconn, "cutoff_job", {"job": cfg.job_version})
+    if job is None:
+        raise UnknownJob(f"no job version {cfg.job_version!r}")
+    spec = JobSpec.model_validate(job["spec"])
+    history = await fallback_history(aconn, job["dataset"], spec.fallback.history_runs)
+    return JobContext(job_version=cfg.job_version, dataset=job["dataset"], spec=spec,
+                      constants=choose_constants(spec, history, cfg.rate, cfg.overhead_s),
+                      prices=Prices.from_spec(spec))
+
+
+async def record_progress(aconn: psycopg.AsyncConnection, job_version: str, counts: dict[str, Any],
+                          decision: CutoffDecision) -> None:
+    await aconn.execute(db.q("progress_insert"), {
+        "job": job_version, "stored": counts["stored"], "dead_letters": counts["dead_letters"],
+        "outstanding": counts["outstanding"], "latest_safe_start": decision.latest_safe_start,
+        "deadline": decision.deadline})
+
+
+# -- the decision (pure) ----------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Verdict:
+    status: str  # complete | cutoff | early_warning | wait
+    reason: str
+    decision: CutoffDecision
+    counts: dict[str, Any]
+    warning: EarlyWarning | None = None
+    relabel_at: datetime | None = None
+
+    @property
+    def sleep_hint_s(self) -> float:
+        """Seconds until the earliest moment the verdict could change by the clock alone."""
+        s = self.decision.seconds_to_cutoff
+        if self.relabel_at is not None:
+            s = min(s, (self.relabel_at - self.decision.now).total_seconds())
+        return max(0.0, s)
+
+    def payload(self, ctx: JobContext, cfg: WatchConfig, polls: int) -> dict[str, Any]:
+        c = self.counts
+        return {
+            "status": self.status,
+            "reason": self.reason,
+            "job_version": ctx.job_version,
+            "dataset": ctx.dataset,
+            "polls": polls,
+            "message": self.decision.log_line(ctx.job_version),
+            "decision": self.decision.to_dict(),
+            "counts": {k: int(c[k]) for k in ("records", "stored", "stored_batch", "stored_fallback", "reused",
+                                              "dead_letters", "outstanding")} | {
+                "mode": c["mode"], "status": c["status"], "shards": dict(c["shards"])},
+            "constants": {"rate": ctx.constants.rate, "overhead_s": ctx.constants.overhead_s,
+                          "source": ctx.constants.source},
+            "relabel_at": self.relabel_at.isoformat() if self.relabel_at else None,
+            "warning": self.warning.to_dict() if self.warning else None,
+            "watch": watch_kwargs(cfg),
+        }
+
+
+def evaluate(cfg: WatchConfig, ctx: JobContext, counts: dict[str, Any], now: datetime) -> Verdict:
+    """One poll's decision from the counts; no I/O."""
+    k = ctx.constants
+    done = int(counts["stored_batch"]) + int(counts["stored_fallback"])
+    outstanding = int(counts["outstanding"])
+    d = decide(now, cfg.deadline, outstanding, k.rate, k.overhead_s, done=done, step_s=cfg.step_s)
+    v = lambda status, reason, warning=None: Verdict(status, reason, d, counts, warning, cfg.relabel_at)  # noqa: E731
+    if d.complete:
+        return v(COMPLETE, "nothing outstanding")
+    if counts.get("mode") == "fallback":
+        # Someone (a previous try of this task, the CLI) already fired it:
+        # the workers are draining, so say so rather than wait.
+        return v(CUTOFF, "the job is already in fallback mode")
+    if cfg.relabel_at is not None:
+        if d.now >= cfg.relabel_at:
+            return v(CUTOFF, f"relabel mode: the fixed re-drive time {cfg.relabel_at:%H:%M:%S} has come")
+        if d.fire:
+            # The fixed time was set later than this night's cutoff, so the moving
+            # cutoff wins and the deadline still holds.
+            return v(CUTOFF, f"moving cutoff {d.latest_safe_start:%H:%M:%S} came before the relabel time "
+                             f"{cfg.relabel_at:%H:%M:%S} (set the relabel time earlier)")
+        return v(WAIT, f"relabel mode: waiting for {cfg.relabel_at:%H:%M:%S}")
+    if d.fire:
+        return v(CUTOFF, f"moving cutoff: now >= latest safe start {d.latest_safe_start:%H:%M:%S}")
+    if not cfg.warned:
+        started = counts.get("first_claim_at")
+        projection = projected_finish(started, now, done, done + outstanding) if started else None
+        w = early_warning(now, cfg.deadline, projection, d, ctx.prices)
+        if w is not None:
+            return v(EARLY_WARNING, w.message, w)
+    return v(WAIT, f"{d.seconds_to_cutoff:,.0f} s to the cutoff")
+
+
+# -- the loop ---------------------------------------------------------------
+
+
+def watch_kwargs(cfg: WatchConfig) -> dict[str, Any]:
+    """The config as JSON-safe keyword arguments (the trigger's ``serialize()`` form)."""
+    return {
+        "job_version": cfg.job_version,
+        "deadline": cfg.deadline.isoformat(),
+        "poll_interval": cfg.poll_interval_s,
+        "rate": cfg.rate,
+        "overhead_s": cfg.overhead_s,
+        "relabel_at": cfg.relabel_at.isoformat() if cfg.relabel_at else None,
+        "warned": cfg.warned,
+        "step_s": cfg.step_s,
+    }
+
+
+def error_payload(cfg: WatchConfig, message: str, polls: int = 0) -> dict[str, Any]:
+    return {"status": ERROR, "reason": message, "message": message, "job_version": cfg.job_version,
+            "polls": polls, "watch": watch_kwargs(cfg)}
+
+
+async def connect_async(conninfo: str, application_name: str = "batch-inference-cutoff") -> psycopg.AsyncConnection:
+    return await psycopg.AsyncConnection.connect(conninfo, autocommit=True, row_factory=dict_row,
+                                                 application_name=application_name, connect_timeout=10)
+
+
+async def watch(connect: Callable[[], Awaitable[psycopg.AsyncConnection]], cfg: WatchConfig, *,
+                now: Callable[[], datetime] = utcnow, sleep: Callable[[float], Awaitable[Any]] = asyncio.sleep,
+                logger: logging.Logger | logging.LoggerAdapter | Any = log,
+                max_polls: int | None = None) -> dict[str, Any]:
+    """Poll until complete, cutoff, early warning or error; return the event payload.
+
+    ``connect()`` opens an async connection. A lost connection is reopened
+    with back-off: a database restart in the night must not end the watch.
+    If the database stays unreachable past the deadline, the watch ends with
+    ``error`` so that the task fails loudly instead of waiting for ever.
+    Sleeps are cut short so that a poll falls on the cutoff or the relabel
+    time instead of up to one interval after it.
+    """
+    await asyncio.to_thread(db.queries)  # read sql/queries.sql off the loop, once per process
+    conn: psycopg.AsyncConnection | None = None
+    ctx: JobContext | None = None
+    polls = failures = 0
+    try:
+        while True:
+            try:
+                if conn is None:
+                    conn = await connect()
+                if ctx is None:
+                    ctx = await load_context(conn, cfg)
+                    logger.info("cutoff watch of %s (dataset %s), deadline %s%s: %s", cfg.job_version, ctx.dataset,
+                                cfg.deadline.isoformat(),
+                                f", relabel mode at {cfg.relabel_at.isoformat()}" if cfg.relabel_at else "",
+                                ctx.constants.source)
+                counts = await poll_counts(conn, cfg.job_version)
+                verdict = evaluate(cfg, ctx, counts, now())
+                polls += 1
+                await record_progress(conn, cfg.job_version, counts, verdict.decision)
+                failures = 0
+            except UnknownJob as exc:
+                return error_payload(cfg, str(exc), polls)
+            except (psycopg.OperationalError, psycopg.InterfaceError) as exc:
+                failures += 1
+                first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+                if conn is not None:
+                    try:
+                        await conn.close()
+                    except Exception:  # noqa: BLE001 - already broken
+                        pass
+                    conn = None
+                if now() >= cfg.deadline:
+                    return error_payload(cfg, f"database unreachable past the deadline: {first}", polls)
+                wait = min(cfg.poll_interval_s, 2.0 ** min(failures, 6))
+                logger.warning("cutoff watch of %s: database error (%s); retry %d in %.0f s", cfg.job_version,
+                               first, failures, wait)
+                await sleep(wait)
+                continue
+
+            line = verdict.decision.log_line(cfg.job_version)
+            if verdict.status == EARLY_WARNING:
+                logger.warning("%s; EARLY WARNING: %s", line, verdict.reason)
+            elif verdict.status == CUTOFF:
+                logger.warning("%s; %s", line, verdict.reason)
+            else:
+                logger.info("%s%s", line, f"; {verdict.reason}" if verdict.status == COMPLETE or cfg.relabel_at
+                            else "")
+            if verdict.status != WAIT or (max_polls is not None and polls >= max_polls):
+                return verdict.payload(ctx, cfg, polls)
+            await sleep(min(cfg.poll_interval_s, max(0.01, verdict.sleep_hint_s + 0.001)))
+    finally:
+        if conn is not None:
+            await conn.close()
+
+
+def parse_iso(text: str | None) -> datetime | None:
+    if text is None:
+        return None
+    dt = datetime.fromisoformat(text)
+    return dt.replace(tzinfo=UTC) if dt.tzinfo is None else dt
+
+
+def config_from_kwargs(job_version: str, deadline: str, poll_interval: float = 60.0, rate: float | None = None,
+                       overhead_s: float | None = None, relabel_at: str | None = None, warned: bool = False,
+                       step_s: int = 60) -> WatchConfig:
+    """The inverse of :func:`watch_kwargs`."""
+    d = parse_iso(deadline)
+    if d is None:
+        raise ValueError("a deadline is required")
+    if rate is not None and not (math.isfinite(float(rate)) and float(rate) > 0):
+        raise ValueError(f"rate must be a positive number of rows/s, got {rate!r}")
+    if overhead_s is not None and not (math.isfinite(float(overhead_s)) and float(overhead_s) >= 0):
+        raise ValueError(f"overhead_s must be a finite number >= 0, got {overhead_s!r}")
+    return WatchConfig(job_version=job_version, deadline=d, poll_interval_s=float(poll_interval),
+                       rate=None if rate is None else float(rate),
+                       overhead_s=None if overhead_s is None else float(overhead_s),
+                       relabel_at=parse_iso(relabel_at), warned=bool(warned), step_s=int(step_s))

@@ -1,0 +1,369 @@
+"""The synchronous fallback pool: the same work, a different transport.
+
+When the cutoff fires the job goes into fallback mode (``bi.enter_fallback_v1``):
+batch workers learn it at their next lease renewal, stop taking records,
+write what is in flight and release their shard. The pool then claims the
+remaining shards through the same ledger with ``transport = 'fallback'`` and
+drives their outstanding records through an OpenAI-compatible endpoint. It
+writes through the same put-if-absent path, so a record the draining batch
+worker already wrote is not written twice, and every fallback row is marked
+``transport = 'fallback'`` for the cost report.
+
+The pool is several in-process :class:`gpu_runner.worker.Worker` threads,
+because one worker holds one shard at a time and the last shards of a late
+batch are usually spread over several leases. They share a single token
+bucket, because the endpoint's rate limit applies to the whole pool and not
+to each thread. Each thread also gets an equal share of the pool's
+concurrency, so no more than ``concurrency`` requests are on the wire at once.
+
+Each finished run is measured and written to ``bi.fallback_runs``, so that
+the cutoff derives its rate and overhead from recent nights rather than
+from constants that go stale:
+
+* ``rate``: records the pool settled (stored or dead-lettered) divided by the
+  time at least one pool thread held a shard. This is the sustained rate,
+  retry back-off included.
+* ``overhead_s``: the rest of the wall time from the moment the cutoff fired
+  (``jobs.fallback_at``) to the moment the job had nothing outstanding: the
+  scheduling delay before the pool started, the wait for draining or expired
+  batch leases, and the final reconciliation. The warehouse load is not
+  measured here; the publish step adds it with :func:`add_load_time`.
+
+So, by construction, ``finished_at - started_at = overhead_s + records / rate``.
+This is the same equation the cutoff solves backwards.
+
+No Airflow here: the same function runs from the CLI (``batch-inference
+fallback``) and from ``FallbackPoolOperator``.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import threading
+import time
+from dataclasses import asdict, dataclass, field
+from datetime import datetime
+from typing import Any
+
+import psycopg
+
+from batch_inference import db
+from batch_inference.ratelimit import TokenBucket
+from batch_inference.spec import JobSpec
+from batch_inference.status import UnknownJob, job_counts
+
+log = logging.getLogger("batch_inference.fallback")
+
+STYLES = ("json_schema", "json_object")
+
+
+class FallbackRefused(ValueError):
+    """The fallback may not run as configured (one line, raised before any request)."""
+
+
+class FallbackIncomplete(RuntimeError):
+    """The pool stopped with records still outstanding."""
+
+
+# -- guards -----------------------------------------------------------------
+
+
+def check_hosted(spec: JobSpec, job_version: str, base_url: str | None, hosted: bool | None) -> bool:
+    """Refuse a hosted endpoint for a record class not cleared for hosted APIs.
+
+    Returns whether the endpoint counts as hosted. ``hosted=None`` takes the
+    spec's ``fallback.hosted``. The check comes before any request, any claim
+    and any change of mode. A refused fallback therefore leaves the job as it
+    was, with nothing sent outside the company.
+    """
+    is_hosted = spec.fallback.hosted if hosted is None else bool(hosted)
+    if is_hosted and not spec.cleared_for_hosted:
+        raise FallbackRefused(
+            f"refused: job {job_version} holds record class '{spec.record_class}', which is not cleared for "
+            f"hosted APIs (cleared_for_hosted: false), and the fallback endpoint {base_url or '(spec default)'} "
+            "is marked hosted; use an in-house endpoint"
+        )
+    return is_hosted
+
+
+def enter_fallback(conn: psycopg.Connection, job_version: str) -> bool:
+    """Put the job in fallback mode: batch claims are refused and batch workers drain.
+
+    True if the job is running (now or already in fallback mode); False if
+    it is not running (validated, published, dropped). Idempotent: the first
+    ``fallback_at`` is kept.
+    """
+    r = conn.execute(db.q("enter_fallback"), {"job": job_version}).fetchone()
+    return bool(r and r["ok"])
+
+
+def add_load_time(conn: psycopg.Connection, job_version: str, load_s: float) -> float | None:
+    """Add the measured warehouse load to the job's latest fallback run's overhead.
+
+    The seed's overhead includes the load, which only the publish step can
+    time. Returns the new overhead, or None if the job has no fallback run.
+    """
+    r = conn.execute(db.q("fallback_run_add_load"), {"job": job_version, "load_s": float(load_s)}).fetchone()
+    return float(r["overhead_s"]) if r else None
+
+
+# -- the pool ---------------------------------------------------------------
+
+
+@dataclass
+class FallbackResult:
+    """What one fallback run did. It is small enough for an XCom."""
+
+    job_version: str
+    records: int = 0  # settled by this pool: stored + dead-lettered
+    stored: int = 0
+    dead: int = 0
+    failed_attempts: int = 0
+    shards: int = 0
+    outstanding: int = 0  # after the run; > 0 means the pool stopped early
+    busy_s: float = 0.0
+    wall_s: float = 0.0  # from the cutoff firing (jobs.fallback_at) to nothing outstanding
+    rate: float | None = None
+    overhead_s: float | None = None
+    fallback_run_id: int | None = None
+    entered_fallback: bool = False
+    stopped: bool = False
+    skipped: str | None = None  # why nothing was done, if nothing was
+    workers: int = 0
+    endpoint: str | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        out = asdict(self)
+        for k in ("busy_s", "wall_s", "rate", "overhead_s"):
+            if out[k] is not None:
+                out[k] = round(out[k], 3)
+        return out
+
+
+@dataclass
+class _Busy:
+    """The union of the intervals in which at least one pool thread held a shard."""
+
+    lock: threading.Lock = field(default_factory=threading.Lock)
+    active: int = 0
+    since: float = 0.0
+    total: float = 0.0
+
+    def enter(self) -> None:
+        with self.lock:
+            if self.active == 0:
+                self.since = time.monotonic()
+            self.active += 1
+
+    def leave(self) -> None:
+        with self.lock:
+            self.active -= 1
+            if self.active == 0:
+                self.total += time.monotonic() - self.since
+
+
+class FallbackPool:
+    """Several fallback workers over one rate limit. ``stop()`` may be called from any thread."""
+
+    def __init__(self, db_url: str | None, job_version: str, *, options: dict[str, Any], rate: float,
+                 workers: int, lease_seconds: int | None = None, poll_seconds: float = 1.0,
+                 flush_every: int = 20, flush_seconds: float = 1.0):
+        from gpu_runner.worker import Worker, WorkerConfig  # the GPU runner imports no Airflow either
+
+        self.job_version = job_version
+        self.bucket = TokenBucket(rate, max(1.0, min(rate, 10.0)))  # a burst of at most ~1 s of tokens
+        self.busy = _Busy()
+        self.stopped = threading.Event()
+        pool = self
+
+        class PoolWorker(Worker):
+            def _process(self, lease):  # noqa: ANN001 - Worker's signature
+                # One bucket for the whole pool: the endpoint's limit is per
+                # account, not per thread. Swapped in before the first request.
+                if getattr(self.engine, "bucket", pool.bucket) is not pool.bucket:
+                    self.engine.bucket = pool.bucket
+                pool.busy.enter()
+                try:
+                    return super()._process(lease)
+                finally:
+                    pool.busy.leave()
+
+        self.workers = [
+            PoolWorker(WorkerConfig(
+                job_version=job_version, db_url=db_url, engine="openai", engine_options=dict(options),
+                transport="fallback", lease_seconds=lease_seconds, wait_for_leases=True,
+                poll_seconds=poll_seconds, flush_every=flush_every, flush_seconds=flush_seconds))
+            for _ in range(workers)
+        ]
+        self.codes: list[int | None] = [None] * workers
+
+    def run(self) -> list[int | None]:
+        def target(i: int) -> None:
+            try:
+                self.codes[i] = self.workers[i].run()
+            except Exception:  # noqa: BLE001 - reported as a failed worker below
+                log.exception("fallback worker %s crashed", self.workers[i].owner)
+                self.codes[i] = -1
+
+        threads = [threading.Thread(target=target, args=(i,), name=f"fallback-{i}", daemon=True)
+                   for i in range(len(self.workers))]
+        for t in threads:
+            t.start()
+        for t in threads:
+            while t.is_alive():
+                t.join(timeout=0.5)
+        return self.codes
+
+    def stop(self) -> None:
+        """Stop taking records; in-flight ones are written, then the leases are released."""
+        self.stopped.set()
+        for w in self.workers:
+            w.stop.set()
+            shard = w.current
+            if shard is not None:
+                shard.halt.set()
+
+    def stats(self) -> dict[str, int]:
+        out = {"shards": 0, "stored": 0, "failed": 0, "dead": 0, "stale": 0}
+        for w in self.workers:
+            for k in out:
+                out[k] += w.stats.get(k, 0)
+        return out
+
+
+def engine_options(spec: JobSpec, *, base_url: str | None, rate: float, concurrency: int, model: str | None,
+                   style: str, api_key_env: str | None = None, extra: dict[str, Any] | None = None) -> dict[str, Any]:
+    """The openai engine's options for one pool thread (its share of the concurrency)."""
+    if style not in STYLES:
+        raise FallbackRefused(f"--style must be one of {', '.join(STYLES)}, got {style!r}")
+    url = base_url or spec.fallback.base_url
+    if not url:
+        raise FallbackRefused("no fallback endpoint: give --base-url / base_url, or set fallback.base_url in the spec")
+    opts: dict[str, Any] = {"base_url": url, "response_format_style": style, "concurrency": concurrency,
+                            "rate_limit": rate}
+    if model:
+        opts["model"] = model
+    if api_key_env:
+        opts["api_key_env"] = api_key_env
+    opts.update(extra or {})
+    return opts
+
+
+def run_fallback(db_url: str | None, job_version: str, base_url: str | None = None, *, rate: float | None = None,
+                 concurrency: int | None = None, model: str | None = None, style: str = "json_schema",
+                 hosted: bool | None = None, api_key_env: str | None = None, parallel_shards: int = 4,
+                 lease_seconds: int | None = None, record_run: bool = True,
+                 extra_engine_options: dict[str, Any] | None = None,
+                 pool_ready: Any = None) -> FallbackResult:
+    """Re-drive every outstanding record of a job through the synchronous pool.
+
+    ``rate`` (requests/s, retries included) and ``concurrency`` default to the
+    spec's ``fallback`` block, and so do ``base_url`` and ``hosted``.
+    ``parallel_shards`` is how many shards the pool holds at once. If records
+    are outstanding and the job is still in batch mode, the job is put into
+    fallback mode first, because running the pool means the cutoff has fired.
+    If nothing is outstanding it returns at once and records no run.
+    ``pool_ready(pool)`` is called with the pool before it starts, so a caller
+    (an operator's ``on_kill``) can stop it.
+
+    Raises :class:`FallbackRefused` (one line) before any request when the
+    record class is not cleared for a hosted endpoint or the configuration is
+    unusable.
+    """
+    from batch_inference.engines import load_engine
+
+    with db.connect(db_url) as conn:
+        job = conn.execute(db.q("cutoff_job"), {"job": job_version}).fetchone()
+        if job is None:
+            raise UnknownJob(f"no job version {job_version!r}")
+        spec = JobSpec.model_validate(job["spec"])
+        url = base_url or spec.fallback.base_url
+        is_hosted = check_hosted(spec, job_version, url, hosted)
+        rate = float(rate if rate is not None else spec.fallback.rate)
+        concurrency = int(concurrency if concurrency is not None else spec.fallback.concurrency)
+        if not rate > 0 or not math.isfinite(rate):
+            raise FallbackRefused(f"rate must be a positive number of requests/s, got {rate!r}")
+        if concurrency < 1 or parallel_shards < 1:
+            raise FallbackRefused("concurrency and parallel_shards must be at least 1")
+
+        result = FallbackResult(job_version=job_version, endpoint=url)
+        counts = job_counts(conn, job_version)
+        if job["status"] != "running":
+            result.skipped = f"job is {job['status']}"
+            log.info("fallback %s: job is %s; nothing to re-drive", job_version, job["status"])
+            return result
+        if counts["outstanding"] == 0:
+            result.skipped = "nothing outstanding"
+            log.info("fallback %s: nothing outstanding (%d stored, %d dead letters); nothing to re-drive",
+                     job_version, counts["stored"], counts["dead_letters"])
+            return result
+
+        open_shards = counts["shards"]["pending"] + counts["shards"]["leased"]
+        workers = max(1, min(parallel_shards, open_shards, concurrency))
+        per_worker = max(1, concurrency // workers)
+        opts = engine_options(spec, base_url=url, rate=rate, concurrency=per_worker, model=model, style=style,
+                              api_key_env=api_key_env, extra=extra_engine_options)
+        try:
+            load_engine("openai", spec, opts)  # a misspelt option fails here, before the mode changes
+        except (ValueError, ImportError) as exc:
+            raise FallbackRefused(f"engine 'openai': {exc}") from None
+
+        if job["mode"] != "fallback":
+            result.entered_fallback = enter_fallback(conn, job_version)
+            log.warning("fallback %s: job was in batch mode; entered fallback mode (batch workers drain)",
+                        job_version)
+        leases = {r["transport"]: int(r["n"]) for r in conn.execute(db.q("leases_by_transport"), {"job": job_version})}
+        leased_batch = leases.get("batch", 0)
+        log.info("fallback %s: %d outstanding in %d open shards (%d still leased by draining batch workers); "
+                 "pool of %d worker(s) x %d in flight = %d, %.4g requests/s, %s endpoint %s", job_version,
+                 counts["outstanding"], open_shards, leased_batch, workers, per_worker, workers * per_worker,
+                 rate, "hosted" if is_hosted else "in-house", url)
+
+    pool = FallbackPool(db_url, job_version, options=opts, rate=rate, workers=workers, lease_seconds=lease_seconds)
+    if pool_ready is not None:
+        pool_ready(pool)
+    t0 = time.monotonic()
+    codes = pool.run()
+    stats = pool.stats()
+    result.workers = workers
+    result.stored, result.dead, result.failed_attempts = stats["stored"], stats["dead"], stats["failed"]
+    result.records = stats["stored"] + stats["dead"]
+    result.shards = stats["shards"]
+    result.busy_s = pool.busy.total
+    result.stopped = pool.stopped.is_set()
+
+    with db.connect(db_url) as conn:
+        after = job_counts(conn, job_version)
+        job = conn.execute(db.q("cutoff_job"), {"job": job_version}).fetchone()
+        result.outstanding = int(after["outstanding"])
+        fired_at: datetime | None = job["fallback_at"] if job else None
+        finished_at: datetime = job["db_now"] if job else None
+        # The database's clock on both ends, so a skewed Airflow worker
+        # cannot shorten the overhead.
+        result.wall_s = (finished_at - fired_at).total_seconds() if fired_at and finished_at else \
+            time.monotonic() - t0
+        bad = [c for c in codes if c not in (0, 143)]
+        if result.outstanding > 0 or bad:
+            msg = (f"fallback {job_version}: pool stopped with {result.outstanding} record(s) outstanding"
+                   f"{' (stopped)' if result.stopped else ''}; worker exit codes {codes}")
+            log.error("%s", msg)
+            if not result.stopped:
+                raise FallbackIncomplete(msg)
+            return result
+        if result.records > 0 and result.busy_s > 0:
+            result.rate = result.records / result.busy_s
+            result.overhead_s = max(0.0, result.wall_s - result.busy_s)
+            if record_run and fired_at is not None:
+                r = conn.execute(db.q("fallback_run_insert"), {
+                    "job": job_version, "dataset": job["dataset"], "started_at": fired_at,
+                    "finished_at": finished_at, "records": result.records, "rate": result.rate,
+                    "overhead_s": result.overhead_s}).fetchone()
+                result.fallback_run_id = int(r["id"])
+    log.info("fallback %s: re-drove %d record(s) (%d stored, %d dead letters, %d failed attempts) over %d "
+             "shard(s); sustained %.3g records/s over %.1f s busy; %.1f s from the cutoff firing to nothing "
+             "outstanding, overhead %.1f s%s", job_version, result.records, result.stored, result.dead,
+             result.failed_attempts, result.shards, result.rate or 0.0, result.busy_s, result.wall_s,
+             result.overhead_s or 0.0,
+             f"; recorded as fallback run {result.fallback_run_id}" if result.fallback_run_id else "")
+    return result

@@ -1,0 +1,1 @@
+"""Airflow sensors: tasks that wait, deferred to a trigger while they do."""

@@ -1,0 +1,1 @@
+"""Airflow triggers: small async loops that run in the triggerer."""

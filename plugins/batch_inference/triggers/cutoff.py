@@ -1,0 +1,121 @@
+"""``CutoffTrigger``: the moving cutoff, polled in Airflow's triggerer.
+
+A thin shell over :func:`batch_inference.deadline.watch`. The triggerer runs
+every deferred task of the deployment on one event loop, so the trigger
+must not block it:
+
+* the database is read through ``psycopg.AsyncConnection``;
+* the Airflow connection is resolved with ``BaseHook.aget_connection``,
+  Airflow 3's async getter, inside ``run()``. The sync getter talks to the
+  supervisor and would block the loop.
+
+``serialize()`` carries the job version, the deadline, the poll interval,
+the rate and overhead overrides, the relabel time, the early-warning flag
+and the *id* of the Airflow connection. It never carries a password or a
+URL, because serialized triggers are stored in the metadata database in
+plain text. With no connection id, ``run()`` reads ``$BATCH_INFERENCE_DB``
+in the triggerer's own environment.
+
+The trigger yields exactly one event and ends. Its payload's ``status`` is
+``complete``, ``cutoff``, ``early_warning`` or ``error``, as described in
+:mod:`batch_inference.deadline`.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import AsyncIterator
+from typing import Any
+
+from airflow.triggers.base import BaseTrigger, TriggerEvent
+
+from batch_inference import deadline as watchlib  # not `deadline`: that is a parameter name here
+from batch_inference.db import DB_ENV
+
+# libpq parameters an Airflow connection's extra may set. Anything else in
+# the extra (a UI hint, another tool's option) must not reach libpq, which
+# rejects unknown keywords.
+_LIBPQ_EXTRAS = frozenset({
+    "sslmode", "sslrootcert", "sslcert", "sslkey", "sslpassword", "connect_timeout", "options",
+    "application_name", "target_session_attrs", "keepalives", "keepalives_idle", "gssencmode",
+    "channel_binding", "passfile", "service",
+})
+
+
+def conninfo_from_connection(conn: Any) -> str:
+    """A libpq conninfo string from an Airflow ``Connection`` (postgres or batch_inference type).
+
+    A host that is a directory is a Unix socket (the embedded server),
+    which libpq accepts as ``host``. Lives in memory only; never logged or
+    serialized.
+    """
+    from psycopg.conninfo import make_conninfo
+
+    extra = conn.extra_dejson if hasattr(conn, "extra_dejson") else {}
+    params: dict[str, Any] = {"host": conn.host, "port": conn.port, "user": conn.login,
+                              "password": conn.password, "dbname": conn.schema}
+    params = {k: v for k, v in params.items() if v not in (None, "")}
+    params.update({k: v for k, v in (extra or {}).items() if k in _LIBPQ_EXTRAS and v not in (None, "")})
+    return make_conninfo("", **params)
+
+
+def resolve_conninfo(postgres_conn_id: str | None) -> str:
+    """Blocking form for operators (they run on a worker, not on the triggerer's loop)."""
+    if postgres_conn_id:
+        from airflow.sdk import BaseHook
+
+        return conninfo_from_connection(BaseHook.get_connection(postgres_conn_id))
+    from batch_inference import db
+
+    return db.resolve_url(None)
+
+
+class CutoffTrigger(BaseTrigger):
+    """Poll a job's counts until the cutoff fires, the job completes, or an early warning is due.
+
+    :param job_version: the job version to watch.
+    :param deadline: ISO datetime with zone, when the rows must be in the table.
+    :param poll_interval: seconds between polls. A poll costs the same at any job size.
+    :param rate: fallback rows/s to assume; None derives it from recent fallback runs, else the spec.
+    :param overhead_s: fixed fallback overhead in seconds; None: as for ``rate``.
+    :param postgres_conn_id: Airflow connection of the ledger database; None reads ``$BATCH_INFERENCE_DB``.
+    :param relabel_at: ISO datetime; always-re-drive mode, which fires ``cutoff`` at this time whatever the counts.
+    :param warned: the early warning was already sent; do not send it again.
+    :param step_s: the latest safe start is floored to this many seconds (60: whole minutes).
+    """
+
+    def __init__(self, job_version: str, deadline: str, poll_interval: float = 60.0, rate: float | None = None,
+                 overhead_s: float | None = None, postgres_conn_id: str | None = None,
+                 relabel_at: str | None = None, warned: bool = False, step_s: int = 60):
+        super().__init__()
+        # Validated here, so a bad deadline fails the task at defer time,
+        # in the task's log, and not later in the triggerer.
+        self.cfg = watchlib.config_from_kwargs(job_version, deadline, poll_interval, rate, overhead_s, relabel_at,
+                                               warned, step_s)
+        self.job_version = job_version
+        self.postgres_conn_id = postgres_conn_id
+
+    def serialize(self) -> tuple[str, dict[str, Any]]:
+        return (f"{type(self).__module__}.{type(self).__qualname__}",
+                {**watchlib.watch_kwargs(self.cfg), "postgres_conn_id": self.postgres_conn_id})
+
+    async def _conninfo(self) -> str:
+        if self.postgres_conn_id:
+            from airflow.sdk import BaseHook
+
+            return conninfo_from_connection(await BaseHook.aget_connection(self.postgres_conn_id))
+        url = os.environ.get(DB_ENV)
+        if not url:
+            # Not db.resolve_url(): starting an embedded server would block the loop.
+            raise ValueError(f"no postgres_conn_id given and ${DB_ENV} is not set in the triggerer")
+        return url
+
+    async def run(self) -> AsyncIterator[TriggerEvent]:
+        try:
+            conninfo = await self._conninfo()
+        except Exception as exc:  # noqa: BLE001 - reported as an event, so the task fails with the reason
+            yield TriggerEvent(watchlib.error_payload(self.cfg, f"cannot resolve the ledger database: {exc}"))
+            return
+        payload = await watchlib.watch(lambda: watchlib.connect_async(conninfo), self.cfg, logger=self.log)
+        yield TriggerEvent(payload)
+
