@@ -1,0 +1,316 @@
+"""What each dashboard panel shows, read from the ledger.
+
+One function per panel, each taking a core connection (dict rows) and
+returning plain data that FastAPI turns into JSON. No FastAPI and no Airflow
+here, so the panels can be checked against the database without a server,
+and the page only ever draws what these return.
+
+Counts come from the shard table's counters (``bi.job_counts_v1``), the same
+numbers the cutoff polls, so the page agrees with ``batch-inference status``.
+"""
+
+from __future__ import annotations
+
+import re
+from datetime import datetime, timedelta, timezone
+from functools import lru_cache
+from pathlib import Path
+from typing import Any
+
+import psycopg
+
+from batch_inference import cutoff
+from batch_inference.cost import Prices, cost_report
+from batch_inference.status import UnknownJob, job_counts
+
+UTC = timezone.utc
+
+
+@lru_cache(maxsize=1)
+def _queries() -> dict[str, str]:
+    text = (Path(__file__).with_name("queries.sql")).read_text()
+    out: dict[str, str] = {}
+    for block in re.split(r"^-- name: ", text, flags=re.M)[1:]:
+        header, _, body = block.partition("\n")
+        out[header.split()[0]] = body.strip().rstrip(";")
+    return out
+
+
+def q(name: str) -> str:
+    return _queries()[name]
+
+
+def _now() -> datetime:
+    return datetime.now(UTC)
+
+
+def _job_row(conn: psycopg.Connection, job_version: str) -> dict[str, Any]:
+    row = conn.execute(q("job_row"), {"job": job_version}).fetchone()
+    if row is None:
+        raise UnknownJob(f"no job version {job_version!r}")
+    return row
+
+
+def _fallback_constants(spec: dict[str, Any]) -> tuple[float, float]:
+    fb = (spec or {}).get("fallback") or {}
+    return float(fb.get("rate") or cutoff.DEFAULT_RATE), float(fb.get("overhead_s", cutoff.DEFAULT_OVERHEAD_S))
+
+
+# -- jobs ---------------------------------------------------------------------
+
+
+def jobs(conn: psycopg.Connection, dataset: str | None = None, limit: int = 200) -> list[dict[str, Any]]:
+    return conn.execute(q("jobs"), {"dataset": dataset, "limit": limit}).fetchall()
+
+
+def job(conn: psycopg.Connection, job_version: str) -> dict[str, Any]:
+    """The header of a job page: fixed facts, live counts, what is published."""
+    row = _job_row(conn, job_version)
+    counts = job_counts(conn, job_version)
+    pointer = conn.execute(q("pointer"), {"dataset": row["dataset"]}).fetchone()
+    spec = row.pop("spec") or {}
+    rate, overhead = _fallback_constants(spec)
+    return {
+        **row,
+        "counts": counts,
+        "published_version": pointer["job_version"] if pointer else None,
+        "is_published": bool(pointer and pointer["job_version"] == job_version),
+        "fallback": {"rate": rate, "overhead_s": overhead},
+        "validation_gate": (spec.get("validation") or {}),
+    }
+
+
+# -- progress: burn-down, projection, moving cutoff, deadline ---------------------
+
+
+def _derived_samples(conn: psycopg.Connection, job_version: str, row: dict[str, Any]) -> list[dict[str, Any]]:
+    """A burn-down from the shard table when nobody recorded progress samples.
+
+    Each shard's rows are counted as settled at its done_at: coarse (a shard
+    at a time) but true, and it costs one read of the shard table.
+    """
+    shards = conn.execute(q("shard_times"), {"job": job_version}).fetchall()
+    starts = [s["first_claim_at"] for s in shards if s["first_claim_at"] is not None]
+    if not starts:
+        return []
+    stored, dead = int(row["reused"]), int(row["planned_dead"])
+    total = int(row["records"])
+    out = [{"at": min(starts), "stored": stored, "dead_letters": dead, "outstanding": total - stored - dead,
+            "latest_safe_start": None, "deadline": None}]
+    for s in shards:
+        if s["done_at"] is None:
+            continue
+        stored += int(s["stored"])
+        dead += int(s["dead"])
+        out.append({"at": s["done_at"], "stored": stored, "dead_letters": dead,
+                    "outstanding": total - stored - dead, "latest_safe_start": None, "deadline": None})
+    return out
+
+
+def progress(conn: psycopg.Connection, job_version: str, now: datetime | None = None) -> dict[str, Any]:
+    """Everything the timeline chart draws, on one clock.
+
+    - ``samples``: stored / dead-lettered / outstanding over time, from
+      bi.progress, or derived from shard completion times when there are none;
+      a final ``live`` point carries the counts as they are now.
+    - ``deadline`` and ``cutoff``: the latest sample's deadline, and the
+      cutoff recomputed from the live outstanding count (what the sensor
+      would compute at this moment); ``cutoff_history`` is every sampled
+      latest_safe_start, which is how the cutoff moved during the night.
+    - ``projected_finish``: the batch's finish at the throughput it has shown.
+    - ``lanes``: the night as bars on the same axis (batch, fallback re-drive,
+      fixed overhead up to the deadline), the seed's timeline of a bad night.
+    """
+    now = now or _now()
+    row = _job_row(conn, job_version)
+    counts = job_counts(conn, job_version)
+    rate, overhead = _fallback_constants(row["spec"])
+    samples = conn.execute(q("progress_samples"), {"job": job_version}).fetchall()
+    source = "progress"
+    if not samples:
+        samples = _derived_samples(conn, job_version, row)
+        source = "shards"
+
+    outstanding = int(counts["outstanding"])
+    done_at = None
+    if outstanding == 0:
+        ends = [s["done_at"] for s in conn.execute(q("shard_times"), {"job": job_version}) if s["done_at"]]
+        done_at = max(ends) if ends else None
+    live_at = done_at or now
+    if not samples or samples[-1]["at"] < live_at:
+        samples.append({"at": live_at, "stored": int(counts["stored"]), "dead_letters": int(counts["dead_letters"]),
+                        "outstanding": outstanding, "latest_safe_start": None, "deadline": None, "live": True})
+
+    deadline = next((s["deadline"] for s in reversed(samples) if s.get("deadline")), None)
+    history = [{"at": s["at"], "latest_safe_start": s["latest_safe_start"], "outstanding": s["outstanding"]}
+               for s in samples if s.get("latest_safe_start")]
+    cut = cutoff.latest_safe_start(deadline, outstanding, rate, overhead) if deadline else None
+
+    started = counts.get("first_claim_at")
+    # Throughput counts only this run's work: reused rows and planning-time
+    # dead letters were settled before the first claim.
+    settled_here = int(counts["stored"]) + int(counts["dead_letters"]) - int(row["reused"]) - int(row["planned_dead"])
+    to_settle = int(row["records"]) - int(row["reused"]) - int(row["planned_dead"])
+    projected = None
+    if outstanding > 0 and started is not None:
+        projected = cutoff.projected_finish(started, now, settled_here, to_settle)
+
+    lanes: list[dict[str, Any]] = []
+    fallback_at = row["fallback_at"]
+    if started is not None:
+        batch_end = fallback_at or done_at or now
+        lanes.append({"lane": "batch", "kind": "actual", "start": started, "end": batch_end})
+        if fallback_at is None and projected is not None:
+            lanes.append({"lane": "batch", "kind": "projected", "start": now, "end": projected})
+    if fallback_at is not None:
+        end = done_at or (now + timedelta(seconds=outstanding / rate))
+        lanes.append({"lane": "fallback", "kind": "actual" if done_at else "projected",
+                      "start": fallback_at, "end": end})
+    elif cut is not None and outstanding > 0:
+        redrive_end = cut + timedelta(seconds=outstanding / rate)
+        lanes.append({"lane": "fallback", "kind": "planned", "start": cut, "end": redrive_end})
+        lanes.append({"lane": "overhead", "kind": "planned", "start": redrive_end, "end": deadline})
+    if deadline is not None and not any(ln["lane"] == "overhead" for ln in lanes):
+        lanes.append({"lane": "overhead", "kind": "planned",
+                      "start": deadline - timedelta(seconds=overhead), "end": deadline})
+
+    return {
+        "job_version": job_version,
+        "source": source,
+        "now": now,
+        "samples": samples,
+        "records": int(row["records"]),
+        "deadline": deadline,
+        "cutoff": cut,
+        "cutoff_history": history,
+        "fires": bool(cut is not None and outstanding > 0 and now >= cut),
+        "projected_finish": projected,
+        "finished_at": done_at,
+        "started_at": started,
+        "fallback_at": fallback_at,
+        "mode": row["mode"],
+        "rate": rate,
+        "overhead_s": overhead,
+        "lanes": lanes,
+    }
+
+
+# -- shards, dead letters ------------------------------------------------------------
+
+
+def shards(conn: psycopg.Connection, job_version: str, limit: int = 500, offset: int = 0) -> dict[str, Any]:
+    _job_row(conn, job_version)
+    by_state = {r["state"]: r for r in conn.execute(q("shard_states"), {"job": job_version})}
+    states = {s: {"shards": int(by_state[s]["shards"]) if s in by_state else 0,
+                  "records": int(by_state[s]["records"]) if s in by_state else 0}
+              for s in ("pending", "leased", "done")}
+    rows = conn.execute(q("shard_page"), {"job": job_version, "limit": limit, "offset": offset}).fetchall()
+    return {"job_version": job_version, "by_state": states,
+            "total": sum(v["shards"] for v in states.values()), "shards": rows, "limit": limit, "offset": offset}
+
+
+def dead_letters(conn: psycopg.Connection, job_version: str, limit: int = 100, offset: int = 0) -> dict[str, Any]:
+    counts = job_counts(conn, job_version)
+    reasons = conn.execute(q("dead_letter_reasons"), {"job": job_version}).fetchall()
+    rows = conn.execute(q("dead_letter_page"), {"job": job_version, "limit": limit, "offset": offset}).fetchall()
+    return {"job_version": job_version, "total": int(counts["dead_letters"]), "reasons": reasons,
+            "dead_letters": rows, "limit": limit, "offset": offset}
+
+
+# -- cost ---------------------------------------------------------------------
+
+
+def cost(conn: psycopg.Connection, job_version: str) -> dict[str, Any]:
+    """The bill so far by transport, and what it would be if the fallback fired now.
+
+    The same arithmetic as ``batch-inference cost JOB_VERSION``: tonight's
+    bill covers rows this run produces (stored by either transport, or still
+    outstanding); reused rows were paid for by an earlier version and dead
+    letters produced nothing, so neither is priced.
+    """
+    row = _job_row(conn, job_version)
+    counts = job_counts(conn, job_version)
+    prices = Prices.from_spec(row["spec"] or {})
+    batch, fallback = int(counts["stored_batch"]), int(counts["stored_fallback"])
+    outstanding = int(counts["outstanding"])
+    billable = batch + fallback + outstanding
+    return {
+        "job_version": job_version,
+        "so_far": cost_report(batch, fallback, prices, total_rows=billable).to_dict(),
+        "if_fallback_now": cost_report(batch, fallback + outstanding, prices, total_rows=billable).to_dict(),
+        "reused": int(counts["reused"]),
+        "dead_letters": int(counts["dead_letters"]),
+        "outstanding": outstanding,
+    }
+
+
+# -- drift --------------------------------------------------------------------
+
+
+def _counts(conn: psycopg.Connection, job_version: str, validation: Any) -> tuple[dict[str, int], str]:
+    """Category counts of a version: from its validation report when it has
+    one (batch_inference.validate stores them, so a published version's rows
+    need not be read again), else counted from its results."""
+    stored = validation.get("categories") if isinstance(validation, dict) else None
+    if isinstance(stored, dict) and all(isinstance(v, int) for v in stored.values()):
+        return {str(k): int(v) for k, v in stored.items()}, "validation"
+    return {r["category"]: int(r["n"]) for r in conn.execute(q("category_counts"), {"job": job_version})}, "results"
+
+
+def _shares(counts: dict[str, int]) -> dict[str, float]:
+    total = sum(counts.values())
+    return {k: v / total for k, v in counts.items()} if total else {}
+
+
+def drift(conn: psycopg.Connection, job_version: str) -> dict[str, Any]:
+    """Per-category shares of this version against the published one.
+
+    The baseline is the dataset's published version now (which may have
+    changed since validation ran); for the published version itself it is
+    the one it replaced. The distance is total variation (half the sum of
+    absolute share differences), the measure of the spec's
+    ``validation.max_drift`` gate and of the validator's drift check.
+    """
+    row = _job_row(conn, job_version)
+    spec = row["spec"] or {}
+    gate = float(((spec.get("validation") or {}).get("max_drift")) or 0.2)
+    pointer = conn.execute(q("pointer"), {"dataset": row["dataset"]}).fetchone()
+    baseline = pointer["job_version"] if pointer else None
+    if baseline == job_version:
+        prev = conn.execute(q("previous_published"), {"dataset": row["dataset"], "job": job_version}).fetchone()
+        baseline = prev["job_version"] if prev else None
+
+    cur_n, cur_src = _counts(conn, job_version, row["validation"])
+    base_n: dict[str, int] = {}
+    base_src = None
+    if baseline:
+        base_row = conn.execute(q("job_row"), {"job": baseline}).fetchone()
+        base_n, base_src = _counts(conn, baseline, base_row["validation"] if base_row else None)
+    p, b = _shares(cur_n), _shares(base_n)
+    cats = sorted(set(p) | set(b))
+    tv = 0.5 * sum(abs(p.get(c, 0.0) - b.get(c, 0.0)) for c in cats) if p and b else None
+    report = row["validation"] if isinstance(row["validation"], dict) else None
+    return {
+        "job_version": job_version,
+        "baseline_version": baseline,
+        "source": {"current": cur_src, "baseline": base_src},
+        "categories": [{"category": c, "current": round(p.get(c, 0.0), 6),
+                        "baseline": round(b.get(c, 0.0), 6) if baseline else None,
+                        "current_n": cur_n.get(c, 0), "baseline_n": base_n.get(c, 0) if baseline else None}
+                       for c in cats],
+        "tv_distance": round(tv, 6) if tv is not None else None,
+        "max_drift": gate,
+        "over_gate": bool(tv is not None and tv > gate),
+        # What the validator decided, against the version published when it ran.
+        "validated": ({"passed": report.get("passed"), "drift": report.get("drift"),
+                       "validated_at": report.get("validated_at")} if report else None),
+    }
+
+
+# -- publish history ----------------------------------------------------------------
+
+
+def history(conn: psycopg.Connection, dataset: str, limit: int = 50) -> dict[str, Any]:
+    pointer = conn.execute(q("pointer"), {"dataset": dataset}).fetchone()
+    rows = conn.execute(q("publish_history"), {"dataset": dataset, "limit": limit}).fetchall()
+    return {"dataset": dataset, "pointer": pointer, "history": rows}

@@ -1,0 +1,70 @@
+-- The dashboard's read statements. Same format as sql/queries.sql
+-- ("-- name: NAME  what it does", then the statement); loaded by
+-- batch_inference.ui.data.q(). Every statement here only reads: the one
+-- write the dashboard makes (rollback) goes through batch_inference.publish.
+
+-- name: jobs  the newest job versions with live counts (per-shard counters, never COUNT(*) over results)
+SELECT j.job_version, j.dataset, j.status, j.mode, j.created_at, j.fallback_at, j.model_name,
+       j.prompt_version, c.records, c.stored, c.dead_letters, c.outstanding, c.reused,
+       c.shards_done, c.shards_pending + c.shards_leased + c.shards_done AS shards,
+       (p.job_version IS NOT NULL) AS published, lp.deadline, lp.latest_safe_start
+  FROM bi.jobs j
+ CROSS JOIN LATERAL bi.job_counts_v1(j.job_version) c
+  LEFT JOIN bi.publish_pointer p ON p.dataset = j.dataset AND p.job_version = j.job_version
+  LEFT JOIN LATERAL (SELECT pr.deadline, pr.latest_safe_start FROM bi.progress pr
+                      WHERE pr.job_version = j.job_version ORDER BY pr.at DESC LIMIT 1) lp ON true
+ WHERE (%(dataset)s::text IS NULL OR j.dataset = %(dataset)s)
+ ORDER BY j.created_at DESC, j.job_version
+ LIMIT %(limit)s;
+
+-- name: job_row  one job version's fixed facts (the spec included)
+SELECT job_version, dataset, spec_hash, snapshot_id, spec, model_name, model_digest, prompt_version, mode,
+       status, records, planned_dead, reused, base_job_version, shards, validation, submitted_by,
+       created_at, fallback_at
+  FROM bi.jobs WHERE job_version = %(job)s;
+
+-- name: pointer  the version a dataset's readers see now
+SELECT dataset, job_version, switched_at, switched_by FROM bi.publish_pointer WHERE dataset = %(dataset)s;
+
+-- name: progress_samples  the burn-down and moving-cutoff samples of one job, oldest first
+SELECT at, stored, dead_letters, outstanding, latest_safe_start, deadline
+  FROM bi.progress WHERE job_version = %(job)s ORDER BY at;
+
+-- name: shard_times  when each shard was first claimed and finished (burn-down without samples)
+SELECT shard_no, state, first_claim_at, done_at, stored, stored_fallback, dead, records
+  FROM bi.shards WHERE job_version = %(job)s ORDER BY done_at NULLS LAST, shard_no;
+
+-- name: shard_states  shard and record counts by shard state
+SELECT state, count(*) AS shards, coalesce(sum(records), 0) AS records, coalesce(sum(stored), 0) AS stored,
+       coalesce(sum(dead), 0) AS dead
+  FROM bi.shards WHERE job_version = %(job)s GROUP BY state;
+
+-- name: shard_page  the shard table of one job, a page at a time
+SELECT shard_no, state, epoch, lease_owner, lease_transport, lease_expires_at, claims, records, stored,
+       stored_fallback, dead, first_claim_at, done_at
+  FROM bi.shards WHERE job_version = %(job)s ORDER BY shard_no LIMIT %(limit)s OFFSET %(offset)s;
+
+-- name: dead_letter_reasons  dead letters grouped by reason, most frequent first
+SELECT reason, stage, count(*) AS n
+  FROM bi.dead_letters WHERE job_version = %(job)s
+ GROUP BY reason, stage ORDER BY n DESC, reason LIMIT 50;
+
+-- name: dead_letter_page  one page of dead letters; error and raw output cut to what a table can show
+SELECT record_id, reason, attempts, stage, transport, left(error, 500) AS error,
+       left(raw_output, 500) AS raw_output, created_at
+  FROM bi.dead_letters WHERE job_version = %(job)s
+ ORDER BY record_id LIMIT %(limit)s OFFSET %(offset)s;
+
+-- name: category_counts  the output category distribution of one version (drift against another)
+SELECT coalesce(category, '(none)') AS category, count(*) AS n
+  FROM bi.results WHERE job_version = %(job)s GROUP BY 1 ORDER BY 1;
+
+-- name: publish_history  a dataset's pointer switches, newest first
+SELECT id, dataset, from_version, to_version, action, forced, reason, actor, at
+  FROM bi.publish_history WHERE dataset = %(dataset)s ORDER BY id DESC LIMIT %(limit)s;
+
+-- name: previous_published  the version that was published before this one (drift baseline for the published job)
+SELECT from_version AS job_version FROM bi.publish_history
+ WHERE dataset = %(dataset)s AND to_version = %(job)s AND from_version IS NOT NULL
+ ORDER BY id DESC LIMIT 1;
+

@@ -1,0 +1,498 @@
+// The batch-inference dashboard: plain JavaScript, no libraries, no network
+// beyond this app's own JSON endpoints (it has to work on an offline cluster).
+// Every value on the page comes from /api/...; text from the ledger (dead-letter
+// reasons, model output) is only ever set as textContent, never as HTML.
+"use strict";
+
+(function () {
+  const body = document.body;
+  const BASE = body.dataset.base || "";
+  const VIEW = body.dataset.view;
+  const SVGNS = "http://www.w3.org/2000/svg";
+  const REFRESH_MS = 30000;
+  let rollbackOpen = false;
+
+  // -- small helpers -----------------------------------------------------------
+
+  function h(tag, attrs, ...children) {
+    const el = document.createElement(tag);
+    for (const [k, v] of Object.entries(attrs || {})) {
+      if (v === null || v === undefined || v === false) continue;
+      if (k === "class") el.className = v;
+      else if (k === "text") el.textContent = v;
+      else if (k.startsWith("on")) el.addEventListener(k.slice(2), v);
+      else el.setAttribute(k, v === true ? "" : v);
+    }
+    for (const c of children.flat()) {
+      if (c === null || c === undefined || c === false) continue;
+      el.appendChild(typeof c === "string" || typeof c === "number" ? document.createTextNode(String(c)) : c);
+    }
+    return el;
+  }
+
+  function s(tag, attrs, ...children) {
+    const el = document.createElementNS(SVGNS, tag);
+    for (const [k, v] of Object.entries(attrs || {})) {
+      if (v === null || v === undefined) continue;
+      if (k === "text") el.textContent = v;
+      else el.setAttribute(k, String(v));
+    }
+    for (const c of children.flat()) if (c) el.appendChild(c);
+    return el;
+  }
+
+  const fmtInt = (n) => (n === null || n === undefined ? "–" : Number(n).toLocaleString("en-US"));
+  const fmtUsd = (n) => "$" + Number(n).toLocaleString("en-US", { minimumFractionDigits: 2, maximumFractionDigits: 2 });
+  const fmtPct = (x) => (x === null || x === undefined ? "–" : (100 * x).toFixed(1) + "%");
+  const toDate = (v) => (v ? new Date(v) : null);
+  const pad = (n) => String(n).padStart(2, "0");
+  const clock = (d) => (d ? pad(d.getHours()) + ":" + pad(d.getMinutes()) : "–");
+  function stamp(v) {
+    const d = toDate(v);
+    if (!d) return "–";
+    return d.getFullYear() + "-" + pad(d.getMonth() + 1) + "-" + pad(d.getDate()) + " " + clock(d);
+  }
+  const tzName = () => {
+    try { return Intl.DateTimeFormat().resolvedOptions().timeZone || "local"; } catch (e) { return "local"; }
+  };
+
+  async function api(path, options) {
+    const resp = await fetch(BASE + "/api" + path, Object.assign({ credentials: "same-origin" }, options || {}));
+    let payload = null;
+    try { payload = await resp.json(); } catch (e) { payload = null; }
+    if (!resp.ok) {
+      const detail = payload && payload.detail ? payload.detail : resp.statusText;
+      const err = new Error(typeof detail === "string" ? detail : JSON.stringify(detail));
+      err.status = resp.status;
+      throw err;
+    }
+    return payload;
+  }
+
+  function jobLink(jv) {
+    return h("a", { class: "mono", href: BASE + "/jobs/" + encodeURIComponent(jv), target: "_self" }, jv);
+  }
+
+  function badge(text) {
+    return h("span", { class: "badge " + text }, text);
+  }
+
+  function showError(where, err) {
+    const msg = err.status === 401 ? "Not signed in to Airflow: open Airflow, log in, and reload this page."
+      : err.status === 403 ? "Airflow refused: " + err.message : String(err.message || err);
+    where.replaceChildren(h("p", { class: "error", role: "alert" }, msg));
+  }
+
+  function refreshed() {
+    const el = document.getElementById("refreshed");
+    if (el) el.textContent = "updated " + new Date().toLocaleTimeString();
+  }
+
+  // -- the jobs list ---------------------------------------------------------------
+
+  async function renderJobs() {
+    const main = document.getElementById("main");
+    const params = new URLSearchParams(location.search);
+    const dataset = params.get("dataset");
+    let payload;
+    try {
+      payload = await api("/jobs" + (dataset ? "?dataset=" + encodeURIComponent(dataset) : ""));
+    } catch (err) { return showError(main, err); }
+    const rows = payload.jobs.map((j) => h("tr", { "data-job": j.job_version, class: j.published ? "current" : null },
+      h("td", {}, jobLink(j.job_version)),
+      h("td", {}, h("a", { href: "?dataset=" + encodeURIComponent(j.dataset) }, j.dataset)),
+      h("td", {}, badge(j.status), j.mode === "fallback" ? [" ", badge("fallback")] : null),
+      h("td", { class: "num" }, fmtInt(j.records)),
+      h("td", { class: "num" }, fmtInt(j.stored)),
+      h("td", { class: "num" }, fmtInt(j.dead_letters)),
+      h("td", { class: "num" }, fmtInt(j.outstanding)),
+      h("td", { class: "num" }, fmtInt(j.shards_done) + " / " + fmtInt(j.shards)),
+      h("td", {}, clock(toDate(j.latest_safe_start))),
+      h("td", {}, clock(toDate(j.deadline))),
+      h("td", {}, stamp(j.created_at))));
+    main.replaceChildren(
+      h("h2", {}, dataset ? ["Job versions of ", h("span", { class: "mono" }, dataset), " ", h("a", { href: "?" }, "(all)")] : "Job versions"),
+      rows.length ? h("table", { id: "jobs-table" },
+        h("thead", {}, h("tr", {}, ["job version", "dataset", "status", "records", "stored", "dead letters",
+          "outstanding", "shards done", "cutoff", "deadline", "submitted"].map((t) => h("th", {}, t)))),
+        h("tbody", {}, rows))
+        : h("p", { class: "muted" }, "No job versions in the ledger yet."),
+      h("p", { class: "muted" }, "Times in " + tzName() + ". The bold row of a dataset is the version its readers see."));
+    refreshed();
+  }
+
+  // -- the job page -----------------------------------------------------------------
+
+  function countCards(c) {
+    const card = (cls, id, label, value) => h("div", { class: "card " + cls },
+      h("div", { class: "value", id: id }, fmtInt(value)), h("div", { class: "label" }, label));
+    return h("div", { class: "cards", id: "counts" },
+      card("", "count-records", "records", c.records),
+      card("stored", "count-stored", "stored", c.stored),
+      card("dead", "count-dead", "dead letters", c.dead_letters),
+      card("outstanding", "count-outstanding", "outstanding", c.outstanding),
+      card("", "count-reused", "reused", c.reused),
+      card("", "count-fallback", "by fallback", c.stored_fallback));
+  }
+
+  function header(job) {
+    const c = job.counts;
+    return h("section", { id: "job-header" },
+      h("h1", { id: "job-version" }, job.job_version),
+      h("div", { class: "meta" },
+        h("span", {}, "dataset ", h("a", { href: BASE + "/?dataset=" + encodeURIComponent(job.dataset) }, job.dataset)),
+        h("span", {}, badge(job.status), " ", job.mode === "fallback" ? badge("fallback") : badge("batch")),
+        h("span", { class: "muted" }, "model ", h("span", { class: "mono" }, job.model_name), " · prompt ", job.prompt_version),
+        h("span", { class: "muted" }, "submitted " + stamp(job.created_at) + " by " + job.submitted_by),
+        job.published_version
+          ? h("span", {}, job.is_published ? "published now" : ["published: ", jobLink(job.published_version)])
+          : h("span", { class: "muted" }, "nothing published for this dataset")),
+      countCards(c));
+  }
+
+  // Nice tick steps for a time axis, in minutes.
+  const TIME_STEPS = [1, 2, 5, 10, 15, 30, 60, 120, 180, 360, 720, 1440];
+
+  function timeTicks(t0, t1) {
+    const span = (t1 - t0) / 60000;
+    const step = TIME_STEPS.find((m) => span / m <= 10) || 1440;
+    const ms = step * 60000;
+    // Align ticks to the local clock (a tick at 04:30, not at 04:27).
+    const offset = new Date(t0).getTimezoneOffset() * 60000;
+    const first = Math.ceil((t0 - offset) / ms) * ms + offset;
+    const out = [];
+    for (let t = first; t <= t1; t += ms) out.push(t);
+    return out;
+  }
+
+  function countTicks(max) {
+    if (max <= 0) return [0];
+    const raw = max / 5;
+    const mag = Math.pow(10, Math.floor(Math.log10(raw)));
+    const step = [1, 2, 2.5, 5, 10].map((m) => m * mag).find((v) => raw <= v);
+    const out = [];
+    for (let v = 0; v <= max + 1e-9; v += step) out.push(v);
+    return out;
+  }
+
+  // The night on one time axis: the burn-down above, the seed's lanes below
+  // (batch, fallback re-drive, fixed overhead), and vertical lines for now, the
+  // projected finish, the moving cutoff and the deadline.
+  function timelineChart(p) {
+    const W = 960, H = 420, L = 64, R = 24, T = 34;
+    const laneNames = ["batch", "fallback", "overhead"];
+    const laneH = 18, laneGap = 8, lanesTop = H - laneNames.length * (laneH + laneGap) - 22;
+    const plotB = lanesTop - 34;
+    const samples = p.samples.map((x) => Object.assign({}, x, { t: toDate(x.at).getTime() }));
+    const times = samples.map((x) => x.t);
+    const add = (v) => { const d = toDate(v); if (d) times.push(d.getTime()); };
+    [p.now, p.deadline, p.cutoff, p.projected_finish, p.fallback_at, p.started_at].forEach(add);
+    p.lanes.forEach((ln) => { add(ln.start); add(ln.end); });
+    p.cutoff_history.forEach((c) => add(c.latest_safe_start));
+    if (!times.length) return h("p", { class: "muted" }, "No shard has been claimed yet: nothing to draw.");
+    let t0 = Math.min(...times), t1 = Math.max(...times);
+    if (t1 - t0 < 10 * 60000) { t1 = t0 + 10 * 60000; }
+    const padT = (t1 - t0) * 0.03;
+    t0 -= padT; t1 += padT;
+    const yMax = Math.max(p.records, 1);
+    const x = (t) => L + ((t - t0) / (t1 - t0)) * (W - L - R);
+    const y = (v) => plotB - (v / yMax) * (plotB - T);
+
+    const svg = s("svg", { class: "chart", id: "timeline", viewBox: `0 0 ${W} ${H}`, role: "img",
+      "aria-label": "stored, dead-lettered and outstanding rows over time, with the cutoff and the deadline" });
+
+    const grid = s("g", { class: "grid" });
+    const axis = s("g", { class: "axis" });
+    for (const v of countTicks(yMax)) {
+      grid.appendChild(s("line", { x1: L, x2: W - R, y1: y(v), y2: y(v) }));
+      axis.appendChild(s("text", { x: L - 6, y: y(v) + 4, "text-anchor": "end", text: fmtInt(Math.round(v)) }));
+    }
+    for (const t of timeTicks(t0, t1)) {
+      grid.appendChild(s("line", { x1: x(t), x2: x(t), y1: T, y2: H - 22 }));
+      axis.appendChild(s("text", { x: x(t), y: H - 6, "text-anchor": "middle", text: clock(new Date(t)) }));
+    }
+    axis.appendChild(s("line", { x1: L, x2: W - R, y1: plotB, y2: plotB }));
+    axis.appendChild(s("text", { x: 6, y: T - 14, text: "rows" }));
+    svg.appendChild(grid);
+    svg.appendChild(axis);
+
+    for (const [key, cls] of [["stored", "stored"], ["dead_letters", "dead"], ["outstanding", "outstanding"]]) {
+      const pts = samples.map((d) => x(d.t).toFixed(1) + "," + y(d[key]).toFixed(1)).join(" ");
+      svg.appendChild(s("polyline", { class: "series " + cls, id: "series-" + cls, points: pts }));
+    }
+
+    // Lanes: where the batch ran, where the fallback re-drive would run (or
+    // ran), and the fixed overhead that must end at the deadline.
+    laneNames.forEach((name, i) => {
+      const top = lanesTop + i * (laneH + laneGap);
+      const g = s("g", { class: "lane " + name, id: "lane-" + name });
+      g.appendChild(s("text", { x: L - 6, y: top + laneH - 5, "text-anchor": "end",
+        text: name === "overhead" ? "drain+load" : name }));
+      for (const ln of p.lanes.filter((l) => l.lane === name)) {
+        const a = x(toDate(ln.start).getTime()), b = x(toDate(ln.end).getTime());
+        const r = s("rect", { class: ln.kind, x: Math.min(a, b), y: top, width: Math.max(Math.abs(b - a), 1.5), height: laneH, rx: 2 });
+        r.appendChild(s("title", { text: `${name} (${ln.kind}): ${stamp(ln.start)} – ${stamp(ln.end)}` }));
+        g.appendChild(r);
+      }
+      svg.appendChild(g);
+    });
+
+    // The moving cutoff: each sample's latest safe start, joined in sample
+    // order, drawn in a rail just above the lanes so its drift is visible.
+    const railY = lanesTop - 16;
+    if (p.cutoff_history.length) {
+      const g = s("g", { class: "cutoff-history", id: "cutoff-history" });
+      const pts = p.cutoff_history.map((c, i) => [x(toDate(c.latest_safe_start).getTime()),
+        railY - 10 + (20 * i) / Math.max(p.cutoff_history.length - 1, 1)]);
+      g.appendChild(s("polyline", { class: "cutoff-path", points: pts.map((q) => q[0].toFixed(1) + "," + q[1].toFixed(1)).join(" ") }));
+      p.cutoff_history.forEach((c, i) => {
+        const dot = s("circle", { class: "cutoff-sample", cx: pts[i][0], cy: pts[i][1], r: 3 });
+        dot.appendChild(s("title", { text: `at ${clock(toDate(c.at))}: ${fmtInt(c.outstanding)} outstanding → cutoff ${clock(toDate(c.latest_safe_start))}` }));
+        g.appendChild(dot);
+      });
+      svg.appendChild(g);
+    }
+
+    const marker = (id, when, label, row) => {
+      const d = toDate(when);
+      if (!d) return;
+      const xx = x(d.getTime());
+      const g = s("g", { class: "marker" + (id === "cutoff-line" ? " cutoff" : ""), id: id, "data-at": d.toISOString() });
+      g.appendChild(s("line", { x1: xx, x2: xx, y1: T - 4, y2: H - 22 }));
+      g.appendChild(s("text", { x: xx + 3, y: T - 8 - row * 12, text: label + " " + clock(d) }));
+      svg.appendChild(g);
+    };
+    marker("now-line", p.finished_at ? null : p.now, "now", 0);
+    marker("projected-line", p.projected_finish, "projected finish", 1);
+    marker("fallback-line", p.fallback_at, "fallback fired", 1);
+    marker("cutoff-line", p.cutoff, "cutoff", 0);
+    marker("deadline-line", p.deadline, "deadline", 1);
+    return svg;
+  }
+
+  function timelinePanel(p) {
+    const facts = [];
+    if (p.deadline) facts.push(h("span", {}, "deadline ", h("b", { id: "deadline-clock" }, clock(toDate(p.deadline)))));
+    if (p.cutoff) facts.push(h("span", {}, "cutoff now ", h("b", { id: "cutoff-clock" }, clock(toDate(p.cutoff))),
+      p.fires ? h("span", { class: "error" }, " — past it: the fallback must start") : null));
+    if (p.projected_finish) facts.push(h("span", {}, "batch projected to finish ", h("b", { id: "projected-clock" }, clock(toDate(p.projected_finish)))));
+    if (p.finished_at) facts.push(h("span", {}, "finished ", h("b", {}, stamp(p.finished_at))));
+    if (p.fallback_at) facts.push(h("span", { class: "error" }, "fallback fired " + clock(toDate(p.fallback_at))));
+    facts.push(h("span", { class: "muted" }, `fallback: ${fmtInt(p.rate)} rows/s after ${Math.round(p.overhead_s / 60)} min fixed overhead`));
+    if (!p.deadline) facts.push(h("span", { class: "muted" }, "no deadline recorded (no progress sample carries one)"));
+    const legend = h("div", { class: "legend" },
+      h("span", {}, h("i", { style: "background:var(--stored)" }), "stored"),
+      h("span", {}, h("i", { style: "background:var(--dead)" }), "dead-lettered"),
+      h("span", {}, h("i", { style: "background:var(--outstanding)" }), "outstanding"),
+      h("span", {}, h("i", { style: "background:var(--cutoff)" }), "cutoff (dots: how it moved)"),
+      h("span", {}, h("i", { style: "background:var(--deadline)" }), "deadline"),
+      h("span", {}, "times in " + tzName() + (p.source === "shards" ? "; curve from shard completion times (no progress samples)" : "")));
+    return h("section", { class: "panel", id: "panel-timeline" },
+      h("h2", {}, "Burn-down, cutoff and deadline"), h("div", { class: "meta" }, facts), timelineChart(p), legend);
+  }
+
+  function costPanel(c) {
+    const so = c.so_far, fired = c.if_fallback_now;
+    const row = (label, rows, usd, id) => h("tr", { id: id }, h("td", {}, label), h("td", { class: "num" }, fmtInt(rows)), h("td", { class: "num" }, fmtUsd(usd)));
+    return h("section", { class: "panel", id: "panel-cost" },
+      h("h2", {}, "Cost so far by transport"),
+      h("table", {},
+        h("thead", {}, h("tr", {}, h("th", {}, "transport"), h("th", { class: "num" }, "rows"), h("th", { class: "num" }, "cost"))),
+        h("tbody", {},
+          row("batch", so.batch_rows, so.batch_cost, "cost-batch"),
+          row("fallback (synchronous)", so.fallback_rows, so.fallback_cost, "cost-fallback"),
+          h("tr", { id: "cost-total" }, h("td", {}, h("b", {}, "total so far")), h("td", { class: "num" }, fmtInt(so.batch_rows + so.fallback_rows)), h("td", { class: "num" }, h("b", {}, fmtUsd(so.total)))))),
+      h("p", { class: "muted" },
+        `Tonight's ${fmtInt(so.total_rows)} billable rows: ${fmtUsd(so.clean_batch_floor)} if all on batch, ${fmtUsd(so.all_synchronous_ceiling)} if all synchronous (the ceiling). `,
+        c.outstanding > 0 ? `If the fallback fired now: ${fmtUsd(fired.total)} (+${fmtUsd(fired.overage)} over a clean batch night).` : "",
+        c.reused ? ` ${fmtInt(c.reused)} reused rows were paid for by an earlier version.` : ""));
+  }
+
+  function shardsPanel(sh) {
+    const W = 960, H = 34;
+    const total = Math.max(sh.total, 1);
+    const svg = s("svg", { class: "chart", id: "shards-bar", viewBox: `0 0 ${W} ${H}`, role: "img", "aria-label": "shards by state" });
+    let at = 0;
+    for (const st of ["done", "leased", "pending"]) {
+      const n = sh.by_state[st].shards;
+      const w = (n / total) * W;
+      if (n) {
+        const r = s("rect", { class: "bar " + st, x: at, y: 4, width: w, height: H - 8 });
+        r.appendChild(s("title", { text: `${st}: ${n} shards` }));
+        svg.appendChild(r);
+      }
+      at += w;
+    }
+    const counts = h("div", { class: "meta" }, ["pending", "leased", "done"].map((st) =>
+      h("span", {}, st + " ", h("b", { id: "shards-" + st }, fmtInt(sh.by_state[st].shards)),
+        h("span", { class: "muted" }, ` (${fmtInt(sh.by_state[st].records)} records)`))));
+    const rows = sh.shards.map((r) => h("tr", {},
+      h("td", { class: "num" }, r.shard_no), h("td", {}, r.state), h("td", { class: "num" }, r.epoch),
+      h("td", { class: "mono" }, r.lease_owner || ""), h("td", { class: "num" }, r.records),
+      h("td", { class: "num" }, r.stored), h("td", { class: "num" }, r.stored_fallback), h("td", { class: "num" }, r.dead),
+      h("td", {}, stamp(r.first_claim_at)), h("td", {}, stamp(r.done_at))));
+    return h("section", { class: "panel", id: "panel-shards" },
+      h("h2", {}, "Shards by state"), counts, svg,
+      h("details", {}, h("summary", {}, `the shard table (${sh.shards.length < sh.total ? "first " + sh.shards.length + " of " : ""}${fmtInt(sh.total)})`),
+        h("table", {}, h("thead", {}, h("tr", {}, ["shard", "state", "epoch", "lease owner", "records", "stored", "by fallback", "dead", "first claim", "done"].map((t) => h("th", {}, t)))),
+          h("tbody", {}, rows))));
+  }
+
+  function driftPanel(d) {
+    const panel = h("section", { class: "panel", id: "panel-drift" }, h("h2", {}, "Drift against the published version"));
+    if (!d.categories.length) {
+      panel.appendChild(h("p", { class: "muted" }, "No results with a category yet."));
+      return panel;
+    }
+    panel.appendChild(h("div", { class: "meta" },
+      d.baseline_version ? h("span", {}, "baseline ", jobLink(d.baseline_version)) : h("span", { class: "muted" }, "no published version to compare with"),
+      d.tv_distance !== null ? h("span", { class: d.over_gate ? "error" : "ok" }, "total variation ",
+        h("b", { id: "drift-tv" }, d.tv_distance.toFixed(3)), ` (gate ${d.max_drift})`) : null,
+      h("span", { class: "muted" }, d.source.current === "validation" ? "counts from the validation reports" : "counted from results")));
+    const rowH = 26, L = 170, W = 960, H = d.categories.length * rowH + 8;
+    const svg = s("svg", { class: "chart", id: "drift-chart", viewBox: `0 0 ${W} ${H}`, role: "img", "aria-label": "category shares" });
+    const maxShare = Math.max(...d.categories.map((c) => Math.max(c.current, c.baseline || 0)), 0.01);
+    const x = (v) => (v / maxShare) * (W - L - 90);
+    d.categories.forEach((c, i) => {
+      const top = 4 + i * rowH;
+      const g = s("g", { class: "drift-row", "data-category": c.category });
+      g.appendChild(s("text", { x: L - 8, y: top + 15, "text-anchor": "end", text: c.category }));
+      g.appendChild(s("rect", { class: "bar current", x: L, y: top + 2, width: Math.max(x(c.current), 1), height: 10 }));
+      if (c.baseline !== null) g.appendChild(s("rect", { class: "bar baseline", x: L, y: top + 13, width: Math.max(x(c.baseline), 1), height: 8 }));
+      const delta = c.baseline !== null ? ` (${c.current >= c.baseline ? "+" : ""}${(100 * (c.current - c.baseline)).toFixed(1)} pts)` : "";
+      g.appendChild(s("text", { x: L + x(Math.max(c.current, c.baseline || 0)) + 6, y: top + 15, text: fmtPct(c.current) + delta }));
+      svg.appendChild(g);
+    });
+    panel.appendChild(svg);
+    panel.appendChild(h("div", { class: "legend" },
+      h("span", {}, h("i", { style: "background:var(--current)" }), "this version"),
+      h("span", {}, h("i", { style: "background:var(--baseline)" }), "published baseline")));
+    return panel;
+  }
+
+  function deadLettersPanel(dl) {
+    const panel = h("section", { class: "panel", id: "panel-dead-letters" },
+      h("h2", {}, "Dead letters ", h("span", { class: "muted", id: "dead-total" }, fmtInt(dl.total))));
+    if (!dl.total) {
+      panel.appendChild(h("p", { class: "muted" }, "None: every settled record produced a result."));
+      return panel;
+    }
+    panel.appendChild(h("table", { id: "dead-reasons" },
+      h("thead", {}, h("tr", {}, h("th", {}, "reason"), h("th", {}, "stage"), h("th", { class: "num" }, "records"))),
+      h("tbody", {}, dl.reasons.map((r) => h("tr", {}, h("td", {}, r.reason), h("td", {}, r.stage), h("td", { class: "num" }, fmtInt(r.n)))))));
+    panel.appendChild(h("details", {}, h("summary", {}, `the records (${dl.dead_letters.length < dl.total ? "first " + dl.dead_letters.length + " of " : ""}${fmtInt(dl.total)})`),
+      h("table", { id: "dead-letters" },
+        h("thead", {}, h("tr", {}, ["record", "reason", "stage", "attempts", "last error", "raw output"].map((t) => h("th", {}, t)))),
+        h("tbody", {}, dl.dead_letters.map((r) => h("tr", {},
+          h("td", { class: "mono" }, r.record_id), h("td", {}, r.reason), h("td", {}, r.stage), h("td", { class: "num" }, r.attempts),
+          h("td", { class: "clip", title: r.error || "" }, r.error || ""), h("td", { class: "clip mono", title: r.raw_output || "" }, r.raw_output || "")))))));
+    return panel;
+  }
+
+  function historyPanel(hist, jobVersion, reload) {
+    const cur = hist.pointer ? hist.pointer.job_version : null;
+    const panel = h("section", { class: "panel", id: "panel-history" },
+      h("h2", {}, "Publish history of ", h("span", { class: "mono" }, hist.dataset)),
+      h("div", { class: "meta" }, cur ? h("span", {}, "readers see ", h("b", { id: "pointer-version" }, jobLink(cur)),
+        h("span", { class: "muted" }, ` since ${stamp(hist.pointer.switched_at)} (${hist.pointer.switched_by})`))
+        : h("span", { class: "muted", id: "pointer-version" }, "never published")));
+    if (hist.history.length) {
+      panel.appendChild(h("table", { id: "history-table" },
+        h("thead", {}, h("tr", {}, ["#", "when", "action", "from", "to", "by", "reason"].map((t) => h("th", {}, t)))),
+        h("tbody", {}, hist.history.map((r) => h("tr", { "data-action": r.action, class: r.to_version === jobVersion ? "current" : null },
+          h("td", { class: "num" }, r.id), h("td", {}, stamp(r.at)), h("td", {}, r.action + (r.forced ? " (forced)" : "")),
+          h("td", {}, r.from_version ? jobLink(r.from_version) : "–"), h("td", {}, r.to_version ? jobLink(r.to_version) : "–"),
+          h("td", {}, r.actor), h("td", {}, r.reason || ""))))));
+    }
+    // Rollback goes one publish back (bi.rollback_v1): to the version the
+    // current one replaced. The request names the version the user saw, so a
+    // publish that lands in between is not undone by mistake.
+    const last = hist.history.find((r) => r.to_version === cur);
+    const target = last ? last.from_version : null;
+    if (cur && target) {
+      const status = h("span", { id: "rollback-status", role: "status" });
+      const reason = h("input", { type: "text", id: "rollback-reason", placeholder: "reason (recorded in the history)" });
+      const form = h("div", { class: "rollback-form", hidden: true, id: "rollback-form" },
+        h("span", {}, "Switch readers of ", h("b", {}, hist.dataset), " from ", h("span", { class: "mono" }, cur), " back to ", h("span", { class: "mono" }, target), "?"),
+        reason,
+        h("button", { class: "danger confirm", id: "rollback-confirm", onclick: async () => {
+          status.textContent = "rolling back…";
+          try {
+            await api("/datasets/" + encodeURIComponent(hist.dataset) + "/rollback", {
+              method: "POST", headers: { "Content-Type": "application/json" },
+              body: JSON.stringify({ expected_current: cur, reason: reason.value || null }) });
+            rollbackOpen = false;
+            await reload();
+            const st = document.getElementById("rollback-status");
+            if (st) st.textContent = "rolled back to " + target;
+          } catch (err) {
+            status.className = "error";
+            status.textContent = (err.status === 401 ? "not signed in: " : err.status === 403 ? "not allowed: " : "") + err.message;
+          }
+        } }, "Roll back"),
+        h("button", { onclick: () => { form.hidden = true; rollbackOpen = false; } }, "Cancel"));
+      panel.appendChild(h("div", { class: "rollback-form" },
+        h("button", { class: "danger", id: "rollback-button", onclick: () => { form.hidden = false; rollbackOpen = true; reason.focus(); } },
+          "Roll back to " + target), status));
+      panel.appendChild(form);
+    }
+    return panel;
+  }
+
+  async function renderJob(jobVersion, note) {
+    const main = document.getElementById("main");
+    document.getElementById("where").textContent = jobVersion;
+    const enc = encodeURIComponent(jobVersion);
+    let job, prog, cost, shards, drift, dead;
+    try {
+      [job, prog, cost, shards, drift, dead] = await Promise.all([
+        api("/jobs/" + enc), api("/jobs/" + enc + "/progress"), api("/jobs/" + enc + "/cost"),
+        api("/jobs/" + enc + "/shards"), api("/jobs/" + enc + "/drift"), api("/jobs/" + enc + "/dead-letters")]);
+    } catch (err) { return showError(main, err); }
+    let hist;
+    try { hist = await api("/datasets/" + encodeURIComponent(job.dataset) + "/history"); } catch (err) { return showError(main, err); }
+    const reload = () => renderJob(jobVersion, note);
+    main.replaceChildren(
+      note ? h("p", { class: "muted", id: "run-note" }, note) : "",
+      header(job), timelinePanel(prog),
+      h("div", { class: "grid" }, costPanel(cost), shardsPanel(shards)),
+      h("div", { class: "grid" }, driftPanel(drift), historyPanel(hist, jobVersion, reload)),
+      deadLettersPanel(dead));
+    body.dataset.loaded = "true";  // for tests and screenshots: every panel is drawn
+    refreshed();
+    return job;
+  }
+
+  async function renderRun() {
+    const main = document.getElementById("main");
+    const dagId = body.dataset.dagId, runId = body.dataset.runId;
+    document.getElementById("where").textContent = dagId + " / " + runId;
+    let found;
+    try {
+      found = await api("/runs/job?dag_id=" + encodeURIComponent(dagId) + "&run_id=" + encodeURIComponent(runId));
+    } catch (err) { return showError(main, err); }
+    if (!found.job_version) {
+      main.replaceChildren(h("p", { class: "muted", id: "run-note" },
+        "This DAG run has no batch-inference job version yet (none in its conf, none in its XComs)."));
+      return null;
+    }
+    return renderJob(found.job_version, `DAG run ${dagId} / ${runId} worked on this job version.`);
+  }
+
+  // -- start, then keep the page current while a job runs --------------------------
+
+  async function tick() {
+    if (rollbackOpen) return;
+    if (VIEW === "jobs") return renderJobs();
+    if (VIEW === "job") return renderJob(body.dataset.jobVersion);
+    if (VIEW === "run") return renderRun();
+  }
+
+  tick().finally(() => {
+    setInterval(() => {
+      const open = document.querySelector("details[open]");
+      if (document.hidden || open) return;  // do not redraw under someone reading a table
+      tick();
+    }, REFRESH_MS);
+  });
+})();
