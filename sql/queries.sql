@@ -50,7 +50,8 @@ WITH c AS (
     SELECT s.record_id, coalesce(s.text, '') AS text, s.acl,
            md5(coalesce(s.text, '') || chr(31) || coalesce(s.acl::text, '')) AS content_hash,
            CASE WHEN s.reject IS NOT NULL THEN s.reject
-                WHEN s.text IS NULL OR btrim(s.text) = '' THEN 'empty text'
+                -- btrim() alone strips only spaces: a record of tabs and newlines is blank too
+                WHEN s.text IS NULL OR btrim(s.text, E' \t\n\r\f\x0b') = '' THEN 'empty text'
            END AS snapshot_reject,
            CASE WHEN length(s.text) > %(cap)s
                 THEN format('input over the length cap (%%s characters > %%s)', length(s.text), %(cap)s)
