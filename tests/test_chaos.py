@@ -1,0 +1,151 @@
+"""The chaos harness: the default run (16 worker processes, at least 100
+faults, database restarts) must pass every check; and the checks themselves
+must see the failures they are there to catch, or a green run means nothing."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+
+from batch_inference import chaos
+from batch_inference.chaos import ChaosConfig, CountingEngine, run_chaos
+from batch_inference.engines.base import Request
+from batch_inference.ledger import Ledger
+from batch_inference.plan import submit
+from tests.conftest import make_source, make_spec, tickets
+
+OUT = {"category": "billing", "summary": "charged twice"}
+
+
+@pytest.mark.chaos
+def test_default_chaos_run_passes():
+    cfg = ChaosConfig()
+    assert (cfg.workers, cfg.faults, cfg.db_restart) == (16, 100, True)
+    report = run_chaos(cfg)
+    print(report.table())
+    f = report.figures
+    assert report.passed, report.table()
+    # every kind of fault was injected, and enough of them
+    assert f["faults"]["total"] >= 100
+    assert all(f["faults"]["by_kind"].get(k, 0) > 0 for k in chaos.FAULT_KINDS), f["faults"]
+    assert f["faults"]["by_kind"]["db_restart"] == 2
+    # the design's promises
+    assert f["duplicates"] == 0
+    assert f["stale_writes_accepted"] == {"never_held": 0, "after_epoch_ended": 0}
+    assert f["stalls"]["shard_moved_on"] > 0
+    assert f["stalls"]["refused_after"] == f["stalls"]["shard_moved_on"]
+    assert f["fenced_total"] >= f["stalls"]["refused_after"]
+    cov = f["coverage"]
+    assert cov["stored"] + cov["dead"] == cov["snapshot"] == f["records"] == cfg.n_records()
+    assert cov["missing"] == 0 and cov["stored_and_dead"] == 0
+    assert f["counter_drift_shards"] == 0
+    for rid, d in f["poison_dead_letters"].items():
+        want = ("plan", 0) if d["kind"] == "oversized" else ("worker", cfg.max_attempts)
+        assert (d["stage"], d["attempts"]) == want, rid
+    assert f["healthy_dead_letters"] == 0
+    comp = f["computations"]
+    assert comp["records"] == f["records"] - f["poison"]       # every healthy record was computed
+    assert comp["extra"] <= comp["bound"] == f["handoffs"]["handoffs"] * cfg.flush_every
+    # workers ran with worker credentials, not the owner's
+    assert f["worker_role"] == chaos.WORKER_ROLE
+    assert f["job_s"] < cfg.duration
+
+
+@pytest.mark.chaos
+def test_cli_small_run_prints_json_and_exits_0(tmp_path):
+    p = subprocess.run([sys.executable, "-m", "batch_inference.cli", "chaos", "--workers", "3", "--records", "600",
+                        "--shard-size", "100", "--faults", "8", "--no-db-restart", "--seed", "3", "--json"],
+                       capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stdout + p.stderr
+    report = json.loads(p.stdout.strip().splitlines()[-1])
+    assert report["passed"] is True
+    assert report["figures"]["faults"]["total"] >= 8
+    assert report["figures"]["faults"]["by_kind"].get("db_restart", 0) == 0
+    assert report["config"]["workers"] == 3
+
+
+def test_renew_must_be_shorter_than_the_lease():
+    with pytest.raises(ValueError, match="renew_seconds"):
+        run_chaos(ChaosConfig(lease_seconds=2, renew_seconds=2))
+
+
+def test_counting_engine_writes_one_line_per_outcome(tmp_path):
+    spec = make_spec()
+    eng = CountingEngine(spec, {"inner": "noop", "count_dir": str(tmp_path), "delay_s": 0})
+    eng.load()
+    reqs = [Request("a", [{"role": "user", "content": "hello"}]),
+            Request("b", [{"role": "user", "content": "[[engine-error]]"}])]
+    outs = list(eng.generate(reqs, threading.Event()))
+    eng.close()
+    assert [o.record_id for o in outs] == ["a", "b"] and outs[1].error
+    (log,) = tmp_path.glob("*.log")
+    assert log.read_text() == "a\ttext\nb\terror\n"
+    with pytest.raises(ValueError, match="count_dir"):
+        CountingEngine(spec, {"inner": "noop"})
+    with pytest.raises(ValueError, match="unknown option"):
+        CountingEngine(spec, {"inner": "noop", "count_dir": str(tmp_path), "dleay_s": 1})
+
+
+# -- the checks catch what they claim to ------------------------------------------
+
+@pytest.fixture
+def audited_job(conn):
+    conn.execute(chaos._queries()["install"])
+    make_source(conn, tickets(20))
+    return submit(conn, make_spec(lease_seconds=1, renew_seconds=0.5)).job_version
+
+
+def _forge_result(conn, job: str, rid: str, worker: str, epoch: int) -> None:
+    """What a broken fence would let through: a row written straight into results."""
+    conn.execute("""INSERT INTO bi.results (job_version, record_id, output, model_name, model_digest, prompt_version,
+                                            transport, worker_id, epoch)
+                    VALUES (%s, %s, '{}', 'noop', 'x', 'v1', 'batch', %s, %s)""", (job, rid, worker, epoch))
+
+
+def test_stale_write_check_counts_a_write_after_the_epoch_ended(conn, db_url, audited_job):
+    job = audited_job
+    a = Ledger(conn, job, "a", lease_seconds=1)
+    la = a.claim()
+    assert a.put_results(la, ["t00000"], [OUT], ["billing"]) == 1        # in time: fine
+    time.sleep(1.2)
+    lb = Ledger(conn, job, "b").claim()
+    assert lb.shard_no == la.shard_no and lb.epoch == 2
+    admin = chaos._Admin(db_url)
+    assert admin.one("stale_writes", {"job": job}) == {"never_held": 0, "after_epoch_ended": 0}
+    _forge_result(conn, job, "t00001", "a", 1)                          # a's epoch ended before this
+    _forge_result(conn, job, "t00002", "mallory", 2)                    # epoch 2 belongs to b
+    assert admin.one("stale_writes", {"job": job}) == {"never_held": 1, "after_epoch_ended": 1}
+    admin.close()
+
+
+def test_stale_write_check_counts_a_write_after_release_or_completion(conn, db_url, audited_job):
+    job = audited_job
+    a = Ledger(conn, job, "a")
+    la = a.claim()
+    assert a.release(la)
+    _forge_result(conn, job, "t00003", "a", la.epoch)
+    admin = chaos._Admin(db_url)
+    assert admin.one("stale_writes", {"job": job})["after_epoch_ended"] == 1
+    h = admin.one("handoffs", {"job": job})
+    assert (h["claims"], h["handoffs"]) == (1, 0)
+    lb = Ledger(conn, job, "b").claim()
+    assert lb.shard_no == la.shard_no
+    h = admin.one("handoffs", {"job": job})
+    assert (h["claims"], h["handoffs"], h["after_release"], h["after_expiry"]) == (2, 1, 1, 0)
+    admin.close()
+
+
+def test_coverage_and_counter_checks_see_missing_and_uncounted_rows(conn, db_url, audited_job):
+    job = audited_job
+    admin = chaos._Admin(db_url)
+    cov = admin.one("coverage", {"job": job})
+    assert (cov["snapshot"], cov["stored"], cov["missing"]) == (20, 0, 20)
+    _forge_result(conn, job, "t00004", "a", 1)            # a row the shard counter never saw
+    assert admin.one("counter_drift", {"job": job})["shards"] == 1
+    assert admin.one("coverage", {"job": job})["missing"] == 19
+    admin.close()
