@@ -179,7 +179,7 @@
   // (batch, fallback re-drive, fixed overhead), and vertical lines for now, the
   // projected finish, the moving cutoff and the deadline.
   function timelineChart(p) {
-    const W = 960, H = 420, L = 64, R = 24, T = 34;
+    const W = 960, H = 440, L = 84, R = 24, T = 58;
     const laneNames = ["batch", "fallback", "overhead"];
     const laneH = 18, laneGap = 8, lanesTop = H - laneNames.length * (laneH + laneGap) - 22;
     const plotB = lanesTop - 34;
@@ -221,6 +221,15 @@
       svg.appendChild(s("polyline", { class: "series " + cls, id: "series-" + cls, points: pts }));
     }
 
+    // The batch at the pace it has shown: outstanding reaches zero at the
+    // projected finish (dashed), which the chart sets against the cutoff.
+    const last = samples[samples.length - 1];
+    const pf = toDate(p.projected_finish);
+    if (pf && last && last.outstanding > 0) {
+      svg.appendChild(s("line", { class: "series projection", id: "series-projection", x1: x(last.t), y1: y(last.outstanding),
+        x2: x(pf.getTime()), y2: y(0) }));
+    }
+
     // Lanes: where the batch ran, where the fallback re-drive would run (or
     // ran), and the fixed overhead that must end at the deadline.
     laneNames.forEach((name, i) => {
@@ -242,6 +251,7 @@
     const railY = lanesTop - 16;
     if (p.cutoff_history.length) {
       const g = s("g", { class: "cutoff-history", id: "cutoff-history" });
+      g.appendChild(s("text", { x: L - 6, y: railY + 4, "text-anchor": "end", text: "cutoff" }));
       const pts = p.cutoff_history.map((c, i) => [x(toDate(c.latest_safe_start).getTime()),
         railY - 10 + (20 * i) / Math.max(p.cutoff_history.length - 1, 1)]);
       g.appendChild(s("polyline", { class: "cutoff-path", points: pts.map((q) => q[0].toFixed(1) + "," + q[1].toFixed(1)).join(" ") }));
@@ -253,20 +263,31 @@
       svg.appendChild(g);
     }
 
-    const marker = (id, when, label, row) => {
-      const d = toDate(when);
-      if (!d) return;
-      const xx = x(d.getTime());
-      const g = s("g", { class: "marker" + (id === "cutoff-line" ? " cutoff" : ""), id: id, "data-at": d.toISOString() });
-      g.appendChild(s("line", { x1: xx, x2: xx, y1: T - 4, y2: H - 22 }));
-      g.appendChild(s("text", { x: xx + 3, y: T - 8 - row * 12, text: label + " " + clock(d) }));
+    // Vertical lines for the moments that matter, labelled at the top. Labels
+    // are stacked into rows so that close moments (now and the cutoff, say)
+    // stay readable, and flipped to the left of their line at the right edge.
+    const marks = [
+      ["now-line", p.finished_at ? null : p.now, "now"],
+      ["projected-line", p.projected_finish, "projected finish"],
+      ["fallback-line", p.fallback_at, "fallback fired"],
+      ["cutoff-line", p.cutoff, "cutoff"],
+      ["deadline-line", p.deadline, "deadline"],
+    ].filter((m) => toDate(m[1])).map((m) => ({ id: m[0], d: toDate(m[1]), label: m[2] + " " + clock(toDate(m[1])) }))
+      .sort((a, b) => a.d - b.d);
+    const rowEnds = [];
+    for (const m of marks) {
+      const xx = x(m.d.getTime());
+      const w = m.label.length * 6.3;
+      const flip = xx + 3 + w > W - 2;
+      const from = flip ? xx - 3 - w : xx + 3, to = flip ? xx - 3 : xx + 3 + w;
+      let row = rowEnds.findIndex((end) => end < from - 4);
+      if (row < 0) { row = rowEnds.length; rowEnds.push(0); }
+      rowEnds[row] = to;
+      const g = s("g", { class: "marker" + (m.id === "cutoff-line" ? " cutoff" : ""), id: m.id, "data-at": m.d.toISOString() });
+      g.appendChild(s("line", { x1: xx, x2: xx, y1: T - 4 - row * 13, y2: H - 22 }));
+      g.appendChild(s("text", { x: flip ? xx - 3 : xx + 3, y: T - 8 - row * 13, "text-anchor": flip ? "end" : "start", text: m.label }));
       svg.appendChild(g);
-    };
-    marker("now-line", p.finished_at ? null : p.now, "now", 0);
-    marker("projected-line", p.projected_finish, "projected finish", 1);
-    marker("fallback-line", p.fallback_at, "fallback fired", 1);
-    marker("cutoff-line", p.cutoff, "cutoff", 0);
-    marker("deadline-line", p.deadline, "deadline", 1);
+    }
     return svg;
   }
 
@@ -309,7 +330,7 @@
   }
 
   function shardsPanel(sh) {
-    const W = 960, H = 34;
+    const W = 460, H = 22;
     const total = Math.max(sh.total, 1);
     const svg = s("svg", { class: "chart", id: "shards-bar", viewBox: `0 0 ${W} ${H}`, role: "img", "aria-label": "shards by state" });
     let at = 0;
@@ -317,7 +338,7 @@
       const n = sh.by_state[st].shards;
       const w = (n / total) * W;
       if (n) {
-        const r = s("rect", { class: "bar " + st, x: at, y: 4, width: w, height: H - 8 });
+        const r = s("rect", { class: "bar " + st, x: at, y: 2, width: w, height: H - 4 });
         r.appendChild(s("title", { text: `${st}: ${n} shards` }));
         svg.appendChild(r);
       }
@@ -349,10 +370,10 @@
       d.tv_distance !== null ? h("span", { class: d.over_gate ? "error" : "ok" }, "total variation ",
         h("b", { id: "drift-tv" }, d.tv_distance.toFixed(3)), ` (gate ${d.max_drift})`) : null,
       h("span", { class: "muted" }, d.source.current === "validation" ? "counts from the validation reports" : "counted from results")));
-    const rowH = 26, L = 170, W = 960, H = d.categories.length * rowH + 8;
+    const rowH = 26, L = 90, W = 460, H = d.categories.length * rowH + 8;
     const svg = s("svg", { class: "chart", id: "drift-chart", viewBox: `0 0 ${W} ${H}`, role: "img", "aria-label": "category shares" });
     const maxShare = Math.max(...d.categories.map((c) => Math.max(c.current, c.baseline || 0)), 0.01);
-    const x = (v) => (v / maxShare) * (W - L - 90);
+    const x = (v) => (v / maxShare) * (W - L - 120);
     d.categories.forEach((c, i) => {
       const top = 4 + i * rowH;
       const g = s("g", { class: "drift-row", "data-category": c.category });
@@ -397,17 +418,18 @@
         h("span", { class: "muted" }, ` since ${stamp(hist.pointer.switched_at)} (${hist.pointer.switched_by})`))
         : h("span", { class: "muted", id: "pointer-version" }, "never published")));
     if (hist.history.length) {
-      panel.appendChild(h("table", { id: "history-table" },
+      panel.appendChild(h("div", { class: "scroll" }, h("table", { id: "history-table" },
         h("thead", {}, h("tr", {}, ["#", "when", "action", "from", "to", "by", "reason"].map((t) => h("th", {}, t)))),
         h("tbody", {}, hist.history.map((r) => h("tr", { "data-action": r.action, class: r.to_version === jobVersion ? "current" : null },
-          h("td", { class: "num" }, r.id), h("td", {}, stamp(r.at)), h("td", {}, r.action + (r.forced ? " (forced)" : "")),
+          h("td", { class: "num" }, r.id), h("td", { class: "nowrap" }, stamp(r.at)), h("td", {}, r.action + (r.forced ? " (forced)" : "")),
           h("td", {}, r.from_version ? jobLink(r.from_version) : "–"), h("td", {}, r.to_version ? jobLink(r.to_version) : "–"),
-          h("td", {}, r.actor), h("td", {}, r.reason || ""))))));
+          h("td", {}, r.actor), h("td", {}, r.reason || "")))))));
     }
     // Rollback goes one publish back (bi.rollback_v1): to the version the
     // current one replaced. The request names the version the user saw, so a
     // publish that lands in between is not undone by mistake.
-    const last = hist.history.find((r) => r.to_version === cur);
+    // As in bi.rollback_v1: the latest *publish* that made the current version live.
+    const last = hist.history.find((r) => r.action === "publish" && r.to_version === cur);
     const target = last ? last.from_version : null;
     if (cur && target) {
       const status = h("span", { id: "rollback-status", role: "status" });

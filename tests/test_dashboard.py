@@ -1,0 +1,349 @@
+"""The dashboard in headless Chromium, served by a real ``airflow api-server``.
+
+Airflow runs as it would in production, with a SQLite metadata database in a
+temporary AIRFLOW_HOME: the plugin is found through the package's
+``airflow.plugins`` entry point, and the ledger is the conftest's embedded
+PostgreSQL, named to the plugin by the Airflow connection
+``batch_inference_default`` (AIRFLOW_CONN_...). Two servers share the home:
+
+- ``open_server``: ``SIMPLE_AUTH_MANAGER_ALL_ADMINS=True`` (no login), for
+  the page tests: the page renders, its numbers are the ledger's, the chart
+  has the cutoff, the DAG-run view finds the run's job, rollback works;
+- ``auth_server``: the simple auth manager with two users and passwords,
+  for what a signed-out caller or a viewer may not do.
+
+Chromium is Debian's (/usr/bin/chromium), driven by Playwright without a
+browser download. A screenshot of the seeded job lands in artifacts/; set
+BI_UPDATE_DOCS_SCREENSHOT=1 to refresh docs/img/dashboard.png as well.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+from pathlib import Path
+from urllib.parse import quote
+
+import httpx
+import psycopg
+import pytest
+from psycopg.conninfo import conninfo_to_dict
+
+from batch_inference import db
+from batch_inference.status import job_counts
+from tests.test_dashboard_api import DATASET, seed_night
+
+pytestmark = pytest.mark.browser
+
+ROOT = Path(__file__).resolve().parent.parent
+CHROMIUM = "/usr/bin/chromium"
+AIRFLOW = str(Path(sys.executable).with_name("airflow"))
+ARTIFACTS = ROOT / "artifacts"
+USERS = {"admin": ("admin", "admin-pw-1"), "vera": ("viewer", "viewer-pw-1")}
+
+PROBE_DAG = '''
+"""A DAG run whose XCom names a batch-inference job version (the submit task's manifest)."""
+import os
+from datetime import datetime
+
+from airflow.sdk import dag, task
+
+
+@dag(dag_id="bi_dashboard_probe", schedule=None, start_date=datetime(2026, 1, 1), catchup=False)
+def bi_dashboard_probe():
+    @task
+    def submit():
+        return {"job_version": os.environ["BI_PROBE_JOB"], "dataset": "tickets_triage", "records": 120}
+
+    submit()
+
+
+bi_dashboard_probe()
+'''
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _airflow_conn(uri: str) -> str:
+    """The ledger as an Airflow connection; the host is the server's Unix-socket directory."""
+    p = conninfo_to_dict(uri)
+    return json.dumps({"conn_type": "postgres", "host": p.get("host"), "login": p.get("user"),
+                       "password": p.get("password") or None, "schema": p.get("dbname"), "port": p.get("port")})
+
+
+@pytest.fixture(scope="module")
+def night(pg_server, template_db):
+    """A seeded ledger database of its own (the page tests change its pointer)."""
+    name = "dashui_" + uuid.uuid4().hex[:10]
+    with psycopg.connect(pg_server.get_uri(), autocommit=True) as c:
+        c.execute(f"CREATE DATABASE {name} TEMPLATE {template_db}")
+    url = pg_server.get_uri(name)
+    with db.connect(url) as c:
+        info = seed_night(c, url)
+    yield url, info
+    with psycopg.connect(pg_server.get_uri(), autocommit=True) as c:
+        c.execute(f"DROP DATABASE IF EXISTS {name} WITH (FORCE)")
+
+
+@pytest.fixture(scope="module")
+def airflow_home(night):
+    if not Path(CHROMIUM).exists():
+        pytest.fail(f"{CHROMIUM} is missing: apt-get install -y chromium (scripts/test.sh does it)")
+    url, info = night
+    home = Path(tempfile.mkdtemp(prefix="bi-af-"))
+    (home / "dags").mkdir()
+    (home / "dags" / "bi_dashboard_probe.py").write_text(PROBE_DAG)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("AIRFLOW") and k != db.DB_ENV}
+    env.update({
+        "AIRFLOW_HOME": str(home),
+        "AIRFLOW__CORE__DAGS_FOLDER": str(home / "dags"),
+        "AIRFLOW__CORE__LOAD_EXAMPLES": "False",
+        "AIRFLOW__API__WORKERS": "1",
+        "AIRFLOW__LOGGING__LOGGING_LEVEL": "WARNING",
+        "AIRFLOW__CORE__SIMPLE_AUTH_MANAGER_USERS": ",".join(f"{u}:{r}" for u, (r, _) in USERS.items()),
+        # Known passwords: the simple auth manager keeps existing entries of this file.
+        "AIRFLOW__CORE__SIMPLE_AUTH_MANAGER_PASSWORDS_FILE": str(home / "passwords.json"),
+        "AIRFLOW_CONN_BATCH_INFERENCE_DEFAULT": _airflow_conn(url),
+        "BI_PROBE_JOB": info["v3"],
+        "PYTHONUNBUFFERED": "1",
+    })
+    (home / "passwords.json").write_text(json.dumps({u: pw for u, (_, pw) in USERS.items()}))
+    t0 = time.monotonic()
+    subprocess.run([AIRFLOW, "db", "migrate"], env=env, check=True, capture_output=True, timeout=300)
+    print(f"airflow db migrate: {time.monotonic() - t0:.1f}s")
+    yield home, env
+    shutil.rmtree(home, ignore_errors=True)
+
+
+class _Server:
+    def __init__(self, env: dict[str, str], home: Path, name: str):
+        self.port = _free_port()
+        self.base = f"http://127.0.0.1:{self.port}"
+        self.log = home / f"{name}.log"
+        env = {**env, "AIRFLOW__API__BASE_URL": self.base}
+        self.proc = subprocess.Popen([AIRFLOW, "api-server", "--host", "127.0.0.1", "--port", str(self.port)],
+                                     env=env, stdout=self.log.open("w"), stderr=subprocess.STDOUT,
+                                     start_new_session=True)
+
+    def wait(self, timeout: float = 180) -> "_Server":
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"api-server exited {self.proc.returncode}:\n{self.log.read_text()[-4000:]}")
+            try:
+                if httpx.get(self.base + "/api/v2/monitor/health", timeout=2).status_code == 200:
+                    return self
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.5)
+        raise TimeoutError(f"api-server not healthy after {timeout}s:\n{self.log.read_text()[-4000:]}")
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGTERM)  # its own session: the server and its worker
+            try:
+                self.proc.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait()
+
+
+@pytest.fixture(scope="module")
+def open_server(airflow_home):
+    home, env = airflow_home
+    server = _Server({**env, "AIRFLOW__CORE__SIMPLE_AUTH_MANAGER_ALL_ADMINS": "True"}, home, "open")
+    # A real DAG run with the job version in its XCom, made while the server starts.
+    probe = subprocess.Popen([AIRFLOW, "dags", "test", "bi_dashboard_probe"], env=env,
+                             stdout=(home / "probe.log").open("w"), stderr=subprocess.STDOUT)
+    t0 = time.monotonic()
+    server.wait()
+    print(f"api-server healthy after {time.monotonic() - t0:.1f}s")
+    assert probe.wait(timeout=300) == 0, (home / "probe.log").read_text()[-4000:]
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="module")
+def auth_server(airflow_home):
+    home, env = airflow_home
+    server = _Server(env, home, "auth").wait()
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="module")
+def browser():
+    from playwright.sync_api import sync_playwright
+
+    with sync_playwright() as p:
+        b = p.chromium.launch(executable_path=CHROMIUM, args=[
+            "--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking"])
+        yield b
+        b.close()
+
+
+@pytest.fixture
+def page(browser):
+    ctx = browser.new_context(viewport={"width": 1280, "height": 900}, timezone_id="UTC")
+    pg = ctx.new_page()
+    errors: list[str] = []
+    pg.on("pageerror", lambda e: errors.append(str(e)))
+    yield pg
+    ctx.close()
+    assert not errors, errors
+
+
+def _num(text: str) -> int:
+    return int(text.replace(",", "").strip())
+
+
+def _open_job(page, server: _Server, job: str) -> None:
+    page.goto(f"{server.base}/batch-inference/jobs/{job}")
+    page.wait_for_selector("body[data-loaded=true]", timeout=30000)
+
+
+# -- the pages -------------------------------------------------------------------------
+
+
+def test_plugin_is_registered_with_its_nav_and_dag_run_views(open_server):
+    plugins = httpx.get(open_server.base + "/api/v2/plugins").json()["plugins"]
+    ours = next(p for p in plugins if p["name"] == "batch_inference")
+    assert ours["fastapi_apps"][0]["url_prefix"] == "/batch-inference"
+    views = {v["destination"]: v for v in ours["external_views"]}
+    assert views["nav"]["href"] == "/batch-inference/" and views["nav"]["category"] == "browse"
+    assert "{RUN_ID}" in views["dag_run"]["href"] and "{DAG_ID}" in views["dag_run"]["href"]
+
+
+def test_job_page_numbers_are_the_ledgers_and_the_chart_has_the_cutoff(open_server, night, page):
+    url, info = night
+    job = info["v3"]
+    _open_job(page, open_server, job)
+    with db.connect(url) as conn:
+        c = job_counts(conn, job)
+    shown = {k: _num(page.text_content(f"#count-{k}")) for k in ("records", "stored", "dead", "outstanding")}
+    assert shown == {"records": c["records"], "stored": c["stored"], "dead": c["dead_letters"],
+                     "outstanding": c["outstanding"]}
+    assert _num(page.text_content("#shards-done")) == c["shards"]["done"]
+    assert _num(page.text_content("#shards-pending")) == c["shards"]["pending"]
+    assert _num(page.text_content("#dead-total")) == c["dead_letters"]
+
+    # The moving cutoff and the deadline on the burn-down's time axis.
+    assert page.locator("svg#timeline #cutoff-line line").count() == 1
+    assert page.locator("svg#timeline #deadline-line line").count() == 1
+    assert page.locator("svg#timeline .cutoff-sample").count() == 6
+    assert page.locator("svg#timeline #lane-fallback rect.planned").count() == 1
+    cut_x = float(page.get_attribute("svg#timeline #cutoff-line line", "x1"))
+    dl_x = float(page.get_attribute("svg#timeline #deadline-line line", "x1"))
+    assert cut_x < dl_x                                        # the fallback starts before the deadline
+    assert page.text_content("#deadline-clock") == info["deadline"].strftime("%H:%M")
+    assert page.get_attribute("svg#timeline #deadline-line", "data-at").startswith(
+        info["deadline"].strftime("%Y-%m-%dT%H:%M"))
+
+    # Drift bars per category, the dead-letter reasons and the cost by transport.
+    assert page.locator("svg#drift-chart .drift-row").count() == 3
+    assert "schema" in page.text_content("#dead-reasons")
+    assert _num(page.text_content("#cost-batch td:nth-child(2)")) == c["stored_batch"]
+
+    ARTIFACTS.mkdir(exist_ok=True)
+    page.screenshot(path=str(ARTIFACTS / "dashboard.png"), full_page=True)
+    if os.environ.get("BI_UPDATE_DOCS_SCREENSHOT") == "1":
+        (ROOT / "docs" / "img").mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(ARTIFACTS / "dashboard.png", ROOT / "docs" / "img" / "dashboard.png")
+
+
+def test_jobs_list_links_every_version(open_server, night, page):
+    url, info = night
+    page.goto(f"{open_server.base}/batch-inference/")
+    page.wait_for_selector("#jobs-table")
+    rows = page.locator("#jobs-table tbody tr")
+    assert rows.count() == 3
+    with db.connect(url) as conn:
+        for jv in (info["v1"], info["v2"], info["v3"]):
+            cells = page.locator(f'#jobs-table tr[data-job="{jv}"] td')
+            assert _num(cells.nth(4).text_content()) == job_counts(conn, jv)["stored"]
+    page.click(f'#jobs-table a:text("{info["v3"]}")')
+    page.wait_for_selector("body[data-loaded=true]")
+    assert page.text_content("#job-version") == info["v3"]
+
+
+def test_dag_run_view_finds_the_runs_job_version(open_server, night, page):
+    _, info = night
+    runs = httpx.get(open_server.base + "/api/v2/dags/bi_dashboard_probe/dagRuns").json()["dag_runs"]
+    run_id = runs[0]["dag_run_id"]
+    # The UI fills {RUN_ID} with encodeURIComponent; a manual run id holds a "+".
+    page.goto(f"{open_server.base}/batch-inference/run?dag_id=bi_dashboard_probe&run_id={quote(run_id, safe='')}")
+    page.wait_for_selector("body[data-loaded=true]", timeout=30000)
+    assert page.text_content("#job-version") == info["v3"]
+    assert run_id in page.text_content("#run-note")
+
+
+def test_rollback_from_the_page_switches_the_pointer(open_server, night, page):
+    url, info = night
+    _open_job(page, open_server, info["v3"])
+    assert page.text_content("#pointer-version") == info["v2"]
+    page.click("#rollback-button")
+    page.fill("#rollback-reason", "v2 labels look wrong")
+    page.click("#rollback-confirm")
+    page.wait_for_function(f"document.querySelector('#pointer-version')?.textContent === '{info['v1']}'",
+                           timeout=30000)
+    with db.connect(url) as conn:
+        row = conn.execute("SELECT job_version FROM bi.publish_pointer WHERE dataset = %s", (DATASET,)).fetchone()
+        last = conn.execute("SELECT * FROM bi.publish_history WHERE dataset = %s ORDER BY id DESC LIMIT 1",
+                            (DATASET,)).fetchone()
+    assert row["job_version"] == info["v1"]
+    assert (last["action"], last["from_version"], last["to_version"]) == ("rollback", info["v2"], info["v1"])
+    assert last["reason"] == "v2 labels look wrong" and last["actor"].startswith("airflow:")
+    top = page.locator("#history-table tbody tr").first
+    assert top.get_attribute("data-action") == "rollback" and "v2 labels look wrong" in top.text_content()
+    # v1 was the first version published: there is nothing left to roll back to.
+    assert page.locator("#rollback-button").count() == 0
+
+
+# -- auth against the real token machinery ------------------------------------------------
+
+
+def _token(server: _Server, user: str) -> str:
+    r = httpx.post(server.base + "/auth/token", json={"username": user, "password": USERS[user][1]})
+    assert r.status_code in (200, 201), r.text
+    return r.json()["access_token"]
+
+
+def test_signed_out_callers_and_viewers_cannot_roll_back(auth_server, night):
+    url, info = night
+    base = auth_server.base + "/batch-inference"
+    with db.connect(url) as conn:
+        before = conn.execute("SELECT job_version FROM bi.publish_pointer WHERE dataset = %s",
+                              (DATASET,)).fetchone()["job_version"]
+        n_hist = conn.execute("SELECT count(*) AS n FROM bi.publish_history").fetchone()["n"]
+    body = {"expected_current": before}
+    assert httpx.get(base + "/api/jobs").status_code == 401
+    assert httpx.post(f"{base}/api/datasets/{DATASET}/rollback", json=body).status_code == 401
+    page = httpx.get(base + "/", follow_redirects=False)
+    assert page.status_code == 303 and "/auth/login" in page.headers["location"]
+
+    viewer = {"Authorization": "Bearer " + _token(auth_server, "vera")}
+    assert httpx.get(base + "/api/jobs", headers=viewer).status_code == 200
+    r = httpx.post(f"{base}/api/datasets/{DATASET}/rollback", json=body, headers=viewer)
+    assert r.status_code == 403, r.text
+
+    # The UI's cookie signs a browser in, but a form post riding on it is refused.
+    cookie = {"_token": _token(auth_server, "admin")}
+    assert httpx.get(f"{base}/jobs/{info['v3']}", cookies=cookie).status_code == 200
+    forged = httpx.post(f"{base}/api/datasets/{DATASET}/rollback", data=body, cookies=cookie)
+    assert forged.status_code == 415
+    with db.connect(url) as conn:
+        assert conn.execute("SELECT job_version FROM bi.publish_pointer WHERE dataset = %s",
+                            (DATASET,)).fetchone()["job_version"] == before
+        assert conn.execute("SELECT count(*) AS n FROM bi.publish_history").fetchone()["n"] == n_hist
