@@ -1,0 +1,328 @@
+"""The fallback pool: hosted refusal, bookkeeping, and the whole cutoff night end to end.
+
+The end-to-end test runs a real batch worker (noop engine, slowed down) in
+a subprocess, the real ``CutoffSensor`` and ``FallbackPoolOperator`` through
+Airflow's ``dag.test()`` (which runs the trigger inline), and the re-drive
+through a real llama.cpp OpenAI-compatible server with SmolLM2.
+
+The faster pool tests talk to a small local HTTP server that answers like an
+OpenAI-compatible endpoint. It stands in for a hosted API, which cannot be
+reached from here, and it lets the tests count requests and their timing
+exactly.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from typing import Any
+
+import pytest
+from psycopg.conninfo import conninfo_to_dict
+
+from batch_inference.fallback import FallbackRefused, run_fallback
+from batch_inference.plan import submit
+from batch_inference.status import job_counts
+from tests.conftest import make_source, make_spec, tickets
+
+REPO = Path(__file__).resolve().parent.parent
+# One short answer per record: SmolLM2 rambles past any token cap when asked
+# for a free-text summary, and this test is about the transport, not labels.
+CATEGORY_ONLY = {
+    "type": "object",
+    "properties": {"category": {"type": "string", "enum": ["billing", "bug", "account", "other"]}},
+    "required": ["category"],
+    "additionalProperties": False,
+}
+
+
+# -- a small OpenAI-compatible endpoint ------------------------------------------
+
+
+class Endpoint(ThreadingHTTPServer):
+    daemon_threads = True
+
+    def __init__(self):
+        super().__init__(("127.0.0.1", 0), _Handler)
+        self.hits: list[float] = []
+        self.lock = threading.Lock()
+
+    @property
+    def base_url(self) -> str:
+        return f"http://127.0.0.1:{self.server_address[1]}/v1"
+
+
+class _Handler(BaseHTTPRequestHandler):
+    def log_message(self, *args):
+        pass
+
+    def do_POST(self):
+        self.rfile.read(int(self.headers["Content-Length"]))
+        with self.server.lock:
+            self.server.hits.append(time.monotonic())
+        data = json.dumps({"choices": [{"index": 0, "finish_reason": "stop", "message": {
+            "role": "assistant", "content": '{"category": "bug", "summary": "x"}'}}],
+            "usage": {"completion_tokens": 9}}).encode()
+        self.send_response(200)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+
+@pytest.fixture
+def endpoint():
+    srv = Endpoint()
+    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    yield srv
+    srv.shutdown()
+    srv.server_close()
+
+
+def mode_of(conn, job: str) -> str:
+    return conn.execute("SELECT mode FROM bi.jobs WHERE job_version = %s", (job,)).fetchone()["mode"]
+
+
+# -- refusals ------------------------------------------------------------------
+
+
+def test_hosted_endpoint_is_refused_for_an_uncleared_record_class(conn, db_url, endpoint, capsys):
+    from batch_inference.cli import main
+
+    make_source(conn, tickets(20))
+    job = submit(conn, make_spec(record_class="customer_pii")).job_version
+    with pytest.raises(FallbackRefused) as exc:
+        run_fallback(db_url, job, endpoint.base_url, hosted=True)
+    message = str(exc.value)
+    assert "\n" not in message and "customer_pii" in message and "not cleared for hosted APIs" in message
+    # Same refusal from the CLI: one line on stderr, exit 2.
+    assert main(["--db", db_url, "fallback", job, "--base-url", endpoint.base_url, "--hosted"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "not cleared for hosted APIs" in err[0]
+    # Nothing was sent, nothing was claimed, the job is as it was.
+    assert endpoint.hits == []
+    assert mode_of(conn, job) == "batch"
+    assert conn.execute("SELECT sum(claims) AS n FROM bi.shards WHERE job_version = %s", (job,)).fetchone()["n"] == 0
+    # Cleared, the same hosted endpoint is allowed.
+    job2_spec = make_spec(record_class="public_docs", cleared_for_hosted=True, shard_size=20)
+    make_source(conn, tickets(5, start=100))
+    job2 = submit(conn, job2_spec).job_version
+    assert run_fallback(db_url, job2, endpoint.base_url, hosted=True, rate=50).stored == 5
+
+
+def test_nothing_outstanding_is_a_no_op(conn, db_url, endpoint):
+    from gpu_runner.worker import WorkerConfig, run_worker
+
+    make_source(conn, tickets(12))
+    job = submit(conn, make_spec()).job_version
+    assert run_worker(WorkerConfig(job_version=job, db_url=db_url)) == 0
+    r = run_fallback(db_url, job, endpoint.base_url)
+    assert r.skipped == "nothing outstanding" and r.records == 0 and endpoint.hits == []
+    assert mode_of(conn, job) == "batch"         # the complete path does not flip the job
+    assert conn.execute("SELECT count(*) AS n FROM bi.fallback_runs").fetchone()["n"] == 0
+
+
+# -- the pool --------------------------------------------------------------------
+
+
+def test_pool_rate_limit_spans_the_pool_and_the_run_is_measured(conn, db_url, endpoint):
+    make_source(conn, tickets(60))
+    job = submit(conn, make_spec(shard_size=10)).job_version    # 6 shards: several held at once
+    store_some = conn.execute("SELECT * FROM bi.claim_shard_v1(%s, 'batch-w', 'batch', 60)", (job,)).fetchone()
+    conn.execute("SELECT bi.release_shard_v1(%s, %s, %s, 'batch-w')", (job, store_some["shard_no"], store_some["epoch"]))
+    rate = 20.0
+    r = run_fallback(db_url, job, endpoint.base_url, rate=rate, concurrency=8, parallel_shards=4)
+    assert r.entered_fallback and mode_of(conn, job) == "fallback"
+    assert (r.records, r.stored, r.outstanding, r.workers) == (60, 60, 0, 4)
+    # One bucket for four threads: 60 requests at 20/s take at least (60 - burst) / 20 s.
+    span = endpoint.hits[-1] - endpoint.hits[0]
+    assert len(endpoint.hits) == 60 and span >= (60 - 10) / rate - 0.05, span
+    c = job_counts(conn, job)
+    assert (c["stored_fallback"], c["stored_batch"], c["outstanding"]) == (60, 0, 0)
+    assert conn.execute("SELECT count(*) AS n FROM bi.results WHERE job_version = %s AND transport = 'fallback'",
+                        (job,)).fetchone()["n"] == 60
+    run = conn.execute("SELECT * FROM bi.fallback_runs WHERE id = %s", (r.fallback_run_id,)).fetchone()
+    assert run["records"] == 60 and run["dataset"] == "tickets_triage"
+    assert run["rate"] == pytest.approx(r.rate) and run["rate"] <= rate * 1.1
+    # The equation the cutoff solves backwards holds for what was recorded.
+    wall = (run["finished_at"] - run["started_at"]).total_seconds()
+    assert wall == pytest.approx(run["overhead_s"] + run["records"] / run["rate"], abs=0.01)
+    assert run["overhead_s"] >= 0
+
+
+# -- the whole night, through dag.test() and a real llama.cpp server ------------------
+
+DAG_FILE = '''
+"""A cutoff night for tests: slow batch worker, cutoff sensor, fallback pool (airflow dag)."""
+import json, os, subprocess, sys, time
+from datetime import datetime, timedelta, timezone
+
+import psycopg
+from airflow.sdk import DAG, task
+
+from batch_inference.operators.fallback import FallbackPoolOperator
+from batch_inference.sensors.cutoff import CutoffSensor
+
+JOB = os.environ["BI_E2E_JOB"]
+OUT = os.environ["BI_E2E_OUT"]
+
+
+def warned(context, event):
+    with open(os.path.join(OUT, "warnings.jsonl"), "a") as f:
+        f.write(json.dumps(event) + "\\n")
+
+
+with DAG("bi_cutoff_e2e", schedule=None, start_date=datetime(2026, 1, 1, tzinfo=timezone.utc),
+         catchup=False) as dag:
+
+    @task
+    def start_batch():
+        # A slow batch worker (noop engine, BATCH_DELAY_S per record), as a separate process.
+        log = open(os.path.join(OUT, "batch_worker.log"), "w")
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "gpu_runner", JOB, "--flush-every", "1",
+             "--engine-option", "delay_s=" + os.environ["BI_E2E_BATCH_DELAY"]],
+            env={**os.environ, "BATCH_INFERENCE_DB": os.environ["BI_E2E_DB"], "PYTHONUNBUFFERED": "1"},
+            stdout=log, stderr=subprocess.STDOUT)
+        with psycopg.connect(os.environ["BI_E2E_DB"], autocommit=True) as c:
+            for _ in range(600):
+                if c.execute("SELECT coalesce(sum(stored), 0) FROM bi.shards WHERE job_version = %s",
+                             (JOB,)).fetchone()[0] > 0:
+                    break
+                time.sleep(0.1)
+        deadline = datetime.now(timezone.utc) + timedelta(seconds=float(os.environ["BI_E2E_OFFSET"]))
+        return {"pid": proc.pid, "deadline": deadline.isoformat()}
+
+    cutoff = CutoffSensor(
+        task_id="cutoff", job_version=JOB, postgres_conn_id="bi_ledger",
+        deadline="{{ ti.xcom_pull(task_ids='start_batch')['deadline'] }}",
+        poll_interval=0.5, rate=2.0, overhead_s=3.0, step_s=1, on_early_warning=warned)
+
+    pool = FallbackPoolOperator(
+        task_id="fallback", job_version=JOB, postgres_conn_id="bi_ledger", base_url=os.environ["BI_E2E_URL"],
+        style="json_object", rate=20.0, concurrency=2, parallel_shards=2)
+
+    @task
+    def report(ti=None):
+        out = {t: ti.xcom_pull(task_ids=t) for t in ("start_batch", "cutoff", "fallback")}
+        with open(os.path.join(OUT, "report.json"), "w") as f:
+            json.dump(out, f)
+
+    start_batch() >> cutoff >> pool >> report()
+
+if __name__ == "__main__":
+    # Run from inside the DAGs folder: dag.test() needs the file there.
+    print("DAG_RUN_STATE", dag.test().state)
+'''
+
+
+def airflow_env(home: Path, db_url: str) -> dict[str, str]:
+    parts = conninfo_to_dict(db_url)
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("AIRFLOW", "BATCH_INFERENCE"))}
+    return env | {
+        "AIRFLOW_HOME": str(home),
+        "AIRFLOW__CORE__DAGS_FOLDER": str(home / "dags"),
+        "AIRFLOW__CORE__LOAD_EXAMPLES": "False",
+        "AIRFLOW__DATABASE__SQL_ALCHEMY_CONN": f"sqlite:///{home / 'airflow.db'}",
+        # The ledger through an Airflow connection: the sensor, the trigger
+        # (async getter) and the operator all resolve it; BATCH_INFERENCE_DB is unset.
+        "AIRFLOW_CONN_BI_LEDGER": json.dumps({"conn_type": "postgres", "host": parts["host"],
+                                              "login": parts["user"], "schema": parts["dbname"]}),
+        "PYTHONPATH": str(REPO),
+    }
+
+
+@pytest.mark.slow
+def test_cutoff_night_end_to_end_through_dag_test(conn, db_url, llama_server, tmp_path, capsys):
+    from batch_inference.cli import main
+    from batch_inference.engines import load_engine
+    from batch_inference.engines.base import Request
+    from batch_inference.prompting import build_messages
+
+    spec = make_spec(shard_size=4, lease_seconds=30, renew_seconds=0.5, output_schema=CATEGORY_ONLY,
+                     params={"max_tokens": 32}, prompt={"system": "Classify the support ticket."})
+    make_source(conn, tickets(16))
+    job = submit(conn, spec).job_version
+
+    # Keep the pool warm, as the seed says of a fallback that must work at
+    # 04:39: the first request to a cold llama.cpp server evaluates the
+    # whole prompt and can take half a minute on a loaded machine.
+    warm = load_engine("openai", spec, {"base_url": llama_server, "response_format_style": "json_object"})
+    warm.load()
+    list(warm.generate([Request("warm", build_messages(spec, "warm-up"))], threading.Event()))
+
+    home = tmp_path / "airflow"
+    (home / "dags").mkdir(parents=True)
+    (home / "dags" / "bi_cutoff_e2e.py").write_text(textwrap.dedent(DAG_FILE))
+    out = tmp_path / "out"
+    out.mkdir()
+    env = airflow_env(home, db_url) | {
+        "BI_E2E_JOB": job, "BI_E2E_OUT": str(out), "BI_E2E_DB": db_url, "BI_E2E_URL": llama_server,
+        "BI_E2E_BATCH_DELAY": "2.0", "BI_E2E_OFFSET": "20"}
+    airflow = str(Path(sys.executable).parent / "airflow")
+    t0 = time.monotonic()
+    mig = subprocess.run([airflow, "db", "migrate"], env=env, capture_output=True, text=True, timeout=300)
+    assert mig.returncode == 0, mig.stdout[-3000:] + mig.stderr[-3000:]
+    t1 = time.monotonic()
+    run = subprocess.run([sys.executable, str(home / "dags" / "bi_cutoff_e2e.py")], env=env, capture_output=True,
+                         text=True, timeout=600, cwd=str(REPO))
+    t2 = time.monotonic()
+    logs = run.stdout + run.stderr
+    (tmp_path / "dag_test.log").write_text(logs)
+    assert run.returncode == 0 and "DAG_RUN_STATE success" in logs, logs[-6000:]
+
+    report = json.loads((out / "report.json").read_text())
+    fired, pool = report["cutoff"], report["fallback"]
+    assert fired["fired"] is True and fired["entered_fallback"] is True, fired
+    assert pool["records"] > 0 and pool["outstanding"] == 0 and pool["fallback_run_id"], pool
+
+    # The early warning went out once, before the cutoff, through the sensor's callback.
+    warnings = [json.loads(line) for line in (out / "warnings.jsonl").read_text().splitlines()]
+    assert len(warnings) == 1 and warnings[0]["status"] == "early_warning"
+    assert "projected to finish" in warnings[0]["warning"]["message"]
+
+    # The batch worker learned of the cutoff at a renewal, drained and left.
+    batch_log = (out / "batch_worker.log").read_text()
+    # (It wrote its in-flight record; if that was the shard's last, the shard
+    # completed, otherwise it was released for the pool.)
+    assert "cutoff fired: draining shard" in batch_log, batch_log[-3000:]
+    assert "job is running/fallback; nothing for this worker" in batch_log and "exiting" in batch_log
+
+    # Every record stored exactly once, by one of the two transports.
+    r = conn.execute("SELECT count(*) AS n, count(DISTINCT record_id) AS d, "
+                     "count(*) FILTER (WHERE transport = 'batch') AS b, "
+                     "count(*) FILTER (WHERE transport = 'fallback') AS f "
+                     "FROM bi.results WHERE job_version = %s", (job,)).fetchone()
+    c = job_counts(conn, job)
+    assert r["n"] == r["d"] == 16 and c["stored"] == 16 and c["dead_letters"] == 0 and c["outstanding"] == 0
+    assert r["b"] > 0 and r["f"] > 0 and (r["b"], r["f"]) == (c["stored_batch"], c["stored_fallback"])
+    assert pool["stored"] == r["f"]
+    assert c["shards"] == {"pending": 0, "leased": 0, "done": 4}
+
+    # Progress samples for the burn-down chart, one per poll, outstanding falling.
+    prog = conn.execute("SELECT outstanding FROM bi.progress WHERE job_version = %s ORDER BY at", (job,)).fetchall()
+    assert len(prog) >= 2 and prog[0]["outstanding"] >= prog[-1]["outstanding"] > 0
+
+    # The measured run, for the next night's cutoff.
+    fr = conn.execute("SELECT * FROM bi.fallback_runs WHERE job_version = %s", (job,)).fetchall()
+    assert len(fr) == 1 and fr[0]["records"] == pool["records"]
+
+    # The cost report splits the night by transport.
+    assert main(["--db", db_url, "cost", job, "--json"]) == 0
+    cost = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    so_far = cost["so_far"]
+    assert (so_far["batch_rows"], so_far["fallback_rows"]) == (r["b"], r["f"])
+    assert so_far["total"] == pytest.approx(round(r["b"] * 0.003625 + r["f"] * 0.00725, 2), abs=0.011)
+    assert cost["if_fallback_now"]["total"] == so_far["total"]        # nothing left to re-drive
+
+    print(f"\ne2e: airflow db migrate {t1 - t0:.1f} s; dag.test {t2 - t1:.1f} s; batch {r['b']} rows, "
+          f"fallback {r['f']} rows at {pool['rate']:.2f} rows/s (busy {pool['busy_s']:.1f} s), "
+          f"cutoff to done {pool['wall_s']:.1f} s, overhead {pool['overhead_s']:.1f} s; "
+          f"cost ${so_far['total']:.4f} (ceiling ${so_far['all_synchronous_ceiling']:.4f})")
