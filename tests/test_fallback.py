@@ -326,3 +326,42 @@ def test_cutoff_night_end_to_end_through_dag_test(conn, db_url, llama_server, tm
           f"fallback {r['f']} rows at {pool['rate']:.2f} rows/s (busy {pool['busy_s']:.1f} s), "
           f"cutoff to done {pool['wall_s']:.1f} s, overhead {pool['overhead_s']:.1f} s; "
           f"cost ${so_far['total']:.4f} (ceiling ${so_far['all_synchronous_ceiling']:.4f})")
+
+
+# -- the CLI: fire now, or wait (relabel mode) then re-drive ---------------------------
+
+
+def test_cli_relabel_mode_waits_for_the_fixed_time_then_redrives(conn, db_url, endpoint, capsys):
+    from datetime import datetime, timedelta, timezone
+
+    from batch_inference.cli import main
+
+    make_source(conn, tickets(12))
+    job = submit(conn, make_spec(shard_size=5)).job_version
+    now = datetime.now(timezone.utc)
+    relabel = now + timedelta(seconds=1.5)
+    t0 = time.monotonic()
+    rc = main(["--db", db_url, "fallback", job, "--base-url", endpoint.base_url, "--rate", "50",
+               "--deadline", (now + timedelta(hours=2)).isoformat(), "--relabel-at", relabel.isoformat(),
+               "--poll-interval", "30", "--json"])
+    assert rc == 0
+    out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert out["watch"]["status"] == "cutoff" and "relabel mode" in out["watch"]["reason"]
+    assert endpoint.hits and min(endpoint.hits) - t0 >= 1.0          # nothing sent before the fixed time
+    assert (out["records"], out["outstanding"], out["entered_fallback"]) == (12, 0, True)
+    # A second run the same night finds nothing to do.
+    assert main(["--db", db_url, "fallback", job, "--base-url", endpoint.base_url, "--json"]) == 0
+    assert json.loads(capsys.readouterr().out.strip().splitlines()[-1])["skipped"] == "nothing outstanding"
+
+
+def test_cli_watch_ends_complete_when_the_batch_finishes(conn, db_url, endpoint, capsys):
+    from gpu_runner.worker import WorkerConfig, run_worker
+
+    from batch_inference.cli import main
+
+    make_source(conn, tickets(6))
+    job = submit(conn, make_spec()).job_version
+    assert run_worker(WorkerConfig(job_version=job, db_url=db_url)) == 0
+    assert main(["--db", db_url, "fallback", job, "--base-url", endpoint.base_url, "--deadline", "23:59"]) == 0
+    assert "complete before the cutoff" in capsys.readouterr().out
+    assert endpoint.hits == []
