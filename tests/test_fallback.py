@@ -155,6 +155,8 @@ def test_pool_rate_limit_spans_the_pool_and_the_run_is_measured(conn, db_url, en
     wall = (run["finished_at"] - run["started_at"]).total_seconds()
     assert wall == pytest.approx(run["overhead_s"] + run["records"] / run["rate"], abs=0.01)
     assert run["overhead_s"] >= 0
+    print(f"\npool: 60 requests over 4 shard threads at a {rate:g}/s limit: {span:.2f} s between the first and "
+          f"last request; measured {run['rate']:.1f} records/s busy, overhead {run['overhead_s']:.2f} s")
 
 
 # -- the whole night, through dag.test() and a real llama.cpp server ------------------
