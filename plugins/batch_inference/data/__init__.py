@@ -1,0 +1,34 @@
+"""Sample data shipped with the package: the demo's support tickets and its job spec.
+
+* ``tickets.jsonl``: 320 support tickets (``make_tickets.py`` writes them,
+  deterministically), including hostile ones: prompt injection, SQL-looking
+  text, odd Unicode, a blank ticket and a pasted log over the input cap.
+* ``tickets_spec.yaml``: the job spec the example DAGs and the demo run:
+  SmolLM2 on llama.cpp, a short schema-bounded output, and the gates.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+DATA_DIR = Path(__file__).resolve().parent
+TICKETS = DATA_DIR / "tickets.jsonl"
+DEMO_SPEC = DATA_DIR / "tickets_spec.yaml"
+DEMO_DATASET = "ticket_triage"
+DEMO_SOURCE_TABLE = "public.support_tickets"
+
+
+def path(name: str) -> Path:
+    return DATA_DIR / name
+
+
+def read_tickets(limit: int | None = None) -> Iterator[dict[str, Any]]:
+    """The sample tickets in file order (hostile ones are spread evenly, so any prefix has some)."""
+    with TICKETS.open(encoding="utf-8") as f:
+        for i, line in enumerate(f):
+            if limit is not None and i >= limit:
+                return
+            yield json.loads(line)

@@ -1,0 +1,129 @@
+"""``PublishOperator`` and ``RollbackOperator``: switch the pointer downstream reads.
+
+Thin shells over ``batch_inference.publish``. Downstream reads
+``published.<dataset>``; publishing or rolling back is one guarded UPDATE of
+the dataset's pointer, so readers see the old version or the new one, never
+a mix. Both operators declare the dataset as an Airflow Asset in ``outlets``
+(``dataset_asset``): when the switch succeeds Airflow records an asset event,
+and DAGs scheduled on that asset (a dashboard refresh, an index rebuild) run
+on the new version. The event's ``extra`` names the version.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from airflow.sdk import Asset, BaseOperator, Context
+from airflow.sdk.exceptions import AirflowFailException
+
+from batch_inference.hooks.batch_inference import BatchInferenceHook
+
+ASSET_SCHEME = "batch-inference"
+
+
+def dataset_asset(dataset: str) -> Asset:
+    """The Asset that stands for a dataset's published view ``published.<dataset>``."""
+    return Asset(name=f"batch_inference.{dataset}", uri=f"{ASSET_SCHEME}://published/{dataset}",
+                 group="batch-inference")
+
+
+def _actor(context: Context) -> str:
+    dag_run = context.get("dag_run")
+    return f"airflow:{getattr(dag_run, 'dag_id', '?')}/{getattr(dag_run, 'run_id', '?')}"
+
+
+def _annotate_events(op: BaseOperator, context: Context, out: dict[str, Any]) -> None:
+    """Put the switch into the asset events Airflow emits for this task's outlets."""
+    events = context.get("outlet_events")
+    if events is None:
+        return
+    extra = {k: out.get(k) for k in ("dataset", "action", "from_version", "to_version", "changed", "view")}
+    for outlet in op.outlets or []:
+        if isinstance(outlet, Asset):
+            if outlet.uri != f"{ASSET_SCHEME}://published/{out['dataset']}":
+                op.log.warning("outlet %s does not name dataset %s's view", outlet.uri, out["dataset"])
+            events[outlet].extra.update(extra)
+
+
+class PublishOperator(BaseOperator):
+    """Make a validated job version the one downstream reads.
+
+    Publishing the version already published is a no-op, so a retried task
+    writes no second history entry.
+
+    :param job_version: the job version (templated; an XComArg works).
+    :param dataset: the dataset the DAG expects; a version of another dataset is refused. Templated.
+    :param force: publish although not validated; needs ``reason`` (recorded). Templated.
+    :param reason: why, for the publish history. Templated.
+    :param postgres_conn_id: Airflow connection of the ledger database. Templated.
+    :param outlets: usually ``[dataset_asset(DATASET)]``; an asset event is recorded after the switch.
+    """
+
+    template_fields: Sequence[str] = ("job_version", "dataset", "force", "reason", "postgres_conn_id")
+    ui_color = "#8dbb6f"
+
+    def __init__(self, *, job_version: Any, dataset: str | None = None, force: bool | str = False,
+                 reason: str | None = None, postgres_conn_id: str = BatchInferenceHook.default_conn_name,
+                 **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.job_version = job_version
+        self.dataset = dataset
+        self.force = force
+        self.reason = reason
+        self.postgres_conn_id = postgres_conn_id
+
+    def execute(self, context: Context) -> dict[str, Any]:
+        from batch_inference.publish import PublishRefused, publish
+        from batch_inference.status import UnknownJob
+
+        force = self.force if isinstance(self.force, bool) else str(self.force).lower() in ("1", "true", "yes")
+        try:
+            with BatchInferenceHook(self.postgres_conn_id).get_conn() as conn:
+                out = publish(conn, str(self.job_version), actor=_actor(context), force=force,
+                              reason=self.reason or None, dataset=self.dataset or None)
+        except (PublishRefused, UnknownJob) as exc:
+            raise AirflowFailException(f"publish refused: {exc}") from None
+        if out["changed"]:
+            self.log.info("published %s: %s -> %s%s; downstream reads %s", out["dataset"],
+                          out["from_version"] or "(nothing)", out["to_version"], " (FORCED)" if out["forced"] else "",
+                          out["view"])
+        else:
+            self.log.info("%s already published for %s; nothing changed", out["to_version"], out["dataset"])
+        _annotate_events(self, context, out)
+        return {k: (str(v) if v is not None and not isinstance(v, (str, int, float, bool)) else v)
+                for k, v in out.items()}
+
+
+class RollbackOperator(BaseOperator):
+    """Switch a dataset back to the version the current one replaced (repeat to walk further back).
+
+    :param dataset: the dataset. Templated.
+    :param reason: why, for the publish history. Templated.
+    :param postgres_conn_id: Airflow connection of the ledger database. Templated.
+    :param outlets: usually ``[dataset_asset(DATASET)]``: downstream re-runs on the restored version.
+    """
+
+    template_fields: Sequence[str] = ("dataset", "reason", "postgres_conn_id")
+    ui_color = "#ef94ad"
+
+    def __init__(self, *, dataset: str, reason: str | None = None,
+                 postgres_conn_id: str = BatchInferenceHook.default_conn_name, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.dataset = dataset
+        self.reason = reason
+        self.postgres_conn_id = postgres_conn_id
+
+    def execute(self, context: Context) -> dict[str, Any]:
+        from batch_inference.publish import PublishRefused, rollback
+
+        try:
+            with BatchInferenceHook(self.postgres_conn_id).get_conn() as conn:
+                out = rollback(conn, str(self.dataset), actor=_actor(context), reason=self.reason or None)
+        except PublishRefused as exc:
+            raise AirflowFailException(f"rollback refused: {exc}") from None
+        self.log.warning("rolled back %s: %s -> %s; downstream reads %s", out["dataset"], out["from_version"],
+                         out["to_version"], out.get("view"))
+        _annotate_events(self, context, out)
+        return {k: (str(v) if v is not None and not isinstance(v, (str, int, float, bool)) else v)
+                for k, v in out.items()}

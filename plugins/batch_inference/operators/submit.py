@@ -1,0 +1,153 @@
+"""``SubmitJobOperator``: spec -> snapshot -> plan, in one transaction.
+
+A thin shell over ``batch_inference.plan.submit``. The task's XCom is the
+small manifest (job version, records, shards, dead letters, reused), never
+records; the job version is also pushed under the key ``job_version`` so
+downstream tasks can take ``submit.output["job_version"]``.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from airflow.sdk import BaseOperator, Context
+from airflow.sdk.exceptions import AirflowFailException
+
+from batch_inference.hooks.batch_inference import BatchInferenceHook
+
+# Spec fields a DAG run may override without editing the spec file. All but
+# `incremental` and `dataset` leave the spec hash alone; an override that does
+# change results (`prompt`, `params`, ...) is refused here: it belongs in a
+# reviewed spec, and it would be a new job version anyway.
+OVERRIDABLE = frozenset({
+    "shard_size", "max_attempts", "lease_seconds", "renew_seconds", "incremental", "validation", "fallback",
+    "cost", "engine", "dataset",
+})
+
+
+def _int_or_none(value: Any, name: str) -> int | None:
+    """Params rendered through Jinja arrive as strings; an empty one means "not set"."""
+    if value is None or (isinstance(value, str) and value.strip() in ("", "None")):
+        return None
+    try:
+        return int(value)
+    except (TypeError, ValueError):
+        raise AirflowFailException(f"{name} must be an integer, got {value!r}") from None
+
+
+def resolve_spec_path(path: str, dag_fileloc: str | None) -> Path:
+    """A relative spec path is looked up next to the DAG file, then in the working directory."""
+    p = Path(os.path.expanduser(path))
+    if p.is_absolute():
+        return p
+    if dag_fileloc:
+        beside = Path(dag_fileloc).resolve().parent / p
+        if beside.exists():
+            return beside
+    return p.resolve()
+
+
+class SubmitJobOperator(BaseOperator):
+    """Validate a job spec, snapshot its source and plan the shards.
+
+    Submitting the same spec over the same rows again returns the existing job
+    version and writes nothing (the version is a content hash), so a retried
+    or re-run task is safe.
+
+    :param spec: path to a spec YAML/JSON file (relative paths are resolved
+        next to the DAG file), or the spec as a dict. Templated.
+    :param postgres_conn_id: Airflow connection of the ledger database. Templated.
+    :param shard_size: override ``spec.shard_size`` (e.g. ``"{{ params.shard_size }}"``). Templated.
+    :param source_table: override the source with this PostgreSQL table
+        (``schema.table``), keeping the spec's column names. Templated.
+    :param incremental: override ``spec.incremental`` (reuse results of
+        unchanged records from the last validated version). Templated.
+    :param overrides: other spec fields to override, limited to those that do
+        not change results (see ``OVERRIDABLE``). Templated.
+    :param aws_conn_id: Airflow AWS connection for ``s3_manifest`` sources
+        (default: the spec's ``source.conn_id``). Templated.
+    :param s3_endpoint_url: S3-compatible endpoint; usually the AWS
+        connection's ``endpoint_url`` extra instead. Templated.
+    """
+
+    template_fields: Sequence[str] = ("spec", "postgres_conn_id", "shard_size", "source_table", "incremental",
+                                      "overrides", "aws_conn_id", "s3_endpoint_url")
+    template_fields_renderers = {"spec": "json", "overrides": "json"}
+    ui_color = "#f5d195"
+
+    def __init__(self, *, spec: str | Mapping[str, Any], postgres_conn_id: str = BatchInferenceHook.default_conn_name,
+                 shard_size: int | str | None = None, source_table: str | None = None,
+                 incremental: bool | str | None = None, overrides: Mapping[str, Any] | None = None,
+                 aws_conn_id: str | None = None, s3_endpoint_url: str | None = None, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.spec = spec
+        self.postgres_conn_id = postgres_conn_id
+        self.shard_size = shard_size
+        self.source_table = source_table
+        self.incremental = incremental
+        self.overrides = dict(overrides or {})
+        self.aws_conn_id = aws_conn_id
+        self.s3_endpoint_url = s3_endpoint_url
+
+    def _dag_fileloc(self, context: Context | None) -> str | None:
+        dag = context.get("dag") if context else None
+        if dag is None:
+            try:
+                dag = self.dag
+            except RuntimeError:  # not assigned to a DAG (a bare operator in a test)
+                return None
+        return getattr(dag, "fileloc", None)
+
+    def load_spec(self, context: Context | None = None):
+        """The spec with this task's overrides applied (a new frozen JobSpec)."""
+        from batch_inference.spec import SpecError, load_spec, parse_spec
+
+        try:
+            if isinstance(self.spec, Mapping):
+                data = dict(self.spec)
+            else:
+                path = resolve_spec_path(str(self.spec), self._dag_fileloc(context))
+                data = load_spec(path).model_dump(mode="json")
+            unknown = set(self.overrides) - OVERRIDABLE
+            if unknown:
+                raise AirflowFailException(f"overrides {sorted(unknown)} change results; edit the spec instead "
+                                           f"(overridable: {', '.join(sorted(OVERRIDABLE))})")
+            data.update(self.overrides)
+            shard_size = _int_or_none(self.shard_size, "shard_size")
+            if shard_size is not None:
+                data["shard_size"] = shard_size
+            if self.incremental not in (None, ""):
+                data["incremental"] = str(self.incremental).lower() in ("1", "true", "yes", "on")
+            if self.source_table:
+                src = dict(data["source"])
+                src.update({"kind": "postgres", "table": str(self.source_table), "query": None, "s3_manifest": None})
+                data["source"] = src
+            return parse_spec(data)
+        except SpecError as exc:
+            # A bad spec does not get better on retry.
+            raise AirflowFailException(str(exc)) from None
+
+    def execute(self, context: Context) -> dict[str, Any]:
+        from batch_inference.plan import submit
+        from batch_inference.snapshot import SnapshotError
+
+        spec = self.load_spec(context)
+        rows = None
+        if spec.source.kind == "s3_manifest":
+            from batch_inference.sources import s3_manifest_rows
+
+            rows = s3_manifest_rows(spec.source, endpoint_url=self.s3_endpoint_url, aws_conn_id=self.aws_conn_id)
+        hook = BatchInferenceHook(self.postgres_conn_id)
+        try:
+            with hook.get_conn() as conn:
+                manifest = submit(conn, spec, rows).as_dict()
+        except SnapshotError as exc:
+            raise AirflowFailException(f"snapshot refused: {exc}") from None
+        self.log.info("%s %s: %d records in %d shard(s), %d dead letters at planning, %d reused",
+                      "submitted" if manifest["created"] else "already submitted", manifest["job_version"],
+                      manifest["records"], manifest["shards"], manifest["dead_letters"], manifest["reused"])
+        context["ti"].xcom_push(key="job_version", value=manifest["job_version"])
+        return manifest
