@@ -137,7 +137,7 @@ class _Server:
                                      env=env, stdout=self.log.open("w"), stderr=subprocess.STDOUT,
                                      start_new_session=True)
 
-    def wait(self, timeout: float = 180) -> "_Server":
+    def wait(self, timeout: float = 300) -> "_Server":
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
@@ -347,3 +347,18 @@ def test_signed_out_callers_and_viewers_cannot_roll_back(auth_server, night):
         assert conn.execute("SELECT job_version FROM bi.publish_pointer WHERE dataset = %s",
                             (DATASET,)).fetchone()["job_version"] == before
         assert conn.execute("SELECT count(*) AS n FROM bi.publish_history").fetchone()["n"] == n_hist
+
+
+def test_airflow_ui_embeds_the_dashboard_in_browse_and_on_the_dag_run(open_server, night, page):
+    """Airflow's own React UI: the Browse item and the DAG-run tab load our pages in an iframe."""
+    _, info = night
+    page.goto(f"{open_server.base}/plugin/batch-inference")
+    frame = page.frame_locator("iframe")
+    frame.locator("#jobs-table").wait_for(timeout=60000)
+    assert frame.locator(f'#jobs-table tr[data-job="{info["v3"]}"]').count() == 1
+
+    run_id = httpx.get(open_server.base + "/api/v2/dags/bi_dashboard_probe/dagRuns").json()["dag_runs"][0]["dag_run_id"]
+    page.goto(f"{open_server.base}/dags/bi_dashboard_probe/runs/{quote(run_id, safe='')}/plugin/batch-inference-run")
+    frame = page.frame_locator("iframe")
+    frame.locator("body[data-loaded=true]").wait_for(timeout=60000)
+    assert frame.locator("#job-version").text_content() == info["v3"]

@@ -44,7 +44,8 @@ def _relabel(conn, job: str, shares: list[tuple[str, int]]) -> None:
     for category, n in shares:
         chunk = ids[at:at + n]
         at += n
-        conn.execute("UPDATE bi.results SET category = %s, output = jsonb_set(output, '{category}', to_jsonb(%s::text)) "
+        conn.execute("UPDATE bi.results SET category = %s, "
+                     "output = jsonb_set(output, '{category}', to_jsonb(%s::text)) "
                      "WHERE job_version = %s AND record_id = ANY(%s)", (category, category, job, chunk))
 
 
@@ -102,8 +103,9 @@ def seed_night(conn, db_url: str, now: datetime | None = None) -> dict[str, Any]
         dead = sum(s["dead"] for s in shards if s["done_at"] <= at)
         outstanding = total - stored - dead
         lss = cutoff.latest_safe_start(deadline, outstanding, NIGHT_RATE, NIGHT_OVERHEAD_S)
-        conn.execute("INSERT INTO bi.progress (job_version, at, stored, dead_letters, outstanding, latest_safe_start, "
-                     "deadline) VALUES (%s, %s, %s, %s, %s, %s, %s)", (v3, at, stored, dead, outstanding, lss, deadline))
+        conn.execute("INSERT INTO bi.progress (job_version, at, stored, dead_letters, outstanding, "
+                     "latest_safe_start, deadline) VALUES (%s, %s, %s, %s, %s, %s, %s)",
+                     (v3, at, stored, dead, outstanding, lss, deadline))
     return {"v1": v1, "v2": v2, "v3": v3, "dataset": DATASET, "now": now, "deadline": deadline, "start": start}
 
 

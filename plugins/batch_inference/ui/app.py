@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import html
 import json
-import logging
 import os
 import threading
 import time
@@ -36,11 +35,6 @@ import psycopg
 from fastapi import APIRouter, Body, Depends, FastAPI, HTTPException, Query, Request, status
 from fastapi.responses import FileResponse, HTMLResponse, RedirectResponse, Response
 from fastapi.security import HTTPAuthorizationCredentials
-
-from batch_inference import db
-from batch_inference.status import UnknownJob
-from batch_inference.ui import actions, data
-
 from airflow.api_fastapi.auth.managers.models.base_user import BaseUser
 from airflow.api_fastapi.auth.managers.models.resource_details import DagAccessEntity, DagDetails
 from airflow.api_fastapi.core_api.security import (
@@ -51,7 +45,9 @@ from airflow.api_fastapi.core_api.security import (
     requires_authenticated,
 )
 
-log = logging.getLogger(__name__)
+from batch_inference import db
+from batch_inference.status import UnknownJob
+from batch_inference.ui import actions, data
 
 CONN_ID_ENV = "BATCH_INFERENCE_CONN_ID"
 DEFAULT_CONN_ID = "batch_inference_default"
