@@ -259,8 +259,10 @@ BEGIN
             p_job, v_open USING ERRCODE = 'object_not_in_prerequisite_state';
     END IF;
     IF j.status <> 'validated' AND NOT p_force THEN
-        RAISE EXCEPTION 'job version % is %, not validated: refused (publish --force --reason TEXT to override)',
-            p_job, CASE j.status WHEN 'running' THEN 'not validated yet' ELSE j.status END
+        RAISE EXCEPTION 'job version % %: refused (publish --force --reason TEXT to override)',
+            p_job, CASE j.status WHEN 'failed_validation' THEN 'failed validation'
+                                 WHEN 'running' THEN 'has not been validated'
+                                 ELSE 'is ' || j.status || ', not validated' END
             USING ERRCODE = 'object_not_in_prerequisite_state';
     END IF;
     IF p_force AND v_reason IS NULL THEN

@@ -249,9 +249,10 @@ SELECT category, count(*) AS n FROM bi.results WHERE job_version = %(job)s GROUP
 
 -- name: validate_sample  a seeded random sample of stored results with their input text (order-independent)
 SELECT r.record_id, s.text, r.output::text AS output
-  FROM (SELECT record_id, output FROM bi.results WHERE job_version = %(job)s
-         ORDER BY hashtextextended(record_id, %(seed)s), record_id LIMIT %(n)s) r
-  JOIN bi.snapshot_rows s ON s.job_version = %(job)s AND s.record_id = r.record_id
+  FROM (SELECT record_id FROM bi.results WHERE job_version = %(job)s
+         ORDER BY hashtextextended(record_id, %(seed)s), record_id LIMIT %(n)s) pick
+  JOIN bi.results r ON r.job_version = %(job)s AND r.record_id = pick.record_id
+  JOIN bi.snapshot_rows s ON s.job_version = %(job)s AND s.record_id = pick.record_id
  ORDER BY r.record_id;
 
 -- name: record_validation  store the report; status validated or failed_validation (guarded: every shard done)
