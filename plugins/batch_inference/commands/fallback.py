@@ -21,7 +21,9 @@ import argparse
 import asyncio
 import json
 import logging
+import signal
 import sys
+import threading
 from datetime import datetime
 from typing import Any
 from zoneinfo import ZoneInfo
@@ -87,6 +89,27 @@ def _watch(args: argparse.Namespace, conninfo: str) -> dict[str, Any]:
         cfg = watchlib.config_from_kwargs(**{**event["watch"], "warned": True})
 
 
+def _stop_on_signal(pool: Any) -> None:
+    """SIGTERM/SIGINT stop the pool like a preemption notice: write in-flight records, release leases.
+
+    The pool's workers are threads, which cannot install signal handlers, so
+    the main thread does it for them.
+    """
+    if threading.current_thread() is not threading.main_thread():
+        return
+
+    def on_signal(signum: int, _frame: Any) -> None:
+        log.warning("signal %d: stopping the fallback pool (in-flight records are written, leases released)",
+                    signum)
+        pool.stop()
+
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        _previous[signum] = signal.signal(signum, on_signal)
+
+
+_previous: dict[int, Any] = {}  # handlers to put back when the run ends (the CLI may run in-process)
+
+
 def run(args: argparse.Namespace) -> int:
     from batch_inference import db
     from batch_inference.fallback import FallbackIncomplete, FallbackRefused, run_fallback
@@ -111,13 +134,21 @@ def run(args: argparse.Namespace) -> int:
         result = run_fallback(conninfo, args.job_version, args.base_url, rate=args.rate,
                               concurrency=args.concurrency, model=args.model, style=args.style, hosted=args.hosted,
                               api_key_env=args.api_key_env, parallel_shards=args.parallel_shards,
-                              record_run=not args.no_record)
+                              record_run=not args.no_record, pool_ready=_stop_on_signal)
     except FallbackRefused as exc:
         print(f"batch-inference fallback: {exc}", file=sys.stderr)
         return 2
     except FallbackIncomplete as exc:
         print(f"batch-inference fallback: {exc}", file=sys.stderr)
         return 1
+    finally:
+        for signum, handler in _previous.items():
+            signal.signal(signum, handler)
+        _previous.clear()
+    if result.stopped and result.outstanding:
+        print(f"batch-inference fallback: stopped with {result.outstanding:,} record(s) outstanding; "
+              "leases released for the next run", file=sys.stderr)
+        return 143
     out = result.to_dict()
     if event is not None:
         out["watch"] = event
