@@ -159,6 +159,11 @@ def test_pool_rate_limit_spans_the_pool_and_the_run_is_measured(conn, db_url, en
     wall = (run["finished_at"] - run["started_at"]).total_seconds()
     assert wall == pytest.approx(run["overhead_s"] + run["records"] / run["rate"], abs=0.01)
     assert run["overhead_s"] >= 0
+    # The publish step adds the warehouse load it timed, which the pool cannot see.
+    from batch_inference.fallback import add_load_time
+
+    assert add_load_time(conn, job, 600.0) == pytest.approx(run["overhead_s"] + 600.0)
+    assert add_load_time(conn, "jv_without_a_fallback_run", 600.0) is None
     print(f"\npool: 60 requests over 4 shard threads at a {rate:g}/s limit: {span:.2f} s between the first and "
           f"last request; measured {run['rate']:.1f} records/s busy, overhead {run['overhead_s']:.2f} s")
 
