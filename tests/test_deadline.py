@@ -146,7 +146,9 @@ def test_watch_records_progress_and_fires_at_the_moving_cutoff(conn, db_url, cap
     deadline = now() + timedelta(seconds=6.5)
     t0 = time.monotonic()
     with caplog.at_level("INFO", logger="batch_inference.deadline"):
-        ev = run_watch(db_url, cfg(job, deadline, poll_interval_s=0.2, rate=10.0, overhead_s=2.0, step_s=1))
+        # warned: the stalled batch would otherwise (rightly) end the watch with an early warning first.
+        ev = run_watch(db_url, cfg(job, deadline, poll_interval_s=0.2, rate=10.0, overhead_s=2.0, step_s=1,
+                                   warned=True))
     waited = time.monotonic() - t0
     assert ev["status"] == "cutoff", ev
     assert 0.4 <= waited < 3.5                       # fired on time, not a poll interval late
