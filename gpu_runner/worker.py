@@ -103,15 +103,18 @@ class Worker:
         except psycopg.OperationalError as exc:
             log.warning("database connection lost (%s); reconnecting", str(exc).strip().splitlines()[0]
                         if str(exc).strip() else exc.__class__.__name__)
+            old = self.conn
             try:
                 if self.conn is not None:
                     self.conn.close()
             except Exception:  # noqa: BLE001 - already broken
                 pass
             self.conn = self._connect()
-            assert self.ledger is not None
-            self.ledger.conn = self.conn
-            return fn(*args)
+            if self.ledger is not None:    # None before the first claim (reading the spec)
+                self.ledger.conn = self.conn
+            # A call that was handed the connection (job_mode(self.conn, ...))
+            # must be retried on the new one, not on the one just closed.
+            return fn(*(self.conn if a is old else a for a in args))
 
     # -- lifecycle --------------------------------------------------------
     def run(self) -> int:
@@ -133,7 +136,7 @@ class Worker:
         cfg = self.cfg
         self.conn = self._connect()
         try:
-            self.spec = job_spec(self.conn, cfg.job_version)
+            self.spec = self._db(job_spec, self.conn, cfg.job_version)
         except UnknownJob as exc:
             raise Fatal(f"fatal: {exc}", EXIT_CONFIG) from None
         spec = self.spec

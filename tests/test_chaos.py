@@ -149,3 +149,49 @@ def test_coverage_and_counter_checks_see_missing_and_uncounted_rows(conn, db_url
     assert admin.one("counter_drift", {"job": job})["shards"] == 1
     assert admin.one("coverage", {"job": job})["missing"] == 19
     admin.close()
+
+
+# -- regressions the chaos run found --------------------------------------------------
+
+def _drop_connection_on_first_call(monkeypatch, admin, name: str) -> dict[str, int]:
+    """Make the worker's first call of ``name`` meet a connection the server
+    has just terminated, as a database restart does."""
+    import gpu_runner.worker as worker_mod
+
+    real = getattr(worker_mod, name)
+    calls = {"n": 0}
+
+    def flaky(conn, *args):
+        calls["n"] += 1
+        if calls["n"] == 1:
+            admin.execute("SELECT pg_terminate_backend(%s, 5000)", (conn.info.backend_pid,))
+        return real(conn, *args)
+
+    monkeypatch.setattr(worker_mod, name, flaky)
+    return calls
+
+
+def test_worker_reconnects_when_the_database_restarts_before_its_first_query(monkeypatch, conn, db_url):
+    """A worker started during a database restart crashed with a traceback
+    (exit 1) at its first query instead of reconnecting."""
+    from gpu_runner.worker import WorkerConfig, run_worker
+
+    make_source(conn, tickets(15))
+    job = submit(conn, make_spec()).job_version
+    calls = _drop_connection_on_first_call(monkeypatch, conn, "job_spec")
+    assert run_worker(WorkerConfig(job_version=job, db_url=db_url, db_retries=2)) == 0
+    assert calls["n"] == 2
+    assert conn.execute("SELECT count(*) AS n FROM bi.results").fetchone()["n"] == 15
+
+
+def test_worker_reconnects_when_the_database_restarts_while_it_waits(monkeypatch, conn, db_url):
+    """Between shards the worker passed its connection to the retried call:
+    after a reconnect it retried on the closed one and crashed (exit 1)."""
+    from gpu_runner.worker import WorkerConfig, run_worker
+
+    make_source(conn, tickets(5))
+    job = submit(conn, make_spec()).job_version
+    calls = _drop_connection_on_first_call(monkeypatch, conn, "job_mode")
+    assert run_worker(WorkerConfig(job_version=job, db_url=db_url, db_retries=2)) == 0
+    assert calls["n"] == 2
+    assert conn.execute("SELECT count(*) AS n FROM bi.results").fetchone()["n"] == 5

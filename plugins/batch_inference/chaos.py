@@ -158,7 +158,11 @@ class ChaosReport:
             f"healthy records: {f['computations']['extra']} extra, {f['computations']['recomputed_records']} records "
             f"computed more than once (bound: {f['handoffs']['handoffs']} handoffs x flush buffer "
             f"{c['flush_every']} = {f['computations']['bound']})",
-            *([f"  unexpected worker exits: {'; '.join(f['unexpected_exits'])}"] if f["unexpected_exits"] else []),
+            *([f"  unexpected worker exits ({f['unexpected_exits_total']}, first ones): " + "; ".join(f"{u['worker']} exited {u['exit']}"
+                                                         + (f" after {u['fault']}" if u["fault"] else "")
+                                                         + (f" ({u['log_tail'][-1][:120]})" if u["log_tail"] else "")
+                                                         for u in f["unexpected_exits"])]
+              if f["unexpected_exits"] else []),
             "",
             f"  {'check':<44}{'value':>14}  {'expect':<22}",
         ]
@@ -327,7 +331,10 @@ class _Fleet:
         self.procs: dict[int, _Proc] = {}
         self.started = 0
         self.exits: Counter[str] = Counter()
-        self.unexpected: list[str] = []
+        self.unexpected: list[dict[str, Any]] = []     # the first few, with the end of their logs
+        self.unexpected_total = 0
+        self.crashes: dict[int, int] = {}               # consecutive unexpected exits per slot
+        self.pending: dict[int, float] = {}             # slot -> when to restart it
 
     def start(self, slot: int) -> None:
         gen = self.procs[slot].gen + 1 if slot in self.procs else 0
@@ -346,6 +353,9 @@ class _Fleet:
         self.started += 1
 
     def reap(self, restart: bool) -> None:
+        """Collect exits; schedule restarts like a supervisor, backing off a
+        worker that keeps crashing (a broken image must not spin)."""
+        now = time.monotonic()
         for slot, p in list(self.procs.items()):
             rc = p.popen.poll()
             if rc is None or p.reaped:
@@ -354,9 +364,18 @@ class _Fleet:
             label = {-9: "SIGKILL", -15: "SIGTERM"}.get(rc, str(rc))
             self.exits[label] += 1
             expected = rc == 0 or (p.fault == "kill" and rc == -9) or (p.fault == "term" and rc in (143, -15))
+            self.crashes[slot] = 0 if expected else self.crashes.get(slot, 0) + 1
             if not expected:
-                self.unexpected.append(f"{p.owner} exited {label}" + (f" after {p.fault}" if p.fault else ""))
+                self.unexpected_total += 1
+                if len(self.unexpected) < 5:
+                    # Keep the end of its log: the work directory may be deleted.
+                    tail = (self.logs / f"{p.owner}.log").read_text(errors="replace").splitlines()[-25:]
+                    self.unexpected.append({"worker": p.owner, "exit": label, "fault": p.fault, "log_tail": tail})
             if restart:
+                self.pending[slot] = now + (min(0.5 * 2 ** (self.crashes[slot] - 1), 10.0) if self.crashes[slot] else 0)
+        for slot, at in list(self.pending.items()):
+            if restart and now >= at:
+                del self.pending[slot]
                 self.start(slot)
 
     def alive(self) -> list[_Proc]:
@@ -705,7 +724,7 @@ def _report(cfg: ChaosConfig, run: _Run, fleet: _Fleet, admin: _Admin, job: str,
         "faults": faults,
         "stalls": {"injected": len(run.stalls), "shard_moved_on": len(moved), "refused_after": refused},
         "workers_started": fleet.started, "worker_exits": dict(fleet.exits),
-        "unexpected_exits": fleet.unexpected,
+        "unexpected_exits": fleet.unexpected, "unexpected_exits_total": fleet.unexpected_total,
         "worker_role": role,
         "duplicates": int(cov["duplicates"]),
         "stale_writes_accepted": {"never_held": int(stale["never_held"]),
@@ -741,6 +760,10 @@ def _report(cfg: ChaosConfig, run: _Run, fleet: _Fleet, admin: _Admin, job: str,
         Check("healthy records dead-lettered", len(healthy_dead), "0" if not noisy_engine else "any",
               not healthy_dead or noisy_engine),
         Check("extra computations (in-flight loss)", extra, f"<= {bound}", extra <= bound),
+        # A worker ends with 0, 143 (notice) or a signal the harness sent;
+        # anything else (a traceback's 1, 2 after exhausting its database
+        # retries) is a worker bug the faults uncovered.
+        Check("workers that crashed on their own", fleet.unexpected_total, "0", fleet.unexpected_total == 0),
     ]
     config = {k: v for k, v in asdict(cfg).items() if k not in ("restart",)}
     config["records"] = cfg.n_records()
