@@ -48,7 +48,11 @@ def queries() -> dict[str, str]:
     for block in re.split(r"^-- name: ", text, flags=re.M)[1:]:
         header, _, body = block.partition("\n")
         name = header.split()[0]
-        out[name] = body.strip().rstrip(";")
+        # A section header comment before the next "-- name:" belongs to no statement.
+        lines = body.strip().splitlines()
+        while lines and (not lines[-1].strip() or lines[-1].lstrip().startswith("--")):
+            lines.pop()
+        out[name] = "\n".join(lines).strip().rstrip(";")
     return out
 
 
