@@ -398,3 +398,10 @@ def test_workers_write_through_rls_but_read_no_published_data(conn, db_url, role
                      f"SELECT * FROM bi.publish_v1('{DATASET}', '{job}', NULL, true, 'x')"):
             with pytest.raises(errors.InsufficientPrivilege):
                 w.execute(stmt)
+
+
+def test_a_dataset_named_like_a_keyword_gets_a_quoted_view(conn, db_url):
+    v1 = version(conn, db_url, 5, dataset="order")
+    assert publish(conn, v1)["view"] == 'published."order"'
+    assert conn.execute('SELECT count(*) AS n FROM published."order"').fetchone()["n"] == 5
+    assert published(conn, "order")["view"] == 'published."order"'

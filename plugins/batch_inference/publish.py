@@ -36,7 +36,9 @@ class PublishRefused(ValueError):
 
 
 def view_name(dataset: str) -> str:
-    """The qualified name of the dataset's view (dataset names are plain identifiers)."""
+    """The qualified name of the dataset's view. Dataset names are lower-case
+    identifiers; one that is also an SQL keyword ("user") is quoted by the
+    database, and ``published()`` returns that exact form."""
     return f"{PUBLISHED_SCHEMA}.{dataset}"
 
 
@@ -68,15 +70,17 @@ def _switch(conn: psycopg.Connection, name: str, params: dict[str, Any], dataset
         try:
             with conn.transaction():
                 conn.execute(q("set_lock_timeout"), {"timeout": lock_timeout})
-                view = None
                 if spec is not None:
                     text, other = view_fields(spec)
                     view = conn.execute(q("ensure_published_view"), {
                         "dataset": dataset, "text_fields": text, "json_fields": other}).fetchone()["view_name"]
+                else:
+                    known = conn.execute(q("published_view"), {"dataset": dataset}).fetchone()
+                    view = known["view_name"] if known else view_name(dataset)
                 row = conn.execute(q(name), params).fetchone()
                 assert row is not None
                 out = dict(row)
-                out["view"] = view or view_name(dataset)
+                out["view"] = view      # as SQL writes it: quoted if the dataset name is a keyword
                 return out
         except errors.LockNotAvailable:
             if attempt == attempts:
