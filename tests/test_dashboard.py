@@ -98,10 +98,9 @@ def night(pg_server, template_db):
 
 
 @pytest.fixture(scope="module")
-def airflow_home(night):
+def airflow_home(request):
     if not Path(CHROMIUM).exists():
         pytest.fail(f"{CHROMIUM} is missing: apt-get install -y chromium (scripts/test.sh does it)")
-    url, info = night
     home = Path(tempfile.mkdtemp(prefix="bi-af-"))
     (home / "dags").mkdir()
     (home / "dags" / "bi_dashboard_probe.py").write_text(PROBE_DAG)
@@ -115,14 +114,17 @@ def airflow_home(night):
         "AIRFLOW__CORE__SIMPLE_AUTH_MANAGER_USERS": ",".join(f"{u}:{r}" for u, (r, _) in USERS.items()),
         # Known passwords: the simple auth manager keeps existing entries of this file.
         "AIRFLOW__CORE__SIMPLE_AUTH_MANAGER_PASSWORDS_FILE": str(home / "passwords.json"),
-        "AIRFLOW_CONN_BATCH_INFERENCE_DEFAULT": _airflow_conn(url),
-        "BI_PROBE_JOB": info["v3"],
         "PYTHONUNBUFFERED": "1",
     })
     (home / "passwords.json").write_text(json.dumps({u: pw for u, (_, pw) in USERS.items()}))
     t0 = time.monotonic()
-    subprocess.run([AIRFLOW, "db", "migrate"], env=env, check=True, capture_output=True, timeout=300)
-    print(f"airflow db migrate: {time.monotonic() - t0:.1f}s")
+    migrate = subprocess.Popen([AIRFLOW, "db", "migrate"], env=env, stdout=(home / "migrate.log").open("w"),
+                               stderr=subprocess.STDOUT)
+    url, info = request.getfixturevalue("night")          # seeded while Airflow migrates
+    env["AIRFLOW_CONN_BATCH_INFERENCE_DEFAULT"] = _airflow_conn(url)
+    env["BI_PROBE_JOB"] = info["v3"]
+    assert migrate.wait(timeout=300) == 0, (home / "migrate.log").read_text()[-4000:]
+    print(f"ledger seeded and airflow db migrated: {time.monotonic() - t0:.1f}s")
     yield home, env
     shutil.rmtree(home, ignore_errors=True)
 
@@ -150,37 +152,55 @@ class _Server:
             time.sleep(0.5)
         raise TimeoutError(f"api-server not healthy after {timeout}s:\n{self.log.read_text()[-4000:]}")
 
-    def stop(self) -> None:
+    def terminate(self) -> None:
         if self.proc.poll() is None:
             os.killpg(self.proc.pid, signal.SIGTERM)  # its own session: the server and its worker
-            try:
-                self.proc.wait(timeout=20)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-                self.proc.wait()
+
+    def join(self, timeout: float = 8) -> None:
+        try:
+            self.proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(self.proc.pid, signal.SIGKILL)  # a test server need not drain its connections
+            self.proc.wait()
 
 
 @pytest.fixture(scope="module")
-def open_server(airflow_home):
+def servers(airflow_home):
+    """Both servers and the probe DAG run, started together: their start-ups
+    (imports, mostly) overlap instead of queueing."""
     home, env = airflow_home
-    server = _Server({**env, "AIRFLOW__CORE__SIMPLE_AUTH_MANAGER_ALL_ADMINS": "True"}, home, "open")
-    # A real DAG run with the job version in its XCom, made while the server starts.
+    t0 = time.monotonic()
+    open_ = _Server({**env, "AIRFLOW__CORE__SIMPLE_AUTH_MANAGER_ALL_ADMINS": "True"}, home, "open")
+    auth = _Server(env, home, "auth")
+    # A real DAG run with the job version in its XCom, made while the servers start.
     probe = subprocess.Popen([AIRFLOW, "dags", "test", "bi_dashboard_probe"], env=env,
                              stdout=(home / "probe.log").open("w"), stderr=subprocess.STDOUT)
-    t0 = time.monotonic()
-    server.wait()
-    print(f"api-server healthy after {time.monotonic() - t0:.1f}s")
-    assert probe.wait(timeout=300) == 0, (home / "probe.log").read_text()[-4000:]
-    yield server
-    server.stop()
+    try:
+        open_.wait()
+        auth.wait()
+        print(f"api-servers healthy after {time.monotonic() - t0:.1f}s")
+        assert probe.wait(timeout=300) == 0, (home / "probe.log").read_text()[-4000:]
+        yield open_, auth
+    finally:
+        t1 = time.monotonic()
+        open_.terminate()
+        auth.terminate()
+        open_.join()
+        auth.join()
+        print(f"api-servers stopped in {time.monotonic() - t1:.1f}s")
+        if probe.poll() is None:
+            probe.kill()
+            probe.wait()
 
 
 @pytest.fixture(scope="module")
-def auth_server(airflow_home):
-    home, env = airflow_home
-    server = _Server(env, home, "auth").wait()
-    yield server
-    server.stop()
+def open_server(servers):
+    return servers[0]
+
+
+@pytest.fixture(scope="module")
+def auth_server(servers):
+    return servers[1]
 
 
 @pytest.fixture(scope="module")
