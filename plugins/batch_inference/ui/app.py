@@ -124,15 +124,20 @@ Ledger = Annotated[psycopg.Connection, Depends(ledger)]
 def rollback_dag_id(dataset: str) -> str | None:
     """The DAG whose trigger permission a rollback of ``dataset`` needs.
 
-    None when not configured: the check is then made without a DAG id, which
-    the auth managers read as "may trigger runs of every DAG", the stricter
-    side.
+    None when not configured: the check is then made without a DAG id, the
+    stricter side (the FAB auth manager then requires permission on every
+    DAG; the simple auth manager decides by role either way).
     """
     raw = os.environ.get(ROLLBACK_DAG_ENV, "").strip()
     if not raw:
         return None
     if raw.startswith("{"):
-        mapping = json.loads(raw)
+        try:
+            mapping = json.loads(raw)
+        except ValueError:
+            # Refuse rather than fall back to a weaker check.
+            raise HTTPException(status.HTTP_503_SERVICE_UNAVAILABLE,
+                                f"{ROLLBACK_DAG_ENV} is not valid JSON; rollback is off until it is fixed") from None
         return mapping.get(dataset) or mapping.get("*")
     return raw
 
