@@ -96,13 +96,19 @@ class Worker:
 
     def _db(self, fn, *args):
         """Run a ledger call; on a lost connection reconnect (the database may be
-        restarting) and retry once. Every ledger write is safe to repeat except a
-        failed-attempt count, which may then count once more."""
-        try:
-            return fn(*args)
-        except psycopg.OperationalError as exc:
-            log.warning("database connection lost (%s); reconnecting", str(exc).strip().splitlines()[0]
-                        if str(exc).strip() else exc.__class__.__name__)
+        restarting) and retry, up to ``db_retries`` times: a second restart, or
+        a stalled worker waking into one, can break the new connection too.
+        Every ledger write is safe to repeat except a failed-attempt count,
+        which may then count once more. Still failing: DatabaseUnavailable."""
+        for attempt in range(self.cfg.db_retries + 1):
+            try:
+                return fn(*args)
+            except psycopg.OperationalError as exc:
+                reason = str(exc).strip().splitlines()[0] if str(exc).strip() else exc.__class__.__name__
+                if attempt >= self.cfg.db_retries:
+                    raise db.DatabaseUnavailable(f"database connection lost {attempt + 1} times in a row: "
+                                                 f"{reason}") from None
+                log.warning("database connection lost (%s); reconnecting", reason)
             old = self.conn
             try:
                 if self.conn is not None:
@@ -114,7 +120,8 @@ class Worker:
                 self.ledger.conn = self.conn
             # A call that was handed the connection (job_mode(self.conn, ...))
             # must be retried on the new one, not on the one just closed.
-            return fn(*(self.conn if a is old else a for a in args))
+            args = tuple(self.conn if a is old else a for a in args)
+        raise AssertionError("unreachable")
 
     # -- lifecycle --------------------------------------------------------
     def run(self) -> int:

@@ -195,3 +195,42 @@ def test_worker_reconnects_when_the_database_restarts_while_it_waits(monkeypatch
     assert run_worker(WorkerConfig(job_version=job, db_url=db_url, db_retries=2)) == 0
     assert calls["n"] == 2
     assert conn.execute("SELECT count(*) AS n FROM bi.results").fetchone()["n"] == 5
+
+
+def _drop_put_results(monkeypatch, admin, times: int) -> dict[str, int]:
+    from batch_inference.ledger import Ledger as L
+
+    real = L.put_results
+    calls = {"n": 0}
+
+    def flaky(self, *args):
+        calls["n"] += 1
+        if calls["n"] <= times:
+            admin.execute("SELECT pg_terminate_backend(%s, 5000)", (self.conn.info.backend_pid,))
+        return real(self, *args)
+
+    monkeypatch.setattr(L, "put_results", flaky)
+    return calls
+
+
+def test_worker_survives_a_connection_lost_again_right_after_reconnecting(monkeypatch, conn, db_url):
+    """Two database restarts in a row (or a stalled worker waking into a
+    second one) failed the single retry and crashed the worker (exit 1)."""
+    from gpu_runner.worker import WorkerConfig, run_worker
+
+    make_source(conn, tickets(5))
+    job = submit(conn, make_spec()).job_version
+    calls = _drop_put_results(monkeypatch, conn, times=2)
+    assert run_worker(WorkerConfig(job_version=job, db_url=db_url, db_retries=3)) == 0
+    assert calls["n"] == 3
+    assert conn.execute("SELECT count(*) AS n FROM bi.results").fetchone()["n"] == 5
+
+
+def test_worker_whose_database_keeps_failing_exits_2_not_with_a_traceback(monkeypatch, conn, db_url):
+    from gpu_runner.worker import EXIT_DB, WorkerConfig, run_worker
+
+    make_source(conn, tickets(5))
+    job = submit(conn, make_spec()).job_version
+    _drop_put_results(monkeypatch, conn, times=1000)
+    assert run_worker(WorkerConfig(job_version=job, db_url=db_url, db_retries=2)) == EXIT_DB
+    assert conn.execute("SELECT count(*) AS n FROM bi.results").fetchone()["n"] == 0
