@@ -123,7 +123,21 @@ def machine() -> dict[str, Any]:
     except OSError:
         pass
     return {"cpus": os.cpu_count(), "cpu": model or platform.processor(), "python": platform.python_version(),
-            "load1": round(os.getloadavg()[0], 2)}
+            "load1": round(os.getloadavg()[0], 2), "code": code_version()}
+
+
+def code_version() -> str:
+    """The commit measured, with "+dirty" when the core's files differ from it."""
+    import subprocess
+
+    try:
+        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True,
+                              timeout=10).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--", "plugins", "gpu_runner", "sql"], cwd=REPO,
+                               capture_output=True, text=True, timeout=10).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+    return (head or "unknown") + ("+dirty" if dirty else "")
 
 
 def pg_version(conn: psycopg.Connection) -> str:

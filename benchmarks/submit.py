@@ -21,10 +21,14 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import re
 import tempfile
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
+import psutil
 import psycopg
 from psycopg import sql as pgsql
 
@@ -36,41 +40,83 @@ TARGET = 1.5  # submit time / raw copy time
 
 
 class TimedConnection:
-    """Delegates to a psycopg connection and times every ``execute`` by the
-    name of the statement in sql/queries.sql (or a short label)."""
+    """Delegates to a psycopg connection and times every ``execute``, wall and
+    server CPU, under the name of its statement in sql/queries.sql.
+
+    Composed statements (``sql.SQL(q(name)).format(...)``) lose their text, so
+    the name is taken from the last ``q(name)`` call, which the code makes just
+    before it executes (``q`` is wrapped while the benchmark runs).
+    Statements not in queries.sql are labelled by the SQL function they call
+    or their first words.
+    """
 
     def __init__(self, conn: psycopg.Connection):
         self._conn = conn
         self._names = {text: name for name, text in db.queries().items()}
+        self._backend = psutil.Process(conn.info.backend_pid)
+        self.pending: str | None = None
         self.steps: dict[str, float] = {}
+        self.cpu: dict[str, float] = {}
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._conn, name)
 
+    def server_cpu(self) -> float:
+        t = self._backend.cpu_times()
+        return t.user + t.system
+
     def _label(self, query: Any) -> str:
+        if isinstance(query, str) and query in self._names:
+            return self._names[query]
         if isinstance(query, str):
-            if query in self._names:
-                return self._names[query]
-            if "create_job_partitions" in query:
-                return "create_partitions"
-            return query.split()[0].lower()
-        return "stage_from_source"  # the only composed statement of a PostgreSQL submit
+            m = re.search(r"bi\.(\w+)\(", query)
+            return m.group(1) if m else " ".join(query.split()[:3]).lower()
+        return self.pending or "composed"
 
     def execute(self, query: Any, params: Any = None, **kw: Any) -> Any:
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), self.server_cpu()
         try:
             return self._conn.execute(query, params, **kw)
         finally:
             label = self._label(query)
+            self.pending = None
             self.steps[label] = self.steps.get(label, 0.0) + time.perf_counter() - t0
+            self.cpu[label] = self.cpu.get(label, 0.0) + self.server_cpu() - c0
+
+    def cursor(self, *a: Any, **kw: Any) -> Any:  # COPY of rows read in Python
+        return self._conn.cursor(*a, **kw)
 
 
-def raw_copy(conn: psycopg.Connection, n: int) -> float:
+@contextmanager
+def named_queries(timed: TimedConnection) -> Iterator[None]:
+    """Wrap ``q`` where the submit path looks it up, so composed statements get their names."""
+    from batch_inference import plan, snapshot
+
+    originals = {m: m.q for m in (plan, snapshot) if hasattr(m, "q")}
+
+    def q(name: str) -> str:
+        timed.pending = name
+        return db.q(name)
+
+    for m in originals:
+        m.q = q  # type: ignore[attr-defined]
+    try:
+        yield
+    finally:
+        for m, f in originals.items():
+            m.q = f  # type: ignore[attr-defined]
+
+
+def raw_copy(conn: psycopg.Connection, n: int) -> tuple[float, float]:
+    """(wall seconds, server CPU seconds) of an unindexed copy of the source."""
+    backend = psutil.Process(conn.info.backend_pid)
+    c0 = sum(backend.cpu_times()[:2])
     t0 = time.perf_counter()
     conn.execute(f"CREATE TABLE public.raw_copy_{n} AS SELECT id, body, acl FROM public.tickets")
     elapsed = time.perf_counter() - t0
+    cpu = sum(backend.cpu_times()[:2]) - c0
     conn.execute(f"DROP TABLE public.raw_copy_{n}")
-    return elapsed
+    return elapsed, cpu
 
 
 def write_results(conn: psycopg.Connection, job: str) -> None:
@@ -103,6 +149,9 @@ def validate_fn():
 def run(records: int = 1_000_000, repeats: int = 3, shard_size: int = 5000) -> dict[str, Any]:
     validate = validate_fn()
     copies: list[float] = []
+    copy_cpus: list[float] = []
+    submit_cpus: list[float] = []
+    step_cpus: dict[str, list[float]] = {}
     submits: list[float] = []
     validates: list[float] = []
     analyzes: list[float] = []
@@ -111,18 +160,24 @@ def run(records: int = 1_000_000, repeats: int = 3, shard_size: int = 5000) -> d
     with fresh_server() as url, db.connect(url) as conn:
         make_tickets(conn, records)
         for rep in range(repeats):
-            copies.append(raw_copy(conn, rep))
+            wall, cpu = raw_copy(conn, rep)
+            copies.append(wall)
+            copy_cpus.append(cpu)
             spec = bench_spec(shard_size=shard_size,
                               prompt={"version": f"r{rep}", "system": "Classify the support ticket."})
             timed = TimedConnection(conn)
-            t0 = time.perf_counter()
-            m = submit(timed, spec)  # type: ignore[arg-type]
+            t0, c0 = time.perf_counter(), timed.server_cpu()
+            with named_queries(timed):
+                m = submit(timed, spec)  # type: ignore[arg-type]
             total = time.perf_counter() - t0
+            submit_cpus.append(timed.server_cpu() - c0)
             assert m.created and m.records == records, m
             submits.append(total)
             timed.steps["commit"] = total - sum(timed.steps.values())
             for k, v in timed.steps.items():
                 steps.setdefault(k, []).append(v)
+            for k, v in timed.cpu.items():
+                step_cpus.setdefault(k, []).append(v)
             # Not part of submit today: what ANALYZE of the new snapshot partition
             # would add (it gives the planner row counts for the shard index).
             suffix = conn.execute("SELECT substr(md5(%s), 1, 16) AS s", (m.job_version,)).fetchone()["s"]  # type: ignore[index]
@@ -147,7 +202,12 @@ def run(records: int = 1_000_000, repeats: int = 3, shard_size: int = 5000) -> d
     out: dict[str, Any] = {
         "benchmark": "submit", "records": records, "shard_size": shard_size, "repeats": repeats,
         "raw_copy_s": rnd(copy_s), "submit_s": rnd(submit_s), "ratio": round(submit_s / copy_s, 2),
+        # Server CPU of the backend: on a shared machine wall time swings with the
+        # load, the work done much less; compare the two ratios.
+        "raw_copy_cpu_s": rnd(median(copy_cpus)), "submit_cpu_s": rnd(median(submit_cpus)),
+        "cpu_ratio": round(median(submit_cpus) / median(copy_cpus), 2),
         "steps_s": {k: rnd(median(v)) for k, v in sorted(steps.items(), key=lambda kv: -median(kv[1]))},
+        "steps_cpu_s": {k: rnd(median(v)) for k, v in sorted(step_cpus.items(), key=lambda kv: -median(kv[1]))},
         "analyze_snapshot_s": rnd(median(analyzes)),
     }
     if validates:
