@@ -169,3 +169,35 @@ def worker_env(url: str) -> dict[str, str]:
 
 
 PYTHON = sys.executable
+
+
+class ServerCpu:
+    """CPU seconds used by the whole PostgreSQL server (postmaster, live
+    backends, and backends that have exited: the postmaster reaps them, so
+    their time accumulates in its children's counters)."""
+
+    def __init__(self, conn: psycopg.Connection):
+        import psutil
+
+        self._pm = psutil.Process(conn.info.backend_pid).parent()
+
+    def __call__(self) -> float:
+        import psutil
+
+        t = self._pm.cpu_times()
+        total = t.user + t.system + t.children_user + t.children_system
+        for child in self._pm.children():
+            try:
+                c = child.cpu_times()
+                total += c.user + c.system
+            except psutil.NoSuchProcess:  # exited between the listing and the read
+                pass
+        return total
+
+
+def self_cpu() -> float:
+    """CPU seconds of this process (the client side of a one-connection baseline)."""
+    import resource
+
+    r = resource.getrusage(resource.RUSAGE_SELF)
+    return r.ru_utime + r.ru_stime

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import resource
 import subprocess
 import time
@@ -32,8 +33,8 @@ from batch_inference import db
 from batch_inference.engines.noop import minimal_instance
 from batch_inference.ledger import Ledger
 from batch_inference.plan import submit
-from benchmarks.common import (BENCH_SCHEMA, PYTHON, REPO, bench_spec, emit, fresh_server, machine, make_tickets,
-                               median, pg_version, rnd, worker_env)
+from benchmarks.common import (BENCH_SCHEMA, PYTHON, REPO, ServerCpu, bench_spec, emit, fresh_server, machine,
+                               make_tickets, median, pg_version, rnd, self_cpu, worker_env)
 
 TARGET = 0.80  # pipeline rate / raw ceiling
 
@@ -57,7 +58,7 @@ ON CONFLICT (job_version, record_id) DO NOTHING
 """
 
 
-def raw_ceiling(conn: psycopg.Connection, run: str, records: int, batch: int) -> float:
+def raw_ceiling(conn: psycopg.Connection, run: str, records: int, batch: int) -> tuple[float, float]:
     """Rows/s of one connection putting ``records`` new rows, ``batch`` per statement (autocommit:
     one transaction per batch, as the worker's flushes)."""
     conn.execute(RAW_TABLE)
@@ -66,16 +67,19 @@ def raw_ceiling(conn: psycopg.Connection, run: str, records: int, batch: int) ->
     # The same text the worker sends: json.dumps of the parsed noop answer.
     payload = json.dumps(minimal_instance(BENCH_SCHEMA), ensure_ascii=False)
     ids = [f"t{i:09d}" for i in range(1, records + 1)]
+    server = ServerCpu(conn)
+    c0 = server() + self_cpu()
     t0 = time.perf_counter()
     for s in range(0, records, batch):
         chunk = ids[s:s + batch]
         conn.execute(RAW_INSERT, {"job": run, "digest": "0" * 64, "ids": chunk,
                                   "outputs": [payload] * len(chunk), "categories": ["billing"] * len(chunk)})
     elapsed = time.perf_counter() - t0
+    cpu = server() + self_cpu() - c0
     n = conn.execute(f"SELECT count(*) AS n FROM {part}").fetchone()["n"]  # type: ignore[index]
     assert n == records, (n, records)
     conn.execute(f"DROP TABLE {part}")
-    return records / elapsed
+    return records / elapsed, cpu / records
 
 
 def ledger_put(conn: psycopg.Connection, run: str, records: int, shard_size: int, batch: int) -> float:
@@ -100,11 +104,28 @@ def ledger_put(conn: psycopg.Connection, run: str, records: int, shard_size: int
     return records / elapsed
 
 
+def startup_cpu(url: str, job: str) -> float:
+    """CPU seconds of a worker that starts, loads the engine and leaves without
+    claiming (interpreter, imports, spec, connection): subtracted from the
+    pipeline's worker CPU so per-record figures do not depend on the job size."""
+    runs = []
+    for _ in range(3):
+        proc = subprocess.Popen([PYTHON, "-m", "gpu_runner", job, "--no-wait", "--max-shards", "0"], cwd=REPO,
+                                env=worker_env(url), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        _, status, usage = os.wait4(proc.pid, 0)
+        proc.returncode = os.waitstatus_to_exitcode(status)
+        assert proc.returncode == 0, proc.returncode
+        runs.append(usage.ru_utime + usage.ru_stime)
+    return median(runs)
+
+
 def pipeline(url: str, conn: psycopg.Connection, run: str, records: int, shard_size: int, workers: int,
              flush_every: int) -> dict[str, Any]:
     # A distinct prompt version per run gives a distinct job version over the same rows.
     spec = bench_spec(shard_size=shard_size, prompt={"version": run, "system": "Classify the support ticket."})
     job = submit(conn, spec).job_version
+    server = ServerCpu(conn)
+    s0 = server()
     before = resource.getrusage(resource.RUSAGE_CHILDREN)
     procs = [subprocess.Popen([PYTHON, "-m", "gpu_runner", job, "--no-wait", "--flush-every", str(flush_every)],
                               cwd=REPO, env=worker_env(url), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
@@ -115,6 +136,7 @@ def pipeline(url: str, conn: psycopg.Connection, run: str, records: int, shard_s
         if p.returncode != 0:
             errors.append(err[-2000:])
     after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    server_s = server() - s0
     if errors:
         raise RuntimeError(f"worker failed: {errors[0]}")
     r = conn.execute("""SELECT sum(stored) AS stored, count(*) FILTER (WHERE state = 'done') AS done, count(*) AS shards,
@@ -122,7 +144,7 @@ def pipeline(url: str, conn: psycopg.Connection, run: str, records: int, shard_s
                           FROM bi.shards WHERE job_version = %s""", (job,)).fetchone()
     assert r is not None and r["stored"] == records and r["done"] == r["shards"], r
     seconds = float(r["seconds"])
-    return {"rate": records / seconds, "seconds": seconds,
+    return {"job": job, "rate": records / seconds, "seconds": seconds, "server_cpu_s": server_s,
             "worker_cpu_s": (after.ru_utime + after.ru_stime) - (before.ru_utime + before.ru_stime)}
 
 
@@ -133,14 +155,19 @@ def run(records: int = 100_000, shard_size: int = 5000, workers: int = 2, flush:
             conn.execute((REPO / path).read_text() if not path.startswith("/") else open(path).read())
         make_tickets(conn, records)
         per_flush: dict[int, dict[str, list[float]]] = {f: {"ceiling": [], "pipeline": [], "ratio": [], "cpu": [],
-                                                          "ledger": [], "ledger_ratio": []}
+                                                          "ledger": [], "ledger_ratio": [],
+                                                          "server_cpu": [], "ceiling_cpu": [], "cpu_ratio": []}
                                                        for f in flush}
+        start_cpu: float | None = None
         for rep in range(repeats):
             for f in flush:
                 run_id = f"r{rep}_f{f}"
-                ceiling = raw_ceiling(conn, run_id, records, f)
+                ceiling, ceiling_cpu = raw_ceiling(conn, run_id, records, f)
                 put = ledger_put(conn, run_id, records, shard_size, f)
                 p = pipeline(url, conn, run_id, records, shard_size, workers, f)
+                if start_cpu is None:
+                    start_cpu = startup_cpu(url, p["job"])
+                p["worker_cpu_s"] -= workers * start_cpu
                 d = per_flush[f]
                 d["ledger"].append(put)
                 d["ledger_ratio"].append(put / ceiling)
@@ -148,16 +175,26 @@ def run(records: int = 100_000, shard_size: int = 5000, workers: int = 2, flush:
                 d["pipeline"].append(p["rate"])
                 d["ratio"].append(p["rate"] / ceiling)
                 d["cpu"].append(p["worker_cpu_s"])
+                d["server_cpu"].append(p["server_cpu_s"])
+                d["ceiling_cpu"].append(ceiling_cpu)
+                d["cpu_ratio"].append(ceiling_cpu / ((p["worker_cpu_s"] + p["server_cpu_s"]) / records))
         version = pg_version(conn)
     results = {
         str(f): {"raw_ceiling_rows_s": rnd(median(d["ceiling"])), "pipeline_records_s": rnd(median(d["pipeline"])),
                  "ratio": round(median(d["ratio"]), 3),
                  "ledger_put_rows_s": rnd(median(d["ledger"])), "ledger_ratio": round(median(d["ledger_ratio"]), 3),
-                 "worker_cpu_us_per_record": rnd(median(d["cpu"]) / records * 1e6)}
+                 # CPU per record (all processes), which the machine's load moves far
+                 # less than wall time: raw = client + server of the one-connection
+                 # baseline; pipeline = workers (start-up subtracted) + server.
+                 "raw_cpu_us_per_row": rnd(median(d["ceiling_cpu"]) * 1e6),
+                 "worker_cpu_us_per_record": rnd(median(d["cpu"]) / records * 1e6),
+                 "server_cpu_us_per_record": rnd(median(d["server_cpu"]) / records * 1e6),
+                 "cpu_ratio": round(median(d["cpu_ratio"]), 3)}
         for f, d in per_flush.items()}
     default = results[str(flush[0])]
     return {"benchmark": "control_plane", "records": records, "shard_size": shard_size, "workers": workers,
             "repeats": repeats, "flush_every": list(flush), "by_flush": results,
+            "worker_startup_cpu_s": rnd(start_cpu or 0.0),
             "ratio": default["ratio"], "target": f">= {TARGET}", "met": default["ratio"] >= TARGET,
             "patches": list(patches), "postgres": version, "machine": machine()}
 
