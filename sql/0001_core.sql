@@ -39,6 +39,7 @@ CREATE TABLE IF NOT EXISTS bi.snapshot_rows (
     text         text NOT NULL,
     acl          text[],
     content_hash text NOT NULL,
+    reject       text,           -- why the record never reaches a worker (it is dead-lettered), else NULL
     PRIMARY KEY (job_version, record_id)
 ) PARTITION BY LIST (job_version);
 CREATE INDEX IF NOT EXISTS snapshot_rows_shard ON bi.snapshot_rows (job_version, shard_no);

@@ -7,17 +7,40 @@
 -- Names carry a version suffix: a migration adds _v2 beside _v1 so a worker
 -- that is still running keeps working.
 
--- Partitions of one job version, created at submit.
-CREATE OR REPLACE FUNCTION bi.create_job_partitions_v1(p_job text) RETURNS void
+-- Partitions of one job version, created at submit. Each is created on its
+-- own and then attached: CREATE TABLE ... PARTITION OF would take an ACCESS
+-- EXCLUSIVE lock on the parent and queue behind readers of a published view,
+-- ATTACH PARTITION takes only SHARE UPDATE EXCLUSIVE. The snapshot partition
+-- is written by submit itself with CREATE TABLE AS (the bulk path, no index
+-- maintenance per row); bi.attach_snapshot_v1 then adds its constraints in one
+-- scan and attaches it, which builds its indexes in one sort each.
+CREATE OR REPLACE FUNCTION bi.create_job_partitions_v1(p_job text) RETURNS text
 LANGUAGE plpgsql SET search_path = pg_catalog, pg_temp AS $$
 DECLARE
     t text;
+    part text;
     suffix text := substr(md5(p_job), 1, 16);
 BEGIN
-    FOREACH t IN ARRAY ARRAY['snapshot_rows', 'results', 'dead_letters', 'attempts'] LOOP
-        EXECUTE format('CREATE TABLE IF NOT EXISTS bi.%I PARTITION OF bi.%I FOR VALUES IN (%L)',
-                       t || '_' || suffix, t, p_job);
+    FOREACH t IN ARRAY ARRAY['results', 'dead_letters', 'attempts'] LOOP
+        part := t || '_' || suffix;
+        IF to_regclass(format('bi.%I', part)) IS NULL THEN
+            EXECUTE format('CREATE TABLE bi.%I (LIKE bi.%I INCLUDING DEFAULTS INCLUDING CONSTRAINTS)', part, t);
+            EXECUTE format('ALTER TABLE bi.%I ATTACH PARTITION bi.%I FOR VALUES IN (%L)', t, part, p_job);
+        END IF;
     END LOOP;
+    RETURN 'snapshot_rows_' || suffix;   -- the name submit creates the snapshot under
+END $$;
+
+CREATE OR REPLACE FUNCTION bi.attach_snapshot_v1(p_job text) RETURNS void
+LANGUAGE plpgsql SET search_path = pg_catalog, pg_temp AS $$
+DECLARE
+    part text := 'snapshot_rows_' || substr(md5(p_job), 1, 16);
+BEGIN
+    -- One ALTER, one scan; the CHECK lets ATTACH skip its own validation scan.
+    EXECUTE format('ALTER TABLE bi.%I ALTER COLUMN job_version SET NOT NULL, ALTER COLUMN record_id SET NOT NULL, '
+                   'ALTER COLUMN text SET NOT NULL, ALTER COLUMN content_hash SET NOT NULL, '
+                   'ADD CONSTRAINT %I CHECK (job_version = %L)', part, part || '_jv', p_job);
+    EXECUTE format('ALTER TABLE bi.snapshot_rows ATTACH PARTITION bi.%I FOR VALUES IN (%L)', part, p_job);
 END $$;
 
 -- Drop a whole job version: its partitions go with DROP TABLE, no row-by-row DELETE.

@@ -109,27 +109,9 @@ GRANT SELECT ON bi.results, bi.publish_pointer, bi.dataset_acl, bi.reader_princi
 GRANT EXECUTE ON FUNCTION bi.current_principals() TO bi_reader;
 
 
--- Partitions without an ACCESS EXCLUSIVE lock on the parent. CREATE TABLE ...
--- PARTITION OF locks bi.results exclusively: a submit would queue behind any
--- long reader of a published view and every later reader would queue behind
--- the submit. CREATE TABLE (LIKE ...) plus ATTACH PARTITION takes only SHARE
--- UPDATE EXCLUSIVE on the parent, which readers never conflict with.
--- (Replaces the 0002 definition; same signature and effect.)
-CREATE OR REPLACE FUNCTION bi.create_job_partitions_v1(p_job text) RETURNS void
-LANGUAGE plpgsql SET search_path = pg_catalog, pg_temp AS $$
-DECLARE
-    t text;
-    part text;
-    suffix text := substr(md5(p_job), 1, 16);
-BEGIN
-    FOREACH t IN ARRAY ARRAY['snapshot_rows', 'results', 'dead_letters', 'attempts'] LOOP
-        part := t || '_' || suffix;
-        IF to_regclass(format('bi.%I', part)) IS NULL THEN
-            EXECUTE format('CREATE TABLE bi.%I (LIKE bi.%I INCLUDING DEFAULTS INCLUDING CONSTRAINTS)', part, t);
-            EXECUTE format('ALTER TABLE bi.%I ATTACH PARTITION bi.%I FOR VALUES IN (%L)', t, part, p_job);
-        END IF;
-    END LOOP;
-END $$;
+-- Partitions are created on their own and then attached, never with CREATE
+-- TABLE ... PARTITION OF (an ACCESS EXCLUSIVE lock on bi.results that would
+-- queue behind readers of a published view): see bi.create_job_partitions_v1.
 
 
 -- Store a validation report. Guard: every shard done and the version not

@@ -2,31 +2,27 @@
 -- then the statement. Loaded by batch_inference.db.queries().
 -- Statements with {placeholders} are composed with psycopg.sql identifiers.
 
--- name: stage_create  a per-transaction staging table for the source rows (not WAL-logged)
+-- name: stage_create  a per-transaction staging table for rows read in Python (object store, another database)
 CREATE TEMP TABLE _bi_stage (record_id text, text text, acl text[], reject text) ON COMMIT DROP;
 
--- name: stage_from_source  copy a PostgreSQL table or query into the staging table
-INSERT INTO _bi_stage (record_id, text, acl)
-SELECT ({id})::text, ({text})::text, {acl} FROM {source} AS src;
-
--- name: stage_copy  COPY target for rows read in Python (object store, another database)
+-- name: stage_copy  COPY target for rows read in Python
 COPY _bi_stage (record_id, text, acl, reject) FROM STDIN;
 
--- name: stage_checks  what makes a snapshot unusable
-SELECT count(*) AS n,
-       count(*) FILTER (WHERE record_id IS NULL) AS null_ids
-  FROM _bi_stage;
+-- name: source_relation  a PostgreSQL table or query seen as (record_id, text, acl, reject)
+(SELECT ({id})::text AS record_id, ({text})::text AS text, {acl} AS acl, NULL::text AS reject FROM {source} AS src)
 
--- name: stage_duplicates  a few duplicate record ids, worst first
-SELECT record_id, count(*) AS n FROM _bi_stage WHERE record_id IS NOT NULL
- GROUP BY record_id HAVING count(*) > 1 ORDER BY n DESC, record_id LIMIT 5;
-
--- name: stage_identity  an order-independent content hash of the snapshot (multiset of rows)
+-- name: snapshot_scan  one pass over the source: size, NULL ids and an order-independent content identity
 SELECT count(*) AS n,
-       coalesce(sum(('x' || substr(h, 1, 15))::bit(60)::bigint), 0)::text AS a,
-       coalesce(sum(('x' || substr(h, 16, 15))::bit(60)::bigint), 0)::text AS b
-  FROM (SELECT md5(record_id || chr(31) || coalesce(text, '') || chr(31) || coalesce(acl::text, '')) AS h
-          FROM _bi_stage) t;
+       count(*) FILTER (WHERE s.record_id IS NULL) AS null_ids,
+       coalesce(sum((hashtextextended(s.record_id, 17) # hashtextextended(coalesce(s.text, ''), 19)
+                     # coalesce(hash_array_extended(s.acl, 23), 0))::numeric), 0)::text AS a,
+       coalesce(sum((hashtextextended(s.record_id, 29) # hashtextextended(coalesce(s.text, ''), 31)
+                     # coalesce(hash_array_extended(s.acl, 37), 0))::numeric), 0)::text AS b
+  FROM {relation} AS s;
+
+-- name: source_duplicates  a few duplicate record ids, worst first (only run after a unique violation)
+SELECT s.record_id, count(*) AS n FROM {relation} AS s WHERE s.record_id IS NOT NULL
+ GROUP BY s.record_id HAVING count(*) > 1 ORDER BY n DESC, s.record_id LIMIT 5;
 
 -- name: job_manifest  the small manifest of an existing job version
 SELECT job_version, dataset, records, shards, planned_dead AS dead_letters, reused, status, mode
@@ -44,70 +40,67 @@ INSERT INTO bi.jobs (job_version, dataset, spec_hash, snapshot_id, spec, model_n
 VALUES (%(job)s, %(dataset)s, %(spec_hash)s, %(snapshot_id)s, %(spec)s, %(model_name)s, %(model_digest)s,
         %(prompt_version)s, %(records)s, %(base)s);
 
--- name: plan_classify  decide each record's fate: rejected (why), reused, or its shard
-CREATE TEMP TABLE _bi_plan ON COMMIT DROP AS
-WITH c AS (
-    SELECT s.record_id, coalesce(s.text, '') AS text, s.acl,
-           md5(coalesce(s.text, '') || chr(31) || coalesce(s.acl::text, '')) AS content_hash,
-           CASE WHEN s.reject IS NOT NULL THEN s.reject
-                -- btrim() alone strips only spaces: a record of tabs and newlines is blank too
-                WHEN s.text IS NULL OR btrim(s.text, E' \t\n\r\f\x0b') = '' THEN 'empty text'
-           END AS snapshot_reject,
-           CASE WHEN length(s.text) > %(cap)s
-                THEN format('input over the length cap (%%s characters > %%s)', length(s.text), %(cap)s)
-           END AS plan_reject
-      FROM _bi_stage s
-), r AS (
-    SELECT c.*, (base.record_id IS NOT NULL) AS reused
-      FROM c
-      LEFT JOIN (SELECT b.record_id, b.content_hash
-                   FROM bi.snapshot_rows b
-                   JOIN bi.results br ON br.job_version = b.job_version AND br.record_id = b.record_id
-                  WHERE b.job_version = %(base)s) base
-        ON base.record_id = c.record_id AND base.content_hash = c.content_hash
-       AND c.snapshot_reject IS NULL AND c.plan_reject IS NULL
-)
-SELECT r.record_id, r.text, r.acl, r.content_hash, r.reused,
-       coalesce(r.snapshot_reject, r.plan_reject) AS reject,
-       CASE WHEN r.snapshot_reject IS NOT NULL THEN 'snapshot' WHEN r.plan_reject IS NOT NULL THEN 'plan' END AS stage,
-       CASE WHEN r.snapshot_reject IS NULL AND r.plan_reject IS NULL AND NOT r.reused
-            THEN ((row_number() OVER (PARTITION BY (r.snapshot_reject IS NULL AND r.plan_reject IS NULL AND NOT r.reused)
-                                       ORDER BY r.record_id) - 1) / %(shard_size)s)::integer
-       END AS shard_no
-  FROM r;
-
--- name: plan_snapshot  write the immutable snapshot rows
-INSERT INTO bi.snapshot_rows (job_version, record_id, shard_no, text, acl, content_hash)
-SELECT %(job)s, record_id, shard_no, text, acl, content_hash FROM _bi_plan;
+-- name: snapshot_insert  write the snapshot partition with CREATE TABLE AS (the bulk path) and plan it in the same pass
+-- Each record is rejected (why), reused (an unchanged record of the base
+-- version, incremental runs) or given a shard: a running count over the
+-- eligible rows in scan order, so no sort of the whole snapshot is needed.
+CREATE TABLE bi.{partition} AS
+SELECT %(job)s::text AS job_version, c.record_id,
+       CASE WHEN c.reject IS NULL AND NOT c.reused
+            THEN ((count(*) FILTER (WHERE c.reject IS NULL AND NOT c.reused) OVER (ROWS UNBOUNDED PRECEDING) - 1)
+                  / %(shard_size)s)::integer
+       END AS shard_no,
+       c.text, c.acl, c.content_hash, c.reject
+  FROM (SELECT r.*, (base.record_id IS NOT NULL) AS reused
+          FROM (SELECT s.record_id, coalesce(s.text, '') AS text, s.acl,
+                       to_hex(hashtextextended(coalesce(s.text, ''), 0)
+                              # coalesce(hash_array_extended(s.acl, 0), 0)) AS content_hash,
+                       CASE WHEN s.reject IS NOT NULL THEN s.reject
+                            -- btrim() alone strips only spaces: tabs and newlines are blank too
+                            WHEN s.text IS NULL OR btrim(s.text, E' \t\n\r\f\x0b') = '' THEN 'empty text'
+                            WHEN length(s.text) > %(cap)s
+                            THEN format('input over the length cap (%%s characters > %%s)', length(s.text), %(cap)s)
+                       END AS reject
+                  FROM {relation} AS s
+                OFFSET 0) r   -- not flattened: each CASE above is computed once per row, not once per use
+          LEFT JOIN (SELECT b.record_id, b.content_hash
+                       FROM bi.snapshot_rows b
+                       JOIN bi.results br ON br.job_version = b.job_version AND br.record_id = b.record_id
+                      WHERE b.job_version = %(base)s) base
+            ON base.record_id = r.record_id AND base.content_hash = r.content_hash AND r.reject IS NULL) c;
 
 -- name: plan_dead_letters  records that never reach a worker, with their reason
 INSERT INTO bi.dead_letters (job_version, record_id, reason, error, raw_output, attempts, stage,
                              model_name, model_digest, prompt_version, transport, acl)
-SELECT %(job)s, p.record_id, p.reject, p.reject, NULL, 0, p.stage, j.model_name, j.model_digest,
-       j.prompt_version, NULL, p.acl
-  FROM _bi_plan p JOIN bi.jobs j ON j.job_version = %(job)s
- WHERE p.reject IS NOT NULL;
+SELECT %(job)s, p.record_id, p.reject, p.reject, NULL, 0,
+       CASE WHEN p.reject LIKE 'input over the length cap%%' THEN 'plan' ELSE 'snapshot' END,
+       j.model_name, j.model_digest, j.prompt_version, NULL, p.acl
+  FROM bi.snapshot_rows p JOIN bi.jobs j ON j.job_version = p.job_version
+ WHERE p.job_version = %(job)s AND p.reject IS NOT NULL;
 
 -- name: plan_reuse  carry over results of unchanged records from the base version (incremental)
 INSERT INTO bi.results (job_version, record_id, output, category, model_name, model_digest, prompt_version,
                         transport, worker_id, epoch, acl, content_hash, created_at)
 SELECT %(job)s, r.record_id, r.output, r.category, r.model_name, r.model_digest, r.prompt_version,
        'reused', r.worker_id, r.epoch, p.acl, p.content_hash, r.created_at
-  FROM _bi_plan p
+  FROM bi.snapshot_rows p
   JOIN bi.results r ON r.job_version = %(base)s AND r.record_id = p.record_id
- WHERE p.reused;
+ WHERE p.job_version = %(job)s AND p.shard_no IS NULL AND p.reject IS NULL;
 
 -- name: plan_shards  one shard row per shard number
 INSERT INTO bi.shards (job_version, shard_no, records)
-SELECT %(job)s, shard_no, count(*) FROM _bi_plan WHERE shard_no IS NOT NULL GROUP BY shard_no;
+SELECT %(job)s, shard_no, count(*) FROM bi.snapshot_rows
+ WHERE job_version = %(job)s AND shard_no IS NOT NULL GROUP BY shard_no;
 
 -- name: plan_finish  fixed counts of the job version
 UPDATE bi.jobs j SET
-    shards = (SELECT count(DISTINCT shard_no) FROM _bi_plan WHERE shard_no IS NOT NULL),
-    planned_dead = (SELECT count(*) FROM _bi_plan WHERE reject IS NOT NULL),
-    reused = (SELECT count(*) FROM _bi_plan WHERE reused)
+    shards = c.shards, planned_dead = c.planned_dead, reused = c.reused
+  FROM (SELECT count(DISTINCT shard_no) AS shards,
+               count(*) FILTER (WHERE reject IS NOT NULL) AS planned_dead,
+               count(*) FILTER (WHERE shard_no IS NULL AND reject IS NULL) AS reused
+          FROM bi.snapshot_rows WHERE job_version = %(job)s) c
  WHERE j.job_version = %(job)s
-RETURNING job_version, dataset, records, shards, planned_dead AS dead_letters, reused;
+RETURNING j.job_version, j.dataset, j.records, j.shards, j.planned_dead AS dead_letters, j.reused;
 
 -- name: job_counts  live counts from the shard table (cost independent of records)
 SELECT * FROM bi.job_counts_v1(%(job)s);

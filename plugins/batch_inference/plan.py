@@ -14,6 +14,7 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 import psycopg
+from psycopg import errors, sql
 from psycopg.types.json import Jsonb
 
 from batch_inference import snapshot
@@ -46,16 +47,18 @@ def submit(conn: psycopg.Connection, spec: JobSpec,
     t0 = time.perf_counter()
     source_name = spec.source.table or spec.source.s3_manifest or "query"
     with conn.transaction():
-        conn.execute(q("stage_create"))
+        # The source is read twice (scan, then load): one snapshot of it for both.
+        conn.execute("SET TRANSACTION ISOLATION LEVEL REPEATABLE READ")
         if rows is not None:
+            conn.execute(q("stage_create"))
             snapshot.stage_from_rows(conn, rows)
+            relation: sql.Composable = snapshot.STAGE
         elif spec.source.kind == "postgres":
-            snapshot.stage_from_postgres(conn, spec.source)
+            relation = snapshot.source_relation(spec.source)
         else:
             raise snapshot.SnapshotError(f"source kind {spec.source.kind!r} needs its rows read first "
                                          "(batch_inference.sources)")
-        n = snapshot.check_stage(conn, source_name, spec.source.id_column)
-        identity = snapshot.snapshot_identity(conn)
+        n, identity = snapshot.scan(conn, relation, source_name, spec.source.id_column)
         job = spec.job_version(identity)
 
         existing = conn.execute(q("job_manifest"), {"job": job}).fetchone()
@@ -74,9 +77,16 @@ def submit(conn: psycopg.Connection, spec: JobSpec,
             "spec": Jsonb(spec.model_dump(mode="json")), "model_name": spec.model.name,
             "model_digest": spec.model.digest, "prompt_version": spec.prompt.version, "records": n,
             "base": base})
-        conn.execute("SELECT bi.create_job_partitions_v1(%s)", (job,))
+        part = conn.execute("SELECT bi.create_job_partitions_v1(%s) AS p", (job,)).fetchone()["p"]
         params = {"job": job, "base": base, "cap": spec.max_input_chars, "shard_size": spec.shard_size}
-        for name in ("plan_classify", "plan_snapshot", "plan_dead_letters", "plan_reuse", "plan_shards"):
+        conn.execute(sql.SQL(q("snapshot_insert")).format(partition=sql.Identifier(part), relation=relation),
+                     params)
+        try:
+            with conn.transaction():
+                conn.execute("SELECT bi.attach_snapshot_v1(%s)", (job,))   # builds the primary key
+        except errors.UniqueViolation:
+            raise snapshot.duplicates_error(conn, relation, source_name, spec.source.id_column) from None
+        for name in ("plan_dead_letters", "plan_reuse", "plan_shards"):
             conn.execute(q(name), params)
         done = conn.execute(q("plan_finish"), params).fetchone()
         assert done is not None

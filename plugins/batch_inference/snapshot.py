@@ -1,8 +1,10 @@
-"""Snapshot: copy the source rows into a staging table and check them.
+"""Snapshot: read the source, check it, and name its content.
 
-The staging table lives for one transaction. A PostgreSQL source in the same
-database is copied server-side (INSERT ... SELECT); anything else (an object
-store manifest, another database) arrives as Python rows and goes in by COPY.
+A PostgreSQL source in the ledger's database is read server-side, twice in
+one REPEATABLE READ transaction (a scan for the checks and the identity, then
+the bulk load into the snapshot partition). Anything else (an object store
+manifest, another database) arrives as Python rows and goes by COPY into a
+per-transaction staging table, which is then read the same way.
 Records that cannot be processed (NUL bytes, broken Unicode, empty text) are
 kept with a reject reason so they end in dead letters, never silently dropped.
 """
@@ -23,27 +25,49 @@ class SnapshotError(ValueError):
     """The source cannot be snapshotted; one line naming what is wrong."""
 
 
-def stage_from_postgres(conn: psycopg.Connection, source: Source) -> None:
-    """Server-side copy of a table or query in the ledger's own database."""
+def source_relation(source: Source) -> sql.Composable:
+    """A PostgreSQL table or query in the ledger's database, as (record_id, text, acl, reject)."""
     src = (sql.SQL("({})").format(sql.SQL(source.query)) if source.query
            else sql.Identifier(*source.table.split(".")))  # type: ignore[union-attr]
     acl = (sql.SQL("(src.{})::text[]").format(sql.Identifier(source.acl_column)) if source.acl_column
            else sql.SQL("NULL::text[]"))
-    stmt = sql.SQL(q("stage_from_source")).format(
+    return sql.SQL(q("source_relation")).format(
         id=sql.SQL("src.{}").format(sql.Identifier(source.id_column)),
         text=sql.SQL("src.{}").format(sql.Identifier(source.text_column)),
         acl=acl, source=src)
-    where = source.table or "the source query"
+
+
+STAGE = sql.Identifier("_bi_stage")
+
+
+def scan(conn: psycopg.Connection, relation: sql.Composable, source_name: str, id_column: str) -> tuple[int, str]:
+    """One pass over the source: refuse an empty source and NULL ids; return
+    (rows, content identity). Duplicate ids are caught when the snapshot's
+    primary key is built (see ``duplicates_error``)."""
     try:
-        with conn.transaction():  # a savepoint: the error message below is ours, not a dead transaction
-            conn.execute(stmt)
+        with conn.transaction():  # a savepoint, so the error below is ours, not a dead transaction
+            r = conn.execute(sql.SQL(q("snapshot_scan")).format(relation=relation)).fetchone()
     except errors.UndefinedColumn as exc:
-        raise SnapshotError(f"source {where}: {_first_line(exc)} (check source.id_column, "
+        raise SnapshotError(f"source {source_name}: {_first_line(exc)} (check source.id_column, "
                             f"source.text_column and source.acl_column)") from None
-    except errors.UndefinedTable as exc:
-        raise SnapshotError(f"source {where}: {_first_line(exc)}") from None
-    except (errors.SyntaxError, errors.CannotCoerce, errors.DatatypeMismatch, errors.InvalidTextRepresentation) as exc:
-        raise SnapshotError(f"source {where}: {_first_line(exc)}") from None
+    except (errors.UndefinedTable, errors.SyntaxError, errors.CannotCoerce, errors.DatatypeMismatch,
+            errors.InvalidTextRepresentation, errors.UndefinedFunction) as exc:
+        raise SnapshotError(f"source {source_name}: {_first_line(exc)}") from None
+    assert r is not None
+    if r["n"] == 0:
+        raise SnapshotError(f"source {source_name} is empty: nothing to snapshot")
+    if r["null_ids"]:
+        raise SnapshotError(f"source {source_name} has {r['null_ids']} row(s) with a NULL id "
+                            f"(column {id_column!r})")
+    return int(r["n"]), f"{r['n']}:{r['a']}:{r['b']}"
+
+
+def duplicates_error(conn: psycopg.Connection, relation: sql.Composable, source_name: str,
+                     id_column: str) -> SnapshotError:
+    """The one-line error for a source whose ids are not unique."""
+    dups = conn.execute(sql.SQL(q("source_duplicates")).format(relation=relation)).fetchall()
+    shown = ", ".join(f"{d['record_id']!r} x{d['n']}" for d in dups) or "(see the source)"
+    return SnapshotError(f"source {source_name} has duplicate ids in column {id_column!r}: {shown}")
 
 
 def clean_text(value: Any) -> tuple[str | None, str | None]:
@@ -81,29 +105,6 @@ def stage_from_rows(conn: psycopg.Connection, rows: Iterable[Mapping[str, Any]])
                 acl = [acl]
             copy.write_row((_clean_id(row.get("record_id")), text,
                             [str(a) for a in acl] if acl is not None else None, reject))
-
-
-def check_stage(conn: psycopg.Connection, source_name: str, id_column: str) -> int:
-    """Refuse an empty source, NULL ids and duplicate ids; return the row count."""
-    counts = conn.execute(q("stage_checks")).fetchone()
-    assert counts is not None
-    if counts["n"] == 0:
-        raise SnapshotError(f"source {source_name} is empty: nothing to snapshot")
-    if counts["null_ids"]:
-        raise SnapshotError(f"source {source_name} has {counts['null_ids']} row(s) with a NULL id "
-                            f"(column {id_column!r})")
-    dups = conn.execute(q("stage_duplicates")).fetchall()
-    if dups:
-        shown = ", ".join(f"{d['record_id']!r} x{d['n']}" for d in dups)
-        raise SnapshotError(f"source {source_name} has duplicate ids in column {id_column!r}: {shown}")
-    return int(counts["n"])
-
-
-def snapshot_identity(conn: psycopg.Connection) -> str:
-    """Content identity of the staged rows: the same rows give the same identity."""
-    r = conn.execute(q("stage_identity")).fetchone()
-    assert r is not None
-    return f"{r['n']}:{r['a']}:{r['b']}"
 
 
 def _first_line(exc: BaseException) -> str:
