@@ -79,12 +79,13 @@ def test_counting_engine_writes_one_line_per_outcome(tmp_path):
     eng = CountingEngine(spec, {"inner": "noop", "count_dir": str(tmp_path), "delay_s": 0})
     eng.load()
     reqs = [Request("a", [{"role": "user", "content": "hello"}]),
-            Request("b", [{"role": "user", "content": "[[engine-error]]"}])]
+            Request("b", [{"role": "user", "content": "[[engine-error]]"}]),
+            Request("c", [{"role": "user", "content": "[[invalid-output]]"}])]
     outs = list(eng.generate(reqs, threading.Event()))
     eng.close()
-    assert [o.record_id for o in outs] == ["a", "b"] and outs[1].error
+    assert [o.record_id for o in outs] == ["a", "b", "c"] and outs[1].error
     (log,) = tmp_path.glob("*.log")
-    assert log.read_text() == "a\ttext\nb\terror\n"
+    assert log.read_text() == "a\tvalid\nb\terror\nc\tinvalid\n"
     with pytest.raises(ValueError, match="count_dir"):
         CountingEngine(spec, {"inner": "noop"})
     with pytest.raises(ValueError, match="unknown option"):

@@ -158,10 +158,9 @@ class ChaosReport:
             f"healthy records: {f['computations']['extra']} extra, {f['computations']['recomputed_records']} records "
             f"computed more than once (bound: {f['handoffs']['handoffs']} handoffs x flush buffer "
             f"{c['flush_every']} = {f['computations']['bound']})",
-            *([f"  unexpected worker exits ({f['unexpected_exits_total']}, first ones): " + "; ".join(f"{u['worker']} exited {u['exit']}"
-                                                         + (f" after {u['fault']}" if u["fault"] else "")
-                                                         + (f" ({u['log_tail'][-1][:120]})" if u["log_tail"] else "")
-                                                         for u in f["unexpected_exits"])]
+            *([f"  unexpected worker exits ({f['unexpected_exits_total']}), the first ones:"] +
+              [f"    {u['worker']} exited {u['exit']}" + (f" after {u['fault']}" if u["fault"] else "")
+               + (f": {u['log_tail'][-1][:120]}" if u["log_tail"] else "") for u in f["unexpected_exits"]]
               if f["unexpected_exits"] else []),
             "",
             f"  {'check':<44}{'value':>14}  {'expect':<22}",
@@ -210,9 +209,14 @@ class CountingEngine(Engine):
         self._fd = os.open(self._path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
 
     def generate(self, requests: Sequence[Request], stop: threading.Event) -> Iterator[Outcome]:
+        from batch_inference.outputs import check_output
+
         for outcome in self.inner.generate(requests, stop):
             if self._fd is not None:
-                os.write(self._fd, f"{outcome.record_id}\t{'error' if outcome.error else 'text'}\n".encode())
+                # The worker's own check, so "valid" means "would be stored".
+                kind = ("error" if outcome.error else
+                        "valid" if check_output(self.spec, outcome.text or "")[0] is not None else "invalid")
+                os.write(self._fd, f"{outcome.record_id}\t{kind}\n".encode())
             yield outcome
 
     def close(self) -> None:
@@ -697,7 +701,7 @@ def _report(cfg: ChaosConfig, run: _Run, fleet: _Fleet, admin: _Admin, job: str,
 
     # Computations: valid answers per healthy record, and engine calls per poison record.
     comp = fleet.computations()
-    valid = Counter(rid for rid, kind in comp if kind == "text" and rid not in poison)
+    valid = Counter(rid for rid, kind in comp if kind == "valid" and rid not in poison)
     calls = Counter(rid for rid, _ in comp if rid in poison)
     extra = sum(n - 1 for n in valid.values())
     recomputed = sum(1 for n in valid.values() if n > 1)
