@@ -231,3 +231,26 @@ def test_resolve_deadline():
     assert resolve_deadline("2026-03-02T06:00:00+00:00", start) == "2026-03-02T06:00:00+00:00"
     with pytest.raises(ValueError):
         resolve_deadline(" ", start)
+
+
+def test_the_gpu_operator_grants_the_job_to_the_worker_role_before_its_pod(ledger, conn):
+    import uuid
+
+    from airflow.sdk import DAG
+
+    from batch_inference.operators import GpuWorkerPodOperator
+
+    make_source(conn, tickets(3))
+    job = submit(conn, make_spec()).job_version
+    role = "bi_test_pool_" + uuid.uuid4().hex[:8]
+    conn.execute(f"CREATE ROLE {role} LOGIN IN ROLE bi_worker")
+    try:
+        with DAG("grant_test", schedule=None):
+            op = GpuWorkerPodOperator(task_id="w", job_version=job, grant_role=role, postgres_conn_id=CONN_ID)
+        assert op.grant_job() is True
+        assert op.grant_job() is False                 # a retried task grants nothing new
+        assert conn.execute("SELECT role_name FROM bi.worker_grants WHERE job_version = %s",
+                            (job,)).fetchone()["role_name"] == role
+    finally:
+        conn.execute("DELETE FROM bi.worker_grants WHERE role_name = %s", (role,))
+        conn.execute(f"DROP ROLE {role}")

@@ -305,8 +305,11 @@ class GpuWorkerPodOperator(KubernetesPodOperator):
 
     The worker's database URL comes from the Kubernetes Secret
     ``worker_db_secret`` (key ``worker_db_secret_key``) as ``BATCH_INFERENCE_DB``:
-    the worker role can claim shards and write results through the ledger's
-    functions and nothing else, and Airflow's own credentials never reach the pod.
+    a login role in ``bi_worker``, which can claim shards and write results
+    through the ledger's functions and nothing else, and only for job versions
+    granted to it (sql/0004_roles.sql). Before the pod starts, the operator
+    grants the job version to ``grant_role`` over Airflow's own (owner)
+    connection; Airflow's credentials never reach the pod.
 
     :param job_version: the job version (templated; an XComArg works).
     :param worker_slot: this pod's slot number (the value ``gpu_worker_pods`` maps over).
@@ -315,9 +318,12 @@ class GpuWorkerPodOperator(KubernetesPodOperator):
     :param engine: engine name overriding the spec's (e.g. ``vllm``).
     :param kueue_queue: Kueue LocalQueue name; sets ``kueue.x-k8s.io/queue-name``.
     :param model_pvc: a PersistentVolumeClaim with the weights, mounted read-only at ``model_mount_path``.
+    :param grant_role: the worker login role (or a group of them, ``bi_worker`` for all) the job
+        version is granted to before the pod starts; None skips the grant.
+    :param postgres_conn_id: Airflow's connection to the ledger, used only for that grant.
     """
 
-    template_fields: Sequence[str] = (*KubernetesPodOperator.template_fields, "job_version")
+    template_fields: Sequence[str] = (*KubernetesPodOperator.template_fields, "job_version", "grant_role")
 
     def __init__(self, *, job_version: Any, worker_slot: int = 0, image: str = DEFAULT_IMAGE,
                  namespace: str = "batch-inference", gpus: int = 1, cpu: str = "8", memory: str = "64Gi",
@@ -329,7 +335,8 @@ class GpuWorkerPodOperator(KubernetesPodOperator):
                  service_account_name: str = "batch-inference-worker", model_pvc: str | None = None,
                  model_mount_path: str = "/models", shm_size: str | None = "16Gi",
                  env: Mapping[str, str] | None = None, labels: Mapping[str, str] | None = None,
-                 **kwargs: Any) -> None:
+                 grant_role: str | None = "bi_worker",
+                 postgres_conn_id: str = BatchInferenceHook.default_conn_name, **kwargs: Any) -> None:
         from kubernetes.client import models as k8s
 
         self.worker_slot = worker_slot
@@ -401,6 +408,25 @@ class GpuWorkerPodOperator(KubernetesPodOperator):
             **kwargs,
         )
         self.job_version = job_version
+        self.grant_role = grant_role
+        self.postgres_conn_id = postgres_conn_id
+
+    def grant_job(self) -> bool:
+        """Let ``grant_role`` work on this job version (idempotent; True if newly granted)."""
+        from batch_inference import db
+
+        with db.connect(BatchInferenceHook(self.postgres_conn_id, migrate=False).get_conninfo()) as conn:
+            # The owner-only grant of sql/0004_roles.sql; refused for a role outside bi_worker.
+            row = conn.execute("SELECT bi.grant_job_v1(%s, %s) AS granted",
+                               (self.grant_role, str(self.job_version))).fetchone()
+        return bool(row and row["granted"])
+
+    def execute(self, context: Context) -> Any:
+        if self.grant_role:
+            new = self.grant_job()
+            self.log.info("%s job version %s to worker role %s", "granted" if new else "already granted",
+                          self.job_version, self.grant_role)
+        return super().execute(context)
 
 
 def gpu_worker_pods(*, task_id: str = "gpu_workers", job_version: Any, workers: Any, **kwargs: Any):
