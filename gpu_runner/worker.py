@@ -286,7 +286,14 @@ class Worker:
             renewer.join(timeout=5)
             self.current = None
         if outcome == "finished":
-            result = self._db(self.ledger.complete, lease)
+            try:
+                result = self._db(self.ledger.complete, lease)
+            except StaleLease as exc:
+                # Stalled after the last write: the new holder completes it.
+                self.stats["stale"] += 1
+                log.warning("%s: %s; dropping shard %d (the new holder finishes it)", self.owner, exc,
+                            lease.shard_no)
+                return
             if result == "done":
                 self.stats["shards"] += 1
                 log.info("%s: shard %d complete (epoch %d)", self.owner, lease.shard_no, lease.epoch)

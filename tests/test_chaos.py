@@ -235,3 +235,34 @@ def test_worker_whose_database_keeps_failing_exits_2_not_with_a_traceback(monkey
     _drop_put_results(monkeypatch, conn, times=1000)
     assert run_worker(WorkerConfig(job_version=job, db_url=db_url, db_retries=2)) == EXIT_DB
     assert conn.execute("SELECT count(*) AS n FROM bi.results").fetchone()["n"] == 0
+
+
+def test_worker_whose_lease_went_stale_just_before_completing_moves_on(monkeypatch, conn, db_url):
+    """A worker stopped between its last write and its completion woke to a
+    refused completion, which escaped as a traceback (exit 1) instead of
+    dropping the shard like any other refusal."""
+    from batch_inference.ledger import Ledger as L
+    from gpu_runner.worker import WorkerConfig, run_worker
+
+    make_source(conn, tickets(5))
+    job = submit(conn, make_spec()).job_version
+    real = L.complete
+    calls = {"n": 0}
+
+    def stale_first(self, lease):
+        calls["n"] += 1
+        if calls["n"] == 1:
+            # what happens while the worker is stopped: its lease expires and
+            # another worker claims the shard (whose lease then lapses too)
+            conn.execute("UPDATE bi.shards SET epoch = epoch + 1, lease_owner = 'other', "
+                         "lease_expires_at = clock_timestamp() - interval '1 second' "
+                         "WHERE job_version = %s AND shard_no = %s", (job, lease.shard_no))
+        return real(self, lease)
+
+    monkeypatch.setattr(L, "complete", stale_first)
+    assert run_worker(WorkerConfig(job_version=job, db_url=db_url, poll_seconds=0.2)) == 0
+    assert calls["n"] == 2                       # refused, then completed under a new claim
+    ops = [r["op"] for r in conn.execute("SELECT op FROM bi.fence_events WHERE job_version = %s", (job,))]
+    assert ops == ["complete"]
+    c = conn.execute("SELECT state, epoch FROM bi.shards WHERE job_version = %s", (job,)).fetchone()
+    assert (c["state"], c["epoch"]) == ("done", 3)
