@@ -266,3 +266,13 @@ def test_worker_whose_lease_went_stale_just_before_completing_moves_on(monkeypat
     assert ops == ["complete"]
     c = conn.execute("SELECT state, epoch FROM bi.shards WHERE job_version = %s", (job,)).fetchone()
     assert (c["state"], c["epoch"]) == ("done", 3)
+
+
+@pytest.mark.chaos
+def test_run_on_a_given_database_without_restarts(db_url):
+    """--db / ChaosConfig(db_url=...): the same run on a database the harness
+    did not start; with no restart callable it injects no restarts."""
+    report = run_chaos(ChaosConfig(db_url=db_url, workers=3, records=500, shard_size=100, faults=6, seed=5))
+    assert report.passed, report.table()
+    assert report.figures["faults"]["total"] >= 6
+    assert "db_restart" not in report.figures["faults"]["by_kind"]
