@@ -11,8 +11,15 @@ completions are.
 Beside it, in the same run, the raw ceiling: one connection inserting the same
 number of rows, with the same ~280-byte jsonb payload, into a partitioned
 table shaped like ``bi.results``, with ``INSERT ... SELECT FROM unnest ... ON
-CONFLICT DO NOTHING`` in batches the size of the worker's flush. Ceiling and
-pipeline alternate within each repeat so both see the same machine load.
+CONFLICT DO NOTHING`` in batches the size of the worker's flush. The arrays go
+as binary parameters (``%b``): text-format arrays cost the client ~18 us per
+row in psycopg's quoting, and a ceiling should use the cheapest encoding.
+Ceiling and pipeline alternate within each repeat so both see the same load.
+
+Also in the same run: ``ledger_put``, one connection writing a whole job
+through ``Ledger.put_results`` (the database side of the control plane with no
+worker around it), and CPU per record of every arm, which the machine's load
+moves far less than wall time.
 
     python -m benchmarks.control_plane [--records N] [--workers W] [--flush 200,1000] [--repeats R]
 """
@@ -53,7 +60,7 @@ INSERT INTO public.raw_results (job_version, record_id, output, category, model_
                                 prompt_version, transport, worker_id, epoch, acl, content_hash)
 SELECT %(job)s, u.id, u.output, u.category, 'noop', %(digest)s, 'v1', 'batch', 'raw', 1,
        ARRAY['team0'], md5(u.id)
-  FROM unnest(%(ids)s::text[], %(outputs)s::jsonb[], %(categories)s::text[]) AS u(id, output, category)
+  FROM unnest(%(ids)b::text[], %(outputs)b::text[]::jsonb[], %(categories)b::text[]) AS u(id, output, category)
 ON CONFLICT (job_version, record_id) DO NOTHING
 """
 
