@@ -62,7 +62,7 @@ ENGINE_ERROR = "[[engine-error]]"
 INVALID_OUTPUT = "[[invalid-output]]"
 NOOP_DIGEST = "0" * 64
 WORKER_ROLE = "bi_chaos_worker"
-# What a worker is and does, for the spec of the chaos job.
+# The chaos job's output: a category and a one-line summary, as in the test suite.
 _SCHEMA = {
     "type": "object",
     "properties": {
