@@ -133,6 +133,11 @@ class Worker:
         except db.DatabaseUnavailable as exc:
             log.error("fatal: %s", exc)
             return EXIT_DB
+        except psycopg.errors.InsufficientPrivilege as exc:
+            log.error("fatal: this worker's database role may not work on %s: %s (the owner grants it with "
+                      "`batch-inference grant ROLE %s`)", self.cfg.job_version,
+                      str(exc).strip().splitlines()[0], self.cfg.job_version)
+            return EXIT_CONFIG
         finally:
             if self.engine is not None:
                 self.engine.close()
@@ -428,8 +433,60 @@ def run_worker(cfg: WorkerConfig) -> int:
     return Worker(cfg).run()
 
 
-def main(argv: list[str] | None = None) -> int:
-    """``python -m gpu_runner JOB_VERSION``: the container entrypoint without the full CLI."""
-    from batch_inference.cli import main as cli_main
+def add_arguments(p: "argparse.ArgumentParser") -> None:
+    """The worker's flags: shared by ``batch-inference worker`` and ``python -m gpu_runner``."""
+    p.add_argument("job_version")
+    p.add_argument("--engine", help="engine name or dotted path (default: the spec's)")
+    p.add_argument("--engine-option", action="append", metavar="KEY=VALUE", help="engine option (JSON value)")
+    p.add_argument("--worker-id")
+    p.add_argument("--transport", choices=["batch", "fallback"], default="batch")
+    p.add_argument("--grace-seconds", type=float, default=float(os.environ.get("BATCH_INFERENCE_GRACE_SECONDS", 20)),
+                   help="preemption notice: time to finish in-flight records before releasing (default 20)")
+    p.add_argument("--lease-seconds", type=int, help="override the spec's lease length")
+    p.add_argument("--flush-every", type=int, default=200, help="write results at least every N (default 200)")
+    p.add_argument("--flush-seconds", type=float, default=2.0, help="... or every S seconds (default 2)")
+    p.add_argument("--max-shards", type=int)
+    p.add_argument("--no-wait", action="store_true", help="exit when nothing is claimable now")
+    p.add_argument("--db-retries", type=int, default=8, help="reconnect attempts on a lost database (default 8)")
 
-    return cli_main(["worker", *(argv if argv is not None else sys.argv[1:])])
+
+def config_from_args(args: "argparse.Namespace") -> WorkerConfig:
+    import json
+
+    opts: dict[str, Any] | None = None
+    if args.engine_option:
+        opts = {}
+        for item in args.engine_option:
+            k, sep, v = item.partition("=")
+            if not sep:
+                raise ValueError(f"--engine-option {item!r}: expected KEY=VALUE")
+            try:
+                opts[k] = json.loads(v)
+            except json.JSONDecodeError:
+                opts[k] = v
+    return WorkerConfig(job_version=args.job_version, db_url=getattr(args, "db", None), engine=args.engine,
+                        engine_options=opts, worker_id=args.worker_id, transport=args.transport,
+                        grace_seconds=args.grace_seconds, lease_seconds=args.lease_seconds,
+                        wait_for_leases=not args.no_wait, max_shards=args.max_shards,
+                        flush_every=args.flush_every, flush_seconds=args.flush_seconds,
+                        db_retries=args.db_retries)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m gpu_runner JOB_VERSION [flags]``: the container entrypoint. It
+    builds only the worker's own parser, so nothing else in the CLI can stop a
+    worker from starting."""
+    import argparse
+
+    p = argparse.ArgumentParser(prog="gpu_runner", description="a batch-inference worker")
+    p.add_argument("--db", default=None, help="PostgreSQL URL (default: $BATCH_INFERENCE_DB, else embedded)")
+    add_arguments(p)
+    args = p.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, stream=sys.stderr,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        cfg = config_from_args(args)
+    except ValueError as exc:
+        print(f"gpu_runner: error: {exc}", file=sys.stderr)
+        return EXIT_CONFIG
+    return run_worker(cfg)

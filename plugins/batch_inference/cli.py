@@ -113,28 +113,18 @@ def cmd_drop(args: argparse.Namespace) -> int:
     return 0 if dropped else 1
 
 
-def _kv(items: list[str]) -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    for item in items:
-        k, sep, v = item.partition("=")
-        if not sep:
-            raise ValueError(f"--engine-option {item!r}: expected KEY=VALUE")
-        try:
-            out[k] = json.loads(v)
-        except json.JSONDecodeError:
-            out[k] = v
-    return out
-
-
 def cmd_worker(args: argparse.Namespace) -> int:
-    from gpu_runner.worker import WorkerConfig, run_worker
+    from gpu_runner.worker import config_from_args, run_worker
 
-    opts = _kv(args.engine_option) if args.engine_option else None
-    cfg = WorkerConfig(job_version=args.job_version, db_url=args.db, engine=args.engine, engine_options=opts,
-                       worker_id=args.worker_id, transport=args.transport, grace_seconds=args.grace_seconds,
-                       lease_seconds=args.lease_seconds, wait_for_leases=not args.no_wait,
-                       max_shards=args.max_shards, flush_every=args.flush_every)
-    return run_worker(cfg)
+    return run_worker(config_from_args(args))
+
+
+def cmd_grant(args: argparse.Namespace) -> int:
+    with _conn(args) as conn:
+        fn = "bi.revoke_job_v1" if args.revoke else "bi.grant_job_v1"
+        conn.execute(f"SELECT {fn}(%s, %s)", (args.role, args.job_version))
+    print(f"{'revoked' if args.revoke else 'granted'}: role {args.role} on {args.job_version}", file=sys.stderr)
+    return 0
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -167,18 +157,17 @@ def build_parser() -> argparse.ArgumentParser:
     dr.add_argument("job_version")
     dr.set_defaults(func=cmd_drop)
 
+    from gpu_runner.worker import add_arguments
+
     w = sub.add_parser("worker", help="run a worker: lease shards, run the engine, write keyed results")
-    w.add_argument("job_version")
-    w.add_argument("--engine", help="engine name or dotted path (default: the spec's)")
-    w.add_argument("--engine-option", action="append", metavar="KEY=VALUE", help="engine option (JSON value)")
-    w.add_argument("--worker-id")
-    w.add_argument("--transport", choices=["batch", "fallback"], default="batch")
-    w.add_argument("--grace-seconds", type=float, default=float(os.environ.get("BATCH_INFERENCE_GRACE_SECONDS", 20)))
-    w.add_argument("--lease-seconds", type=int)
-    w.add_argument("--flush-every", type=int, default=200)
-    w.add_argument("--max-shards", type=int)
-    w.add_argument("--no-wait", action="store_true", help="exit when nothing is claimable now")
+    add_arguments(w)
     w.set_defaults(func=cmd_worker)
+
+    g = sub.add_parser("grant", help="let a worker role work on a job version (least privilege)")
+    g.add_argument("role")
+    g.add_argument("job_version")
+    g.add_argument("--revoke", action="store_true")
+    g.set_defaults(func=cmd_grant)
 
     for name in _EXTRA_COMMANDS:
         try:
