@@ -156,6 +156,7 @@ def run(records: int = 1_000_000, repeats: int = 3, shard_size: int = 5000) -> d
     validates: list[float] = []
     analyzes: list[float] = []
     vsteps: dict[str, list[float]] = {}
+    validate_cpus: list[float] = []
     steps: dict[str, list[float]] = {}
     with fresh_server() as url, db.connect(url) as conn:
         make_tickets(conn, records)
@@ -187,10 +188,12 @@ def run(records: int = 1_000_000, repeats: int = 3, shard_size: int = 5000) -> d
             if validate is not None:
                 write_results(conn, m.job_version)
                 conn.execute("ANALYZE bi.results")
+                backend = psutil.Process(conn.info.backend_pid)
                 with tempfile.TemporaryDirectory() as samples:
-                    t0 = time.perf_counter()
+                    t0, c0 = time.perf_counter(), sum(backend.cpu_times()[:2])
                     report = validate(conn, m.job_version, sample_dir=samples)
                     validates.append(time.perf_counter() - t0)
+                    validate_cpus.append(sum(backend.cpu_times()[:2]) - c0)
                 assert report["passed"], report["failures"]
                 for k, v in (report.get("timings") or {}).items():
                     vsteps.setdefault(k, []).append(v)
@@ -213,7 +216,8 @@ def run(records: int = 1_000_000, repeats: int = 3, shard_size: int = 5000) -> d
     if validates:
         validate_s = median(validates)
         out.update({"validate_s": rnd(validate_s), "validate_steps_s": {k: rnd(median(v)) for k, v in vsteps.items()},
-                    "validate_ratio": round(validate_s / copy_s, 2),
+                    "validate_ratio": round(validate_s / copy_s, 2), "validate_cpu_s": rnd(median(validate_cpus)),
+                    "validate_cpu_ratio": round(median(validate_cpus) / median(copy_cpus), 2),
                     "submit_plus_validate_ratio": round((submit_s + validate_s) / copy_s, 2)})
     else:
         out["validate_s"] = None
