@@ -39,11 +39,7 @@ def get_provider_info() -> dict[str, Any]:
         ),
         "versions": [_version()],
         "integrations": [
-            {
-                "integration-name": INTEGRATION,
-                "external-doc-url": "https://github.com/apache/airflow",
-                "tags": ["ai", "software"],
-            }
+            {"integration-name": INTEGRATION, "tags": ["ai", "software"]}
         ],
         "operators": [
             {

@@ -27,6 +27,7 @@ import time
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from airflow.providers.cncf.kubernetes.operators.pod import KubernetesPodOperator
 from airflow.sdk import BaseOperator, Context
 from airflow.sdk.exceptions import AirflowException, AirflowFailException
 
@@ -279,17 +280,6 @@ def default_tolerations() -> list[Any]:
         k8s.V1Toleration(key="kubernetes.azure.com/scalesetpriority", operator="Equal", value="spot",
                          effect="NoSchedule"),
     ]
-
-
-def _load_kpo():
-    try:
-        from airflow.providers.cncf.kubernetes.operators.pod import KubernetesPodOperator
-    except ImportError as exc:  # pragma: no cover - the [airflow] extra installs it
-        raise ImportError("GpuWorkerPodOperator needs apache-airflow-providers-cncf-kubernetes") from exc
-    return KubernetesPodOperator
-
-
-KubernetesPodOperator = _load_kpo()
 
 
 class GpuWorkerPodOperator(KubernetesPodOperator):
