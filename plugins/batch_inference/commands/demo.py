@@ -31,7 +31,7 @@ from typing import Any
 
 DAG_ID = "batch_inference_backfill"
 CONN_ID = "batch_inference_default"
-DEFAULT_RECORDS = 60
+DEFAULT_RECORDS = 40
 DEFAULT_WORKERS = 2
 DEFAULT_SHARD_SIZE = 10
 

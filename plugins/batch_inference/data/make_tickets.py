@@ -112,7 +112,7 @@ HOSTILE = [
 # Records no model should see: a blank one (dead-lettered at the snapshot) and
 # a pasted log far over the spec's input cap (dead-lettered at planning).
 ODD_ONES = {
-    41: "   \n\t  ",
+    29: "   \n\t  ",
     73: "Attaching our server log, sorry it is long:\n" + "\n".join(
         f"2025-11-0{1 + k % 9}T12:{k % 60:02d}:00Z WARN sync-worker[{k}] retrying upload chunk {k}: timeout after 30s"
         for k in range(400)),
