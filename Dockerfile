@@ -2,7 +2,7 @@
 #
 #   docker build -t batch-inference-gpu .
 #   docker run --gpus all -v /models/qwen:/models/qwen:ro \
-#       -e BATCH_INFERENCE_DB_URL=postgresql://... batch-inference-gpu JOB_VERSION
+#       -e BATCH_INFERENCE_DB=postgresql://... batch-inference-gpu JOB_VERSION
 #
 # Not built in CI here (no Docker engine on these machines).
 

@@ -16,7 +16,7 @@ import pytest
 from batch_inference import db
 from batch_inference.spec import JobSpec, parse_spec
 
-pytest_plugins = ["tests.fixtures.llama_server"] if (Path(__file__).parent / "fixtures" / "llama_server.py").exists() else []
+pytest_plugins = ["tests.fixtures.airflow_env", "tests.fixtures.llama_server"]
 
 NOOP_DIGEST = "0" * 64
 

@@ -32,31 +32,13 @@ from airflow.triggers.base import BaseTrigger, TriggerEvent
 from batch_inference import deadline as watchlib  # not `deadline`: that is a parameter name here
 from batch_inference.db import DB_ENV
 
-# libpq parameters an Airflow connection's extra may set. Anything else in
-# the extra (a UI hint, another tool's option) must not reach libpq, which
-# rejects unknown keywords.
-_LIBPQ_EXTRAS = frozenset({
-    "sslmode", "sslrootcert", "sslcert", "sslkey", "sslpassword", "connect_timeout", "options",
-    "application_name", "target_session_attrs", "keepalives", "keepalives_idle", "gssencmode",
-    "channel_binding", "passfile", "service",
-})
-
-
 def conninfo_from_connection(conn: Any) -> str:
-    """A libpq conninfo string from an Airflow ``Connection`` (postgres or batch_inference type).
+    """A libpq conninfo string from an Airflow ``Connection``: the hook's own
+    translation (a Unix-socket host given as the URI's ``?host=`` included).
+    Lives in memory only; never logged or serialized."""
+    from batch_inference.hooks.batch_inference import conninfo_from_connection as from_hook
 
-    A host that is a directory is a Unix socket (the embedded server),
-    which libpq accepts as ``host``. Lives in memory only; never logged or
-    serialized.
-    """
-    from psycopg.conninfo import make_conninfo
-
-    extra = conn.extra_dejson if hasattr(conn, "extra_dejson") else {}
-    params: dict[str, Any] = {"host": conn.host, "port": conn.port, "user": conn.login,
-                              "password": conn.password, "dbname": conn.schema}
-    params = {k: v for k, v in params.items() if v not in (None, "")}
-    params.update({k: v for k, v in (extra or {}).items() if k in _LIBPQ_EXTRAS and v not in (None, "")})
-    return make_conninfo("", **params)
+    return from_hook(conn)
 
 
 def resolve_conninfo(postgres_conn_id: str | None) -> str:
