@@ -65,9 +65,9 @@ ON CONFLICT (job_version, record_id) DO NOTHING
 """
 
 
-def raw_ceiling(conn: psycopg.Connection, run: str, records: int, batch: int) -> tuple[float, float]:
-    """Rows/s of one connection putting ``records`` new rows, ``batch`` per statement (autocommit:
-    one transaction per batch, as the worker's flushes)."""
+def raw_ceiling(conn: psycopg.Connection, run: str, records: int, batch: int) -> tuple[float, float, float]:
+    """(rows/s, server CPU s per row, client CPU s per row) of one connection putting ``records``
+    new rows, ``batch`` per statement (autocommit: one transaction per batch, as the worker's flushes)."""
     conn.execute(RAW_TABLE)
     part = f"raw_results_{run}"
     conn.execute(f"CREATE TABLE {part} PARTITION OF public.raw_results FOR VALUES IN ('{run}')")
@@ -75,21 +75,21 @@ def raw_ceiling(conn: psycopg.Connection, run: str, records: int, batch: int) ->
     payload = json.dumps(minimal_instance(BENCH_SCHEMA), ensure_ascii=False)
     ids = [f"t{i:09d}" for i in range(1, records + 1)]
     server = ServerCpu(conn)
-    c0 = server() + self_cpu()
+    s0, c0 = server(), self_cpu()
     t0 = time.perf_counter()
     for s in range(0, records, batch):
         chunk = ids[s:s + batch]
         conn.execute(RAW_INSERT, {"job": run, "digest": "0" * 64, "ids": chunk,
                                   "outputs": [payload] * len(chunk), "categories": ["billing"] * len(chunk)})
     elapsed = time.perf_counter() - t0
-    cpu = server() + self_cpu() - c0
+    server_s, client_s = server() - s0, self_cpu() - c0
     n = conn.execute(f"SELECT count(*) AS n FROM {part}").fetchone()["n"]  # type: ignore[index]
     assert n == records, (n, records)
     conn.execute(f"DROP TABLE {part}")
-    return records / elapsed, cpu / records
+    return records / elapsed, server_s / records, client_s / records
 
 
-def ledger_put(conn: psycopg.Connection, run: str, records: int, shard_size: int, batch: int) -> float:
+def ledger_put(conn: psycopg.Connection, run: str, records: int, shard_size: int, batch: int) -> tuple[float, float]:
     """Rows/s of one connection writing a whole job through ``Ledger.put_results`` (claim, puts of
     ``batch`` rows, complete, shard after shard) with no worker around it: the database side of the
     control plane alone, comparable with the raw ceiling on the same single connection."""
@@ -97,6 +97,8 @@ def ledger_put(conn: psycopg.Connection, run: str, records: int, shard_size: int
     job = submit(conn, spec).job_version
     answer = minimal_instance(BENCH_SCHEMA)
     ledger = Ledger(conn, job, f"bench-{run}")
+    server = ServerCpu(conn)
+    s0 = server()
     t0 = time.perf_counter()
     written = 0
     while (lease := ledger.claim()) is not None:
@@ -106,9 +108,10 @@ def ledger_put(conn: psycopg.Connection, run: str, records: int, shard_size: int
             written += ledger.put_results(lease, chunk, [answer] * len(chunk), ["billing"] * len(chunk))
         assert ledger.complete(lease) == "done"
     elapsed = time.perf_counter() - t0
+    server_s = server() - s0
     assert written == records, (written, records)
     conn.execute("SELECT bi.drop_job_version_v1(%s)", (job,))
-    return records / elapsed
+    return records / elapsed, server_s / records
 
 
 def startup_cpu(url: str, job: str) -> float:
@@ -163,14 +166,16 @@ def run(records: int = 100_000, shard_size: int = 5000, workers: int = 2, flush:
         make_tickets(conn, records)
         per_flush: dict[int, dict[str, list[float]]] = {f: {"ceiling": [], "pipeline": [], "ratio": [], "cpu": [],
                                                           "ledger": [], "ledger_ratio": [],
-                                                          "server_cpu": [], "ceiling_cpu": [], "cpu_ratio": []}
+                                                          "server_cpu": [], "ceiling_cpu": [], "cpu_ratio": [],
+                                                          "raw_server": [], "put_server": [], "server_ratio": []}
                                                        for f in flush}
         start_cpu: float | None = None
         for rep in range(repeats):
             for f in flush:
                 run_id = f"r{rep}_f{f}"
-                ceiling, ceiling_cpu = raw_ceiling(conn, run_id, records, f)
-                put = ledger_put(conn, run_id, records, shard_size, f)
+                ceiling, raw_server, raw_client = raw_ceiling(conn, run_id, records, f)
+                ceiling_cpu = raw_server + raw_client
+                put, put_server = ledger_put(conn, run_id, records, shard_size, f)
                 p = pipeline(url, conn, run_id, records, shard_size, workers, f)
                 if start_cpu is None:
                     start_cpu = startup_cpu(url, p["job"])
@@ -184,6 +189,9 @@ def run(records: int = 100_000, shard_size: int = 5000, workers: int = 2, flush:
                 d["cpu"].append(p["worker_cpu_s"])
                 d["server_cpu"].append(p["server_cpu_s"])
                 d["ceiling_cpu"].append(ceiling_cpu)
+                d["raw_server"].append(raw_server)
+                d["put_server"].append(put_server)
+                d["server_ratio"].append(raw_server / (p["server_cpu_s"] / records))
                 d["cpu_ratio"].append(ceiling_cpu / ((p["worker_cpu_s"] + p["server_cpu_s"]) / records))
         version = pg_version(conn)
     results = {
@@ -194,9 +202,14 @@ def run(records: int = 100_000, shard_size: int = 5000, workers: int = 2, flush:
                  # less than wall time: raw = client + server of the one-connection
                  # baseline; pipeline = workers (start-up subtracted) + server.
                  "raw_cpu_us_per_row": rnd(median(d["ceiling_cpu"]) * 1e6),
+                 "raw_server_cpu_us_per_row": rnd(median(d["raw_server"]) * 1e6),
+                 "ledger_put_server_cpu_us_per_row": rnd(median(d["put_server"]) * 1e6),
                  "worker_cpu_us_per_record": rnd(median(d["cpu"]) / records * 1e6),
                  "server_cpu_us_per_record": rnd(median(d["server_cpu"]) / records * 1e6),
-                 "cpu_ratio": round(median(d["cpu_ratio"]), 3)}
+                 "cpu_ratio": round(median(d["cpu_ratio"]), 3),
+                 # The database's share alone: how many records/s one PostgreSQL absorbs from
+                 # the pipeline relative to raw inserts, once workers run on their own machines.
+                 "server_cpu_ratio": round(median(d["server_ratio"]), 3)}
         for f, d in per_flush.items()}
     default = results[str(flush[0])]
     return {"benchmark": "control_plane", "records": records, "shard_size": shard_size, "workers": workers,
