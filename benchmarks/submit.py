@@ -39,6 +39,11 @@ from benchmarks.common import bench_spec, emit, fresh_server, machine, make_tick
 TARGET = 1.5  # submit time / raw copy time
 
 
+def _ratio(a: float, b: float) -> float | None:
+    """None when the baseline is below the CPU clock's resolution (tiny --quick runs)."""
+    return round(a / b, 2) if b > 0 else None
+
+
 class TimedConnection:
     """Delegates to a psycopg connection and times every ``execute``, wall and
     server CPU, under the name of its statement in sql/queries.sql.
@@ -208,7 +213,7 @@ def run(records: int = 1_000_000, repeats: int = 3, shard_size: int = 5000) -> d
         # Server CPU of the backend: on a shared machine wall time swings with the
         # load, the work done much less; compare the two ratios.
         "raw_copy_cpu_s": rnd(median(copy_cpus)), "submit_cpu_s": rnd(median(submit_cpus)),
-        "cpu_ratio": round(median(submit_cpus) / median(copy_cpus), 2),
+        "cpu_ratio": _ratio(median(submit_cpus), median(copy_cpus)),
         "steps_s": {k: rnd(median(v)) for k, v in sorted(steps.items(), key=lambda kv: -median(kv[1]))},
         "steps_cpu_s": {k: rnd(median(v)) for k, v in sorted(step_cpus.items(), key=lambda kv: -median(kv[1]))},
         "analyze_snapshot_s": rnd(median(analyzes)),
@@ -217,7 +222,7 @@ def run(records: int = 1_000_000, repeats: int = 3, shard_size: int = 5000) -> d
         validate_s = median(validates)
         out.update({"validate_s": rnd(validate_s), "validate_steps_s": {k: rnd(median(v)) for k, v in vsteps.items()},
                     "validate_ratio": round(validate_s / copy_s, 2), "validate_cpu_s": rnd(median(validate_cpus)),
-                    "validate_cpu_ratio": round(median(validate_cpus) / median(copy_cpus), 2),
+                    "validate_cpu_ratio": _ratio(median(validate_cpus), median(copy_cpus)),
                     "submit_plus_validate_ratio": round((submit_s + validate_s) / copy_s, 2)})
     else:
         out["validate_s"] = None
