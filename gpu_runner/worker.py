@@ -450,20 +450,24 @@ def add_arguments(p: "argparse.ArgumentParser") -> None:
     p.add_argument("--db-retries", type=int, default=8, help="reconnect attempts on a lost database (default 8)")
 
 
-def config_from_args(args: "argparse.Namespace") -> WorkerConfig:
+def parse_engine_options(items: list[str]) -> dict[str, Any]:
+    """``KEY=VALUE`` flags to an options dict; a VALUE that parses as JSON is taken as JSON."""
     import json
 
-    opts: dict[str, Any] | None = None
-    if args.engine_option:
-        opts = {}
-        for item in args.engine_option:
-            k, sep, v = item.partition("=")
-            if not sep:
-                raise ValueError(f"--engine-option {item!r}: expected KEY=VALUE")
-            try:
-                opts[k] = json.loads(v)
-            except json.JSONDecodeError:
-                opts[k] = v
+    opts: dict[str, Any] = {}
+    for item in items:
+        k, sep, v = item.partition("=")
+        if not sep:
+            raise ValueError(f"--engine-option {item!r}: expected KEY=VALUE")
+        try:
+            opts[k] = json.loads(v)
+        except json.JSONDecodeError:
+            opts[k] = v
+    return opts
+
+
+def config_from_args(args: "argparse.Namespace") -> WorkerConfig:
+    opts = parse_engine_options(args.engine_option) if args.engine_option else None
     return WorkerConfig(job_version=args.job_version, db_url=getattr(args, "db", None), engine=args.engine,
                         engine_options=opts, worker_id=args.worker_id, transport=args.transport,
                         grace_seconds=args.grace_seconds, lease_seconds=args.lease_seconds,

@@ -45,7 +45,7 @@ def register(sub: Any) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from batch_inference.chaos import ChaosConfig, run_chaos
-    from batch_inference.cli import _kv
+    from gpu_runner.worker import parse_engine_options as _kv
 
     opts = _kv(args.engine_option) if args.engine_option else ({"delay_s": 0.03} if args.engine == "noop" else {})
     cfg = ChaosConfig(workers=args.workers, records=args.records, shard_size=args.shard_size,
