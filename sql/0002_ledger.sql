@@ -207,9 +207,11 @@ BEGIN
     SELECT p_job, u.id, u.output, u.category, j.model_name, j.model_digest, j.prompt_version,
            p_transport, p_worker, p_epoch, sr.acl, sr.content_hash
       FROM unnest(p_ids, p_outputs, p_categories) AS u(id, output, category)
-      JOIN bi.snapshot_rows sr ON sr.job_version = p_job AND sr.record_id = u.id AND sr.shard_no = p_shard
+     CROSS JOIN LATERAL (SELECT x.acl, x.content_hash, x.shard_no FROM bi.snapshot_rows x
+                          WHERE x.job_version = p_job AND x.record_id = u.id OFFSET 0) sr
       JOIN bi.jobs j ON j.job_version = p_job
-     WHERE NOT EXISTS (SELECT 1 FROM bi.dead_letters d WHERE d.job_version = p_job AND d.record_id = u.id)
+     WHERE sr.shard_no = p_shard
+       AND NOT EXISTS (SELECT 1 FROM bi.dead_letters d WHERE d.job_version = p_job AND d.record_id = u.id)
     ON CONFLICT (job_version, record_id) DO NOTHING;
     GET DIAGNOSTICS n = ROW_COUNT;
     UPDATE bi.shards s
@@ -248,8 +250,10 @@ BEGIN
         INSERT INTO bi.attempts AS a (job_version, record_id, attempts, last_error, last_output)
         SELECT p_job, u.id, 1, u.err, u.out
           FROM unnest(p_ids, p_errors, p_outputs) AS u(id, err, out)
-          JOIN bi.snapshot_rows sr ON sr.job_version = p_job AND sr.record_id = u.id AND sr.shard_no = p_shard
-         WHERE NOT EXISTS (SELECT 1 FROM bi.results r WHERE r.job_version = p_job AND r.record_id = u.id)
+         CROSS JOIN LATERAL (SELECT x.shard_no FROM bi.snapshot_rows x
+                              WHERE x.job_version = p_job AND x.record_id = u.id OFFSET 0) sr
+         WHERE sr.shard_no = p_shard
+           AND NOT EXISTS (SELECT 1 FROM bi.results r WHERE r.job_version = p_job AND r.record_id = u.id)
            AND NOT EXISTS (SELECT 1 FROM bi.dead_letters d WHERE d.job_version = p_job AND d.record_id = u.id)
         ON CONFLICT (job_version, record_id) DO UPDATE
            SET attempts = a.attempts + 1, last_error = excluded.last_error,
