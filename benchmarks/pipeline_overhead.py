@@ -157,6 +157,7 @@ def run(records: int = 50, max_tokens: int = 120, repeats: int = 2, chunk: int =
     totals: dict[str, list[float]] = {"direct": [], "pipeline": []}
     cpus: dict[str, list[float]] = {"direct": [], "pipeline": []}
     per_chunk: list[float] = []   # pipeline / direct - 1, chunk by chunk
+    pairs: list[list[float]] = []  # [direct s, pipeline s] per chunk, in run order
     matches = compared = 0
     stored_order: list[str] = []
     with fresh_server() as url, db.connect(url) as conn:
@@ -186,6 +187,7 @@ def run(records: int = 50, max_tokens: int = 120, repeats: int = 2, chunk: int =
                     cpu[arm] += self_cpu() + server() - c0
                     wall[arm] += took[arm]
                 per_chunk.append(took["pipeline"] / took["direct"] - 1)
+                pairs.append([round(took["direct"], 1), round(took["pipeline"], 1)])
                 for rid, _ in part:
                     compared += 1
                     matches += _canon(got["direct"].get(rid)) == got["pipeline"].get(rid)
@@ -198,6 +200,7 @@ def run(records: int = 50, max_tokens: int = 120, repeats: int = 2, chunk: int =
             "records": records, "chunk": chunk, "max_tokens": max_tokens, "repeats": repeats,
             "direct_s": rnd(d), "pipeline_s": rnd(p), "direct_records_s": rnd(records / d),
             "overhead": round(overhead, 4), "chunk_overhead_median": round(median(per_chunk), 4),
+            "chunk_seconds": pairs,
             "outputs_matching": f"{matches}/{compared}",
             "direct_cpu_s": rnd(median(cpus["direct"])), "pipeline_cpu_s": rnd(median(cpus["pipeline"])),
             "cpu_overhead": round(median(cpus["pipeline"]) / median(cpus["direct"]) - 1, 4),
