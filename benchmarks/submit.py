@@ -151,7 +151,7 @@ def validate_fn():
     return getattr(mod, "validate", None)
 
 
-def run(records: int = 1_000_000, repeats: int = 3, shard_size: int = 5000) -> dict[str, Any]:
+def run(records: int = 1_000_000, repeats: int = 3, shard_size: int = 5000, text_len: int = 0) -> dict[str, Any]:
     validate = validate_fn()
     copies: list[float] = []
     copy_cpus: list[float] = []
@@ -164,7 +164,7 @@ def run(records: int = 1_000_000, repeats: int = 3, shard_size: int = 5000) -> d
     validate_cpus: list[float] = []
     steps: dict[str, list[float]] = {}
     with fresh_server() as url, db.connect(url) as conn:
-        make_tickets(conn, records)
+        make_tickets(conn, records, text_len=text_len)
         for rep in range(repeats):
             wall, cpu = raw_copy(conn, rep)
             copies.append(wall)
@@ -208,7 +208,8 @@ def run(records: int = 1_000_000, repeats: int = 3, shard_size: int = 5000) -> d
         version = pg_version(conn)
     copy_s, submit_s = median(copies), median(submits)
     out: dict[str, Any] = {
-        "benchmark": "submit", "records": records, "shard_size": shard_size, "repeats": repeats,
+        "benchmark": "submit", "records": records, "text_len": text_len or 50, "shard_size": shard_size,
+        "repeats": repeats,
         "raw_copy_s": rnd(copy_s), "submit_s": rnd(submit_s), "ratio": round(submit_s / copy_s, 2),
         # Server CPU of the backend: on a shared machine wall time swings with the
         # load, the work done much less; compare the two ratios.
@@ -238,8 +239,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--records", type=int, default=1_000_000)
     ap.add_argument("--shard-size", type=int, default=5000)
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--text-len", type=int, default=0,
+                    help="pad each record's text to about this many characters (default: ~50)")
     a = ap.parse_args(argv)
-    emit(run(a.records, a.repeats, a.shard_size))
+    emit(run(a.records, a.repeats, a.shard_size, a.text_len))
     return 0
 
 
