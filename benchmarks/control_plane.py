@@ -179,7 +179,9 @@ def run(records: int = 100_000, shard_size: int = 5000, workers: int = 2, flush:
                 p = pipeline(url, conn, run_id, records, shard_size, workers, f)
                 if start_cpu is None:
                     start_cpu = startup_cpu(url, p["job"])
-                p["worker_cpu_s"] -= workers * start_cpu
+                # Clamped: at --quick sizes start-up is most of a worker's CPU, and the
+                # clock's 10 ms resolution can put the difference below zero.
+                p["worker_cpu_s"] = max(p["worker_cpu_s"] - workers * start_cpu, 0.0)
                 d = per_flush[f]
                 d["ledger"].append(put)
                 d["ledger_ratio"].append(put / ceiling)
@@ -191,8 +193,8 @@ def run(records: int = 100_000, shard_size: int = 5000, workers: int = 2, flush:
                 d["ceiling_cpu"].append(ceiling_cpu)
                 d["raw_server"].append(raw_server)
                 d["put_server"].append(put_server)
-                d["server_ratio"].append(raw_server / (p["server_cpu_s"] / records))
-                d["cpu_ratio"].append(ceiling_cpu / ((p["worker_cpu_s"] + p["server_cpu_s"]) / records))
+                d["server_ratio"].append(raw_server / max(p["server_cpu_s"] / records, 1e-9))
+                d["cpu_ratio"].append(ceiling_cpu / max((p["worker_cpu_s"] + p["server_cpu_s"]) / records, 1e-9))
         version = pg_version(conn)
     results = {
         str(f): {"raw_ceiling_rows_s": rnd(median(d["ceiling"])), "pipeline_records_s": rnd(median(d["pipeline"])),
