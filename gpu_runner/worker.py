@@ -59,7 +59,7 @@ class WorkerConfig:
     transport: str = "batch"
     grace_seconds: float = 20.0                 # preemption notice: AWS gives 120 s, GCP about 30 s
     lease_seconds: int | None = None            # default: the spec's
-    flush_every: int = 200
+    flush_every: int = 1000
     flush_seconds: float = 2.0
     backoff: tuple[float, ...] = (1.0, 4.0, 10.0)
     wait_for_leases: bool = True                # poll while other workers hold the last shards
@@ -443,7 +443,7 @@ def add_arguments(p: "argparse.ArgumentParser") -> None:
     p.add_argument("--grace-seconds", type=float, default=float(os.environ.get("BATCH_INFERENCE_GRACE_SECONDS", 20)),
                    help="preemption notice: time to finish in-flight records before releasing (default 20)")
     p.add_argument("--lease-seconds", type=int, help="override the spec's lease length")
-    p.add_argument("--flush-every", type=int, default=200, help="write results at least every N (default 200)")
+    p.add_argument("--flush-every", type=int, default=1000, help="write results at least every N (default 1000)")
     p.add_argument("--flush-seconds", type=float, default=2.0, help="... or every S seconds (default 2)")
     p.add_argument("--max-shards", type=int)
     p.add_argument("--no-wait", action="store_true", help="exit when nothing is claimable now")

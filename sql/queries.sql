@@ -138,7 +138,7 @@ SELECT * FROM bi.shard_records_v1(%(job)s, %(shard)s, %(epoch)s);
 
 -- name: put_results
 SELECT bi.put_results_v1(%(job)s, %(shard)s, %(epoch)s, %(owner)s, %(transport)s,
-                         %(ids)s::text[], %(outputs)s::jsonb[], %(categories)s::text[]) AS n;
+                         %(ids)b::text[], %(outputs)b::text[]::jsonb[], %(categories)b::text[]) AS n;
 
 -- name: fail_records
 SELECT * FROM bi.fail_records_v1(%(job)s, %(shard)s, %(epoch)s, %(owner)s, %(transport)s,

@@ -140,3 +140,28 @@ def test_validators_are_cached_per_schema():
     a, b = make_spec(), make_spec()
     assert a.output_schema is not b.output_schema
     assert validator_for(a.output_schema) is validator_for(b.output_schema)
+
+
+@pytest.mark.parametrize(
+    "schema, value",
+    [
+        ({"type": "string", "format": "date"}, "2025-02-30"),
+        ({"type": "string", "format": "date"}, "2025-02-03"),
+        ({"type": "string", "format": "email"}, "not an address"),
+        ({"type": "string", "pattern": "^[A-Z]{3}-\\d+$"}, "ABC-12"),
+        ({"type": "string", "pattern": "^[A-Z]{3}-\\d+$"}, "AB-12"),
+        ({"type": "integer", "minimum": 0}, 1.0),
+        ({"type": "integer", "minimum": 0}, -1),
+        ({"type": "string", "maxLength": 3}, "\u00e9\u00e9\u00e9"),
+        ({"enum": [1, "1"]}, True),
+    ],
+)
+def test_fast_path_agrees_with_jsonschema(schema, value):
+    """The worker says "valid" through jsonschema-rs (about 1 us an output) and
+    asks jsonschema only for the reason, so the two must agree on validity."""
+    from batch_inference.outputs import fast_validator_for
+
+    wrapped = {"type": "object", "properties": {"v": schema}, "required": ["v"]}
+    fast = fast_validator_for(wrapped)
+    assert fast is not None, "jsonschema-rs is a core dependency"
+    assert fast.is_valid({"v": value}) == validator_for(wrapped).is_valid({"v": value})

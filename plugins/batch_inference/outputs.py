@@ -49,6 +49,26 @@ def validator_for(schema: dict[str, Any]) -> Draft202012Validator:
     return validator
 
 
+_fast: dict[int, tuple[dict[str, Any], Any]] = {}
+
+
+def fast_validator_for(schema: dict[str, Any]) -> Any:
+    """A compiled validator (jsonschema-rs, Rust: about 1 us per output instead of
+    about 40 us) for the common case of a valid output; None when not installed."""
+    try:
+        import jsonschema_rs
+    except ImportError:
+        return None
+    hit = _fast.get(id(schema))
+    if hit is not None and hit[0] is schema:
+        return hit[1]
+    v = jsonschema_rs.Draft202012Validator(schema, validate_formats=True)
+    if len(_fast) > 256:
+        _fast.clear()
+    _fast[id(schema)] = (schema, v)
+    return v
+
+
 def _short(text: str) -> str:
     text = " ".join(text.split())
     return text if len(text) <= MAX_REASON else text[: MAX_REASON - 3] + "..."
@@ -66,8 +86,12 @@ def check_output(spec: JobSpec, raw: str | None) -> tuple[dict[str, Any] | None,
     except (json.JSONDecodeError, RecursionError) as exc:
         detail = f"{exc.msg} at line {exc.lineno} column {exc.colno}" if isinstance(exc, json.JSONDecodeError) else "nested too deeply"
         return None, _short(f"output is not valid JSON: {detail}")
-    validator = validator_for(spec.output_schema)
-    error = best_match(validator.iter_errors(obj))
+    fast = fast_validator_for(spec.output_schema)
+    if fast is not None and fast.is_valid(obj):
+        error = None
+    else:
+        # The reason comes from jsonschema (its messages and best_match ranking).
+        error = best_match(validator_for(spec.output_schema).iter_errors(obj))
     if error is not None:
         where = "/".join(str(p) for p in error.absolute_path) or "(top level)"
         return None, _short(f"output does not match the schema at {where}: {error.message}")

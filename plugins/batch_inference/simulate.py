@@ -58,7 +58,7 @@ class Scenario:
     stall_extra_s: float = 300.0  # a stalled worker returns this long after its lease expired
     notice_fraction: float = 0.0  # of deaths that release the lease at once (0: the design's run)
     # A fenced worker learns at its first refused flush: gpu_runner flushes
-    # every 200 results or 2 s, whichever comes first.
+    # every 1,000 results or 2 s, whichever comes first.
     fence_detect_s: float = 2.0
     claim_order: str = "lowest"  # "lowest": lowest claimable shard number (the ledger's order); "fifo"
 
