@@ -35,10 +35,10 @@ SELECT job_version FROM bi.jobs
  ORDER BY (status = 'published') DESC, created_at DESC LIMIT 1;
 
 -- name: job_insert  register a job version (counts are filled in by plan_finish)
-INSERT INTO bi.jobs (job_version, dataset, spec_hash, snapshot_id, spec, model_name, model_digest,
+INSERT INTO bi.jobs (job_version, dataset, spec_hash, snapshot_id, spec, spec_text, model_name, model_digest,
                      prompt_version, records, base_job_version)
-VALUES (%(job)s, %(dataset)s, %(spec_hash)s, %(snapshot_id)s, %(spec)s, %(model_name)s, %(model_digest)s,
-        %(prompt_version)s, %(records)s, %(base)s);
+VALUES (%(job)s, %(dataset)s, %(spec_hash)s, %(snapshot_id)s, %(spec_text)s::text::jsonb, %(spec_text)s::text, %(model_name)s,
+        %(model_digest)s, %(prompt_version)s, %(records)s, %(base)s);
 
 -- name: snapshot_insert  write the snapshot partition with CREATE TABLE AS (the bulk path) and plan it in the same pass
 -- Each record is rejected (why), reused (an unchanged record of the base
@@ -150,8 +150,8 @@ SELECT bi.sweep_expired_v1(%(job)s) AS n;
 -- name: enter_fallback
 SELECT bi.enter_fallback_v1(%(job)s) AS ok;
 
--- name: job_spec
-SELECT * FROM bi.job_spec_v1(%(job)s);
+-- name: job_spec  the spec as submitted (json keeps the schema's property order; 0005)
+SELECT * FROM bi.job_spec_v2(%(job)s);
 
 -- name: drop_job_version
 SELECT bi.drop_job_version_v1(%(job)s) AS dropped;

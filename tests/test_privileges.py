@@ -30,7 +30,7 @@ OUT = {"category": "billing", "summary": "charged twice"}
 # read-only "may I?" check.
 WORKER_FUNCTIONS = {
     "claim_shard_v1", "renew_lease_v1", "release_shard_v1", "complete_shard_v1", "shard_records_v1",
-    "put_results_v1", "fail_records_v1", "job_spec_v1", "job_counts_v1", "may_work_on_v1",
+    "put_results_v1", "fail_records_v1", "job_spec_v1", "job_spec_v2", "job_counts_v1", "may_work_on_v1",
 }
 
 

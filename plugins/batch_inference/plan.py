@@ -7,6 +7,7 @@ job version and writes nothing (I2: the version is a content hash).
 
 from __future__ import annotations
 
+import json
 import logging
 import time
 from collections.abc import Iterable, Mapping
@@ -15,7 +16,6 @@ from typing import Any
 
 import psycopg
 from psycopg import errors, sql
-from psycopg.types.json import Jsonb
 
 from batch_inference import snapshot
 from batch_inference.db import q
@@ -74,7 +74,7 @@ def submit(conn: psycopg.Connection, spec: JobSpec,
             base = r["job_version"] if r else None
         conn.execute(q("job_insert"), {
             "job": job, "dataset": spec.dataset, "spec_hash": spec.spec_hash, "snapshot_id": identity,
-            "spec": Jsonb(spec.model_dump(mode="json")), "model_name": spec.model.name,
+            "spec_text": json.dumps(spec.model_dump(mode="json")), "model_name": spec.model.name,
             "model_digest": spec.model.digest, "prompt_version": spec.prompt.version, "records": n,
             "base": base})
         part = conn.execute("SELECT bi.create_job_partitions_v1(%s) AS p", (job,)).fetchone()["p"]
