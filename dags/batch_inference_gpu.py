@@ -22,68 +22,31 @@ cluster: tests build the pod specs with ``dry_run=True`` and validate them.
 
 from __future__ import annotations
 
-from datetime import datetime, timedelta
+from datetime import timedelta
 
 from airflow.sdk import DAG, Param, task
 
-from batch_inference.callbacks import OnCallNotifier, deadline_alert
-from batch_inference.data import DEMO_DATASET, DEMO_SOURCE_TABLE, DEMO_SPEC
-from batch_inference.operators import (
-    FallbackPoolOperator,
-    PublishOperator,
-    SubmitJobOperator,
-    ValidateOperator,
-    dataset_asset,
-    gpu_worker_pods,
+from batch_inference.callbacks import deadline_alert
+from batch_inference.data import DEMO_DATASET
+from batch_inference.operators import gpu_worker_pods
+from batch_inference.operators.pipeline import (
+    CONN_ID,
+    batch_inference_pipeline,
+    pipeline_dag_args,
+    pipeline_params,
 )
-from batch_inference.sensors.cutoff import CutoffSensor
 
-CONN_ID = "batch_inference_default"
 
-with DAG(
-    dag_id="batch_inference_gpu",
-    description="Backfill on GPU pods: one worker per pod, preemptible, low priority",
-    schedule=None,
-    start_date=datetime(2025, 1, 1),
-    catchup=False,
-    max_active_runs=1,
-    tags=["batch-inference", "kubernetes"],
-    doc_md=__doc__,
-    params={
-        "spec_path": Param(str(DEMO_SPEC), type="string", title="Job spec"),
-        "source_table": Param(DEMO_SOURCE_TABLE, type="string", title="Snapshot source table"),
-        "shard_size": Param(5000, type="integer", minimum=1, title="Shard size",
-                            description="5,000 records: about 4.5 minutes of work on one GPU"),
-        "workers": Param(8, type="integer", minimum=1, maximum=512, title="GPU workers (pods)"),
-        "engine": Param("vllm", type="string", enum=["vllm", "llama-cpp", "openai", "noop"], title="Engine"),
-        "image": Param("batch-inference-gpu:0.1.0", type="string", title="Runner image"),
-        "kueue_queue": Param("batch", type="string", title="Kueue LocalQueue",
-                             description="Pods carry kueue.x-k8s.io/queue-name; Kueue admits them by quota"),
-        "deadline": Param("+20h", type="string", title="Deadline"),
-    },
-    default_args={
-        "retries": 2,
-        "retry_delay": timedelta(minutes=1),
-        "on_failure_callback": OnCallNotifier(postgres_conn_id=CONN_ID),
-    },
-    deadline=deadline_alert(timedelta(hours=20), dataset=DEMO_DATASET, postgres_conn_id=CONN_ID),
-) as dag:
-    submit = SubmitJobOperator(
-        task_id="submit",
-        spec="{{ params.spec_path }}",
-        source_table="{{ params.source_table }}",
-        shard_size="{{ params.shard_size }}",
-        postgres_conn_id=CONN_ID,
-    )
-    job_version = submit.output["job_version"]
+@task
+def worker_slots(workers: int) -> list[int]:
+    """One map index per pod; the count comes from the Param at run time."""
+    return list(range(int(workers)))
 
-    @task
-    def worker_slots(workers: int) -> list[int]:
-        """One map index per pod; the count comes from the Param at run time."""
-        return list(range(int(workers)))
 
+def gpu_workers(job_version):
+    """A slot list from the Param, then one worker pod per slot."""
     slots = worker_slots("{{ params.workers }}")
-    workers = gpu_worker_pods(
+    pods = gpu_worker_pods(
         task_id="gpu_workers",
         job_version=job_version,
         workers=slots,
@@ -97,21 +60,23 @@ with DAG(
         model_pvc="batch-inference-models",
         retries=5,                   # a preempted pod is a failed try; the retry is a new pod
     )
+    return slots, pods
 
-    @task(task_id="deadline")
-    def resolve_deadline(deadline: str, run_after: str) -> str:
-        from batch_inference.params import resolve_deadline
 
-        return resolve_deadline(deadline, datetime.fromisoformat(run_after))
-
-    deadline = resolve_deadline("{{ params.deadline }}", "{{ dag_run.run_after.isoformat() }}")
-    cutoff = CutoffSensor(task_id="cutoff", job_version=job_version, deadline=deadline, poll_interval=300,
-                          postgres_conn_id=CONN_ID)
-    fallback = FallbackPoolOperator(task_id="fallback", job_version=job_version, postgres_conn_id=CONN_ID)
-    validate = ValidateOperator(task_id="validate", job_version=job_version, postgres_conn_id=CONN_ID)
-    publish = PublishOperator(task_id="publish", job_version=job_version, postgres_conn_id=CONN_ID,
-                              outlets=[dataset_asset(DEMO_DATASET)])
-
-    submit >> [slots, deadline]
-    deadline >> cutoff >> fallback
-    [workers, fallback] >> validate >> publish
+with DAG(
+    dag_id="batch_inference_gpu",
+    description="Backfill on GPU pods: one worker per pod, preemptible, low priority",
+    schedule=None,
+    tags=["batch-inference", "kubernetes"],
+    doc_md=__doc__,
+    params={
+        **pipeline_params(shard_size=5000, workers=8, max_workers=512, engine="vllm", deadline="+20h",
+                          workers_title="GPU workers (pods)", workers_description="One worker per pod, one GPU each"),
+        "image": Param("batch-inference-gpu:0.1.0", type="string", title="Runner image"),
+        "kueue_queue": Param("batch", type="string", title="Kueue LocalQueue",
+                             description="Pods carry kueue.x-k8s.io/queue-name; Kueue admits them by quota"),
+    },
+    deadline=deadline_alert(timedelta(hours=20), dataset=DEMO_DATASET, postgres_conn_id=CONN_ID),
+    **pipeline_dag_args(CONN_ID),
+) as dag:
+    batch_inference_pipeline(dataset=DEMO_DATASET, workers=gpu_workers, cutoff_poll_interval=300)

@@ -87,6 +87,49 @@ def test_the_deadline_alert_is_on_when_not_switched_off(monkeypatch):
     assert DagSerialization.serialize_dag(dag)["deadline"]
 
 
+def test_the_dag_files_need_nothing_beside_them_so_the_wheel_copy_imports(tmp_path):
+    """pyproject.toml force-includes dags/ as batch_inference/example_dags: a DAG file there can import
+    only the package (the builder is batch_inference.operators.pipeline), never a sibling module."""
+    import ast
+    import shutil
+
+    from airflow.dag_processing.dagbag import DagBag
+
+    assert sorted(p.name for p in DAGS.glob("*.py")) == sorted(f"{d}.py" for d in DAG_IDS)
+    for path in DAGS.glob("*.py"):
+        tops = {(n.module if isinstance(n, ast.ImportFrom) else a.name).split(".")[0]
+                for n in ast.walk(ast.parse(path.read_text())) if isinstance(n, (ast.Import, ast.ImportFrom))
+                for a in n.names}
+        assert tops <= {"__future__", "datetime", "airflow", "batch_inference"}, (path.name, tops)
+    copy = tmp_path / "batch_inference" / "example_dags"
+    shutil.copytree(DAGS, copy, ignore=shutil.ignore_patterns("__pycache__"))
+    bag = DagBag(dag_folder=str(copy))
+    assert bag.import_errors == {} and set(bag.dags) == DAG_IDS
+
+
+def test_the_pipeline_builder_wires_any_launcher_between_submit_and_validate():
+    from airflow.providers.standard.operators.empty import EmptyOperator
+    from airflow.sdk import DAG
+
+    from batch_inference.operators.pipeline import batch_inference_pipeline, pipeline_dag_args, pipeline_params
+
+    def launcher(job_version):
+        first = EmptyOperator(task_id="scale_up")
+        return first, first >> EmptyOperator(task_id="run_workers")
+
+    with DAG("builder_probe", schedule=None, params=pipeline_params(), **pipeline_dag_args("probe_conn")) as dag:
+        p = batch_inference_pipeline(dataset="probe_set", workers=launcher, cutoff_poll_interval=5,
+                                     postgres_conn_id="probe_conn")
+    up = {t.task_id: t.upstream_task_ids for t in dag.tasks}
+    assert up["scale_up"] == {"submit"} and up["deadline"] == {"submit"}
+    assert up["cutoff"] == {"submit", "deadline"} and up["fallback"] == {"submit", "cutoff"}
+    assert up["validate"] == {"submit", "run_workers", "fallback"} and up["publish"] == {"submit", "validate"}
+    assert p.workers.task_id == "run_workers" and p.cutoff.poll_interval == 5
+    assert {t.postgres_conn_id for t in (p.submit, p.validate, p.publish)} == {"probe_conn"}
+    assert p.publish.outlets[0].uri == "batch-inference://published/probe_set"
+    assert dag.max_active_runs == 1 and dag.default_args["retries"] == 2
+
+
 # -- running -------------------------------------------------------------------
 
 def run_backfill(conf: dict):

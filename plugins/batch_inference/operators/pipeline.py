@@ -1,0 +1,174 @@
+"""The standard batch-inference graph, added to the DAG being defined.
+
+Every example DAG runs the same tasks::
+
+    submit ──┬── <workers> ───────────────────────────────┬── validate ── publish ──> Asset batch_inference.<dataset>
+             └── deadline ── cutoff (sensor) ── fallback ─┘
+
+What differs from one DAG to the next is the schedule, the Params'
+defaults, the deadline and how the workers run, so those stay in the DAG
+file and this module builds the rest:
+
+* :func:`batch_inference_pipeline` adds the seven tasks (the workers come
+  from a launcher the DAG passes in) and wires them;
+* :func:`local_workers` is the launcher for worker processes on the Airflow
+  worker (a DAG with pods writes its own: see ``batch_inference_gpu``);
+* :func:`pipeline_params` is the trigger form every such DAG offers;
+* :func:`pipeline_dag_args` is the rest of ``DAG(...)`` they share: one run at
+  a time, no catch-up, retries and the on-call notifier on every task.
+
+The task ids are fixed (``submit``, ``deadline``, ``cutoff``, ``fallback``,
+``validate``, ``publish``), so the callbacks, the dashboard's DAG-run tab and
+on-call messages find the job version the same way in every DAG.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from datetime import datetime, timedelta
+from typing import Any
+
+from airflow.sdk import Param, task
+
+from batch_inference.callbacks import OnCallNotifier
+from batch_inference.data import DEMO_SOURCE_TABLE, DEMO_SPEC
+from batch_inference.operators.fallback import FallbackPoolOperator
+from batch_inference.operators.publish import PublishOperator, dataset_asset
+from batch_inference.operators.submit import SubmitJobOperator
+from batch_inference.operators.validate import ValidateOperator
+from batch_inference.sensors.cutoff import CutoffSensor
+
+CONN_ID = "batch_inference_default"   # the ledger's PostgreSQL (AIRFLOW_CONN_BATCH_INFERENCE_DEFAULT)
+ENGINES = ("llama-cpp", "noop", "openai", "vllm")
+
+# A launcher gets the job version (an XComArg of submit) and adds the worker
+# task(s): it returns one task, or (first, last) when the workers are several
+# tasks in a row (a slot-count task, then the pods mapped over it).
+WorkerLauncher = Callable[[Any], Any]
+
+
+@dataclass(frozen=True)
+class Pipeline:
+    """The tasks :func:`batch_inference_pipeline` added, for further wiring."""
+
+    submit: Any
+    job_version: Any            # submit.output["job_version"]
+    workers: Any                # the launcher's last task
+    deadline: Any
+    cutoff: Any
+    fallback: Any
+    validate: Any
+    publish: Any
+
+
+@task(task_id="deadline")
+def resolve_deadline(deadline: str, run_after: str) -> str:
+    """'+20h' becomes an ISO time after the run's start; 'HH:MM' and ISO pass to the sensor as they are."""
+    from batch_inference.params import resolve_deadline as resolve
+
+    return resolve(deadline, datetime.fromisoformat(run_after))
+
+
+def batch_inference_pipeline(*, dataset: str, workers: WorkerLauncher, spec: str = "{{ params.spec_path }}",
+                             incremental: bool | str | None = None, cutoff_poll_interval: float = 60,
+                             postgres_conn_id: str = CONN_ID) -> Pipeline:
+    """Add submit → workers / deadline → cutoff → fallback → validate → publish to the current DAG.
+
+    Call it inside ``with DAG(...)``. The DAG's Params must include those of
+    :func:`pipeline_params` (``source_table``, ``shard_size``, ``deadline``; the
+    launcher usually reads ``workers`` and ``engine``).
+
+    :param dataset: the published dataset; ``publish`` records an event on ``dataset_asset(dataset)``.
+    :param workers: ``launcher(job_version)`` adds the worker task(s) and returns one task, or
+        ``(first, last)``: ``first`` runs after submit, ``validate`` waits for ``last``.
+    :param spec: the job spec (templated; a path relative to the DAG file, or a dict).
+    :param incremental: overrides the spec's ``incremental`` (e.g. ``"{{ params.incremental }}"``);
+        None keeps the spec's.
+    :param cutoff_poll_interval: seconds between the cutoff trigger's reads of the counts.
+    :param postgres_conn_id: the ledger's Airflow connection, for every task.
+    """
+    submit = SubmitJobOperator(
+        task_id="submit",
+        spec=spec,
+        source_table="{{ params.source_table }}",
+        shard_size="{{ params.shard_size }}",
+        incremental=incremental,
+        postgres_conn_id=postgres_conn_id,
+    )
+    job_version = submit.output["job_version"]
+    launched = workers(job_version)
+    first, last = launched if isinstance(launched, tuple) else (launched, launched)
+
+    deadline = resolve_deadline("{{ params.deadline }}", "{{ dag_run.run_after.isoformat() }}")
+    cutoff = CutoffSensor(task_id="cutoff", job_version=job_version, deadline=deadline,
+                          poll_interval=cutoff_poll_interval, postgres_conn_id=postgres_conn_id)
+    fallback = FallbackPoolOperator(task_id="fallback", job_version=job_version, postgres_conn_id=postgres_conn_id)
+    validate = ValidateOperator(task_id="validate", job_version=job_version, postgres_conn_id=postgres_conn_id)
+    publish = PublishOperator(task_id="publish", job_version=job_version, postgres_conn_id=postgres_conn_id,
+                              outlets=[dataset_asset(dataset)])
+
+    # The cutoff watches beside the workers, not after them; validate waits for both paths.
+    submit >> [first, deadline]
+    deadline >> cutoff >> fallback
+    [last, fallback] >> validate >> publish
+    return Pipeline(submit, job_version, last, deadline, cutoff, fallback, validate, publish)
+
+
+def local_workers(*, workers: Any = "{{ params.workers }}", engine: Any = "{{ params.engine }}",
+                  postgres_conn_id: str = CONN_ID, **kwargs: Any) -> WorkerLauncher:
+    """A launcher for ``LocalWorkersOperator`` (task id ``workers``): N ``python -m gpu_runner``
+    processes on the Airflow worker. ``kwargs`` go to the operator (``max_restarts``, ``env``...)."""
+    from batch_inference.operators.workers import LocalWorkersOperator
+
+    def launch(job_version: Any) -> Any:
+        return LocalWorkersOperator(task_id="workers", job_version=job_version, workers=workers, engine=engine,
+                                    postgres_conn_id=postgres_conn_id, **kwargs)
+
+    return launch
+
+
+def pipeline_params(*, shard_size: int = 25, workers: int = 2, max_workers: int = 64, engine: str = "",
+                    deadline: str = "+20h", workers_title: str = "Workers",
+                    workers_description: str = "Local worker processes") -> dict[str, Param]:
+    """The trigger form: spec, source table, shard size, workers, engine and deadline, with these defaults.
+
+    ``engine=""`` means the spec's engine and is offered first; any other
+    default leaves the empty choice out (the DAG insists on an engine).
+    Add DAG-specific Params with ``{**pipeline_params(...), "name": Param(...)}``.
+    """
+    engines = ["", *ENGINES] if engine == "" else [engine, *(e for e in ENGINES if e != engine)]
+    return {
+        "spec_path": Param(str(DEMO_SPEC), type="string", title="Job spec",
+                           description="Path to the job spec YAML (relative paths: next to this DAG file)"),
+        "source_table": Param(DEMO_SOURCE_TABLE, type="string", title="Snapshot source table",
+                              description="schema.table to snapshot; empty keeps the spec's source"),
+        "shard_size": Param(shard_size, type="integer", minimum=1, title="Shard size",
+                            description="Records per shard (5,000: about 4.5 minutes of work on one GPU; "
+                                        "small for the demo)"),
+        "workers": Param(workers, type="integer", minimum=1, maximum=max_workers, title=workers_title,
+                         description=workers_description),
+        "engine": Param(engine, type="string", enum=engines, title="Engine",
+                        description=("Empty: the spec's engine. " if engine == "" else "")
+                        + "noop answers instantly (plumbing tests)"),
+        "deadline": Param(deadline, type="string", title="Deadline",
+                          description="'+20h' / '+90m' after the run starts, 'HH:MM' (next such time, UTC), "
+                                      "or an ISO datetime"),
+    }
+
+
+def pipeline_dag_args(postgres_conn_id: str = CONN_ID, *, retries: int = 2,
+                      start_date: datetime = datetime(2025, 1, 1)) -> dict[str, Any]:
+    """``DAG(**pipeline_dag_args())``: one run at a time (a second would submit the same job version
+    beside it), no catch-up, and on every task ``retries`` for transient failures (configuration
+    errors fail at once) and the on-call page (``OnCallNotifier``)."""
+    return {
+        "start_date": start_date,
+        "catchup": False,
+        "max_active_runs": 1,
+        "default_args": {
+            "retries": retries,
+            "retry_delay": timedelta(minutes=1),
+            "on_failure_callback": OnCallNotifier(postgres_conn_id=postgres_conn_id),
+        },
+    }
