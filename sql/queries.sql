@@ -267,6 +267,12 @@ SELECT * FROM bi.publish_v1(%(dataset)s, %(job)s, %(actor)s, %(force)s, %(reason
 -- name: rollback  switch the dataset's pointer back to the version the current one replaced
 SELECT * FROM bi.rollback_v1(%(dataset)s, %(actor)s, %(reason)s);
 
+-- name: publish_expected  publish, refused (SQLSTATE BI409) unless the pointer is at the expected version (bi.publish_v2)
+SELECT * FROM bi.publish_v2(%(dataset)s, %(job)s, %(expected)s, %(actor)s, %(force)s, %(reason)s);
+
+-- name: rollback_expected  roll back, refused (SQLSTATE BI409) unless the pointer is at the expected version (bi.rollback_v2)
+SELECT * FROM bi.rollback_v2(%(dataset)s, %(expected)s, %(actor)s, %(reason)s);
+
 -- name: published_view  the dataset's view, if created
 SELECT dataset, view_name, fields, created_at, created_by FROM bi.published_views WHERE dataset = %(dataset)s;
 

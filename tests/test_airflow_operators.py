@@ -177,7 +177,12 @@ def test_publish_then_rollback_switch_the_pointer(ledger, conn, db_url):
         assert out["to_version"] == job and out["changed"] is True
     again = PublishOperator(task_id="p", job_version=second, postgres_conn_id=CONN_ID).execute({})
     assert again["changed"] is False                      # a retried publish is a no-op
-    back = RollbackOperator(task_id="r", dataset="tickets_triage", reason="bad labels",
+    stale = RollbackOperator(task_id="r", dataset="tickets_triage", expected_current=first,
+                             postgres_conn_id=CONN_ID)
+    with pytest.raises(AirflowFailException, match=f"rollback refused: rollback of dataset tickets_triage "
+                                                   f"refused: expected {first} to be published, but {second} is"):
+        stale.execute({})
+    back = RollbackOperator(task_id="r", dataset="tickets_triage", reason="bad labels", expected_current=second,
                             postgres_conn_id=CONN_ID).execute({})
     assert (back["from_version"], back["to_version"]) == (second, first)
     assert conn.execute("SELECT count(*) AS n FROM published.tickets_triage").fetchone()["n"] == 12

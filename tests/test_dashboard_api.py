@@ -339,6 +339,8 @@ def test_rollback_switches_the_pointer_once_and_only_from_what_the_user_saw(fres
     path = f"/api/datasets/{DATASET}/rollback"
     stale = client.post(path, json={"expected_current": info["v1"]}, headers=ADMIN)
     assert stale.status_code == 409
+    assert stale.json()["detail"] == (f"rollback of dataset {DATASET} refused: expected {info['v1']} to be "
+                                      f"published, but {info['v2']} is; nothing was changed (reload and decide again)")
     assert publish.published(conn, DATASET)["job_version"] == info["v2"]
     assert conn.execute("SELECT count(*) AS n FROM bi.publish_history").fetchone()["n"] == 2  # nothing written
 
@@ -354,3 +356,20 @@ def test_rollback_switches_the_pointer_once_and_only_from_what_the_user_saw(fres
     again = client.post(path, json={"expected_current": info["v1"]}, headers=ADMIN)
     assert again.status_code == 422 and "nothing to roll back" in again.json()["detail"]
 
+
+
+def test_two_rollbacks_clicked_on_the_same_page_undo_one_publish_not_two(fresh):
+    """Alice and Bob both see v2 published and both press the button. Alice's rollback lands first;
+    Bob's names v2 as the version to roll back from, so bi.rollback_v2 refuses it (409, the dataset and
+    both versions in the text) instead of rolling back whatever is live by then."""
+    client, info, conn = fresh
+    seen = client.get(f"/api/datasets/{DATASET}/history", headers=ADMIN).json()["pointer"]["job_version"]
+    assert seen == info["v2"]
+    publish.rollback(conn, DATASET, actor="airflow:alice", expected_current=seen)     # Alice's click
+    bob = client.post(f"/api/datasets/{DATASET}/rollback", json={"expected_current": seen, "reason": "me too"},
+                      headers=ADMIN)
+    assert bob.status_code == 409
+    assert f"expected {info['v2']} to be published, but {info['v1']} is; nothing was changed" in bob.json()["detail"]
+    assert publish.published(conn, DATASET)["job_version"] == info["v1"]
+    actions = [h["action"] for h in conn.execute("SELECT action FROM bi.publish_history ORDER BY id")]
+    assert actions == ["publish", "publish", "rollback"]

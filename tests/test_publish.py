@@ -19,7 +19,15 @@ from psycopg import errors
 from batch_inference import db
 from batch_inference.cli import main as cli_main
 from batch_inference.plan import submit
-from batch_inference.publish import PublishRefused, publish, published, rollback, set_null_acl, view_name
+from batch_inference.publish import (
+    PointerMoved,
+    PublishRefused,
+    publish,
+    published,
+    rollback,
+    set_null_acl,
+    view_name,
+)
 from batch_inference.status import UnknownJob
 from batch_inference.validate import validate
 from gpu_runner.worker import WorkerConfig, run_worker
@@ -218,6 +226,116 @@ def test_cli_publish_rollback_published(conn, db_url, capsys):
     assert out["history"][1]["forced"] is True and out["history"][1]["actor"] == "bob"
     assert cli_main(["--db", db_url, "published", "nothing_here", "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["job_version"] is None
+
+
+# -- expected current version (sql/0008_rollback_guard.sql) ---------------------------------
+
+def pointer(conn) -> str | None:
+    row = conn.execute("SELECT job_version FROM bi.publish_pointer WHERE dataset = %s", (DATASET,)).fetchone()
+    return row["job_version"] if row else None
+
+
+def test_a_publish_between_read_and_rollback_refuses_the_rollback(conn, db_url):
+    v1, v2, v3 = (version(conn, db_url, n, start=s) for n, s in ((10, 0), (20, 100), (30, 200)))
+    publish(conn, v1)
+    publish(conn, v2)
+    seen = published(conn, DATASET)["job_version"]                   # on-call looks: v2 is live, v2 is bad
+    with db.connect(db_url) as other:
+        publish(other, v3, actor="nightly")                          # ...and the nightly publishes v3 meanwhile
+    n_history = len(history(conn))
+
+    with pytest.raises(PointerMoved) as refused:
+        rollback(conn, DATASET, expected_current=seen, actor="oncall", reason="v2 is bad")
+    assert str(refused.value) == (f"rollback of dataset {DATASET} refused: expected {v2} to be published, "
+                                  f"but {v3} is; nothing was changed")
+    assert (refused.value.dataset, refused.value.expected, refused.value.actual) == (DATASET, v2, v3)
+    assert pointer(conn) == v3 and len(history(conn)) == n_history   # nothing switched, nothing recorded
+    assert view_state(conn) == (30, 1, v3)
+    assert (status_of(conn, v2), status_of(conn, v3)) == ("validated", "published")
+
+    out = rollback(conn, DATASET, expected_current=v3, actor="oncall")   # from what is really live: fine
+    assert (out["from_version"], out["to_version"], out["changed"]) == (v3, v2, True)
+    with pytest.raises(PointerMoved, match=f"expected {v3} to be published, but {v2} is"):
+        rollback(conn, DATASET, expected_current=v3)                 # a retry does not walk back twice
+    assert pointer(conn) == v2
+
+
+def test_a_rollback_waiting_on_a_publish_in_flight_sees_it_and_is_refused(conn, db_url):
+    """The guard is under the publish lock: a rollback that starts while a publish is uncommitted
+    waits for it, then checks against the version it published, never against what it read before."""
+    v1, v2, v3 = (version(conn, db_url, n, start=s) for n, s in ((10, 0), (20, 100), (30, 200)))
+    publish(conn, v1)
+    publish(conn, v2)
+    result: dict[str, Any] = {}
+
+    def oncall_rollback() -> None:
+        with db.connect(db_url, application_name="oncall-rollback") as c:
+            try:
+                result["out"] = rollback(c, DATASET, expected_current=v2, actor="oncall")
+            except PublishRefused as exc:
+                result["error"] = exc
+
+    with db.connect(db_url) as publisher, publisher.transaction():
+        publish(publisher, v3, actor="nightly")                      # holds the lock, not yet committed
+        t = threading.Thread(target=oncall_rollback)
+        t.start()
+        for _ in range(200):                                         # the rollback is queued on the lock
+            waiting = conn.execute("SELECT wait_event_type FROM pg_stat_activity "
+                                   "WHERE application_name = 'oncall-rollback' AND state = 'active'").fetchone()
+            if waiting and waiting["wait_event_type"] == "Lock":
+                break
+            time.sleep(0.05)
+        else:
+            pytest.fail("the rollback did not wait for the publish in flight")
+        assert pointer(conn) == v2                                   # others still read v2
+    t.join(timeout=30)
+    assert "out" not in result, result
+    assert isinstance(result["error"], PointerMoved)
+    assert f"expected {v2} to be published, but {v3} is" in str(result["error"])
+    assert pointer(conn) == v3
+    assert [h["action"] for h in history(conn)] == ["publish"] * 3
+
+
+def test_the_v2_functions_in_sql(conn, db_url):
+    v1, v2 = version(conn, db_url, 10), version(conn, db_url, 12, start=50)
+    # publish_v2: NULL expects a first publish; the same version again is a no-op whatever was expected.
+    first = conn.execute("SELECT * FROM bi.publish_v2(%s, %s, NULL, 'me')", (DATASET, v1)).fetchone()
+    assert (first["from_version"], first["to_version"], first["changed"]) == (None, v1, True)
+    retry = conn.execute("SELECT * FROM bi.publish_v2(%s, %s, NULL, 'me')", (DATASET, v1)).fetchone()
+    assert retry["changed"] is False
+    with pytest.raises(psycopg.Error) as moved:
+        conn.execute("SELECT * FROM bi.publish_v2(%s, %s, NULL)", (DATASET, v2))
+    assert moved.value.sqlstate == "BI409" and moved.value.diag.message_detail == v1
+    assert moved.value.diag.message_primary == (f"publish of {v2} of dataset {DATASET} refused: "
+                                                f"expected nothing to be published, but {v1} is; nothing was changed")
+    assert conn.execute("SELECT * FROM bi.publish_v2(%s, %s, %s)", (DATASET, v2, v1)).fetchone()["changed"]
+    # rollback_v2 refuses a wrong expectation; v1 of 0003 still rolls back unguarded.
+    with pytest.raises(psycopg.Error, match=f"rollback of dataset {DATASET} refused: expected {v1}"):
+        conn.execute("SELECT * FROM bi.rollback_v2(%s, %s)", (DATASET, v1))
+    assert conn.execute("SELECT * FROM bi.rollback_v1(%s)", (DATASET,)).fetchone()["to_version"] == v1
+    assert conn.execute("SELECT * FROM bi.publish_v1(%s, %s)", (DATASET, v2)).fetchone()["changed"]
+    out = conn.execute("SELECT * FROM bi.rollback_v2(%s, %s, 'x', 'why')", (DATASET, v2)).fetchone()
+    assert (out["from_version"], out["to_version"], out["action"]) == (v2, v1, "rollback")
+    # The other guards of v1 still apply behind v2's.
+    with pytest.raises(psycopg.Error, match="nothing to roll back to"):
+        conn.execute("SELECT * FROM bi.rollback_v2(%s, %s)", (DATASET, v1))
+    with pytest.raises(psycopg.Error, match="never been published"):
+        conn.execute("SELECT * FROM bi.rollback_v2('nothing_here', NULL)")
+
+
+def test_cli_expect(conn, db_url, capsys):
+    v1, v2 = version(conn, db_url, 10), version(conn, db_url, 12, start=50)
+    assert cli_main(["--db", db_url, "publish", v1]) == 0
+    assert cli_main(["--db", db_url, "publish", v2, "--expect", v2]) == 2
+    assert (f"refused: expected {v2} to be published, but {v1} is; nothing was changed"
+            in capsys.readouterr().err)
+    assert cli_main(["--db", db_url, "publish", v2, "--expect", v1]) == 0
+    assert f"{v1} -> {v2}" in capsys.readouterr().out
+    assert cli_main(["--db", db_url, "rollback", DATASET, "--expect", v1, "--reason", "stale"]) == 2
+    err = capsys.readouterr().err
+    assert f"rollback of dataset {DATASET} refused: expected {v1} to be published, but {v2} is" in err
+    assert cli_main(["--db", db_url, "rollback", DATASET, "--expect", v2, "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["to_version"] == v1
 
 
 # -- readers during switches -----------------------------------------------------------------

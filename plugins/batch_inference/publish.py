@@ -11,6 +11,11 @@ never waits: nothing on this path takes a lock a reader conflicts with.
 The view is created once, at the dataset's first publish. That is DDL, so it
 runs with a short lock_timeout and is retried rather than allowed to queue
 behind (and in front of) other sessions.
+
+Given ``expected_current`` (the version the caller saw as published), both
+go through ``bi.publish_v2`` / ``bi.rollback_v2`` (sql/0008_rollback_guard.sql),
+which refuse, in the switching statement itself and under the dataset's
+publish lock, when the pointer has moved since: ``PointerMoved``.
 """
 
 from __future__ import annotations
@@ -33,6 +38,20 @@ PUBLISHED_SCHEMA = "published"
 
 class PublishRefused(ValueError):
     """A guard refused the publish or rollback; the message is one line."""
+
+
+# The SQLSTATE bi.assert_pointer_at_v1 raises (sql/0008_rollback_guard.sql).
+POINTER_MOVED = "BI409"
+
+
+class PointerMoved(PublishRefused):
+    """The dataset's pointer is not at the version the caller expected; nothing was changed.
+
+    ``actual`` is the version published now (None: nothing is)."""
+
+    def __init__(self, message: str, *, dataset: str, expected: str | None, actual: str | None):
+        super().__init__(message)
+        self.dataset, self.expected, self.actual = dataset, expected, actual
 
 
 def view_name(dataset: str) -> str:
@@ -94,21 +113,29 @@ def _switch(conn: psycopg.Connection, name: str, params: dict[str, Any], dataset
             raise UnknownJob(exc.diag.message_primary or str(exc)) from None
         except (errors.ObjectNotInPrerequisiteState, errors.InsufficientPrivilege) as exc:
             raise _refused(exc) from None
+        except psycopg.DatabaseError as exc:
+            if exc.sqlstate != POINTER_MOVED:
+                raise
+            raise PointerMoved(_refused(exc).args[0], dataset=dataset, expected=params.get("expected"),
+                               actual=exc.diag.message_detail or None) from None
     raise AssertionError("unreachable")
 
 
 def publish(conn: psycopg.Connection, job_version: str, *, actor: str | None = None, force: bool = False,
-            reason: str | None = None, dataset: str | None = None, lock_timeout: str = "2s",
-            attempts: int = 5) -> dict[str, Any]:
+            reason: str | None = None, dataset: str | None = None, expected_current: str | None = None,
+            lock_timeout: str = "2s", attempts: int = 5) -> dict[str, Any]:
     """Make ``job_version`` the published version of its dataset.
 
     :param actor: who publishes, for the history (default: the database's current_user).
     :param force: publish although the version is not validated; needs ``reason``.
     :param reason: why; recorded in bi.publish_history (required with ``force``).
     :param dataset: the dataset the caller expects; a version of another dataset is refused.
+    :param expected_current: the version the caller saw as published; if the pointer is elsewhere
+        (and not already at ``job_version``) the publish is refused with ``PointerMoved``.
     :returns: dataset, from_version, to_version, action, forced, changed (False when the
         version was already published: a retry is a no-op), history_id, view.
     :raises PublishRefused: a guard refused (not validated, not finished, wrong dataset, ...).
+    :raises PointerMoved: ``expected_current`` is not what is published.
     :raises UnknownJob: no such version.
     """
     job = conn.execute(q("validate_job"), {"job": job_version}).fetchone()
@@ -116,8 +143,10 @@ def publish(conn: psycopg.Connection, job_version: str, *, actor: str | None = N
         raise UnknownJob(f"no job version {job_version!r}")
     ds = dataset or job["dataset"]
     spec = job_spec(conn, job_version)
-    out = _switch(conn, "publish", {"dataset": ds, "job": job_version, "actor": actor, "force": force,
-                                    "reason": reason}, ds, spec, lock_timeout, attempts)
+    params = {"dataset": ds, "job": job_version, "actor": actor, "force": force, "reason": reason,
+              "expected": expected_current}
+    name = "publish" if expected_current is None else "publish_expected"
+    out = _switch(conn, name, params, ds, spec, lock_timeout, attempts)
     if out["changed"]:
         log.info("published %s for dataset %s (was %s)%s", job_version, ds, out["from_version"] or "nothing",
                  f"; FORCED: {reason}" if out["forced"] else "")
@@ -127,14 +156,18 @@ def publish(conn: psycopg.Connection, job_version: str, *, actor: str | None = N
 
 
 def rollback(conn: psycopg.Connection, dataset: str, *, actor: str | None = None, reason: str | None = None,
-             lock_timeout: str = "2s", attempts: int = 5) -> dict[str, Any]:
+             expected_current: str | None = None, lock_timeout: str = "2s", attempts: int = 5) -> dict[str, Any]:
     """Switch ``dataset`` back to the version the current one replaced.
 
     Repeated rollbacks walk back through earlier publishes.
+    :param expected_current: the version the caller saw as published and means to roll back from;
+        refused with ``PointerMoved`` if another publish or rollback moved the pointer since.
     :raises PublishRefused: never published, nothing before the current version, or that version was dropped.
+    :raises PointerMoved: the pointer is not at ``expected_current``; nothing was changed.
     """
-    out = _switch(conn, "rollback", {"dataset": dataset, "actor": actor, "reason": reason}, dataset, None,
-                  lock_timeout, attempts)
+    name = "rollback" if expected_current is None else "rollback_expected"
+    out = _switch(conn, name, {"dataset": dataset, "actor": actor, "reason": reason, "expected": expected_current},
+                  dataset, None, lock_timeout, attempts)
     log.info("rolled back dataset %s: %s -> %s", dataset, out["from_version"], out["to_version"])
     return out
 

@@ -19,6 +19,8 @@ def register(sub: Any) -> None:
     p.add_argument("--force", action="store_true", help="publish although not validated (needs --reason)")
     p.add_argument("--reason", help="why (recorded in the publish history; required with --force)")
     p.add_argument("--actor", help="who publishes (default: the database user)")
+    p.add_argument("--expect", metavar="VERSION",
+                   help="refuse unless VERSION is the one published now (nobody published since you looked)")
     p.add_argument("--json", action="store_true")
     _db_arg(p)
     p.set_defaults(func=run_publish)
@@ -27,6 +29,8 @@ def register(sub: Any) -> None:
     r.add_argument("dataset")
     r.add_argument("--reason")
     r.add_argument("--actor")
+    r.add_argument("--expect", metavar="VERSION",
+                   help="refuse unless VERSION is the one published now: roll back only what you looked at")
     r.add_argument("--json", action="store_true")
     _db_arg(r)
     r.set_defaults(func=run_rollback)
@@ -65,7 +69,8 @@ def run_publish(args: argparse.Namespace) -> int:
         print("batch-inference publish: error: --force needs --reason TEXT (it is recorded)", file=sys.stderr)
         return 2
     with _conn(args) as conn:
-        out = publish(conn, args.job_version, actor=args.actor, force=args.force, reason=args.reason)
+        out = publish(conn, args.job_version, actor=args.actor, force=args.force, reason=args.reason,
+                      expected_current=args.expect)
     _print_switch(out, args.json)
     return 0
 
@@ -74,7 +79,7 @@ def run_rollback(args: argparse.Namespace) -> int:
     from batch_inference.publish import rollback
 
     with _conn(args) as conn:
-        out = rollback(conn, args.dataset, actor=args.actor, reason=args.reason)
+        out = rollback(conn, args.dataset, actor=args.actor, reason=args.reason, expected_current=args.expect)
     _print_switch(out, args.json)
     return 0
 

@@ -100,18 +100,22 @@ class RollbackOperator(BaseOperator):
 
     :param dataset: the dataset. Templated.
     :param reason: why, for the publish history. Templated.
+    :param expected_current: the version to roll back from, e.g. ``"{{ dag_run.conf.expected_current }}"``:
+        if another publish moved the pointer since, the task fails without retries and changes
+        nothing (``bi.rollback_v2``). Empty: roll back from whatever is published. Templated.
     :param postgres_conn_id: Airflow connection of the ledger database. Templated.
     :param outlets: usually ``[dataset_asset(DATASET)]``: downstream re-runs on the restored version.
     """
 
-    template_fields: Sequence[str] = ("dataset", "reason", "postgres_conn_id")
+    template_fields: Sequence[str] = ("dataset", "reason", "expected_current", "postgres_conn_id")
     ui_color = "#ef94ad"
 
-    def __init__(self, *, dataset: str, reason: str | None = None,
+    def __init__(self, *, dataset: str, reason: str | None = None, expected_current: str | None = None,
                  postgres_conn_id: str = BatchInferenceHook.default_conn_name, **kwargs: Any) -> None:
         super().__init__(**kwargs)
         self.dataset = dataset
         self.reason = reason
+        self.expected_current = expected_current
         self.postgres_conn_id = postgres_conn_id
 
     def execute(self, context: Context) -> dict[str, Any]:
@@ -119,7 +123,8 @@ class RollbackOperator(BaseOperator):
 
         try:
             with BatchInferenceHook(self.postgres_conn_id).get_conn() as conn:
-                out = rollback(conn, str(self.dataset), actor=_actor(context), reason=self.reason or None)
+                out = rollback(conn, str(self.dataset), actor=_actor(context), reason=self.reason or None,
+                               expected_current=self.expected_current or None)
         except PublishRefused as exc:
             raise AirflowFailException(f"rollback refused: {exc}") from None
         self.log.warning("rolled back %s: %s -> %s; downstream reads %s", out["dataset"], out["from_version"],

@@ -321,7 +321,8 @@ def api_rollback(dataset: str, conn: Ledger, user: Annotated[BaseUser, Depends(a
     """Switch the dataset's pointer back to the version the current one replaced.
 
     Body: ``expected_current``, the version the user saw as published (the
-    switch is refused with 409 if the pointer moved since), and an optional
+    switch is refused with 409 if the pointer moved since: ``bi.rollback_v2``
+    checks it in the switching statement), and an optional
     ``reason``. Repeated rollbacks walk back through the publishes.
     """
     try:

@@ -425,9 +425,9 @@
           h("td", {}, r.from_version ? jobLink(r.from_version) : "–"), h("td", {}, r.to_version ? jobLink(r.to_version) : "–"),
           h("td", {}, r.actor), h("td", {}, r.reason || "")))))));
     }
-    // Rollback goes one publish back (bi.rollback_v1): to the version the
-    // current one replaced. The request names the version the user saw, so a
-    // publish that lands in between is not undone by mistake.
+    // Rollback goes one publish back (bi.rollback_v2): to the version the
+    // current one replaced. The request names the version the user saw, and the
+    // database refuses (409) if a publish landed in between.
     // As in bi.rollback_v1: the latest *publish* that made the current version live.
     const last = hist.history.find((r) => r.action === "publish" && r.to_version === cur);
     const target = last ? last.from_version : null;
