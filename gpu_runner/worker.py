@@ -6,6 +6,14 @@ One process, one engine, one shard at a time:
     put-if-absent in batches (every ``flush_every`` results or
     ``flush_seconds``) -> retry failures with backoff -> complete
 
+A shard that lost a lease before (its holder died or stalled: maybe a record
+in it kills the process) is run carefully: engine batches of
+``careful_batch`` records, each marked in flight in the ledger before it is
+generated, and records that were in flight at an earlier death run alone.
+The ledger counts those deaths and dead-letters a record at the job's
+``max_attempts`` (sql/0006_crash_poison.sql); a shard that never lost a lease
+pays nothing for it.
+
 A background thread renews the lease every ``renew_seconds`` on its own
 connection; a refused renewal (stale epoch) halts the shard, and a renewal
 that reports the job in fallback mode drains it. SIGTERM (the preemption
@@ -68,6 +76,7 @@ class WorkerConfig:
     db_retries: int = 8
     progress_seconds: float = 30.0
     progress_every: int = 500
+    careful_batch: int = 32                     # engine batch size on a shard that lost a lease
 
 
 @dataclass
@@ -76,6 +85,7 @@ class _Shard:
     halt: threading.Event = field(default_factory=threading.Event)   # stop generating for this shard
     stale: threading.Event = field(default_factory=threading.Event)
     drain: threading.Event = field(default_factory=threading.Event)
+    attempts: dict[str, int] = field(default_factory=dict)   # failed attempts counted so far, by record
 
 
 class Worker:
@@ -98,8 +108,9 @@ class Worker:
         """Run a ledger call; on a lost connection reconnect (the database may be
         restarting) and retry, up to ``db_retries`` times: a second restart, or
         a stalled worker waking into one, can break the new connection too.
-        Every ledger write is safe to repeat except a failed-attempt count,
-        which may then count once more. Still failing: DatabaseUnavailable."""
+        Every ledger write is safe to repeat: results are put-if-absent, and a
+        failed-attempt count carries the attempt number it records, which the
+        ledger counts once. Still failing: DatabaseUnavailable."""
         for attempt in range(self.cfg.db_retries + 1):
             try:
                 return fn(*args)
@@ -281,8 +292,10 @@ class Worker:
             shard.halt.set()
             renewer.join(timeout=5)
             self.current = None
+            # Abandon, not release: counted like a death, so if one record
+            # breaks the engine every time it ends dead-lettered, not looping.
             try:
-                self._db(self.ledger.release, lease)
+                self._db(self.ledger.abandon, lease)
             finally:
                 raise Fatal(f"fatal: engine failed on shard {lease.shard_no}: {exc.__class__.__name__}: {exc}; "
                             "shard released", EXIT_ENGINE) from exc
@@ -318,7 +331,12 @@ class Worker:
         log.info("%s: shard %d epoch %d: %d of %d records done already, %d to do", self.owner, lease.shard_no,
                  lease.epoch, lease.records - len(rows), lease.records, len(rows))
         texts = {r["record_id"]: r["text"] for r in rows}
-        attempts = {r["record_id"]: r["attempts"] for r in rows}
+        shard.attempts = {r["record_id"]: r["attempts"] for r in rows}
+        suspects = {r["record_id"] for r in rows if r["crashes"]}
+        if lease.careful:
+            log.warning("%s: shard %d lost its lease %d time(s) before: careful mode (batches of %d marked in "
+                        "flight; %d record(s) in flight at an earlier death run alone)", self.owner,
+                        lease.shard_no, lease.lost_leases, self.cfg.careful_batch, len(suspects))
         todo = list(texts)
         progress = _Progress(self, lease, len(todo))
         round_no = 0
@@ -333,10 +351,26 @@ class Worker:
                 if shard.halt.wait(wait):
                     return "halted"
             round_no += 1
-            requests = [Request(rid, build_messages(spec, texts[rid])) for rid in todo]
-            retry = self._generate(shard, requests, progress)
-            todo = [rid for rid in retry if rid in attempts]
+            retry: list[str] = []
+            for batch in self._engine_batches(lease, todo, suspects):
+                if shard.halt.is_set():
+                    return "halted"
+                if lease.careful:
+                    self._db(ledger.mark_in_flight, lease, batch)
+                requests = [Request(rid, build_messages(spec, texts[rid])) for rid in batch]
+                retry += self._generate(shard, requests, progress)
+            todo = [rid for rid in retry if rid in texts]
         return "halted" if shard.stale.is_set() else "finished"
+
+    def _engine_batches(self, lease: Lease, todo: list[str], suspects: set[str]) -> list[list[str]]:
+        """The whole list at once normally. On a careful shard: each suspect
+        alone first (the next death then names the culprit), the rest in
+        batches of ``careful_batch`` (a death implicates only one batch)."""
+        if not lease.careful:
+            return [todo]
+        n = max(1, self.cfg.careful_batch)
+        rest = [rid for rid in todo if rid not in suspects]
+        return [[rid] for rid in todo if rid in suspects] + [rest[i:i + n] for i in range(0, len(rest), n)]
 
     def _generate(self, shard: _Shard, requests: list[Request], progress: "_Progress") -> list[str]:
         """One pass over ``requests``; returns the ids that failed and may be retried."""
@@ -359,6 +393,7 @@ class Worker:
             if failures:
                 counted = self._db(self.ledger.fail, lease, list(failures.values()))
                 for f in counted:
+                    shard.attempts[f.record_id] = f.attempts
                     self.stats["failed"] += 1
                     if f.dead:
                         self.stats["dead"] += 1
@@ -381,7 +416,8 @@ class Worker:
                 ok_out.append(obj)
                 ok_cat.append(cat if isinstance(cat, str) else None if cat is None else str(cat))
             else:
-                failures[outcome.record_id] = Failure(outcome.record_id, err or "unknown error", outcome.text)
+                failures[outcome.record_id] = Failure(outcome.record_id, err or "unknown error", outcome.text,
+                                                      shard.attempts.get(outcome.record_id, 0) + 1)
             if len(ok_ids) + len(failures) >= self.cfg.flush_every or \
                     time.monotonic() - last_flush >= self.cfg.flush_seconds:
                 flush()
@@ -447,7 +483,11 @@ def add_arguments(p: "argparse.ArgumentParser") -> None:
     p.add_argument("--flush-seconds", type=float, default=2.0, help="... or every S seconds (default 2)")
     p.add_argument("--max-shards", type=int)
     p.add_argument("--no-wait", action="store_true", help="exit when nothing is claimable now")
+    p.add_argument("--poll-seconds", type=float, default=5.0,
+                   help="while others hold the last shards, look for an expired one this often (default 5)")
     p.add_argument("--db-retries", type=int, default=8, help="reconnect attempts on a lost database (default 8)")
+    p.add_argument("--careful-batch", type=int, default=32,
+                   help="engine batch size on a shard whose earlier holder died (default 32)")
 
 
 def parse_engine_options(items: list[str]) -> dict[str, Any]:
@@ -471,9 +511,10 @@ def config_from_args(args: "argparse.Namespace") -> WorkerConfig:
     return WorkerConfig(job_version=args.job_version, db_url=getattr(args, "db", None), engine=args.engine,
                         engine_options=opts, worker_id=args.worker_id, transport=args.transport,
                         grace_seconds=args.grace_seconds, lease_seconds=args.lease_seconds,
-                        wait_for_leases=not args.no_wait, max_shards=args.max_shards,
+                        wait_for_leases=not args.no_wait, poll_seconds=args.poll_seconds,
+                        max_shards=args.max_shards,
                         flush_every=args.flush_every, flush_seconds=args.flush_seconds,
-                        db_retries=args.db_retries)
+                        db_retries=args.db_retries, careful_batch=args.careful_batch)
 
 
 def main(argv: list[str] | None = None) -> int:

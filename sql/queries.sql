@@ -121,8 +121,8 @@ SELECT sr.record_id
    AND (EXISTS (SELECT 1 FROM bi.results r WHERE r.job_version = sr.job_version AND r.record_id = sr.record_id)
         OR EXISTS (SELECT 1 FROM bi.dead_letters d WHERE d.job_version = sr.job_version AND d.record_id = sr.record_id));
 
--- name: claim_shard
-SELECT * FROM bi.claim_shard_v1(%(job)s, %(owner)s, %(transport)s, %(lease_s)s);
+-- name: claim_shard  a pending or expired shard; lost_leases > 0 means run it carefully (0006)
+SELECT * FROM bi.claim_shard_v2(%(job)s, %(owner)s, %(transport)s, %(lease_s)s);
 
 -- name: renew_lease
 SELECT * FROM bi.renew_lease_v1(%(job)s, %(shard)s, %(epoch)s, %(owner)s, %(lease_s)s);
@@ -133,16 +133,23 @@ SELECT bi.release_shard_v1(%(job)s, %(shard)s, %(epoch)s, %(owner)s) AS ok;
 -- name: complete_shard
 SELECT bi.complete_shard_v1(%(job)s, %(shard)s, %(epoch)s, %(owner)s) AS outcome;
 
--- name: shard_records
-SELECT * FROM bi.shard_records_v1(%(job)s, %(shard)s, %(epoch)s);
+-- name: shard_records  records still to do, with failed attempts and crashes so far
+SELECT * FROM bi.shard_records_v2(%(job)s, %(shard)s, %(epoch)s);
+
+-- name: mark_in_flight  careful mode: the engine batch about to be generated
+SELECT bi.mark_in_flight_v1(%(job)s, %(shard)s, %(epoch)s, %(owner)s, %(ids)s::text[]) AS ok;
+
+-- name: abandon_shard  the engine broke: give the shard back, counted as a lost lease
+SELECT bi.abandon_shard_v1(%(job)s, %(shard)s, %(epoch)s, %(owner)s) AS ok;
 
 -- name: put_results
 SELECT bi.put_results_v1(%(job)s, %(shard)s, %(epoch)s, %(owner)s, %(transport)s,
                          %(ids)b::text[], %(outputs)b::text[]::jsonb[], %(categories)b::text[]) AS n;
 
--- name: fail_records
-SELECT * FROM bi.fail_records_v1(%(job)s, %(shard)s, %(epoch)s, %(owner)s, %(transport)s,
-                                 %(ids)s::text[], %(errors)s::text[], %(outputs)s::text[]);
+-- name: fail_records  one failed attempt per record, the attempt numbers make a retried call count once
+SELECT * FROM bi.fail_records_v2(%(job)s, %(shard)s, %(epoch)s, %(owner)s, %(transport)s,
+                                 %(ids)s::text[], %(errors)s::text[], %(outputs)s::text[],
+                                 %(attempt_nos)s::integer[]);
 
 -- name: sweep_expired
 SELECT bi.sweep_expired_v1(%(job)s) AS n;

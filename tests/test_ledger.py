@@ -188,3 +188,127 @@ def test_drop_job_version_drops_partitions(conn, job):
                         "'results_%'").fetchone()["n"]
     assert left == 0
     assert conn.execute("SELECT count(*) AS n FROM bi.shards").fetchone()["n"] == 0
+
+
+# -- crash poison (sql/0006_crash_poison.sql) ------------------------------
+
+def expire(conn, job: str, shard: int) -> None:
+    """The holder's lease runs out (as if it died), without waiting for the clock."""
+    conn.execute("UPDATE bi.shards SET lease_expires_at = clock_timestamp() - interval '1 second' "
+                 "WHERE job_version = %s AND shard_no = %s", (job, shard))
+
+
+def attempts_row(conn, job: str, rid: str):
+    return conn.execute("SELECT attempts, crashes FROM bi.attempts WHERE job_version = %s AND record_id = %s",
+                        (job, rid)).fetchone()
+
+
+def test_a_lease_taken_over_after_expiry_is_a_lost_lease_a_release_is_not(db_url, conn, job):
+    a, b = ledger(db_url, job, "a"), ledger(db_url, job, "b")
+    la = a.claim()
+    assert la.lost_leases == 0 and not la.careful
+    assert a.release(la)
+    lb = b.claim()
+    assert lb.shard_no == la.shard_no and lb.lost_leases == 0         # a release is not a loss
+    expire(conn, job, lb.shard_no)
+    lc = a.claim()
+    assert lc.shard_no == lb.shard_no and lc.epoch == lb.epoch + 1
+    assert lc.lost_leases == 1 and lc.careful
+
+
+def test_deaths_count_only_the_last_marked_batch_and_dead_letter_at_max(db_url, conn, job):
+    a = ledger(db_url, job, "a")
+    la = a.claim()                                    # shard 0: t00000..t00009
+    a.mark_in_flight(la, ["t00000", "t00001"])
+    a.mark_in_flight(la, ["t00002", "t00003", "t00004"])   # replaces the first batch: that one got through
+    a.put_results(la, ["t00002"], [OUT], ["billing"])       # stored: not a suspect
+    a.fail(la, [Failure("t00003", "invalid output", "{", attempt=1)])   # had an outcome: not a suspect
+    expire(conn, job, 0)
+    lb = a.claim()
+    assert lb.shard_no == 0 and lb.careful
+    crashes = {r["record_id"]: r["crashes"] for r in a.records(lb)}
+    assert {rid for rid, n in crashes.items() if n} == {"t00004"}
+    assert attempts_row(conn, job, "t00003") == {"attempts": 1, "crashes": 0}
+    for died in (2, 3):
+        a.mark_in_flight(lb, ["t00004"])              # run alone, dies again
+        expire(conn, job, 0)
+        lb = a.claim()
+        assert lb.lost_leases == died
+    dl = dead_letters(conn, job)
+    assert [(d["record_id"], d["attempts"], d["stage"], d["raw_output"]) for d in dl] == [("t00004", 3, "worker", None)]
+    assert "worker died 3 times" in dl[0]["reason"]
+    assert "died 3 times while this record was in flight" in dl[0]["error"]
+    assert "t00004" not in {r["record_id"] for r in a.records(lb)}            # never loops
+    assert conn.execute("SELECT dead FROM bi.shards WHERE job_version = %s AND shard_no = 0",
+                        (job,)).fetchone()["dead"] == 1
+    rest = [r["record_id"] for r in a.records(lb)]
+    assert a.put_results(lb, rest, [OUT] * len(rest), ["billing"] * len(rest)) == len(rest)
+    assert a.complete(lb) == "done"                   # the dead letter counts toward completion
+
+
+def test_no_death_after_a_release_or_for_a_stale_mark(db_url, conn, job):
+    a, b = ledger(db_url, job, "a"), ledger(db_url, job, "b")
+    la = a.claim()
+    a.mark_in_flight(la, ["t00005"])
+    assert a.release(la)                              # the preemption notice: alive, nothing died
+    lb = b.claim()
+    expire(conn, job, lb.shard_no)                    # b dies before marking anything
+    lc = b.claim()
+    assert lc.lost_leases == 1
+    assert attempts_row(conn, job, "t00005") is None  # a's mark was a's epoch, which ended by a release
+    with pytest.raises(StaleLease):
+        a.mark_in_flight(la, ["t00006"])
+    assert fence_counts(conn, job)["mark_in_flight"] == 1
+
+
+def test_the_sweep_and_an_abandoned_shard_count_deaths_too(db_url, conn, job):
+    a = ledger(db_url, job, "a")
+    la = a.claim()
+    a.mark_in_flight(la, ["t00007"])
+    expire(conn, job, la.shard_no)
+    assert conn.execute("SELECT bi.sweep_expired_v1(%s) AS n", (job,)).fetchone()["n"] == 1
+    assert attempts_row(conn, job, "t00007") == {"attempts": 0, "crashes": 1}
+    lb = a.claim()
+    assert lb.shard_no == la.shard_no and lb.lost_leases == 1
+    assert attempts_row(conn, job, "t00007")["crashes"] == 1          # the claim of a swept shard adds none
+    a.mark_in_flight(lb, ["t00007"])
+    assert a.abandon(lb)                              # the engine raised: given back at once, but counted
+    shard = conn.execute("SELECT state, lost_leases FROM bi.shards WHERE job_version = %s AND shard_no = %s",
+                         (job, lb.shard_no)).fetchone()
+    assert shard == {"state": "pending", "lost_leases": 2}
+    assert attempts_row(conn, job, "t00007")["crashes"] == 2
+    assert a.abandon(lb) is False                     # once only
+
+
+def test_v1_claim_counts_lost_leases_for_workers_still_on_the_old_code(db_url, conn, job):
+    a = ledger(db_url, job, "a")
+    la = a.claim()
+    a.mark_in_flight(la, ["t00001"])
+    expire(conn, job, la.shard_no)
+    r = conn.execute("SELECT * FROM bi.claim_shard_v1(%s, 'old', 'batch', 60)", (job,)).fetchone()
+    assert r["shard_no"] == la.shard_no and set(r) == {"shard_no", "epoch", "lease_expires_at", "records"}
+    assert attempts_row(conn, job, "t00001")["crashes"] == 1
+
+
+def test_a_failed_attempt_retried_after_a_lost_reply_counts_once(db_url, conn, job):
+    a = ledger(db_url, job, "a")
+    la = a.claim()
+    first = Failure("t00003", "invalid output (try 1)", "{", attempt=1)
+    assert a.fail(la, [first]) == a.fail(la, [first])        # the reply was lost; the worker sends it again
+    assert attempts_row(conn, job, "t00003")["attempts"] == 1
+    second = Failure("t00003", "invalid output (try 2)", "{", attempt=2)
+    assert [f.attempts for f in a.fail(la, [second])] == [2]
+    third = Failure("t00003", "invalid output (try 3)", "{", attempt=3)
+    got = a.fail(la, [third])
+    again = a.fail(la, [third])
+    assert [(f.attempts, f.dead) for f in got] == [(3, True)] == [(f.attempts, f.dead) for f in again]
+    dl = dead_letters(conn, job)
+    assert [(d["record_id"], d["attempts"]) for d in dl] == [("t00003", 3)]
+    assert "try 3" in dl[0]["error"]
+    assert conn.execute("SELECT dead FROM bi.shards WHERE job_version = %s AND shard_no = %s",
+                        (job, la.shard_no)).fetchone()["dead"] == 1   # the counter moved once too
+    # an attempt number the ledger is behind on still counts one (never more, never stuck)
+    a.fail(la, [Failure("t00004", "boom", attempt=5)])
+    assert attempts_row(conn, job, "t00004")["attempts"] == 1
+    a.fail(la, [Failure("t00004", "boom", attempt=5)])
+    assert attempts_row(conn, job, "t00004")["attempts"] == 2

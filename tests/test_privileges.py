@@ -17,7 +17,7 @@ from psycopg import errors
 from psycopg.conninfo import conninfo_to_dict, make_conninfo
 
 from batch_inference import db
-from batch_inference.ledger import Ledger
+from batch_inference.ledger import Failure, Ledger
 from batch_inference.plan import submit
 from batch_inference.status import job_counts
 from gpu_runner.worker import WorkerConfig, run_worker
@@ -27,10 +27,13 @@ OUT = {"category": "billing", "summary": "charged twice"}
 
 # Exactly the functions the worker process calls (gpu_runner/worker.py,
 # batch_inference/ledger.py, status.job_spec/job_mode/job_counts), plus the
-# read-only "may I?" check.
+# read-only "may I?" check. The v1 names that 0006 superseded (claim,
+# shard_records, fail_records) stay granted for workers still on the old code.
 WORKER_FUNCTIONS = {
     "claim_shard_v1", "renew_lease_v1", "release_shard_v1", "complete_shard_v1", "shard_records_v1",
     "put_results_v1", "fail_records_v1", "job_spec_v1", "job_spec_v2", "job_counts_v1", "may_work_on_v1",
+    # 0006_crash_poison
+    "claim_shard_v2", "shard_records_v2", "fail_records_v2", "mark_in_flight_v1", "abandon_shard_v1",
 }
 
 
@@ -129,7 +132,11 @@ def test_worker_cannot_call_owner_functions(db_url, conn, worker_role, two_jobs)
                            ("SELECT bi.create_job_partitions_v1(%s)", ("jv_evil",)),
                            ("SELECT * FROM bi.claim_shard_v1_unguarded(%s, 'w')", (theirs,)),
                            ("SELECT * FROM bi.job_spec_v1_unguarded(%s)", (theirs,)),
-                           ("SELECT bi.record_fence_v1(%s, 0, 'x', 0, 'w')", (mine,))):
+                           ("SELECT bi.record_fence_v1(%s, 0, 'x', 0, 'w')", (mine,)),
+                           ("SELECT bi.record_deaths_v1(%s, 0, 1, 'batch', ARRAY['t00000'])", (mine,)),
+                           ("SELECT * FROM bi.claim_shard_v2_unguarded(%s, 'w')", (theirs,)),
+                           ("SELECT bi.mark_in_flight_v1_unguarded(%s, 0, 1, 'w', ARRAY['s000'])", (theirs,)),
+                           ("SELECT bi.abandon_shard_v1_unguarded(%s, 0, 1, 'w')", (theirs,))):
             with pytest.raises(errors.InsufficientPrivilege):
                 w.execute(stmt, args)
     assert conn.execute("SELECT count(*) AS n FROM bi.worker_grants").fetchone()["n"] == 0
@@ -157,7 +164,9 @@ def test_worker_reads_and_writes_only_the_jobs_it_is_given(db_url, conn, worker_
             stranger.records(other)
         for call in (stranger.claim, lambda: stranger.put_results(other, ["s000"], [OUT], ["billing"]),
                      lambda: stranger.complete(other), lambda: stranger.release(other),
-                     lambda: stranger.renew(other)):
+                     lambda: stranger.renew(other), lambda: stranger.mark_in_flight(other, ["s000"]),
+                     lambda: stranger.abandon(other),
+                     lambda: stranger.fail(other, [Failure("s000", "boom", attempt=1)])):
             with pytest.raises(errors.InsufficientPrivilege):
                 call()
         for stmt in ("SELECT * FROM bi.job_spec_v1(%s)", "SELECT * FROM bi.job_counts_v1(%s)"):

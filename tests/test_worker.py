@@ -144,3 +144,35 @@ def test_engine_failure_releases_the_shard_and_exits_non_zero(conn, db_url):
     shard = conn.execute("SELECT state, epoch FROM bi.shards WHERE job_version = %s", (job,)).fetchone()
     assert shard["state"] == "pending" and shard["epoch"] == 1      # given back at once
     assert job_counts(conn, job)["stored"] == 1                     # what it finished is kept
+
+
+def test_a_failed_attempt_whose_reply_was_lost_is_counted_once(monkeypatch, conn, db_url):
+    """The connection drops after fail_records committed but before its reply:
+    the worker reconnects and sends the same call again, which must not count
+    the attempt twice (the poison record would be dead-lettered one engine
+    call early)."""
+    import psycopg
+
+    from batch_inference.ledger import Ledger
+
+    rows = tickets(5)
+    rows[2] = ("t00002", "[[engine-error]]", None)
+    make_source(conn, rows)
+    job = submit(conn, make_spec()).job_version
+    real = Ledger.fail
+    calls = {"n": 0}
+
+    def reply_lost_once(self, lease, failures):
+        calls["n"] += 1
+        got = real(self, lease, failures)             # committed on the server
+        if calls["n"] == 1:
+            raise psycopg.OperationalError("server closed the connection unexpectedly")
+        return got
+
+    monkeypatch.setattr(Ledger, "fail", reply_lost_once)
+    cfg = WorkerConfig(job_version=job, db_url=db_url, backoff=(0.05, 0.05, 0.05), db_retries=2)
+    assert run_worker(cfg) == 0
+    assert calls["n"] == 4                            # three engine errors, the first call sent twice
+    dl = dead_letters(conn, job)
+    assert [(d["record_id"], d["attempts"]) for d in dl] == [("t00002", 3)]
+    assert job_counts(conn, job)["stored"] == 4

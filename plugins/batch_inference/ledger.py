@@ -1,10 +1,11 @@
 """The shard ledger: claim, renew, release and complete leases; write results
 and failed attempts under a lease.
 
-Every method is one call of a SQL function from sql/0002_ledger.sql, whose
-guard (state, epoch) sits inside the statement that changes state. A method
-that is refused because the epoch is stale raises ``StaleLease``: the caller
-stops working on that shard, and nothing it sent was written.
+Every method is one call of a SQL function (sql/0002_ledger.sql, with the
+crash-poison additions of sql/0006_crash_poison.sql), whose guard (state,
+epoch) sits inside the statement that changes state. A method that is
+refused because the epoch is stale raises ``StaleLease``: the caller stops
+working on that shard, and nothing it sent was written.
 """
 
 from __future__ import annotations
@@ -36,6 +37,12 @@ class Lease:
     records: int
     owner: str
     transport: str = "batch"
+    lost_leases: int = 0        # earlier epochs of this shard that ended without a release or completion
+
+    @property
+    def careful(self) -> bool:
+        """A holder of this shard died (or stalled) before: mark engine batches in flight."""
+        return self.lost_leases > 0
 
 
 @dataclass(frozen=True)
@@ -43,6 +50,10 @@ class Failure:
     record_id: str
     error: str
     raw_output: str | None = None
+    # The attempt number this failure is (attempts so far + 1). The ledger
+    # ignores a number it has already counted, so a call retried after its
+    # reply was lost counts once. None: count unconditionally.
+    attempt: int | None = None
 
 
 @dataclass(frozen=True)
@@ -79,7 +90,7 @@ class Ledger:
         if r is None:
             return None
         return Lease(self.job_version, r["shard_no"], r["epoch"], r["lease_expires_at"], r["records"],
-                     self.owner, self.transport)
+                     self.owner, self.transport, r["lost_leases"])
 
     def renew(self, lease: Lease) -> str:
         """Extend the lease; returns the job's mode ('batch' or 'fallback')."""
@@ -101,8 +112,23 @@ class Ledger:
         return outcome
 
     def records(self, lease: Lease) -> list[dict[str, Any]]:
-        """The shard's records not yet stored or dead-lettered, with attempts so far."""
+        """The shard's records not yet stored or dead-lettered, with failed
+        attempts and crashes (deaths with the record in flight) so far."""
         return self.conn.execute(q("shard_records"), self._args(lease)).fetchall()
+
+    def mark_in_flight(self, lease: Lease, ids: Sequence[str]) -> None:
+        """Careful mode: ``ids`` are the engine batch about to be generated. If
+        this epoch ends without a release, each of them left without a result
+        gets a crash (sql/0006_crash_poison.sql)."""
+        r = self.conn.execute(q("mark_in_flight"), self._args(lease, ids=list(ids))).fetchone()
+        if not r or not r["ok"]:
+            raise StaleLease(f"in-flight mark refused: shard {lease.shard_no} epoch {lease.epoch} is stale")
+
+    def abandon(self, lease: Lease) -> bool:
+        """Give the shard back at once because the engine broke: a release that
+        counts as a lost lease, with crashes for the in-flight batch."""
+        r = self.conn.execute(q("abandon_shard"), self._args(lease)).fetchone()
+        return bool(r and r["ok"])
 
     def put_results(self, lease: Lease, ids: Sequence[str], outputs: Sequence[dict[str, Any]],
                     categories: Sequence[str | None]) -> int:
@@ -118,12 +144,14 @@ class Ledger:
         return n
 
     def fail(self, lease: Lease, failures: Sequence[Failure]) -> list[FailedAttempt]:
-        """Count one failed attempt per record; returns the new counts (dead at the max)."""
+        """Count one failed attempt per record; returns the counts (dead at the
+        max). Safe to repeat when every failure carries its ``attempt``."""
         if not failures:
             return []
         rows = self.conn.execute(q("fail_records"), self._args(
             lease, ids=[f.record_id for f in failures], errors=[_safe(f.error) for f in failures],
-            outputs=[_safe(f.raw_output) if f.raw_output is not None else None for f in failures])).fetchall()
+            outputs=[_safe(f.raw_output) if f.raw_output is not None else None for f in failures],
+            attempt_nos=[f.attempt for f in failures])).fetchall()
         if len(rows) == 1 and rows[0]["record_id"] is None and rows[0]["attempts"] == -1:
             raise StaleLease(f"failures refused: shard {lease.shard_no} epoch {lease.epoch} is stale")
         return [FailedAttempt(r["record_id"], r["attempts"], r["dead"]) for r in rows]
