@@ -42,8 +42,19 @@ VALUES (%(job)s, %(dataset)s, %(spec_hash)s, %(snapshot_id)s, %(spec_text)s::tex
 
 -- name: snapshot_insert  write the snapshot partition with CREATE TABLE AS (the bulk path) and plan it in the same pass
 -- Each record is rejected (why), reused (an unchanged record of the base
--- version, incremental runs) or given a shard: a running count over the
--- eligible rows in scan order, so no sort of the whole snapshot is needed.
+-- version, incremental runs: the reuse placeholder is snapshot_reuse, else
+-- snapshot_no_reuse)
+-- or given a shard: a running count over the eligible rows in scan order, so
+-- no sort of the whole snapshot is needed, and shards are numbered 0..n-1 with
+-- shard_size records each but the last (plan_finish relies on it).
+-- The reject tests are written to read as little of each text as they can
+-- (a long text is stored compressed, and every function call decompresses it
+-- again; the content hash is the one full read):
+--   blank = no character outside btrim's set E' \t\n\r\f\x0b' (the regex stops
+--     at the first other one), tested only when the first character, read from a
+--     slice, is one of them or the text is empty (ascii('') = 0);
+--   too long = over cap characters; a text of at most cap bytes has at most cap
+--     characters, and octet_length reads only the header.
 CREATE TABLE bi.{partition} AS
 SELECT %(job)s::text AS job_version, c.record_id,
        CASE WHEN c.reject IS NULL AND NOT c.reused
@@ -51,32 +62,51 @@ SELECT %(job)s::text AS job_version, c.record_id,
                   / %(shard_size)s)::integer
        END AS shard_no,
        c.text, c.acl, c.content_hash, c.reject
-  FROM (SELECT r.*, (base.record_id IS NOT NULL) AS reused
+  FROM (SELECT r.*, coalesce(base.reused, false) AS reused
           FROM (SELECT s.record_id, coalesce(s.text, '') AS text, s.acl,
                        to_hex(hashtextextended(coalesce(s.text, ''), 0)
                               # coalesce(hash_array_extended(s.acl, 0), 0)) AS content_hash,
                        CASE WHEN s.reject IS NOT NULL THEN s.reject
-                            -- btrim() alone strips only spaces: tabs and newlines are blank too
-                            WHEN s.text IS NULL OR btrim(s.text, E' \t\n\r\f\x0b') = '' THEN 'empty text'
-                            WHEN length(s.text) > %(cap)s
+                            WHEN s.text IS NULL
+                                 OR (ascii(substr(s.text, 1, 1)) IN (0, 9, 10, 11, 12, 13, 32)
+                                     AND s.text !~ E'[^ \t\n\r\f\x0b]') THEN 'empty text'
+                            WHEN octet_length(s.text) > %(cap)s AND length(s.text) > %(cap)s
                             THEN format('input over the length cap (%%s characters > %%s)', length(s.text), %(cap)s)
                        END AS reject
                   FROM {relation} AS s
                 OFFSET 0) r   -- not flattened: each CASE above is computed once per row, not once per use
-          LEFT JOIN (SELECT b.record_id, b.content_hash
-                       FROM bi.snapshot_rows b
-                       JOIN bi.results br ON br.job_version = b.job_version AND br.record_id = b.record_id
-                      WHERE b.job_version = %(base)s) base
-            ON base.record_id = r.record_id AND base.content_hash = r.content_hash AND r.reject IS NULL) c;
+          {reuse}) c;
 
--- name: plan_dead_letters  records that never reach a worker, with their reason
+-- name: snapshot_reuse  the reuse join of snapshot_insert in an incremental run: the base version's unchanged records that have a result
+LEFT JOIN (SELECT b.record_id, b.content_hash, true AS reused
+             FROM bi.snapshot_rows b
+             JOIN bi.results br ON br.job_version = b.job_version AND br.record_id = b.record_id
+            WHERE b.job_version = %(base)s) base
+  ON base.record_id = r.record_id AND base.content_hash = r.content_hash AND r.reject IS NULL
+
+-- name: snapshot_no_reuse  the reuse join of snapshot_insert otherwise: one constant row, folded away (no join per record)
+CROSS JOIN (SELECT NULL::boolean AS reused) base
+
+-- name: plan_work_mem  room for the index builds and joins of a submit (this transaction only)
+SELECT set_config('maintenance_work_mem', '256MB', true), set_config('work_mem', '64MB', true);
+
+-- name: plan_unsharded  the records that never reach a worker, read through the shard index (shard_no IS NULL), and the last shard
+-- The sizes of the shards follow from these counts (see snapshot_insert), so
+-- the snapshot is not read again to count them; max(shard_no) is an index probe.
+SELECT count(*) FILTER (WHERE p.reject IS NOT NULL) AS dead,
+       count(*) FILTER (WHERE p.reject IS NULL) AS reused,
+       (SELECT max(x.shard_no) FROM bi.snapshot_rows x WHERE x.job_version = %(job)s) AS last_shard
+  FROM bi.snapshot_rows p
+ WHERE p.job_version = %(job)s AND p.shard_no IS NULL;
+
+-- name: plan_dead_letters  records that never reach a worker, with their reason (run only when there are some)
 INSERT INTO bi.dead_letters (job_version, record_id, reason, error, raw_output, attempts, stage,
                              model_name, model_digest, prompt_version, transport, acl)
 SELECT %(job)s, p.record_id, p.reject, p.reject, NULL, 0,
        CASE WHEN p.reject LIKE 'input over the length cap%%' THEN 'plan' ELSE 'snapshot' END,
        j.model_name, j.model_digest, j.prompt_version, NULL, p.acl
   FROM bi.snapshot_rows p JOIN bi.jobs j ON j.job_version = p.job_version
- WHERE p.job_version = %(job)s AND p.reject IS NOT NULL;
+ WHERE p.job_version = %(job)s AND p.shard_no IS NULL AND p.reject IS NOT NULL;
 
 -- name: plan_reuse  carry over results of unchanged records from the base version (incremental)
 INSERT INTO bi.results (job_version, record_id, output, category, model_name, model_digest, prompt_version,
@@ -87,18 +117,15 @@ SELECT %(job)s, r.record_id, r.output, r.category, r.model_name, r.model_digest,
   JOIN bi.results r ON r.job_version = %(base)s AND r.record_id = p.record_id
  WHERE p.job_version = %(job)s AND p.shard_no IS NULL AND p.reject IS NULL;
 
--- name: plan_shards  one shard row per shard number
-INSERT INTO bi.shards (job_version, shard_no, records)
-SELECT %(job)s, shard_no, count(*) FROM bi.snapshot_rows
- WHERE job_version = %(job)s AND shard_no IS NOT NULL GROUP BY shard_no;
-
--- name: plan_finish  fixed counts of the job version
+-- name: plan_finish  the shard rows and the job's fixed counts: shard i holds shard_size records, the last one the rest
+WITH n AS (SELECT %(records)s::bigint - %(dead)s - %(reused)s AS eligible),
+shards AS (
+    INSERT INTO bi.shards (job_version, shard_no, records)
+    SELECT %(job)s, i, least(%(shard_size)s, n.eligible - i::bigint * %(shard_size)s)
+      FROM n, generate_series(0, ((n.eligible + %(shard_size)s - 1) / %(shard_size)s)::integer - 1) AS i
+    RETURNING shard_no)
 UPDATE bi.jobs j SET
-    shards = c.shards, planned_dead = c.planned_dead, reused = c.reused
-  FROM (SELECT count(DISTINCT shard_no) AS shards,
-               count(*) FILTER (WHERE reject IS NOT NULL) AS planned_dead,
-               count(*) FILTER (WHERE shard_no IS NULL AND reject IS NULL) AS reused
-          FROM bi.snapshot_rows WHERE job_version = %(job)s) c
+    shards = (SELECT count(*) FROM shards), planned_dead = %(dead)s, reused = %(reused)s
  WHERE j.job_version = %(job)s
 RETURNING j.job_version, j.dataset, j.records, j.shards, j.planned_dead AS dead_letters, j.reused;
 

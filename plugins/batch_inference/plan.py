@@ -78,24 +78,45 @@ def submit(conn: psycopg.Connection, spec: JobSpec,
             "model_digest": spec.model.digest, "prompt_version": spec.prompt.version, "records": n,
             "base": base})
         part = conn.execute("SELECT bi.create_job_partitions_v1(%s) AS p", (job,)).fetchone()["p"]
-        params = {"job": job, "base": base, "cap": spec.max_input_chars, "shard_size": spec.shard_size}
-        conn.execute(sql.SQL(q("snapshot_insert")).format(partition=sql.Identifier(part), relation=relation),
-                     params)
+        conn.execute(q("plan_work_mem"))
+        params: dict[str, Any] = {"job": job, "base": base, "cap": spec.max_input_chars,
+                                  "shard_size": spec.shard_size}
+        # A non-incremental run joins nothing: the reuse test folds to false.
+        reuse = sql.SQL(q("snapshot_reuse" if base else "snapshot_no_reuse"))
+        conn.execute(sql.SQL(q("snapshot_insert")).format(partition=sql.Identifier(part), relation=relation,
+                                                          reuse=reuse), params)
         try:
             with conn.transaction():
                 conn.execute("SELECT bi.attach_snapshot_v1(%s)", (job,))   # builds the primary key
         except errors.UniqueViolation:
             raise snapshot.duplicates_error(conn, relation, source_name, spec.source.id_column) from None
-        for name in ("plan_dead_letters", "plan_reuse", "plan_shards"):
-            conn.execute(q(name), params)
-        done = conn.execute(q("plan_finish"), params).fetchone()
-        assert done is not None
+        done = _plan(conn, params, n)
     m = Manifest(job, spec.dataset, done["records"], done["shards"], done["dead_letters"], done["reused"],
                  created=True)
     log.info("submitted %s: %d records, %d shards, %d dead letters at planning, %d reused%s in %.2fs",
              job, m.records, m.shards, m.dead_letters, m.reused, f" from {base}" if base else "",
              time.perf_counter() - t0)
     return m
+
+
+def _plan(conn: psycopg.Connection, params: dict[str, Any], records: int) -> Mapping[str, Any]:
+    """Dead letters, reused results, shard rows and the job's counts, from the
+    snapshot's unsharded records alone (read through the shard index)."""
+    u = conn.execute(q("plan_unsharded"), params).fetchone()
+    assert u is not None
+    if u["dead"]:
+        conn.execute(q("plan_dead_letters"), params)
+    if u["reused"]:
+        conn.execute(q("plan_reuse"), params)
+    done = conn.execute(q("plan_finish"), {**params, "records": records, "dead": u["dead"],
+                                           "reused": u["reused"]}).fetchone()
+    assert done is not None
+    # Shards are numbered 0..n-1 in snapshot_insert; the shard sizes above
+    # depend on it, so a numbering that ever disagrees stops the submit.
+    last = -1 if u["last_shard"] is None else u["last_shard"]
+    if done["shards"] != last + 1:
+        raise RuntimeError(f"planning error: {done['shards']} shard rows for shard numbers 0..{last}")
+    return done
 
 
 def drop_job_version(conn: psycopg.Connection, job_version: str) -> bool:
