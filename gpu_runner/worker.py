@@ -298,7 +298,7 @@ class Worker:
                 self._db(self.ledger.abandon, lease)
             finally:
                 raise Fatal(f"fatal: engine failed on shard {lease.shard_no}: {exc.__class__.__name__}: {exc}; "
-                            "shard released", EXIT_ENGINE) from exc
+                            "shard given back (counted as a lost lease)", EXIT_ENGINE) from exc
         finally:
             shard.halt.set()
             renewer.join(timeout=5)
