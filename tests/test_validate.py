@@ -97,8 +97,8 @@ def test_sample_is_seeded_and_independent_of_row_order(conn, db_url, tmp_path):
     validate(conn, job, sample_dir=tmp_path / "b")
     again = [json.loads(x)["record_id"] for x in (tmp_path / "b" / f"{job}.jsonl").read_text().splitlines()]
     assert again == ids
-    conn.execute("UPDATE bi.jobs SET spec = jsonb_set(spec, '{validation,sample_seed}', '4') WHERE job_version = %s",
-                 (job,))
+    conn.execute("UPDATE bi.jobs SET spec = jsonb_set(spec, '{validation,sample_seed}', '4'), "
+                 "spec_text = jsonb_set(spec, '{validation,sample_seed}', '4')::text WHERE job_version = %s", (job,))
     validate(conn, job, sample_dir=tmp_path / "c")
     other = [json.loads(x)["record_id"] for x in (tmp_path / "c" / f"{job}.jsonl").read_text().splitlines()]
     assert len(other) == 7 and other != ids
