@@ -371,3 +371,32 @@ def test_the_sql_check_vouches_for_ordinary_valid_outputs(conn):
         r = conn.execute(sql.SQL("SELECT {} AS ok FROM (SELECT %s::jsonb AS output) r").format(vouch),
                          (json.dumps(out),)).fetchone()
         assert r["ok"] is True, out
+
+
+LENGTH_SCHEMA = {
+    "type": "object",
+    "properties": {"s": {"type": "string", "minLength": 3, "maxLength": 5},
+                   "e": {"type": ["string", "null"], "enum": ["a", "é"]},
+                   "t": {"minLength": 2, "maxLength": 2}},
+    "required": ["s"],
+}
+LENGTH_RULES = [{"field": "s", "min_length": 2, "max_length": 4}, {"field": "list", "min_length": 1, "max_length": 2}]
+
+
+def test_length_bounds_and_string_enums_agree_with_python_exactly(conn):
+    """The length tests evaluate each length once (not BETWEEN) and a string
+    enum stands for its type test: at and around every bound, in characters
+    of one to four bytes, the SQL verdict is exactly the Python one."""
+    from psycopg import sql
+    spec = make_spec(output_schema=LENGTH_SCHEMA, rules=LENGTH_RULES)
+    vouch, why = output_predicate(spec, conn)
+    assert why is None
+    cases = [{"s": ch * n} for ch in ("a", "é", "日", "😀") for n in range(0, 7)]
+    cases += [{"s": "abc", "list": [1] * n} for n in range(0, 4)] + [{"s": "abc", "list": "xyz"}, {"s": "abc", "list": 3}]
+    cases += [{"s": "abc", "e": v} for v in ("a", "é", "b", None, 1, ["a"])]
+    cases += [{"s": "abc", "t": v} for v in ("ab", "a", "abc", "日本", 12, None)] + [{"s": 12345}]
+    for out in cases:
+        ok = check_output(spec, json.dumps(out))[1] is None
+        r = conn.execute(sql.SQL("SELECT {} AS ok FROM (SELECT %s::jsonb AS output) r").format(vouch),
+                         (json.dumps(out),)).fetchone()
+        assert r["ok"] is ok, out

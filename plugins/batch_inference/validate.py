@@ -135,6 +135,13 @@ def _bound(x: sql.Composable, op: str, bound: Any) -> sql.Composable:
         n=_num(x), op=sql.SQL(op), b=sql.Literal(str(bound)))
 
 
+def _within(n: sql.Composable, lo: int, hi: int) -> sql.Composable:
+    """``n BETWEEN lo AND hi`` with ``n`` evaluated once (BETWEEN evaluates its
+    operand twice, and a character count is a loop over the string)."""
+    return sql.SQL("(abs(2 * {n} - {mid2}) <= {span})").format(
+        n=n, mid2=sql.Literal(int(lo) + int(hi)), span=sql.Literal(int(hi) - int(lo)))
+
+
 def schema_predicate(schema: Any, x: sql.Composable, text: sql.Composable | None = None) -> sql.Composable:
     """A boolean SQL expression over the jsonb value ``x``: true only if ``x`` is
     valid against ``schema``. Raises Unsupported for keywords it cannot decide.
@@ -157,6 +164,8 @@ def schema_predicate(schema: Any, x: sql.Composable, text: sql.Composable | None
     t = sql.SQL("jsonb_typeof({})").format(x)
     kinds: list[str] = []
 
+    values = list(schema.get("enum", []))
+    string_enum = bool(values) and all(isinstance(v, str) for v in values)
     if "type" in schema:
         kinds = schema["type"] if isinstance(schema["type"], list) else [schema["type"]]
         alts: list[sql.Composable] = []
@@ -169,10 +178,10 @@ def schema_predicate(schema: Any, x: sql.Composable, text: sql.Composable | None
                 alts.append(sql.SQL("{} = {}").format(t, sql.Literal(kind)))
             else:
                 raise Unsupported(f"type {kind!r}")
-        parts.append(_or(alts))
+        if not (string_enum and "string" in kinds):   # else the enum's own type test below implies it
+            parts.append(_or(alts))
     if "enum" in schema:
-        values = list(schema["enum"])
-        if values and all(isinstance(v, str) for v in values):
+        if string_enum:
             # One text comparison per row instead of one jsonb equality per value.
             parts.append(sql.SQL("({t} = 'string' AND {s} = ANY ({vals}::text[]))").format(
                 t=t, s=text, vals=sql.Literal(values)))
@@ -184,7 +193,7 @@ def schema_predicate(schema: Any, x: sql.Composable, text: sql.Composable | None
     lo, hi = schema.get("minLength"), schema.get("maxLength")
     if lo is not None or hi is not None:
         if lo is not None and hi is not None:
-            cond = sql.SQL("length({}) BETWEEN {} AND {}").format(text, sql.Literal(int(lo)), sql.Literal(int(hi)))
+            cond = _within(sql.SQL("length({})").format(text), lo, hi)
         elif hi is not None:
             # Characters never outnumber bytes: the byte count (free) settles
             # most rows, the character count (a loop over the string) the rest.
@@ -270,12 +279,12 @@ def rule_predicate(rule: Rule, x: sql.Composable) -> sql.Composable:
     if rule.one_of is not None:
         checks.append(_or([sql.SQL("{} = {}").format(v, _lit(c)) for c in rule.one_of]))
     if rule.min_length is not None or rule.max_length is not None:
-        lo = sql.Literal(rule.min_length if rule.min_length is not None else 0)
-        hi = sql.Literal(rule.max_length) if rule.max_length is not None else sql.SQL("NULL")
-        checks.append(sql.SQL(
-            "(CASE jsonb_typeof({v}) WHEN 'string' THEN length({v} #>> '{{}}') BETWEEN {lo} AND coalesce({hi}, length({v} #>> '{{}}')) "
-            "WHEN 'array' THEN jsonb_array_length({v}) BETWEEN {lo} AND coalesce({hi}, jsonb_array_length({v})) "
-            "ELSE false END)").format(v=v, lo=lo, hi=hi))
+        def within(n: sql.Composable) -> sql.Composable:
+            if rule.max_length is None:
+                return sql.SQL("{} >= {}").format(n, sql.Literal(rule.min_length))
+            return _within(n, rule.min_length or 0, rule.max_length)
+        checks.append(sql.SQL("(CASE jsonb_typeof({v}) WHEN 'string' THEN {s} WHEN 'array' THEN {a} ELSE false END)").format(
+            v=v, s=within(sql.SQL("length({} #>> '{{}}')").format(v)), a=within(sql.SQL("jsonb_array_length({})").format(v))))
     if not checks:
         return TRUE
     if rule.not_empty:
