@@ -312,3 +312,24 @@ def test_a_failed_attempt_retried_after_a_lost_reply_counts_once(db_url, conn, j
     assert attempts_row(conn, job, "t00004")["attempts"] == 1
     a.fail(la, [Failure("t00004", "boom", attempt=5)])
     assert attempts_row(conn, job, "t00004")["attempts"] == 2
+
+
+def test_counters_decide_which_probes_run_and_never_the_answer(db_url, conn, job):
+    """0009 skips the result/dead-letter probes while the shard's counters are 0;
+    once something is stored or dead, a re-claim must still leave it out."""
+    a = ledger(db_url, job, "a")
+    la = a.claim()
+    first = [r["record_id"] for r in a.records(la)]
+    assert len(first) == 10                                   # fresh shard: every record
+    assert a.put_results(la, first[:3], [OUT] * 3, ["billing"] * 3) == 3
+    for attempt in (1, 2, 3):
+        got = a.fail(la, [Failure(first[3], "bad", None, attempt)])
+    assert got[0].dead
+    a.release(la)
+    b = ledger(db_url, job, "b")
+    lb = b.claim()
+    assert lb.shard_no == la.shard_no
+    assert [r["record_id"] for r in b.records(lb)] == first[4:]
+    assert b.put_results(lb, [first[3]], [OUT], ["billing"]) == 0    # dead: never also stored
+    assert b.put_results(lb, first[4:], [OUT] * 6, ["billing"] * 6) == 6
+    assert b.complete(lb) == "done"

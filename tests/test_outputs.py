@@ -165,3 +165,27 @@ def test_fast_path_agrees_with_jsonschema(schema, value):
     fast = fast_validator_for(wrapped)
     assert fast is not None, "jsonschema-rs is a core dependency"
     assert fast.is_valid({"v": value}) == validator_for(wrapped).is_valid({"v": value})
+
+
+@pytest.mark.parametrize(
+    "raw, expected",
+    [
+        ('{"category": "bug", "summary": "a\\u0000b"}', "output cannot be stored: a string holds a NUL character"),
+        ('{"category": "bug", "summary": "ok", "n": NaN}', "output cannot be stored: NaN is not JSON"),
+        ('{"category": "bug", "summary": "ok", "n": -Infinity}', "output cannot be stored: -Infinity is not JSON"),
+        ('{"category": "bug", "summary": "ok", "n": 1e400}', "output cannot be stored: the number 1e400 is out of range"),
+    ],
+)
+def test_outputs_jsonb_would_refuse_are_failed_attempts_not_failed_batches(raw, expected):
+    schema = {"type": "object", "properties": {"category": {"type": "string"}, "summary": {"type": "string"},
+                                               "n": {"type": "number"}}, "required": ["category", "summary"]}
+    obj, err = check_output(make_spec(output_schema=schema), raw)
+    assert obj is None and err.startswith(expected), err
+
+
+def test_a_nul_output_would_have_failed_the_whole_flush(conn):
+    """Why check_output refuses it: PostgreSQL rejects the batch it is in."""
+    import psycopg
+
+    with pytest.raises(psycopg.errors.UntranslatableCharacter):
+        conn.execute("SELECT %s::text::jsonb", (json.dumps({"summary": "a\x00b"}),))

@@ -69,6 +69,31 @@ def fast_validator_for(schema: dict[str, Any]) -> Any:
     return v
 
 
+class _Unstorable(ValueError):
+    """Valid to Python's json module, refused by PostgreSQL's jsonb."""
+
+
+def _no_constant(name: str) -> Any:
+    raise _Unstorable(f"{name} is not JSON (jsonb refuses it)")
+
+
+def _finite_float(text: str) -> float:
+    value = float(text)
+    if value in (float("inf"), float("-inf")):
+        raise _Unstorable(f"the number {text[:40]} is out of range")
+    return value
+
+
+def _has_nul(value: Any) -> bool:
+    if isinstance(value, str):
+        return "\x00" in value
+    if isinstance(value, dict):
+        return any("\x00" in k or _has_nul(v) for k, v in value.items())
+    if isinstance(value, list):
+        return any(_has_nul(v) for v in value)
+    return False
+
+
 def _short(text: str) -> str:
     text = " ".join(text.split())
     return text if len(text) <= MAX_REASON else text[: MAX_REASON - 3] + "..."
@@ -82,10 +107,17 @@ def check_output(spec: JobSpec, raw: str | None) -> tuple[dict[str, Any] | None,
         # strict=False: llama.cpp's grammars can let a raw newline or tab into
         # a string. The meaning is intact and the object is re-serialized
         # when stored, so that is not worth a failed attempt.
-        obj = json.loads(raw, strict=False)
+        obj = json.loads(raw, strict=False, parse_constant=_no_constant, parse_float=_finite_float)
     except (json.JSONDecodeError, RecursionError) as exc:
         detail = f"{exc.msg} at line {exc.lineno} column {exc.colno}" if isinstance(exc, json.JSONDecodeError) else "nested too deeply"
         return None, _short(f"output is not valid JSON: {detail}")
+    except _Unstorable as exc:
+        return None, _short(f"output cannot be stored: {exc}")
+    if "\x00" in raw or "\\u0000" in raw:
+        # json.loads accepts it, PostgreSQL's jsonb refuses it: one such
+        # output would fail the whole batch it is written with.
+        if _has_nul(obj):
+            return None, "output cannot be stored: a string holds a NUL character (\\u0000), which jsonb refuses"
     fast = fast_validator_for(spec.output_schema)
     if fast is not None and fast.is_valid(obj):
         error = None
