@@ -171,6 +171,8 @@ def test_fast_path_agrees_with_jsonschema(schema, value):
     "raw, expected",
     [
         ('{"category": "bug", "summary": "a\\u0000b"}', "output cannot be stored: a string holds a NUL character"),
+        ('{"category": "bug", "summary": "a\\ud800b"}', "output cannot be stored: a string holds a lone surrogate (\\ud800)"),
+        ('{"category": "bug", "summary": "ok", "\\udc00": 1}', "output cannot be stored: a string holds a lone surrogate"),
         ('{"category": "bug", "summary": "ok", "n": NaN}', "output cannot be stored: NaN is not JSON"),
         ('{"category": "bug", "summary": "ok", "n": -Infinity}', "output cannot be stored: -Infinity is not JSON"),
         ('{"category": "bug", "summary": "ok", "n": 1e400}', "output cannot be stored: the number 1e400 is out of range"),
@@ -181,6 +183,11 @@ def test_outputs_jsonb_would_refuse_are_failed_attempts_not_failed_batches(raw, 
                                                "n": {"type": "number"}}, "required": ["category", "summary"]}
     obj, err = check_output(make_spec(output_schema=schema), raw)
     assert obj is None and err.startswith(expected), err
+
+
+def test_a_valid_surrogate_pair_is_kept():
+    obj, err = check_output(make_spec(), '{"category": "bug", "summary": "\\ud83d\\ude00 ok"}')
+    assert err is None and obj["summary"] == "\U0001F600 ok"
 
 
 def test_a_nul_output_would_have_failed_the_whole_flush(conn):

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 from typing import Any
 
 from jsonschema import Draft202012Validator
@@ -84,14 +85,30 @@ def _finite_float(text: str) -> float:
     return value
 
 
-def _has_nul(value: Any) -> bool:
+_UNSTORABLE = re.compile("[\x00\ud800-\udfff]")
+
+
+def _unstorable_char(value: Any) -> str | None:
+    """What in ``value``'s strings PostgreSQL cannot store, or None: NUL
+    (jsonb refuses \\u0000) or a lone UTF-16 surrogate (not encodable as
+    UTF-8; a valid pair has already been joined by json.loads)."""
     if isinstance(value, str):
-        return "\x00" in value
+        m = _UNSTORABLE.search(value)
+        if m is None:
+            return None
+        return "a NUL character (\\u0000), which jsonb refuses" if m.group() == "\x00" else \
+            f"a lone surrogate (\\u{ord(m.group()):04x}), which is not valid UTF-8"
     if isinstance(value, dict):
-        return any("\x00" in k or _has_nul(v) for k, v in value.items())
+        for k, v in value.items():
+            bad = _unstorable_char(k) or _unstorable_char(v)
+            if bad:
+                return bad
     if isinstance(value, list):
-        return any(_has_nul(v) for v in value)
-    return False
+        for v in value:
+            bad = _unstorable_char(v)
+            if bad:
+                return bad
+    return None
 
 
 def _short(text: str) -> str:
@@ -113,11 +130,12 @@ def check_output(spec: JobSpec, raw: str | None) -> tuple[dict[str, Any] | None,
         return None, _short(f"output is not valid JSON: {detail}")
     except _Unstorable as exc:
         return None, _short(f"output cannot be stored: {exc}")
-    if "\x00" in raw or "\\u0000" in raw:
-        # json.loads accepts it, PostgreSQL's jsonb refuses it: one such
-        # output would fail the whole batch it is written with.
-        if _has_nul(obj):
-            return None, "output cannot be stored: a string holds a NUL character (\\u0000), which jsonb refuses"
+    if "\x00" in raw or "\\u" in raw:
+        # json.loads accepts these, PostgreSQL's jsonb (or UTF-8) refuses
+        # them: one such output would fail the whole batch it is written with.
+        bad = _unstorable_char(obj)
+        if bad:
+            return None, f"output cannot be stored: a string holds {bad}"
     fast = fast_validator_for(spec.output_schema)
     if fast is not None and fast.is_valid(obj):
         error = None
