@@ -40,7 +40,7 @@ from batch_inference import db
 from batch_inference.engines import load_engine
 from batch_inference.engines.base import Engine, Request
 from batch_inference.ledger import Failure, Lease, Ledger, StaleLease, new_owner_id
-from batch_inference.outputs import check_output
+from batch_inference.outputs import check_for_storage
 from batch_inference.pinning import DigestMismatch, verify_weights
 from batch_inference.prompting import build_messages
 from batch_inference.spec import JobSpec
@@ -377,7 +377,7 @@ class Worker:
         assert self.ledger is not None and self.spec is not None and self.engine is not None
         spec, lease = self.spec, shard.lease
         ok_ids: list[str] = []
-        ok_out: list[dict[str, Any]] = []
+        ok_out: list[str] = []
         ok_cat: list[str | None] = []
         failures: dict[str, Failure] = {}
         retry: list[str] = []
@@ -407,13 +407,13 @@ class Worker:
 
         for outcome in self.engine.generate(requests, shard.halt):
             if outcome.error is None:
-                obj, err = check_output(spec, outcome.text)
+                obj, text, err = check_for_storage(spec, outcome.text)
             else:
-                obj, err = None, outcome.error
+                obj, text, err = None, None, outcome.error
             if obj is not None:
                 cat = obj.get(spec.category_field) if spec.category_field else None
                 ok_ids.append(outcome.record_id)
-                ok_out.append(obj)
+                ok_out.append(text)
                 ok_cat.append(cat if isinstance(cat, str) else None if cat is None else str(cat))
             else:
                 failures[outcome.record_id] = Failure(outcome.record_id, err or "unknown error", outcome.text,

@@ -130,13 +130,15 @@ class Ledger:
         r = self.conn.execute(q("abandon_shard"), self._args(lease)).fetchone()
         return bool(r and r["ok"])
 
-    def put_results(self, lease: Lease, ids: Sequence[str], outputs: Sequence[dict[str, Any]],
+    def put_results(self, lease: Lease, ids: Sequence[str], outputs: Sequence[dict[str, Any] | str],
                     categories: Sequence[str | None]) -> int:
-        """Put-if-absent; returns how many rows were new."""
+        """Put-if-absent; returns how many rows were new. An output is an
+        object, or JSON text jsonb accepts (``outputs.check_for_storage``)."""
         if not ids:
             return 0
         r = self.conn.execute(q("put_results"), self._args(
-            lease, ids=list(ids), outputs=[json.dumps(o, ensure_ascii=False) for o in outputs],
+            lease, ids=list(ids),
+            outputs=[o if isinstance(o, str) else json.dumps(o, ensure_ascii=False) for o in outputs],
             categories=list(categories))).fetchone()
         n = r["n"] if r else -1
         if n < 0:

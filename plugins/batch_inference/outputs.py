@@ -111,6 +111,12 @@ def _unstorable_char(value: Any) -> str | None:
     return None
 
 
+# Built once: json.loads(raw, **options) builds a decoder per call, which
+# costs as much as the parse of a short output.
+_DECODE = json.JSONDecoder(parse_constant=_no_constant, parse_float=_finite_float).decode
+_DECODE_LAX = json.JSONDecoder(strict=False, parse_constant=_no_constant, parse_float=_finite_float).decode
+
+
 def _short(text: str) -> str:
     text = " ".join(text.split())
     return text if len(text) <= MAX_REASON else text[: MAX_REASON - 3] + "..."
@@ -118,24 +124,40 @@ def _short(text: str) -> str:
 
 def check_output(spec: JobSpec, raw: str | None) -> tuple[dict[str, Any] | None, str | None]:
     """``(obj, None)`` for a valid output, else ``(None, one-line reason)``."""
+    obj, _text, err = check_for_storage(spec, raw)
+    return obj, err
+
+
+def check_for_storage(spec: JobSpec, raw: str | None) -> tuple[dict[str, Any] | None, str | None, str | None]:
+    """``(obj, text, None)`` for a valid output, where ``text`` is JSON that
+    PostgreSQL's jsonb accepts as it is (the engine's own text when it
+    already is, which spares the worker a re-serialisation per record);
+    else ``(None, None, one-line reason)``."""
     if raw is None:
-        return None, "engine returned no output"
+        return None, None, "engine returned no output"
+    text: str | None = raw
     try:
-        # strict=False: llama.cpp's grammars can let a raw newline or tab into
-        # a string. The meaning is intact and the object is re-serialized
-        # when stored, so that is not worth a failed attempt.
-        obj = json.loads(raw, strict=False, parse_constant=_no_constant, parse_float=_finite_float)
+        try:
+            obj = _DECODE(raw)
+        except json.JSONDecodeError as exc:
+            if not exc.msg.startswith("Invalid control character"):
+                raise
+            # llama.cpp's grammars can let a raw newline or tab into a
+            # string. The meaning is intact, but jsonb wants it escaped:
+            # accept it and store the object re-serialised.
+            obj = _DECODE_LAX(raw)
+            text = None
     except (json.JSONDecodeError, RecursionError) as exc:
         detail = f"{exc.msg} at line {exc.lineno} column {exc.colno}" if isinstance(exc, json.JSONDecodeError) else "nested too deeply"
-        return None, _short(f"output is not valid JSON: {detail}")
+        return None, None, _short(f"output is not valid JSON: {detail}")
     except _Unstorable as exc:
-        return None, _short(f"output cannot be stored: {exc}")
+        return None, None, _short(f"output cannot be stored: {exc}")
     if "\x00" in raw or "\\u" in raw:
         # json.loads accepts these, PostgreSQL's jsonb (or UTF-8) refuses
         # them: one such output would fail the whole batch it is written with.
         bad = _unstorable_char(obj)
         if bad:
-            return None, f"output cannot be stored: a string holds {bad}"
+            return None, None, f"output cannot be stored: a string holds {bad}"
     fast = fast_validator_for(spec.output_schema)
     if fast is not None and fast.is_valid(obj):
         error = None
@@ -144,14 +166,14 @@ def check_output(spec: JobSpec, raw: str | None) -> tuple[dict[str, Any] | None,
         error = best_match(validator_for(spec.output_schema).iter_errors(obj))
     if error is not None:
         where = "/".join(str(p) for p in error.absolute_path) or "(top level)"
-        return None, _short(f"output does not match the schema at {where}: {error.message}")
+        return None, None, _short(f"output does not match the schema at {where}: {error.message}")
     if not isinstance(obj, dict):  # the spec forces type: object; belt and braces
-        return None, "output is not a JSON object"
+        return None, None, "output is not a JSON object"
     for rule in spec.rules:
         reason = check_rule(rule, obj)
         if reason:
-            return None, _short(reason)
-    return obj, None
+            return None, None, _short(reason)
+    return obj, text if text is not None else json.dumps(obj, ensure_ascii=False), None
 
 
 def _same(a: Any, b: Any) -> bool:

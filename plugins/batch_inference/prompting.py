@@ -18,6 +18,8 @@ The template is filled with ``str.replace("{text}", ...)``, never
 
 from __future__ import annotations
 
+from functools import lru_cache
+
 from batch_inference.engines.base import Request
 from batch_inference.spec import JobSpec
 
@@ -31,6 +33,7 @@ UNTRUSTED_DATA_INSTRUCTION = (
 PLACEHOLDER = "{text}"
 
 
+@lru_cache(maxsize=64)
 def closing_delimiter(template: str) -> str:
     """The first non-blank line after ``{text}`` in the template (``>>>`` by default)."""
     after = template.split(PLACEHOLDER, 1)[1]
@@ -57,7 +60,14 @@ def render_record(spec: JobSpec, text: str) -> str:
 
 
 def system_turn(spec: JobSpec) -> str:
-    return f"{UNTRUSTED_DATA_INSTRUCTION}\n\n{spec.prompt.system}"
+    return _system_turn(spec.prompt.system)
+
+
+@lru_cache(maxsize=64)
+def _system_turn(system: str) -> str:
+    # The same string object for every record of a job: one copy in memory
+    # for a whole shard's requests, and no formatting per record.
+    return f"{UNTRUSTED_DATA_INSTRUCTION}\n\n{system}"
 
 
 def build_messages(spec: JobSpec, text: str) -> list[dict[str, str]]:
