@@ -325,7 +325,10 @@ def test_the_v2_functions_in_sql(conn, db_url):
 
 def test_cli_expect(conn, db_url, capsys):
     v1, v2 = version(conn, db_url, 10), version(conn, db_url, 12, start=50)
-    assert cli_main(["--db", db_url, "publish", v1]) == 0
+    assert cli_main(["--db", db_url, "publish", v1, "--expect", "none"]) == 0      # the first publish
+    assert cli_main(["--db", db_url, "publish", v2, "--expect", "none"]) == 2      # ... stays the first
+    assert (f"refused: expected nothing to be published, but {v1} is; nothing was changed"
+            in capsys.readouterr().err)
     assert cli_main(["--db", db_url, "publish", v2, "--expect", v2]) == 2
     assert (f"refused: expected {v2} to be published, but {v1} is; nothing was changed"
             in capsys.readouterr().err)

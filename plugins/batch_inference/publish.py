@@ -131,7 +131,8 @@ def publish(conn: psycopg.Connection, job_version: str, *, actor: str | None = N
     :param reason: why; recorded in bi.publish_history (required with ``force``).
     :param dataset: the dataset the caller expects; a version of another dataset is refused.
     :param expected_current: the version the caller saw as published; if the pointer is elsewhere
-        (and not already at ``job_version``) the publish is refused with ``PointerMoved``.
+        (and not already at ``job_version``) the publish is refused with ``PointerMoved``;
+        ``""`` expects that nothing is published yet (a first publish that must stay first).
     :returns: dataset, from_version, to_version, action, forced, changed (False when the
         version was already published: a retry is a no-op), history_id, view.
     :raises PublishRefused: a guard refused (not validated, not finished, wrong dataset, ...).
@@ -144,7 +145,7 @@ def publish(conn: psycopg.Connection, job_version: str, *, actor: str | None = N
     ds = dataset or job["dataset"]
     spec = job_spec(conn, job_version)
     params = {"dataset": ds, "job": job_version, "actor": actor, "force": force, "reason": reason,
-              "expected": expected_current}
+              "expected": expected_current or None}   # "": expect that nothing is published yet
     name = "publish" if expected_current is None else "publish_expected"
     out = _switch(conn, name, params, ds, spec, lock_timeout, attempts)
     if out["changed"]:

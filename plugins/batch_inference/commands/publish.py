@@ -20,7 +20,8 @@ def register(sub: Any) -> None:
     p.add_argument("--reason", help="why (recorded in the publish history; required with --force)")
     p.add_argument("--actor", help="who publishes (default: the database user)")
     p.add_argument("--expect", metavar="VERSION",
-                   help="refuse unless VERSION is the one published now (nobody published since you looked)")
+                   help="refuse unless VERSION is the one published now (nobody published since you "
+                        "looked); 'none': refuse if anything is published")
     p.add_argument("--json", action="store_true")
     _db_arg(p)
     p.set_defaults(func=run_publish)
@@ -70,7 +71,7 @@ def run_publish(args: argparse.Namespace) -> int:
         return 2
     with _conn(args) as conn:
         out = publish(conn, args.job_version, actor=args.actor, force=args.force, reason=args.reason,
-                      expected_current=args.expect)
+                      expected_current="" if (args.expect or "").lower() == "none" else args.expect)
     _print_switch(out, args.json)
     return 0
 
