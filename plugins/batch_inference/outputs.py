@@ -14,7 +14,10 @@ from __future__ import annotations
 import hashlib
 import json
 import re
+from dataclasses import dataclass
 from typing import Any
+
+import jsonschema_rs
 
 from jsonschema import Draft202012Validator
 from jsonschema.exceptions import best_match
@@ -23,51 +26,49 @@ from batch_inference.spec import JobSpec, Rule
 
 MAX_REASON = 300
 
-_by_hash: dict[str, Draft202012Validator] = {}
-# id(schema) -> (schema, validator). Keeping the schema object alive pins its
+@dataclass(frozen=True)
+class _Compiled:
+    """Both validators of one output schema, built once."""
+
+    full: Draft202012Validator      # jsonschema: the reason for an invalid output
+    fast: Any                       # jsonschema-rs: "is it valid?" in about 1 us instead of about 40
+
+
+_by_hash: dict[str, _Compiled] = {}
+# id(schema) -> (schema, compiled). Keeping the schema object alive pins its
 # id, so an id hit is always the same object; the spec is frozen.
-_by_id: dict[int, tuple[dict[str, Any], Draft202012Validator]] = {}
+_by_id: dict[int, tuple[dict[str, Any], _Compiled]] = {}
 
 
 def schema_hash(schema: dict[str, Any]) -> str:
     return hashlib.sha256(json.dumps(schema, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
 
 
-def validator_for(schema: dict[str, Any]) -> Draft202012Validator:
+def _compiled(schema: dict[str, Any]) -> _Compiled:
     hit = _by_id.get(id(schema))
     if hit is not None and hit[0] is schema:
         return hit[1]
     key = schema_hash(schema)
-    validator = _by_hash.get(key)
-    if validator is None:
+    compiled = _by_hash.get(key)
+    if compiled is None:
         # Formats are asserted: an LLM writing "yesterday" into a "date" field
         # is exactly the failure worth catching.
-        validator = Draft202012Validator(schema, format_checker=Draft202012Validator.FORMAT_CHECKER)
-        _by_hash[key] = validator
+        compiled = _Compiled(
+            Draft202012Validator(schema, format_checker=Draft202012Validator.FORMAT_CHECKER),
+            jsonschema_rs.Draft202012Validator(schema, validate_formats=True))
+        _by_hash[key] = compiled
     if len(_by_id) > 256:  # a long-lived process checking many specs
         _by_id.clear()
-    _by_id[id(schema)] = (schema, validator)
-    return validator
+    _by_id[id(schema)] = (schema, compiled)
+    return compiled
 
 
-_fast: dict[int, tuple[dict[str, Any], Any]] = {}
+def validator_for(schema: dict[str, Any]) -> Draft202012Validator:
+    return _compiled(schema).full
 
 
 def fast_validator_for(schema: dict[str, Any]) -> Any:
-    """A compiled validator (jsonschema-rs, Rust: about 1 us per output instead of
-    about 40 us) for the common case of a valid output; None when not installed."""
-    try:
-        import jsonschema_rs
-    except ImportError:
-        return None
-    hit = _fast.get(id(schema))
-    if hit is not None and hit[0] is schema:
-        return hit[1]
-    v = jsonschema_rs.Draft202012Validator(schema, validate_formats=True)
-    if len(_fast) > 256:
-        _fast.clear()
-    _fast[id(schema)] = (schema, v)
-    return v
+    return _compiled(schema).fast
 
 
 class _Unstorable(ValueError):
@@ -158,12 +159,10 @@ def check_for_storage(spec: JobSpec, raw: str | None) -> tuple[dict[str, Any] | 
         bad = _unstorable_char(obj)
         if bad:
             return None, None, f"output cannot be stored: a string holds {bad}"
-    fast = fast_validator_for(spec.output_schema)
-    if fast is not None and fast.is_valid(obj):
-        error = None
-    else:
-        # The reason comes from jsonschema (its messages and best_match ranking).
-        error = best_match(validator_for(spec.output_schema).iter_errors(obj))
+    compiled = _compiled(spec.output_schema)
+    # Valid outputs (nearly all) are vouched for by jsonschema-rs; the reason
+    # for an invalid one comes from jsonschema (its messages and best_match).
+    error = None if compiled.fast.is_valid(obj) else best_match(compiled.full.iter_errors(obj))
     if error is not None:
         where = "/".join(str(p) for p in error.absolute_path) or "(top level)"
         return None, None, _short(f"output does not match the schema at {where}: {error.message}")

@@ -70,14 +70,8 @@ class NoopEngine(Engine):
             yield self._answer_for(req)
 
     def _answer_for(self, req: Request) -> Outcome:
-        # Markers count in the record (user turn) only, not in the system
-        # prompt. The prompt builder puts the record last, as the one user
-        # turn; the general form is kept for hand-built requests.
-        last = req.messages[-1] if req.messages else {}
-        if last.get("role") == "user" and len(req.messages) <= 2:
-            text = last.get("content", "")
-        else:
-            text = "\n".join(m.get("content", "") for m in req.messages if m.get("role") == "user")
+        # Markers count in the record (user turn) only, not in the system prompt.
+        text = "\n".join(m.get("content", "") for m in req.messages if m.get("role") == "user")
         # Draw both numbers for every record so that the sequence of draws,
         # and so the faults, do not depend on which markers appear.
         fail_draw, invalid_draw = self._rng.random(), self._rng.random()
