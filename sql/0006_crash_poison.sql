@@ -44,8 +44,7 @@
 
 ALTER TABLE bi.shards
     ADD COLUMN IF NOT EXISTS lost_leases integer NOT NULL DEFAULT 0,   -- epochs that ended without release or completion
-    ADD COLUMN IF NOT EXISTS in_flight text[],                         -- the current epoch's last marked engine batch
-    ADD COLUMN IF NOT EXISTS in_flight_marks bigint NOT NULL DEFAULT 0; -- mark_in_flight calls, all epochs
+    ADD COLUMN IF NOT EXISTS in_flight text[];                         -- the current epoch's last marked engine batch
 
 -- Deaths with the record in flight; separate from failed attempts (above).
 ALTER TABLE bi.attempts ADD COLUMN IF NOT EXISTS crashes integer NOT NULL DEFAULT 0;
@@ -217,7 +216,7 @@ RETURNS boolean
 LANGUAGE plpgsql SECURITY DEFINER SET search_path = pg_catalog, pg_temp AS $$
 BEGIN
     UPDATE bi.shards s
-       SET in_flight = p_ids, in_flight_marks = s.in_flight_marks + 1
+       SET in_flight = p_ids
      WHERE s.job_version = p_job AND s.shard_no = p_shard AND s.epoch = p_epoch AND s.state = 'leased';
     IF NOT FOUND THEN
         PERFORM bi.record_fence_v1(p_job, p_shard, 'mark_in_flight', p_epoch, p_worker);
