@@ -43,12 +43,13 @@ def worker_slots(workers: int) -> list[int]:
     return list(range(int(workers)))
 
 
-def gpu_workers(job_version):
+def gpu_workers(job_version, postgres_conn_id):
     """A slot list from the Param, then one worker pod per slot."""
     slots = worker_slots("{{ params.workers }}")
     pods = gpu_worker_pods(
         task_id="gpu_workers",
         job_version=job_version,
+        postgres_conn_id=postgres_conn_id,
         workers=slots,
         image="{{ params.image }}",
         engine="{{ params.engine }}",

@@ -113,7 +113,10 @@ def test_the_pipeline_builder_wires_any_launcher_between_submit_and_validate():
 
     from batch_inference.operators.pipeline import batch_inference_pipeline, pipeline_dag_args, pipeline_params
 
-    def launcher(job_version):
+    seen = {}
+
+    def launcher(job_version, postgres_conn_id):
+        seen["conn"] = postgres_conn_id
         first = EmptyOperator(task_id="scale_up")
         return first, first >> EmptyOperator(task_id="run_workers")
 
@@ -121,6 +124,7 @@ def test_the_pipeline_builder_wires_any_launcher_between_submit_and_validate():
         p = batch_inference_pipeline(dataset="probe_set", workers=launcher, cutoff_poll_interval=5,
                                      postgres_conn_id="probe_conn")
     up = {t.task_id: t.upstream_task_ids for t in dag.tasks}
+    assert seen["conn"] == "probe_conn"           # the launcher's tasks use the pipeline's connection
     assert up["scale_up"] == {"submit"} and up["deadline"] == {"submit"}
     assert up["cutoff"] == {"submit", "deadline"} and up["fallback"] == {"submit", "cutoff"}
     assert up["validate"] == {"submit", "run_workers", "fallback"} and up["publish"] == {"submit", "validate"}

@@ -45,9 +45,9 @@ def register(sub: Any) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from batch_inference.chaos import ChaosConfig, run_chaos
-    from gpu_runner.worker import parse_engine_options as _kv
+    from gpu_runner.worker import parse_engine_options
 
-    opts = _kv(args.engine_option) if args.engine_option else ({"delay_s": 0.03} if args.engine == "noop" else {})
+    opts = parse_engine_options(args.engine_option) if args.engine_option else ({"delay_s": 0.03} if args.engine == "noop" else {})
     cfg = ChaosConfig(workers=args.workers, records=args.records, shard_size=args.shard_size,
                       lease_seconds=args.lease_seconds, renew_seconds=args.renew_seconds, seed=args.seed,
                       duration=args.duration, faults=args.faults, engine=args.engine, engine_options=opts,

@@ -42,10 +42,11 @@ from batch_inference.sensors.cutoff import CutoffSensor
 CONN_ID = "batch_inference_default"   # the ledger's PostgreSQL (AIRFLOW_CONN_BATCH_INFERENCE_DEFAULT)
 ENGINES = ("llama-cpp", "noop", "openai", "vllm")
 
-# A launcher gets the job version (an XComArg of submit) and adds the worker
-# task(s): it returns one task, or (first, last) when the workers are several
-# tasks in a row (a slot-count task, then the pods mapped over it).
-WorkerLauncher = Callable[[Any], Any]
+# A launcher gets the job version (an XComArg of submit) and the ledger's
+# connection id, and adds the worker task(s): it returns one task, or
+# (first, last) when the workers are several tasks in a row (a slot-count
+# task, then the pods mapped over it).
+WorkerLauncher = Callable[[Any, str], Any]
 
 
 @dataclass(frozen=True)
@@ -80,7 +81,7 @@ def batch_inference_pipeline(*, dataset: str, workers: WorkerLauncher, spec: str
     launcher usually reads ``workers`` and ``engine``).
 
     :param dataset: the published dataset; ``publish`` records an event on ``dataset_asset(dataset)``.
-    :param workers: ``launcher(job_version)`` adds the worker task(s) and returns one task, or
+    :param workers: ``launcher(job_version, postgres_conn_id)`` adds the worker task(s) and returns one task, or
         ``(first, last)``: ``first`` runs after submit, ``validate`` waits for ``last``.
     :param spec: the job spec (templated; a path relative to the DAG file, or a dict).
     :param incremental: overrides the spec's ``incremental`` (e.g. ``"{{ params.incremental }}"``);
@@ -97,7 +98,7 @@ def batch_inference_pipeline(*, dataset: str, workers: WorkerLauncher, spec: str
         postgres_conn_id=postgres_conn_id,
     )
     job_version = submit.output["job_version"]
-    launched = workers(job_version)
+    launched = workers(job_version, postgres_conn_id)
     first, last = launched if isinstance(launched, tuple) else (launched, launched)
 
     deadline = resolve_deadline("{{ params.deadline }}", "{{ dag_run.run_after.isoformat() }}")
@@ -116,12 +117,12 @@ def batch_inference_pipeline(*, dataset: str, workers: WorkerLauncher, spec: str
 
 
 def local_workers(*, workers: Any = "{{ params.workers }}", engine: Any = "{{ params.engine }}",
-                  postgres_conn_id: str = CONN_ID, **kwargs: Any) -> WorkerLauncher:
+                  **kwargs: Any) -> WorkerLauncher:
     """A launcher for ``LocalWorkersOperator`` (task id ``workers``): N ``python -m gpu_runner``
     processes on the Airflow worker. ``kwargs`` go to the operator (``max_restarts``, ``env``...)."""
     from batch_inference.operators.workers import LocalWorkersOperator
 
-    def launch(job_version: Any) -> Any:
+    def launch(job_version: Any, postgres_conn_id: str) -> Any:
         return LocalWorkersOperator(task_id="workers", job_version=job_version, workers=workers, engine=engine,
                                     postgres_conn_id=postgres_conn_id, **kwargs)
 
