@@ -35,7 +35,6 @@ from urllib.parse import quote
 import httpx
 import psycopg
 import pytest
-from psycopg.conninfo import conninfo_to_dict
 
 from batch_inference import db
 from batch_inference.status import job_counts
@@ -76,13 +75,6 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _airflow_conn(uri: str) -> str:
-    """The ledger as an Airflow connection; the host is the server's Unix-socket directory."""
-    p = conninfo_to_dict(uri)
-    return json.dumps({"conn_type": "postgres", "host": p.get("host"), "login": p.get("user"),
-                       "password": p.get("password") or None, "schema": p.get("dbname"), "port": p.get("port")})
-
-
 @pytest.fixture(scope="module")
 def night(pg_server, template_db):
     """A seeded ledger database of its own (the page tests change its pointer)."""
@@ -121,7 +113,7 @@ def airflow_home(request):
     migrate = subprocess.Popen([AIRFLOW, "db", "migrate"], env=env, stdout=(home / "migrate.log").open("w"),
                                stderr=subprocess.STDOUT)
     url, info = request.getfixturevalue("night")          # seeded while Airflow migrates
-    env["AIRFLOW_CONN_BATCH_INFERENCE_DEFAULT"] = _airflow_conn(url)
+    env["AIRFLOW_CONN_BATCH_INFERENCE_DEFAULT"] = db.airflow_connection_json(url)
     env["BI_PROBE_JOB"] = info["v3"]
     assert migrate.wait(timeout=300) == 0, (home / "migrate.log").read_text()[-4000:]
     print(f"ledger seeded and airflow db migrated: {time.monotonic() - t0:.1f}s")

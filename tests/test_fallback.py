@@ -24,8 +24,8 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import pytest
-from psycopg.conninfo import conninfo_to_dict
 
+from batch_inference import db
 from batch_inference.fallback import FallbackRefused, run_fallback
 from batch_inference.plan import submit
 from batch_inference.status import job_counts
@@ -236,7 +236,6 @@ if __name__ == "__main__":
 
 
 def airflow_env(home: Path, db_url: str) -> dict[str, str]:
-    parts = conninfo_to_dict(db_url)
     env = {k: v for k, v in os.environ.items() if not k.startswith(("AIRFLOW", "BATCH_INFERENCE"))}
     return env | {
         "AIRFLOW_HOME": str(home),
@@ -245,8 +244,7 @@ def airflow_env(home: Path, db_url: str) -> dict[str, str]:
         "AIRFLOW__DATABASE__SQL_ALCHEMY_CONN": f"sqlite:///{home / 'airflow.db'}",
         # The ledger through an Airflow connection: the sensor, the trigger
         # (async getter) and the operator all resolve it; BATCH_INFERENCE_DB is unset.
-        "AIRFLOW_CONN_BI_LEDGER": json.dumps({"conn_type": "postgres", "host": parts["host"],
-                                              "login": parts["user"], "schema": parts["dbname"]}),
+        "AIRFLOW_CONN_BI_LEDGER": db.airflow_connection_json(db_url),
         "PYTHONPATH": str(REPO),
     }
 

@@ -9,6 +9,7 @@ state changes; the ledger transitions are SQL functions (sql/0002_ledger.sql).
 from __future__ import annotations
 
 import hashlib
+import json
 import logging
 import os
 import re
@@ -18,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 import psycopg
+from psycopg.conninfo import conninfo_to_dict
 from psycopg.rows import dict_row
 
 log = logging.getLogger(__name__)
@@ -135,3 +137,33 @@ def fetch_all(conn: psycopg.Connection, name: str, params: Any = None) -> list[d
 
 def fetch_one(conn: psycopg.Connection, name: str, params: Any = None) -> dict[str, Any] | None:
     return conn.execute(q(name), params).fetchone()
+
+
+def normalize_url(url: str) -> str:
+    """A URL libpq accepts: SQLAlchemy's ``postgresql+driver://`` becomes ``postgresql://``.
+
+    ``postgres://`` and ``postgresql://`` are both libpq URIs already; a
+    ``key=value`` conninfo string passes through unchanged.
+    """
+    scheme, sep, rest = url.partition("://")
+    if sep and scheme.startswith("postgresql+"):
+        return "postgresql://" + rest
+    return url
+
+
+def airflow_connection_json(url: str) -> str:
+    """An Airflow connection (the JSON form of ``AIRFLOW_CONN_<ID>``) for a PostgreSQL URL or conninfo.
+
+    A Unix-socket directory becomes the connection's ``host``; libpq
+    parameters without an Airflow field go to ``extra``.
+    """
+    parts = conninfo_to_dict(normalize_url(url))
+    fields = {"conn_type": "postgres", "host": parts.pop("host", None), "port": parts.pop("port", None),
+              "login": parts.pop("user", None), "password": parts.pop("password", None),
+              "schema": parts.pop("dbname", None)}
+    if fields["port"] is not None:
+        fields["port"] = int(fields["port"])
+    out = {k: v for k, v in fields.items() if v not in (None, "")}
+    if parts:
+        out["extra"] = {k: str(v) for k, v in parts.items()}
+    return json.dumps(out)

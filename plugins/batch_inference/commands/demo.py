@@ -69,7 +69,7 @@ def dags_folder() -> Path:
 
 
 def airflow_env(home: Path, db_url: str) -> dict[str, str]:
-    from batch_inference.hooks.batch_inference import airflow_connection_json
+    from batch_inference.db import airflow_connection_json
 
     af = home / "airflow"
     af.mkdir(parents=True, exist_ok=True)
@@ -146,7 +146,7 @@ def _tidy(line: str) -> str:
 def run(args: argparse.Namespace) -> int:
     from batch_inference import db, embedded
     from batch_inference.data import DEMO_DATASET, DEMO_SOURCE_TABLE, DEMO_SPEC
-    from batch_inference.hooks.batch_inference import normalize_url
+    from batch_inference.db import normalize_url
 
     if not 1 <= args.records <= 320:
         print("batch-inference demo: error: --records must be between 1 and 320 (the sample has 320 tickets)",

@@ -27,6 +27,7 @@ from psycopg import pq
 from psycopg.conninfo import conninfo_to_dict, make_conninfo
 
 from batch_inference import db
+from batch_inference.db import airflow_connection_json, normalize_url  # noqa: F401 (the hook's API)
 
 if TYPE_CHECKING:
     from airflow.sdk import Connection
@@ -42,18 +43,6 @@ def libpq_keywords() -> frozenset[str]:
     conninfo with a keyword it does not know; only these pass.
     """
     return frozenset(d.keyword.decode() for d in pq.Conninfo.get_defaults())
-
-
-def normalize_url(url: str) -> str:
-    """A URL libpq accepts: SQLAlchemy's ``postgresql+driver://`` becomes ``postgresql://``.
-
-    ``postgres://`` and ``postgresql://`` are both libpq URIs already; a
-    ``key=value`` conninfo string passes through unchanged.
-    """
-    scheme, sep, rest = url.partition("://")
-    if sep and scheme.startswith("postgresql+"):
-        return "postgresql://" + rest
-    return url
 
 
 def conninfo_from_connection(conn: "Connection", *, iam_token: tuple[str, str, int] | None = None) -> str:
@@ -80,24 +69,6 @@ def conninfo_from_connection(conn: "Connection", *, iam_token: tuple[str, str, i
     text = make_conninfo("", **{k: v for k, v in args.items() if v is not None})
     conninfo_to_dict(text)  # a malformed value fails here, naming the connection's problem, not at connect
     return text
-
-
-def airflow_connection_json(url: str) -> str:
-    """An Airflow connection (the JSON form of ``AIRFLOW_CONN_<ID>``) for a PostgreSQL URL or conninfo.
-
-    A Unix-socket directory becomes the connection's ``host``; libpq
-    parameters without an Airflow field go to ``extra``.
-    """
-    parts = conninfo_to_dict(normalize_url(url))
-    fields = {"conn_type": "postgres", "host": parts.pop("host", None), "port": parts.pop("port", None),
-              "login": parts.pop("user", None), "password": parts.pop("password", None),
-              "schema": parts.pop("dbname", None)}
-    if fields["port"] is not None:
-        fields["port"] = int(fields["port"])
-    out = {k: v for k, v in fields.items() if v not in (None, "")}
-    if parts:
-        out["extra"] = {k: str(v) for k, v in parts.items()}
-    return json.dumps(out)
 
 
 def redact(conninfo: str) -> str:
