@@ -283,8 +283,7 @@ class Worker:
         try:
             outcome = self._work(shard)
         except StaleLease as exc:
-            self.stats["stale"] += 1
-            log.warning("%s: %s; dropping shard %d (the new holder finishes it)", self.owner, exc, lease.shard_no)
+            self._drop_stale(lease, exc)
             outcome = "stale"
         except (psycopg.OperationalError, db.DatabaseUnavailable):
             raise
@@ -306,11 +305,8 @@ class Worker:
         if outcome == "finished":
             try:
                 result = self._db(self.ledger.complete, lease)
-            except StaleLease as exc:
-                # Stalled after the last write: the new holder completes it.
-                self.stats["stale"] += 1
-                log.warning("%s: %s; dropping shard %d (the new holder finishes it)", self.owner, exc,
-                            lease.shard_no)
+            except StaleLease as exc:   # stalled after the last write: the new holder completes it
+                self._drop_stale(lease, exc)
                 return
             if result == "done":
                 self.stats["shards"] += 1
@@ -322,6 +318,10 @@ class Worker:
             log.info("%s: released shard %d (epoch %d, %s)%s", self.owner, lease.shard_no, lease.epoch,
                      "drain" if shard.drain.is_set() else "preemption notice" if self.stop.is_set() else outcome,
                      "" if released else " - release refused, lease was stale")
+
+    def _drop_stale(self, lease: Lease, exc: StaleLease) -> None:
+        self.stats["stale"] += 1
+        log.warning("%s: %s; dropping shard %d (the new holder finishes it)", self.owner, exc, lease.shard_no)
 
     def _work(self, shard: _Shard) -> str:
         """Drive the shard's records to stored or dead. Returns 'finished' or 'halted'."""
