@@ -146,6 +146,24 @@ SELECT shard_no, state, epoch, lease_owner, lease_transport, lease_expires_at, c
 SELECT record_id, reason, attempts, stage, error, raw_output, transport, created_at
   FROM bi.dead_letters WHERE job_version = %(job)s ORDER BY record_id;
 
+-- name: dead_letter_causes  dead letters of one job grouped by cause, read from their reasons: endpoint (transport, HTTP 5xx), output (invalid or off-schema), input (rejected before a worker), other
+SELECT cause, count(*) AS n, min(reason) AS example
+  FROM (SELECT CASE WHEN reason ~* %(endpoint)s THEN 'endpoint'
+                    WHEN reason ~* %(output)s THEN 'output'
+                    WHEN stage <> 'worker' THEN 'input'
+                    ELSE 'other' END AS cause, reason
+          FROM bi.dead_letters WHERE job_version = %(job)s) d
+ GROUP BY cause ORDER BY n DESC, cause;
+
+-- name: job_run_record  the job version a DAG run's submit returned, created or resumed (0013); the run's latest submit wins
+INSERT INTO bi.job_runs (dag_id, run_id, job_version, created)
+VALUES (%(dag_id)s, %(run_id)s, %(job)s, %(created)s)
+ON CONFLICT (dag_id, run_id) DO UPDATE
+   SET job_version = excluded.job_version, created = excluded.created, at = excluded.at;
+
+-- name: job_run_version  the job version a DAG run submitted, if its submit got that far
+SELECT job_version, created FROM bi.job_runs WHERE dag_id = %(dag_id)s AND run_id = %(run_id)s;
+
 -- name: done_keys  record ids of one shard already stored or dead-lettered (resume)
 SELECT sr.record_id
   FROM bi.snapshot_rows sr

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import tests.fixtures.airflow_env  # noqa: F401  (before anything imports Airflow)
 
-import asyncio
 import json
 import signal
 import threading
@@ -188,43 +187,55 @@ def test_publish_then_rollback_switch_the_pointer(ledger, conn, db_url):
     assert conn.execute("SELECT count(*) AS n FROM published.tickets_triage").fetchone()["n"] == 12
 
 
-# -- on-call -------------------------------------------------------------------
+# -- lineage -----------------------------------------------------------------------
 
-def test_a_submit_failure_message_says_nothing_was_written():
-    from batch_inference.callbacks import build_message
+def test_submit_and_publish_report_their_datasets_to_openlineage(ledger, conn, db_url):
+    """As Airflow's SQL operators do: postgres://host:port and database.schema.table."""
+    import re
 
-    msg = build_message(dag_id="d", run_id="r", task_id="submit", try_number=1, job_version=None, counts=None,
-                        error="spec field 'shard_size': Input should be greater than or equal to 1")
-    assert "not submitted" in msg["text"] and "nothing was written" in msg["text"]
-    assert "shard_size" in msg["text"]
+    from batch_inference.operators import PublishOperator, SubmitJobOperator, ValidateOperator
+
+    make_source(conn, tickets(12))
+    sub = SubmitJobOperator(task_id="submit", spec=spec_dict(), postgres_conn_id=CONN_ID)
+    assert sub.get_openlineage_facets_on_complete(None) is None                  # nothing submitted yet
+    from gpu_runner.worker import WorkerConfig, run_worker
+
+    job = sub.execute({"ti": FakeTI()})["job_version"]
+    assert run_worker(WorkerConfig(job_version=job, db_url=db_url)) == 0
+    ValidateOperator(task_id="v", job_version=job, postgres_conn_id=CONN_ID).execute({})
+    pub = PublishOperator(task_id="p", job_version=job, postgres_conn_id=CONN_ID)
+    pub.execute({})
+
+    database = conn.info.dbname
+    (ns, _), = sub.lineage_datasets()[0]
+    assert re.fullmatch(r"postgres://localhost:\d+", ns)                          # the server's Unix socket
+    expected = {
+        sub: ([(ns, f"{database}.public.tickets")], [(ns, f"{database}.bi.snapshot_rows")]),
+        pub: ([(ns, f"{database}.bi.results")], [(ns, f"{database}.published.tickets_triage")]),
+    }
+    for op, datasets in expected.items():
+        assert op.lineage_datasets() == datasets
+        lineage = op.get_openlineage_facets_on_complete(None)
+        try:
+            import airflow.providers.openlineage  # noqa: F401
+        except ImportError:
+            assert lineage is None                                              # no OpenLineage: no-op
+            continue
+        assert [(d.namespace, d.name) for d in lineage.inputs] == datasets[0]
+        assert [(d.namespace, d.name) for d in lineage.outputs] == datasets[1]
 
 
-def test_a_worker_digest_failure_message_points_at_the_weights():
-    from batch_inference.callbacks import build_message
+def test_an_s3_manifest_source_is_named_by_bucket_and_key():
+    from batch_inference.operators.submit import SubmitJobOperator
+    from batch_inference.spec import Source
 
-    counts = {"records": 10, "stored": 0, "dead_letters": 0, "outstanding": 10, "mode": "batch",
-              "status": "running", "shards": {"pending": 1, "leased": 0, "done": 0}}
-    msg = build_message(dag_id="d", run_id="r", task_id="workers", job_version="jv_1", dataset="ds",
-                        counts=counts, error="worker w0 failed fatally (exit 3): the model weights do not match")
-    assert msg["next_steps"][0].startswith("the worker refused the model weights")
-    assert "0/10 stored" in msg["text"] and "batch-inference rollback ds" in msg["text"]
+    src = Source(kind="s3_manifest", s3_manifest="s3://tickets/manifests/2025-12-01.json", id_column="id",
+                 text_column="body")
+    inputs, _ = SubmitJobOperator._datasets(src, "host=db.internal port=6432 dbname=ledger")
+    assert inputs == [("s3://tickets", "manifests/2025-12-01.json")]
 
 
-def test_deadline_missed_sends_the_runs_job_and_counts(ledger, conn, db_url, tmp_path):
-    from batch_inference.callbacks import deadline_missed
-
-    make_source(conn, tickets(9))
-    job = submit(conn, make_spec()).job_version
-    out = tmp_path / "oncall.jsonl"
-    context = {"dag_run": {"dag_id": "batch_inference_nightly", "dag_run_id": "scheduled__x",
-                           "start_date": datetime(2020, 1, 1, tzinfo=timezone.utc).isoformat()},
-               "deadline": {"id": "d1", "deadline_time": "2026-01-01T06:00:00Z"}}
-    asyncio.run(deadline_missed(context, dataset="tickets_triage", postgres_conn_id=CONN_ID, log_file=str(out)))
-    (msg,) = [json.loads(line) for line in out.read_text().splitlines()]
-    assert msg["kind"] == "deadline missed" and msg["job_version"] == job
-    assert msg["counts"]["outstanding"] == 9
-    assert "2026-01-01T06:00:00Z" in msg["text"] and "batch_inference_nightly" in msg["text"]
-
+# -- params ----------------------------------------------------------------------
 
 def test_resolve_deadline():
     from batch_inference.params import resolve_deadline

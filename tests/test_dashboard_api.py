@@ -373,3 +373,66 @@ def test_two_rollbacks_clicked_on_the_same_page_undo_one_publish_not_two(fresh):
     assert publish.published(conn, DATASET)["job_version"] == info["v1"]
     actions = [h["action"] for h in conn.execute("SELECT action FROM bi.publish_history ORDER BY id")]
     assert actions == ["publish", "publish", "rollback"]
+
+
+# -- the rollback's asset event ------------------------------------------------------------
+
+TRIAGE_DAGS = '''
+from airflow.sdk import DAG
+from airflow.providers.standard.operators.empty import EmptyOperator
+
+from batch_inference.operators.publish import dataset_asset
+
+with DAG("publish_tickets_triage", schedule=None):
+    EmptyOperator(task_id="publish", outlets=[dataset_asset("tickets_triage")])
+
+with DAG("refresh_on_tickets_triage", schedule=[dataset_asset("tickets_triage")]):
+    EmptyOperator(task_id="refresh")
+'''
+
+
+@pytest.fixture
+def triage_asset(airflow_home, tmp_path):
+    """The dataset's Asset in Airflow's metadata database, as after the DAG processor parsed a DAG
+    that publishes it (and one scheduled on it): the real DagBag and its sync to the database."""
+    from airflow.dag_processing.bundles.manager import DagBundlesManager
+    from airflow.dag_processing.dagbag import BundleDagBag, sync_bag_to_db
+
+    (tmp_path / "triage_dags.py").write_text(TRIAGE_DAGS)
+    DagBundlesManager().sync_bundles_to_db()
+    bag = BundleDagBag(dag_folder=tmp_path, bundle_path=tmp_path, bundle_name="dags-folder")
+    assert not bag.import_errors, bag.import_errors
+    sync_bag_to_db(bag, "dags-folder", None)
+
+
+def test_a_dashboard_rollback_records_the_assets_event(fresh, triage_asset):
+    from sqlalchemy import select
+
+    from airflow.models.asset import AssetDagRunQueue, AssetEvent, AssetModel
+    from airflow.utils.session import create_session
+
+    client, info, conn = fresh
+    ok = client.post(f"/api/datasets/{DATASET}/rollback", json={"expected_current": info["v2"], "reason": "drift"},
+                     headers=ADMIN)
+    assert ok.status_code == 200, ok.text
+    event_id = ok.json()["asset_event"]
+    assert event_id is not None
+    with create_session() as session:
+        event = session.get(AssetEvent, event_id)
+        asset = session.get(AssetModel, event.asset_id)
+        assert (asset.name, asset.uri) == (f"batch_inference.{DATASET}", f"batch-inference://published/{DATASET}")
+        assert event.extra == {"dataset": DATASET, "action": "rollback", "from_version": info["v2"],
+                               "to_version": info["v1"], "changed": True, "view": f"published.{DATASET}"}
+        # The DAG scheduled on the asset is queued to run on the restored version.
+        queued = session.scalars(select(AssetDagRunQueue.target_dag_id)
+                                 .where(AssetDagRunQueue.asset_id == asset.id)).all()
+        assert "refresh_on_tickets_triage" in queued
+
+
+def test_a_rollback_of_a_dataset_airflow_has_no_asset_for_records_no_event(airflow_home, caplog):
+    from batch_inference.ui.app import record_asset_event
+
+    switch = {"dataset": "never_parsed", "action": "rollback", "from_version": "jv_b", "to_version": "jv_a",
+              "changed": True, "view": "published.never_parsed"}
+    assert record_asset_event("never_parsed", switch) is None
+    assert "no asset batch-inference://published/never_parsed" in caplog.text

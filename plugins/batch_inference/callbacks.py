@@ -1,18 +1,25 @@
 """On-call alerting for the batch-inference DAGs.
 
 ``OnCallNotifier`` is an Airflow notifier for ``on_failure_callback``: when a
-task fails it looks up the job version (the task's own, or the submit task's
-XCom), reads the job's live counts from the ledger, and sends one message
-that names the DAG, the run, the task, the job version, the counts, the
-error, and what to do next, with the exact commands. ``deadline_missed`` is
-the same message for a DAG-level Deadline Alert (``airflow.sdk.DeadlineAlert``),
-which Airflow runs in the triggerer when a run is still going at its deadline.
+task fails it looks up the job version (the task's own, the submit task's
+XCom, else the ledger's ``bi.job_runs`` row of the DAG run), reads the job's
+live counts and its dead letters by cause from the ledger, and sends one
+message that names the DAG, the run, the task, the job version, the counts,
+the error, and what to do next, with the exact commands. ``deadline_missed``
+is the same message for a DAG-level Deadline Alert
+(``airflow.sdk.DeadlineAlert``), which Airflow runs in the triggerer when a
+run is still going at its deadline; it has only the DAG run's fields, so it
+finds the job version in ``bi.job_runs`` (written by the submit task, whether
+it created the version or resumed an existing one).
 
 Where messages go: always the task log (ERROR); a webhook that takes JSON
 (``webhook_url``, default ``$BATCH_INFERENCE_ONCALL_WEBHOOK``: Slack-style
 incoming webhooks read the ``text`` field); and a JSON-lines file
-(``log_file``, default ``$BATCH_INFERENCE_ONCALL_FILE``). A delivery that fails
-is logged and never raised: the task's own failure is what matters.
+(``log_file``, default ``$BATCH_INFERENCE_ONCALL_FILE``). Both get the same
+JSON (``message_json``). The webhook URL is a secret (it is the credential of
+a Slack-style hook): it is never logged, a failure names its host only. A
+delivery that fails is logged and never raised: the task's own failure is
+what matters.
 """
 
 from __future__ import annotations
@@ -21,10 +28,14 @@ import asyncio
 import json
 import logging
 import os
+import urllib.error
+import urllib.request
 from collections.abc import Sequence
-from datetime import datetime, timedelta, timezone
+from datetime import date, datetime, time, timedelta, timezone
+from decimal import Decimal
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 from airflow.sdk import BaseNotifier
 
@@ -33,6 +44,20 @@ log = logging.getLogger("batch_inference.oncall")
 WEBHOOK_ENV = "BATCH_INFERENCE_ONCALL_WEBHOOK"
 FILE_ENV = "BATCH_INFERENCE_ONCALL_FILE"
 NO_DEADLINE_ALERT_ENV = "BATCH_INFERENCE_NO_DEADLINE_ALERT"
+WEBHOOK_TIMEOUT_S = 10.0
+
+# Dead-letter reasons (PostgreSQL regular expressions, matched case-blind by
+# the query dead_letter_causes) that say the model endpoint failed, not the
+# prompt: HTTP 5xx/408/429 and transport errors, and the engines' "gave up
+# after N attempts", which they add only to retryable (5xx, transport) errors.
+ENDPOINT_ERRORS = ("HTTP (5[0-9][0-9]|408|429)|connection (refused|reset|aborted|closed|error|lost)|connecterror|"
+                   "connecttimeout|readtimeout|writetimeout|pooltimeout|timed out|timeout|gave up after|"
+                   "server disconnected|remoteprotocolerror|name or service not known|name resolution|"
+                   "network is unreachable|no route to host|service unavailable|bad gateway")
+# Reasons that say the model answered with output the spec does not accept
+# (batch_inference.outputs and the engines' empty or truncated answers).
+OUTPUT_ERRORS = ("not valid JSON|does not match the schema|not a JSON object|cannot be stored|rule on '|"
+                 "no output|has no content|no choices|no completion|output truncated")
 
 
 # -- the message --------------------------------------------------------------
@@ -45,9 +70,25 @@ def _counts_line(c: dict[str, Any]) -> str:
             f"mode {c.get('mode')}, status {c.get('status')}")
 
 
+def _causes_line(causes: dict[str, dict[str, Any]]) -> str:
+    return ", ".join(f"{cause} {c['n']}" for cause, c in causes.items())
+
+
+def endpoint_was_down(causes: dict[str, dict[str, Any]] | None) -> bool:
+    """More than half of the dead letters are endpoint or transport errors."""
+    total = sum(c["n"] for c in (causes or {}).values())
+    return bool(total) and 2 * (causes or {}).get("endpoint", {}).get("n", 0) > total
+
+
 def next_steps(task_id: str | None, job_version: str | None, dataset: str | None,
-               counts: dict[str, Any] | None, error: str | None) -> list[str]:
-    """What on-call should do, most likely first; every step is a command or a click."""
+               counts: dict[str, Any] | None, error: str | None,
+               causes: dict[str, dict[str, Any]] | None = None) -> list[str]:
+    """What on-call should do, most likely first; every step is a command or a click.
+
+    ``causes`` is the job's dead letters by cause (``dead_letter_causes``):
+    after a failed validation whose dead letters are mostly endpoint errors
+    the advice is to re-run once the endpoint answers, not to fix the prompt.
+    """
     steps: list[str] = []
     task = (task_id or "").lower()
     err = (error or "").lower()
@@ -58,7 +99,15 @@ def next_steps(task_id: str | None, job_version: str | None, dataset: str | None
     if "digest" in err or "weights" in err:
         steps.append("the worker refused the model weights: mount the weights the spec pins "
                      "(or submit a new spec with the new digest), then clear the workers task")
-    if "validat" in task or "failed validation" in err:
+    if ("validat" in task or "failed validation" in err) and endpoint_was_down(causes):
+        ep = (causes or {})["endpoint"]
+        total = sum(c["n"] for c in (causes or {}).values())
+        steps.append(f"{ep['n']} of {total} dead letters are endpoint errors (e.g. \"{ep['example']}\"): the model "
+                     "endpoint was down or overloaded, the prompt is not at fault; check that it answers again")
+        steps.append(f"then re-run: `batch-inference drop {job_version}` and trigger the DAG again (the same spec over "
+                     "the same rows is the same job version, and its dead letters stay until it is dropped)")
+        steps.append(f"the dead letters: `batch-inference dead-letters {job_version}`")
+    elif "validat" in task or "failed validation" in err:
         steps.append(f"inspect why: `batch-inference validate {job_version}` and "
                      f"`batch-inference dead-letters {job_version}`")
         steps.append("a prompt or schema fix is a new spec and a new job version: edit it and trigger the DAG again; "
@@ -79,15 +128,18 @@ def next_steps(task_id: str | None, job_version: str | None, dataset: str | None
 
 def build_message(*, dag_id: str | None, run_id: str | None, task_id: str | None, try_number: Any = None,
                   job_version: str | None, dataset: str | None = None, counts: dict[str, Any] | None,
-                  error: str | None, kind: str = "task failed", extra: str | None = None) -> dict[str, Any]:
+                  error: str | None, kind: str = "task failed", extra: str | None = None,
+                  causes: dict[str, dict[str, Any]] | None = None) -> dict[str, Any]:
     """The on-call message: ``text`` for people, the fields for machines."""
-    steps = next_steps(task_id, job_version, dataset, counts, error)
+    steps = next_steps(task_id, job_version, dataset, counts, error, causes)
     where = f"DAG {dag_id}, run {run_id}" + (f", task {task_id}" if task_id else "") + \
         (f" (try {try_number})" if try_number else "")
     lines = [f"[batch-inference] {kind}: {where}"]
     lines.append(f"job version: {job_version or '(none: not submitted)'}" + (f", dataset {dataset}" if dataset else ""))
     if counts:
         lines.append("counts: " + _counts_line(counts))
+    if causes:
+        lines.append("dead letters by cause: " + _causes_line(causes))
     if extra:
         lines.append(extra)
     if error:
@@ -97,37 +149,104 @@ def build_message(*, dag_id: str | None, run_id: str | None, task_id: str | None
     lines.extend(f"  - {s}" for s in steps)
     return {"text": "\n".join(lines), "kind": kind, "dag_id": dag_id, "run_id": run_id, "task_id": task_id,
             "try_number": try_number, "job_version": job_version, "dataset": dataset, "counts": counts,
-            "error": error, "next_steps": steps, "at": datetime.now(timezone.utc).isoformat()}
+            "dead_letter_causes": causes, "error": error, "next_steps": steps,
+            "at": datetime.now(timezone.utc).isoformat()}
 
 
 # -- delivery -----------------------------------------------------------------
 
+def _jsonable(value: Any) -> Any:
+    """``json.dumps``'s fallback: datetimes as ISO 8601, Decimals as numbers, anything else as text."""
+    if isinstance(value, (datetime, date, time)):
+        return value.isoformat()
+    if isinstance(value, Decimal):
+        return int(value) if value == value.to_integral_value() else float(value)
+    if isinstance(value, timedelta):
+        return value.total_seconds()
+    if isinstance(value, (set, frozenset, tuple)):
+        return list(value)
+    if isinstance(value, bytes):
+        return value.decode("utf-8", "replace")
+    return str(value)
+
+
+def message_json(message: dict[str, Any]) -> str:
+    """The message as JSON, one line: what the webhook and the file get."""
+    return json.dumps(message, default=_jsonable, ensure_ascii=False)
+
+
+def redact_url(url: str) -> str:
+    """The webhook URL as it may be logged: scheme and host, never the path or credentials."""
+    try:
+        parts = urlsplit(url)
+        host = parts.hostname or "?"
+        port = f":{parts.port}" if parts.port else ""
+    except ValueError:
+        return "(unparseable URL)"
+    return f"{parts.scheme or '?'}://{host}{port}/..."
+
+
+def post_webhook(url: str, body: str) -> None:
+    """POST the JSON body; raises on a transport error or an HTTP error status.
+
+    urllib, not httpx: httpx logs every request line with its full URL at
+    INFO, and the task log would then hold the secret.
+    """
+    req = urllib.request.Request(url, data=body.encode("utf-8"), method="POST",
+                                 headers={"Content-Type": "application/json; charset=utf-8"})
+    with urllib.request.urlopen(req, timeout=WEBHOOK_TIMEOUT_S) as resp:  # noqa: S310 - the configured hook
+        resp.read()
+
+
 def deliver(message: dict[str, Any], webhook_url: str | None = None, log_file: str | None = None) -> None:
     log.error("%s", message["text"])
+    body = message_json(message)
     url = webhook_url or os.environ.get(WEBHOOK_ENV)
     if url:
         try:
-            import httpx
-
-            httpx.post(url, json=message, timeout=10.0).raise_for_status()
+            post_webhook(url, body)
+        except urllib.error.HTTPError as exc:
+            log.warning("on-call webhook %s answered HTTP %s", redact_url(url), exc.code)
         except Exception as exc:  # noqa: BLE001 - alerting must not mask the failure it reports
-            log.warning("on-call webhook failed: %s", exc)
+            detail = (str(getattr(exc, "reason", None) or exc) or exc.__class__.__name__).replace(url, redact_url(url))
+            log.warning("on-call webhook %s failed: %s", redact_url(url), detail.splitlines()[0])
     path = log_file or os.environ.get(FILE_ENV)
     if path:
         try:
             Path(path).parent.mkdir(parents=True, exist_ok=True)
             with open(path, "a", encoding="utf-8") as f:
-                f.write(json.dumps(message, default=str, ensure_ascii=False) + "\n")
+                f.write(body + "\n")
         except OSError as exc:
             log.warning("on-call file %s not written: %s", path, exc)
 
 
 # -- lookups ------------------------------------------------------------------
 
-def _ledger_facts(postgres_conn_id: str | None, job_version: str | None) -> tuple[dict[str, Any] | None, str | None]:
-    """(counts, dataset) of a job version; (None, None) if the ledger cannot say."""
-    if not job_version:
-        return None, None
+def run_job_version(conn: Any, dag_id: str, run_id: str) -> str | None:
+    """The job version a DAG run's submit returned, created or resumed (``bi.job_runs``); None before it."""
+    from batch_inference import db
+
+    row = db.fetch_one(conn, "job_run_version", {"dag_id": dag_id, "run_id": run_id})
+    return row["job_version"] if row else None
+
+
+def dead_letter_causes(conn: Any, job_version: str) -> dict[str, dict[str, Any]]:
+    """The job's dead letters by cause (endpoint, output, input, other), most first: ``{cause: {n, example}}``."""
+    from batch_inference import db
+
+    rows = db.fetch_all(conn, "dead_letter_causes",
+                        {"job": job_version, "endpoint": ENDPOINT_ERRORS, "output": OUTPUT_ERRORS})
+    return {r["cause"]: {"n": int(r["n"]), "example": r["example"]} for r in rows}
+
+
+def _ledger_facts(postgres_conn_id: str | None, job_version: str | None,
+                  run: tuple[str | None, str | None] = (None, None)) -> dict[str, Any]:
+    """What the ledger says about the job: ``job_version`` (looked up by ``run``, (dag_id, run_id), when
+    not given), ``counts``, ``dataset`` and dead-letter ``causes``; None for what it cannot say."""
+    facts: dict[str, Any] = {"job_version": job_version, "counts": None, "dataset": None, "causes": None}
+    dag_id, run_id = run
+    if not job_version and not (dag_id and run_id):
+        return facts
     try:
         from batch_inference import db
         from batch_inference.hooks.batch_inference import BatchInferenceHook
@@ -135,10 +254,18 @@ def _ledger_facts(postgres_conn_id: str | None, job_version: str | None) -> tupl
 
         conninfo = BatchInferenceHook(postgres_conn_id).get_conninfo() if postgres_conn_id else db.resolve_url(None)
         with db.connect(conninfo) as conn:
-            return job_counts(conn, job_version), job_spec(conn, job_version).dataset
+            if not job_version:
+                facts["job_version"] = job_version = run_job_version(conn, dag_id, run_id)
+                if not job_version:
+                    return facts
+            facts["counts"] = job_counts(conn, job_version)
+            facts["dataset"] = job_spec(conn, job_version).dataset
+            if facts["counts"].get("dead_letters"):
+                facts["causes"] = dead_letter_causes(conn, job_version)
     except Exception as exc:  # noqa: BLE001 - the message goes out without counts rather than not at all
-        log.warning("could not read the counts of %s: %s", job_version, exc)
-        return None, None
+        log.warning("could not read %s from the ledger: %s", job_version or f"the job of run {run_id}",
+                    str(exc).strip().splitlines()[0] if str(exc).strip() else exc.__class__.__name__)
+    return facts
 
 
 def job_version_from_context(context: Any, submit_task_id: str = "submit") -> str | None:
@@ -181,15 +308,16 @@ class OnCallNotifier(BaseNotifier):
     def message(self, context: Any) -> dict[str, Any]:
         ti = context.get("ti") or context.get("task_instance")
         dag_run = context.get("dag_run")
-        job = job_version_from_context(context, self.submit_task_id)
-        counts, dataset = _ledger_facts(self.postgres_conn_id, job)
+        dag_id = getattr(dag_run, "dag_id", None) or getattr(ti, "dag_id", None)
+        run_id = getattr(dag_run, "run_id", None) or getattr(ti, "run_id", None)
+        facts = _ledger_facts(self.postgres_conn_id, job_version_from_context(context, self.submit_task_id),
+                              (dag_id, run_id))
         exc = context.get("exception")
         error = (str(exc) or exc.__class__.__name__) if exc is not None else context.get("reason")
-        return build_message(dag_id=getattr(dag_run, "dag_id", None) or getattr(ti, "dag_id", None),
-                             run_id=getattr(dag_run, "run_id", None) or getattr(ti, "run_id", None),
+        return build_message(dag_id=dag_id, run_id=run_id,
                              task_id=getattr(ti, "task_id", None), try_number=getattr(ti, "try_number", None),
-                             job_version=job, dataset=dataset, counts=counts,
-                             error=str(error) if error else None)
+                             job_version=facts["job_version"], dataset=facts["dataset"], counts=facts["counts"],
+                             causes=facts["causes"], error=str(error) if error else None)
 
     def notify(self, context: Any) -> None:
         deliver(self.message(context), self.webhook_url, self.log_file)
@@ -218,39 +346,28 @@ def deadline_alert(interval: timedelta, *, dataset: str, postgres_conn_id: str |
     )
 
 
-def _latest_job_of_run(postgres_conn_id: str | None, dataset: str, since: str | None) -> str | None:
-    from batch_inference import db
-    from batch_inference.hooks.batch_inference import BatchInferenceHook
-
-    conninfo = BatchInferenceHook(postgres_conn_id).get_conninfo() if postgres_conn_id else db.resolve_url(None)
-    with db.connect(conninfo) as conn:
-        # Read-only and only here: the newest job version of the dataset submitted since the run started.
-        row = conn.execute("SELECT job_version FROM bi.jobs WHERE dataset = %s AND created_at >= "
-                           "coalesce(%s::timestamptz, '-infinity') ORDER BY created_at DESC LIMIT 1",
-                           (dataset, since)).fetchone()
-    return row["job_version"] if row else None
-
-
 async def deadline_missed(context: dict[str, Any] | None = None, *, dataset: str, postgres_conn_id: str | None = None,
                           webhook_url: str | None = None, log_file: str | None = None, **_: Any) -> None:
     """Deadline Alert callback (``AsyncCallback``): the DAG run is past its deadline and still running.
 
     Runs on the triggerer's event loop, so the ledger and the webhook are
-    reached from a thread, never by blocking the loop.
+    reached from a thread, never by blocking the loop. Airflow passes the
+    DAG run as its REST form (``dag_id``, ``dag_run_id``, ``conf``...), no
+    task instance and no XCom: the job version is the run's
+    ``conf["job_version"]`` if set, else its ``bi.job_runs`` row.
     """
     context = context or {}
     run = context.get("dag_run") or {}
     deadline = (context.get("deadline") or {}).get("deadline_time")
+    dag_id, run_id = run.get("dag_id"), run.get("dag_run_id") or run.get("run_id")
+    conf_job = (run.get("conf") or {}).get("job_version") if isinstance(run.get("conf"), dict) else None
 
     def gather() -> dict[str, Any]:
-        job = None
-        try:
-            job = _latest_job_of_run(postgres_conn_id, dataset, run.get("start_date") or run.get("queued_at"))
-        except Exception as exc:  # noqa: BLE001
-            log.warning("could not find the run's job version: %s", exc)
-        counts, _ds = _ledger_facts(postgres_conn_id, job)
-        return build_message(dag_id=run.get("dag_id"), run_id=run.get("dag_run_id") or run.get("run_id"),
-                             task_id=None, job_version=job, dataset=dataset, counts=counts, error=None,
+        facts = _ledger_facts(postgres_conn_id, conf_job if isinstance(conf_job, str) and conf_job else None,
+                              (dag_id, run_id))
+        return build_message(dag_id=dag_id, run_id=run_id, task_id=None, job_version=facts["job_version"],
+                             dataset=facts["dataset"] or dataset, counts=facts["counts"],
+                             causes=facts["causes"], error=None,
                              kind="deadline missed",
                              extra=f"the run was still going at its deadline {deadline}; the cutoff sensor should "
                                    "have fired the fallback by now: check the cutoff and fallback tasks")

@@ -6,7 +6,10 @@ the dataset's pointer, so readers see the old version or the new one, never
 a mix. Both operators declare the dataset as an Airflow Asset in ``outlets``
 (``dataset_asset``): when the switch succeeds Airflow records an asset event,
 and DAGs scheduled on that asset (a dashboard refresh, an index rebuild) run
-on the new version. The event's ``extra`` names the version.
+on the new version. The event's ``extra`` (``switch_extra``) names the
+version; the dashboard's rollback records an event of the same shape. After a
+switch both report OpenLineage datasets: the ledger's ``bi.results`` in, the
+view ``published.<dataset>`` out.
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ from airflow.sdk import Asset, BaseOperator, Context
 from airflow.sdk.exceptions import AirflowFailException
 
 from batch_inference.hooks.batch_inference import BatchInferenceHook
+from batch_inference.operators.lineage import Ident, operator_lineage, table_ident
 
 ASSET_SCHEME = "batch-inference"
 
@@ -33,12 +37,41 @@ def _actor(context: Context) -> str:
     return f"airflow:{getattr(dag_run, 'dag_id', '?')}/{getattr(dag_run, 'run_id', '?')}"
 
 
+def switch_extra(out: dict[str, Any]) -> dict[str, Any]:
+    """The asset event's ``extra`` for a publish or rollback (``out`` of ``batch_inference.publish``)."""
+    return {k: out.get(k) for k in ("dataset", "action", "from_version", "to_version", "changed", "view")}
+
+
+def _switch_datasets(postgres_conn_id: str, out: dict[str, Any] | None) -> tuple[list[Ident], list[Ident]] | None:
+    """Lineage of a switch: the ledger's results in, the dataset's published view out; None before one."""
+    if not out or not out.get("view"):
+        return None
+    conninfo = BatchInferenceHook(postgres_conn_id).get_conninfo()
+    return [table_ident(conninfo, "bi.results")], [table_ident(conninfo, str(out["view"]))]
+
+
+class _SwitchLineage:
+    """OpenLineage for the operators that switch a dataset's pointer (they keep the switch in ``_out``)."""
+
+    postgres_conn_id: str
+    _out: dict[str, Any] | None
+
+    def lineage_datasets(self) -> tuple[list[Ident], list[Ident]] | None:
+        """(inputs, outputs) of the last switch as (namespace, name) pairs; None before one."""
+        return _switch_datasets(self.postgres_conn_id, self._out)
+
+    def get_openlineage_facets_on_complete(self, task_instance: Any) -> Any:
+        """OpenLineage: ``bi.results`` in, ``published.<dataset>`` out (None without OpenLineage)."""
+        datasets = self.lineage_datasets()
+        return operator_lineage(*datasets) if datasets else None
+
+
 def _annotate_events(op: BaseOperator, context: Context, out: dict[str, Any]) -> None:
     """Put the switch into the asset events Airflow emits for this task's outlets."""
     events = context.get("outlet_events")
     if events is None:
         return
-    extra = {k: out.get(k) for k in ("dataset", "action", "from_version", "to_version", "changed", "view")}
+    extra = switch_extra(out)
     for outlet in op.outlets or []:
         if isinstance(outlet, Asset):
             if outlet.uri != f"{ASSET_SCHEME}://published/{out['dataset']}":
@@ -46,7 +79,7 @@ def _annotate_events(op: BaseOperator, context: Context, out: dict[str, Any]) ->
             events[outlet].extra.update(extra)
 
 
-class PublishOperator(BaseOperator):
+class PublishOperator(_SwitchLineage, BaseOperator):
     """Make a validated job version the one downstream reads.
 
     Publishing the version already published is a no-op, so a retried task
@@ -72,6 +105,7 @@ class PublishOperator(BaseOperator):
         self.force = force
         self.reason = reason
         self.postgres_conn_id = postgres_conn_id
+        self._out: dict[str, Any] | None = None
 
     def execute(self, context: Context) -> dict[str, Any]:
         from batch_inference.publish import PublishRefused, publish
@@ -90,12 +124,13 @@ class PublishOperator(BaseOperator):
                           out["view"])
         else:
             self.log.info("%s already published for %s; nothing changed", out["to_version"], out["dataset"])
+        self._out = out
         _annotate_events(self, context, out)
         return {k: (str(v) if v is not None and not isinstance(v, (str, int, float, bool)) else v)
                 for k, v in out.items()}
 
 
-class RollbackOperator(BaseOperator):
+class RollbackOperator(_SwitchLineage, BaseOperator):
     """Switch a dataset back to the version the current one replaced (repeat to walk further back).
 
     :param dataset: the dataset. Templated.
@@ -117,6 +152,7 @@ class RollbackOperator(BaseOperator):
         self.reason = reason
         self.expected_current = expected_current
         self.postgres_conn_id = postgres_conn_id
+        self._out: dict[str, Any] | None = None
 
     def execute(self, context: Context) -> dict[str, Any]:
         from batch_inference.publish import PublishRefused, rollback
@@ -129,6 +165,7 @@ class RollbackOperator(BaseOperator):
             raise AirflowFailException(f"rollback refused: {exc}") from None
         self.log.warning("rolled back %s: %s -> %s; downstream reads %s", out["dataset"], out["from_version"],
                          out["to_version"], out.get("view"))
+        self._out = out
         _annotate_events(self, context, out)
         return {k: (str(v) if v is not None and not isinstance(v, (str, int, float, bool)) else v)
                 for k, v in out.items()}

@@ -3,7 +3,10 @@
 A thin shell over ``batch_inference.plan.submit``. The task's XCom is the
 small manifest (job version, records, shards, dead letters, reused), never
 records; the job version is also pushed under the key ``job_version`` so
-downstream tasks can take ``submit.output["job_version"]``.
+downstream tasks can take ``submit.output["job_version"]``, and recorded in
+the ledger against the DAG run (``bi.job_runs``), created or resumed, where the
+on-call callbacks find it. After a success it reports OpenLineage datasets:
+the source table (or S3 manifest) in, the ledger's ``bi.snapshot_rows`` out.
 """
 
 from __future__ import annotations
@@ -16,7 +19,9 @@ from typing import Any
 from airflow.sdk import BaseOperator, Context
 from airflow.sdk.exceptions import AirflowFailException
 
+from batch_inference import db
 from batch_inference.hooks.batch_inference import BatchInferenceHook
+from batch_inference.operators.lineage import Ident, operator_lineage, s3_ident, table_ident
 
 # Spec fields a DAG run may override without editing the spec file. All but
 # `incremental` and `dataset` leave the spec hash alone; an override that does
@@ -48,6 +53,23 @@ def resolve_spec_path(path: str, dag_fileloc: str | None) -> Path:
         if beside.exists():
             return beside
     return p.resolve()
+
+
+def dag_run_ids(context: Context | None) -> tuple[str, str] | None:
+    """(dag_id, run_id) of the running task, or None outside a DAG run."""
+    if not context:
+        return None
+    for holder in (context.get("dag_run"), context.get("ti")):
+        dag_id, run_id = getattr(holder, "dag_id", None), getattr(holder, "run_id", None)
+        if dag_id and run_id:
+            return str(dag_id), str(run_id)
+    return None
+
+
+def record_job_run(conn, dag_id: str, run_id: str, job_version: str, created: bool) -> None:
+    """Note in the ledger which job version this DAG run works on (``bi.job_runs``)."""
+    conn.execute(db.q("job_run_record"), {"dag_id": dag_id, "run_id": run_id, "job": job_version,
+                                          "created": created})
 
 
 class SubmitJobOperator(BaseOperator):
@@ -91,6 +113,7 @@ class SubmitJobOperator(BaseOperator):
         self.overrides = dict(overrides or {})
         self.aws_conn_id = aws_conn_id
         self.s3_endpoint_url = s3_endpoint_url
+        self._lineage: tuple[list[Ident], list[Ident]] | None = None
 
     def _dag_fileloc(self, context: Context | None) -> str | None:
         dag = context.get("dag") if context else None
@@ -141,13 +164,36 @@ class SubmitJobOperator(BaseOperator):
 
             rows = s3_manifest_rows(spec.source, endpoint_url=self.s3_endpoint_url, aws_conn_id=self.aws_conn_id)
         hook = BatchInferenceHook(self.postgres_conn_id)
+        run = dag_run_ids(context)
         try:
             with hook.get_conn() as conn:
                 manifest = submit(conn, spec, rows).as_dict()
+                if run:
+                    record_job_run(conn, *run, manifest["job_version"], manifest["created"])
         except SnapshotError as exc:
             raise AirflowFailException(f"snapshot refused: {exc}") from None
+        self._lineage = self._datasets(spec.source, hook.get_conninfo())
         self.log.info("%s %s: %d records in %d shard(s), %d dead letters at planning, %d reused",
                       "submitted" if manifest["created"] else "already submitted", manifest["job_version"],
                       manifest["records"], manifest["shards"], manifest["dead_letters"], manifest["reused"])
         context["ti"].xcom_push(key="job_version", value=manifest["job_version"])
         return manifest
+
+    @staticmethod
+    def _datasets(source, conninfo: str) -> tuple[list[Ident], list[Ident]]:
+        if source.kind == "s3_manifest":
+            inputs = [s3_ident(source.s3_manifest)]
+        elif source.table:
+            inputs = [table_ident(conninfo, source.table)]
+        else:  # a query: its tables are not named here
+            inputs = []
+        return inputs, [table_ident(conninfo, "bi.snapshot_rows")]
+
+    def lineage_datasets(self) -> tuple[list[Ident], list[Ident]] | None:
+        """(inputs, outputs) of the last execute as (namespace, name) pairs; None before one."""
+        return self._lineage
+
+    def get_openlineage_facets_on_complete(self, task_instance: Any) -> Any:
+        """OpenLineage: the source in, the ledger's snapshot table out (None without OpenLineage)."""
+        datasets = self.lineage_datasets()
+        return operator_lineage(*datasets) if datasets else None

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import html
 import json
+import logging
 import os
 import threading
 import time
@@ -48,6 +49,8 @@ from airflow.api_fastapi.core_api.security import (
 from batch_inference import db
 from batch_inference.status import UnknownJob
 from batch_inference.ui import actions, data
+
+log = logging.getLogger(__name__)
 
 CONN_ID_ENV = "BATCH_INFERENCE_CONN_ID"
 DEFAULT_CONN_ID = "batch_inference_default"
@@ -323,7 +326,9 @@ def api_rollback(dataset: str, conn: Ledger, user: Annotated[BaseUser, Depends(a
     Body: ``expected_current``, the version the user saw as published (the
     switch is refused with 409 if the pointer moved since: ``bi.rollback_v2``
     checks it in the switching statement), and an optional
-    ``reason``. Repeated rollbacks walk back through the publishes.
+    ``reason``. Repeated rollbacks walk back through the publishes. After the
+    switch, the dataset's Asset gets an event, as after a RollbackOperator;
+    ``asset_event`` in the answer is its id, or null when none was recorded.
     """
     try:
         result = actions.rollback(conn, dataset, actor=f"airflow:{user.get_name()}",
@@ -332,7 +337,44 @@ def api_rollback(dataset: str, conn: Ledger, user: Annotated[BaseUser, Depends(a
         raise HTTPException(status.HTTP_409_CONFLICT, str(exc)) from None
     except actions.Refused as exc:
         raise HTTPException(422, str(exc)) from None
-    return {**result, "history": data.history(conn, dataset)["history"]}
+    event = record_asset_event(dataset, result)
+    return {**result, "asset_event": event, "history": data.history(conn, dataset)["history"]}
+
+
+def record_asset_event(dataset: str, switch: dict[str, Any]) -> int | None:
+    """Record an event of the dataset's Asset (``dataset_asset``) in Airflow's metadata database.
+
+    The ``extra`` is the RollbackOperator's (``switch_extra``), so DAGs
+    scheduled on the asset run on the restored version whichever way it was
+    rolled back. The asset exists once a DAG with it as an outlet has been
+    parsed; without it, or without a usable metadata database, the rollback
+    stands and a warning is logged. Returns the event's id, or None.
+    """
+    from sqlalchemy import select
+
+    from airflow.assets.manager import asset_manager
+    from airflow.models.asset import AssetModel
+    from airflow.utils.session import create_session
+    from batch_inference.operators.publish import dataset_asset, switch_extra
+
+    asset = dataset_asset(dataset)
+    try:
+        with create_session() as session:
+            model = session.scalar(select(AssetModel).where(AssetModel.name == asset.name,
+                                                            AssetModel.uri == asset.uri))
+            if model is None:
+                log.warning("rolled back %s, but Airflow has no asset %s (no parsed DAG has it as an outlet): "
+                            "no asset event recorded", dataset, asset.uri)
+                return None
+            event = asset_manager.register_asset_change(asset=model, extra=switch_extra(switch),
+                                                        source_is_api=True, session=session)
+            if event is None:
+                return None
+            session.flush()
+            return int(event.id)
+    except Exception as exc:  # noqa: BLE001 - the pointer has moved; the event is the extra
+        log.warning("rolled back %s, but its asset event was not recorded: %s", dataset, _first_line(exc))
+        return None
 
 
 def _xcom_job_version(value: Any) -> str | None:

@@ -1,0 +1,69 @@
+"""OpenLineage datasets of the ledger operators, named as OpenLineage names PostgreSQL and S3.
+
+Airflow's OpenLineage listener calls an operator's
+``get_openlineage_facets_on_complete(task_instance)`` after it succeeds; the
+submit and publish operators answer with ``operator_lineage(inputs, outputs)``.
+A dataset is a ``(namespace, name)`` pair: ``postgres://host:port`` and
+``database.schema.table`` for a PostgreSQL table or view (OpenLineage's naming
+spec), ``s3://bucket`` and the object key for S3. A Unix-socket host (a
+directory) is the local machine, named ``localhost``. Without the OpenLineage
+provider installed, ``operator_lineage`` returns None and nothing is reported.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from psycopg.conninfo import conninfo_to_dict
+
+from batch_inference.db import normalize_url
+
+log = logging.getLogger(__name__)
+
+Ident = tuple[str, str]  # (namespace, name)
+
+DEFAULT_PORT = 5432
+
+
+def postgres_location(conninfo: str) -> tuple[str, str]:
+    """(namespace, database) of a libpq conninfo or URL: ``postgres://host:port`` and the database name."""
+    parts = conninfo_to_dict(normalize_url(conninfo))
+    host = (parts.get("host") or parts.get("hostaddr") or "localhost").split(",")[0]
+    if host.startswith("/"):  # a Unix-socket directory: this machine's server
+        host = "localhost"
+    port = str(parts.get("port") or DEFAULT_PORT).split(",")[0]
+    database = parts.get("dbname") or parts.get("user") or "postgres"
+    return f"postgres://{host}:{port}", database
+
+
+def table_ident(conninfo: str, relation: str) -> Ident:
+    """A table or view ``schema.table`` (or ``table``, in ``public``) of the database behind ``conninfo``.
+
+    Names are as PostgreSQL stores them: unquoted parts folded to lower case,
+    quoted ones (``published."select"``) as written, without the quotes.
+    """
+    namespace, database = postgres_location(conninfo)
+    parts = [p[1:-1] if p.startswith('"') and p.endswith('"') else p.lower() for p in relation.split(".")]
+    if len(parts) == 1:
+        parts.insert(0, "public")
+    return namespace, ".".join([database, *parts])
+
+
+def s3_ident(url: str) -> Ident:
+    from batch_inference.sources import parse_s3_url
+
+    bucket, key = parse_s3_url(url)
+    return f"s3://{bucket}", key
+
+
+def operator_lineage(inputs: list[Ident], outputs: list[Ident]) -> Any:
+    """An ``OperatorLineage`` of these datasets, or None when the OpenLineage provider is not installed."""
+    try:
+        from airflow.providers.common.compat.openlineage.facet import Dataset
+        from airflow.providers.openlineage.extractors import OperatorLineage
+    except ImportError:
+        log.debug("OpenLineage is not installed; no lineage reported")
+        return None
+    return OperatorLineage(inputs=[Dataset(namespace=ns, name=name) for ns, name in inputs],
+                           outputs=[Dataset(namespace=ns, name=name) for ns, name in outputs])
