@@ -19,8 +19,11 @@ connection; a refused renewal (stale epoch) halts the shard, and a renewal
 that reports the job in fallback mode drains it. SIGTERM (the preemption
 notice) stops taking records, lets in-flight ones finish and be written
 within the grace period, then releases the lease so the shard is pending
-again at once. Does not import Airflow: the same code runs in a pod, on the
-Airflow worker and from the CLI.
+again at once. When the engine's endpoint is down (the engine raises
+``EndpointUnavailable``, see ``batch_inference.breaker``) the shard is
+released with its records' attempts untouched and the worker exits
+``EXIT_ENDPOINT``: the outage is no record's fault. Does not import
+Airflow: the same code runs in a pod, on the Airflow worker and from the CLI.
 """
 
 from __future__ import annotations
@@ -37,6 +40,7 @@ from typing import Any
 import psycopg
 
 from batch_inference import db
+from batch_inference.breaker import EndpointUnavailable
 from batch_inference.engines import load_engine
 from batch_inference.engines.base import Engine, Request
 from batch_inference.ledger import Failure, Lease, Ledger, StaleLease, new_owner_id
@@ -49,6 +53,7 @@ from batch_inference.status import UnknownJob, job_counts, job_mode, job_spec
 log = logging.getLogger("batch_inference.worker")
 
 EXIT_OK, EXIT_DB, EXIT_DIGEST, EXIT_CONFIG, EXIT_ENGINE, EXIT_PREEMPTED = 0, 2, 3, 4, 5, 143
+EXIT_ENDPOINT = 6   # the engine's endpoint failed most requests: shard released, no attempts spent
 
 
 class Fatal(RuntimeError):
@@ -287,6 +292,16 @@ class Worker:
             outcome = "stale"
         except (psycopg.OperationalError, db.DatabaseUnavailable):
             raise
+        except EndpointUnavailable as exc:
+            # The endpoint is down, not the engine or a record: a plain release,
+            # no lost lease, no crash and no attempt counted.
+            shard.halt.set()
+            renewer.join(timeout=5)
+            self.current = None
+            released = self._db(self.ledger.release, lease)
+            log.info("%s: released shard %d (epoch %d, endpoint unavailable)%s", self.owner, lease.shard_no,
+                     lease.epoch, "" if released else " - release refused, lease was stale")
+            raise Fatal(f"fatal: {exc}", EXIT_ENDPOINT) from None
         except Exception as exc:  # noqa: BLE001 - the engine itself broke (lost GPU, OOM): give the shard back
             shard.halt.set()
             renewer.join(timeout=5)
@@ -405,24 +420,28 @@ class Worker:
                 failures.clear()
             last_flush = time.monotonic()
 
-        for outcome in self.engine.generate(requests, shard.halt):
-            if outcome.error is None:
-                obj, text, err = check_for_storage(spec, outcome.text)
-            else:
-                obj, text, err = None, None, outcome.error
-            if obj is not None:
-                cat = obj.get(spec.category_field) if spec.category_field else None
-                ok_ids.append(outcome.record_id)
-                ok_out.append(text)
-                ok_cat.append(cat if isinstance(cat, str) else None if cat is None else str(cat))
-            else:
-                failures[outcome.record_id] = Failure(outcome.record_id, err or "unknown error", outcome.text,
-                                                      shard.attempts.get(outcome.record_id, 0) + 1)
-            if len(ok_ids) + len(failures) >= self.cfg.flush_every or \
-                    time.monotonic() - last_flush >= self.cfg.flush_seconds:
-                flush()
-            if shard.stale.is_set():
-                raise StaleLease(f"lease on shard {lease.shard_no} epoch {lease.epoch} went stale")
+        try:
+            for outcome in self.engine.generate(requests, shard.halt):
+                if outcome.error is None:
+                    obj, text, err = check_for_storage(spec, outcome.text)
+                else:
+                    obj, text, err = None, None, outcome.error
+                if obj is not None:
+                    cat = obj.get(spec.category_field) if spec.category_field else None
+                    ok_ids.append(outcome.record_id)
+                    ok_out.append(text)
+                    ok_cat.append(cat if isinstance(cat, str) else None if cat is None else str(cat))
+                else:
+                    failures[outcome.record_id] = Failure(outcome.record_id, err or "unknown error", outcome.text,
+                                                          shard.attempts.get(outcome.record_id, 0) + 1)
+                if len(ok_ids) + len(failures) >= self.cfg.flush_every or \
+                        time.monotonic() - last_flush >= self.cfg.flush_seconds:
+                    flush()
+                if shard.stale.is_set():
+                    raise StaleLease(f"lease on shard {lease.shard_no} epoch {lease.epoch} went stale")
+        except EndpointUnavailable:
+            flush()   # what the endpoint did answer before it went down is kept
+            raise
         flush()
         return retry
 

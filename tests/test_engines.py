@@ -12,7 +12,9 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import subprocess
+import sys
 import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -22,6 +24,7 @@ from types import SimpleNamespace
 import jsonschema
 import pytest
 
+from batch_inference.breaker import EndpointUnavailable
 from batch_inference.engines import TRUNCATED, Engine, Outcome, engine_class, engine_for, load_engine
 from batch_inference.engines.noop import INVALID_OUTPUT, NoopEngine, minimal_instance
 from batch_inference.outputs import check_output
@@ -29,7 +32,7 @@ from batch_inference.pinning import DigestMismatch, WeightsMissing, sha256_file,
 from batch_inference.prompting import build_request
 from batch_inference.ratelimit import TokenBucket
 from tests.fixtures import make_spec
-from tests.fixtures.llama_server import free_port
+from tests.fixtures.llama_server import JSON_SCHEMA_REFUSAL, free_port
 
 RECORDS = [
     ("t1", "I was charged twice for my subscription this month."),
@@ -429,9 +432,11 @@ def test_openai_honours_retry_after(scripted):
 
 
 def test_openai_gives_up_and_does_not_retry_client_errors(scripted):
-    srv = scripted([(503, {}, {"error": "down"})] * 3)
-    [o] = run_openai(make_spec(), {"base_url": srv.base_url, "backoff_base_s": 0.01, "max_retries": 2})
-    assert o.error == 'HTTP 503: {"error": "down"} (gave up after 3 attempts)' and len(srv.hits) == 3
+    # t1 is answered, so the endpoint is up and t2's three 503s are t2's failure.
+    srv = scripted([(200, {}, completion())] + [(503, {}, {"error": "down"})] * 3)
+    o1, o2 = run_openai(make_spec(), {"base_url": srv.base_url, "backoff_base_s": 0.01, "max_retries": 2,
+                                      "concurrency": 1}, RECORDS[:2])
+    assert o1.ok and o2.error == 'HTTP 503: {"error": "down"} (gave up after 3 attempts)' and len(srv.hits) == 4
     srv = scripted([(400, {}, {"error": "bad schema"})])
     [o] = run_openai(make_spec(), {"base_url": srv.base_url, "backoff_base_s": 0.01})
     assert o.error == 'HTTP 400: {"error": "bad schema"}' and len(srv.hits) == 1
@@ -441,8 +446,10 @@ def test_openai_truncation_and_connect_errors(scripted):
     srv = scripted([(200, {}, completion('{"category": "bu', "length"))])
     [o] = run_openai(make_spec(), {"base_url": srv.base_url})
     assert o == Outcome("t1", '{"category": "bu', error=TRUNCATED, tokens_out=7)
-    [o] = run_openai(make_spec(), {"base_url": f"http://127.0.0.1:{free_port()}/v1", "backoff_base_s": 0.01, "max_retries": 1})
-    assert o.error.startswith("ConnectError") and o.error.endswith("(gave up after 2 attempts)")
+    # A refused connection with nothing answered yet: the endpoint is down (see the breaker tests below).
+    with pytest.raises(EndpointUnavailable, match=r"ConnectError"):
+        run_openai(make_spec(), {"base_url": f"http://127.0.0.1:{free_port()}/v1", "backoff_base_s": 0.01,
+                                 "max_retries": 1})
 
 
 def test_openai_bounded_concurrency_and_stop(scripted):
@@ -476,6 +483,111 @@ def test_openai_rate_limit(scripted):
     assert len(outcomes) == 5
     times = [t for t, _, _ in srv.hits]
     assert times[-1] - times[0] >= 0.35  # 5 requests at 10/s with a burst of 1: 0.4 s apart end to end
+
+
+# -- the endpoint breaker: an endpoint that is down is not a poison record --------------------
+def until_down(options, records=RECORDS):
+    """The outcomes generate() yields before it raises EndpointUnavailable, and the exception."""
+    engine = load_engine("openai", make_spec(), options)
+    engine.load()
+    got = []
+    with pytest.raises(EndpointUnavailable) as info:
+        for o in engine.generate(requests_for(make_spec(), records), threading.Event()):
+            got.append(o)
+    return got, str(info.value)
+
+
+def test_breaker_trips_when_every_request_answers_500(scripted):
+    # llama.cpp's server refusing the json_schema form, for every request.
+    srv = scripted([(500, {}, JSON_SCHEMA_REFUSAL)] * 100)
+    got, msg = until_down({"base_url": srv.base_url, "backoff_base_s": 0.01, "concurrency": 2})
+    assert got == []                                   # no record got an outcome, so none spends an attempt
+    assert "\n" not in msg
+    assert msg.startswith(f"engine endpoint {srv.base_url} failing: 5 of the last 5 requests failed (HTTP 500: "
+                          "1 validation error: {'type': 'literal_error'"), msg
+    assert "Input should be 'text' or 'json_object'" in msg
+    assert msg.endswith("); records left pending, no attempts spent")
+    # Nothing is sent once it has tripped: only the one other request on the wire may follow the fifth.
+    assert 5 <= len(srv.hits) <= 6
+
+
+def test_breaker_on_a_refused_connection_names_the_endpoint_without_its_userinfo():
+    port = free_port()
+    # max_retries 0: with nothing answered yet, running out of retries is not the record's fault either.
+    got, msg = until_down({"base_url": f"http://bi:sk-secret@127.0.0.1:{port}/v1", "backoff_base_s": 0.01,
+                           "max_retries": 0}, RECORDS[:1])
+    assert got == [] and "sk-secret" not in msg and "bi:" not in msg
+    assert msg.startswith(f"engine endpoint http://127.0.0.1:{port}/v1 failing: 5 of the last 5 requests failed "
+                          "(ConnectError"), msg
+
+
+def test_breaker_trips_on_timeouts(scripted):
+    srv = scripted(delay=2.0)
+    got, msg = until_down({"base_url": srv.base_url, "timeout_s": 0.2, "backoff_base_s": 0.01, "concurrency": 3})
+    assert got == [] and "5 of the last 5 requests failed (ReadTimeout" in msg, msg
+
+
+def test_transient_failures_are_retried_without_spending_an_attempt(scripted):
+    # Four failures in a row (one short of the breaker), nothing answered yet:
+    # the record keeps retrying past max_retries and is answered by the fifth try.
+    srv = scripted([(502, {}, {"error": "bad gateway"})] * 2 + [(503, {}, {"error": "restarting"})] * 2)
+    [o] = run_openai(make_spec(), {"base_url": srv.base_url, "backoff_base_s": 0.01, "max_retries": 1})
+    assert o.ok and len(srv.hits) == 5
+
+
+def test_breaker_window_trips_on_an_endpoint_that_mostly_fails(scripted):
+    # Four failures, then one answer, over and over: never five in a row, but
+    # 8 of every 10. Records whose retries ran out while the endpoint answered
+    # others spend their attempt; the breaker stops the rest.
+    srv = scripted(([(500, {}, JSON_SCHEMA_REFUSAL)] * 4 + [(200, {}, completion())]) * 10)
+    records = [(str(i), "text") for i in range(40)]
+    got, msg = until_down({"base_url": srv.base_url, "backoff_base_s": 0.01, "max_retries": 0, "concurrency": 1,
+                           "breaker_window": 10}, records)
+    assert "failing: 8 of the last 10 requests failed (HTTP 500: " in msg, msg
+    assert [o.ok for o in got] == [True, False, False, False, False, True] and len(srv.hits) == 11
+    with pytest.raises(ValueError, match="breaker_failures"):
+        load_engine("openai", make_spec(), {"base_url": srv.base_url, "breaker_failures": 6, "breaker_window": 5})
+
+
+def test_a_400_is_the_records_failure_and_the_endpoint_counts_as_up(scripted):
+    # 400 (context too long) is about the request: the record fails at once, and
+    # the answers keep the breaker closed however many there are.
+    srv = scripted([(400, {}, {"error": {"message": "context length exceeded", "type": "invalid_request_error"}})] * 8)
+    records = [(str(i), "text") for i in range(8)]
+    outcomes = run_openai(make_spec(), {"base_url": srv.base_url, "concurrency": 2}, records)
+    assert [o.error for o in outcomes] == ["HTTP 400: context length exceeded"] * 8
+
+
+def test_a_batch_worker_on_a_down_endpoint_exits_6_and_spends_no_attempts(conn, db_url, scripted):
+    """A worker with engine openai, as LocalWorkersOperator starts it: the endpoint answers three
+    records, then refuses everything. The three are stored; the rest stay pending, attempts 0."""
+    from batch_inference.operators.workers import FATAL_EXITS
+    from batch_inference.plan import submit
+    from batch_inference.status import job_counts
+    from gpu_runner.worker import EXIT_ENDPOINT
+    from tests.conftest import make_source, tickets
+    from tests.conftest import make_spec as ledger_spec
+
+    srv = scripted([(200, {}, completion())] * 3 + [(500, {}, JSON_SCHEMA_REFUSAL)] * 100)
+    make_source(conn, tickets(12))
+    job = submit(conn, ledger_spec(shard_size=6, engine={"name": "openai", "options": {
+        "base_url": srv.base_url, "concurrency": 1, "backoff_base_s": 0.01}})).job_version
+    proc = subprocess.run([sys.executable, "-m", "gpu_runner", job, "--flush-every", "1", "--no-wait"],
+                          env={**os.environ, "BATCH_INFERENCE_DB": db_url}, capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == EXIT_ENDPOINT == 6, proc.stderr[-3000:]
+    fatal = [line for line in proc.stderr.splitlines() if "fatal" in line]
+    assert len(fatal) == 1, proc.stderr[-3000:]
+    assert (f"fatal: engine endpoint {srv.base_url} failing: 5 of the last 5 requests failed (HTTP 500: "
+            in fatal[0]) and fatal[0].endswith("records left pending, no attempts spent"), fatal
+    c = job_counts(conn, job)
+    assert (c["stored"], c["dead_letters"], c["outstanding"]) == (3, 0, 9)
+    assert c["shards"]["leased"] == 0                                  # released, not left to expire
+    assert conn.execute("SELECT count(*) AS n FROM bi.attempts WHERE job_version = %s", (job,)).fetchone()["n"] == 0
+    assert conn.execute("SELECT coalesce(sum(lost_leases), 0) AS n FROM bi.shards WHERE job_version = %s",
+                        (job,)).fetchone()["n"] == 0                   # a release, not an abandoned shard
+    # LocalWorkersOperator fails the task on it without restarting the worker.
+    assert "endpoint is unavailable" in FATAL_EXITS[EXIT_ENDPOINT]
 
 
 # -- token bucket ----------------------------------------------------------------------------

@@ -26,10 +26,11 @@ from pathlib import Path
 import pytest
 
 from batch_inference import db
-from batch_inference.fallback import FallbackRefused, run_fallback
+from batch_inference.fallback import FallbackEndpointUnavailable, FallbackIncomplete, FallbackRefused, run_fallback
 from batch_inference.plan import submit
 from batch_inference.status import job_counts
 from tests.conftest import make_source, make_spec, tickets
+from tests.fixtures.llama_server import JSON_SCHEMA_REFUSAL, free_port
 
 REPO = Path(__file__).resolve().parent.parent
 # One short answer per record: SmolLM2 rambles past any token cap when asked
@@ -53,6 +54,10 @@ class Endpoint(ThreadingHTTPServer):
         self.hits: list[float] = []
         self.lock = threading.Lock()
         self.delay = 0.0
+        self.status = 200                   # anything else answers with ``error`` as the body
+        self.error: dict = {}
+        self.content = '{"category": "bug", "summary": "x"}'
+        self.bodies: list[dict] = []
 
     @property
     def base_url(self) -> str:
@@ -64,14 +69,17 @@ class _Handler(BaseHTTPRequestHandler):
         pass
 
     def do_POST(self):
-        self.rfile.read(int(self.headers["Content-Length"]))
-        with self.server.lock:
-            self.server.hits.append(time.monotonic())
-        time.sleep(self.server.delay)
-        data = json.dumps({"choices": [{"index": 0, "finish_reason": "stop", "message": {
-            "role": "assistant", "content": '{"category": "bug", "summary": "x"}'}}],
+        srv = self.server
+        body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+        with srv.lock:
+            srv.hits.append(time.monotonic())
+            srv.bodies.append(body)
+        time.sleep(srv.delay)
+        data = json.dumps(srv.error if srv.status != 200 else {
+            "choices": [{"index": 0, "finish_reason": "stop",
+                         "message": {"role": "assistant", "content": srv.content}}],
             "usage": {"completion_tokens": 9}}).encode()
-        self.send_response(200)
+        self.send_response(srv.status)
         self.send_header("Content-Type", "application/json")
         self.send_header("Content-Length", str(len(data)))
         self.end_headers()
@@ -169,6 +177,141 @@ def test_pool_rate_limit_spans_the_pool_and_the_run_is_measured(conn, db_url, en
           f"last request; measured {run['rate']:.1f} records/s busy, overhead {run['overhead_s']:.2f} s")
 
 
+# -- an endpoint that is down is not a poison record -----------------------------------
+
+QUICK = {"backoff_base_s": 0.01}     # the engine's retry backoff, short for tests
+DOWN = "records left pending, no attempts spent"
+
+
+def assert_untouched(conn, job: str, records: int) -> None:
+    """Every record pending with no attempt counted, no dead letter, no shard leased, done or lost."""
+    c = job_counts(conn, job)
+    assert (c["stored"], c["dead_letters"], c["outstanding"]) == (0, 0, records), c
+    assert c["shards"]["leased"] == 0 and c["shards"]["done"] == 0, c["shards"]
+    assert conn.execute("SELECT count(*) AS n FROM bi.attempts WHERE job_version = %s", (job,)).fetchone()["n"] == 0
+    assert conn.execute("SELECT count(*) AS n FROM bi.dead_letters WHERE job_version = %s",
+                        (job,)).fetchone()["n"] == 0
+    assert conn.execute("SELECT coalesce(sum(lost_leases), 0) AS n FROM bi.shards WHERE job_version = %s",
+                        (job,)).fetchone()["n"] == 0
+
+
+def test_an_endpoint_answering_500_stops_the_pool_and_spends_no_attempts(conn, db_url, endpoint, monkeypatch):
+    from airflow.sdk.exceptions import AirflowException, AirflowFailException
+
+    from batch_inference.operators.fallback import FallbackPoolOperator
+
+    # llama.cpp's answer to the json_schema form, to every request.
+    endpoint.status, endpoint.error = 500, JSON_SCHEMA_REFUSAL
+    make_source(conn, tickets(30))
+    job = submit(conn, make_spec(shard_size=10)).job_version
+    with pytest.raises(FallbackEndpointUnavailable) as info:
+        run_fallback(db_url, job, endpoint.base_url, rate=50, concurrency=4, parallel_shards=3,
+                     extra_engine_options=QUICK)
+    msg = str(info.value)
+    assert isinstance(info.value, FallbackIncomplete) and "\n" not in msg
+    assert msg.startswith(f"fallback endpoint {endpoint.base_url} failing: 5 of the last 5 requests failed "
+                          "(HTTP 500: 1 validation error: "), msg
+    assert "Input should be 'text' or 'json_object'" in msg and msg.endswith(DOWN)
+    assert_untouched(conn, job, 30)
+    assert mode_of(conn, job) == "fallback"
+    assert {b["response_format"]["type"] for b in endpoint.bodies} == {"json_object"}   # the spec's default
+
+    # The operator: a task failure Airflow may retry (the endpoint may come back), the same one line.
+    monkeypatch.setenv("BATCH_INFERENCE_DB", db_url)
+    op = FallbackPoolOperator(task_id="fallback", job_version=job, base_url=endpoint.base_url, rate=50,
+                              engine_options=QUICK)
+    with pytest.raises(AirflowException) as info:
+        op.execute({})
+    assert not isinstance(info.value, AirflowFailException)
+    text = str(info.value)
+    assert text.startswith(f"fallback endpoint {endpoint.base_url} failing: ") and text.endswith(DOWN), text
+    assert_untouched(conn, job, 30)
+
+
+def test_a_refused_connection_stops_the_pool_and_the_cli_says_so_in_one_line(conn, db_url, capsys):
+    from batch_inference.cli import main
+
+    port = free_port()                          # nothing listens there
+    url = f"http://bi:sk-secret@127.0.0.1:{port}/v1"
+    make_source(conn, tickets(20))
+    job = submit(conn, make_spec(shard_size=10)).job_version
+    with pytest.raises(FallbackEndpointUnavailable) as info:
+        run_fallback(db_url, job, url, rate=50, extra_engine_options=QUICK)
+    assert str(info.value).startswith(f"fallback endpoint http://127.0.0.1:{port}/v1 failing: 5 of the last 5 "
+                                      "requests failed (ConnectError"), str(info.value)
+    assert "sk-secret" not in str(info.value)
+    assert_untouched(conn, job, 20)
+    # The CLI: one line on stderr, the worker's exit code for the same outage.
+    assert main(["--db", db_url, "fallback", job, "--base-url", url]) == 6
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith(f"batch-inference fallback: fallback endpoint "
+                                               f"http://127.0.0.1:{port}/v1 failing: "), err
+    assert err[0].endswith(DOWN) and "sk-secret" not in err[0]
+    assert_untouched(conn, job, 20)
+
+
+def test_timeouts_stop_the_pool_and_spend_no_attempts(conn, db_url, endpoint):
+    endpoint.delay = 2.0                        # well past the engine's 0.2 s timeout
+    make_source(conn, tickets(10))
+    job = submit(conn, make_spec(shard_size=5)).job_version
+    with pytest.raises(FallbackEndpointUnavailable, match=r"5 of the last 5 requests failed \(ReadTimeout"):
+        run_fallback(db_url, job, endpoint.base_url, rate=50, concurrency=2,
+                     extra_engine_options={**QUICK, "timeout_s": 0.2})
+    assert_untouched(conn, job, 10)
+
+
+def test_invalid_output_is_the_records_failure_and_dead_letters_at_max_attempts(conn, db_url, endpoint):
+    endpoint.content = '{"category": "bug", "summ'          # HTTP 200, but not JSON
+    make_source(conn, tickets(6))
+    job = submit(conn, make_spec(shard_size=6, max_attempts=2)).job_version
+    r = run_fallback(db_url, job, endpoint.base_url, rate=50, extra_engine_options=QUICK)
+    assert (r.stored, r.dead, r.outstanding, r.failed_attempts) == (0, 6, 0, 12)
+    rows = conn.execute("SELECT attempts, transport FROM bi.dead_letters WHERE job_version = %s", (job,)).fetchall()
+    assert len(rows) == 6 and all(row["attempts"] == 2 and row["transport"] == "fallback" for row in rows)
+
+
+def test_the_response_format_comes_from_the_spec_unless_given(conn, db_url, endpoint):
+    from batch_inference.operators.submit import OVERRIDABLE
+    from batch_inference.spec import SpecError, parse_spec
+    from tests.conftest import spec_dict
+
+    schema_spec = make_spec(fallback={"response_format_style": "json_schema"})
+    # Fallback settings do not change results: the same job version, and a DAG Param may override them.
+    assert schema_spec.spec_hash == make_spec().spec_hash and "fallback" in OVERRIDABLE
+    assert make_spec().fallback.response_format_style == "json_object"
+    with pytest.raises(SpecError, match="spec field 'fallback.response_format_style': "):
+        parse_spec(spec_dict(fallback={"response_format_style": "json"}))
+    make_source(conn, tickets(4))
+    job = submit(conn, make_spec(shard_size=2, fallback={"response_format_style": "json_schema"})).job_version
+    assert run_fallback(db_url, job, endpoint.base_url, rate=50).stored == 4
+    assert {b["response_format"]["type"] for b in endpoint.bodies} == {"json_schema"}
+    make_source(conn, tickets(4, start=100))
+    job = submit(conn, make_spec(shard_size=2, fallback={"response_format_style": "json_schema"})).job_version
+    endpoint.bodies.clear()
+    assert run_fallback(db_url, job, endpoint.base_url, rate=50, style="json_object").stored == 4
+    assert {b["response_format"]["type"] for b in endpoint.bodies} == {"json_object"}
+
+
+@pytest.mark.slow
+def test_the_default_response_format_works_against_llama_cpp_and_json_schema_leaves_records_pending(
+        conn, db_url, llama_server):
+    spec = make_spec(shard_size=3, output_schema=CATEGORY_ONLY, params={"max_tokens": 32},
+                     prompt={"system": "Classify the support ticket."})
+    make_source(conn, tickets(3))
+    job = submit(conn, spec).job_version
+    # The OpenAI form, as the example DAGs' pool once sent it: the real server refuses every request.
+    with pytest.raises(FallbackEndpointUnavailable) as info:
+        run_fallback(db_url, job, llama_server, style="json_schema", rate=20, concurrency=2,
+                     extra_engine_options=QUICK)
+    assert "(HTTP 500: 1 validation error: " in str(info.value)
+    assert "Input should be 'text' or 'json_object'" in str(info.value) and str(info.value).endswith(DOWN)
+    assert_untouched(conn, job, 3)
+    # The spec's default (json_object): stored.
+    r = run_fallback(db_url, job, llama_server, rate=20, concurrency=2)
+    c = job_counts(conn, job)
+    assert r.outstanding == 0 and r.stored >= 1 and c["stored_fallback"] == r.stored and c["outstanding"] == 0, r
+
+
 # -- the whole night, through dag.test() and a real llama.cpp server ------------------
 
 DAG_FILE = '''
@@ -219,7 +362,7 @@ with DAG("bi_cutoff_e2e", schedule=None, start_date=datetime(2026, 1, 1, tzinfo=
 
     pool = FallbackPoolOperator(
         task_id="fallback", job_version=JOB, postgres_conn_id="bi_ledger", base_url=os.environ["BI_E2E_URL"],
-        style="json_object", rate=20.0, concurrency=2, parallel_shards=2)
+        rate=20.0, concurrency=2, parallel_shards=2)
 
     @task
     def report(ti=None):

@@ -32,6 +32,14 @@ from constants that go stale:
 So, by construction, ``finished_at - started_at = overhead_s + records / rate``.
 This is the same equation the cutoff solves backwards.
 
+An endpoint that is down is not a poison record. All pool threads share one
+:class:`batch_inference.breaker.Breaker`; when it trips (most requests failed
+in transport: refused connections, timeouts, HTTP 5xx, ...), every thread
+stops, the records stay pending with their attempts untouched, the shards
+are released, and :func:`run_fallback` raises
+:class:`FallbackEndpointUnavailable` with one line naming the endpoint and
+the error.
+
 No Airflow here: the same function runs from the CLI (``batch-inference
 fallback``) and from ``FallbackPoolOperator``.
 """
@@ -49,13 +57,13 @@ from typing import Any
 import psycopg
 
 from batch_inference import db
+from batch_inference.breaker import Breaker, public_url
+from batch_inference.engines.openai import STYLES
 from batch_inference.ratelimit import TokenBucket
 from batch_inference.spec import JobSpec
 from batch_inference.status import UnknownJob, job_counts
 
 log = logging.getLogger("batch_inference.fallback")
-
-STYLES = ("json_schema", "json_object")
 
 
 class FallbackRefused(ValueError):
@@ -64,6 +72,10 @@ class FallbackRefused(ValueError):
 
 class FallbackIncomplete(RuntimeError):
     """The pool stopped with records still outstanding."""
+
+
+class FallbackEndpointUnavailable(FallbackIncomplete):
+    """The endpoint failed most requests: the pool stopped, records pending, no attempts spent (one line)."""
 
 
 # -- guards -----------------------------------------------------------------
@@ -81,7 +93,8 @@ def check_hosted(spec: JobSpec, job_version: str, base_url: str | None, hosted: 
     if is_hosted and not spec.cleared_for_hosted:
         raise FallbackRefused(
             f"refused: job {job_version} holds record class '{spec.record_class}', which is not cleared for "
-            f"hosted APIs (cleared_for_hosted: false), and the fallback endpoint {base_url or '(spec default)'} "
+            f"hosted APIs (cleared_for_hosted: false), and the fallback endpoint "
+            f"{public_url(base_url) if base_url else '(spec default)'} "
             "is marked hosted; use an in-house endpoint"
         )
     return is_hosted
@@ -173,6 +186,7 @@ class FallbackPool:
 
         self.job_version = job_version
         self.bucket = TokenBucket(rate, max(1.0, min(rate, 10.0)))  # a burst of at most ~1 s of tokens
+        self.breaker = Breaker.from_options(options["base_url"], options)
         self.busy = _Busy()
         self.stopped = threading.Event()
         pool = self
@@ -180,9 +194,11 @@ class FallbackPool:
         class PoolWorker(Worker):
             def _process(self, lease):  # noqa: ANN001 - Worker's signature
                 # One bucket for the whole pool: the endpoint's limit is per
-                # account, not per thread. Swapped in before the first request.
+                # account, not per thread. One breaker too: the threads share
+                # the endpoint. Both swapped in before the first request.
                 if getattr(self.engine, "bucket", pool.bucket) is not pool.bucket:
                     self.engine.bucket = pool.bucket
+                self.engine.breaker = pool.breaker
                 pool.busy.enter()
                 try:
                     return super()._process(lease)
@@ -205,6 +221,8 @@ class FallbackPool:
             except Exception:  # noqa: BLE001 - reported as a failed worker below
                 log.exception("fallback worker %s crashed", self.workers[i].owner)
                 self.codes[i] = -1
+            if self.breaker.tripped is not None:
+                self._halt()   # the endpoint is down for every thread: stop the others too
 
         threads = [threading.Thread(target=target, args=(i,), name=f"fallback-{i}", daemon=True)
                    for i in range(len(self.workers))]
@@ -218,6 +236,9 @@ class FallbackPool:
     def stop(self) -> None:
         """Stop taking records; in-flight ones are written, then the leases are released."""
         self.stopped.set()
+        self._halt()
+
+    def _halt(self) -> None:
         for w in self.workers:
             w.stop.set()
             shard = w.current
@@ -251,7 +272,7 @@ def engine_options(spec: JobSpec, *, base_url: str | None, rate: float, concurre
 
 
 def run_fallback(db_url: str | None, job_version: str, base_url: str | None = None, *, rate: float | None = None,
-                 concurrency: int | None = None, model: str | None = None, style: str = "json_schema",
+                 concurrency: int | None = None, model: str | None = None, style: str | None = None,
                  hosted: bool | None = None, api_key_env: str | None = None, parallel_shards: int = 4,
                  lease_seconds: int | None = None, record_run: bool = True,
                  extra_engine_options: dict[str, Any] | None = None,
@@ -259,7 +280,8 @@ def run_fallback(db_url: str | None, job_version: str, base_url: str | None = No
     """Re-drive every outstanding record of a job through the synchronous pool.
 
     ``rate`` (requests/s, retries included) and ``concurrency`` default to the
-    spec's ``fallback`` block, and so do ``base_url`` and ``hosted``.
+    spec's ``fallback`` block, and so do ``base_url``, ``hosted`` and ``style``
+    (``fallback.response_format_style``).
     ``parallel_shards`` is how many shards the pool holds at once. If records
     are outstanding and the job is still in batch mode, the job is put into
     fallback mode first, because running the pool means the cutoff has fired.
@@ -269,7 +291,9 @@ def run_fallback(db_url: str | None, job_version: str, base_url: str | None = No
 
     Raises :class:`FallbackRefused` (one line) before any request when the
     record class is not cleared for a hosted endpoint or the configuration is
-    unusable.
+    unusable, and :class:`FallbackEndpointUnavailable` (one line) when the
+    endpoint failed most requests: the pool stopped, its shards are released
+    and the records left pending with no attempts spent.
     """
     from batch_inference.engines import load_engine
 
@@ -287,7 +311,7 @@ def run_fallback(db_url: str | None, job_version: str, base_url: str | None = No
         if concurrency < 1 or parallel_shards < 1:
             raise FallbackRefused("concurrency and parallel_shards must be at least 1")
 
-        result = FallbackResult(job_version=job_version, endpoint=url)
+        result = FallbackResult(job_version=job_version, endpoint=public_url(url) if url else None)
         counts = job_counts(conn, job_version)
         if job["status"] != "running":
             result.skipped = f"job is {job['status']}"
@@ -302,6 +326,7 @@ def run_fallback(db_url: str | None, job_version: str, base_url: str | None = No
         open_shards = counts["shards"]["pending"] + counts["shards"]["leased"]
         workers = max(1, min(parallel_shards, open_shards, concurrency))
         per_worker = max(1, concurrency // workers)
+        style = style or spec.fallback.response_format_style
         opts = engine_options(spec, base_url=url, rate=rate, concurrency=per_worker, model=model, style=style,
                               api_key_env=api_key_env, extra=extra_engine_options)
         try:
@@ -316,9 +341,9 @@ def run_fallback(db_url: str | None, job_version: str, base_url: str | None = No
         leases = {r["transport"]: int(r["n"]) for r in conn.execute(db.q("leases_by_transport"), {"job": job_version})}
         leased_batch = leases.get("batch", 0)
         log.info("fallback %s: %d outstanding in %d open shards (%d still leased by draining batch workers); "
-                 "pool of %d worker(s) x %d in flight = %d, %.4g requests/s, %s endpoint %s", job_version,
+                 "pool of %d worker(s) x %d in flight = %d, %.4g requests/s, %s endpoint %s (%s)", job_version,
                  counts["outstanding"], open_shards, leased_batch, workers, per_worker, workers * per_worker,
-                 rate, "hosted" if is_hosted else "in-house", url)
+                 rate, "hosted" if is_hosted else "in-house", public_url(url), style)
 
     pool = FallbackPool(db_url, job_version, options=opts, rate=rate, workers=workers, lease_seconds=lease_seconds)
     if pool_ready is not None:
@@ -343,6 +368,11 @@ def run_fallback(db_url: str | None, job_version: str, base_url: str | None = No
         # cannot shorten the overhead.
         result.wall_s = (finished_at - fired_at).total_seconds() if fired_at and finished_at else \
             time.monotonic() - t0
+        down = pool.breaker.tripped
+        if down is not None:
+            msg = down.describe("fallback")
+            log.error("fallback %s: %s (%d outstanding)", job_version, msg, result.outstanding)
+            raise FallbackEndpointUnavailable(msg)
         bad = [c for c in codes if c not in (0, 143)]
         if result.outstanding > 0 or bad:
             msg = (f"fallback {job_version}: pool stopped with {result.outstanding} record(s) outstanding"

@@ -133,6 +133,9 @@ class Fallback(_Strict):
     concurrency: int = Field(default=16, ge=1)
     base_url: str | None = None
     hosted: bool = Field(default=False, description="the endpoint is a hosted API outside the company")
+    response_format_style: Literal["json_object", "json_schema"] = Field(
+        default="json_object", description="the openai engine's response_format_style for the fallback endpoint: "
+        "json_object (llama.cpp's server) or json_schema (vLLM, OpenAI)")
     history_runs: int = Field(default=5, ge=0, description="derive rate/overhead from this many past runs")
 
 

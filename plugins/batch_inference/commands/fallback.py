@@ -47,8 +47,9 @@ def register(sub: Any) -> None:
     p.add_argument("--concurrency", type=int, help="requests in flight across the pool (default: spec.fallback.concurrency)")
     p.add_argument("--parallel-shards", type=int, default=4, help="shards held at once (default 4)")
     p.add_argument("--model", help="model name sent to the endpoint (default: spec.model.name)")
-    p.add_argument("--style", choices=["json_schema", "json_object"], default="json_schema",
-                   help="response_format style: json_schema (vLLM, OpenAI) or json_object (llama.cpp server)")
+    p.add_argument("--style", choices=["json_schema", "json_object"],
+                   help="response_format style: json_schema (vLLM, OpenAI) or json_object (llama.cpp server) "
+                        "(default: spec.fallback.response_format_style)")
     p.add_argument("--hosted", action="store_true", default=None,
                    help="the endpoint is a hosted API (refused unless the record class is cleared for hosted APIs)")
     p.add_argument("--api-key-env", help="environment variable holding the API key")
@@ -112,7 +113,8 @@ _previous: dict[int, Any] = {}  # handlers to put back when the run ends (the CL
 
 def run(args: argparse.Namespace) -> int:
     from batch_inference import db
-    from batch_inference.fallback import FallbackIncomplete, FallbackRefused, run_fallback
+    from batch_inference.fallback import FallbackEndpointUnavailable, FallbackIncomplete, FallbackRefused, run_fallback
+    from gpu_runner.worker import EXIT_ENDPOINT
 
     conninfo = db.resolve_url(getattr(args, "db", None))
     if args.relabel_at and not args.deadline:
@@ -138,6 +140,9 @@ def run(args: argparse.Namespace) -> int:
     except FallbackRefused as exc:
         print(f"batch-inference fallback: {exc}", file=sys.stderr)
         return 2
+    except FallbackEndpointUnavailable as exc:
+        print(f"batch-inference fallback: {exc}", file=sys.stderr)
+        return EXIT_ENDPOINT   # the worker's code for the same outage
     except FallbackIncomplete as exc:
         print(f"batch-inference fallback: {exc}", file=sys.stderr)
         return 1

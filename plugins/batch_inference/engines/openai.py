@@ -17,9 +17,17 @@ Options:
   or ``json_object`` (llama.cpp server: ``{"type": "json_object", "schema": S}``;
   it answers HTTP 500 to the other form).
 * ``concurrency`` (8): requests in flight at once.
-* ``max_retries`` (5): retries after the first try, on HTTP 408, 409, 429,
-  5xx and transport errors (connect, read timeout, dropped connection).
-  Other 4xx fail the record at once.
+* ``max_retries`` (5): retries after the first try, on transport failures:
+  connect errors, timeouts, dropped connections, HTTP 5xx, 408, 409, 429,
+  and 401/403/404 (a wrong key, URL or model name refuses every request).
+  Other 4xx (400, 413, 422: about the request) fail the record at once.
+* ``breaker_failures`` (5), ``breaker_window`` (20): the endpoint breaker
+  (``batch_inference.breaker``). Once the last ``breaker_failures`` requests,
+  or 80% of the last ``breaker_window``, were transport failures,
+  ``generate()`` raises ``EndpointUnavailable`` and sends nothing more; no
+  outcome is yielded for the records it did not finish. A record whose
+  retries ran out spends an attempt only while the endpoint answers other
+  requests; otherwise it keeps retrying until the breaker decides.
 * ``backoff_base_s`` (0.5), ``backoff_max_s`` (30): retry ``k`` (0-based)
   waits a random time in ``[d/2, d]`` with ``d = min(max, base * 2**k)``;
   a ``Retry-After`` header (seconds or HTTP date) replaces that, capped at
@@ -49,11 +57,13 @@ import time
 from collections.abc import AsyncIterator, Iterable, Iterator, Sequence
 from typing import Any
 
+from batch_inference.breaker import Breaker, EndpointUnavailable
 from batch_inference.engines.base import Engine, Outcome, Request, one_line, parse_chat_completion
 from batch_inference.ratelimit import TokenBucket
 
 STYLES = ("json_schema", "json_object")
-RETRY_STATUS = frozenset({408, 409, 429})
+# Transport failures besides 5xx: retried, counted by the breaker, never a record's fault.
+RETRY_STATUS = frozenset({401, 403, 404, 408, 409, 429})
 _DONE = object()
 
 
@@ -93,6 +103,16 @@ def backoff_delay(attempt: int, base: float, cap: float, rng: random.Random) -> 
     return d / 2 + rng.uniform(0, d / 2)
 
 
+def error_text(resp: Any) -> str:
+    """An error response's text: ``error.message`` of the OpenAI error shape
+    (``{"error": {"message": ...}}``, which llama.cpp and vLLM also send), else the body."""
+    try:
+        message = resp.json()["error"]["message"]
+    except (ValueError, KeyError, TypeError):
+        return resp.text
+    return message if isinstance(message, str) and message.strip() else resp.text
+
+
 class _Retryable(Exception):
     def __init__(self, reason: str, retry_after: float | None = None):
         super().__init__(reason)
@@ -106,7 +126,7 @@ class OpenAIEngine(Engine):
         {
             "base_url", "model", "api_key_env", "response_format_style", "concurrency", "max_retries",
             "backoff_base_s", "backoff_max_s", "retry_after_max_s", "rate_limit", "rate_burst", "timeout_s",
-            "extra_body",
+            "extra_body", "breaker_failures", "breaker_window",
         }
     )
 
@@ -135,6 +155,8 @@ class OpenAIEngine(Engine):
         # One bucket per engine, shared by every generate() call: the limit is
         # the endpoint's, not a call's.
         self.bucket = TokenBucket(float(self.rate_limit), self.rate_burst) if self.rate_limit else None
+        # One breaker per endpoint; the fallback pool swaps in one for all its threads.
+        self.breaker = Breaker.from_options(self.base_url, self.options)
 
     # -- set-up -----------------------------------------------------------
     def load(self) -> None:
@@ -178,10 +200,11 @@ class OpenAIEngine(Engine):
             raise _Retryable(one_line(exc)) from None
         if resp.status_code in RETRY_STATUS or resp.status_code >= 500:
             raise _Retryable(
-                f"HTTP {resp.status_code}: {one_line(resp.text, 200)}", parse_retry_after(resp.headers.get("retry-after"))
+                f"HTTP {resp.status_code}: {one_line(error_text(resp), 200)}",
+                parse_retry_after(resp.headers.get("retry-after")),
             )
         if resp.status_code >= 400:
-            return Outcome(req.record_id, None, error=f"HTTP {resp.status_code}: {one_line(resp.text, 300)}")
+            return Outcome(req.record_id, None, error=f"HTTP {resp.status_code}: {one_line(error_text(resp), 300)}")
         try:
             data = resp.json()
         except ValueError:
@@ -189,27 +212,37 @@ class OpenAIEngine(Engine):
         return parse_chat_completion(req.record_id, data)
 
     async def _one(self, client: Any, req: Request, stop: threading.Event | None) -> Outcome | None:
-        """The outcome of one record, or None when ``stop`` came before it was sent."""
+        """The outcome of one record, or None when ``stop`` came before it was sent.
+
+        Raises :class:`EndpointUnavailable` once the breaker has tripped.
+        """
         attempt = 0
         while True:
             if self.bucket is not None:
                 await self.bucket.acquire()
             if attempt == 0 and stop is not None and stop.is_set():
                 return None
+            self.breaker.check()
             try:
-                return await self._attempt(client, req)
+                outcome = await self._attempt(client, req)
             except _Retryable as exc:
-                if attempt >= self.max_retries:
+                self.breaker.failure(exc.reason)
+                # Out of retries, the record is at fault only if the endpoint answers others.
+                if attempt >= self.max_retries and self.breaker.answering:
                     return Outcome(req.record_id, None, error=f"{exc.reason} (gave up after {attempt + 1} attempts)")
                 if exc.retry_after is not None:
                     delay = min(exc.retry_after, self.retry_after_max_s)
                 else:
-                    delay = backoff_delay(attempt, self.backoff_base_s, self.backoff_max_s, self._rng)
+                    delay = backoff_delay(min(attempt, self.max_retries), self.backoff_base_s, self.backoff_max_s,
+                                          self._rng)
                 if not await _sleep_unless(delay, stop):
                     return None
                 attempt += 1
+                continue
             except Exception as exc:  # anything else fails this record, not the batch
                 return Outcome(req.record_id, None, error=one_line(exc))
+            self.breaker.success()
+            return outcome
 
     # -- many records -------------------------------------------------------
     async def agenerate(
@@ -234,10 +267,17 @@ class OpenAIEngine(Engine):
                 if not pending:
                     return
                 done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+                down: EndpointUnavailable | None = None
                 for task in done:
-                    outcome = task.result()
+                    try:
+                        outcome = task.result()
+                    except EndpointUnavailable as exc:
+                        down = exc
+                        continue
                     if outcome is not None:
                         yield outcome
+                if down is not None:
+                    raise down
         finally:
             for task in pending:
                 task.cancel()

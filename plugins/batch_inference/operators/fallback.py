@@ -32,7 +32,8 @@ class FallbackPoolOperator(BaseOperator):
     :param concurrency: requests in flight across the pool; default ``spec.fallback.concurrency``.
     :param parallel_shards: shards the pool holds at once (each pool thread holds one).
     :param model: model name sent to the endpoint (templated); default ``spec.model.name``.
-    :param style: ``json_schema`` (vLLM, OpenAI) or ``json_object`` (llama.cpp's server).
+    :param style: ``json_schema`` (vLLM, OpenAI) or ``json_object`` (llama.cpp's server); default
+        ``spec.fallback.response_format_style``.
     :param hosted: the endpoint is a hosted API outside the company (None: ``spec.fallback.hosted``).
         A record class not cleared for hosted APIs is refused before any request.
     :param api_key_env: name of the environment variable holding the API key (never the key).
@@ -45,7 +46,7 @@ class FallbackPoolOperator(BaseOperator):
 
     def __init__(self, *, job_version: str, base_url: str | None = None, postgres_conn_id: str | None = None,
                  rate: float | None = None, concurrency: int | None = None, parallel_shards: int = 4,
-                 model: str | None = None, style: str = "json_schema", hosted: bool | None = None,
+                 model: str | None = None, style: str | None = None, hosted: bool | None = None,
                  api_key_env: str | None = None, record_run: bool = True,
                  engine_options: dict[str, Any] | None = None, **kwargs: Any):
         super().__init__(**kwargs)
@@ -73,12 +74,14 @@ class FallbackPoolOperator(BaseOperator):
         try:
             result = run_fallback(
                 resolve_conninfo(self.postgres_conn_id), self.job_version, self.base_url or None, rate=self.rate,
-                concurrency=self.concurrency, model=self.model or None, style=self.style, hosted=self.hosted,
+                concurrency=self.concurrency, model=self.model or None, style=self.style or None, hosted=self.hosted,
                 api_key_env=self.api_key_env, parallel_shards=self.parallel_shards, record_run=self.record_run,
                 extra_engine_options=self.engine_options, pool_ready=keep)
         except (FallbackRefused, UnknownJob) as exc:
             raise AirflowFailException(str(exc)) from None  # configuration: retrying cannot help
         except FallbackIncomplete as exc:
+            # Also FallbackEndpointUnavailable: the endpoint may be back by the
+            # retry, and no record spent an attempt on the outage.
             raise AirflowException(str(exc)) from None  # a retry claims what is left
         if result.stopped and result.outstanding:
             raise AirflowException(f"fallback pool stopped with {result.outstanding} record(s) outstanding")

@@ -39,6 +39,8 @@ FATAL_EXITS = {
     2: "the ledger database stayed unreachable",
     3: "the model weights do not match the digest the spec pins (or are missing)",
     4: "configuration error (unknown job version or engine)",
+    6: "the engine endpoint is unavailable (most requests failed in transport); shards released, records left "
+       "pending with no attempts spent",
 }
 # 143: the worker handled SIGTERM (a preemption notice) and released its lease;
 # -15: killed by SIGTERM before its handler was installed. Neither is the
