@@ -222,23 +222,48 @@ SELECT op, count(*) AS n FROM bi.fence_events WHERE job_version = %(job)s GROUP 
 SELECT job_version, dataset, spec, mode, status, fallback_at, clock_timestamp() AS db_now
   FROM bi.jobs WHERE job_version = %(job)s;
 
--- name: fallback_history  the last n measured fallback runs of a dataset, newest first
-SELECT job_version, dataset, records, rate, overhead_s, started_at, finished_at
-  FROM bi.fallback_runs WHERE dataset = %(dataset)s ORDER BY finished_at DESC, id DESC LIMIT %(n)s;
+-- name: fallback_history  a dataset's last n fallback runs and its last w complete ones, newest first
+-- (complete: drain, re-drive and load measured, re-drive >= min_redrive_s)
+SELECT job_version, dataset, records, rate, overhead_s, drain_s, busy_s, load_s, started_at, finished_at
+  FROM bi.fallback_runs
+ WHERE id IN ((SELECT id FROM bi.fallback_runs WHERE dataset = %(dataset)s
+                ORDER BY finished_at DESC, id DESC LIMIT %(n)s)
+              UNION
+              (SELECT id FROM bi.fallback_runs WHERE dataset = %(dataset)s AND drain_s IS NOT NULL
+                  AND busy_s >= %(min_redrive_s)s AND load_s IS NOT NULL
+                ORDER BY finished_at DESC, id DESC LIMIT %(w)s))
+ ORDER BY finished_at DESC, id DESC;
 
 -- name: progress_insert  one progress sample (the burn-down chart, the moving cutoff's history)
 INSERT INTO bi.progress (job_version, stored, dead_letters, outstanding, latest_safe_start, deadline)
 VALUES (%(job)s, %(stored)s, %(dead_letters)s, %(outstanding)s, %(latest_safe_start)s, %(deadline)s);
 
 -- name: fallback_run_insert  one measured fallback run: started_at is when the cutoff fired (jobs.fallback_at)
-INSERT INTO bi.fallback_runs (job_version, dataset, started_at, finished_at, records, rate, overhead_s)
-VALUES (%(job)s, %(dataset)s, %(started_at)s, %(finished_at)s, %(records)s, %(rate)s, %(overhead_s)s)
-RETURNING id;
+-- drain_s: to the latest batch lease end of the job's shards (0 if none after the firing); NULL while one is left
+INSERT INTO bi.fallback_runs (job_version, dataset, started_at, finished_at, records, rate, overhead_s, busy_s, drain_s)
+SELECT %(job)s, %(dataset)s, %(started_at)s, %(finished_at)s, %(records)s, %(rate)s, %(overhead_s)s, %(busy_s)s,
+       CASE WHEN bool_or(s.state = 'leased' AND s.lease_transport = 'batch') THEN NULL
+            ELSE extract(epoch FROM greatest(%(started_at)s, max(s.batch_lease_ended_at)) - %(started_at)s)::float8 END
+  FROM bi.shards s WHERE s.job_version = %(job)s
+RETURNING id, drain_s;
 
--- name: fallback_run_add_load  add the measured warehouse load to the job's latest fallback run (publish calls it)
-UPDATE bi.fallback_runs SET overhead_s = overhead_s + %(load_s)s
- WHERE id = (SELECT max(id) FROM bi.fallback_runs WHERE job_version = %(job)s)
-RETURNING id, overhead_s;
+-- name: fallback_run_add_load  the warehouse load of the job's latest fallback run, recorded once (publish calls it)
+-- load_s given, else from the run's finished_at to the dataset's pointer switch to this version
+WITH latest AS (
+    SELECT r.id, coalesce(%(load_s)s::float8,
+                          extract(epoch FROM p.switched_at - r.finished_at)::float8) AS load_s
+      FROM bi.fallback_runs r
+      LEFT JOIN bi.publish_pointer p ON p.dataset = r.dataset AND p.job_version = r.job_version
+     WHERE r.job_version = %(job)s ORDER BY r.id DESC LIMIT 1
+), upd AS (
+    UPDATE bi.fallback_runs r SET load_s = greatest(0, latest.load_s)
+      FROM latest WHERE r.id = latest.id AND r.load_s IS NULL AND latest.load_s IS NOT NULL
+    RETURNING r.id, r.overhead_s, r.load_s, true AS recorded
+)
+SELECT id, overhead_s, load_s, recorded FROM upd
+UNION ALL
+SELECT r.id, r.overhead_s, r.load_s, false FROM bi.fallback_runs r JOIN latest USING (id)
+ WHERE NOT EXISTS (SELECT 1 FROM upd);
 
 -- name: leases_by_transport  shards still leased, by transport (batch leases are the drain still to come)
 SELECT lease_transport AS transport, count(*) AS n

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+from dataclasses import replace
 from datetime import datetime, time, timedelta, timezone
 from zoneinfo import ZoneInfo
 
@@ -12,6 +13,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from batch_inference.cutoff import (
+    MIN_REDRIVE_S,
+    DerivedConstants,
     FallbackRun,
     decide,
     derive_rate_and_overhead,
@@ -21,6 +24,7 @@ from batch_inference.cutoff import (
     parse_clock,
     projected_finish,
     relabel_start,
+    slow_half_median,
 )
 
 UTC = timezone.utc
@@ -207,7 +211,8 @@ def test_derive_without_history_uses_the_configured_constants():
     assert source.startswith("configured")
 
 
-def test_derive_from_history_takes_the_safe_side_of_the_last_n():
+def test_derive_from_partial_history_only_tightens():
+    # Runs recorded without a drain or a load (legacy rows, unpublished jobs) are partial.
     runs = [
         FallbackRun(records=200_000, rate=60.0, overhead_s=2500, finished_at=at(5, 0) - timedelta(days=9)),  # aged out
         FallbackRun(records=120_000, rate=90.0, overhead_s=1500, finished_at=at(5, 0) - timedelta(days=4)),
@@ -217,10 +222,15 @@ def test_derive_from_history_takes_the_safe_side_of_the_last_n():
     ]
     # Given out of order: sorted by finished_at before the last n are taken.
     derived = derive_rate_and_overhead(list(reversed(runs)), 85.0, 1800.0, n=4)
-    assert derived.rate == 78.5  # slowest sustained rate among the last 4, the 500-row run excluded
-    assert derived.overhead_s == 1740.0  # longest (1,710 s) rounded up to the minute
-    assert derived.runs_used == 4
-    assert derived.source.startswith("history") and "78.5" in derived.source
+    # Slower than configured: the median of the slowest half of 78.5, 88 and 90 (the 500-row run excluded).
+    assert derived.rate == pytest.approx((78.5 + 88.0) / 2)
+    # Shorter than configured (1,740 s): partial runs cannot shrink it.
+    assert derived.overhead_s == 1800.0
+    assert (derived.runs_used, derived.complete_runs, derived.min_runs) == (4, 0, 5)
+    assert derived.source.startswith("history (4 recent fallback runs, 0 complete)")
+    assert "slower than the configured 85/s" in derived.source
+    assert "overhead 1,800 s configured (0 complete runs of the 5 needed to relax it; history would give 1,740 s)" \
+        in derived.source
 
 
 def test_derive_with_only_short_runs_keeps_the_configured_rate():
@@ -228,6 +238,167 @@ def test_derive_with_only_short_runs_keeps_the_configured_rate():
     rate, overhead, source = derive_rate_and_overhead(runs, 85.0, 1800.0, n=5)
     assert rate == 85.0 and overhead == 1920.0
     assert "configured" in source and "history" in source
+
+
+def complete_run(rate: float, whole_overhead_s: float, records: int = 100_000, day: int = 0,
+                 load_s: float = 300.0) -> FallbackRun:
+    """A run that measured drain, re-drive and load (overhead_s + load_s = whole_overhead_s)."""
+    return FallbackRun(records=records, rate=rate, overhead_s=whole_overhead_s - load_s, drain_s=120.0,
+                       busy_s=records / rate, load_s=load_s, finished_at=at(5, 0) + timedelta(days=day))
+
+
+def bad_night_cutoff(k: DerivedConstants) -> datetime:
+    """The seed's bad night: 260,000 outstanding, deadline 06:00."""
+    return latest_safe_start(DEADLINE, 260_000, k.rate, k.overhead_s)
+
+
+def test_the_configured_constants_give_0439_for_the_bad_night():
+    assert bad_night_cutoff(derive_rate_and_overhead([], RATE, OVERHEAD)) == at(4, 39)
+
+
+def test_one_short_run_does_not_move_the_cutoff_later():
+    # The observed night: a fallback that re-drove little recorded a 60 s overhead.
+    short = FallbackRun(records=340, rate=85.0, overhead_s=60.0, drain_s=5.0, busy_s=4.0, load_s=None,
+                        finished_at=at(5, 0))
+    k = derive_rate_and_overhead([short], RATE, OVERHEAD)
+    assert (k.rate, k.overhead_s) == (85.0, 1800.0)
+    assert bad_night_cutoff(k) == at(4, 39)
+    assert "overhead 1,800 s configured (0 complete runs of the 5 needed to relax it; history would give 60 s)" \
+        in k.source
+    # Even with every part measured, a re-drive of a few seconds does not count as complete.
+    k = derive_rate_and_overhead([replace(short, load_s=0.0, finished_at=at(5, 0) + timedelta(days=d))
+                                  for d in range(9)], RATE, OVERHEAD)
+    assert (k.rate, k.overhead_s, k.complete_runs) == (85.0, 1800.0, 0)
+
+
+def test_the_source_says_which_constants_and_why():
+    fast = [complete_run(120.0, 60.0, load_s=10.0, day=d) for d in range(2)]
+    k = derive_rate_and_overhead(fast, RATE, OVERHEAD)
+    assert k.source == ("configured constants (2 recent fallback runs, 2 complete): "
+                        "rate 85/s configured (2 complete runs of the 5 needed to relax it; history would give "
+                        "120.0/s); overhead 1,800 s configured (2 complete runs of the 5 needed to relax it; "
+                        "history would give 60 s)")
+    assert k.to_dict() == {"rate": 85.0, "overhead_s": 1800.0, "source": k.source, "runs_used": 2,
+                           "complete_runs": 2, "min_runs": 5}
+    assert derive_rate_and_overhead([], RATE, OVERHEAD).source == (
+        "configured constants: rate 85/s configured (no re-drive of 60 s or more measured); "
+        "overhead 1,800 s configured (no fallback history)")
+    slow = derive_rate_and_overhead([complete_run(70.0, 2000.0)], RATE, OVERHEAD)
+    assert (slow.rate, slow.overhead_s) == (70.0, 2040.0)
+    assert slow.source.startswith("history (1 recent fallback run, 1 complete): rate 70.0/s measured, slower than "
+                                  "the configured 85/s")
+    assert "overhead 2,040 s measured, longer than the configured 1,800 s" in slow.source
+
+
+def test_enough_complete_faster_runs_relax_the_constants():
+    runs = [complete_run(r, o, day=d) for d, (r, o) in enumerate(
+        [(104.0, 1150.0), (100.0, 1190.0), (98.0, 1120.0), (110.0, 1200.0), (101.0, 1100.0)])]
+    k = derive_rate_and_overhead(runs, RATE, OVERHEAD, n=5, min_runs=5)
+    # rate: the median of the slowest half (98, 100, 101); overhead: the longest, 1,200 s (a whole minute already).
+    assert (k.rate, k.overhead_s, k.complete_runs) == (100.0, 1200.0, 5)
+    assert k.source.startswith("history (5 recent fallback runs, 5 complete): "
+                               "rate 100.0/s = median of the slowest half of 5 complete runs; "
+                               "overhead 1,200 s = longest of 5 complete runs")
+    # 2,600 s of re-drive + 1,200 s: 06:00 - 1:03:20, floored: 04:56, later than 04:39 on evidence.
+    assert bad_night_cutoff(k) == at(4, 56)
+    # One complete run fewer: the configured constants stand.
+    assert bad_night_cutoff(derive_rate_and_overhead(runs[1:], RATE, OVERHEAD, n=5, min_runs=5)) == at(4, 39)
+    # A later partial run that was slower still tightens the relaxed rate (never relaxes it).
+    throttled = FallbackRun(records=100_000, rate=70.0, overhead_s=1300.0, busy_s=100_000 / 70.0,
+                            finished_at=at(5, 0) + timedelta(days=9))
+    k2 = derive_rate_and_overhead(runs + [throttled], RATE, OVERHEAD, n=5, min_runs=5)
+    # Complete runs: the same 5. Recent re-drives (the last 5 of any kind): 100, 98, 110, 101 and 70,
+    # whose slowest half (70, 98, 100) has the median 98.
+    assert k2.complete_runs == 5 and k2.rate == 98.0
+    assert k2.overhead_s == 1320.0                 # the partial run's 1,300 s is a lower bound: rounded up, it wins
+
+
+def test_history_off_and_min_runs_above_history_runs():
+    runs = [complete_run(120.0, 600.0, day=d) for d in range(6)]
+    assert derive_rate_and_overhead(runs, RATE, OVERHEAD, n=0).source.startswith("configured constants:")
+    # history_runs 2, min 5: the last 5 complete runs count for relaxing, the last 2 of any kind for tightening.
+    k = derive_rate_and_overhead(runs, RATE, OVERHEAD, n=2, min_runs=5)
+    assert (k.rate, k.overhead_s, k.complete_runs, k.runs_used) == (120.0, 600.0, 5, 2)
+
+
+def test_slow_half_median():
+    assert slow_half_median([5.0]) == 5.0
+    assert slow_half_median([9.0, 1.0]) == 1.0
+    assert slow_half_median([3.0, 1.0, 2.0]) == 1.5
+    assert slow_half_median([5.0, 1.0, 4.0, 2.0, 3.0]) == 2.0
+    with pytest.raises(ValueError):
+        slow_half_median([])
+
+
+# The kinds of run the history can hold. Rates and overheads range far on both
+# sides of the configured 85/s and 1,800 s.
+_rates = st.floats(min_value=1.0, max_value=2_000.0)
+_overheads = st.floats(min_value=0.0, max_value=20_000.0)
+_parts = st.one_of(st.none(), st.floats(min_value=0.0, max_value=5_000.0))
+
+
+@st.composite
+def _short_run(draw):
+    rate = draw(_rates)
+    busy = draw(st.floats(min_value=0.001, max_value=MIN_REDRIVE_S - 0.001))
+    return FallbackRun(records=max(1, int(rate * busy)), rate=rate, overhead_s=draw(_overheads),
+                       drain_s=draw(_parts), busy_s=busy, load_s=draw(_parts))
+
+
+@st.composite
+def _partial_run(draw):
+    rate = draw(_rates)
+    records = draw(st.integers(min_value=1, max_value=2_000_000))
+    drain, load = draw(_parts), draw(_parts)
+    busy = draw(st.sampled_from([records / rate, None]))
+    if drain is not None and load is not None and busy is not None:
+        drain = None                               # at least one part missing
+    return FallbackRun(records=records, rate=rate, overhead_s=draw(_overheads), drain_s=drain, busy_s=busy,
+                       load_s=load)
+
+
+@st.composite
+def _complete_run(draw, slow: bool = False):
+    rate = draw(st.floats(min_value=1.0, max_value=RATE)) if slow else draw(_rates)
+    busy = draw(st.floats(min_value=MIN_REDRIVE_S, max_value=50_000.0))
+    load = draw(st.floats(min_value=0.0, max_value=5_000.0))
+    overhead = draw(st.floats(min_value=max(0.0, OVERHEAD - load), max_value=20_000.0)) if slow else draw(_overheads)
+    return FallbackRun(records=max(1, int(rate * busy)), rate=rate, overhead_s=overhead,
+                       drain_s=draw(st.floats(min_value=0.0, max_value=5_000.0)), busy_s=busy,
+                       load_s=load)
+
+
+def _is_complete(r: FallbackRun) -> bool:
+    return r.complete and r.redrive_s >= MIN_REDRIVE_S
+
+
+def _dated(runs: list[FallbackRun], order: list[int]) -> list[FallbackRun]:
+    return [replace(r, finished_at=at(5, 0) + timedelta(days=d)) for r, d in zip(runs, order)]
+
+
+@settings(max_examples=300, deadline=None)
+@given(runs=st.lists(st.one_of(_short_run(), _partial_run(), _complete_run()), max_size=25),
+       n=st.integers(min_value=0, max_value=12), min_runs=st.integers(min_value=1, max_value=8),
+       data=st.data())
+def test_short_or_partial_runs_never_move_the_bad_night_later(runs, n, min_runs, data):
+    """Done-when of issue 13: never later than the configured 04:39 unless
+    complete runs say so. Short or partial runs, in any number and order, do not count."""
+    runs = _dated(runs, data.draw(st.permutations(range(len(runs)))))
+    k = derive_rate_and_overhead(runs, RATE, OVERHEAD, n=n, min_runs=min_runs)
+    if sum(_is_complete(r) for r in runs) < min_runs or n == 0:
+        assert k.rate <= RATE and k.overhead_s >= OVERHEAD
+        assert bad_night_cutoff(k) <= at(4, 39), k.source
+
+
+@settings(max_examples=300, deadline=None)
+@given(runs=st.lists(st.one_of(_short_run(), _partial_run(), _complete_run(slow=True)), max_size=25),
+       n=st.integers(min_value=0, max_value=12), min_runs=st.integers(min_value=1, max_value=8),
+       data=st.data())
+def test_complete_runs_no_faster_than_configured_never_move_it_later(runs, n, min_runs, data):
+    """However many runs, when no complete one was faster (rate <= 85/s, whole overhead >= 1,800 s), 04:39 stands."""
+    runs = _dated(runs, data.draw(st.permutations(range(len(runs)))))
+    k = derive_rate_and_overhead(runs, RATE, OVERHEAD, n=n, min_runs=min_runs)
+    assert bad_night_cutoff(k) <= at(4, 39), k.source
 
 
 # -- CLI -----------------------------------------------------------------------------

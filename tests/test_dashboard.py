@@ -262,6 +262,8 @@ def test_job_page_numbers_are_the_ledgers_and_the_chart_has_the_cutoff(open_serv
     assert page.text_content("#deadline-clock") == info["deadline"].strftime("%H:%M")
     assert page.get_attribute("svg#timeline #deadline-line", "data-at").startswith(
         info["deadline"].strftime("%Y-%m-%dT%H:%M"))
+    # Which constants the cutoff uses, and why (no fallback history here: the spec's).
+    assert page.text_content("#constants-source").startswith("constants: configured constants: rate ")
 
     # Drift bars per category, the dead-letter reasons and the cost by transport.
     assert page.locator("svg#drift-chart .drift-row").count() == 3

@@ -246,6 +246,34 @@ def test_progress_has_the_moving_cutoff_the_deadline_and_a_projection(seeded):
     assert datetime.fromisoformat(over["end"]) == deadline
 
 
+def test_job_page_shows_the_constants_the_cutoff_uses_and_why(seeded):
+    client, info, url = seeded
+    from batch_inference import db
+
+    p = client.get(f"/api/jobs/{info['v3']}/progress", headers=VIEWER).json()
+    assert (p["constants"]["rate"], p["constants"]["overhead_s"]) == (NIGHT_RATE, NIGHT_OVERHEAD_S)
+    assert p["constants"]["source"].startswith("configured constants")
+    # A partial fallback run (no load recorded) that took longer: it may only make the cutoff earlier.
+    with db.connect(url) as conn:
+        rid = conn.execute("INSERT INTO bi.fallback_runs (job_version, dataset, started_at, finished_at, records, "
+                           "rate, overhead_s, drain_s, busy_s) VALUES ('jv_earlier', %s, now() - interval '1 day', "
+                           "now() - interval '23 hours', 100, 1.0, 3000, 60, 100) RETURNING id",
+                           (DATASET,)).fetchone()["id"]
+    try:
+        p = client.get(f"/api/jobs/{info['v3']}/progress", headers=VIEWER).json()
+        j = client.get(f"/api/jobs/{info['v3']}", headers=VIEWER).json()
+    finally:
+        with db.connect(url) as conn:
+            conn.execute("DELETE FROM bi.fallback_runs WHERE id = %s", (rid,))
+    assert p["overhead_s"] == p["constants"]["overhead_s"] == 3000.0
+    assert "overhead 3,000 s measured, longer than the configured 1,200 s" in p["constants"]["source"]
+    assert "rate 0.02/s configured (0 complete runs of the 5 needed to relax it; history would give 1.0/s)" \
+        in p["constants"]["source"]
+    deadline = datetime.fromisoformat(p["deadline"])
+    assert datetime.fromisoformat(p["cutoff"]) == cutoff.latest_safe_start(deadline, 60, NIGHT_RATE, 3000.0)
+    assert j["fallback"] == p["constants"]
+
+
 def test_progress_without_samples_is_derived_from_shard_times(seeded):
     client, info, _ = seeded
     p = client.get(f"/api/jobs/{info['v1']}/progress", headers=VIEWER).json()

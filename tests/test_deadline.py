@@ -24,7 +24,7 @@ os.environ.setdefault("AIRFLOW_HOME", tempfile.mkdtemp(prefix="bi-airflow-"))
 from batch_inference import db  # noqa: E402
 from batch_inference import deadline as watchlib  # noqa: E402
 from batch_inference.cost import Prices  # noqa: E402
-from batch_inference.cutoff import DerivedConstants  # noqa: E402
+from batch_inference.cutoff import DerivedConstants, FallbackRun, history_params  # noqa: E402
 from batch_inference.plan import submit  # noqa: E402
 from tests.conftest import make_source, make_spec, tickets  # noqa: E402
 
@@ -116,7 +116,8 @@ def test_constants_override_beats_history_beats_spec():
     assert (k0.rate, k0.overhead_s) == (50.0, 900.0) and k0.source.startswith("configured")
     hist = [FallbackRun(records=6000, rate=60.0, overhead_s=1500.0), FallbackRun(records=6000, rate=70.0, overhead_s=1000.0)]
     k = watchlib.choose_constants(spec, hist, None, None)
-    assert (k.rate, k.overhead_s) == (60.0, 1500.0) and k.source.startswith("history")
+    # Partial runs (no drain or load measured) only tighten: the longer overhead counts, the faster rate does not.
+    assert (k.rate, k.overhead_s) == (50.0, 1500.0) and k.source.startswith("history")
     o = watchlib.choose_constants(spec, hist, 85.0, None)
     assert (o.rate, o.overhead_s) == (85.0, 1500.0) and o.source.startswith("override")
 
@@ -172,9 +173,103 @@ def test_watch_takes_rate_and_overhead_from_history(conn, db_url, caplog):
     with caplog.at_level("INFO", logger="batch_inference.deadline"):
         ev = run_watch(db_url, cfg(job, now() + timedelta(hours=2)), max_polls=1)
     assert ev["status"] == "wait"
-    # The last two runs only: the slowest rate, the longest overhead rounded up to the minute.
-    assert (ev["constants"]["rate"], ev["constants"]["overhead_s"]) == (40.0, 720.0)
-    assert any("history (last 2 of 2 fallback runs)" in r.getMessage() for r in caplog.records)
+    # The last two runs, both partial (recorded without drain or load): the slower rate (40/s, the
+    # median of the slowest half of 40 and 50) tightens; their shorter overhead (720 s) cannot relax 1,800 s.
+    assert (ev["constants"]["rate"], ev["constants"]["overhead_s"]) == (40.0, 1800.0)
+    assert any("history (2 recent fallback runs, 0 complete)" in r.getMessage() and
+               "history would give 720 s" in r.getMessage() for r in caplog.records)
+
+
+def insert_run(conn, job: str, *, rate: float, overhead_s: float, hours_ago: float, records: int = 100_000,
+               drain_s: float | None = 60.0, load_s: float | None = 300.0) -> None:
+    conn.execute("INSERT INTO bi.fallback_runs (job_version, dataset, started_at, finished_at, records, rate, "
+                 "overhead_s, drain_s, busy_s, load_s) VALUES (%s, 'tickets_triage', now() - interval '2 days', "
+                 "now() - make_interval(hours => %s), %s, %s, %s, %s, %s, %s)",
+                 (job, hours_ago, records, rate, overhead_s, drain_s, records / rate, load_s))
+
+
+def test_watch_relaxes_the_constants_only_on_enough_complete_runs(conn, db_url, caplog):
+    job = new_job(conn, fallback={"rate": 85, "overhead_s": 1800, "min_history_runs": 3})
+    for i in range(2):
+        insert_run(conn, f"old{i}", rate=100.0, overhead_s=900.0, hours_ago=30 - i)
+    insert_run(conn, "short", rate=100.0, overhead_s=0.0, hours_ago=20, records=300)        # 3 s re-drive
+    insert_run(conn, "partial", rate=100.0, overhead_s=100.0, hours_ago=19, load_s=None)    # never published
+    ev = run_watch(db_url, cfg(job, now() + timedelta(hours=2)), max_polls=1)
+    assert (ev["constants"]["rate"], ev["constants"]["overhead_s"]) == (85.0, 1800.0)
+    assert "overhead 1,800 s configured (2 complete runs of the 3 needed to relax it; history would give 1,200 s)" \
+        in ev["constants"]["source"]
+    insert_run(conn, "old2", rate=100.0, overhead_s=900.0, hours_ago=10)
+    with caplog.at_level("INFO", logger="batch_inference.deadline"):
+        ev = run_watch(db_url, cfg(job, now() + timedelta(hours=2)), max_polls=1)
+    # Three complete runs: 100/s, 900 s + 300 s load.
+    assert (ev["constants"]["rate"], ev["constants"]["overhead_s"]) == (100.0, 1200.0)
+    assert any("history (5 recent fallback runs, 3 complete)" in r.getMessage() for r in caplog.records)
+
+
+def test_fallback_run_records_the_drain_from_batch_lease_ends(conn, db_url):
+    from batch_inference.fallback import enter_fallback
+
+    job = new_job(conn, n=20, shard_size=10)
+    lease = conn.execute("SELECT * FROM bi.claim_shard_v1(%s, 'batch-w', 'batch', 60)", (job,)).fetchone()
+    assert enter_fallback(conn, job)
+    j = conn.execute(db.q("cutoff_job"), {"job": job}).fetchone()
+    params = {"job": job, "dataset": j["dataset"], "started_at": j["fallback_at"], "finished_at": j["db_now"],
+              "records": 20, "rate": 10.0, "overhead_s": 1.0, "busy_s": 2.0}
+    with pytest.raises(RuntimeError, match="probe"):   # roll the insert back: it is only a probe
+        with conn.transaction():
+            r = conn.execute(db.q("fallback_run_insert"), params).fetchone()
+            assert r["drain_s"] is None          # a batch worker still holds a lease: the drain is not over
+            raise RuntimeError("probe")
+    conn.execute("SELECT bi.release_shard_v1(%s, %s, %s, 'batch-w')", (job, lease["shard_no"], lease["epoch"]))
+    ended = conn.execute("SELECT batch_lease_ended_at FROM bi.shards WHERE job_version = %s AND shard_no = %s",
+                         (job, lease["shard_no"])).fetchone()["batch_lease_ended_at"]
+    assert ended is not None and ended >= j["fallback_at"]
+    r = conn.execute(db.q("fallback_run_insert"), params).fetchone()
+    assert r["drain_s"] == pytest.approx((ended - j["fallback_at"]).total_seconds(), abs=1e-6)
+    run = conn.execute("SELECT * FROM bi.fallback_runs WHERE id = %s", (r["id"],)).fetchone()
+    assert (run["busy_s"], run["load_s"]) == (2.0, None)        # not complete until publish records the load
+
+    # No batch lease when the cutoff fired: the drain is 0.
+    job2 = new_job(conn, n=10)
+    assert enter_fallback(conn, job2)
+    j2 = conn.execute(db.q("cutoff_job"), {"job": job2}).fetchone()
+    r2 = conn.execute(db.q("fallback_run_insert"), params | {"job": job2, "started_at": j2["fallback_at"]}).fetchone()
+    assert r2["drain_s"] == 0.0
+
+
+def test_publish_records_the_load_time_on_the_jobs_fallback_run(conn, db_url):
+    from batch_inference.fallback import add_load_time
+    from batch_inference.publish import publish
+    from batch_inference.validate import validate
+    from tests.test_validate import finish
+
+    job = new_job(conn, n=20)
+    finish(db_url, job)
+    assert validate(conn, job).passed
+    conn.execute("INSERT INTO bi.fallback_runs (job_version, dataset, started_at, finished_at, records, rate, "
+                 "overhead_s, drain_s, busy_s) VALUES (%s, 'tickets_triage', now() - interval '3 hours', "
+                 "now() - interval '1 hour', 20, 0.1, 600, 120, 200)", (job,))
+    assert add_load_time(conn, job) is None          # not published yet: nothing to measure
+    out = publish(conn, job)
+    assert out["changed"]
+    run = conn.execute("SELECT * FROM bi.fallback_runs WHERE job_version = %s", (job,)).fetchone()
+    switched = conn.execute("SELECT switched_at FROM bi.publish_pointer WHERE dataset = 'tickets_triage'"
+                            ).fetchone()["switched_at"]
+    # From nothing outstanding (finished_at) to the pointer switch, on the database clock.
+    assert run["load_s"] == pytest.approx((switched - run["finished_at"]).total_seconds(), abs=1e-6)
+    assert run["load_s"] >= 3600
+    # Recorded once: a repeated publish or a second call keeps it.
+    assert publish(conn, job)["changed"] is False
+    assert add_load_time(conn, job, 5.0) == pytest.approx(600 + run["load_s"])
+    assert conn.execute("SELECT load_s FROM bi.fallback_runs WHERE job_version = %s", (job,)
+                        ).fetchone()["load_s"] == run["load_s"]
+    # The run now measured every part; the history reads it as complete.
+    rows = conn.execute(db.q("fallback_history"), history_params("tickets_triage", 5)).fetchall()
+    assert [FallbackRun.from_row(r).complete for r in rows] == [True]
+    # A job without a fallback run publishes as before.
+    other = new_job(conn, n=5)
+    finish(db_url, other)
+    assert validate(conn, other).passed and publish(conn, other)["changed"]
 
 
 def test_watch_completes_when_nothing_is_outstanding(conn, db_url):

@@ -25,9 +25,10 @@ from __future__ import annotations
 
 import math
 import re
+import statistics
 from dataclasses import dataclass, field
 from datetime import datetime, time, timedelta, timezone, tzinfo
-from typing import Iterable, Sequence
+from typing import Any, Iterable, Mapping, Sequence
 
 from batch_inference.cost import DEFAULT_PRICES, CostReport, Prices, cents, cost_report
 
@@ -326,23 +327,76 @@ def early_warning(
 
 @dataclass(frozen=True)
 class FallbackRun:
-    """One measured fallback run, as recorded in ``bi.fallback_runs``."""
+    """One measured fallback run, as recorded in ``bi.fallback_runs``.
+
+    The parts of the overhead are recorded separately; None means the run did
+    not measure that part, and a run is complete only when it measured all
+    three (drain, re-drive, load).
+    """
 
     records: int  # rows the pool re-drove
     rate: float  # sustained rows/s over the re-drive
-    overhead_s: float  # cancel drain + reconcile + load measured around it
+    overhead_s: float  # wall time from the cutoff firing to nothing outstanding, less the re-drive
     finished_at: datetime | None = None
     job_version: str | None = None
     dataset: str | None = None
+    drain_s: float | None = None  # cutoff firing -> no shard leased by a batch worker
+    busy_s: float | None = None  # the re-drive: time at least one pool worker held a shard
+    load_s: float | None = None  # warehouse load: nothing outstanding -> published pointer (publish records it)
 
     @property
     def redrive_s(self) -> float:
+        if self.busy_s is not None:
+            return self.busy_s
         return self.records / self.rate if self.rate > 0 else 0.0
+
+    @property
+    def complete(self) -> bool:
+        """Drain, re-drive and load were all measured."""
+        return self.drain_s is not None and self.busy_s is not None and self.load_s is not None
+
+    @property
+    def whole_overhead_s(self) -> float:
+        """Everything but the re-drive: the pool's measured overhead plus the load, where recorded."""
+        return self.overhead_s + (self.load_s or 0.0)
+
+    @classmethod
+    def from_row(cls, r: Mapping[str, Any]) -> "FallbackRun":
+        """From a ``fallback_history`` row."""
+        opt = lambda k: None if r.get(k) is None else float(r[k])  # noqa: E731
+        return cls(records=int(r["records"]), rate=float(r["rate"]), overhead_s=float(r["overhead_s"]),
+                   finished_at=r.get("finished_at"), job_version=r.get("job_version"), dataset=r.get("dataset"),
+                   drain_s=opt("drain_s"), busy_s=opt("busy_s"), load_s=opt("load_s"))
 
 
 # A re-drive shorter than this measured the pool's start-up, not its
 # sustained rate (the rate limiter had not engaged), so it does not count.
 MIN_REDRIVE_S = 60.0
+
+# Complete runs (every part measured, a sustained re-drive) needed before
+# history may make the constants less conservative (spec.fallback.min_history_runs).
+DEFAULT_MIN_HISTORY_RUNS = 5
+
+
+def history_params(dataset: str, n: int, min_runs: int = DEFAULT_MIN_HISTORY_RUNS,
+                   min_redrive_s: float = MIN_REDRIVE_S) -> dict[str, Any]:
+    """Parameters of the ``fallback_history`` query: the last ``n`` runs of any kind
+    and the last ``max(n, min_runs)`` complete ones (none when ``n`` is 0)."""
+    n = max(0, int(n))
+    return {"dataset": dataset, "n": n, "w": max(n, int(min_runs)) if n else 0, "min_redrive_s": min_redrive_s}
+
+
+def slow_half_median(values: Iterable[float]) -> float:
+    """The median of the slowest half (the lower half, rounded up): a low
+    quantile that one fast outlier cannot raise. ValueError on no values."""
+    v = sorted(values)
+    if not v:
+        raise ValueError("no values")
+    return float(statistics.median(v[: math.ceil(len(v) / 2)]))
+
+
+def _minute_up(seconds: float) -> float:
+    return float(math.ceil(seconds / 60) * 60)
 
 
 @dataclass(frozen=True)
@@ -350,12 +404,18 @@ class DerivedConstants:
     rate: float
     overhead_s: float
     source: str
-    runs_used: int = 0
+    runs_used: int = 0  # the recent runs considered
     rates: Sequence[float] = field(default_factory=tuple)
     overheads: Sequence[float] = field(default_factory=tuple)
+    complete_runs: int = 0  # complete runs considered
+    min_runs: int = DEFAULT_MIN_HISTORY_RUNS  # complete runs needed to relax the configured constants
 
     def __iter__(self):  # unpacks as (rate, overhead, source)
         return iter((self.rate, self.overhead_s, self.source))
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"rate": self.rate, "overhead_s": self.overhead_s, "source": self.source,
+                "runs_used": self.runs_used, "complete_runs": self.complete_runs, "min_runs": self.min_runs}
 
 
 def derive_rate_and_overhead(
@@ -364,54 +424,100 @@ def derive_rate_and_overhead(
     default_overhead: float = DEFAULT_OVERHEAD_S,
     n: int = 5,
     min_redrive_s: float = MIN_REDRIVE_S,
+    min_runs: int = DEFAULT_MIN_HISTORY_RUNS,
 ) -> DerivedConstants:
-    """Rate and overhead from the last ``n`` fallback runs, else the configured constants.
+    """Rate and overhead from fallback history, never later than the configured constants on thin evidence.
 
-    Both are taken on the safe side, because an optimistic constant misses the
-    deadline while a pessimistic one only starts early:
+    * complete runs: the last ``max(n, min_runs)`` runs that measured drain,
+      re-drive and load and re-drove for at least ``min_redrive_s``. With at
+      least ``min_runs`` of them the constants come from them alone: rate =
+      the median of the slowest half of their rates, overhead = the longest
+      whole overhead (overhead_s + load_s), rounded up to the minute. With
+      fewer, the configured constants stand.
+    * recent runs: the last ``n`` of any kind. They can only make the result
+      more conservative: a slower rate (the same statistic over their
+      sustained re-drives) or a longer overhead (the longest, rounded up; a
+      partial run's overhead is a lower bound, a short run's is a real one).
 
-    * rate: the slowest sustained rate of the last n runs. The pool must hold
-      its rate for the whole re-drive, and the night it was throttled by a
-      neighbour is the night that decides whether the deadline holds. Only n
-      runs are kept, so one bad night ages out after n more.
-    * overhead: the longest of the last n, rounded up to the whole minute (the
-      seed rounds its measured 28 minutes up to 30 for the same reason).
-
-    Runs are ordered by ``finished_at`` where known, else taken in list order.
-    Runs too short to measure a sustained rate count for overhead only.
-    Unpacks as ``(rate, overhead_s, source)``; ``source`` says which was used.
+    So short or partial runs never move the cutoff later. Runs are ordered by
+    ``finished_at`` where known, else taken in list order; ``n`` = 0 turns
+    history off. Unpacks as ``(rate, overhead_s, source)``; ``source`` says
+    which figures were used and why.
     """
     runs = list(history)
     if any(r.finished_at is not None for r in runs):
         epoch = datetime.min.replace(tzinfo=UTC)
         runs.sort(key=lambda r: _utc(r.finished_at) if r.finished_at else epoch)
+    min_runs = max(1, int(min_runs))
     recent = runs[-n:] if n > 0 else []
-    rates = [r.rate for r in recent if r.rate > 0 and r.redrive_s >= min_redrive_s]
-    overheads = [r.overhead_s for r in recent if r.overhead_s >= 0]
+    w = max(n, min_runs) if n > 0 else 0
+    complete = [r for r in runs if r.complete and r.rate > 0 and r.redrive_s >= min_redrive_s][-w:] if w else []
+    sustained = [r for r in recent if r.rate > 0 and r.redrive_s >= min_redrive_s]
+    measured = [r.whole_overhead_s for r in recent if r.overhead_s >= 0]
+    relax = len(complete) >= min_runs
+    cfg_rate, cfg_over = float(default_rate), float(default_overhead)
+    need = f"{len(complete)} complete run{'s' if len(complete) != 1 else ''} of the {min_runs} needed to relax it"
 
-    parts = []
-    if rates:
-        rate = min(rates)
-        parts.append(f"rate {rate:.1f}/s = slowest of {len(rates)} measured re-drives")
+    q_rate = slow_half_median(r.rate for r in complete) if complete else None
+    recent_rate = slow_half_median(r.rate for r in sustained) if sustained else None
+    if relax:
+        assert q_rate is not None
+        rate = q_rate
+        rate_part = f"rate {rate:.1f}/s = median of the slowest half of {len(complete)} complete runs"
+        if recent_rate is not None and recent_rate < rate:
+            rate = recent_rate
+            rate_part = (f"rate {rate:.1f}/s = median of the slowest half of {len(sustained)} recent re-drives "
+                         f"(complete runs give {q_rate:.1f}/s)")
     else:
-        rate = float(default_rate)
-        parts.append(f"rate {rate:g}/s configured (no measured re-drive of {min_redrive_s:.0f} s or more)")
-    if overheads:
-        overhead = float(math.ceil(max(overheads) / 60) * 60)
-        parts.append(f"overhead {overhead:,.0f} s = longest of {len(overheads)} runs, rounded up to the minute")
+        would = min((x for x in (q_rate, recent_rate) if x is not None), default=None)
+        if would is not None and would < cfg_rate:
+            rate = would
+            of = (f"{len(sustained)} re-drives of {min_redrive_s:.0f} s or more" if would == recent_rate
+                  else f"{len(complete)} complete runs")
+            rate_part = (f"rate {rate:.1f}/s measured, slower than the configured {cfg_rate:g}/s (median of the "
+                         f"slowest half of {of})")
+        else:
+            rate = cfg_rate
+            rate_part = (f"rate {rate:g}/s configured ({need}; history would give {would:.1f}/s)"
+                         if would is not None else
+                         f"rate {rate:g}/s configured (no re-drive of {min_redrive_s:.0f} s or more measured)")
+
+    q_over = _minute_up(max(r.whole_overhead_s for r in complete)) if complete else None
+    recent_over = _minute_up(max(measured)) if measured else None
+    if relax:
+        assert q_over is not None
+        overhead = q_over
+        over_part = (f"overhead {overhead:,.0f} s = longest of {len(complete)} complete runs (drain, re-drive and "
+                     "load measured), rounded up to the minute")
+        if recent_over is not None and recent_over > overhead:
+            overhead = recent_over
+            over_part = (f"overhead {overhead:,.0f} s = longest of {len(measured)} recent runs, rounded up to the "
+                         f"minute (complete runs give {q_over:,.0f} s)")
     else:
-        overhead = float(default_overhead)
-        parts.append(f"overhead {overhead:,.0f} s configured (no fallback history)")
-    if rates or overheads:
-        source = f"history (last {len(recent)} of {len(runs)} fallback runs): " + "; ".join(parts)
+        longest = max((x for x in (q_over, recent_over) if x is not None), default=None)
+        if longest is not None and longest > cfg_over:
+            overhead = longest
+            of = f"{len(measured)} recent runs" if longest == recent_over else f"{len(complete)} complete runs"
+            over_part = (f"overhead {overhead:,.0f} s measured, longer than the configured {cfg_over:,.0f} s "
+                         f"(longest of {of}, rounded up to the minute)")
+        else:
+            overhead = cfg_over
+            over_part = (f"overhead {overhead:,.0f} s configured ({need}; history would give {longest:,.0f} s)"
+                         if longest is not None else f"overhead {overhead:,.0f} s configured (no fallback history)")
+
+    used = relax or rate != cfg_rate or overhead != cfg_over
+    if runs and (recent or complete):
+        head = (f"{'history' if used else 'configured constants'} ({len(recent)} recent fallback "
+                f"run{'s' if len(recent) != 1 else ''}, {len(complete)} complete)")
     else:
-        source = "configured constants: " + "; ".join(parts)
+        head = "configured constants"
     return DerivedConstants(
         rate=rate,
         overhead_s=overhead,
-        source=source,
+        source=f"{head}: {rate_part}; {over_part}",
         runs_used=len(recent),
-        rates=tuple(rates),
-        overheads=tuple(overheads),
+        rates=tuple(r.rate for r in sustained),
+        overheads=tuple(measured),
+        complete_runs=len(complete),
+        min_runs=min_runs,
     )
-

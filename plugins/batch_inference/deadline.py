@@ -31,9 +31,10 @@ trigger event's payload):
 * ``error``: the job does not exist, or the database stayed unreachable
   until the deadline passed.
 
-Rate and overhead come from the last ``spec.fallback.history_runs`` runs in
-``bi.fallback_runs`` for the dataset when there are any, else from the
-spec. An explicit override beats both. The first poll logs which was used.
+Rate and overhead are the spec's unless the dataset's ``bi.fallback_runs``
+say otherwise: ``spec.fallback.min_history_runs`` complete runs may relax
+them, fewer or partial runs only tighten them (``derive_rate_and_overhead``).
+An explicit override beats both. The first poll logs which was used and why.
 """
 
 from __future__ import annotations
@@ -55,9 +56,11 @@ from batch_inference.cutoff import (
     CutoffDecision,
     DerivedConstants,
     EarlyWarning,
+    DEFAULT_MIN_HISTORY_RUNS,
     FallbackRun,
     decide,
     derive_rate_and_overhead,
+    history_params,
     early_warning,
     projected_finish,
 )
@@ -131,20 +134,21 @@ async def poll_counts(aconn: psycopg.AsyncConnection, job_version: str) -> dict[
     return out
 
 
-async def fallback_history(aconn: psycopg.AsyncConnection, dataset: str, n: int) -> list[FallbackRun]:
+async def fallback_history(aconn: psycopg.AsyncConnection, dataset: str, n: int,
+                           min_runs: int = DEFAULT_MIN_HISTORY_RUNS) -> list[FallbackRun]:
+    """The dataset's last ``n`` fallback runs and its last ``max(n, min_runs)`` complete ones."""
     if n <= 0:
         return []
-    cur = await aconn.execute(db.q("fallback_history"), {"dataset": dataset, "n": n})
-    return [FallbackRun(records=int(r["records"]), rate=float(r["rate"]), overhead_s=float(r["overhead_s"]),
-                        finished_at=r["finished_at"], job_version=r["job_version"], dataset=r["dataset"])
-            for r in await cur.fetchall()]
+    cur = await aconn.execute(db.q("fallback_history"), history_params(dataset, n, min_runs))
+    return [FallbackRun.from_row(r) for r in await cur.fetchall()]
 
 
 def choose_constants(spec: JobSpec, history: list[FallbackRun], rate: float | None,
                      overhead_s: float | None) -> DerivedConstants:
     """History over the spec's constants; an explicit override over both."""
     derived = derive_rate_and_overhead(history, default_rate=spec.fallback.rate,
-                                       default_overhead=spec.fallback.overhead_s, n=spec.fallback.history_runs)
+                                       default_overhead=spec.fallback.overhead_s, n=spec.fallback.history_runs,
+                                       min_runs=spec.fallback.min_history_runs)
     if rate is None and overhead_s is None:
         return derived
     parts = []
@@ -162,7 +166,8 @@ async def load_context(aconn: psycopg.AsyncConnection, cfg: WatchConfig) -> JobC
     if job is None:
         raise UnknownJob(f"no job version {cfg.job_version!r}")
     spec = JobSpec.model_validate(job["spec"])
-    history = await fallback_history(aconn, job["dataset"], spec.fallback.history_runs)
+    history = await fallback_history(aconn, job["dataset"], spec.fallback.history_runs,
+                                     spec.fallback.min_history_runs)
     return JobContext(job_version=cfg.job_version, dataset=job["dataset"], spec=spec,
                       constants=choose_constants(spec, history, cfg.rate, cfg.overhead_s),
                       prices=Prices.from_spec(spec))

@@ -26,8 +26,10 @@ from constants that go stale:
 * ``overhead_s``: the rest of the wall time from the moment the cutoff fired
   (``jobs.fallback_at``) to the moment the job had nothing outstanding: the
   scheduling delay before the pool started, the wait for draining or expired
-  batch leases, and the final reconciliation. The warehouse load is not
-  measured here; the publish step adds it with :func:`add_load_time`.
+  batch leases, and the final reconciliation. The drain (``drain_s``) and the
+  re-drive (``busy_s``) are recorded beside it. The warehouse load is not
+  measured here; the publish step records it as ``load_s`` with
+  :func:`add_load_time`.
 
 So, by construction, ``finished_at - started_at = overhead_s + records / rate``.
 This is the same equation the cutoff solves backwards.
@@ -111,14 +113,23 @@ def enter_fallback(conn: psycopg.Connection, job_version: str) -> bool:
     return bool(r and r["ok"])
 
 
-def add_load_time(conn: psycopg.Connection, job_version: str, load_s: float) -> float | None:
-    """Add the measured warehouse load to the job's latest fallback run's overhead.
+def add_load_time(conn: psycopg.Connection, job_version: str, load_s: float | None = None) -> float | None:
+    """Record the warehouse load on the job's latest fallback run (``load_s``), once.
 
     The seed's overhead includes the load, which only the publish step can
-    time. Returns the new overhead, or None if the job has no fallback run.
+    time. Without ``load_s`` the load is measured on the database clock: from
+    the run's ``finished_at`` (nothing outstanding) to the switch of the
+    dataset's pointer to this version, so validation and the wait for the
+    publish task count too. A run that already has a load keeps it (a
+    repeated publish is not a second load). Returns the run's whole overhead
+    (``overhead_s + load_s``), or None if the job has no fallback run or the
+    load cannot be measured yet (not published).
     """
-    r = conn.execute(db.q("fallback_run_add_load"), {"job": job_version, "load_s": float(load_s)}).fetchone()
-    return float(r["overhead_s"]) if r else None
+    r = conn.execute(db.q("fallback_run_add_load"), {
+        "job": job_version, "load_s": None if load_s is None else float(load_s)}).fetchone()
+    if r is None or r["load_s"] is None:
+        return None
+    return float(r["overhead_s"]) + float(r["load_s"])
 
 
 # -- the pool ---------------------------------------------------------------
@@ -385,10 +396,12 @@ def run_fallback(db_url: str | None, job_version: str, base_url: str | None = No
             result.rate = result.records / result.busy_s
             result.overhead_s = max(0.0, result.wall_s - result.busy_s)
             if record_run and fired_at is not None:
+                # The re-drive and the drain are recorded as measured parts;
+                # publish adds the load (add_load_time).
                 r = conn.execute(db.q("fallback_run_insert"), {
                     "job": job_version, "dataset": job["dataset"], "started_at": fired_at,
                     "finished_at": finished_at, "records": result.records, "rate": result.rate,
-                    "overhead_s": result.overhead_s}).fetchone()
+                    "overhead_s": result.overhead_s, "busy_s": result.busy_s}).fetchone()
                 result.fallback_run_id = int(r["id"])
     log.info("fallback %s: re-drove %d record(s) (%d stored, %d dead letters, %d failed attempts) over %d "
              "shard(s); sustained %.3g records/s over %.1f s busy; %.1f s from the cutoff firing to nothing "

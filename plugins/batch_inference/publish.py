@@ -121,6 +121,23 @@ def _switch(conn: psycopg.Connection, name: str, params: dict[str, Any], dataset
     raise AssertionError("unreachable")
 
 
+def _record_load_time(conn: psycopg.Connection, job_version: str) -> None:
+    """The warehouse load of the job's fallback run, if it had one: from nothing
+    outstanding to the pointer switch just made (``fallback.add_load_time``).
+    The pointer has switched already, so a failure here is logged, not raised."""
+    from batch_inference.fallback import add_load_time
+
+    try:
+        with conn.transaction():
+            overhead = add_load_time(conn, job_version)
+    except psycopg.Error as exc:
+        log.warning("published %s, but its fallback run's load time was not recorded: %s", job_version,
+                    str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__)
+        return
+    if overhead is not None:
+        log.info("%s: fallback run overhead with the load is now %.1f s", job_version, overhead)
+
+
 def publish(conn: psycopg.Connection, job_version: str, *, actor: str | None = None, force: bool = False,
             reason: str | None = None, dataset: str | None = None, expected_current: str | None = None,
             lock_timeout: str = "2s", attempts: int = 5) -> dict[str, Any]:
@@ -151,6 +168,7 @@ def publish(conn: psycopg.Connection, job_version: str, *, actor: str | None = N
     if out["changed"]:
         log.info("published %s for dataset %s (was %s)%s", job_version, ds, out["from_version"] or "nothing",
                  f"; FORCED: {reason}" if out["forced"] else "")
+        _record_load_time(conn, job_version)
     else:
         log.info("%s is already the published version of %s; nothing changed", job_version, ds)
     return out

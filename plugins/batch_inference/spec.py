@@ -137,6 +137,8 @@ class Fallback(_Strict):
         default="json_object", description="the openai engine's response_format_style for the fallback endpoint: "
         "json_object (llama.cpp's server) or json_schema (vLLM, OpenAI)")
     history_runs: int = Field(default=5, ge=0, description="derive rate/overhead from this many past runs")
+    min_history_runs: int = Field(default=5, ge=1, description="complete fallback runs needed before history may "
+                                                               "relax rate/overhead (fewer only tighten them)")
 
 
 class JobSpec(_Strict):

@@ -19,8 +19,9 @@ from typing import Any
 
 import psycopg
 
-from batch_inference import cutoff
+from batch_inference import cutoff, db
 from batch_inference.cost import Prices, cost_report
+from batch_inference.spec import Fallback
 from batch_inference.status import UnknownJob, job_counts
 
 UTC = timezone.utc
@@ -51,9 +52,18 @@ def _job_row(conn: psycopg.Connection, job_version: str) -> dict[str, Any]:
     return row
 
 
-def _fallback_constants(spec: dict[str, Any]) -> tuple[float, float]:
+def _fallback_constants(conn: psycopg.Connection, dataset: str, spec: dict[str, Any]) -> cutoff.DerivedConstants:
+    """The rate and overhead the cutoff uses for this job, with their source: the
+    spec's constants and the dataset's fallback history, as the sensor derives them."""
     fb = (spec or {}).get("fallback") or {}
-    return float(fb.get("rate") or cutoff.DEFAULT_RATE), float(fb.get("overhead_s", cutoff.DEFAULT_OVERHEAD_S))
+    defaults = Fallback()
+    n = int(fb.get("history_runs", defaults.history_runs))
+    min_runs = int(fb.get("min_history_runs", defaults.min_history_runs))
+    rows = (conn.execute(db.q("fallback_history"), cutoff.history_params(dataset, n, min_runs)).fetchall()
+            if n > 0 else [])
+    return cutoff.derive_rate_and_overhead(
+        [cutoff.FallbackRun.from_row(r) for r in rows], float(fb.get("rate") or defaults.rate),
+        float(fb.get("overhead_s", defaults.overhead_s)), n=n, min_runs=min_runs)
 
 
 # -- jobs ---------------------------------------------------------------------
@@ -69,13 +79,13 @@ def job(conn: psycopg.Connection, job_version: str) -> dict[str, Any]:
     counts = job_counts(conn, job_version)
     pointer = conn.execute(q("pointer"), {"dataset": row["dataset"]}).fetchone()
     spec = row.pop("spec") or {}
-    rate, overhead = _fallback_constants(spec)
+    constants = _fallback_constants(conn, row["dataset"], spec)
     return {
         **row,
         "counts": counts,
         "published_version": pointer["job_version"] if pointer else None,
         "is_published": bool(pointer and pointer["job_version"] == job_version),
-        "fallback": {"rate": rate, "overhead_s": overhead},
+        "fallback": constants.to_dict(),
         "validation_gate": (spec.get("validation") or {}),
     }
 
@@ -124,7 +134,8 @@ def progress(conn: psycopg.Connection, job_version: str, now: datetime | None = 
     now = now or _now()
     row = _job_row(conn, job_version)
     counts = job_counts(conn, job_version)
-    rate, overhead = _fallback_constants(row["spec"])
+    constants = _fallback_constants(conn, row["dataset"], row["spec"])
+    rate, overhead = constants.rate, constants.overhead_s
     samples = conn.execute(q("progress_samples"), {"job": job_version}).fetchall()
     source = "progress"
     if not samples:
@@ -191,6 +202,7 @@ def progress(conn: psycopg.Connection, job_version: str, now: datetime | None = 
         "mode": row["mode"],
         "rate": rate,
         "overhead_s": overhead,
+        "constants": constants.to_dict(),
         "lanes": lanes,
     }
 

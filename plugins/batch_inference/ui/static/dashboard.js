@@ -300,6 +300,8 @@
     if (p.finished_at) facts.push(h("span", {}, "finished ", h("b", {}, stamp(p.finished_at))));
     if (p.fallback_at) facts.push(h("span", { class: "error" }, "fallback fired " + clock(toDate(p.fallback_at))));
     facts.push(h("span", { class: "muted" }, `fallback: ${fmtInt(p.rate)} rows/s after ${Math.round(p.overhead_s / 60)} min fixed overhead`));
+    // Which constants the cutoff uses and why (configured, or history and how much of it).
+    if (p.constants && p.constants.source) facts.push(h("span", { class: "muted", id: "constants-source" }, "constants: " + p.constants.source));
     if (!p.deadline) facts.push(h("span", { class: "muted" }, "no deadline recorded (no progress sample carries one)"));
     const legend = h("div", { class: "legend" },
       h("span", {}, h("i", { style: "background:var(--stored)" }), "stored"),
