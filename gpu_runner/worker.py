@@ -54,6 +54,8 @@ log = logging.getLogger("batch_inference.worker")
 
 EXIT_OK, EXIT_DB, EXIT_DIGEST, EXIT_CONFIG, EXIT_ENGINE, EXIT_PREEMPTED = 0, 2, 3, 4, 5, 143
 EXIT_ENDPOINT = 6   # the engine's endpoint failed most requests: shard released, no attempts spent
+# Exits no retry can fix (the weights, the engine's configuration): the worker halts the job.
+HALTING_EXITS = frozenset({EXIT_DIGEST, EXIT_CONFIG})
 
 
 class Fatal(RuntimeError):
@@ -145,6 +147,8 @@ class Worker:
             return self._run()
         except Fatal as exc:
             log.error("%s", exc)
+            if exc.code in HALTING_EXITS and self.spec is not None:
+                self._halt_job(str(exc))
             return exc.code
         except db.DatabaseUnavailable as exc:
             log.error("fatal: %s", exc)
@@ -159,6 +163,13 @@ class Worker:
                 self.engine.close()
             if self.conn is not None:
                 self.conn.close()
+
+    def _halt_job(self, reason: str) -> None:
+        """Record on the job that its workers cannot work, so the cutoff watch ends the run now."""
+        try:
+            self.conn.execute(db.q("halt_job"), {"job": self.cfg.job_version, "reason": reason})
+        except psycopg.Error as exc:  # the exit code still says it; the operator records it too
+            log.warning("could not record the halt on %s: %s", self.cfg.job_version, str(exc).strip()[:200])
 
     def _run(self) -> int:
         cfg = self.cfg

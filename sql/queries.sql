@@ -24,6 +24,12 @@ SELECT count(*) AS n,
 SELECT s.record_id, count(*) AS n FROM {relation} AS s WHERE s.record_id IS NOT NULL
  GROUP BY s.record_id HAVING count(*) > 1 ORDER BY n DESC, s.record_id LIMIT 5;
 
+-- name: halt_job  record that the job's workers cannot work (the cutoff watch ends the run); NULL if not running
+SELECT bi.halt_job_v1(%(job)s, %(reason)s) AS halted_at;
+
+-- name: job_halt  the job's latest halt, if any
+SELECT halted_at, halt_reason FROM bi.jobs WHERE job_version = %(job)s;
+
 -- name: job_manifest  the small manifest of an existing job version
 SELECT job_version, dataset, records, shards, planned_dead AS dead_letters, reused, status, mode
   FROM bi.jobs WHERE job_version = %(job)s;

@@ -17,7 +17,7 @@ import pytest
 from batch_inference import db
 from batch_inference.spec import JobSpec, parse_spec
 
-pytest_plugins = ["tests.fixtures.airflow_env", "tests.fixtures.llama_server"]
+pytest_plugins = ["tests.fixtures.airflow_env", "tests.fixtures.llama_server", "tests.fixtures.live_airflow"]
 
 NOOP_DIGEST = "0" * 64
 

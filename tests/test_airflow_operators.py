@@ -101,6 +101,40 @@ def test_local_workers_fail_fast_and_clearly_on_a_digest_mismatch(ledger, conn):
     assert time.monotonic() - t0 < 60
     assert all(s.proc.poll() is not None for s in op._slots)      # nobody left running
     assert job_counts(conn, job)["stored"] == 0                     # a refused worker writes nothing
+    halt = conn.execute(db.q("job_halt"), {"job": job}).fetchone()  # the cutoff watch ends the run on this
+    assert halt["halted_at"] is not None and "digest" in halt["halt_reason"]
+
+
+def test_local_workers_killed_from_outside_release_their_shards_and_fail_the_try(ledger, conn):
+    """What Airflow does when the task is marked failed: SIGTERM, whose handler calls on_kill() and
+    then returns into execute(), which must not report the stopped workers as a success."""
+    from batch_inference.operators import LocalWorkersOperator
+
+    make_source(conn, tickets(60))
+    job = submit(conn, make_spec(shard_size=10, renew_seconds=1)).job_version
+    op = LocalWorkersOperator(task_id="workers", job_version=job, workers=2, postgres_conn_id=CONN_ID,
+                              engine_options={"delay_s": 0.5}, grace_seconds=2)
+    outcome: dict = {}
+
+    def run() -> None:
+        try:
+            outcome["result"] = op.execute({})
+        except BaseException as exc:  # noqa: BLE001 - what the task runner would see
+            outcome["error"] = exc
+
+    runner = threading.Thread(target=run)
+    runner.start()
+    end = time.monotonic() + 60
+    while job_counts(conn, job)["shards"]["leased"] < 2:
+        assert time.monotonic() < end, "the workers never leased"
+        time.sleep(0.1)
+    op.on_kill()
+    runner.join(timeout=60)
+    assert "result" not in outcome and isinstance(outcome["error"], AirflowException)
+    assert "stopped from outside" in str(outcome["error"])
+    assert all(s.proc.poll() is not None for s in op._slots)
+    c = job_counts(conn, job)
+    assert c["shards"]["leased"] == 0 and c["outstanding"] > 0
 
 
 def test_an_unknown_job_version_fails_without_starting_workers(ledger):

@@ -374,7 +374,7 @@ def test_serialize_round_trips_and_carries_no_secrets(monkeypatch):
     assert kwargs == {"job_version": "jv_0123456789abcdef", "deadline": "2026-03-05T06:00:00+01:00",
                       "poll_interval": 120.0, "rate": 85.0, "overhead_s": 1800.0,
                       "relabel_at": "2026-03-05T04:30:00+01:00", "warned": False, "step_s": 60,
-                      "postgres_conn_id": "bi_ledger"}
+                      "since": None, "postgres_conn_id": "bi_ledger"}
     text = json.dumps(kwargs)
     for secret in ("s3cret-pw", "db.internal", "postgresql://", "@"):
         assert secret not in text
@@ -436,10 +436,10 @@ def test_sensor_defers_with_the_right_trigger(conn, db_url, monkeypatch):
     s = CutoffSensor(task_id="cutoff", job_version=job, deadline="06:00", relabel_at="04:30", tz="Europe/Berlin",
                      poll_interval=120)
     with pytest.raises(TaskDeferred) as exc:
-        s.execute(sensor_context(datetime(2026, 3, 4, 21, 0, tzinfo=UTC)))   # 22:00 in Berlin
+        s.execute(sensor_context(datetime(2031, 3, 4, 21, 0, tzinfo=UTC)))   # 22:00 in Berlin
     _, kwargs = exc.value.trigger.serialize()
-    assert kwargs["deadline"] == "2026-03-05T06:00:00+01:00"              # the next morning, Berlin time
-    assert kwargs["relabel_at"] == "2026-03-05T04:30:00+01:00"
+    assert kwargs["deadline"] == "2031-03-05T06:00:00+01:00"              # the next morning, Berlin time
+    assert kwargs["relabel_at"] == "2031-03-05T04:30:00+01:00"
     assert kwargs["poll_interval"] == 120.0 and kwargs["postgres_conn_id"] is None
     assert exc.value.method_name == "execute_complete"
 
@@ -501,3 +501,47 @@ def test_relabel_mode_fires_at_the_fixed_time_with_nothing_else(conn, db_url, mo
     out = s.execute_complete({}, ev)
     assert out["fired"] is True and out["entered_fallback"] is True
     assert conn.execute("SELECT mode FROM bi.jobs WHERE job_version = %s", (job,)).fetchone()["mode"] == "fallback"
+
+
+def test_sensor_decides_a_past_cutoff_at_its_first_poll_without_deferring(conn, db_url, monkeypatch):
+    """The apache/airflow#72716 workaround: a trigger that would fire at once is never created."""
+    from batch_inference.sensors.cutoff import CutoffSensor
+
+    job = new_job(conn)
+    monkeypatch.setenv(db.DB_ENV, db_url)
+    s = CutoffSensor(task_id="cutoff", job_version=job, deadline=(now() + timedelta(minutes=1)).isoformat())
+    summary = s.execute(sensor_context(now()))           # no TaskDeferred
+    assert summary["fired"] is True and summary["entered_fallback"] is True
+    from batch_inference.status import job_counts
+
+    assert job_counts(conn, job)["mode"] == "fallback"
+
+
+def test_sensor_fails_without_deferring_when_the_workers_halted_the_job(conn, db_url, monkeypatch):
+    from airflow.sdk.exceptions import AirflowFailException
+
+    from batch_inference.sensors.cutoff import CutoffSensor
+
+    job = new_job(conn)
+    monkeypatch.setenv(db.DB_ENV, db_url)
+    started = conn.execute("SELECT clock_timestamp() AS t").fetchone()["t"]
+    conn.execute(db.q("halt_job"), {"job": job, "reason": "fatal: refusing to start: weights digest mismatch"})
+    ctx = sensor_context(datetime(2031, 3, 4, 21, 0, tzinfo=UTC))
+    ctx["dag_run"].start_date = started
+    s = CutoffSensor(task_id="cutoff", job_version=job, deadline="06:00")
+    with pytest.raises(AirflowFailException, match="cannot work.*digest mismatch"):
+        s.execute(ctx)
+
+
+def test_watch_ends_on_a_halt_after_its_run_began_and_ignores_older_ones(conn, db_url):
+    job = new_job(conn)
+    conn.execute(db.q("halt_job"), {"job": job, "reason": "engine 'x': bad option"})
+    halted = conn.execute(db.q("job_halt"), {"job": job}).fetchone()["halted_at"]
+    deadline = (now() + timedelta(days=2)).isoformat()
+    # A run re-queued after the halt (cleared) watches on; one begun before it ends.
+    later = watchlib.config_from_kwargs(job, deadline, since=(halted + timedelta(seconds=1)).isoformat())
+    assert asyncio.run(watchlib.watch(lambda: watchlib.connect_async(db_url), later, max_polls=1))["status"] == "wait"
+    earlier = watchlib.config_from_kwargs(job, deadline, since=(halted - timedelta(seconds=1)).isoformat())
+    out = asyncio.run(watchlib.watch(lambda: watchlib.connect_async(db_url), earlier, max_polls=1))
+    assert out["status"] == "halted" and "bad option" in out["message"]
+

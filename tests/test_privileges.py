@@ -34,6 +34,8 @@ WORKER_FUNCTIONS = {
     "put_results_v1", "fail_records_v1", "job_spec_v1", "job_spec_v2", "job_counts_v1", "may_work_on_v1",
     # 0006_crash_poison
     "claim_shard_v2", "shard_records_v2", "fail_records_v2", "mark_in_flight_v1", "abandon_shard_v1",
+    # 0012_job_halt
+    "halt_job_v1",
 }
 
 
@@ -290,3 +292,13 @@ def _published_relations(conn) -> list[str]:
          WHERE n.nspname = 'published' AND c.relkind IN ('v', 'm', 'r', 'p')
          ORDER BY 1""").fetchall()
     return [r["rel"] for r in rows]
+
+
+def test_a_worker_halts_only_a_job_granted_to_it(conn, db_url, worker_role, two_jobs):
+    mine, theirs = two_jobs
+    conn.execute("SELECT bi.grant_job_v1(%s, %s)", (worker_role, mine))
+    with worker_conn(db_url, worker_role) as w:
+        assert w.execute(db.q("halt_job"), {"job": mine, "reason": "fatal: digest"}).fetchone()["halted_at"]
+        with pytest.raises(psycopg.errors.InsufficientPrivilege):
+            w.execute(db.q("halt_job"), {"job": theirs, "reason": "fatal: digest"})
+    assert conn.execute(db.q("job_halt"), {"job": theirs}).fetchone()["halted_at"] is None

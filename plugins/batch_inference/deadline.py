@@ -30,6 +30,9 @@ trigger event's payload):
   caller notifies and starts watching again with ``warned=True``.
 * ``error``: the job does not exist, or the database stayed unreachable
   until the deadline passed.
+* ``halted``: the job's workers recorded a fatal failure (``bi.halt_job_v1``:
+  wrong weights, an unusable engine) after ``since``, the DAG run's queued
+  time; the run cannot succeed, so the watch ends at once.
 
 Rate and overhead are the spec's unless the dataset's ``bi.fallback_runs``
 say otherwise: ``spec.fallback.min_history_runs`` complete runs may relax
@@ -71,6 +74,7 @@ log = logging.getLogger("batch_inference.deadline")
 
 UTC = timezone.utc
 COMPLETE, CUTOFF, EARLY_WARNING, ERROR, WAIT = "complete", "cutoff", "early_warning", "error", "wait"
+HALTED = "halted"  # the job's workers recorded that they cannot work (bi.halt_job_v1): the run cannot succeed
 
 
 def utcnow() -> datetime:
@@ -89,8 +93,11 @@ class WatchConfig:
     relabel_at: datetime | None = None  # always-re-drive: fire at this time whatever the counts
     warned: bool = False  # the early warning was already sent for this run
     step_s: int = 60  # latest_safe_start is floored to this many seconds
+    since: datetime | None = None  # halts recorded before this (the DAG run's queued time) are ignored
 
     def __post_init__(self) -> None:
+        if self.since is not None and self.since.tzinfo is None:
+            object.__setattr__(self, "since", self.since.replace(tzinfo=UTC))
         if self.deadline.tzinfo is None:
             object.__setattr__(self, "deadline", self.deadline.replace(tzinfo=UTC))
         if self.relabel_at is not None and self.relabel_at.tzinfo is None:
@@ -269,6 +276,7 @@ def watch_kwargs(cfg: WatchConfig) -> dict[str, Any]:
         "relabel_at": cfg.relabel_at.isoformat() if cfg.relabel_at else None,
         "warned": cfg.warned,
         "step_s": cfg.step_s,
+        "since": cfg.since.isoformat() if cfg.since else None,
     }
 
 
@@ -311,6 +319,12 @@ async def watch(connect: Callable[[], Awaitable[psycopg.AsyncConnection]], cfg: 
                                 f", relabel mode at {cfg.relabel_at.isoformat()}" if cfg.relabel_at else "",
                                 ctx.constants.source)
                 counts = await poll_counts(conn, cfg.job_version)
+                halt = await _one(conn, "job_halt", {"job": cfg.job_version})
+                if halt and halt["halted_at"] and (cfg.since is None or halt["halted_at"] >= cfg.since):
+                    message = (f"the workers of {cfg.job_version} cannot work (halted at "
+                               f"{halt['halted_at']:%H:%M:%S}): {halt['halt_reason']}")
+                    logger.error("cutoff watch ends: %s", message)
+                    return {**error_payload(cfg, message, polls), "status": HALTED}
                 verdict = evaluate(cfg, ctx, counts, now())
                 polls += 1
                 await record_progress(conn, cfg.job_version, counts, verdict.decision)
@@ -359,7 +373,7 @@ def parse_iso(text: str | None) -> datetime | None:
 
 def config_from_kwargs(job_version: str, deadline: str, poll_interval: float = 60.0, rate: float | None = None,
                        overhead_s: float | None = None, relabel_at: str | None = None, warned: bool = False,
-                       step_s: int = 60) -> WatchConfig:
+                       step_s: int = 60, since: str | None = None) -> WatchConfig:
     """The inverse of :func:`watch_kwargs`."""
     d = parse_iso(deadline)
     if d is None:
@@ -371,4 +385,5 @@ def config_from_kwargs(job_version: str, deadline: str, poll_interval: float = 6
     return WatchConfig(job_version=job_version, deadline=d, poll_interval_s=float(poll_interval),
                        rate=None if rate is None else float(rate),
                        overhead_s=None if overhead_s is None else float(overhead_s),
-                       relabel_at=parse_iso(relabel_at), warned=bool(warned), step_s=int(step_s))
+                       relabel_at=parse_iso(relabel_at), warned=bool(warned), step_s=int(step_s),
+                       since=parse_iso(since))

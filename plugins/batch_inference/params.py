@@ -13,6 +13,18 @@ _RELATIVE = re.compile(r"^\+\s*(\d+(?:\.\d+)?)\s*(m|min|h|d)$", re.IGNORECASE)
 _UNIT = {"m": 60, "min": 60, "h": 3600, "d": 86400}
 
 
+def deadline_reference(run_after: datetime | None, run_type: str | None = None,
+                       now: datetime | None = None) -> datetime:
+    """Where a run's deadline counts from: its scheduled start (``run_after``), except for a
+    backfill run, which re-does a past night now and so counts from when it runs. A
+    backfilled 22:00 run of 1 November must not find its 06:00 deadline long past and send
+    every record to the fallback at twice the price."""
+    now = now or datetime.now(timezone.utc)
+    if run_after is None or str(run_type or "").lower().endswith("backfill"):
+        return now
+    return run_after if run_after.tzinfo else run_after.replace(tzinfo=timezone.utc)
+
+
 def resolve_deadline(text: str, start: datetime) -> str:
     """A deadline for ``CutoffSensor``: ``+20h``/``+90m``/``+1d`` after ``start`` becomes an
     ISO datetime; a clock time (``06:00``) or an ISO datetime is returned as given."""

@@ -64,11 +64,12 @@ class Pipeline:
 
 
 @task(task_id="deadline")
-def resolve_deadline(deadline: str, run_after: str) -> str:
-    """'+20h' becomes an ISO time after the run's start; 'HH:MM' and ISO pass to the sensor as they are."""
-    from batch_inference.params import resolve_deadline as resolve
+def resolve_deadline(deadline: str, run_after: str, run_type: str = "") -> str:
+    """'+20h' becomes an ISO time after the run's start (a backfill run's: now); 'HH:MM' and ISO pass
+    to the sensor as they are."""
+    from batch_inference.params import deadline_reference, resolve_deadline as resolve
 
-    return resolve(deadline, datetime.fromisoformat(run_after))
+    return resolve(deadline, deadline_reference(datetime.fromisoformat(run_after), run_type))
 
 
 def batch_inference_pipeline(*, dataset: str, workers: WorkerLauncher, spec: str = "{{ params.spec_path }}",
@@ -101,7 +102,7 @@ def batch_inference_pipeline(*, dataset: str, workers: WorkerLauncher, spec: str
     launched = workers(job_version, postgres_conn_id)
     first, last = launched if isinstance(launched, tuple) else (launched, launched)
 
-    deadline = resolve_deadline("{{ params.deadline }}", "{{ dag_run.run_after.isoformat() }}")
+    deadline = resolve_deadline("{{ params.deadline }}", "{{ dag_run.run_after.isoformat() }}", "{{ dag_run.run_type }}")
     cutoff = CutoffSensor(task_id="cutoff", job_version=job_version, deadline=deadline,
                           poll_interval=cutoff_poll_interval, postgres_conn_id=postgres_conn_id)
     fallback = FallbackPoolOperator(task_id="fallback", job_version=job_version, postgres_conn_id=postgres_conn_id)

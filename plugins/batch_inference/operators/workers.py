@@ -118,6 +118,7 @@ class LocalWorkersOperator(BaseOperator):
         self.poll_seconds = poll_seconds
         self._slots: list[_Slot] = []
         self._stopping = threading.Event()
+        self._killed = threading.Event()
 
     # -- command line ------------------------------------------------------
     def worker_command(self, job_version: str, engine: str | None, options: Mapping[str, Any]) -> list[str]:
@@ -188,6 +189,11 @@ class LocalWorkersOperator(BaseOperator):
                 slot.reader.join(timeout=2)
 
     def on_kill(self) -> None:
+        # Airflow calls this from the task's SIGTERM handler (the task was marked
+        # failed, cleared, or timed out) and then returns to execute(): the flag
+        # makes execute() fail the try instead of reporting the stopped workers
+        # as a success.
+        self._killed.set()
         self._stop_all(self.grace_seconds + 5)
 
     def execute(self, context: Context) -> dict[str, Any]:
@@ -213,9 +219,16 @@ class LocalWorkersOperator(BaseOperator):
             self._start(slot, cmd, env)
         try:
             self._supervise(cmd, env)
+        except AirflowFailException as exc:
+            self._stop_all(self.grace_seconds + 5)
+            self._halt(conninfo, job_version, str(exc).splitlines()[0])
+            raise
         except BaseException:
             self._stop_all(self.grace_seconds + 5)
             raise
+        if self._killed.is_set():
+            raise AirflowException(f"workers of {job_version} stopped from outside (the task was marked failed, "
+                                   "cleared or timed out); their shards were released")
 
         with db.connect(conninfo) as conn:
             counts = job_counts(conn, job_version)
@@ -231,6 +244,16 @@ class LocalWorkersOperator(BaseOperator):
                 "seconds": round(elapsed, 1), "records": counts["records"], "stored": counts["stored"],
                 "dead_letters": counts["dead_letters"], "outstanding": counts["outstanding"],
                 "mode": counts["mode"]}
+
+    def _halt(self, conninfo: str, job_version: str, reason: str) -> None:
+        """Record the fatal failure on the job: the cutoff watch then fails the run at its next poll."""
+        from batch_inference import db
+
+        try:
+            with db.connect(conninfo) as conn:
+                conn.execute(db.q("halt_job"), {"job": job_version, "reason": reason})
+        except Exception as exc:  # noqa: BLE001 - the task fails with the worker's reason either way
+            self.log.warning("could not record the halt on %s: %s", job_version, str(exc).strip()[:200])
 
     def _supervise(self, cmd: list[str], env: dict[str, str]) -> None:
         running = set(range(len(self._slots)))

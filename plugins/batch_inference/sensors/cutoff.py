@@ -13,6 +13,9 @@ does not decide anything itself. When the trigger's event comes back:
   defers again to the same trigger with ``warned=True``. A trigger can
   only end with one event, so this is how a warning is sent mid-wait
   without stopping the watch, and it goes out once per run.
+* ``halted``: fails the task without retries: the job's workers recorded that
+  they cannot work (wrong weights, an unusable engine), so the run cannot
+  succeed and ends now rather than at the deadline.
 * ``error``: fails the task with the reason. The job is missing, or the
   database stayed unreachable past the deadline.
 
@@ -32,6 +35,7 @@ from zoneinfo import ZoneInfo
 from airflow.sdk import BaseNotifier, BaseOperator
 from airflow.sdk.exceptions import AirflowException, AirflowFailException
 
+from batch_inference import deadline as watchlib  # not `deadline`: that is an attribute here
 from batch_inference.cutoff import parse_clock, relabel_start
 from batch_inference.triggers.cutoff import CutoffTrigger, resolve_conninfo
 
@@ -95,12 +99,18 @@ class CutoffSensor(BaseOperator):
 
     @staticmethod
     def _reference(context: Any) -> datetime:
-        """The run's scheduled start, from which a clock-time deadline is placed."""
+        """Where a clock-time deadline is placed from: the run's scheduled start (a backfill run's: now)."""
+        from batch_inference.params import deadline_reference
+
         dag_run = context.get("dag_run")
-        for value in (getattr(dag_run, "run_after", None), context.get("logical_date")):
-            if value is not None:
-                return value if value.tzinfo else value.replace(tzinfo=UTC)
-        return datetime.now(UTC)
+        start = getattr(dag_run, "run_after", None) or context.get("logical_date")
+        return deadline_reference(start, getattr(dag_run, "run_type", None))
+
+    @staticmethod
+    def _since(context: Any) -> str | None:
+        """When this attempt at the run began: worker halts recorded before it belong to an earlier one."""
+        started = getattr(context.get("dag_run"), "start_date", None)
+        return started.isoformat() if started else None
 
     def resolve_times(self, context: Any) -> tuple[datetime, datetime | None]:
         tz = self._zone()
@@ -127,17 +137,31 @@ class CutoffSensor(BaseOperator):
     def _trigger(self, **over: Any) -> CutoffTrigger:
         return CutoffTrigger(**{**over, "postgres_conn_id": self.postgres_conn_id})
 
-    def execute(self, context: Any) -> None:
+    def execute(self, context: Any) -> dict[str, Any] | None:
         deadline, relabel = self.resolve_times(context)
-        self._preflight(resolve_conninfo(self.postgres_conn_id))
+        conninfo = resolve_conninfo(self.postgres_conn_id)
+        self._preflight(conninfo)
         self.log.info("watching %s: deadline %s%s, poll every %.0f s", self.job_version, deadline.isoformat(),
                       f", relabel mode: re-drive at {relabel.isoformat()}" if relabel else "", self.poll_interval)
-        self.defer(trigger=self._trigger(job_version=self.job_version, deadline=deadline.isoformat(),
-                                         poll_interval=self.poll_interval, rate=self.rate,
-                                         overhead_s=self.overhead_s,
-                                         relabel_at=relabel.isoformat() if relabel else None,
-                                         step_s=self.step_s),
-                   method_name="execute_complete")
+        watch = dict(job_version=self.job_version, deadline=deadline.isoformat(), poll_interval=self.poll_interval,
+                     rate=self.rate, overhead_s=self.overhead_s, relabel_at=relabel.isoformat() if relabel else None,
+                     step_s=self.step_s, since=self._since(context))
+        # The first poll runs here, not in the triggerer. A trigger that fires at
+        # once races the scheduler (apache/airflow#72716, #71580: the task's
+        # terminal state is refused with 404 and the try is lost); an outcome
+        # that is already decided never defers.
+        first = self._first_poll(conninfo, watch)
+        if first.get("status") != watchlib.WAIT:
+            self.log.info("decided at the first poll, without deferring: %s", first.get("reason"))
+            return self.execute_complete(context, first)
+        self.defer(trigger=self._trigger(**watch), method_name="execute_complete")
+
+    def _first_poll(self, conninfo: str, watch: dict[str, Any]) -> dict[str, Any]:
+        import asyncio
+
+        cfg = watchlib.config_from_kwargs(**watch)
+        return asyncio.run(watchlib.watch(lambda: watchlib.connect_async(conninfo), cfg, logger=self.log,
+                                          max_polls=1))
 
     # -- after the trigger's event ----------------------------------------
     def _notify(self, context: Any, event: dict[str, Any]) -> None:
@@ -158,6 +182,8 @@ class CutoffSensor(BaseOperator):
         if not event:
             raise AirflowException("cutoff trigger ended without an event")
         status = event.get("status")
+        if status == watchlib.HALTED:
+            raise AirflowFailException(f"cutoff watch ended: {event.get('message')}")
         if status == "error":
             raise AirflowException(f"cutoff watch failed: {event.get('message')}")
         if status == "early_warning":

@@ -64,16 +64,18 @@ class CutoffTrigger(BaseTrigger):
     :param relabel_at: ISO datetime; always-re-drive mode, which fires ``cutoff`` at this time whatever the counts.
     :param warned: the early warning was already sent; do not send it again.
     :param step_s: the latest safe start is floored to this many seconds (60: whole minutes).
+    :param since: ISO datetime; a worker halt (``bi.halt_job_v1``) recorded at or after it ends the watch
+        with ``halted``. The sensor passes the DAG run's start, so halts of an earlier attempt are ignored.
     """
 
     def __init__(self, job_version: str, deadline: str, poll_interval: float = 60.0, rate: float | None = None,
                  overhead_s: float | None = None, postgres_conn_id: str | None = None,
-                 relabel_at: str | None = None, warned: bool = False, step_s: int = 60):
+                 relabel_at: str | None = None, warned: bool = False, step_s: int = 60, since: str | None = None):
         super().__init__()
         # Validated here, so a bad deadline fails the task at defer time,
         # in the task's log, and not later in the triggerer.
         self.cfg = watchlib.config_from_kwargs(job_version, deadline, poll_interval, rate, overhead_s, relabel_at,
-                                               warned, step_s)
+                                               warned, step_s, since)
         self.job_version = job_version
         self.postgres_conn_id = postgres_conn_id
 

@@ -45,6 +45,9 @@ class BatchInferencePlugin(AirflowPlugin):
 
     @property
     def fastapi_apps(self) -> list[dict[str, Any]]:  # type: ignore[override]
+        from batch_inference.airflow_fixes import fix_clear_with_queued_at_deadline
         from batch_inference.ui.app import app
 
+        # Only the API server reads this: it serves the clears that apache/airflow#70368 breaks.
+        fix_clear_with_queued_at_deadline()
         return [{"app": app, "url_prefix": URL_PREFIX, "name": "Batch inference dashboard"}]

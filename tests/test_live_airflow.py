@@ -1,0 +1,215 @@
+"""The example DAGs on a live Airflow deployment, driven as users drive it.
+
+``live_airflow`` (tests/fixtures/live_airflow.py) starts the four Airflow
+processes with LocalExecutor on the embedded PostgreSQL, the repository's
+``dags/`` and the ledger connection as docs/airflow.md configures it. Every
+step here goes through the REST API; the ledger is read over SQL, as a
+warehouse user reads it. Each test has its own source table and spec (its own
+dataset), so each has its own job version.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from batch_inference import db
+from batch_inference.commands.demo import load_tickets
+from batch_inference.data import DEMO_SPEC
+from batch_inference.status import job_counts
+
+pytestmark = pytest.mark.live
+
+BACKFILL = "batch_inference_backfill"
+NIGHTLY = "batch_inference_nightly"
+
+
+def make_table(ledger_url: str, name: str, n: int) -> str:
+    """``public.<name>``: the first ``n`` sample tickets."""
+    with db.connect(ledger_url) as conn:
+        if conn.execute("SELECT to_regclass('public.support_tickets') AS t").fetchone()["t"] is None:
+            load_tickets(conn, 320)
+        conn.execute(f"DROP TABLE IF EXISTS public.{name}")
+        conn.execute(f"CREATE TABLE public.{name} AS SELECT * FROM public.support_tickets ORDER BY id LIMIT {n}")
+    return f"public.{name}"
+
+
+def make_spec(dep: Any, dataset: str, **over: Any) -> str:
+    """The demo spec with another dataset (and ``over`` merged in), written beside the deployment."""
+    spec = yaml.safe_load(Path(DEMO_SPEC).read_text())
+    spec["dataset"] = dataset
+    for key, value in over.items():
+        if isinstance(value, dict) and isinstance(spec.get(key), dict):
+            spec[key] = {**spec[key], **value}
+        else:
+            spec[key] = value
+    path = Path(dep.home) / f"{dataset}.yaml"
+    path.write_text(yaml.safe_dump(spec, sort_keys=False))
+    return str(path)
+
+
+def counts(dep: Any, job: str) -> dict[str, Any]:
+    with db.connect(dep.ledger_url) as conn:
+        return job_counts(conn, job)
+
+
+def published_rows(dep: Any, dataset: str) -> int:
+    with db.connect(dep.ledger_url) as conn:
+        return conn.execute(f"SELECT count(*) AS n FROM published.{dataset}").fetchone()["n"]
+
+
+def asset_events(dep: Any, dataset: str) -> list[dict[str, Any]]:
+    events = dep.api("GET", "/api/v2/assets/events", params={"limit": 100, "order_by": "-timestamp"})["asset_events"]
+    return [e for e in events if (e.get("extra") or {}).get("dataset") == dataset]
+
+
+def test_backfill_with_params_publishes_and_emits_its_asset_event(live_airflow):
+    dep = live_airflow
+    table = make_table(dep.ledger_url, "live_backfill", 30)
+    dep.unpause(BACKFILL)
+    t0 = time.monotonic()
+    run_id = dep.trigger(BACKFILL, {"source_table": table, "shard_size": 10, "workers": 2, "engine": "noop",
+                                    "deadline": "+20h"})
+    run = dep.wait_run(BACKFILL, run_id, timeout=400)
+    tis = dep.task_instances(BACKFILL, run_id)
+    assert run["state"] == "success", dep.explain(BACKFILL, run_id)
+    print(f"backfill run: trigger to success in {time.monotonic() - t0:.1f} s")
+    manifest = dep.xcom(BACKFILL, run_id, "submit")
+    job = manifest["job_version"]
+    c = counts(dep, job)
+    assert c["status"] == "published" and c["outstanding"] == 0
+    assert published_rows(dep, "ticket_triage") == c["stored"] > 0
+    assert dep.xcom(BACKFILL, run_id, "cutoff")["fired"] is False
+    events = asset_events(dep, "ticket_triage")
+    assert any(e["extra"].get("to_version") == job and e["extra"].get("action") == "publish" for e in events), events
+
+
+def test_cutoff_firing_at_once_is_redriven_by_the_fallback_through_llama_cpp(live_airflow):
+    """The deadline is a minute away, the overhead 30 minutes: the cutoff is already past when the
+    sensor starts. The slow batch worker drains; the fallback pool re-drives the rest through the
+    real llama.cpp server (the spec's default response format), and the run publishes."""
+    dep = live_airflow
+    table = make_table(dep.ledger_url, "live_cutoff", 12)
+    spec = make_spec(dep, "live_cutoff", engine={"name": "noop", "options": {"delay_s": 2.0}},
+                     renew_seconds=2, fallback={"base_url": dep.llama_url, "rate": 5, "concurrency": 2})
+    t0 = time.monotonic()
+    run_id = dep.trigger(BACKFILL, {"spec_path": spec, "source_table": table, "shard_size": 3, "workers": 1,
+                                    "deadline": "+1m"})
+    run = dep.wait_run(BACKFILL, run_id, timeout=500)
+    tis = dep.task_instances(BACKFILL, run_id)
+    assert run["state"] == "success", dep.explain(BACKFILL, run_id)
+    # The cutoff fired in the sensor's first try: no race with the scheduler (apache/airflow#72716).
+    assert tis["cutoff"]["try_number"] == 1
+    cutoff = dep.xcom(BACKFILL, run_id, "cutoff")
+    assert cutoff["fired"] is True
+    fallback = dep.xcom(BACKFILL, run_id, "fallback")
+    job = fallback["job_version"]
+    c = counts(dep, job)
+    assert fallback["stored"] > 0, fallback
+    assert c["status"] == "published" and c["outstanding"] == 0
+    assert c["stored"] + c["dead_letters"] == c["records"]
+    with db.connect(dep.ledger_url) as conn:
+        by = {r["transport"]: r["n"] for r in conn.execute(
+            "SELECT transport, count(*) AS n FROM bi.results WHERE job_version = %s GROUP BY 1", (job,))}
+        dupes = conn.execute("SELECT count(*) - count(DISTINCT record_id) AS d FROM bi.results WHERE job_version = %s",
+                             (job,)).fetchone()["d"]
+    assert by.get("fallback", 0) == fallback["stored"] and dupes == 0
+    print(f"cutoff path: trigger to published in {time.monotonic() - t0:.1f} s; cutoff to nothing outstanding "
+          f"{fallback['wall_s']} s; {by}")
+
+
+def test_wrong_digest_fails_the_run_within_minutes_and_pages_on_call(live_airflow, webhook_sink):
+    dep = live_airflow
+    table = make_table(dep.ledger_url, "live_digest", 8)
+    spec = make_spec(dep, "live_digest", model={"digest": "f" * 64})
+    t0 = time.monotonic()
+    run_id = dep.trigger(BACKFILL, {"spec_path": spec, "source_table": table, "engine": "llama-cpp",
+                                    "deadline": "+20h"})
+    run = dep.wait_run(BACKFILL, run_id, timeout=300)
+    took = time.monotonic() - t0
+    tis = dep.task_instances(BACKFILL, run_id)
+    assert run["state"] == "failed", dep.explain(BACKFILL, run_id)
+    assert tis["workers"]["state"] == "failed" and tis["workers"]["try_number"] == 1
+    assert tis["cutoff"]["state"] == "failed", dep.explain(BACKFILL, run_id)
+    job = dep.xcom(BACKFILL, run_id, "submit")["job_version"]
+    msg = webhook_sink.wait_for(lambda m: m.get("job_version") == job and m.get("task_id") == "workers", 60)
+    assert msg["counts"]["records"] == 8 and "digest" in msg["text"], msg
+    print(f"wrong digest: trigger to failed run in {took:.1f} s")
+
+
+def test_workers_marked_failed_stop_and_a_clear_finishes_the_job(live_airflow):
+    dep = live_airflow
+    table = make_table(dep.ledger_url, "live_markfail", 12)
+    spec = make_spec(dep, "live_markfail", engine={"name": "noop", "options": {"delay_s": 1.5}}, renew_seconds=2)
+    run_id = dep.trigger(BACKFILL, {"spec_path": spec, "source_table": table, "shard_size": 3, "workers": 2,
+                                    "deadline": "+20h"})
+    dep.wait_task(BACKFILL, run_id, "workers", ("running",), timeout=180)
+    job = dep.xcom(BACKFILL, run_id, "submit")["job_version"]
+    end = time.monotonic() + 120
+    while counts(dep, job)["shards"]["leased"] == 0:
+        assert time.monotonic() < end, "no worker leased a shard"
+        time.sleep(0.5)
+    dep.api("PATCH", f"/api/v2/dags/{BACKFILL}/dagRuns/{run_id}/taskInstances/workers", json={"new_state": "failed"})
+    # The worker processes release their leases at once and exit; the task ends failed.
+    end = time.monotonic() + 90
+    while counts(dep, job)["shards"]["leased"] or worker_pids(job):
+        assert time.monotonic() < end, f"leases {counts(dep, job)['shards']}, processes {worker_pids(job)}"
+        time.sleep(0.5)
+    ti = dep.wait_task(BACKFILL, run_id, "workers", ("failed",), timeout=60)
+    c = counts(dep, job)
+    assert c["outstanding"] > 0 and c["shards"]["leased"] == 0
+    time.sleep(3)  # the task process had its chance to report success over the failed state
+    assert dep.task_instances(BACKFILL, run_id)["workers"]["state"] == "failed"
+    # Clearing it (the on-call advice) re-runs it; the run finishes and publishes.
+    dep.api("POST", f"/api/v2/dags/{BACKFILL}/clearTaskInstances",
+            json={"dry_run": False, "dag_run_id": run_id, "task_ids": ["workers"], "include_downstream": True,
+                  "only_failed": False, "reset_dag_runs": True})
+    run = dep.wait_run(BACKFILL, run_id, timeout=400)
+    assert run["state"] == "success", dep.explain(BACKFILL, run_id)
+    c = counts(dep, job)
+    assert c["status"] == "published" and c["outstanding"] == 0 and ti["try_number"] >= 1
+
+
+def worker_pids(job: str) -> list[int]:
+    """Worker processes of the job still alive on this machine (``python -m gpu_runner JOB``)."""
+    import os
+
+    pids = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                cmd = Path(f"/proc/{entry}/cmdline").read_bytes().split(b"\0")
+            except OSError:
+                continue
+            if b"gpu_runner" in cmd and job.encode() in cmd:
+                pids.append(int(entry))
+    return pids
+
+
+def test_backfill_of_the_nightly_over_two_dates_never_overlaps(live_airflow):
+    dep = live_airflow
+    table = make_table(dep.ledger_url, "live_nightly", 10)
+    spec = make_spec(dep, "live_nightly", engine={"name": "noop", "options": {"delay_s": 0.2}})
+    dep.api("POST", "/api/v2/backfills", json={
+        "dag_id": NIGHTLY, "from_date": "2026-11-01T00:00:00Z", "to_date": "2026-11-02T23:00:00Z",
+        "dag_run_conf": {"spec_path": spec, "source_table": table, "engine": ""}, "max_active_runs": 2})
+    dep.unpause(NIGHTLY)
+    end = time.monotonic() + 600
+    while True:
+        runs = dep.api("GET", f"/api/v2/dags/{NIGHTLY}/dagRuns", params={"limit": 50})["dag_runs"]
+        if len(runs) >= 2 and all(r["state"] in ("success", "failed") for r in runs):
+            break
+        assert time.monotonic() < end, [(r["dag_run_id"], r["state"]) for r in runs]
+        time.sleep(2)
+    dep.api("PATCH", f"/api/v2/dags/{NIGHTLY}", json={"is_paused": True})
+    assert all(r["state"] == "success" for r in runs), "\n".join(dep.explain(NIGHTLY, r["dag_run_id"]) for r in runs)
+    # Same spec, same rows: one job version, and its runs one after the other.
+    jobs = {dep.xcom(NIGHTLY, r["dag_run_id"], "submit")["job_version"] for r in runs}
+    assert len(jobs) == 1
+    spans = sorted((r["start_date"], r["end_date"]) for r in runs)
+    for (_, end_a), (start_b, _) in zip(spans, spans[1:]):
+        assert end_a <= start_b, spans
