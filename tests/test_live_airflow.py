@@ -87,6 +87,22 @@ def test_backfill_with_params_publishes_and_emits_its_asset_event(live_airflow):
     events = asset_events(dep, "ticket_triage")
     assert any(e["extra"].get("to_version") == job and e["extra"].get("action") == "publish" for e in events), events
 
+    # A second version of the dataset, published, then rolled back from the dashboard's API: DAGs
+    # scheduled on the dataset's Asset hear of the rollback too.
+    table = make_table(dep.ledger_url, "live_backfill_2", 20)
+    run_id = dep.trigger(BACKFILL, {"source_table": table, "shard_size": 10, "engine": "noop", "deadline": "+20h"})
+    assert dep.wait_run(BACKFILL, run_id, timeout=400)["state"] == "success", dep.explain(BACKFILL, run_id)
+    second = dep.xcom(BACKFILL, run_id, "submit")["job_version"]
+    r = dep.http.post("/batch-inference/api/datasets/ticket_triage/rollback",
+                      json={"expected_current": second, "reason": "live test"},
+                      headers={"Authorization": f"Bearer {dep.token}"})
+    assert r.status_code == 200, r.text
+    assert r.json()["asset_event"] is not None
+    events = asset_events(dep, "ticket_triage")
+    assert any(e["id"] == r.json()["asset_event"] and e["extra"]["action"] == "rollback"
+               and e["extra"]["from_version"] == second and e["extra"]["to_version"] == job for e in events), events
+    assert published_rows(dep, "ticket_triage") == c["stored"]
+
 
 def test_cutoff_firing_at_once_is_redriven_by_the_fallback_through_llama_cpp(live_airflow):
     """The deadline is a minute away, the overhead 30 minutes: the cutoff is already past when the
@@ -197,10 +213,13 @@ def test_backfill_of_the_nightly_over_two_dates_never_overlaps(live_airflow):
     dep.api("POST", "/api/v2/backfills", json={
         "dag_id": NIGHTLY, "from_date": "2026-11-01T00:00:00Z", "to_date": "2026-11-02T23:00:00Z",
         "dag_run_conf": {"spec_path": spec, "source_table": table, "engine": ""}, "max_active_runs": 2})
+    # Unpausing also creates the latest scheduled run (the demo's default spec and table): it may
+    # run beside the backfill, being another job version.
     dep.unpause(NIGHTLY)
     end = time.monotonic() + 600
     while True:
-        runs = dep.api("GET", f"/api/v2/dags/{NIGHTLY}/dagRuns", params={"limit": 50})["dag_runs"]
+        runs = [r for r in dep.api("GET", f"/api/v2/dags/{NIGHTLY}/dagRuns", params={"limit": 50})["dag_runs"]
+                if r["run_type"] == "backfill"]
         if len(runs) >= 2 and all(r["state"] in ("success", "failed") for r in runs):
             break
         assert time.monotonic() < end, [(r["dag_run_id"], r["state"]) for r in runs]
@@ -210,6 +229,11 @@ def test_backfill_of_the_nightly_over_two_dates_never_overlaps(live_airflow):
     # Same spec, same rows: one job version, and its runs one after the other.
     jobs = {dep.xcom(NIGHTLY, r["dag_run_id"], "submit")["job_version"] for r in runs}
     assert len(jobs) == 1
-    spans = sorted((r["start_date"], r["end_date"]) for r in runs)
-    for (_, end_a), (start_b, _) in zip(spans, spans[1:]):
-        assert end_a <= start_b, spans
+    # Whichever submitted second waited for the other run to end before its workers started.
+    a, b = runs
+    wa, wb = (dep.task_instances(NIGHTLY, r["dag_run_id"])["workers"] for r in (a, b))
+    assert wb["start_date"] >= a["end_date"] or wa["start_date"] >= b["end_date"], \
+        "\n".join(dep.task_log(NIGHTLY, r["dag_run_id"], "submit") for r in runs)
+    # Each run's deadline counted from when it ran, not from its logical date weeks ago.
+    assert not any(dep.xcom(NIGHTLY, r["dag_run_id"], "cutoff")["fired"] for r in runs)
+

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Mapping, Sequence
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -77,7 +78,10 @@ class SubmitJobOperator(BaseOperator):
 
     Submitting the same spec over the same rows again returns the existing job
     version and writes nothing (the version is a content hash), so a retried
-    or re-run task is safe.
+    or re-run task is safe. If an earlier DAG run that Airflow still has queued
+    or running works on the same job version (``bi.job_runs``), this run waits
+    for it, deferred: two backfill runs over unchanged rows run one after the
+    other, never side by side.
 
     :param spec: path to a spec YAML/JSON file (relative paths are resolved
         next to the DAG file), or the spec as a dict. Templated.
@@ -93,6 +97,8 @@ class SubmitJobOperator(BaseOperator):
         (default: the spec's ``source.conn_id``). Templated.
     :param s3_endpoint_url: S3-compatible endpoint; usually the AWS
         connection's ``endpoint_url`` extra instead. Templated.
+    :param wait_poll_seconds: when an earlier DAG run (of any DAG) is still working on the same job
+        version, this run waits, deferred, and checks again after this many seconds.
     """
 
     template_fields: Sequence[str] = ("spec", "postgres_conn_id", "shard_size", "source_table", "incremental",
@@ -103,7 +109,8 @@ class SubmitJobOperator(BaseOperator):
     def __init__(self, *, spec: str | Mapping[str, Any], postgres_conn_id: str = BatchInferenceHook.default_conn_name,
                  shard_size: int | str | None = None, source_table: str | None = None,
                  incremental: bool | str | None = None, overrides: Mapping[str, Any] | None = None,
-                 aws_conn_id: str | None = None, s3_endpoint_url: str | None = None, **kwargs: Any) -> None:
+                 aws_conn_id: str | None = None, s3_endpoint_url: str | None = None,
+                 wait_poll_seconds: float = 30.0, **kwargs: Any) -> None:
         super().__init__(**kwargs)
         self.spec = spec
         self.postgres_conn_id = postgres_conn_id
@@ -113,6 +120,7 @@ class SubmitJobOperator(BaseOperator):
         self.overrides = dict(overrides or {})
         self.aws_conn_id = aws_conn_id
         self.s3_endpoint_url = s3_endpoint_url
+        self.wait_poll_seconds = wait_poll_seconds
         self._lineage: tuple[list[Ident], list[Ident]] | None = None
 
     def _dag_fileloc(self, context: Context | None) -> str | None:
@@ -170,14 +178,45 @@ class SubmitJobOperator(BaseOperator):
                 manifest = submit(conn, spec, rows).as_dict()
                 if run:
                     record_job_run(conn, *run, manifest["job_version"], manifest["created"])
+                    busy = self._earlier_active_run(conn, context, manifest["job_version"], *run)
         except SnapshotError as exc:
             raise AirflowFailException(f"snapshot refused: {exc}") from None
+        if run and busy:
+            # Two runs on one job version side by side would race each other's
+            # workers, validation and publish (a backfill's runs do not count
+            # against the DAG's max_active_runs): this one waits its turn.
+            self.log.info("job version %s is being worked by the earlier run %s/%s; this run waits for it "
+                          "(checking every %.0f s)", manifest["job_version"], *busy, self.wait_poll_seconds)
+            from airflow.providers.standard.triggers.temporal import TimeDeltaTrigger
+
+            self.defer(trigger=TimeDeltaTrigger(timedelta(seconds=self.wait_poll_seconds)),
+                       method_name="execute_after_wait")
         self._lineage = self._datasets(spec.source, hook.get_conninfo())
         self.log.info("%s %s: %d records in %d shard(s), %d dead letters at planning, %d reused",
                       "submitted" if manifest["created"] else "already submitted", manifest["job_version"],
                       manifest["records"], manifest["shards"], manifest["dead_letters"], manifest["reused"])
         context["ti"].xcom_push(key="job_version", value=manifest["job_version"])
         return manifest
+
+    def execute_after_wait(self, context: Context, event: Any = None) -> dict[str, Any]:
+        """Back from waiting for an earlier run of the same job version: submit again (it finds the version)."""
+        return self.execute(context)
+
+    def _earlier_active_run(self, conn: Any, context: Context, job_version: str, dag_id: str,
+                            run_id: str) -> tuple[str, str] | None:
+        """An earlier DAG run on this job version that Airflow still has queued or running, if any."""
+        ti = context.get("ti")
+        if ti is None or not hasattr(ti, "get_dagrun_state"):
+            return None
+        for other in conn.execute(db.q("job_runs_earlier"), {"job": job_version, "dag_id": dag_id,
+                                                              "run_id": run_id}).fetchall():
+            try:
+                state = ti.get_dagrun_state(other["dag_id"], other["run_id"])
+            except Exception:  # noqa: BLE001 - a run Airflow no longer knows (db clean) is not active
+                continue
+            if str(state).lower().rsplit(".", 1)[-1] in ("queued", "running"):
+                return other["dag_id"], other["run_id"]
+        return None
 
     @staticmethod
     def _datasets(source, conninfo: str) -> tuple[list[Ident], list[Ident]]:
