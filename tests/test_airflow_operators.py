@@ -304,3 +304,41 @@ def test_the_gpu_operator_grants_the_job_to_the_worker_role_before_its_pod(ledge
     finally:
         conn.execute("DELETE FROM bi.worker_grants WHERE role_name = %s", (role,))
         conn.execute(f"DROP ROLE {role}")
+
+
+@pytest.mark.parametrize("name", ["SubmitJobOperator", "ValidateOperator", "PublishOperator", "RollbackOperator"])
+def test_on_kill_cancels_the_ledger_statement_a_task_is_running(ledger, name):
+    """Marking a task failed sends SIGTERM; its handler calls on_kill() and returns into execute(). The
+    statement in flight is cancelled (its transaction rolls back), so execute() fails instead of finishing."""
+    import psycopg
+
+    from batch_inference import operators
+    from batch_inference.hooks.batch_inference import LedgerWorkCancelled
+
+    kwargs = {"RollbackOperator": {"dataset": "tickets_triage"}, "SubmitJobOperator": {"spec": spec_dict()}}
+    op = getattr(operators, name)(task_id="t", postgres_conn_id=CONN_ID,
+                                  **kwargs.get(name, {"job_version": "jv_0000000000000000"}))
+    conn = op.ledger_hook(CONN_ID).get_conn()
+    outcome: dict = {}
+
+    def long_statement() -> None:
+        try:
+            conn.execute("SELECT pg_sleep(60)")
+        except BaseException as exc:  # noqa: BLE001
+            outcome["error"] = exc
+
+    t = threading.Thread(target=long_statement)
+    t.start()
+    pid = conn.info.backend_pid
+    with db.connect(conn.info.dsn) as watcher:
+        end = time.monotonic() + 20
+        while watcher.execute("SELECT state FROM pg_stat_activity WHERE pid = %s", (pid,)).fetchone()["state"] \
+                != "active":
+            assert time.monotonic() < end, "the statement never started"
+            time.sleep(0.05)
+    op.on_kill()
+    t.join(timeout=20)
+    assert not t.is_alive() and isinstance(outcome["error"], psycopg.errors.QueryCanceled)
+    with pytest.raises(LedgerWorkCancelled):
+        op._ledger_hooks[0].get_conn()
+    conn.close()

@@ -79,6 +79,24 @@ def redact(conninfo: str) -> str:
     return make_conninfo("", **parts)
 
 
+class LedgerWorkCancelled(RuntimeError):
+    """The hook was cancelled (the task's ``on_kill``): no new ledger connection is opened."""
+
+
+class LedgerTask:
+    """For operators whose work is statements on the ledger: ``self.ledger_hook()`` opens the hook they
+    use, and ``on_kill`` cancels what it is running, so the task fails instead of finishing its work."""
+
+    def ledger_hook(self, postgres_conn_id: str, **kwargs: Any) -> "BatchInferenceHook":
+        hook = BatchInferenceHook(postgres_conn_id, **kwargs)
+        self.__dict__.setdefault("_ledger_hooks", []).append(hook)
+        return hook
+
+    def on_kill(self) -> None:
+        for hook in self.__dict__.get("_ledger_hooks", []):
+            hook.cancel()
+
+
 class BatchInferenceHook(BaseHook):
     """The ledger database behind an Airflow postgres connection.
 
@@ -98,6 +116,8 @@ class BatchInferenceHook(BaseHook):
         self.postgres_conn_id = postgres_conn_id
         self.migrate = migrate
         self._conninfo: str | None = None
+        self._opened: list[psycopg.Connection] = []
+        self.cancelled = False
 
     @classmethod
     def get_ui_field_behaviour(cls) -> dict[str, Any]:
@@ -127,13 +147,26 @@ class BatchInferenceHook(BaseHook):
         """A core connection (dict rows, autocommit), migrated on first use."""
         info = self.get_conninfo()
         self.log.info("connecting to the batch-inference ledger: %s", redact(info))
+        if self.cancelled:
+            raise LedgerWorkCancelled("the task was stopped from outside; no new ledger work is started")
         conn = db.connect(info, retries=2)
+        self._opened = [c for c in self._opened if not c.closed] + [conn]
         if self.migrate:
             applied = db.migrate(conn)
             if applied:
                 self.log.info("applied ledger migrations: %s", ", ".join(applied))
             self.migrate = False
         return conn
+
+    def cancel(self) -> None:
+        """Cancel the statement each open connection is running (its transaction rolls back) and refuse
+        new connections. An operator's ``on_kill`` calls it: Airflow calls ``on_kill`` from the task's
+        SIGTERM handler (the task was marked failed or cleared, or timed out) and then returns into
+        ``execute``, which the cancelled statement then fails."""
+        self.cancelled = True
+        for conn in self._opened:
+            if not conn.closed:
+                conn.cancel_safe()
 
     def test_connection(self) -> tuple[bool, str]:
         """The UI's "Test" button."""

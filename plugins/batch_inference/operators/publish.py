@@ -20,7 +20,7 @@ from typing import Any
 from airflow.sdk import Asset, BaseOperator, Context
 from airflow.sdk.exceptions import AirflowFailException
 
-from batch_inference.hooks.batch_inference import BatchInferenceHook
+from batch_inference.hooks.batch_inference import BatchInferenceHook, LedgerTask
 from batch_inference.operators.lineage import Ident, operator_lineage, table_ident
 
 ASSET_SCHEME = "batch-inference"
@@ -79,7 +79,7 @@ def _annotate_events(op: BaseOperator, context: Context, out: dict[str, Any]) ->
             events[outlet].extra.update(extra)
 
 
-class PublishOperator(_SwitchLineage, BaseOperator):
+class PublishOperator(_SwitchLineage, LedgerTask, BaseOperator):
     """Make a validated job version the one downstream reads.
 
     Publishing the version already published is a no-op, so a retried task
@@ -113,7 +113,7 @@ class PublishOperator(_SwitchLineage, BaseOperator):
 
         force = self.force if isinstance(self.force, bool) else str(self.force).lower() in ("1", "true", "yes")
         try:
-            with BatchInferenceHook(self.postgres_conn_id).get_conn() as conn:
+            with self.ledger_hook(self.postgres_conn_id).get_conn() as conn:
                 out = publish(conn, str(self.job_version), actor=_actor(context), force=force,
                               reason=self.reason or None, dataset=self.dataset or None)
         except (PublishRefused, UnknownJob) as exc:
@@ -130,7 +130,7 @@ class PublishOperator(_SwitchLineage, BaseOperator):
                 for k, v in out.items()}
 
 
-class RollbackOperator(_SwitchLineage, BaseOperator):
+class RollbackOperator(_SwitchLineage, LedgerTask, BaseOperator):
     """Switch a dataset back to the version the current one replaced (repeat to walk further back).
 
     :param dataset: the dataset. Templated.
@@ -158,7 +158,7 @@ class RollbackOperator(_SwitchLineage, BaseOperator):
         from batch_inference.publish import PublishRefused, rollback
 
         try:
-            with BatchInferenceHook(self.postgres_conn_id).get_conn() as conn:
+            with self.ledger_hook(self.postgres_conn_id).get_conn() as conn:
                 out = rollback(conn, str(self.dataset), actor=_actor(context), reason=self.reason or None,
                                expected_current=self.expected_current or None)
         except PublishRefused as exc:

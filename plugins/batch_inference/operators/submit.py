@@ -21,7 +21,7 @@ from airflow.sdk import BaseOperator, Context
 from airflow.sdk.exceptions import AirflowFailException
 
 from batch_inference import db
-from batch_inference.hooks.batch_inference import BatchInferenceHook
+from batch_inference.hooks.batch_inference import BatchInferenceHook, LedgerTask
 from batch_inference.operators.lineage import Ident, operator_lineage, s3_ident, table_ident
 
 # Spec fields a DAG run may override without editing the spec file. All but
@@ -73,7 +73,7 @@ def record_job_run(conn, dag_id: str, run_id: str, job_version: str, created: bo
                                           "created": created})
 
 
-class SubmitJobOperator(BaseOperator):
+class SubmitJobOperator(LedgerTask, BaseOperator):
     """Validate a job spec, snapshot its source and plan the shards.
 
     Submitting the same spec over the same rows again returns the existing job
@@ -171,7 +171,7 @@ class SubmitJobOperator(BaseOperator):
             from batch_inference.sources import s3_manifest_rows
 
             rows = s3_manifest_rows(spec.source, endpoint_url=self.s3_endpoint_url, aws_conn_id=self.aws_conn_id)
-        hook = BatchInferenceHook(self.postgres_conn_id)
+        hook = self.ledger_hook(self.postgres_conn_id)
         run = dag_run_ids(context)
         try:
             with hook.get_conn() as conn:

@@ -16,7 +16,7 @@ from typing import Any
 from airflow.sdk import BaseOperator, Context
 from airflow.sdk.exceptions import AirflowException, AirflowFailException
 
-from batch_inference.hooks.batch_inference import BatchInferenceHook
+from batch_inference.hooks.batch_inference import BatchInferenceHook, LedgerTask
 
 
 def plain(obj: Any) -> Any:
@@ -24,7 +24,7 @@ def plain(obj: Any) -> Any:
     return json.loads(json.dumps(obj, default=str, ensure_ascii=False))
 
 
-class ValidateOperator(BaseOperator):
+class ValidateOperator(LedgerTask, BaseOperator):
     """Validate a finished job version; fail the task with the report's failures if it did not pass.
 
     :param job_version: the job version (templated; an XComArg works).
@@ -52,7 +52,7 @@ class ValidateOperator(BaseOperator):
 
         job = str(self.job_version)
         try:
-            with BatchInferenceHook(self.postgres_conn_id).get_conn() as conn:
+            with self.ledger_hook(self.postgres_conn_id).get_conn() as conn:
                 report = plain(validate(conn, job, sample_dir=self.sample_dir or None))
         except UnknownJob as exc:
             raise AirflowFailException(str(exc)) from None
