@@ -537,3 +537,39 @@ def test_cli_sigterm_stops_the_pool_and_releases_its_leases(conn, db_url, endpoi
     c = job_counts(conn, job)
     # Nothing is left leased for ten minutes: the next run claims at once.
     assert c["shards"]["leased"] == 0 and 0 < c["outstanding"] < 40, c
+
+
+def test_the_operator_killed_from_outside_releases_its_shards_and_fails_the_try(conn, db_url, endpoint, monkeypatch):
+    """Airflow's SIGTERM handler calls on_kill() and returns into execute(): the try must fail."""
+    import threading
+
+    from airflow.sdk.exceptions import AirflowException
+
+    from batch_inference.operators.fallback import FallbackPoolOperator
+
+    make_source(conn, tickets(40))
+    job = submit(conn, make_spec(shard_size=10, lease_seconds=600)).job_version
+    endpoint.delay = 0.2
+    monkeypatch.setenv("BATCH_INFERENCE_DB", db_url)
+    op = FallbackPoolOperator(task_id="fallback", job_version=job, base_url=endpoint.base_url, rate=50,
+                              concurrency=2, parallel_shards=2)
+    outcome: dict = {}
+
+    def run() -> None:
+        try:
+            outcome["result"] = op.execute({})
+        except BaseException as exc:  # noqa: BLE001 - what the task runner would see
+            outcome["error"] = exc
+
+    runner = threading.Thread(target=run)
+    runner.start()
+    end = time.monotonic() + 60
+    while job_counts(conn, job)["stored_fallback"] < 3:
+        assert time.monotonic() < end, "the pool stored nothing"
+        time.sleep(0.1)
+    op.on_kill()
+    runner.join(timeout=60)
+    assert "result" not in outcome and isinstance(outcome.get("error"), AirflowException), outcome
+    assert "stopped from outside" in str(outcome["error"])
+    c = job_counts(conn, job)
+    assert c["shards"]["leased"] == 0 and 0 < c["outstanding"] < 40, c

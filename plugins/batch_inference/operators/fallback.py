@@ -63,6 +63,7 @@ class FallbackPoolOperator(BaseOperator):
         self.record_run = record_run
         self.engine_options = engine_options
         self._pool: Any = None
+        self._killed = False
 
     def execute(self, context: Any) -> dict[str, Any]:
         from batch_inference.fallback import FallbackIncomplete, FallbackRefused, run_fallback
@@ -83,12 +84,18 @@ class FallbackPoolOperator(BaseOperator):
             # Also FallbackEndpointUnavailable: the endpoint may be back by the
             # retry, and no record spent an attempt on the outage.
             raise AirflowException(str(exc)) from None  # a retry claims what is left
+        if self._killed:
+            raise AirflowException(f"fallback pool stopped from outside (the task was marked failed, cleared or "
+                                   f"timed out) with {result.outstanding} record(s) outstanding; its shards "
+                                   "were released")
         if result.stopped and result.outstanding:
             raise AirflowException(f"fallback pool stopped with {result.outstanding} record(s) outstanding")
         return result.to_dict()
 
     def on_kill(self) -> None:
         # Stop taking records, write what is in flight, release the leases,
-        # so a retry (or the next try) claims the shards at once.
+        # so a retry (or the next try) claims the shards at once. Airflow then
+        # returns into execute(), which fails the try.
+        self._killed = True
         if self._pool is not None:
             self._pool.stop()
