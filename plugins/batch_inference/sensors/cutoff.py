@@ -92,6 +92,7 @@ class CutoffSensor(BaseOperator):
         self.on_early_warning = on_early_warning
         self.fallback_hosted = fallback_hosted
         self.step_s = step_s
+        self._killed = False
 
     # -- before waiting ---------------------------------------------------
     def _zone(self):
@@ -151,10 +152,17 @@ class CutoffSensor(BaseOperator):
         # terminal state is refused with 404 and the try is lost); an outcome
         # that is already decided never defers.
         first = self._first_poll(conninfo, watch)
+        if self._killed:
+            raise AirflowException("cutoff watch stopped from outside (the task was marked failed or cleared)")
         if first.get("status") != watchlib.WAIT:
             self.log.info("decided at the first poll, without deferring: %s", first.get("reason"))
             return self.execute_complete(context, first)
         self.defer(trigger=self._trigger(**watch), method_name="execute_complete")
+
+    def on_kill(self) -> None:
+        # Airflow calls this from the SIGTERM handler and returns into execute():
+        # a killed sensor must not go on to put the job into fallback mode.
+        self._killed = True
 
     def _first_poll(self, conninfo: str, watch: dict[str, Any]) -> dict[str, Any]:
         import asyncio
