@@ -50,15 +50,18 @@ class CutoffSensor(BaseOperator):
     :param job_version: the job version to watch (templated).
     :param deadline: when the rows must be in the table (templated). Either ``"HH:MM"``, meaning the
         first such time after the run's ``run_after`` (the scheduled start; the logical date, else
-        now) read in ``tz``, so ``"06:00"`` for a 22:00 run means the next morning, or an ISO datetime.
+        now; a backfill run's: now) read in ``tz``, so ``"06:00"`` for a 22:00 run means the next
+        morning, or an ISO datetime.
     :param tz: zone for clock times (default ``"UTC"``).
     :param poll_interval: seconds between polls of the counts (default 300, the seed's five minutes).
         A poll reads per-shard counters only, so it costs the same at any job size.
     :param postgres_conn_id: Airflow connection of the ledger database. None uses
         ``$BATCH_INFERENCE_DB`` (in the triggerer's environment as well).
-    :param rate: fallback rows/s to assume. None derives it from the dataset's recent fallback runs
-        (``spec.fallback.history_runs``), or the spec's ``fallback.rate`` if there are none.
-    :param overhead_s: fixed fallback overhead in seconds. None works as for ``rate``.
+    :param rate: fallback rows/s to assume. None: the spec's ``fallback.rate``, which the dataset's
+        fallback history may lower at any time, and raise only after ``spec.fallback.min_history_runs``
+        complete runs (``batch_inference.cutoff.derive_rate_and_overhead``).
+    :param overhead_s: fixed fallback overhead in seconds. None works as for ``rate`` (raised by
+        history at any time, lowered only by enough complete runs).
     :param relabel_at: always-re-drive mode (templated). ``"HH:MM"`` is the last such time at or before
         the deadline; an ISO datetime is taken as given. The sensor fires ``cutoff`` at that time
         whatever the counts, or earlier if the moving cutoff comes first.
