@@ -109,6 +109,26 @@ def seed_night(conn, db_url: str, now: datetime | None = None) -> dict[str, Any]
     return {"v1": v1, "v2": v2, "v3": v3, "dataset": DATASET, "now": now, "deadline": deadline, "start": start}
 
 
+def reader_role(conn, name: str, *, login: bool = True, member_of: tuple[str, ...] = ("bi_reader",),
+                principals: tuple[str, ...] = (), extra: str = "") -> str:
+    """A database role (made if absent, roles are cluster-wide) in ``member_of``, standing for ``principals``."""
+    if conn.execute("SELECT 1 FROM pg_roles WHERE rolname = %s", (name,)).fetchone() is None:
+        conn.execute(f'CREATE ROLE "{name}" {"LOGIN" if login else "NOLOGIN"} {extra}')
+    for group in member_of:
+        conn.execute(f'GRANT "{group}" TO "{name}"')
+    for p in principals:
+        conn.execute("INSERT INTO bi.reader_principals VALUES (%s, %s) ON CONFLICT DO NOTHING", (name, p))
+    return name
+
+
+def map_night_readers(conn, *airflow_users: str) -> str:
+    """Let these Airflow users read the seeded night's customer text on the dashboard (every team's ACL)."""
+    role = reader_role(conn, "dash_night_reader", principals=("team0", "team1", "team2"))
+    for user in airflow_users:
+        conn.execute("SELECT bi.map_dashboard_reader_v1(%s, %s)", (user, role))
+    return role
+
+
 # -- the app under TestClient ---------------------------------------------------------
 
 
@@ -138,6 +158,7 @@ def ledger_url(pg_server, template_db):
     url = pg_server.get_uri(name)
     with db.connect(url) as c:
         info = seed_night(c, url)
+        map_night_readers(c, "vera")
     yield url, info
     with psycopg.connect(pg_server.get_uri(), autocommit=True) as c:
         c.execute(f"DROP DATABASE IF EXISTS {name} WITH (FORCE)")

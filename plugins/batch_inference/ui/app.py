@@ -7,12 +7,26 @@ so what the page shows and what a script can fetch are the same thing.
 
 Airflow does not authenticate plugin routes, so this app does it itself with
 Airflow's own dependencies: every ``/api`` route requires an authenticated
-Airflow user (a Bearer token or the UI's ``_token`` cookie), and the one
-write, rollback, additionally requires the auth manager to allow that user to
+Airflow user (a Bearer token or the UI's ``_token`` cookie). What that user
+reads is narrowed twice:
+
+- by the auth manager: a job version is readable when the user may read the
+  runs of one of the DAGs that worked on it (``bi.job_runs``;
+  ``is_authorized_dag(method="GET", access_entity=RUN)``), a dataset when the
+  user may read one of its versions' DAGs; a version or dataset no DAG run
+  has needs that permission with no DAG id (every DAG);
+- by the database: customer text (dead letters, validation examples) is
+  read as the user's reader role (``bi.dashboard_readers``, ``SET LOCAL
+  ROLE`` in ``data.reading_as``), so row-level security filters it as it
+  would that role's own SELECT. An unmapped user reads counts only.
+
+The one write, rollback, requires the auth manager to allow that user to
 trigger the dataset's DAG (``is_authorized_dag(method="POST", access_entity=RUN)``),
 the same check Airflow applies to ``POST /api/v2/dags/{dag_id}/dagRuns``.
 Rollback is POST-only with a JSON body and a same-origin check, so a page on
-another site cannot forge it with the user's cookie.
+another site cannot forge it with the user's cookie. Every response carries a
+Content-Security-Policy that lets the page load only this app's own files and
+be framed only by its own origin (Airflow's UI shows it in an iframe).
 
 The ledger database is found, in order, from ``$BATCH_INFERENCE_DB`` or the
 Airflow connection named by ``$BATCH_INFERENCE_CONN_ID`` (default
@@ -27,14 +41,16 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated, Any
 from urllib.parse import urlencode, urlparse
 
 import psycopg
 from fastapi import APIRouter, Body, Depends, FastAPI, HTTPException, Query, Request, status
-from fastapi.responses import FileResponse, HTMLResponse, RedirectResponse, Response
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import FileResponse, HTMLResponse, JSONResponse, RedirectResponse, Response
 from fastapi.security import HTTPAuthorizationCredentials
 from airflow.api_fastapi.auth.managers.models.base_user import BaseUser
 from airflow.api_fastapi.auth.managers.models.resource_details import DagAccessEntity, DagDetails
@@ -60,6 +76,17 @@ ROLLBACK_DAG_ENV = "BATCH_INFERENCE_ROLLBACK_DAG"
 STATIC = Path(__file__).with_name("static")
 _CONNINFO_TTL_S = 60.0  # re-read the Airflow connection now and then, so an edit takes effect
 _STATEMENT_TIMEOUT = "15s"  # a dashboard read must never hold the ledger for long
+MAX_OFFSET = 2**31 - 1  # paging past this is a mistake; the database's OFFSET is a bigint
+MAX_REASON = 2000  # characters of a rollback reason
+# The page loads only this app's own script and stylesheet and talks only to
+# its own /api; only its own origin may frame it (Airflow's UI iframe).
+SECURITY_HEADERS = {
+    "Content-Security-Policy": ("default-src 'none'; script-src 'self'; style-src 'self'; img-src 'self' data:; "
+                                "connect-src 'self'; base-uri 'none'; form-action 'self'; frame-ancestors 'self'"),
+    "X-Frame-Options": "SAMEORIGIN",
+    "X-Content-Type-Options": "nosniff",
+    "Referrer-Policy": "same-origin",
+}
 
 
 # -- the ledger connection --------------------------------------------------------
@@ -151,17 +178,72 @@ def _auth_manager():
     return get_auth_manager()
 
 
-def authorize_rollback(dataset: str, user: GetUserDep) -> BaseUser:
+def _dag_details(dag_id: str | None) -> DagDetails:
+    """The auth manager's details of a DAG (its team in a multi-team deployment); None: every DAG."""
     from airflow.configuration import conf
 
-    dag_id = rollback_dag_id(dataset)
     team = None
     if dag_id and conf.getboolean("core", "multi_team", fallback=False):
         from airflow.models.dag import DagModel
 
         team = DagModel.get_team_name(dag_id)
+    return DagDetails(id=dag_id, team_name=team)
+
+
+def readable_dags(user: BaseUser, dag_ids: Iterable[str]) -> set[str]:
+    """The DAGs among ``dag_ids`` whose runs the auth manager lets ``user`` read."""
+    am = _auth_manager()
+    return {d for d in dag_ids if am.is_authorized_dag(method="GET", access_entity=DagAccessEntity.RUN,
+                                                       details=_dag_details(d), user=user)}
+
+
+def reads_every_dag(user: BaseUser) -> bool:
+    """Whether ``user`` may read the runs of every DAG: what a job no DAG run has needs."""
+    return _auth_manager().is_authorized_dag(method="GET", access_entity=DagAccessEntity.RUN,
+                                             details=_dag_details(None), user=user)
+
+
+@dataclass(frozen=True)
+class Reader:
+    """The signed-in user, and the database role it reads customer text as (None: counts only)."""
+
+    user: BaseUser
+    role: str | None
+
+
+def reader(user: GetUserDep, conn: Ledger) -> Reader:
+    role, problem = data.reader_role(conn, user.get_name())
+    if problem:
+        log.warning("dashboard user %r reads no customer text: %s", user.get_name(), problem)
+    return Reader(user, role)
+
+
+def _require_read(user: BaseUser, dags: list[str], what: str) -> None:
+    allowed = bool(readable_dags(user, dags)) if dags else reads_every_dag(user)
+    if not allowed:
+        raise HTTPException(status.HTTP_403_FORBIDDEN, f"user {user.get_name()!r} may not read the DAG runs of {what}")
+
+
+def job_reader(job_version: str, conn: Ledger, who: Annotated[Reader, Depends(reader)]) -> Reader:
+    """The reader of one job version: 403 unless it may read a DAG that ran it."""
+    _require_read(who.user, data.run_dags(conn, job_version=job_version), f"job version {job_version}")
+    return who
+
+
+def dataset_reader(dataset: str, conn: Ledger, who: Annotated[Reader, Depends(reader)]) -> Reader:
+    """The reader of one dataset: 403 unless it may read a DAG that ran one of its versions."""
+    _require_read(who.user, data.run_dags(conn, dataset=dataset), f"dataset {dataset}")
+    return who
+
+
+JobReader = Annotated[Reader, Depends(job_reader)]
+DatasetReader = Annotated[Reader, Depends(dataset_reader)]
+
+
+def authorize_rollback(dataset: str, user: GetUserDep) -> BaseUser:
+    dag_id = rollback_dag_id(dataset)
     allowed = _auth_manager().is_authorized_dag(
-        method="POST", access_entity=DagAccessEntity.RUN, details=DagDetails(id=dag_id, team_name=team), user=user)
+        method="POST", access_entity=DagAccessEntity.RUN, details=_dag_details(dag_id), user=user)
     if not allowed:
         raise HTTPException(status.HTTP_403_FORBIDDEN,
                             f"user {user.get_name()!r} may not trigger {dag_id or 'DAG runs'}; rollback refused")
@@ -169,11 +251,23 @@ def authorize_rollback(dataset: str, user: GetUserDep) -> BaseUser:
 
 
 def same_origin(request: Request) -> None:
-    """Refuse a cross-site POST: a browser always sends Origin on one."""
+    """Refuse a cross-site POST: a browser always sends Origin on one.
+
+    The Origin must be this server's own (the Host header, or the host of
+    Airflow's ``[api] base_url`` behind a proxy). ``Origin: null`` (a sandboxed
+    frame, a data: URL, a redirect across sites) is refused like any other
+    foreign origin, and so is a browser's ``Sec-Fetch-Site: cross-site``.
+    """
+    from airflow.configuration import conf
+
     origin = request.headers.get("origin")
-    if origin and origin != "null":
-        if urlparse(origin).netloc != request.headers.get("host", ""):
+    if origin is not None:
+        own = {request.headers.get("host", ""), urlparse(conf.get("api", "base_url", fallback="") or "").netloc} - {""}
+        parsed = urlparse(origin)
+        if parsed.scheme not in ("http", "https") or parsed.netloc not in own:
             raise HTTPException(status.HTTP_403_FORBIDDEN, "cross-origin request refused")
+    if request.headers.get("sec-fetch-site", "same-origin") not in ("same-origin", "none"):
+        raise HTTPException(status.HTTP_403_FORBIDDEN, "cross-site request refused")
     ctype = request.headers.get("content-type", "")
     if not ctype.split(";")[0].strip().lower() == "application/json":
         # A form post from another site cannot send application/json without
@@ -202,7 +296,33 @@ def _login_redirect(request: Request) -> Response:
 
 # The interactive docs page loads its JavaScript from a CDN, so it is off;
 # /batch-inference/openapi.json still describes every endpoint.
-app = FastAPI(title="Batch inference dashboard", docs_url=None, redoc_url=None)
+def no_nul(request: Request) -> None:
+    """Refuse a NUL character in the path or query: PostgreSQL text cannot hold one."""
+    if "\x00" in request.url.path or any("\x00" in k or "\x00" in v for k, v in request.query_params.multi_items()):
+        raise HTTPException(status.HTTP_400_BAD_REQUEST, "the URL contains a NUL character")
+
+
+app = FastAPI(title="Batch inference dashboard", docs_url=None, redoc_url=None, dependencies=[Depends(no_nul)])
+
+
+@app.middleware("http")
+async def security_headers(request: Request, call_next):
+    response = await call_next(request)
+    for name, value in SECURITY_HEADERS.items():
+        response.headers.setdefault(name, value)
+    return response
+
+
+@app.exception_handler(RequestValidationError)
+def _invalid_request(_request: Request, exc: RequestValidationError) -> Response:
+    """One line naming the first bad field, not FastAPI's list of error objects."""
+    errors = exc.errors()
+    first = errors[0] if errors else {}
+    loc = [str(p) for p in first.get("loc", ()) if p not in ("query", "path", "body")]
+    where = ".".join(loc) or "request"
+    more = f" (and {len(errors) - 1} more)" if len(errors) > 1 else ""
+    return JSONResponse({"detail": f"{where}: {first.get('msg', 'invalid')}{more}"},
+                        status_code=422)
 
 
 def _page(request: Request, view: str, **attrs: str) -> HTMLResponse:
@@ -257,22 +377,27 @@ def _unknown(exc: UnknownJob) -> HTTPException:
     return HTTPException(status.HTTP_404_NOT_FOUND, str(exc.args[0] if exc.args else exc))
 
 
+Offset = Annotated[int, Query(ge=0, le=MAX_OFFSET)]
+
+
 @api.get("/jobs")
-def api_jobs(conn: Ledger, dataset: str | None = None,
+def api_jobs(conn: Ledger, who: Annotated[Reader, Depends(reader)], dataset: str | None = None,
              limit: Annotated[int, Query(ge=1, le=1000)] = 200) -> dict[str, Any]:
-    return {"jobs": data.jobs(conn, dataset, limit)}
+    """The newest job versions the user may read (a DAG that ran it is readable)."""
+    dags = readable_dags(who.user, data.run_dags(conn))
+    return {"jobs": data.jobs(conn, dataset, limit, dags=sorted(dags), undagged=reads_every_dag(who.user))}
 
 
 @api.get("/jobs/{job_version}")
-def api_job(job_version: str, conn: Ledger) -> dict[str, Any]:
+def api_job(job_version: str, conn: Ledger, who: JobReader) -> dict[str, Any]:
     try:
-        return data.job(conn, job_version)
+        return data.job(conn, job_version, role=who.role)
     except UnknownJob as exc:
         raise _unknown(exc) from None
 
 
 @api.get("/jobs/{job_version}/progress")
-def api_progress(job_version: str, conn: Ledger) -> dict[str, Any]:
+def api_progress(job_version: str, conn: Ledger, _who: JobReader) -> dict[str, Any]:
     try:
         return data.progress(conn, job_version)
     except UnknownJob as exc:
@@ -280,8 +405,8 @@ def api_progress(job_version: str, conn: Ledger) -> dict[str, Any]:
 
 
 @api.get("/jobs/{job_version}/shards")
-def api_shards(job_version: str, conn: Ledger, limit: Annotated[int, Query(ge=1, le=5000)] = 500,
-               offset: Annotated[int, Query(ge=0)] = 0) -> dict[str, Any]:
+def api_shards(job_version: str, conn: Ledger, _who: JobReader,
+               limit: Annotated[int, Query(ge=1, le=5000)] = 500, offset: Offset = 0) -> dict[str, Any]:
     try:
         return data.shards(conn, job_version, limit, offset)
     except UnknownJob as exc:
@@ -289,16 +414,17 @@ def api_shards(job_version: str, conn: Ledger, limit: Annotated[int, Query(ge=1,
 
 
 @api.get("/jobs/{job_version}/dead-letters")
-def api_dead_letters(job_version: str, conn: Ledger, limit: Annotated[int, Query(ge=1, le=1000)] = 100,
-                     offset: Annotated[int, Query(ge=0)] = 0) -> dict[str, Any]:
+def api_dead_letters(job_version: str, conn: Ledger, who: JobReader,
+                     limit: Annotated[int, Query(ge=1, le=1000)] = 100, offset: Offset = 0) -> dict[str, Any]:
+    """The dead letters the user's reader role may read (row-level security), and how many it may not."""
     try:
-        return data.dead_letters(conn, job_version, limit, offset)
+        return data.dead_letters(conn, job_version, limit, offset, role=who.role)
     except UnknownJob as exc:
         raise _unknown(exc) from None
 
 
 @api.get("/jobs/{job_version}/cost")
-def api_cost(job_version: str, conn: Ledger) -> dict[str, Any]:
+def api_cost(job_version: str, conn: Ledger, _who: JobReader) -> dict[str, Any]:
     try:
         return data.cost(conn, job_version)
     except UnknownJob as exc:
@@ -306,7 +432,7 @@ def api_cost(job_version: str, conn: Ledger) -> dict[str, Any]:
 
 
 @api.get("/jobs/{job_version}/drift")
-def api_drift(job_version: str, conn: Ledger) -> dict[str, Any]:
+def api_drift(job_version: str, conn: Ledger, _who: JobReader) -> dict[str, Any]:
     try:
         return data.drift(conn, job_version)
     except UnknownJob as exc:
@@ -314,7 +440,8 @@ def api_drift(job_version: str, conn: Ledger) -> dict[str, Any]:
 
 
 @api.get("/datasets/{dataset}/history")
-def api_history(dataset: str, conn: Ledger, limit: Annotated[int, Query(ge=1, le=1000)] = 50) -> dict[str, Any]:
+def api_history(dataset: str, conn: Ledger, _who: DatasetReader,
+                limit: Annotated[int, Query(ge=1, le=1000)] = 50) -> dict[str, Any]:
     return data.history(conn, dataset, limit)
 
 
@@ -330,15 +457,31 @@ def api_rollback(dataset: str, conn: Ledger, user: Annotated[BaseUser, Depends(a
     switch, the dataset's Asset gets an event, as after a RollbackOperator;
     ``asset_event`` in the answer is its id, or null when none was recorded.
     """
+    expected_current, reason = _rollback_body(body)
     try:
         result = actions.rollback(conn, dataset, actor=f"airflow:{user.get_name()}",
-                                  expected_current=body.get("expected_current"), reason=body.get("reason"))
+                                  expected_current=expected_current, reason=reason)
     except actions.Conflict as exc:
         raise HTTPException(status.HTTP_409_CONFLICT, str(exc)) from None
     except actions.Refused as exc:
         raise HTTPException(422, str(exc)) from None
     event = record_asset_event(dataset, result)
     return {**result, "asset_event": event, "history": data.history(conn, dataset)["history"]}
+
+
+def _rollback_body(body: dict[str, Any]) -> tuple[str | None, str | None]:
+    """``expected_current`` and ``reason`` out of a rollback body, each a string or absent (422 otherwise)."""
+    out: list[str | None] = []
+    for key, most in (("expected_current", 200), ("reason", MAX_REASON)):
+        value = body.get(key)
+        if value is not None and not isinstance(value, str):
+            raise HTTPException(422, f"{key} must be a string, not {type(value).__name__}")
+        if value is not None and "\x00" in value:
+            raise HTTPException(422, f"{key} contains a NUL character")
+        if value is not None and len(value) > most:
+            raise HTTPException(422, f"{key} is longer than {most:,} characters")
+        out.append(value)
+    return out[0], out[1]
 
 
 def record_asset_event(dataset: str, switch: dict[str, Any]) -> int | None:
@@ -420,6 +563,20 @@ def api_run_job(dag_id: str, run_id: str) -> dict[str, Any]:
 
 
 app.include_router(api)
+
+
+@app.exception_handler(psycopg.DataError)
+def _bad_value(_request: Request, exc: psycopg.DataError) -> Response:
+    """A value the database cannot take (out of range, not text): the caller's mistake, one line."""
+    return JSONResponse({"detail": f"the ledger refused a value of this request: {_first_line(exc)}"},
+                        status_code=status.HTTP_400_BAD_REQUEST)
+
+
+@app.exception_handler(psycopg.errors.InsufficientPrivilege)
+def _no_privilege(_request: Request, exc: psycopg.errors.InsufficientPrivilege) -> Response:
+    """The dashboard's login cannot take the user's reader role (GRANT it) or read a table."""
+    return JSONResponse({"detail": f"the dashboard's database role lacks a privilege: {_first_line(exc)}"},
+                        status_code=status.HTTP_503_SERVICE_UNAVAILABLE)
 
 
 @app.exception_handler(psycopg.errors.QueryCanceled)

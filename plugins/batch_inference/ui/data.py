@@ -7,17 +7,27 @@ and the page only ever draws what these return.
 
 Counts come from the shard table's counters (``bi.job_counts_v1``), the same
 numbers the cutoff polls, so the page agrees with ``batch-inference status``.
+
+Customer text (dead letters' reasons, errors and raw outputs, validation
+examples) is read only inside ``reading_as(conn, role)``: a transaction that
+runs ``SET LOCAL ROLE`` to the signed-in user's reader role, so the
+database's row-level security (sql/0003_publish.sql, sql/0014_dashboard_readers.sql)
+decides which rows come back, exactly as for that role's own SELECT. Without a
+role (``role=None``) those panels return counts and no text.
 """
 
 from __future__ import annotations
 
 import re
+from collections.abc import Iterator
+from contextlib import contextmanager
 from datetime import datetime, timedelta, timezone
 from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
 import psycopg
+from psycopg import sql
 
 from batch_inference import cutoff, db
 from batch_inference.cost import Prices, cost_report
@@ -45,6 +55,32 @@ def _now() -> datetime:
     return datetime.now(UTC)
 
 
+@contextmanager
+def reading_as(conn: psycopg.Connection, role: str) -> Iterator[psycopg.Connection]:
+    """A transaction in which every statement runs as ``role`` (``SET LOCAL ROLE``).
+
+    Row-level security then filters each read for that role; the role ends
+    with the transaction, whether it commits or not. The connection must be
+    idle: inside an open transaction ``SET LOCAL`` would outlive this block.
+    """
+    if conn.info.transaction_status != psycopg.pq.TransactionStatus.IDLE:
+        raise RuntimeError("reading_as needs a connection outside any transaction")
+    with conn.transaction():
+        conn.execute(sql.SQL("SET LOCAL ROLE {}").format(sql.Identifier(role)))
+        yield conn
+
+
+def reader_role(conn: psycopg.Connection, airflow_user: str) -> tuple[str | None, str | None]:
+    """The role ``airflow_user`` reads customer text as (bi.dashboard_readers), and
+    why it may not: (role, None), (None, problem) or (None, None) when unmapped."""
+    row = conn.execute(q("dashboard_reader"), {"user": airflow_user}).fetchone()
+    if row is None:
+        return None, None
+    if row["problem"]:
+        return None, row["problem"]
+    return row["role_name"], None
+
+
 def _job_row(conn: psycopg.Connection, job_version: str) -> dict[str, Any]:
     row = conn.execute(q("job_row"), {"job": job_version}).fetchone()
     if row is None:
@@ -69,16 +105,68 @@ def _fallback_constants(conn: psycopg.Connection, dataset: str, spec: dict[str, 
 # -- jobs ---------------------------------------------------------------------
 
 
-def jobs(conn: psycopg.Connection, dataset: str | None = None, limit: int = 200) -> list[dict[str, Any]]:
-    return conn.execute(q("jobs"), {"dataset": dataset, "limit": limit}).fetchall()
+def jobs(conn: psycopg.Connection, dataset: str | None = None, limit: int = 200, *,
+         dags: list[str] | None = None, undagged: bool = False) -> list[dict[str, Any]]:
+    """The newest job versions run by one of ``dags``, and (``undagged``) those no DAG run has."""
+    return conn.execute(q("jobs"), {"dataset": dataset, "limit": limit, "dags": list(dags or []),
+                                    "undagged": undagged}).fetchall()
 
 
-def job(conn: psycopg.Connection, job_version: str) -> dict[str, Any]:
-    """The header of a job page: fixed facts, live counts, what is published."""
+def run_dags(conn: psycopg.Connection, *, job_version: str | None = None, dataset: str | None = None) -> list[str]:
+    """The DAGs whose runs worked on a job version, on any version of a dataset, or on any job."""
+    if job_version is not None:
+        rows = conn.execute(q("job_dags"), {"job": job_version})
+    elif dataset is not None:
+        rows = conn.execute(q("dataset_dags"), {"dataset": dataset})
+    else:
+        rows = conn.execute(q("run_dags"))
+    return [r["dag_id"] for r in rows]
+
+
+_REPORT_NUMBERS = ("passed", "status", "validated_at", "dead_letter_rate", "dead_letter_gate", "reused", "seconds")
+
+
+def _validation_view(conn: psycopg.Connection, job_version: str, report: Any, role: str | None) -> dict[str, Any] | None:
+    """The stored validation report without customer text.
+
+    Numbers, the category counts and the drift shares pass; each failed check
+    is named by its kind (``schema``, ``coverage``, ...) without its text; the
+    schema examples (record id and the validator's reason, which quotes the
+    output) are kept only for records ``role`` can read, and ``examples_hidden``
+    counts the rest.
+    """
+    if not isinstance(report, dict):
+        return None
+    schema = report.get("schema") if isinstance(report.get("schema"), dict) else {}
+    coverage = report.get("coverage") if isinstance(report.get("coverage"), dict) else {}
+    examples = [e for e in (schema.get("examples") or []) if isinstance(e, dict) and isinstance(e.get("record_id"), str)]
+    seen: set[str] = set()
+    if role is not None and examples:
+        with reading_as(conn, role):
+            seen = {r["record_id"] for r in conn.execute(
+                q("visible_records"), {"job": job_version, "ids": [e["record_id"] for e in examples]})}
+    shown = [{"record_id": e["record_id"], "reason": str(e.get("reason", ""))} for e in examples
+             if e["record_id"] in seen]
+    drift = report.get("drift") if isinstance(report.get("drift"), dict) else {}
+    return {
+        **{k: report.get(k) for k in _REPORT_NUMBERS},
+        "categories": report.get("categories"),
+        "drift": {k: drift.get(k) for k in ("distance", "threshold", "per_category", "against")},
+        "coverage": {k: v for k, v in coverage.items() if v is None or isinstance(v, (bool, int, float))},
+        "schema": {**{k: schema.get(k) for k in ("checked", "invalid", "checked_in_python", "sql_check")},
+                   "examples": shown, "examples_hidden": len(examples) - len(shown)},
+        "failed_checks": [f.split(":", 1)[0] for f in (report.get("failures") or []) if isinstance(f, str)],
+    }
+
+
+def job(conn: psycopg.Connection, job_version: str, role: str | None = None) -> dict[str, Any]:
+    """The header of a job page: fixed facts, live counts, what is published, and
+    the validation report as ``role`` may see it (``_validation_view``)."""
     row = _job_row(conn, job_version)
     counts = job_counts(conn, job_version)
     pointer = conn.execute(q("pointer"), {"dataset": row["dataset"]}).fetchone()
     spec = row.pop("spec") or {}
+    row["validation"] = _validation_view(conn, job_version, row["validation"], role)
     constants = _fallback_constants(conn, row["dataset"], spec)
     return {
         **row,
@@ -221,12 +309,27 @@ def shards(conn: psycopg.Connection, job_version: str, limit: int = 500, offset:
             "total": sum(v["shards"] for v in states.values()), "shards": rows, "limit": limit, "offset": offset}
 
 
-def dead_letters(conn: psycopg.Connection, job_version: str, limit: int = 100, offset: int = 0) -> dict[str, Any]:
+def dead_letters(conn: psycopg.Connection, job_version: str, limit: int = 100, offset: int = 0,
+                 role: str | None = None) -> dict[str, Any]:
+    """The job's dead letters as ``role`` sees them through row-level security.
+
+    ``total`` is every dead letter (the shard counters); ``visible`` those the
+    role may read, whose reasons and rows are returned; ``hidden`` the rest.
+    Without a role nothing but the total.
+    """
     counts = job_counts(conn, job_version)
-    reasons = conn.execute(q("dead_letter_reasons"), {"job": job_version}).fetchall()
-    rows = conn.execute(q("dead_letter_page"), {"job": job_version, "limit": limit, "offset": offset}).fetchall()
-    return {"job_version": job_version, "total": int(counts["dead_letters"]), "reasons": reasons,
-            "dead_letters": rows, "limit": limit, "offset": offset}
+    total = int(counts["dead_letters"])
+    reasons: list[dict[str, Any]] = []
+    rows: list[dict[str, Any]] = []
+    visible = 0
+    if role is not None:
+        with reading_as(conn, role):
+            visible = int(conn.execute(q("dead_letter_visible"), {"job": job_version}).fetchone()["n"])
+            reasons = conn.execute(q("dead_letter_reasons"), {"job": job_version}).fetchall()
+            rows = conn.execute(q("dead_letter_page"),
+                                {"job": job_version, "limit": limit, "offset": offset}).fetchall()
+    return {"job_version": job_version, "total": total, "visible": visible, "hidden": max(total - visible, 0),
+            "reasons": reasons, "dead_letters": rows, "limit": limit, "offset": offset}
 
 
 # -- cost ---------------------------------------------------------------------

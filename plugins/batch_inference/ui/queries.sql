@@ -14,6 +14,10 @@ SELECT j.job_version, j.dataset, j.status, j.mode, j.created_at, j.fallback_at, 
   LEFT JOIN LATERAL (SELECT pr.deadline, pr.latest_safe_start FROM bi.progress pr
                       WHERE pr.job_version = j.job_version ORDER BY pr.at DESC LIMIT 1) lp ON true
  WHERE (%(dataset)s::text IS NULL OR j.dataset = %(dataset)s)
+   -- only versions the user may read: one of its DAGs is in %(dags)s, or it has
+   -- no DAG run and %(undagged)s (the user may read every DAG)
+   AND (EXISTS (SELECT 1 FROM bi.job_runs r WHERE r.job_version = j.job_version AND r.dag_id = ANY(%(dags)s))
+        OR (%(undagged)s AND NOT EXISTS (SELECT 1 FROM bi.job_runs r WHERE r.job_version = j.job_version)))
  ORDER BY j.created_at DESC, j.job_version
  LIMIT %(limit)s;
 
@@ -68,3 +72,25 @@ SELECT from_version AS job_version FROM bi.publish_history
  WHERE dataset = %(dataset)s AND to_version = %(job)s AND from_version IS NOT NULL
  ORDER BY id DESC LIMIT 1;
 
+
+-- name: run_dags  every DAG that has run a job version (the jobs list is filtered by the user's read permission on them)
+SELECT DISTINCT dag_id FROM bi.job_runs ORDER BY dag_id;
+
+-- name: job_dags  the DAGs whose runs worked on one job version
+SELECT DISTINCT dag_id FROM bi.job_runs WHERE job_version = %(job)s ORDER BY dag_id;
+
+-- name: dataset_dags  the DAGs whose runs worked on any version of a dataset
+SELECT DISTINCT r.dag_id FROM bi.job_runs r JOIN bi.jobs j ON j.job_version = r.job_version
+ WHERE j.dataset = %(dataset)s ORDER BY r.dag_id;
+
+-- name: dashboard_reader  the database role an Airflow user reads customer text as, and why it may not (NULL: it may)
+SELECT role_name, bi.dashboard_role_problem_v1(role_name) AS problem
+  FROM bi.dashboard_readers WHERE airflow_user = %(user)s;
+
+-- name: dead_letter_visible  how many of a job's dead letters the current role sees (run as the reader: RLS counts)
+SELECT count(*) AS n FROM bi.dead_letters WHERE job_version = %(job)s;
+
+-- name: visible_records  which of these records of a job the current role sees, as a result or a dead letter (run as the reader)
+SELECT record_id FROM bi.results WHERE job_version = %(job)s AND record_id = ANY(%(ids)s)
+ UNION
+SELECT record_id FROM bi.dead_letters WHERE job_version = %(job)s AND record_id = ANY(%(ids)s);

@@ -304,11 +304,11 @@
     if (p.constants && p.constants.source) facts.push(h("span", { class: "muted", id: "constants-source" }, "constants: " + p.constants.source));
     if (!p.deadline) facts.push(h("span", { class: "muted" }, "no deadline recorded (no progress sample carries one)"));
     const legend = h("div", { class: "legend" },
-      h("span", {}, h("i", { style: "background:var(--stored)" }), "stored"),
-      h("span", {}, h("i", { style: "background:var(--dead)" }), "dead-lettered"),
-      h("span", {}, h("i", { style: "background:var(--outstanding)" }), "outstanding"),
-      h("span", {}, h("i", { style: "background:var(--cutoff)" }), "cutoff (dots: how it moved)"),
-      h("span", {}, h("i", { style: "background:var(--deadline)" }), "deadline"),
+      h("span", {}, h("i", { class: "sw-stored" }), "stored"),
+      h("span", {}, h("i", { class: "sw-dead" }), "dead-lettered"),
+      h("span", {}, h("i", { class: "sw-outstanding" }), "outstanding"),
+      h("span", {}, h("i", { class: "sw-cutoff" }), "cutoff (dots: how it moved)"),
+      h("span", {}, h("i", { class: "sw-deadline" }), "deadline"),
       h("span", {}, "times in " + tzName() + (p.source === "shards" ? "; curve from shard completion times (no progress samples)" : "")));
     return h("section", { class: "panel", id: "panel-timeline" },
       h("h2", {}, "Burn-down, cutoff and deadline"), h("div", { class: "meta" }, facts), timelineChart(p), legend);
@@ -388,8 +388,8 @@
     });
     panel.appendChild(svg);
     panel.appendChild(h("div", { class: "legend" },
-      h("span", {}, h("i", { style: "background:var(--current)" }), "this version"),
-      h("span", {}, h("i", { style: "background:var(--baseline)" }), "published baseline")));
+      h("span", {}, h("i", { class: "sw-current" }), "this version"),
+      h("span", {}, h("i", { class: "sw-baseline" }), "published baseline")));
     return panel;
   }
 
@@ -400,10 +400,17 @@
       panel.appendChild(h("p", { class: "muted" }, "None: every settled record produced a result."));
       return panel;
     }
+    if (dl.hidden) {
+      // Row-level security: the signed-in user's reader role may not read these records.
+      panel.appendChild(h("p", { class: "muted", id: "dead-hidden" },
+        dl.visible ? `${fmtInt(dl.hidden)} of ${fmtInt(dl.total)} are not shown: your reader role may not read them.`
+                   : "Their text is not shown: your Airflow user has no reader role that may read these records."));
+    }
+    if (!dl.visible) return panel;
     panel.appendChild(h("table", { id: "dead-reasons" },
       h("thead", {}, h("tr", {}, h("th", {}, "reason"), h("th", {}, "stage"), h("th", { class: "num" }, "records"))),
       h("tbody", {}, dl.reasons.map((r) => h("tr", {}, h("td", {}, r.reason), h("td", {}, r.stage), h("td", { class: "num" }, fmtInt(r.n)))))));
-    panel.appendChild(h("details", {}, h("summary", {}, `the records (${dl.dead_letters.length < dl.total ? "first " + dl.dead_letters.length + " of " : ""}${fmtInt(dl.total)})`),
+    panel.appendChild(h("details", {}, h("summary", {}, `the records (${dl.dead_letters.length < dl.visible ? "first " + dl.dead_letters.length + " of " : ""}${fmtInt(dl.visible)})`),
       h("table", { id: "dead-letters" },
         h("thead", {}, h("tr", {}, ["record", "reason", "stage", "attempts", "last error", "raw output"].map((t) => h("th", {}, t)))),
         h("tbody", {}, dl.dead_letters.map((r) => h("tr", {},
