@@ -38,7 +38,7 @@ import pytest
 
 from batch_inference import db
 from batch_inference.status import job_counts
-from tests.test_dashboard_api import DATASET, seed_night
+from tests.test_dashboard_api import DATASET, map_night_readers, seed_night
 
 pytestmark = pytest.mark.browser
 
@@ -47,6 +47,8 @@ CHROMIUM = "/usr/bin/chromium"
 AIRFLOW = str(Path(sys.executable).with_name("airflow"))
 ARTIFACTS = ROOT / "artifacts"
 USERS = {"admin": ("admin", "admin-pw-1"), "vera": ("viewer", "viewer-pw-1")}
+# Customer text in the night's dead letters: only a user with a reader role may see it.
+CANARY = "CANARY-customer-words"
 
 PROBE_DAG = '''
 """A DAG run whose XCom names a batch-inference job version (the submit task's manifest)."""
@@ -84,6 +86,10 @@ def night(pg_server, template_db):
     url = pg_server.get_uri(name)
     with db.connect(url) as c:
         info = seed_night(c, url)
+        c.execute("UPDATE bi.dead_letters SET error = %s || ': ' || error, raw_output = %s WHERE job_version = %s",
+                  (CANARY, CANARY, info["v3"]))
+        # The open server's user (all admins) and the admin read it; vera, a viewer, has no reader role.
+        map_night_readers(c, "Anonymous", "admin")
     yield url, info
     with psycopg.connect(pg_server.get_uri(), autocommit=True) as c:
         c.execute(f"DROP DATABASE IF EXISTS {name} WITH (FORCE)")
@@ -310,8 +316,8 @@ def test_rollback_from_the_page_switches_the_pointer(open_server, night, page):
     page.click("#rollback-button")
     page.fill("#rollback-reason", "v2 labels look wrong")
     page.click("#rollback-confirm")
-    page.wait_for_function(f"document.querySelector('#pointer-version')?.textContent === '{info['v1']}'",
-                           timeout=30000)
+    # A selector wait, not wait_for_function: the page's CSP forbids the eval that one needs.
+    page.locator("#pointer-version", has_text=info["v1"]).wait_for(timeout=30000)
     with db.connect(url) as conn:
         row = conn.execute("SELECT job_version FROM bi.publish_pointer WHERE dataset = %s", (DATASET,)).fetchone()
         last = conn.execute("SELECT * FROM bi.publish_history WHERE dataset = %s ORDER BY id DESC LIMIT 1",
@@ -361,6 +367,34 @@ def test_signed_out_callers_and_viewers_cannot_roll_back(auth_server, night):
         assert conn.execute("SELECT job_version FROM bi.publish_pointer WHERE dataset = %s",
                             (DATASET,)).fetchone()["job_version"] == before
         assert conn.execute("SELECT count(*) AS n FROM bi.publish_history").fetchone()["n"] == n_hist
+
+
+def test_a_viewer_without_a_reader_role_sees_counts_and_no_customer_text(auth_server, night, browser):
+    """Signed in as vera (the UI's cookie), the job page counts the dead letters but shows none of their text."""
+    _, info = night
+    ctx = browser.new_context(viewport={"width": 1280, "height": 900}, timezone_id="UTC")
+    try:
+        ctx.add_cookies([{"name": "_token", "value": _token(auth_server, "vera"), "url": auth_server.base}])
+        page = ctx.new_page()
+        page.goto(f"{auth_server.base}/batch-inference/jobs/{info['v3']}")
+        page.wait_for_selector("body[data-loaded=true]", timeout=30000)
+        assert _num(page.text_content("#dead-total")) == 3
+        assert "no reader role" in page.text_content("#dead-hidden")
+        assert page.locator("#dead-letters").count() == 0 and page.locator("#dead-reasons").count() == 0
+        assert CANARY not in page.content()
+        for path in ("dead-letters", ""):
+            r = httpx.get(f"{auth_server.base}/batch-inference/api/jobs/{info['v3']}/{path}".rstrip("/"),
+                          cookies={"_token": _token(auth_server, "vera")})
+            assert r.status_code == 200 and CANARY not in r.text
+        # The admin, mapped to a reader role, sees the same records' text.
+        admin = httpx.get(f"{auth_server.base}/batch-inference/api/jobs/{info['v3']}/dead-letters",
+                          headers={"Authorization": "Bearer " + _token(auth_server, "admin")}).json()
+        assert admin["visible"] == 3 and all(CANARY in d["error"] for d in admin["dead_letters"])
+        csp = httpx.get(f"{auth_server.base}/batch-inference/jobs/{info['v3']}",
+                        cookies={"_token": _token(auth_server, "vera")}).headers["content-security-policy"]
+        assert "frame-ancestors 'self'" in csp
+    finally:
+        ctx.close()
 
 
 def test_airflow_ui_embeds_the_dashboard_in_browse_and_on_the_dag_run(open_server, night, page):

@@ -579,6 +579,14 @@ def _no_privilege(_request: Request, exc: psycopg.errors.InsufficientPrivilege) 
                         status_code=status.HTTP_503_SERVICE_UNAVAILABLE)
 
 
+@app.exception_handler(psycopg.errors.UndefinedTable)
+@app.exception_handler(psycopg.errors.UndefinedFunction)
+def _old_schema(_request: Request, exc: psycopg.Error) -> Response:
+    """The ledger lacks a table or function this dashboard reads (say, bi.dashboard_readers of 0014)."""
+    return JSONResponse({"detail": f"the ledger's schema is older than this dashboard (apply the migrations): "
+                                   f"{_first_line(exc)}"}, status_code=status.HTTP_503_SERVICE_UNAVAILABLE)
+
+
 @app.exception_handler(psycopg.errors.QueryCanceled)
 def _timeout(_request: Request, exc: psycopg.errors.QueryCanceled) -> Response:
     return Response(json.dumps({"detail": f"the ledger query ran past {_STATEMENT_TIMEOUT}"}),
