@@ -20,6 +20,9 @@ from batch_inference.spec import JobSpec, parse_spec
 pytest_plugins = ["tests.fixtures.airflow_env", "tests.fixtures.llama_server", "tests.fixtures.live_airflow"]
 
 NOOP_DIGEST = "0" * 64
+# Test engines are loaded by dotted path from this package (tests.test_worker:BrokenEngine, ...);
+# worker processes the tests start inherit the setting.
+os.environ.setdefault("BATCH_INFERENCE_ENGINE_MODULES", "tests")
 
 
 @pytest.fixture(scope="session")

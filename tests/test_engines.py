@@ -165,7 +165,8 @@ def test_load_engine_by_name_and_dotted_path():
     "name, message",
     [
         ("gpt5", "unknown engine 'gpt5': use one of llama-cpp, vllm, openai, noop, or a dotted path package.module:ClassName"),
-        ("nosuch.module:Thing", "engine 'nosuch.module:Thing': cannot import module 'nosuch.module': ModuleNotFoundError"),
+        ("nosuch.module:Thing", "engine 'nosuch.module:Thing': module 'nosuch.module' is not in the allowed engine modules"),
+        ("batch_inference.nosuch:Thing", "engine 'batch_inference.nosuch:Thing': cannot import module 'batch_inference.nosuch': ModuleNotFoundError"),
         ("batch_inference.engines.noop:Nope", "engine 'batch_inference.engines.noop:Nope': module 'batch_inference.engines.noop' has no attribute 'Nope'"),
         ("batch_inference.engines.noop:minimal_instance", "is not a subclass of batch_inference.engines.Engine"),
     ],
@@ -241,7 +242,7 @@ def test_vllm_pure_parts(tmp_path):
         (tmp_path / name).write_bytes(name.encode())
     spec = make_spec(model={"path": str(tmp_path)}, params={"temperature": 0.2, "max_tokens": 64, "top_p": 0.9, "seed": 5})
     engine = load_engine("vllm", spec, {"gpu_memory_utilization": 0.85, "llm_kwargs": {"max_num_batched_tokens": 8192}})
-    assert [p.name for p in engine.weights_files()] == ["model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors"]
+    assert engine.weights_files() == [tmp_path]    # the whole directory is hashed (pinning.sha256_tree)
     assert v.build_llm_kwargs(spec, engine.options) == {
         "model": str(tmp_path), "enable_prefix_caching": True, "load_format": "safetensors",
         "gpu_memory_utilization": 0.85, "max_num_batched_tokens": 8192,

@@ -60,6 +60,7 @@ import psycopg
 
 from batch_inference import db
 from batch_inference.breaker import Breaker, public_url
+from batch_inference.clearance import NotCleared, check_clearance
 from batch_inference.engines.openai import STYLES
 from batch_inference.ratelimit import TokenBucket
 from batch_inference.spec import JobSpec
@@ -84,22 +85,19 @@ class FallbackEndpointUnavailable(FallbackIncomplete):
 
 
 def check_hosted(spec: JobSpec, job_version: str, base_url: str | None, hosted: bool | None) -> bool:
-    """Refuse a hosted endpoint for a record class not cleared for hosted APIs.
+    """Refuse a fallback endpoint the job's records may not reach (``clearance.check_clearance``).
 
-    Returns whether the endpoint counts as hosted. ``hosted=None`` takes the
-    spec's ``fallback.hosted``. The check comes before any request, any claim
-    and any change of mode. A refused fallback therefore leaves the job as it
-    was, with nothing sent outside the company.
+    Returns whether the endpoint counts as hosted. ``hosted`` (or the spec's
+    ``fallback.hosted``) true marks it hosted; false declares nothing. With no
+    URL yet (no ``fallback.base_url``, none given) only that mark is checked.
+    The check comes before any request, any claim and any change of mode, so
+    a refused fallback leaves the job as it was, with nothing sent.
     """
-    is_hosted = spec.fallback.hosted if hosted is None else bool(hosted)
-    if is_hosted and not spec.cleared_for_hosted:
-        raise FallbackRefused(
-            f"refused: job {job_version} holds record class '{spec.record_class}', which is not cleared for "
-            f"hosted APIs (cleared_for_hosted: false), and the fallback endpoint "
-            f"{public_url(base_url) if base_url else '(spec default)'} "
-            "is marked hosted; use an in-house endpoint"
-        )
-    return is_hosted
+    try:
+        return check_clearance(spec, base_url or None, hosted=bool(spec.fallback.hosted or hosted),
+                               job_version=job_version, role="fallback")
+    except NotCleared as exc:
+        raise FallbackRefused(str(exc)) from None
 
 
 def enter_fallback(conn: psycopg.Connection, job_version: str) -> bool:

@@ -12,12 +12,27 @@ The digest of a set of files (``sha256_files``):
   what ``LC_ALL=C sha256sum *.safetensors | sha256sum`` computes in the
   weights directory, so an operator can pin a model with standard tools.
   Only base names enter the digest, so the directory may be mounted anywhere.
+* a model directory (``sha256_tree``): the same lines for EVERY file below
+  it, named by its path relative to the directory (``tokenizer/vocab.json``),
+  sorted by those paths' UTF-8 bytes. Weights, config, tokenizer, chat
+  template and generation config are all in it, so a change to any file, an
+  added file or a moved one is a different digest. In the directory::
+
+      find . -type f -printf '%P\\n' | LC_ALL=C sort | xargs -d '\\n' sha256sum | sha256sum
+
+  (the same with links followed: ``find -L``). Links are followed, a
+  directory loop, a special file (FIFO, device) or a file name holding a
+  newline or backslash is refused, and so is every code file
+  (``CODE_SUFFIXES``, ``*.so.N``; a link to one counts) unless the spec
+  lists it in ``model.code_files``: a model that runs its own code is
+  pinned only when the spec says so.
 """
 
 from __future__ import annotations
 
 import hashlib
 import os
+import re
 from collections.abc import Iterable
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -44,6 +59,21 @@ class DigestMismatch(ValueError):
 
 class WeightsMissing(DigestMismatch):
     """The pinned weights are not there at all (missing, unreadable, none found)."""
+
+
+class CodeInModel(DigestMismatch):
+    """A model directory holds a code file the spec does not declare (``model.code_files``)."""
+
+
+# Files a loader could execute: Python sources and bytecode, native libraries, scripts.
+CODE_SUFFIXES = frozenset({".py", ".pyc", ".pyo", ".pyd", ".pyx", ".pxd", ".so", ".dylib", ".dll", ".exe",
+                           ".sh", ".bash", ".bat", ".ps1", ".jar"})
+_VERSIONED_LIB = re.compile(r"\.so(\.\d+)+$")
+
+
+def is_code(name: str) -> bool:
+    lower = name.lower()
+    return os.path.splitext(lower)[1] in CODE_SUFFIXES or bool(_VERSIONED_LIB.search(lower))
 
 
 def sha256_file(path: str | os.PathLike[str]) -> str:
@@ -76,6 +106,57 @@ def sha256_files(paths: Iterable[str | os.PathLike[str]]) -> str:
     return hashlib.sha256(manifest.encode()).hexdigest()
 
 
+def tree_files(root: str | os.PathLike[str], allowed_code: Iterable[str] = ()) -> list[tuple[str, Path]]:
+    """Every file below ``root`` as (relative POSIX path, path), in digest order (see the module docstring)."""
+    root = Path(root)
+    if not root.is_dir():
+        raise WeightsMissing(f"model directory not found: {root}")
+    allowed = {str(p).strip("/") for p in allowed_code}
+    found: list[tuple[str, Path]] = []
+
+    def walk(directory: Path, rel: str, ancestors: frozenset[str]) -> None:
+        try:
+            entries = sorted(os.scandir(directory), key=lambda e: e.name)
+        except OSError as exc:
+            raise WeightsMissing(f"cannot read model directory {directory}: {exc.strerror}") from None
+        for entry in entries:
+            name = f"{rel}{entry.name}"
+            if "\n" in name or "\\" in name:
+                raise DigestMismatch(f"model directory {root}: file name {name!r} holds a newline or backslash")
+            path = Path(entry.path)
+            if entry.is_dir(follow_symlinks=True):
+                real = os.path.realpath(path)
+                if real in ancestors:
+                    raise DigestMismatch(f"model directory {root}: {name} is a directory loop")
+                walk(path, name + "/", ancestors | {real})
+            elif entry.is_file(follow_symlinks=True):
+                target = os.path.realpath(path) if entry.is_symlink() else ""
+                if (is_code(entry.name) or (target and is_code(target))) and name not in allowed:
+                    raise CodeInModel(f"model directory {root} holds the code file '{name}', which the spec does "
+                                      "not declare in model.code_files; remove it or declare it")
+                found.append((name, path))
+            elif entry.is_symlink() and not path.exists():
+                raise WeightsMissing(f"model directory {root}: {name} is a link to nothing")
+            else:
+                raise DigestMismatch(f"model directory {root}: {name} is not a regular file")
+
+    walk(root, "", frozenset({os.path.realpath(root)}))
+    if not found:
+        raise WeightsMissing(f"model directory {root} holds no files")
+    found.sort(key=lambda item: item[0].encode("utf-8", "surrogateescape"))
+    return found
+
+
+def sha256_tree(root: str | os.PathLike[str], allowed_code: Iterable[str] = ()) -> str:
+    """The digest of a model directory: every file, by relative path (see the module docstring)."""
+    return _tree_digest(tree_files(root, allowed_code))
+
+
+def _tree_digest(tree: list[tuple[str, Path]]) -> str:
+    manifest = "".join(f"{sha256_file(p)}  {name}\n" for name, p in tree)
+    return hashlib.sha256(manifest.encode("utf-8", "surrogateescape")).hexdigest()
+
+
 def verify_weights(engine: "Engine", spec: "JobSpec") -> str | None:
     """Check the engine's weights against ``spec.model.digest``.
 
@@ -86,8 +167,15 @@ def verify_weights(engine: "Engine", spec: "JobSpec") -> str | None:
     files = engine.weights_files()
     if not files:
         return None
-    actual = sha256_files(files)
     expected = spec.model.digest.removeprefix("sha256:")
+    if len(files) == 1 and Path(files[0]).is_dir():
+        tree = tree_files(files[0], spec.model.code_files)
+        actual = _tree_digest(tree)
+        if actual != expected:
+            raise DigestMismatch(f"model '{spec.model.name}' digest mismatch: expected sha256 {expected}, got "
+                                 f"{actual} for the {len(tree)} files of {files[0]}")
+        return actual
+    actual = sha256_files(files)
     if actual != expected:
         names = sorted(Path(f).name for f in files)
         shown = ", ".join(names if len(names) <= 4 else [*names[:3], "..."])

@@ -68,8 +68,11 @@ class Source(_Strict):
 
 class Model(_Strict):
     name: str = Field(min_length=1)
-    digest: str = Field(description="sha256 of the weights file(s), hex, optionally prefixed 'sha256:'")
+    digest: str = Field(description="sha256 of the weights file, or of every file of a model "
+                        "directory (batch_inference.pinning), hex, optionally prefixed 'sha256:'")
     path: str | None = Field(default=None, description="weights file or directory; engines have defaults")
+    code_files: list[str] = Field(default_factory=list, description="code files (*.py, *.so, ...) the model "
+                                  "directory may hold, as paths relative to it; any other code file is refused")
 
     @field_validator("digest")
     @classmethod
@@ -82,7 +85,34 @@ class Model(_Strict):
 
 class Engine(_Strict):
     name: str = Field(default="llama-cpp", description="llama-cpp, vllm, openai, noop, or a dotted path module:Class")
-    options: dict[str, Any] = Field(default_factory=dict)
+    options: dict[str, Any] = Field(default_factory=dict, description="engine options; those that change results "
+                                    "join the job version (batch_inference.engines.pinned_options)")
+
+
+_HOST = re.compile(r"^(\*\.)?[a-z0-9_-]+(\.[a-z0-9_-]+)*\.?$|^[0-9a-f:.]*:[0-9a-f:.]*$")
+
+
+class Endpoint(_Strict):
+    """A declaration that an endpoint host is hosted (outside the company) or internal.
+
+    ``host`` is a host name, an IP address, or ``*.domain`` (any name below
+    ``domain``). Undeclared hosts follow ``batch_inference.clearance``:
+    loopback and private addresses are internal, everything else is hosted.
+    """
+
+    host: str = Field(min_length=1, max_length=253)
+    hosted: bool
+
+    @field_validator("host")
+    @classmethod
+    def _host(cls, v: str) -> str:
+        v = v.strip().lower().removeprefix("[").removesuffix("]")
+        if not _HOST.match(v):
+            raise ValueError("must be a host name, an IP address or *.domain (no scheme, port or path)")
+        if v.startswith("*.") and "." not in v[2:].rstrip("."):
+            raise ValueError("a wildcard needs at least two labels after '*.' (e.g. *.corp.example)")
+        return v.rstrip(".")
+
 
 
 class Prompt(_Strict):
@@ -132,7 +162,8 @@ class Fallback(_Strict):
     overhead_s: float = Field(default=1800.0, ge=0, description="batch drain + reconcile + warehouse load")
     concurrency: int = Field(default=16, ge=1)
     base_url: str | None = None
-    hosted: bool = Field(default=False, description="the endpoint is a hosted API outside the company")
+    hosted: bool = Field(default=False, description="true: the fallback endpoint is hosted whatever its address; "
+                         "false declares nothing (batch_inference.clearance decides)")
     response_format_style: Literal["json_object", "json_schema"] = Field(
         default="json_object", description="the openai engine's response_format_style for the fallback endpoint: "
         "json_object (llama.cpp's server) or json_schema (vLLM, OpenAI)")
@@ -153,6 +184,8 @@ class JobSpec(_Strict):
     category_field: str | None = Field(default="category", description="output field whose distribution is checked for drift")
     record_class: str = "internal"
     cleared_for_hosted: bool = False
+    endpoints: list[Endpoint] = Field(default_factory=list, max_length=1000, description="hosts declared hosted or "
+                                      "internal (batch_inference.clearance); not part of the job version")
     shard_size: int = Field(default=5000, ge=1, le=1_000_000)
     max_attempts: int = Field(default=3, ge=1, le=100)
     max_input_chars: int = Field(default=20_000, ge=1)
@@ -192,8 +225,12 @@ class JobSpec(_Strict):
 
     # -- identity ---------------------------------------------------------
     def result_defining(self) -> dict[str, Any]:
-        """The fields that change results. Engine, sharding and leases do not."""
-        return {
+        """The fields that change results. Sharding and leases do not; of the
+        engine, only the options that change results do, and only when the
+        spec sets any, so a spec without them keeps its version."""
+        from batch_inference.engines import pinned_options
+
+        out = {
             "model": {"name": self.model.name, "digest": self.model.digest},
             "prompt": self.prompt.model_dump(),
             "params": self.params.model_dump(),
@@ -201,6 +238,10 @@ class JobSpec(_Strict):
             "rules": [r.model_dump() for r in self.rules],
             "max_input_chars": self.max_input_chars,
         }
+        pinned = pinned_options(self.engine.name, self.engine.options)
+        if pinned:
+            out["engine"] = {"name": self.engine.name, "options": pinned}
+        return out
 
     @property
     def spec_hash(self) -> str:

@@ -4,7 +4,9 @@
 names are ``llama-cpp`` (embedded CPU default), ``vllm`` (offline GPU),
 ``openai`` (any OpenAI-compatible HTTP endpoint) and ``noop`` (benchmark and
 chaos engine, never a default). Anything else is a dotted path to an Engine
-subclass, ``package.module:ClassName`` or ``package.module.ClassName``.
+subclass, ``package.module:ClassName`` or ``package.module.ClassName``,
+imported only from a module the deployment allows (``allowed_engine_modules``):
+the check comes before the import, so a refused module never runs.
 
 Built-in modules are imported only when named, so a worker running ``noop``
 needs neither llama.cpp nor httpx, and the GPU image needs no llama.cpp.
@@ -13,12 +15,16 @@ needs neither llama.cpp nor httpx, and the GPU image needs no llama.cpp.
 from __future__ import annotations
 
 import importlib
+import os
+import re
+import sys
 from typing import Any
 
 from batch_inference.engines.base import TRUNCATED, Engine, Outcome, Request, one_line
 from batch_inference.spec import JobSpec
 
-__all__ = ["BUILTIN_ENGINES", "TRUNCATED", "Engine", "Outcome", "Request", "engine_class", "engine_for", "load_engine", "one_line"]
+__all__ = ["BUILTIN_ENGINES", "TRUNCATED", "Engine", "Outcome", "Request", "allowed_engine_modules", "engine_class",
+           "engine_for", "load_engine", "one_line", "pinned_options"]
 
 BUILTIN_ENGINES: dict[str, str] = {
     "llama-cpp": "batch_inference.engines.llama_cpp:LlamaCppEngine",
@@ -28,18 +34,59 @@ BUILTIN_ENGINES: dict[str, str] = {
 }
 
 
+# The deployment's setting: comma-separated modules or packages whose engines may
+# be loaded by dotted path. The Airflow option [batch_inference]
+# allowed_engine_modules is read from its environment form when Airflow is not
+# loaded (the worker process never loads it).
+ENGINE_MODULES_ENV = "BATCH_INFERENCE_ENGINE_MODULES"
+AIRFLOW_ENGINE_MODULES_ENV = "AIRFLOW__BATCH_INFERENCE__ALLOWED_ENGINE_MODULES"
+# The provider's own package is code the deployment already runs.
+ALWAYS_ALLOWED_MODULES = ("batch_inference",)
+_MODULE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*$")
+_ATTR = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+
+
+def allowed_engine_modules() -> tuple[str, ...]:
+    """The modules and packages dotted-path engines may come from (``ALWAYS_ALLOWED_MODULES`` first)."""
+    raw = [os.environ.get(ENGINE_MODULES_ENV, "")]
+    if "airflow.configuration" in sys.modules:
+        try:
+            raw.append(sys.modules["airflow.configuration"].conf.get("batch_inference", "allowed_engine_modules",
+                                                                     fallback="") or "")
+        except Exception:  # noqa: BLE001 - an unreadable option allows nothing
+            pass
+    else:
+        raw.append(os.environ.get(AIRFLOW_ENGINE_MODULES_ENV, ""))
+    entries = [e.strip() for text in raw for e in text.split(",")]
+    return ALWAYS_ALLOWED_MODULES + tuple(dict.fromkeys(e for e in entries if _MODULE.match(e)))
+
+
+def _module_allowed(module_name: str) -> bool:
+    return any(module_name == a or module_name.startswith(a + ".") for a in allowed_engine_modules())
+
+
 def engine_class(name: str) -> type[Engine]:
-    """The Engine subclass a name or dotted path refers to; ValueError if none."""
+    """The Engine subclass a name or dotted path refers to; ValueError (one line) if none.
+
+    A dotted path's module must match ``allowed_engine_modules()`` (itself, or
+    a package above it) and is refused before anything is imported.
+    """
     target = BUILTIN_ENGINES.get(name, name)
+    shown = one_line(repr(name), 200)
     if ":" in target:
         module_name, _, attr = target.partition(":")
     elif "." in target:
         module_name, _, attr = target.rpartition(".")
     else:
         known = ", ".join(BUILTIN_ENGINES)
-        raise ValueError(f"unknown engine '{name}': use one of {known}, or a dotted path package.module:ClassName")
-    if not module_name or not attr:
-        raise ValueError(f"unknown engine '{name}': a dotted path must look like package.module:ClassName")
+        raise ValueError(f"unknown engine {shown}: use one of {known}, or a dotted path package.module:ClassName")
+    if not _MODULE.match(module_name) or not _ATTR.match(attr):
+        raise ValueError(f"unknown engine {shown}: a dotted path must look like package.module:ClassName")
+    if not _module_allowed(module_name):
+        raise ValueError(
+            f"engine {shown}: module '{module_name}' is not in the allowed engine modules; the deployment allows "
+            f"it with {ENGINE_MODULES_ENV} or [batch_inference] allowed_engine_modules (comma-separated modules "
+            "or packages)")
     try:
         module = importlib.import_module(module_name)
     except ImportError as exc:
@@ -50,6 +97,16 @@ def engine_class(name: str) -> type[Engine]:
     if not (isinstance(cls, type) and issubclass(cls, Engine)):
         raise ValueError(f"engine '{name}': '{attr}' is not a subclass of batch_inference.engines.Engine")
     return cls
+
+
+def pinned_options(name: str, options: dict[str, Any]) -> dict[str, Any]:
+    """The options of engine ``name`` that change results: they join the job version.
+
+    A built-in engine names them (``Engine.result_options``); a dotted-path
+    engine is not imported to find out, so all its options count.
+    """
+    keys = engine_class(name).result_options if name in BUILTIN_ENGINES else options
+    return {k: options[k] for k in sorted(keys) if options.get(k) is not None}
 
 
 def load_engine(name: str, spec: JobSpec, options: dict[str, Any] | None = None) -> Engine:

@@ -5,9 +5,15 @@ worker owns everything around it (leases, attempts, dead letters, results);
 an engine only generates. The contract:
 
 * ``weights_files()`` names the files whose sha256 must equal
-  ``spec.model.digest``; the worker verifies them (``pinning.verify_weights``)
-  BEFORE ``load()``, so an engine never loads weights that are not pinned.
-  Remote endpoints return ``[]``.
+  ``spec.model.digest``, or one model directory, hashed whole; the worker
+  verifies them (``pinning.verify_weights``) BEFORE ``load()``, so an engine
+  never loads weights that are not pinned. Remote endpoints return ``[]``.
+* ``result_options`` names the options that change results: set in the
+  spec they join the job version (``engines.pinned_options``); given at run
+  time (``--engine-option``, ``LocalWorkersOperator.engine_options``, the
+  fallback pool's options) they must equal the spec's value or the engine
+  refuses to start, and left out they keep it. ``refused_options`` are never
+  accepted, from the spec or at run time.
 * ``load()`` builds the model or client; it may be slow and may raise.
 * ``generate(requests, stop)`` yields an :class:`Outcome` per record as soon
   as it completes, in any order. It never raises for a single record's
@@ -62,22 +68,54 @@ class Engine(abc.ABC):
     """Base class of every engine; see the module docstring for the contract.
 
     Subclasses set ``name`` and may set ``option_names`` so that a misspelt
-    option fails at construction instead of being silently ignored.
+    option fails at construction instead of being silently ignored, and
+    ``result_options`` / ``refused_options`` (see the module docstring).
     """
 
     name: ClassVar[str]
     option_names: ClassVar[frozenset[str] | None] = None
+    result_options: ClassVar[frozenset[str]] = frozenset()
+    refused_options: ClassVar[dict[str, str]] = {}   # option -> why it is refused
+    result_defaults: ClassVar[dict[str, Any]] = {}   # a result option's value when the spec does not set it
 
     def __init__(self, spec: JobSpec, options: dict[str, Any] | None = None):
         self.spec = spec
         # None means "what the spec says"; callers such as the fallback pool
         # pass their own options for the same spec.
-        self.options: dict[str, Any] = dict(spec.engine.options if options is None else options)
+        given = dict(spec.engine.options if options is None else options)
+        for key in sorted(set(given) & set(self.refused_options)):
+            raise ValueError(f"engine '{self.name}': option '{key}' is refused: {self.refused_options[key]}")
         if self.option_names is not None:
-            unknown = sorted(set(self.options) - self.option_names)
+            unknown = sorted(set(given) - self.option_names)
             if unknown:
                 known = ", ".join(sorted(self.option_names)) or "none"
                 raise ValueError(f"engine '{self.name}': unknown option '{unknown[0]}' (known: {known})")
+        self.options: dict[str, Any] = self._pin(given)
+
+    def _pin(self, given: dict[str, Any]) -> dict[str, Any]:
+        """``given`` with every result option equal to the spec's: a left-out one
+        takes the spec's value, a different one is refused."""
+        from batch_inference.engines import BUILTIN_ENGINES, pinned_options
+
+        spec_name = self.spec.engine.name
+        target = BUILTIN_ENGINES.get(spec_name, spec_name).replace(":", ".")
+        mine = f"{type(self).__module__}.{type(self).__qualname__}"
+        pinned = pinned_options(spec_name, self.spec.engine.options) if target == mine else {}
+        out = dict(given)
+        for key in sorted(self.result_options):
+            want = pinned.get(key, self.result_default(key))
+            if given.get(key) is None:
+                if key in pinned:
+                    out[key] = pinned[key]
+            elif given[key] != want:
+                raise ValueError(
+                    f"engine '{self.name}': option '{key}' changes results, so it is pinned by the job version: "
+                    f"set it in the spec's engine.options (a new job version), not at run time")
+        return out
+
+    def result_default(self, key: str) -> Any:
+        """The value a result option has when the spec does not set it (None: unset)."""
+        return self.result_defaults.get(key)
 
     def option(self, key: str, default: Any = None) -> Any:
         value = self.options.get(key)

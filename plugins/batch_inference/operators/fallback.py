@@ -31,10 +31,12 @@ class FallbackPoolOperator(BaseOperator):
         ``spec.fallback.rate``.
     :param concurrency: requests in flight across the pool; default ``spec.fallback.concurrency``.
     :param parallel_shards: shards the pool holds at once (each pool thread holds one).
-    :param model: model name sent to the endpoint (templated); default ``spec.model.name``.
+    :param model: model name sent to the endpoint (templated); default ``spec.model.name``. It changes
+        results, so anything but the job's pinned name is refused.
     :param style: ``json_schema`` (vLLM, OpenAI) or ``json_object`` (llama.cpp's server); default
         ``spec.fallback.response_format_style``.
-    :param hosted: the endpoint is a hosted API outside the company (None: ``spec.fallback.hosted``).
+    :param hosted: True marks the endpoint hosted (as ``spec.fallback.hosted`` does); otherwise the
+        spec's ``endpoints`` and the address decide (``batch_inference.clearance``), never this flag.
         A record class not cleared for hosted APIs is refused before any request.
     :param api_key_env: name of the environment variable holding the API key (never the key).
     :param record_run: write the run's measured rate and overhead to ``bi.fallback_runs``.

@@ -25,9 +25,12 @@ from batch_inference.hooks.batch_inference import BatchInferenceHook, LedgerTask
 from batch_inference.operators.lineage import Ident, operator_lineage, s3_ident, table_ident
 
 # Spec fields a DAG run may override without editing the spec file. All but
-# `incremental` and `dataset` leave the spec hash alone; an override that does
-# change results (`prompt`, `params`, ...) is refused here: it belongs in a
-# reviewed spec, and it would be a new job version anyway.
+# `incremental`, `dataset` and engine options that change results
+# (batch_inference.engines.pinned_options) leave the spec hash alone; an
+# override that does change results (`prompt`, `params`, ...) is refused here:
+# it belongs in a reviewed spec, and it would be a new job version anyway.
+# `endpoints` and `cleared_for_hosted` are not overridable: only the spec
+# declares an endpoint internal or a record class cleared.
 OVERRIDABLE = frozenset({
     "shard_size", "max_attempts", "lease_seconds", "renew_seconds", "incremental", "validation", "fallback",
     "cost", "engine", "dataset",
