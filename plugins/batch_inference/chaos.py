@@ -639,7 +639,7 @@ def run_chaos(cfg: ChaosConfig) -> ChaosReport:
     keep = cfg.keep
     try:
         if cfg.db_url:
-            url, restart = cfg.db_url, cfg.restart
+            url, restart = db.usable_url(cfg.db_url), cfg.restart
         else:
             server = _EmbeddedServer(work / "pg")
             url, restart = server.url, server.restart
@@ -770,5 +770,9 @@ def _report(cfg: ChaosConfig, run: _Run, fleet: _Fleet, admin: _Admin, job: str,
         Check("workers that crashed on their own", fleet.unexpected_total, "0", fleet.unexpected_total == 0),
     ]
     config = {k: v for k, v in asdict(cfg).items() if k not in ("restart",)}
+    if cfg.db_url:
+        from batch_inference.db import redact
+
+        config["db_url"] = redact(cfg.db_url)
     config["records"] = cfg.n_records()
     return ChaosReport(config, job, figures, checks)

@@ -42,7 +42,7 @@ def cmd_db(args: argparse.Namespace) -> int:
         print(f"embedded PostgreSQL running under {db.home() / 'pg'}; migrations applied: "
               f"{', '.join(applied) or 'none new'}", file=sys.stderr)
     elif args.action == "url":
-        print(db.resolve_url(args.db))
+        print(db.redact(db.resolve_url(args.db)))
     elif args.action == "down":
         stopped = embedded.stop_server(db.home())
         print("stopped" if stopped else "not running", file=sys.stderr)

@@ -33,6 +33,10 @@ class DatabaseUnavailable(RuntimeError):
     """The database could not be reached after retries."""
 
 
+class BadDatabaseURL(ValueError):
+    """A database URL or conninfo libpq cannot use; the message names it without its password."""
+
+
 def sql_dir() -> Path:
     """``sql/`` in a source checkout, or the copy packaged inside the wheel."""
     here = Path(__file__).resolve().parent
@@ -70,15 +74,31 @@ def home() -> Path:
 
 
 def resolve_url(url: str | None = None) -> str:
-    """--db, else $BATCH_INFERENCE_DB, else the embedded server (started if needed)."""
-    if url:
-        return url
-    env = os.environ.get(DB_ENV)
-    if env:
-        return env
+    """--db, else $BATCH_INFERENCE_DB, else the embedded server (started if needed),
+    as a string libpq accepts (``usable_url``)."""
+    given = url or os.environ.get(DB_ENV)
+    if given:
+        return usable_url(given)
     from batch_inference.embedded import ensure_server
 
     return ensure_server(home())
+
+
+def usable_url(url: str) -> str:
+    """``url`` normalized (``normalize_url``) and parsed as libpq would;
+    BadDatabaseURL, one line without the password, if libpq cannot use it."""
+    dsn = normalize_url(url)
+    try:
+        conninfo_to_dict(dsn)
+    except psycopg.ProgrammingError as exc:
+        raise BadDatabaseURL(f"unusable database URL {redact(url)}: {scrub(first_line(exc), url)}") from None
+    return dsn
+
+
+def first_line(exc: BaseException) -> str:
+    """An exception's first line (its class name if it has no message)."""
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else exc.__class__.__name__
 
 
 def connect(url: str | None = None, *, autocommit: bool = True, retries: int = 0,
@@ -90,11 +110,13 @@ def connect(url: str | None = None, *, autocommit: bool = True, retries: int = 0
         try:
             return psycopg.connect(dsn, autocommit=autocommit, row_factory=dict_row,
                                    application_name=application_name, connect_timeout=10)
+        except psycopg.ProgrammingError as exc:   # a value libpq refuses only at connect (sslmode=...)
+            raise BadDatabaseURL(f"unusable database URL {redact(dsn)}: {scrub(first_line(exc), dsn)}") from None
         except psycopg.OperationalError as exc:
             attempt += 1
             if attempt > retries:
                 raise DatabaseUnavailable(f"database unreachable after {attempt} attempt(s): "
-                                          f"{str(exc).strip().splitlines()[0] if str(exc).strip() else exc}") from None
+                                          f"{scrub(first_line(exc), dsn)}") from None
             wait = min(retry_wait * 2 ** (attempt - 1), 10.0)
             log.warning("database unreachable (%s); retry %d/%d in %.1fs", exc.__class__.__name__,
                         attempt, retries, wait)
@@ -139,16 +161,73 @@ def fetch_one(conn: psycopg.Connection, name: str, params: Any = None) -> dict[s
     return conn.execute(q(name), params).fetchone()
 
 
-def normalize_url(url: str) -> str:
-    """A URL libpq accepts: SQLAlchemy's ``postgresql+driver://`` becomes ``postgresql://``.
+_SCHEME = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*)://")
 
-    ``postgres://`` and ``postgresql://`` are both libpq URIs already; a
-    ``key=value`` conninfo string passes through unchanged.
+
+def normalize_url(url: str) -> str:
+    """A URL libpq accepts: SQLAlchemy's ``postgresql+DRIVER://`` (``+psycopg2``,
+    ``+psycopg``, ``+asyncpg``...) and ``postgres+DRIVER://``, in any case,
+    become ``postgresql://``.
+
+    ``postgres://`` and ``postgresql://`` are libpq URIs already; a
+    ``key=value`` conninfo string passes through unchanged; a URL of any
+    other scheme is a BadDatabaseURL.
     """
-    scheme, sep, rest = url.partition("://")
-    if sep and scheme.startswith("postgresql+"):
-        return "postgresql://" + rest
-    return url
+    m = _SCHEME.match(url)
+    if m is None:
+        return url
+    scheme = m.group(1)
+    if scheme in ("postgresql", "postgres"):
+        return url
+    if scheme.lower().partition("+")[0] in ("postgresql", "postgres"):
+        return "postgresql://" + url[m.end():]
+    raise BadDatabaseURL(f"not a PostgreSQL database URL: {redact(url)} (expected postgresql://, "
+                         "postgresql+DRIVER://, postgres:// or a key=value conninfo)")
+
+
+# Where a password sits: a URL's userinfo, with or without its scheme
+# (from its first ':' to the last '@', so a raw '@' or '/' in the password
+# is covered too); a URL's ?password= / ?sslpassword= (or an HTTP API's
+# ?key=, ?token=, ?sig=...) parameter; a conninfo's password= value (quoted
+# or not, an unterminated quote running to the end).
+_URL_USERINFO = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*://[^@/?#:]*:)(.*)@", re.S)
+_BARE_USERINFO = re.compile(r"^([^@/?#:=\s]*:)(.*)@", re.S)   # user:password@host, the scheme left out
+_URL_PARAM = re.compile(r"([?&](?:ssl)?password=|[?&](?:api[-_]?)?key=|[?&](?:access[-_]?)?token=|[?&]secret=|"
+                        r"[?&]sig(?:nature)?=)([^&#]*)", re.I)
+_CONNINFO_PARAM = re.compile(r"(\b(?:ssl)?password\s*=\s*)('(?:[^'\\]|\\.)*(?:'|$)|[^\s']\S*|)", re.I)
+
+
+def _passwords(url: str) -> list[str]:
+    """The password-like values in ``url``, as written and percent-decoded."""
+    from urllib.parse import unquote
+
+    found: list[str] = []
+    m = (_URL_USERINFO if _SCHEME.match(url) else _BARE_USERINFO).match(url)
+    if m:
+        found.append(m.group(2))
+    found += [p.group(2) for p in _URL_PARAM.finditer(url)]
+    if not _SCHEME.match(url):
+        found += [p.group(2).strip("'") for p in _CONNINFO_PARAM.finditer(url)]
+    return [v for p in found if p for v in {p, unquote(p)}]
+
+
+def redact(url: str) -> str:
+    """A database URL or conninfo with its password replaced by ``***``, for
+    every log line, error and report that names a database. Textual: it never
+    fails, whatever ``url`` holds."""
+    if _SCHEME.match(url):
+        url = _URL_USERINFO.sub(lambda m: m.group(1) + "***@", url, count=1)
+        return _URL_PARAM.sub(lambda m: m.group(1) + "***", url)
+    url = _BARE_USERINFO.sub(lambda m: m.group(1) + "***@", url, count=1)
+    return _CONNINFO_PARAM.sub(lambda m: m.group(1) + "***", url)
+
+
+def scrub(message: str, url: str) -> str:
+    """``message`` (say, a libpq error about ``url``) with ``url`` and any of its passwords redacted."""
+    message = message.replace(url, redact(url))
+    for secret in _passwords(url):
+        message = message.replace(secret, "***")
+    return message
 
 
 def airflow_connection_json(url: str) -> str:

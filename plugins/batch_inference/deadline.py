@@ -286,7 +286,7 @@ def error_payload(cfg: WatchConfig, message: str, polls: int = 0) -> dict[str, A
 
 
 async def connect_async(conninfo: str, application_name: str = "batch-inference-cutoff") -> psycopg.AsyncConnection:
-    return await psycopg.AsyncConnection.connect(conninfo, autocommit=True, row_factory=dict_row,
+    return await psycopg.AsyncConnection.connect(db.usable_url(conninfo), autocommit=True, row_factory=dict_row,
                                                  application_name=application_name, connect_timeout=10)
 
 

@@ -22,6 +22,7 @@ from typing import Any
 import psycopg
 
 from batch_inference.db import q
+from batch_inference.outputs import storable_text
 
 
 class StaleLease(RuntimeError):
@@ -151,8 +152,8 @@ class Ledger:
         if not failures:
             return []
         rows = self.conn.execute(q("fail_records"), self._args(
-            lease, ids=[f.record_id for f in failures], errors=[_safe(f.error) for f in failures],
-            outputs=[_safe(f.raw_output) if f.raw_output is not None else None for f in failures],
+            lease, ids=[f.record_id for f in failures], errors=[storable_text(f.error) for f in failures],
+            outputs=[storable_text(f.raw_output) for f in failures],
             attempt_nos=[f.attempt for f in failures])).fetchall()
         if len(rows) == 1 and rows[0]["record_id"] is None and rows[0]["attempts"] == -1:
             raise StaleLease(f"failures refused: shard {lease.shard_no} epoch {lease.epoch} is stale")
@@ -160,8 +161,3 @@ class Ledger:
 
     def done_keys(self, job_version: str, shard_no: int) -> set[str]:
         return {r["record_id"] for r in self.conn.execute(q("done_keys"), {"job": job_version, "shard": shard_no})}
-
-
-def _safe(text: str) -> str:
-    """PostgreSQL text cannot hold NUL; model output sometimes does."""
-    return text.replace("\x00", "\ufffd") if "\x00" in text else text

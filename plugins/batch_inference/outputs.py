@@ -7,6 +7,12 @@ is JSON syntax, then the JSON schema (with format assertions), then the
 spec's rules (checks a JSON schema cannot say, such as "this label set for
 this job" kept apart from the schema). The reason for a failure is one line,
 suitable for the dead-letter table.
+
+Every engine's text passes ``check_for_storage`` in the worker, which also
+refuses what PostgreSQL or UTF-8 cannot hold (NUL, lone surrogates, numbers
+jsonb refuses, text that is not a string): a failed attempt, never a failed
+write. ``storable_text`` is how a failed attempt keeps its raw output and
+error: NUL and lone surrogates backslash-escaped.
 """
 
 from __future__ import annotations
@@ -15,6 +21,7 @@ import hashlib
 import json
 import re
 from dataclasses import dataclass
+from decimal import Decimal
 from typing import Any
 
 import jsonschema_rs
@@ -79,14 +86,51 @@ def _no_constant(name: str) -> Any:
     raise _Unstorable(f"{name} is not JSON (jsonb refuses it)")
 
 
+# jsonb numbers are PostgreSQL numerics: at most 16383 digits after the
+# decimal point ("1e-20000" parses as 0.0 in Python and overflows there).
+_NUMERIC_DSCALE_MAX = 16383
+# Python's int() refuses longer digit strings (sys.get_int_max_str_digits()).
+_INT_DIGITS_MAX = 4300
+
+
 def _finite_float(text: str) -> float:
     value = float(text)
     if value in (float("inf"), float("-inf")):
         raise _Unstorable(f"the number {text[:40]} is out of range")
+    if len(text) > 24 or "e" in text or "E" in text:   # only these can need that many digits
+        exponent = Decimal(text).as_tuple().exponent
+        if isinstance(exponent, int) and -exponent > _NUMERIC_DSCALE_MAX:
+            raise _Unstorable(f"the number {text[:40]} is out of range for PostgreSQL "
+                              f"(more than {_NUMERIC_DSCALE_MAX} digits after the point)")
     return value
 
 
+def _bounded_int(text: str) -> int:
+    if len(text.lstrip("-")) > _INT_DIGITS_MAX:
+        raise _Unstorable(f"an integer has {len(text.lstrip('-'))} digits (at most {_INT_DIGITS_MAX})")
+    return int(text)
+
+
+# What PostgreSQL cannot hold in a string: NUL, and lone UTF-16 surrogates
+# (not encodable as UTF-8; an engine that decoded invalid UTF-8 bytes with
+# surrogateescape hands them over as U+DC80..U+DCFF).
 _UNSTORABLE = re.compile("[\x00\ud800-\udfff]")
+
+
+def _escaped(m: re.Match[str]) -> str:
+    return "\\x00" if m.group() == "\x00" else f"\\u{ord(m.group()):04x}"
+
+
+def storable_text(value: Any) -> str | None:
+    """``value`` as text PostgreSQL's ``text`` and UTF-8 hold: NUL and lone
+    surrogates backslash-escaped (``\\x00``, ``\\ud800``), anything not a
+    string as its ``repr``. For raw outputs and error messages kept with a
+    failed attempt."""
+    if value is None:
+        return None
+    if not isinstance(value, str):
+        value = repr(value)
+    return _UNSTORABLE.sub(_escaped, value) if _UNSTORABLE.search(value) else value
 
 
 def _unstorable_char(value: Any) -> str | None:
@@ -98,7 +142,7 @@ def _unstorable_char(value: Any) -> str | None:
         if m is None:
             return None
         return "a NUL character (\\u0000), which jsonb refuses" if m.group() == "\x00" else \
-            f"a lone surrogate (\\u{ord(m.group()):04x}), which is not valid UTF-8"
+            f"a lone surrogate (\\u{ord(m.group()):04x}), which is not valid UTF-8 (an invalid byte or a broken pair)"
     if isinstance(value, dict):
         for k, v in value.items():
             bad = _unstorable_char(k) or _unstorable_char(v)
@@ -114,8 +158,20 @@ def _unstorable_char(value: Any) -> str | None:
 
 # Built once: json.loads(raw, **options) builds a decoder per call, which
 # costs as much as the parse of a short output.
-_DECODE = json.JSONDecoder(parse_constant=_no_constant, parse_float=_finite_float).decode
-_DECODE_LAX = json.JSONDecoder(strict=False, parse_constant=_no_constant, parse_float=_finite_float).decode
+_DECODE = json.JSONDecoder(parse_constant=_no_constant, parse_float=_finite_float, parse_int=_bounded_int).decode
+_DECODE_LAX = json.JSONDecoder(strict=False, parse_constant=_no_constant, parse_float=_finite_float,
+                               parse_int=_bounded_int).decode
+
+
+def _message(error: Any) -> str:
+    """A schema error's message with a long instance shortened in the middle, so
+    the reason still says what is wrong ("'xxx...xxx' is too long")."""
+    message = error.message
+    if len(message) > MAX_REASON:
+        shown = repr(error.instance)
+        if len(shown) > 80 and shown in message:
+            message = message.replace(shown, f"{shown[:30]}...{shown[-10:]} ({len(shown)} characters)")
+    return message
 
 
 def _short(text: str) -> str:
@@ -136,6 +192,8 @@ def check_for_storage(spec: JobSpec, raw: str | None) -> tuple[dict[str, Any] | 
     else ``(None, None, one-line reason)``."""
     if raw is None:
         return None, None, "engine returned no output"
+    if not isinstance(raw, str):
+        return None, None, f"engine returned {type(raw).__name__}, not text"
     text: str | None = raw
     try:
         try:
@@ -153,9 +211,10 @@ def check_for_storage(spec: JobSpec, raw: str | None) -> tuple[dict[str, Any] | 
         return None, None, _short(f"output is not valid JSON: {detail}")
     except _Unstorable as exc:
         return None, None, _short(f"output cannot be stored: {exc}")
-    if "\x00" in raw or "\\u" in raw:
-        # json.loads accepts these, PostgreSQL's jsonb (or UTF-8) refuses
-        # them: one such output would fail the whole batch it is written with.
+    if "\\u" in raw or ("\x00" in raw if raw.isascii() else _UNSTORABLE.search(raw) is not None):
+        # A \\u escape or a raw NUL or surrogate: json.loads accepts them,
+        # PostgreSQL's jsonb (or UTF-8) may refuse what they decode to, and
+        # one such output would fail the whole batch it is written with.
         bad = _unstorable_char(obj)
         if bad:
             return None, None, f"output cannot be stored: a string holds {bad}"
@@ -165,7 +224,7 @@ def check_for_storage(spec: JobSpec, raw: str | None) -> tuple[dict[str, Any] | 
     error = None if compiled.fast.is_valid(obj) else best_match(compiled.full.iter_errors(obj))
     if error is not None:
         where = "/".join(str(p) for p in error.absolute_path) or "(top level)"
-        return None, None, _short(f"output does not match the schema at {where}: {error.message}")
+        return None, None, _short(f"output does not match the schema at {where}: {_message(error)}")
     if not isinstance(obj, dict):  # the spec forces type: object; belt and braces
         return None, None, "output is not a JSON object"
     for rule in spec.rules:

@@ -54,9 +54,11 @@ def run(args: argparse.Namespace) -> int:
                       flush_every=args.flush_every, db_restart=not args.no_db_restart, keep=args.keep,
                       db_url=getattr(args, "db", None))
     if cfg.db_url:
+        from batch_inference.db import redact
+
         logging.getLogger(__name__).warning(
             "chaos on --db %s: no database restarts (the harness cannot restart a server it did not start); "
-            "it installs schema chaos and a trigger on bi.shards there: use a scratch database", cfg.db_url)
+            "it installs schema chaos and a trigger on bi.shards there: use a scratch database", redact(cfg.db_url))
     if not args.verbose:
         # Worker output goes to their log files; keep the harness's own quiet.
         logging.getLogger("batch_inference").setLevel(logging.WARNING)

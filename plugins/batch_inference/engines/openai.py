@@ -56,6 +56,8 @@ from __future__ import annotations
 
 import asyncio
 import email.utils
+import json
+import logging
 import os
 import queue
 import random
@@ -64,12 +66,26 @@ import time
 from collections.abc import AsyncIterator, Iterable, Iterator, Sequence
 from typing import Any
 
-from batch_inference.breaker import Breaker, EndpointUnavailable
+from batch_inference.breaker import Breaker, EndpointUnavailable, public_url
 from batch_inference.clearance import check_clearance
 from batch_inference.engines.base import Engine, Outcome, Request, one_line, parse_chat_completion
 from batch_inference.ratelimit import TokenBucket
 
 STYLES = ("json_schema", "json_object")
+
+
+class _RedactURLs(logging.Filter):
+    """httpx logs every request with its full URL at INFO: those lines show
+    the URL as ``public_url`` does (no userinfo, no ``?key=`` value)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if isinstance(record.args, tuple) and any(type(a).__name__ == "URL" for a in record.args):
+            record.args = tuple(public_url(str(a)) if type(a).__name__ == "URL" else a for a in record.args)
+        return True
+
+
+if not any(isinstance(f, _RedactURLs) for f in logging.getLogger("httpx").filters):
+    logging.getLogger("httpx").addFilter(_RedactURLs())
 # Transport failures besides 5xx: retried, counted by the breaker, never a record's fault.
 RETRY_STATUS = frozenset({401, 403, 404, 408, 409, 429})
 # The request's own fields (OpenAIEngine.body): extra_body may not replace them.
@@ -227,7 +243,12 @@ class OpenAIEngine(Engine):
         if resp.status_code >= 400:
             return Outcome(req.record_id, None, error=f"HTTP {resp.status_code}: {one_line(error_text(resp), 300)}")
         try:
-            data = resp.json()
+            try:
+                data = resp.json()
+            except UnicodeDecodeError:
+                # Not UTF-8: each invalid byte becomes a lone surrogate, which
+                # the worker's output check refuses, keeping the text escaped.
+                data = json.loads(resp.content.decode("utf-8", "surrogateescape"))
         except ValueError:
             return Outcome(req.record_id, None, error=f"response is not JSON: {one_line(resp.text, 200)}")
         return parse_chat_completion(req.record_id, data)

@@ -24,10 +24,10 @@ from functools import lru_cache
 import psycopg
 from airflow.sdk import BaseHook
 from psycopg import pq
-from psycopg.conninfo import conninfo_to_dict, make_conninfo
+from psycopg.conninfo import make_conninfo
 
 from batch_inference import db
-from batch_inference.db import airflow_connection_json, normalize_url  # noqa: F401 (the hook's API)
+from batch_inference.db import airflow_connection_json, normalize_url, redact  # noqa: F401 (the hook's API)
 
 if TYPE_CHECKING:
     from airflow.sdk import Connection
@@ -67,16 +67,8 @@ def conninfo_from_connection(conn: "Connection", *, iam_token: tuple[str, str, i
     if iam_token is not None:
         args["user"], args["password"], args["port"] = iam_token
     text = make_conninfo("", **{k: v for k, v in args.items() if v is not None})
-    conninfo_to_dict(text)  # a malformed value fails here, naming the connection's problem, not at connect
+    db.usable_url(text)  # a malformed value fails here (BadDatabaseURL, no password), not at connect
     return text
-
-
-def redact(conninfo: str) -> str:
-    """The conninfo without its password, for logs."""
-    parts = conninfo_to_dict(normalize_url(conninfo))
-    if parts.get("password"):
-        parts["password"] = "***"
-    return make_conninfo("", **parts)
 
 
 class LedgerWorkCancelled(RuntimeError):
