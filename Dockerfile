@@ -35,14 +35,24 @@ COPY plugins ./plugins
 COPY gpu_runner ./gpu_runner
 COPY sql ./sql
 
-# Install this package with the vllm extra. The constraints file freezes
-# every distribution the base image already has (vLLM, torch, pydantic, ...)
-# at its installed version, so pip adds only what is missing (psycopg,
-# SQLAlchemy, ...) and can never upgrade or replace vLLM's stack. No
-# [airflow] extra: the runner does not import Airflow.
+# Install this package with the vllm extra, every version fixed:
+# * the base constraints freeze every distribution the base image already
+#   has (vLLM, torch, pydantic, ...) at its installed version, so pip can
+#   never upgrade or replace vLLM's stack;
+# * docker/runner-pins.txt pins what pip adds (psycopg, SQLAlchemy, ...,
+#   and the build backend), keeping only the pins for names the base lacks,
+#   so the two lists never conflict;
+# * the build backend is installed pinned first and the wheel is built
+#   without build isolation, which would fetch an unpinned hatchling.
+# No [airflow] extra: the runner does not import Airflow.
+COPY docker/runner-pins.txt /tmp/runner-pins.txt
 RUN python3 -m pip list --format=freeze > /tmp/base-constraints.txt \
- && PIP_BREAK_SYSTEM_PACKAGES=1 python3 -m pip install --constraint /tmp/base-constraints.txt ".[vllm]" \
- && rm -rf /tmp/base-constraints.txt /opt/batch-inference/src \
+ && python3 -c "import re; name = lambda l: re.split(r'[=<>!~@ ;]', l.strip(), maxsplit=1)[0].lower().replace('_', '-').replace('.', '-'); lines = lambda p: [l.strip() for l in open(p) if l.strip() and not l.startswith(('#', '-'))]; base = {name(l) for l in lines('/tmp/base-constraints.txt')}; print('\\n'.join(l for l in lines('/tmp/runner-pins.txt') if name(l) not in base))" > /tmp/added-pins.txt \
+ && PIP_BREAK_SYSTEM_PACKAGES=1 python3 -m pip install --constraint /tmp/base-constraints.txt \
+        --constraint /tmp/added-pins.txt hatchling \
+ && PIP_BREAK_SYSTEM_PACKAGES=1 python3 -m pip install --no-build-isolation \
+        --constraint /tmp/base-constraints.txt --constraint /tmp/added-pins.txt ".[vllm]" \
+ && rm -rf /tmp/base-constraints.txt /tmp/added-pins.txt /tmp/runner-pins.txt /opt/batch-inference/src \
  && python3 -c "import vllm, batch_inference.engines.vllm, gpu_runner.worker"
 
 # A non-root user: the worker needs no privileges, only the GPU device the

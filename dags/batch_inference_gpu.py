@@ -5,7 +5,10 @@ The same pipeline as ``batch_inference_backfill``; the workers are
 (``.partial().expand()``), one pod per worker:
 
 * image: the GPU runner (``Dockerfile``: vLLM, this package, no Airflow),
-  command ``batch-inference worker JOB_VERSION``;
+  command ``batch-inference worker JOB_VERSION``, one of ``RUNNER_IMAGES``:
+  the trigger form offers only those, and the pod operator refuses any other
+  (whoever can trigger the DAG cannot run an image of their choosing with the
+  worker Secret);
 * ``nvidia.com/gpu`` limits, tolerations for GPU and spot taints, a node
   selector for GPU nodes, the low priority class ``batch-low`` (interactive
   serving preempts it), and an optional Kueue queue label;
@@ -37,6 +40,11 @@ from batch_inference.operators.pipeline import (
 )
 
 
+# The runner images a run may choose, set here by the DAG's author: tags, or
+# name@sha256:... digest pins for images that cannot change under a tag.
+RUNNER_IMAGES = ("batch-inference-gpu:0.1.0",)
+
+
 @task
 def worker_slots(workers: int) -> list[int]:
     """One map index per pod; the count comes from the Param at run time."""
@@ -52,6 +60,7 @@ def gpu_workers(job_version, postgres_conn_id):
         postgres_conn_id=postgres_conn_id,
         workers=slots,
         image="{{ params.image }}",
+        allowed_images=RUNNER_IMAGES,
         engine="{{ params.engine }}",
         kueue_queue="{{ params.kueue_queue }}",
         namespace="batch-inference",
@@ -73,7 +82,8 @@ with DAG(
     params={
         **pipeline_params(shard_size=5000, workers=8, max_workers=512, engine="vllm", deadline="+20h",
                           workers_title="GPU workers (pods)", workers_description="One worker per pod, one GPU each"),
-        "image": Param("batch-inference-gpu:0.1.0", type="string", title="Runner image"),
+        "image": Param(RUNNER_IMAGES[0], type="string", enum=list(RUNNER_IMAGES), title="Runner image",
+                       description="One of the images this DAG's author allows (RUNNER_IMAGES)"),
         "kueue_queue": Param("batch", type="string", title="Kueue LocalQueue",
                              description="Pods carry kueue.x-k8s.io/queue-name; Kueue admits them by quota"),
     },

@@ -29,6 +29,7 @@ Airflow: the same code runs in a pod, on the Airflow worker and from the CLI.
 from __future__ import annotations
 
 import logging
+import math
 import os
 import signal
 import sys
@@ -47,7 +48,7 @@ from batch_inference.ledger import FailedAttempt, Failure, Lease, Ledger, StaleL
 from batch_inference.outputs import check_for_storage
 from batch_inference.pinning import DigestMismatch, verify_weights
 from batch_inference.prompting import build_messages
-from batch_inference.spec import JobSpec
+from batch_inference.spec import MAX_LEASE_SECONDS, JobSpec
 from batch_inference.status import UnknownJob, job_counts, job_mode, job_spec
 
 log = logging.getLogger("batch_inference.worker")
@@ -84,6 +85,22 @@ class WorkerConfig:
     progress_seconds: float = 30.0
     progress_every: int = 500
     careful_batch: int = 32                     # engine batch size on a shard that lost a lease
+
+    def __post_init__(self) -> None:
+        """Refuse values no worker can run with (ValueError, one line), before it connects."""
+        def need(name: str, ok: bool, what: str) -> None:
+            if not ok:
+                raise ValueError(f"--{name.replace('_', '-')} must be {what}, got {getattr(self, name)!r}")
+
+        need("db_retries", 0 <= self.db_retries <= 1000, "between 0 and 1000")
+        need("flush_every", 1 <= self.flush_every <= 1_000_000, "between 1 and 1,000,000")
+        need("careful_batch", 1 <= self.careful_batch <= 1_000_000, "between 1 and 1,000,000")
+        need("lease_seconds", self.lease_seconds is None or 1 <= self.lease_seconds <= MAX_LEASE_SECONDS,
+             f"between 1 and {MAX_LEASE_SECONDS:,}")
+        need("max_shards", self.max_shards is None or self.max_shards >= 1, "at least 1")
+        for name in ("grace_seconds", "flush_seconds", "poll_seconds"):
+            value = getattr(self, name)
+            need(name, math.isfinite(value) and 0 <= value <= 86_400, "between 0 and 86,400 seconds")
 
 
 @dataclass

@@ -8,6 +8,19 @@ CREATE TEMP TABLE _bi_stage (record_id text, text text, acl text[], reject text)
 -- name: stage_copy  COPY target for rows read in Python
 COPY _bi_stage (record_id, text, acl, reject) FROM STDIN;
 
+-- name: query_stage_create  a session table for a source.query's rows, filled read-only before the submit
+CREATE TEMP TABLE _bi_query (record_id text, text text, acl text[], reject text);
+
+-- name: query_stage_fill  the source.query's rows, in a read-only transaction and one statement
+INSERT INTO _bi_query (record_id, text, acl, reject) SELECT * FROM {relation} AS s;
+
+-- name: query_stage_drop  the session table of query_stage_create
+DROP TABLE IF EXISTS pg_temp._bi_query;
+
+-- name: source_longest_id  the longest record id of a source (named when one is too long to key a result)
+SELECT left(record_id, 40) AS head, octet_length(record_id) AS bytes FROM {relation} AS s
+ ORDER BY octet_length(record_id) DESC NULLS LAST LIMIT 1;
+
 -- name: source_relation  a PostgreSQL table or query seen as (record_id, text, acl, reject)
 (SELECT ({id})::text AS record_id, ({text})::text AS text, {acl} AS acl, NULL::text AS reject FROM {source} AS src)
 
@@ -224,6 +237,12 @@ SELECT * FROM bi.job_spec_v2(%(job)s);
 
 -- name: drop_job_version
 SELECT bi.drop_job_version_v1(%(job)s) AS dropped;
+
+-- name: grant_job  let a worker role (a member of bi_worker) work on a job version (owner only)
+SELECT bi.grant_job_v1(%(role)s, %(job)s) AS changed;
+
+-- name: revoke_job  take a job version back from a worker role
+SELECT coalesce(bi.revoke_job_v1(%(role)s, %(job)s), false) AS changed;
 
 -- name: fence_counts  refused stale-epoch writes by operation
 SELECT op, count(*) AS n FROM bi.fence_events WHERE job_version = %(job)s GROUP BY op ORDER BY op;

@@ -110,6 +110,22 @@ class ChaosConfig:
     worker_role: bool = True          # workers log in as a LOGIN member of bi_worker
     keep: bool = False                # keep the work directory (worker logs, computation logs)
 
+    def __post_init__(self) -> None:
+        """Refuse a run that cannot finish (no workers, no records) or a job the spec would refuse."""
+        for name, low in (("workers", 1), ("faults", 0), ("flush_every", 1), ("db_restarts", 0),
+                          ("poison_each", 0)):
+            if getattr(self, name) < low:
+                raise ValueError(f"chaos: {name.replace('_', ' ')} must be at least {low}, got {getattr(self, name)}")
+        if self.workers > 512:
+            raise ValueError(f"chaos: at most 512 workers, got {self.workers}")
+        if self.records is not None and self.records < 2 * self.poison_each + 2:
+            raise ValueError(f"chaos: records must be at least {2 * self.poison_each + 2} (the poison records and "
+                             f"healthy ones), got {self.records}")
+        if not self.duration > 0:
+            raise ValueError(f"chaos: duration must be positive, got {self.duration}")
+        # The job's own limits (shard size, lease, renewal), checked the one way every spec is.
+        _spec(self)
+
     def n_records(self) -> int:
         return self.records if self.records is not None else max(2000, 200 * self.faults)
 
@@ -476,9 +492,11 @@ def _worker_url(conn: psycopg.Connection, url: str, job: str) -> tuple[str, str]
     Returns (url, the role the workers log in as)."""
     from psycopg.conninfo import conninfo_to_dict, make_conninfo
 
+    from batch_inference.plan import grant_job
+
     conn.execute(f"DO $$ BEGIN IF NOT EXISTS (SELECT 1 FROM pg_roles WHERE rolname = '{WORKER_ROLE}') THEN "
                  f"CREATE ROLE {WORKER_ROLE} LOGIN IN ROLE bi_worker; END IF; END $$")
-    conn.execute("SELECT bi.grant_job_v1(%s, %s)", (WORKER_ROLE, job))
+    grant_job(conn, WORKER_ROLE, job)
     params = conninfo_to_dict(url)
     params["user"] = WORKER_ROLE
     params.pop("password", None)
@@ -628,8 +646,6 @@ def run_chaos(cfg: ChaosConfig) -> ChaosReport:
     from batch_inference import db
     from batch_inference.plan import submit
 
-    if cfg.renew_seconds >= cfg.lease_seconds:
-        raise ValueError("renew_seconds must be shorter than lease_seconds")
     t_start = time.monotonic()
     rng = random.Random(cfg.seed)
     work = Path(tempfile.mkdtemp(prefix="bi-chaos-", dir="/tmp"))   # short: a Unix socket lives in it

@@ -12,6 +12,7 @@ import importlib
 import json
 import logging
 import os
+import re
 import sys
 from typing import Any
 
@@ -19,8 +20,26 @@ from typing import Any
 _EXTRA_COMMANDS = ("capacity", "cutoff", "cost", "validate", "publish", "chaos", "fallback", "demo")
 
 
+# C0 and C1 control characters, DEL, and the bidirectional overrides: a terminal
+# acts on them (colours, cursor moves, title changes, reordered text).
+_CONTROL = re.compile("[\x00-\x1f\x7f-\x9f\u061c\u200e\u200f\u202a-\u202e\u2066-\u2069]")
+# json.dumps escapes C0 itself; these it leaves as they are.
+_JSON_CONTROL = re.compile("[\x7f-\x9f\u061c\u200e\u200f\u202a-\u202e\u2066-\u2069]")
+
+
+def printable(text: Any) -> str:
+    """``text`` safe to print on a terminal: control characters as escapes (``\\x1b``, ``\\u202e``)."""
+    return _CONTROL.sub(lambda m: m.group().encode("unicode_escape").decode("ascii"), str(text))
+
+
 def _json(obj: Any) -> None:
-    print(json.dumps(obj, default=str, ensure_ascii=False))
+    print(_JSON_CONTROL.sub(lambda m: f"\\u{ord(m.group()):04x}", json.dumps(obj, default=str, ensure_ascii=False)))
+
+
+def one_line(message: Any, limit: int = 400) -> str:
+    """An error message as one printable line of at most ``limit`` characters."""
+    text = printable(" ".join(str(message).split()))
+    return text if len(text) <= limit else text[:limit - 1] + "\u2026"
 
 
 def _conn(args: argparse.Namespace):
@@ -59,7 +78,7 @@ def cmd_submit(args: argparse.Namespace) -> int:
     spec = load_spec(args.spec)
     overrides = {k: v for k, v in (("shard_size", args.shard_size),) if v is not None}
     if overrides:
-        spec = spec.model_copy(update=overrides)
+        spec = spec.with_overrides(**overrides)
     rows = None
     if spec.source.kind == "s3_manifest":
         from batch_inference.sources import s3_manifest_rows
@@ -97,20 +116,23 @@ def cmd_dead_letters(args: argparse.Namespace) -> int:
         for r in rows:
             _json({k: r[k] for k in ("record_id", "reason", "attempts", "stage", "error", "raw_output")})
     else:
+        # Ids, reasons and raw outputs come from records and the model: escaped, never sent raw to a terminal.
         for r in rows:
-            raw = (r["raw_output"] or "")[:80].replace("\n", " ")
-            print(f"{r['record_id']}\t{r['attempts']}\t{r['reason']}\t{raw}")
+            raw = printable((r["raw_output"] or "")[:80])
+            print(f"{printable(r['record_id'])}\t{r['attempts']}\t{printable(r['reason'])}\t{raw}")
         print(f"{len(rows)} dead letter(s)", file=sys.stderr)
     return 0
 
 
 def cmd_drop(args: argparse.Namespace) -> int:
     from batch_inference.plan import drop_job_version
+    from batch_inference.status import UnknownJob
 
     with _conn(args) as conn:
-        dropped = drop_job_version(conn, args.job_version)
-    print("dropped" if dropped else f"no job version {args.job_version!r}", file=sys.stderr)
-    return 0 if dropped else 1
+        if not drop_job_version(conn, args.job_version):
+            raise UnknownJob(f"no job version {args.job_version!r}")
+    print("dropped", file=sys.stderr)
+    return 0
 
 
 def cmd_worker(args: argparse.Namespace) -> int:
@@ -120,15 +142,23 @@ def cmd_worker(args: argparse.Namespace) -> int:
 
 
 def cmd_grant(args: argparse.Namespace) -> int:
+    from batch_inference.plan import grant_job
+
     with _conn(args) as conn:
-        fn = "bi.revoke_job_v1" if args.revoke else "bi.grant_job_v1"
-        conn.execute(f"SELECT {fn}(%s, %s)", (args.role, args.job_version))
+        grant_job(conn, args.role, args.job_version, revoke=args.revoke)
     print(f"{'revoked' if args.revoke else 'granted'}: role {args.role} on {args.job_version}", file=sys.stderr)
     return 0
 
 
+class _Parser(argparse.ArgumentParser):
+    """Usage errors as one line (``batch-inference submit: error: ...``), exit 2; subcommands inherit it."""
+
+    def error(self, message: str) -> None:  # type: ignore[override]
+        self.exit(2, f"{self.prog}: error: {one_line(message)}\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="batch-inference", description=__doc__.splitlines()[0])
+    p = _Parser(prog="batch-inference", description=__doc__.splitlines()[0])
     p.add_argument("--db", default=None, help="PostgreSQL URL (default: $BATCH_INFERENCE_DB, else embedded)")
     p.add_argument("-v", "--verbose", action="store_true")
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
@@ -185,6 +215,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO, stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    import psycopg
+
     from batch_inference.db import DatabaseUnavailable
     from batch_inference.plan import snapshot
     from batch_inference.spec import SpecError
@@ -193,7 +225,15 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return int(args.func(args) or 0)
     except (SpecError, snapshot.SnapshotError, UnknownJob, DatabaseUnavailable, ValueError) as exc:
-        print(f"batch-inference {args.command}: error: {exc}", file=sys.stderr)
+        print(f"batch-inference {args.command}: error: {one_line(exc.args[0] if exc.args else exc)}",
+              file=sys.stderr)
+        return 2
+    except psycopg.Error as exc:
+        # The database refused: its first message line, not a traceback (each command's
+        # writes are one transaction, so a refusal leaves nothing half-written).
+        diag = getattr(exc, "diag", None)
+        msg = (diag.message_primary if diag is not None else None) or str(exc) or type(exc).__name__
+        print(f"batch-inference {args.command}: error: {one_line(msg)}", file=sys.stderr)
         return 2
 
 

@@ -46,6 +46,18 @@ def submit(conn: psycopg.Connection, spec: JobSpec,
     read elsewhere: an object store, another database)."""
     t0 = time.perf_counter()
     source_name = spec.source.table or spec.source.s3_manifest or "query"
+    query_stage = None
+    if rows is None and spec.source.kind == "postgres" and spec.source.query:
+        query_stage = snapshot.materialize_query(conn, spec.source, source_name)
+    try:
+        return _submit(conn, spec, rows, source_name, query_stage, t0)
+    finally:
+        if query_stage is not None and not conn.closed:
+            snapshot.drop_query_stage(conn)
+
+
+def _submit(conn: psycopg.Connection, spec: JobSpec, rows: Iterable[Mapping[str, Any]] | None, source_name: str,
+            query_stage: sql.Composable | None, t0: float) -> Manifest:
     with conn.transaction():
         # The source is read twice (scan, then load): one snapshot of it for both.
         conn.execute("SET TRANSACTION ISOLATION LEVEL REPEATABLE READ")
@@ -53,6 +65,8 @@ def submit(conn: psycopg.Connection, spec: JobSpec,
             conn.execute(q("stage_create"))
             snapshot.stage_from_rows(conn, rows)
             relation: sql.Composable = snapshot.STAGE
+        elif query_stage is not None:
+            relation = query_stage
         elif spec.source.kind == "postgres":
             relation = snapshot.source_relation(spec.source)
         else:
@@ -90,6 +104,8 @@ def submit(conn: psycopg.Connection, spec: JobSpec,
                 conn.execute("SELECT bi.attach_snapshot_v1(%s)", (job,))   # builds the primary key
         except errors.UniqueViolation:
             raise snapshot.duplicates_error(conn, relation, source_name, spec.source.id_column) from None
+        except errors.ProgramLimitExceeded:   # an id over the index's row size
+            raise snapshot.long_id_error(conn, relation, source_name, spec.source.id_column) from None
         done = _plan(conn, params, n)
     m = Manifest(job, spec.dataset, done["records"], done["shards"], done["dead_letters"], done["reused"],
                  created=True)
@@ -119,7 +135,37 @@ def _plan(conn: psycopg.Connection, params: dict[str, Any], records: int) -> Map
     return done
 
 
+class GrantRefused(ValueError):
+    """A grant the ledger refused (no such role, or not a worker role); one line."""
+
+
 def drop_job_version(conn: psycopg.Connection, job_version: str) -> bool:
-    """Drop a job version's partitions and ledger rows (refused while published)."""
-    r = conn.execute(q("drop_job_version"), {"job": job_version}).fetchone()
+    """Drop a job version's partitions and ledger rows; False if there is no such version.
+
+    :raises PublishRefused: the version is published (roll its dataset back first); nothing is dropped.
+    """
+    from batch_inference.publish import PublishRefused
+
+    try:
+        r = conn.execute(q("drop_job_version"), {"job": job_version}).fetchone()
+    except errors.ObjectInUse as exc:
+        raise PublishRefused(exc.diag.message_primary or str(exc).splitlines()[0]) from None
     return bool(r and r["dropped"])
+
+
+def grant_job(conn: psycopg.Connection, role: str, job_version: str, *, revoke: bool = False) -> bool:
+    """Let ``role`` (a worker login role or group in ``bi_worker``) work on ``job_version``,
+    or with ``revoke`` take it back. Idempotent: True if this call changed the grants.
+
+    :raises GrantRefused: no such role, or a role outside ``bi_worker``.
+    :raises UnknownJob: no such job version.
+    """
+    from batch_inference.status import UnknownJob
+
+    try:
+        r = conn.execute(q("revoke_job" if revoke else "grant_job"), {"role": role, "job": job_version}).fetchone()
+    except errors.ForeignKeyViolation:
+        raise UnknownJob(f"no job version {job_version!r}") from None
+    except (errors.UndefinedObject, errors.InvalidGrantOperation) as exc:
+        raise GrantRefused(exc.diag.message_primary or str(exc).splitlines()[0]) from None
+    return bool(r and r["changed"])

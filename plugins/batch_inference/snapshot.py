@@ -2,16 +2,19 @@
 
 A PostgreSQL source in the ledger's database is read server-side, twice in
 one REPEATABLE READ transaction (a scan for the checks and the identity, then
-the bulk load into the snapshot partition). Anything else (an object store
-manifest, another database) arrives as Python rows and goes by COPY into a
-per-transaction staging table, which is then read the same way.
+the bulk load into the snapshot partition). A ``source.query`` is first run
+once, read-only and as a single statement, into a session table
+(``materialize_query``), which is then read the same way. Anything else (an
+object store manifest, another database) arrives as Python rows and goes by
+COPY into a per-transaction staging table, read the same way too.
 Records that cannot be processed (NUL bytes, broken Unicode, empty text) are
 kept with a reject reason so they end in dead letters, never silently dropped.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping
+from contextlib import contextmanager
 from typing import Any
 
 import psycopg
@@ -38,21 +41,68 @@ def source_relation(source: Source) -> sql.Composable:
 
 
 STAGE = sql.Identifier("_bi_stage")
+QUERY_STAGE = sql.Identifier("_bi_query")
+
+
+@contextmanager
+def _source_errors(source_name: str, *, any_refusal: bool = False) -> Iterator[None]:
+    """The database's refusals of a source, as one-line ``SnapshotError``s; with
+    ``any_refusal`` (the user's own query) every error but a lost connection."""
+    try:
+        yield
+    except errors.UndefinedColumn as exc:
+        raise SnapshotError(f"source {source_name}: {_first_line(exc)} (check source.id_column, "
+                            f"source.text_column and source.acl_column)") from None
+    except errors.ReadOnlySqlTransaction as exc:
+        raise SnapshotError(f"source {source_name}: {_first_line(exc)} (source.query runs read-only: "
+                            "one SELECT)") from None
+    except errors.SyntaxError as exc:
+        if "multiple commands" in str(exc):
+            raise SnapshotError(f"source {source_name}: source.query must be a single statement "
+                                "(found more than one)") from None
+        raise SnapshotError(f"source {source_name}: {_first_line(exc)}") from None
+    except (errors.UndefinedTable, errors.CannotCoerce, errors.DatatypeMismatch, errors.InvalidTextRepresentation,
+            errors.UndefinedFunction, errors.InsufficientPrivilege, errors.FeatureNotSupported) as exc:
+        raise SnapshotError(f"source {source_name}: {_first_line(exc)}") from None
+    except psycopg.OperationalError:
+        raise
+    except psycopg.DatabaseError as exc:
+        if not any_refusal:
+            raise
+        raise SnapshotError(f"source {source_name}: {_first_line(exc)}") from None
+
+
+def materialize_query(conn: psycopg.Connection, source: Source, source_name: str = "query") -> sql.Composable:
+    """Run ``source.query`` once, read-only, into a session table and return its name.
+
+    The query runs in its own REPEATABLE READ, READ ONLY transaction, so it
+    cannot write, create or drop anything, whatever functions it calls; and it
+    is sent in pipeline mode, which uses the extended query protocol: the
+    server parses exactly one statement and refuses text that holds two
+    (``SELECT ...; DROP ...``). Nothing of the query's text reaches the submit
+    transaction, which reads the session table. The caller drops it with
+    ``drop_query_stage``."""
+    drop_query_stage(conn)
+    with _source_errors(source_name, any_refusal=True), conn.transaction():
+        conn.execute("SET TRANSACTION ISOLATION LEVEL REPEATABLE READ")
+        conn.execute(q("query_stage_create"))     # a temporary table may be written in a read-only transaction
+        conn.execute("SET TRANSACTION READ ONLY")
+        with conn.pipeline():
+            conn.execute(sql.SQL(q("query_stage_fill")).format(relation=source_relation(source)))
+    return QUERY_STAGE
+
+
+def drop_query_stage(conn: psycopg.Connection) -> None:
+    conn.execute(q("query_stage_drop"))
 
 
 def scan(conn: psycopg.Connection, relation: sql.Composable, source_name: str, id_column: str) -> tuple[int, str]:
     """One pass over the source: refuse an empty source and NULL ids; return
     (rows, content identity). Duplicate ids are caught when the snapshot's
     primary key is built (see ``duplicates_error``)."""
-    try:
-        with conn.transaction():  # a savepoint, so the error below is ours, not a dead transaction
-            r = conn.execute(sql.SQL(q("snapshot_scan")).format(relation=relation)).fetchone()
-    except errors.UndefinedColumn as exc:
-        raise SnapshotError(f"source {source_name}: {_first_line(exc)} (check source.id_column, "
-                            f"source.text_column and source.acl_column)") from None
-    except (errors.UndefinedTable, errors.SyntaxError, errors.CannotCoerce, errors.DatatypeMismatch,
-            errors.InvalidTextRepresentation, errors.UndefinedFunction) as exc:
-        raise SnapshotError(f"source {source_name}: {_first_line(exc)}") from None
+    # a savepoint, so the error below is ours, not a dead transaction
+    with _source_errors(source_name), conn.transaction():
+        r = conn.execute(sql.SQL(q("snapshot_scan")).format(relation=relation)).fetchone()
     assert r is not None
     if r["n"] == 0:
         raise SnapshotError(f"source {source_name} is empty: nothing to snapshot")
@@ -68,6 +118,15 @@ def duplicates_error(conn: psycopg.Connection, relation: sql.Composable, source_
     dups = conn.execute(sql.SQL(q("source_duplicates")).format(relation=relation)).fetchall()
     shown = ", ".join(f"{d['record_id']!r} x{d['n']}" for d in dups) or "(see the source)"
     return SnapshotError(f"source {source_name} has duplicate ids in column {id_column!r}: {shown}")
+
+
+def long_id_error(conn: psycopg.Connection, relation: sql.Composable, source_name: str,
+                  id_column: str) -> SnapshotError:
+    """The one-line error for a source with a record id too long to key a result."""
+    r = conn.execute(sql.SQL(q("source_longest_id")).format(relation=relation)).fetchone()
+    shown = f"{r['head']!r}... ({r['bytes']:,} bytes)" if r else "(see the source)"
+    return SnapshotError(f"source {source_name} has a record id too long to key a result in column "
+                         f"{id_column!r}: {shown}")
 
 
 def clean_text(value: Any) -> tuple[str | None, str | None]:

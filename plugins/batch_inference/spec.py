@@ -3,8 +3,15 @@
 A spec names the input source, the dataset it publishes to, the model by
 weights digest, the prompt by version, decoding parameters and the output
 schema. Everything that changes results goes into ``spec_hash``; the job
-version is that hash combined with the identity of the input snapshot
-(invariant I2: a change of any of them is a new version, never an update).
+version is that hash combined with the dataset and the identity of the input
+snapshot (invariant I2: a change of any of them is a new version, never an
+update).
+
+Every limit is checked here, once, for a spec from a file, a dict or a
+spec with overrides (``with_overrides``): YAML aliases are refused, nesting
+and sizes are bounded, no string may hold a NUL or a lone surrogate (the
+database cannot store either), and numbers stay inside what the ledger's
+columns hold.
 """
 
 from __future__ import annotations
@@ -18,8 +25,17 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-_IDENT = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)?$")
+_IDENT = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,62}(\.[A-Za-z_][A-Za-z0-9_]{0,62})?$")
 _DIGEST = re.compile(r"^(sha256:)?[0-9a-f]{64}$")
+
+INT4_MAX = 2**31 - 1            # integer columns and function arguments in the ledger
+MAX_SPEC_CHARS = 1_000_000      # a spec file; the system prompt is most of a large one
+MAX_DEPTH = 32                  # nesting of mappings and lists, output_schema included
+MAX_NODES = 100_000             # values in the whole spec
+MAX_NAME = 256                  # names and versions (model, prompt, engine, connection)
+MAX_TEXT = 200_000              # prompt.system, prompt.template, source.query
+MAX_LEASE_SECONDS = 7 * 86_400  # a lease is renewed every renew_seconds; a week is past any use
+PG_IDENT_BYTES = 63             # a PostgreSQL identifier: output properties become view columns
 
 
 class SpecError(ValueError):
@@ -27,7 +43,7 @@ class SpecError(ValueError):
 
 
 class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
 
 
 class Source(_Strict):
@@ -35,12 +51,15 @@ class Source(_Strict):
 
     kind: Literal["postgres", "s3_manifest"] = "postgres"
     table: str | None = None
-    query: str | None = None
-    s3_manifest: str | None = Field(default=None, description="s3://bucket/key of a manifest listing JSONL object keys")
+    query: str | None = Field(default=None, max_length=MAX_TEXT,
+                              description="one SELECT, run in a read-only transaction (snapshot.materialize_query)")
+    s3_manifest: str | None = Field(default=None, max_length=2048,
+                                    description="s3://bucket/key of a manifest listing JSONL object keys")
     id_column: str = "id"
     text_column: str = "text"
     acl_column: str | None = None
-    conn_id: str | None = Field(default=None, description="Airflow connection for the source (postgres or aws)")
+    conn_id: str | None = Field(default=None, max_length=250,
+                                description="Airflow connection for the source (postgres or aws)")
 
     @field_validator("table")
     @classmethod
@@ -52,8 +71,8 @@ class Source(_Strict):
     @field_validator("id_column", "text_column", "acl_column")
     @classmethod
     def _col_ident(cls, v: str | None) -> str | None:
-        if v is not None and not re.match(r"^[A-Za-z_][A-Za-z0-9_]*$", v):
-            raise ValueError("must be a plain column name")
+        if v is not None and not re.match(r"^[A-Za-z_][A-Za-z0-9_]{0,62}$", v):
+            raise ValueError("must be a plain column name (at most 63 characters)")
         return v
 
     @model_validator(mode="after")
@@ -67,10 +86,10 @@ class Source(_Strict):
 
 
 class Model(_Strict):
-    name: str = Field(min_length=1)
-    digest: str = Field(description="sha256 of the weights file, or of every file of a model "
+    name: str = Field(min_length=1, max_length=MAX_NAME)
+    digest: str = Field(max_length=80, description="sha256 of the weights file, or of every file of a model "
                         "directory (batch_inference.pinning), hex, optionally prefixed 'sha256:'")
-    path: str | None = Field(default=None, description="weights file or directory; engines have defaults")
+    path: str | None = Field(default=None, max_length=4096, description="weights file or directory; engines have defaults")
     code_files: list[str] = Field(default_factory=list, description="code files (*.py, *.so, ...) the model "
                                   "directory may hold, as paths relative to it; any other code file is refused")
 
@@ -84,7 +103,8 @@ class Model(_Strict):
 
 
 class Engine(_Strict):
-    name: str = Field(default="llama-cpp", description="llama-cpp, vllm, openai, noop, or a dotted path module:Class")
+    name: str = Field(default="llama-cpp", min_length=1, max_length=MAX_NAME,
+                      description="llama-cpp, vllm, openai, noop, or a dotted path module:Class")
     options: dict[str, Any] = Field(default_factory=dict, description="engine options; those that change results "
                                     "join the job version (batch_inference.engines.pinned_options)")
 
@@ -116,9 +136,10 @@ class Endpoint(_Strict):
 
 
 class Prompt(_Strict):
-    version: str = Field(min_length=1)
-    system: str = Field(min_length=1)
-    template: str = Field(default="Record:\n<<<\n{text}\n>>>", description="user turn; must contain {text}")
+    version: str = Field(min_length=1, max_length=MAX_NAME)
+    system: str = Field(min_length=1, max_length=MAX_TEXT)
+    template: str = Field(default="Record:\n<<<\n{text}\n>>>", max_length=MAX_TEXT,
+                          description="user turn; must contain {text}")
 
     @field_validator("template")
     @classmethod
@@ -132,43 +153,44 @@ class Params(_Strict):
     temperature: float = Field(default=0.0, ge=0.0, le=2.0)
     max_tokens: int = Field(default=256, ge=1, le=32768)
     top_p: float = Field(default=1.0, gt=0.0, le=1.0)
-    seed: int | None = 0
+    seed: int | None = Field(default=0, ge=0, le=INT4_MAX)
 
 
 class Rule(_Strict):
     """A business rule a JSON schema cannot express, checked on every output."""
 
-    field: str
+    field: str = Field(min_length=1, max_length=MAX_NAME)
     one_of: list[Any] | None = None
-    max_length: int | None = None
-    min_length: int | None = None
+    max_length: int | None = Field(default=None, ge=0, le=INT4_MAX)
+    min_length: int | None = Field(default=None, ge=0, le=INT4_MAX)
     not_empty: bool = False
 
 
 class Validation(_Strict):
     max_dead_letter_rate: float = Field(default=0.01, ge=0.0, le=1.0)
     max_drift: float = Field(default=0.2, ge=0.0, le=1.0, description="total variation distance gate")
-    sample_size: int = Field(default=200, ge=0)
-    sample_seed: int = 0
+    sample_size: int = Field(default=200, ge=0, le=100_000)
+    sample_seed: int = Field(default=0, ge=-INT4_MAX, le=INT4_MAX)
 
 
 class Cost(_Strict):
-    batch_per_row: float = Field(default=0.003625, ge=0)
-    fallback_per_row: float = Field(default=0.00725, ge=0)
+    batch_per_row: float = Field(default=0.003625, ge=0, le=1_000)
+    fallback_per_row: float = Field(default=0.00725, ge=0, le=1_000)
 
 
 class Fallback(_Strict):
-    rate: float = Field(default=85.0, gt=0, description="sustained requests/s of the synchronous pool")
-    overhead_s: float = Field(default=1800.0, ge=0, description="batch drain + reconcile + warehouse load")
-    concurrency: int = Field(default=16, ge=1)
-    base_url: str | None = None
+    rate: float = Field(default=85.0, gt=0, le=1_000_000, description="sustained requests/s of the synchronous pool")
+    overhead_s: float = Field(default=1800.0, ge=0, le=MAX_LEASE_SECONDS,
+                              description="batch drain + reconcile + warehouse load")
+    concurrency: int = Field(default=16, ge=1, le=1024, description="threads of the synchronous pool")
+    base_url: str | None = Field(default=None, max_length=2048)
     hosted: bool = Field(default=False, description="true: the fallback endpoint is hosted whatever its address; "
                          "false declares nothing (batch_inference.clearance decides)")
     response_format_style: Literal["json_object", "json_schema"] = Field(
         default="json_object", description="the openai engine's response_format_style for the fallback endpoint: "
         "json_object (llama.cpp's server) or json_schema (vLLM, OpenAI)")
-    history_runs: int = Field(default=5, ge=0, description="derive rate/overhead from this many past runs")
-    min_history_runs: int = Field(default=5, ge=1, description="complete fallback runs needed before history may "
+    history_runs: int = Field(default=5, ge=0, le=1000, description="derive rate/overhead from this many past runs")
+    min_history_runs: int = Field(default=5, ge=1, le=1000, description="complete fallback runs needed before history may "
                                                                "relax rate/overhead (fewer only tighten them)")
 
 
@@ -181,15 +203,16 @@ class JobSpec(_Strict):
     params: Params = Field(default_factory=Params)
     output_schema: dict[str, Any]
     rules: list[Rule] = Field(default_factory=list)
-    category_field: str | None = Field(default="category", description="output field whose distribution is checked for drift")
-    record_class: str = "internal"
+    category_field: str | None = Field(default="category", max_length=MAX_NAME,
+                                       description="output field whose distribution is checked for drift")
+    record_class: str = Field(default="internal", min_length=1, max_length=64)
     cleared_for_hosted: bool = False
     endpoints: list[Endpoint] = Field(default_factory=list, max_length=1000, description="hosts declared hosted or "
                                       "internal (batch_inference.clearance); not part of the job version")
     shard_size: int = Field(default=5000, ge=1, le=1_000_000)
     max_attempts: int = Field(default=3, ge=1, le=100)
-    max_input_chars: int = Field(default=20_000, ge=1)
-    lease_seconds: int = Field(default=600, ge=1)
+    max_input_chars: int = Field(default=20_000, ge=1, le=10_000_000)
+    lease_seconds: int = Field(default=600, ge=1, le=MAX_LEASE_SECONDS)
     renew_seconds: float = Field(default=30.0, gt=0)
     incremental: bool = Field(default=False, description="reuse stored results of the same spec for unchanged records")
     validation: Validation = Field(default_factory=Validation)
@@ -215,6 +238,13 @@ class JobSpec(_Strict):
             raise ValueError(f"not a valid JSON schema: {exc.message}") from None
         if v.get("type") != "object":
             raise ValueError("must describe a JSON object (type: object)")
+        props = v.get("properties") or {}
+        for name in props if isinstance(props, dict) else ():
+            # Top-level properties become columns of the published view.
+            if not name or len(name.encode("utf-8")) > PG_IDENT_BYTES or not name.isprintable():
+                raise ValueError(f"property {name[:40]!r}: a top-level output property needs a name of 1 to "
+                                 f"{PG_IDENT_BYTES} bytes without control characters (it is a column of the "
+                                 "published view)")
         return v
 
     @model_validator(mode="after")
@@ -248,8 +278,15 @@ class JobSpec(_Strict):
         return _sha(_canonical(self.result_defining()))
 
     def job_version(self, snapshot_identity: str) -> str:
-        """``jv_`` + 16 hex characters: the spec hash bound to one input snapshot."""
-        return "jv_" + _sha(self.spec_hash + ":" + snapshot_identity)[:16]
+        """``jv_`` + 16 hex characters: the spec hash bound to the dataset and one input snapshot.
+
+        Two datasets over the same rows, model and prompt are two job versions:
+        each keeps its own spec (engine, gates) and publishes to its own view."""
+        return "jv_" + _sha(self.spec_hash + ":" + self.dataset + ":" + snapshot_identity)[:16]
+
+    def with_overrides(self, **fields: Any) -> "JobSpec":
+        """This spec with top-level ``fields`` replaced, validated like a spec from a file."""
+        return parse_spec({**self.model_dump(mode="json"), **fields})
 
     def to_json(self) -> str:
         return self.model_dump_json()
@@ -273,9 +310,44 @@ def _first_error(exc: ValidationError) -> str:
     return f"spec field '{where}': {msg}" + (f" (and {more} more)" if more else "")
 
 
+def _check_values(data: Any) -> None:
+    """Refuse what no field validator can see: nesting past ``MAX_DEPTH``, more
+    than ``MAX_NODES`` values, and strings (keys included) the database cannot
+    store: a NUL, or a lone surrogate."""
+    stack: list[tuple[Any, tuple[str, ...]]] = [(data, ())]
+    nodes = 0
+    while stack:
+        value, path = stack.pop()
+        nodes += 1
+        if nodes > MAX_NODES:
+            raise SpecError(f"spec has more than {MAX_NODES:,} values")
+        if len(path) > MAX_DEPTH:
+            raise SpecError(f"spec field '{'.'.join(path[:4])}...': nested deeper than {MAX_DEPTH} levels")
+        if isinstance(value, dict):
+            for k, v in value.items():
+                key = str(k)
+                _check_string(key, path + (key[:40],))
+                stack.append((v, path + (key[:40],)))
+        elif isinstance(value, (list, tuple)):
+            stack.extend((v, path + (str(i),)) for i, v in enumerate(value))
+        elif isinstance(value, str):
+            _check_string(value, path)
+
+
+def _check_string(text: str, path: tuple[str, ...]) -> None:
+    where = ".".join(path) or "(top level)"
+    if "\x00" in text:
+        raise SpecError(f"spec field '{where}': contains a NUL character")
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        raise SpecError(f"spec field '{where}': not valid Unicode (lone surrogate)") from None
+
+
 def parse_spec(data: Any) -> JobSpec:
     if not isinstance(data, dict):
         raise SpecError(f"spec must be a mapping, got {type(data).__name__}")
+    _check_values(data)
     try:
         return JobSpec.model_validate(data)
     except ValidationError as exc:
@@ -293,9 +365,41 @@ def load_spec(path: str | Path) -> JobSpec:
     return loads_spec(text, name=str(p))
 
 
+class _SpecLoader(yaml.SafeLoader):
+    """``yaml.SafeLoader`` without aliases and with bounded nesting: an alias
+    can make a few hundred bytes expand to gigabytes once the spec is walked
+    (a "billion laughs"), and deep nesting exhausts the parser's recursion."""
+
+    def __init__(self, stream: str, name: str):
+        super().__init__(stream)
+        self._name = name
+        self._depth = 0
+
+    def _refuse(self, what: str) -> SpecError:
+        mark = self.peek_event().start_mark
+        return SpecError(f"{self._name}: line {mark.line + 1}, column {mark.column + 1}: {what}")
+
+    def compose_node(self, parent: Any, index: Any) -> Any:
+        if self.check_event(yaml.AliasEvent):
+            raise self._refuse("YAML aliases (*name) are not allowed in a spec")
+        self._depth += 1
+        try:
+            if self._depth > MAX_DEPTH:
+                raise self._refuse(f"nested deeper than {MAX_DEPTH} levels")
+            return super().compose_node(parent, index)
+        finally:
+            self._depth -= 1
+
+
 def loads_spec(text: str, name: str = "<spec>") -> JobSpec:
+    if len(text) > MAX_SPEC_CHARS:
+        raise SpecError(f"{name}: {len(text):,} characters; a spec is at most {MAX_SPEC_CHARS:,}")
     try:
-        data = yaml.safe_load(text)
+        loader = _SpecLoader(text, name)
+        try:
+            data = loader.get_single_data()
+        finally:
+            loader.dispose()
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
         where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""

@@ -58,6 +58,48 @@ def _as_int(value: Any, name: str, minimum: int = 0) -> int:
     return n
 
 
+# What a local worker process inherits from the Airflow worker: enough to run
+# Python and reach the engine, nothing of Airflow's configuration or secrets.
+WORKER_ENV_KEEP = frozenset({
+    "PATH", "HOME", "USER", "LOGNAME", "LANG", "LANGUAGE", "TZ", "TMPDIR", "PYTHONPATH", "VIRTUAL_ENV",
+    "LD_LIBRARY_PATH", "SSL_CERT_FILE", "SSL_CERT_DIR", "REQUESTS_CA_BUNDLE", "CUDA_VISIBLE_DEVICES", "HF_HOME",
+    "HTTP_PROXY", "HTTPS_PROXY", "NO_PROXY", "http_proxy", "https_proxy", "no_proxy",
+    "BATCH_INFERENCE_HOME", "BATCH_INFERENCE_GRACE_SECONDS",
+    "BATCH_INFERENCE_ENGINE_MODULES", "AIRFLOW__BATCH_INFERENCE__ALLOWED_ENGINE_MODULES",
+})
+
+
+def worker_environment(db_url: str, engine_options: Mapping[str, Any], extra: Mapping[str, str] | None = None,
+                       parent: Mapping[str, str] | None = None) -> dict[str, str]:
+    """The environment of a local worker process: ``WORKER_ENV_KEEP`` and ``LC_*`` from
+    ``parent`` (default: this process), the engine's API key variable (the ``api_key_env``
+    engine option), the operator's ``env``, and the ledger URL as ``BATCH_INFERENCE_DB``."""
+    parent = os.environ if parent is None else parent
+    env = {k: v for k, v in parent.items() if k in WORKER_ENV_KEEP or k.startswith("LC_")}
+    key_env = engine_options.get("api_key_env")
+    if isinstance(key_env, str) and key_env in parent:
+        env[key_env] = parent[key_env]
+    env.update({str(k): str(v) for k, v in (extra or {}).items()})
+    # The database address goes in the environment, never on the command
+    # line, where `ps` would show its password to every user of the machine.
+    env.update({"BATCH_INFERENCE_DB": db_url, "PYTHONUNBUFFERED": "1"})
+    return env
+
+
+def grant_worker_role(postgres_conn_id: str, role: str, job_version: str) -> bool:
+    """Grant ``job_version`` to the worker ``role`` over the owner connection ``postgres_conn_id``
+    (``batch_inference.plan.grant_job``); True if newly granted. A refusal fails the task."""
+    from batch_inference import db
+    from batch_inference.plan import GrantRefused, grant_job
+    from batch_inference.status import UnknownJob
+
+    try:
+        with db.connect(BatchInferenceHook(postgres_conn_id, migrate=False).get_conninfo()) as conn:
+            return grant_job(conn, role, job_version)
+    except (GrantRefused, UnknownJob) as exc:
+        raise AirflowFailException(f"cannot grant {job_version} to worker role {role!r}: {exc}") from None
+
+
 class _Slot:
     """One worker slot: the current process, its restarts and its last log lines."""
 
@@ -93,11 +135,17 @@ class LocalWorkersOperator(BaseOperator):
     :param postgres_conn_id: Airflow connection of the ledger database. Templated.
     :param max_restarts: restarts allowed per worker slot after preemption or a crash.
     :param grace_seconds: the worker's grace period after SIGTERM.
-    :param env: extra environment for the worker processes. Templated.
+    :param env: extra environment for the worker processes. Templated. Nothing else of the
+        Airflow worker's environment reaches them but ``WORKER_ENV_KEEP``, ``LC_*`` and the
+        variable the ``api_key_env`` engine option names.
+    :param worker_conn_id: Airflow connection with the workers' own credentials (a LOGIN role in
+        ``bi_worker``); the job version is granted to ``grant_role`` first, over
+        ``postgres_conn_id``. None: the workers use ``postgres_conn_id`` (the owner). Templated.
+    :param grant_role: the role granted the job version (default: the login of ``worker_conn_id``).
     """
 
     template_fields: Sequence[str] = ("job_version", "workers", "engine", "engine_options", "postgres_conn_id",
-                                      "env")
+                                      "env", "worker_conn_id", "grant_role")
     template_fields_renderers = {"engine_options": "json", "env": "json"}
     ui_color = "#f5d195"
 
@@ -105,8 +153,11 @@ class LocalWorkersOperator(BaseOperator):
                  engine_options: Mapping[str, Any] | None = None,
                  postgres_conn_id: str = BatchInferenceHook.default_conn_name, max_restarts: int = 3,
                  grace_seconds: float = 20.0, env: Mapping[str, str] | None = None,
-                 poll_seconds: float = 0.5, **kwargs: Any) -> None:
+                 poll_seconds: float = 0.5, worker_conn_id: str | None = None, grant_role: str | None = None,
+                 **kwargs: Any) -> None:
         super().__init__(**kwargs)
+        self.worker_conn_id = worker_conn_id
+        self.grant_role = grant_role
         self.job_version = job_version
         self.workers = workers
         self.engine = engine
@@ -208,9 +259,7 @@ class LocalWorkersOperator(BaseOperator):
         conninfo = hook.get_conninfo()
         engine, options = self._plan(conninfo, job_version, n)
         cmd = self.worker_command(job_version, engine, options)
-        # The database address goes in the environment, never on the command
-        # line, where `ps` would show its password to every user of the machine.
-        env = {**os.environ, **dict(self.env or {}), "BATCH_INFERENCE_DB": conninfo, "PYTHONUNBUFFERED": "1"}
+        env = worker_environment(self._worker_conninfo(job_version) or conninfo, options, self.env)
         self.log.info("starting %d local worker(s) for %s: engine %s, options %s", n, job_version, engine, options)
 
         self._slots = [_Slot(i) for i in range(n)]
@@ -244,6 +293,21 @@ class LocalWorkersOperator(BaseOperator):
                 "seconds": round(elapsed, 1), "records": counts["records"], "stored": counts["stored"],
                 "dead_letters": counts["dead_letters"], "outstanding": counts["outstanding"],
                 "mode": counts["mode"]}
+
+    def _worker_conninfo(self, job_version: str) -> str | None:
+        """The workers' own credentials, granted this job version; None without ``worker_conn_id``."""
+        if not self.worker_conn_id:
+            return None
+        from psycopg.conninfo import conninfo_to_dict
+
+        info = BatchInferenceHook(self.worker_conn_id, migrate=False).get_conninfo()
+        role = self.grant_role or str(conninfo_to_dict(info).get("user") or "")
+        if not role:
+            raise AirflowFailException(f"connection {self.worker_conn_id!r} names no login; set grant_role")
+        new = grant_worker_role(self.postgres_conn_id, role, job_version)
+        self.log.info("%s job version %s to worker role %s; workers log in with connection %s",
+                      "granted" if new else "already granted", job_version, role, self.worker_conn_id)
+        return info
 
     def _halt(self, conninfo: str, job_version: str, reason: str) -> None:
         """Record the fatal failure on the job: the cutoff watch then fails the run at its next poll."""
@@ -329,6 +393,9 @@ class GpuWorkerPodOperator(KubernetesPodOperator):
     :param job_version: the job version (templated; an XComArg works).
     :param worker_slot: this pod's slot number (the value ``gpu_worker_pods`` maps over).
     :param image: the GPU runner image (see the Dockerfile). Templated.
+    :param allowed_images: the images ``image`` may render to, set by the DAG author (tags or
+        ``name@sha256:`` digest pins); the task fails before the grant and the pod for any other.
+        Default: the ``image`` given, if it is not a template; a templated image needs the list.
     :param gpus: ``nvidia.com/gpu`` limit per pod.
     :param engine: engine name overriding the spec's (e.g. ``vllm``).
     :param kueue_queue: Kueue LocalQueue name; sets ``kueue.x-k8s.io/queue-name``.
@@ -351,7 +418,8 @@ class GpuWorkerPodOperator(KubernetesPodOperator):
                  model_mount_path: str = "/models", shm_size: str | None = "16Gi",
                  env: Mapping[str, str] | None = None, labels: Mapping[str, str] | None = None,
                  grant_role: str | None = "bi_worker",
-                 postgres_conn_id: str = BatchInferenceHook.default_conn_name, **kwargs: Any) -> None:
+                 postgres_conn_id: str = BatchInferenceHook.default_conn_name,
+                 allowed_images: Sequence[str] | None = None, **kwargs: Any) -> None:
         from kubernetes.client import models as k8s
 
         self.worker_slot = worker_slot
@@ -425,18 +493,19 @@ class GpuWorkerPodOperator(KubernetesPodOperator):
         self.job_version = job_version
         self.grant_role = grant_role
         self.postgres_conn_id = postgres_conn_id
+        # A templated image (a Param) needs the DAG author's list; a literal one allows itself.
+        self.allowed_images = tuple(allowed_images) if allowed_images is not None else (
+            () if "{{" in image else (image,))
 
     def grant_job(self) -> bool:
         """Let ``grant_role`` work on this job version (idempotent; True if newly granted)."""
-        from batch_inference import db
-
-        with db.connect(BatchInferenceHook(self.postgres_conn_id, migrate=False).get_conninfo()) as conn:
-            # The owner-only grant of sql/0004_roles.sql; refused for a role outside bi_worker.
-            row = conn.execute("SELECT bi.grant_job_v1(%s, %s) AS granted",
-                               (self.grant_role, str(self.job_version))).fetchone()
-        return bool(row and row["granted"])
+        return grant_worker_role(self.postgres_conn_id, self.grant_role, str(self.job_version))
 
     def execute(self, context: Context) -> Any:
+        if self.image not in self.allowed_images:
+            # Whoever can trigger the DAG must not choose what runs with the worker Secret.
+            raise AirflowFailException(f"image {str(self.image)[:200]!r} is not one of the DAG's allowed runner "
+                                       f"images ({', '.join(self.allowed_images) or 'none'})")
         if self.grant_role:
             new = self.grant_job()
             self.log.info("%s job version %s to worker role %s", "granted" if new else "already granted",
