@@ -159,16 +159,17 @@ def test_wrong_digest_fails_the_run_within_minutes_and_pages_on_call(live_airflo
 
 def test_workers_marked_failed_stop_and_a_clear_finishes_the_job(live_airflow):
     dep = live_airflow
-    table = make_table(dep.ledger_url, "live_markfail", 12)
+    table = make_table(dep.ledger_url, "live_markfail", 40)      # about 30 s of work for two workers
     spec = make_spec(dep, "live_markfail", engine={"name": "noop", "options": {"delay_s": 1.5}}, renew_seconds=2)
     run_id = dep.trigger(BACKFILL, {"spec_path": spec, "source_table": table, "shard_size": 3, "workers": 2,
                                     "deadline": "+20h"})
     dep.wait_task(BACKFILL, run_id, "workers", ("running",), timeout=180)
     job = dep.xcom(BACKFILL, run_id, "submit")["job_version"]
     end = time.monotonic() + 120
-    while counts(dep, job)["shards"]["leased"] == 0:
+    while (c := counts(dep, job))["shards"]["leased"] == 0:
+        assert c["outstanding"] > 0, "the workers finished before the test could mark them failed"
         assert time.monotonic() < end, "no worker leased a shard"
-        time.sleep(0.5)
+        time.sleep(0.2)
     dep.api("PATCH", f"/api/v2/dags/{BACKFILL}/dagRuns/{run_id}/taskInstances/workers", json={"new_state": "failed"})
     # The worker processes release their leases at once and exit; the task ends failed.
     end = time.monotonic() + 90
