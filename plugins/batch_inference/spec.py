@@ -134,7 +134,6 @@ class Endpoint(_Strict):
         return v.rstrip(".")
 
 
-
 class Prompt(_Strict):
     version: str = Field(min_length=1, max_length=MAX_NAME)
     system: str = Field(min_length=1, max_length=MAX_TEXT)
