@@ -17,7 +17,6 @@ import platform
 import statistics
 import sys
 import tempfile
-import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -148,14 +147,6 @@ def emit(summary: dict[str, Any]) -> dict[str, Any]:
     """Print the benchmark's one-line JSON summary on stdout (and return it)."""
     print(json.dumps(summary, separators=(",", ":"), sort_keys=False), flush=True)
     return summary
-
-
-class Timer:
-    def __init__(self) -> None:
-        self.t0 = time.perf_counter()
-
-    def __call__(self) -> float:
-        return time.perf_counter() - self.t0
 
 
 def worker_env(url: str) -> dict[str, str]:

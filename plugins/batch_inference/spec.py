@@ -287,9 +287,6 @@ class JobSpec(_Strict):
         """This spec with top-level ``fields`` replaced, validated like a spec from a file."""
         return parse_spec({**self.model_dump(mode="json"), **fields})
 
-    def to_json(self) -> str:
-        return self.model_dump_json()
-
 
 def _canonical(obj: Any) -> str:
     return json.dumps(obj, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
