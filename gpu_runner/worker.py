@@ -22,12 +22,15 @@ within the grace period, then releases the lease so the shard is pending
 again at once. When the engine's endpoint is down (the engine raises
 ``EndpointUnavailable``, see ``batch_inference.breaker``) the shard is
 released with its records' attempts untouched and the worker exits
-``EXIT_ENDPOINT``: the outage is no record's fault. Does not import
+``ExitCode.ENDPOINT``: the outage is no record's fault. Does not import
 Airflow: the same code runs in a pod, on the Airflow worker and from the CLI.
 """
 
 from __future__ import annotations
 
+import argparse
+import dataclasses
+import json
 import logging
 import math
 import os
@@ -35,6 +38,7 @@ import signal
 import sys
 import threading
 import time
+import typing
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -44,53 +48,75 @@ from batch_inference import db
 from batch_inference.breaker import EndpointUnavailable
 from batch_inference.engines import load_engine
 from batch_inference.engines.base import Engine, Request
+from batch_inference.exceptions import (
+    BadDatabaseURL,
+    BatchInferenceError,
+    DatabaseUnavailable,
+    DigestMismatch,
+    InvalidValue,
+    UnknownJob,
+)
+from batch_inference.exits import HALTING, ExitCode
 from batch_inference.ledger import FailedAttempt, Failure, Lease, Ledger, StaleLease, new_owner_id
 from batch_inference.outputs import check_for_storage
-from batch_inference.pinning import DigestMismatch, verify_weights
+from batch_inference.pinning import verify_weights
 from batch_inference.prompting import build_messages
 from batch_inference.spec import MAX_LEASE_SECONDS, JobSpec
-from batch_inference.status import UnknownJob, job_counts, job_mode, job_spec
+from batch_inference.status import job_counts, job_mode, job_spec
 
 log = logging.getLogger("batch_inference.worker")
 
-EXIT_OK, EXIT_DB, EXIT_DIGEST, EXIT_CONFIG, EXIT_ENGINE, EXIT_PREEMPTED = 0, 2, 3, 4, 5, 143
-EXIT_ENDPOINT = 6   # the engine's endpoint failed most requests: shard released, no attempts spent
-# Exits no retry can fix (the weights, the engine's configuration): the worker halts the job.
-HALTING_EXITS = frozenset({EXIT_DIGEST, EXIT_CONFIG})
 
+class Fatal(BatchInferenceError, RuntimeError):
+    """The worker cannot go on; ``code`` is the exit status that says why."""
 
-class Fatal(RuntimeError):
-    def __init__(self, message: str, code: int):
+    def __init__(self, message: str, code: ExitCode):
         super().__init__(message)
         self.code = code
+
+
+def _flag(default: Any = None, help: str | None = None, *, env: str | None = None,
+          shown: bool = True, **argparse_kwargs: Any) -> Any:
+    """A ``WorkerConfig`` field that is also a worker flag (``--field-name``).
+
+    ``help`` gains "(default X)" when ``shown``; ``env`` names a variable
+    whose value replaces the default on the command line (not in the
+    dataclass); the rest goes to ``add_argument`` as it is."""
+    return field(default=default, metadata={"flag": {"help": help, "env": env, "shown": shown, **argparse_kwargs}})
 
 
 @dataclass
 class WorkerConfig:
     job_version: str
     db_url: str | None = None
-    engine: str | None = None                  # default: the spec's engine
-    engine_options: dict[str, Any] | None = None
-    worker_id: str | None = None
-    transport: str = "batch"
-    grace_seconds: float = 20.0                 # preemption notice: AWS gives 120 s, GCP about 30 s
-    lease_seconds: int | None = None            # default: the spec's
-    flush_every: int = 1000
-    flush_seconds: float = 2.0
+    engine: str | None = _flag(help="engine name or dotted path (default: the spec's)", shown=False)
+    engine_options: dict[str, Any] | None = _flag(
+        help="engine option (JSON value)", shown=False, flag="--engine-option", action="append",
+        metavar="KEY=VALUE")
+    worker_id: str | None = _flag()
+    transport: str = _flag("batch", shown=False, choices=["batch", "fallback"])
+    # Preemption notice: AWS gives 120 s, GCP about 30 s.
+    grace_seconds: float = _flag(20.0, "preemption notice: time to finish in-flight records before releasing",
+                                 env="BATCH_INFERENCE_GRACE_SECONDS")
+    lease_seconds: int | None = _flag(help="override the spec's lease length", shown=False)  # default: the spec's
+    flush_every: int = _flag(1000, "write results at least every N")
+    flush_seconds: float = _flag(2.0, "... or every S seconds")
     backoff: tuple[float, ...] = (1.0, 4.0, 10.0)
-    wait_for_leases: bool = True                # poll while other workers hold the last shards
-    poll_seconds: float = 5.0
-    max_shards: int | None = None
-    db_retries: int = 8
+    max_shards: int | None = _flag()
+    # Poll while other workers hold the last shards.
+    wait_for_leases: bool = _flag(True, "exit when nothing is claimable now", shown=False, flag="--no-wait",
+                                  action="store_false")
+    poll_seconds: float = _flag(5.0, "while others hold the last shards, look for an expired one this often")
+    db_retries: int = _flag(8, "reconnect attempts on a lost database")
     progress_seconds: float = 30.0
     progress_every: int = 500
-    careful_batch: int = 32                     # engine batch size on a shard that lost a lease
+    careful_batch: int = _flag(32, "engine batch size on a shard whose earlier holder died")
 
     def __post_init__(self) -> None:
-        """Refuse values no worker can run with (ValueError, one line), before it connects."""
+        """Refuse values no worker can run with (InvalidValue, one line), before it connects."""
         def need(name: str, ok: bool, what: str) -> None:
             if not ok:
-                raise ValueError(f"--{name.replace('_', '-')} must be {what}, got {getattr(self, name)!r}")
+                raise InvalidValue(f"--{name.replace('_', '-')} must be {what}, got {getattr(self, name)!r}")
 
         need("db_retries", 0 <= self.db_retries <= 1000, "between 0 and 1000")
         need("flush_every", 1 <= self.flush_every <= 1_000_000, "between 1 and 1,000,000")
@@ -141,7 +167,7 @@ class Worker:
             except psycopg.OperationalError as exc:
                 reason = db.first_line(exc)
                 if attempt >= self.cfg.db_retries:
-                    raise db.DatabaseUnavailable(f"database connection lost {attempt + 1} times in a row: "
+                    raise DatabaseUnavailable(f"database connection lost {attempt + 1} times in a row: "
                                                  f"{reason}") from None
                 log.warning("database connection lost (%s); reconnecting", reason)
             old = self.conn
@@ -164,20 +190,20 @@ class Worker:
             return self._run()
         except Fatal as exc:
             log.error("%s", exc)
-            if exc.code in HALTING_EXITS and self.spec is not None:
+            if exc.code in HALTING and self.spec is not None:
                 self._halt_job(str(exc))
             return exc.code
-        except db.DatabaseUnavailable as exc:
+        except DatabaseUnavailable as exc:
             log.error("fatal: %s", exc)
-            return EXIT_DB
-        except db.BadDatabaseURL as exc:
+            return ExitCode.DB
+        except BadDatabaseURL as exc:
             log.error("fatal: %s", exc)
-            return EXIT_CONFIG
+            return ExitCode.CONFIG
         except psycopg.errors.InsufficientPrivilege as exc:
             log.error("fatal: this worker's database role may not work on %s: %s (the owner grants it with "
                       "`batch-inference grant ROLE %s`)", self.cfg.job_version,
                       str(exc).strip().splitlines()[0], self.cfg.job_version)
-            return EXIT_CONFIG
+            return ExitCode.CONFIG
         finally:
             if self.engine is not None:
                 self.engine.close()
@@ -197,22 +223,22 @@ class Worker:
         try:
             self.spec = self._db(job_spec, self.conn, cfg.job_version)
         except UnknownJob as exc:
-            raise Fatal(f"fatal: {exc}", EXIT_CONFIG) from None
+            raise Fatal(f"fatal: {exc}", ExitCode.CONFIG) from None
         spec = self.spec
         name = cfg.engine or spec.engine.name
         try:
             self.engine = load_engine(name, spec, cfg.engine_options)
         except (ValueError, ImportError) as exc:
-            raise Fatal(f"fatal: engine {name!r}: {exc}", EXIT_CONFIG) from None
+            raise Fatal(f"fatal: engine {name!r}: {exc}", ExitCode.CONFIG) from None
         try:
             verify_weights(self.engine, spec)   # before load, before any claim: a mismatch writes nothing
         except DigestMismatch as exc:
-            raise Fatal(f"fatal: refusing to start: {exc}", EXIT_DIGEST) from None
+            raise Fatal(f"fatal: refusing to start: {exc}", ExitCode.DIGEST) from None
         t0 = time.perf_counter()
         try:
             self.engine.load()
         except (ValueError, ImportError, OSError) as exc:
-            raise Fatal(f"fatal: engine {name!r} could not load: {exc}", EXIT_CONFIG) from None
+            raise Fatal(f"fatal: engine {name!r} could not load: {exc}", ExitCode.CONFIG) from None
         log.info("%s: engine %s loaded in %.2fs for %s (model %s, prompt %s)", self.owner, name,
                  time.perf_counter() - t0, cfg.job_version, spec.model.name, spec.prompt.version)
         self.ledger = Ledger(self.conn, cfg.job_version, self.owner, cfg.transport, cfg.lease_seconds)
@@ -231,7 +257,7 @@ class Worker:
         log.info("%s: exiting: %d shards, %d stored, %d failed attempts, %d dead letters, %d stale refusals",
                  self.owner, self.stats["shards"], self.stats["stored"], self.stats["failed"],
                  self.stats["dead"], self.stats["stale"])
-        return EXIT_PREEMPTED if self.stop.is_set() else EXIT_OK
+        return ExitCode.PREEMPTED if self.stop.is_set() else ExitCode.OK
 
     def _should_wait(self) -> bool:
         """No shard to claim: wait while others hold leases that may still expire."""
@@ -273,7 +299,7 @@ class Worker:
                 log.warning("%s: grace period over; released shard %d", self.owner, shard.lease.shard_no)
             except Exception as exc:  # noqa: BLE001 - the lease will expire instead
                 log.error("%s: could not release shard on exit: %s", self.owner, exc)
-        os._exit(EXIT_PREEMPTED)
+        os._exit(ExitCode.PREEMPTED)
 
     # -- one shard --------------------------------------------------------
     def _renew_loop(self, shard: _Shard) -> None:
@@ -292,7 +318,7 @@ class Worker:
                     shard.stale.set()
                     shard.halt.set()
                     return
-                except (psycopg.OperationalError, db.DatabaseUnavailable) as exc:
+                except (psycopg.OperationalError, DatabaseUnavailable) as exc:
                     log.warning("%s: lease renewal failed (%s); will retry", self.owner, exc.__class__.__name__)
                     if conn is not None:
                         conn.close()
@@ -321,7 +347,7 @@ class Worker:
         except StaleLease as exc:
             self._drop_stale(lease, exc)
             outcome = "stale"
-        except (psycopg.OperationalError, db.DatabaseUnavailable):
+        except (psycopg.OperationalError, DatabaseUnavailable):
             raise
         except EndpointUnavailable as exc:
             # The endpoint is down, not the engine or a record: a plain release,
@@ -332,7 +358,7 @@ class Worker:
             released = self._db(self.ledger.release, lease)
             log.info("%s: released shard %d (epoch %d, endpoint unavailable)%s", self.owner, lease.shard_no,
                      lease.epoch, "" if released else " - release refused, lease was stale")
-            raise Fatal(f"fatal: {exc}", EXIT_ENDPOINT) from None
+            raise Fatal(f"fatal: {exc}", ExitCode.ENDPOINT) from None
         except Exception as exc:  # noqa: BLE001 - the engine itself broke (lost GPU, OOM): give the shard back
             shard.halt.set()
             renewer.join(timeout=5)
@@ -343,7 +369,7 @@ class Worker:
                 self._db(self.ledger.abandon, lease)
             finally:
                 raise Fatal(f"fatal: engine failed on shard {lease.shard_no}: {exc.__class__.__name__}: {exc}; "
-                            "shard given back (counted as a lost lease)", EXIT_ENGINE) from exc
+                            "shard given back (counted as a lost lease)", ExitCode.ENGINE) from exc
         finally:
             shard.halt.set()
             renewer.join(timeout=5)
@@ -567,36 +593,50 @@ def run_worker(cfg: WorkerConfig) -> int:
     return Worker(cfg).run()
 
 
-def add_arguments(p: "argparse.ArgumentParser") -> None:
-    """The worker's flags: shared by ``batch-inference worker`` and ``python -m gpu_runner``."""
+def _flags() -> list[tuple[dataclasses.Field, dict[str, Any]]]:
+    """``WorkerConfig``'s flag fields with their argparse settings, in declaration order."""
+    hints = typing.get_type_hints(WorkerConfig)
+    out = []
+    for f in dataclasses.fields(WorkerConfig):
+        meta = f.metadata.get("flag")
+        if meta is None:
+            continue
+        meta = dict(meta)
+        flag = meta.pop("flag", "--" + f.name.replace("_", "-"))
+        help_text, env, shown = meta.pop("help"), meta.pop("env"), meta.pop("shown")
+        kwargs: dict[str, Any] = {"dest": f.name, **meta}
+        if "action" not in kwargs:
+            kind = next((t for t in typing.get_args(hints[f.name]) if t is not type(None)), hints[f.name])
+            if kind is not str:
+                kwargs["type"] = kind
+            default = f.default if env is None else kind(os.environ.get(env, f.default))
+            if default is not None:
+                kwargs["default"] = default
+        elif kwargs["action"] == "store_false":
+            kwargs["default"] = f.default
+        if help_text and shown:
+            help_text += f" (default {f.default:g})"
+        if help_text:
+            kwargs["help"] = help_text
+        out.append((f, {"flag": flag, **kwargs}))
+    return out
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """The worker's flags, from ``WorkerConfig``: shared by ``batch-inference worker`` and ``python -m gpu_runner``."""
     p.add_argument("job_version")
-    p.add_argument("--engine", help="engine name or dotted path (default: the spec's)")
-    p.add_argument("--engine-option", action="append", metavar="KEY=VALUE", help="engine option (JSON value)")
-    p.add_argument("--worker-id")
-    p.add_argument("--transport", choices=["batch", "fallback"], default="batch")
-    p.add_argument("--grace-seconds", type=float, default=float(os.environ.get("BATCH_INFERENCE_GRACE_SECONDS", 20)),
-                   help="preemption notice: time to finish in-flight records before releasing (default 20)")
-    p.add_argument("--lease-seconds", type=int, help="override the spec's lease length")
-    p.add_argument("--flush-every", type=int, default=1000, help="write results at least every N (default 1000)")
-    p.add_argument("--flush-seconds", type=float, default=2.0, help="... or every S seconds (default 2)")
-    p.add_argument("--max-shards", type=int)
-    p.add_argument("--no-wait", action="store_true", help="exit when nothing is claimable now")
-    p.add_argument("--poll-seconds", type=float, default=5.0,
-                   help="while others hold the last shards, look for an expired one this often (default 5)")
-    p.add_argument("--db-retries", type=int, default=8, help="reconnect attempts on a lost database (default 8)")
-    p.add_argument("--careful-batch", type=int, default=32,
-                   help="engine batch size on a shard whose earlier holder died (default 32)")
+    for _, kwargs in _flags():
+        kwargs = dict(kwargs)
+        p.add_argument(kwargs.pop("flag"), **kwargs)
 
 
 def parse_engine_options(items: list[str]) -> dict[str, Any]:
     """``KEY=VALUE`` flags to an options dict; a VALUE that parses as JSON is taken as JSON."""
-    import json
-
     opts: dict[str, Any] = {}
     for item in items:
         k, sep, v = item.partition("=")
         if not sep:
-            raise ValueError(f"--engine-option {item!r}: expected KEY=VALUE")
+            raise InvalidValue(f"--engine-option {item!r}: expected KEY=VALUE")
         try:
             opts[k] = json.loads(v)
         except json.JSONDecodeError:
@@ -604,23 +644,16 @@ def parse_engine_options(items: list[str]) -> dict[str, Any]:
     return opts
 
 
-def config_from_args(args: "argparse.Namespace") -> WorkerConfig:
-    opts = parse_engine_options(args.engine_option) if args.engine_option else None
-    return WorkerConfig(job_version=args.job_version, db_url=getattr(args, "db", None), engine=args.engine,
-                        engine_options=opts, worker_id=args.worker_id, transport=args.transport,
-                        grace_seconds=args.grace_seconds, lease_seconds=args.lease_seconds,
-                        wait_for_leases=not args.no_wait, poll_seconds=args.poll_seconds,
-                        max_shards=args.max_shards,
-                        flush_every=args.flush_every, flush_seconds=args.flush_seconds,
-                        db_retries=args.db_retries, careful_batch=args.careful_batch)
+def config_from_args(args: argparse.Namespace) -> WorkerConfig:
+    values = {f.name: getattr(args, f.name) for f, _ in _flags()}
+    values["engine_options"] = parse_engine_options(values["engine_options"]) if values["engine_options"] else None
+    return WorkerConfig(job_version=args.job_version, db_url=getattr(args, "db", None), **values)
 
 
 def main(argv: list[str] | None = None) -> int:
     """``python -m gpu_runner JOB_VERSION [flags]``: the container entrypoint. It
     builds only the worker's own parser, so nothing else in the CLI can stop a
     worker from starting."""
-    import argparse
-
     p = argparse.ArgumentParser(prog="gpu_runner", description="a batch-inference worker")
     p.add_argument("--db", default=None, help="PostgreSQL URL (default: $BATCH_INFERENCE_DB, else embedded)")
     add_arguments(p)
@@ -629,7 +662,7 @@ def main(argv: list[str] | None = None) -> int:
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         cfg = config_from_args(args)
-    except ValueError as exc:
+    except InvalidValue as exc:
         print(f"gpu_runner: error: {exc}", file=sys.stderr)
-        return EXIT_CONFIG
+        return ExitCode.CONFIG
     return run_worker(cfg)

@@ -228,12 +228,13 @@ def test_worker_survives_a_connection_lost_again_right_after_reconnecting(monkey
 
 
 def test_worker_whose_database_keeps_failing_exits_2_not_with_a_traceback(monkeypatch, conn, db_url):
-    from gpu_runner.worker import EXIT_DB, WorkerConfig, run_worker
+    from batch_inference.exits import ExitCode
+    from gpu_runner.worker import WorkerConfig, run_worker
 
     make_source(conn, tickets(5))
     job = submit(conn, make_spec()).job_version
     _drop_put_results(monkeypatch, conn, times=1000)
-    assert run_worker(WorkerConfig(job_version=job, db_url=db_url, db_retries=2)) == EXIT_DB
+    assert run_worker(WorkerConfig(job_version=job, db_url=db_url, db_retries=2)) == ExitCode.DB
     assert conn.execute("SELECT count(*) AS n FROM bi.results").fetchone()["n"] == 0
 
 

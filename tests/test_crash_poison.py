@@ -28,7 +28,8 @@ from batch_inference.engines.base import Engine, Outcome, Request
 from batch_inference.ledger import Ledger
 from batch_inference.plan import submit
 from batch_inference.status import dead_letters, job_counts
-from gpu_runner.worker import EXIT_ENGINE, WorkerConfig, run_worker
+from batch_inference.exits import ExitCode
+from gpu_runner.worker import WorkerConfig, run_worker
 from tests.conftest import make_source, make_spec, tickets
 
 ANSWER = json.dumps({"category": "billing", "summary": "charged twice"})
@@ -141,7 +142,7 @@ def test_an_engine_that_raises_on_one_record_does_not_loop_either(conn, db_url, 
         codes.append(run_worker(cfg))
         if codes[-1] == 0:
             break
-    assert codes == [EXIT_ENGINE] * 4 + [0]
+    assert codes == [ExitCode.ENGINE] * 4 + [0]
     dl = dead_letters(conn, job)
     assert [(d["record_id"], d["attempts"]) for d in dl] == [(POISON, 3)]
     c = job_counts(conn, job)

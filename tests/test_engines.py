@@ -562,10 +562,10 @@ def test_a_400_is_the_records_failure_and_the_endpoint_counts_as_up(scripted):
 def test_a_batch_worker_on_a_down_endpoint_exits_6_and_spends_no_attempts(conn, db_url, scripted):
     """A worker with engine openai, as LocalWorkersOperator starts it: the endpoint answers three
     records, then refuses everything. The three are stored; the rest stay pending, attempts 0."""
+    from batch_inference.exits import ExitCode
     from batch_inference.operators.workers import FATAL_EXITS
     from batch_inference.plan import submit
     from batch_inference.status import job_counts
-    from gpu_runner.worker import EXIT_ENDPOINT
     from tests.conftest import make_source, tickets
     from tests.conftest import make_spec as ledger_spec
 
@@ -576,7 +576,7 @@ def test_a_batch_worker_on_a_down_endpoint_exits_6_and_spends_no_attempts(conn, 
     proc = subprocess.run([sys.executable, "-m", "gpu_runner", job, "--flush-every", "1", "--no-wait"],
                           env={**os.environ, "BATCH_INFERENCE_DB": db_url}, capture_output=True, text=True,
                           timeout=120)
-    assert proc.returncode == EXIT_ENDPOINT == 6, proc.stderr[-3000:]
+    assert proc.returncode == ExitCode.ENDPOINT == 6, proc.stderr[-3000:]
     fatal = [line for line in proc.stderr.splitlines() if "fatal" in line]
     assert len(fatal) == 1, proc.stderr[-3000:]
     assert (f"fatal: engine endpoint {srv.base_url} failing: 5 of the last 5 requests failed (HTTP 500: "
@@ -588,7 +588,7 @@ def test_a_batch_worker_on_a_down_endpoint_exits_6_and_spends_no_attempts(conn, 
     assert conn.execute("SELECT coalesce(sum(lost_leases), 0) AS n FROM bi.shards WHERE job_version = %s",
                         (job,)).fetchone()["n"] == 0                   # a release, not an abandoned shard
     # LocalWorkersOperator fails the task on it without restarting the worker.
-    assert "endpoint is unavailable" in FATAL_EXITS[EXIT_ENDPOINT]
+    assert "endpoint is unavailable" in FATAL_EXITS[ExitCode.ENDPOINT]
 
 
 # -- token bucket ----------------------------------------------------------------------------

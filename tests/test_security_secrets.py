@@ -23,6 +23,7 @@ import pytest
 
 from batch_inference import cli, db
 from batch_inference.callbacks import build_message, deliver
+from batch_inference.exits import ExitCode
 from batch_inference.plan import submit
 from gpu_runner import worker
 from tests.conftest import make_source, make_spec, tickets
@@ -118,7 +119,7 @@ def test_an_unusable_url_is_one_line_without_the_password(db_url, name, capsys, 
     assert "database" in err and "Traceback" not in err
     with caplog.at_level(logging.INFO):
         code = worker.run_worker(worker.WorkerConfig(job_version="jv_x", db_url=url, db_retries=0))
-    assert code in (worker.EXIT_CONFIG, worker.EXIT_DB)
+    assert code in (ExitCode.CONFIG, ExitCode.DB)
     fatal = [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR]
     assert len(fatal) == 1 and fatal[0].startswith("fatal: ") and "\n" not in fatal[0], fatal
     _no_secret(err + caplog.text, *([f"{SECRET}%zz"] if "percent" in name else []))
@@ -128,7 +129,7 @@ def test_unusable_urls_from_the_environment_in_a_worker_and_cli_process(db_url):
     url = _unusable(db_url)["bad_percent_in_password"]
     w = _run(["-m", "gpu_runner", "jv_x"], env={db.DB_ENV: url})
     c = _run(["-m", "batch_inference.cli", "status", "jv_x"], env={db.DB_ENV: url})
-    assert (w.returncode, c.returncode) == (worker.EXIT_CONFIG, 2), w.stderr + c.stderr
+    assert (w.returncode, c.returncode) == (ExitCode.CONFIG, 2), w.stderr + c.stderr
     assert "Traceback" not in w.stderr + c.stderr and len(c.stderr.strip().splitlines()) == 1
     _no_secret(w.stdout + w.stderr + c.stdout + c.stderr)
 
@@ -212,7 +213,7 @@ def test_an_unreachable_engine_url_is_reported_without_credentials(conn, db_url)
     w = _run(["-m", "gpu_runner", job, "--no-wait", "--engine", "openai", "--engine-option", f"base_url={base}",
               "--engine-option", "max_retries=0", "--engine-option", "breaker_failures=2"],
              env={db.DB_ENV: db_url})
-    assert w.returncode == worker.EXIT_ENDPOINT, w.stderr[-2000:]
+    assert w.returncode == ExitCode.ENDPOINT, w.stderr[-2000:]
     assert "endpoint http://127.0.0.1:1/v1?token=***" in w.stderr
     _no_secret(w.stdout + w.stderr, f"{SECRET}T")
 

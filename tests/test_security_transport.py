@@ -36,7 +36,8 @@ from batch_inference.fallback import FallbackRefused, run_fallback
 from batch_inference.pinning import CodeInModel, DigestMismatch, sha256_tree, verify_weights
 from batch_inference.plan import submit
 from batch_inference.spec import SpecError, load_spec
-from gpu_runner.worker import EXIT_CONFIG, EXIT_DIGEST, WorkerConfig, run_worker
+from batch_inference.exits import ExitCode
+from gpu_runner.worker import WorkerConfig, run_worker
 from tests.conftest import make_source, make_spec, tickets
 from tests.test_fallback import endpoint  # noqa: F401 - the fixture: a loopback OpenAI-compatible server
 
@@ -75,20 +76,20 @@ def test_worker_refuses_a_hosted_endpoint_for_a_restricted_job_and_sends_nothing
     make_source(conn, tickets(20))
     job = submit(conn, restricted_openai_spec(endpoint.base_url)).job_version
     # In process, the endpoint from the spec.
-    assert run_worker(WorkerConfig(job_version=job, db_url=db_url, max_shards=1)) == EXIT_CONFIG
+    assert run_worker(WorkerConfig(job_version=job, db_url=db_url, max_shards=1)) == ExitCode.CONFIG
     # As a process, the endpoint given at run time (how LocalWorkersOperator passes options).
     proc = worker_process(db_url, job, "--engine-option", f"base_url={endpoint.base_url}")
-    assert proc.returncode == EXIT_CONFIG
+    assert proc.returncode == ExitCode.CONFIG
     line = one_error_line(proc)
     assert "restricted" in line and "not cleared for hosted APIs" in line and "127.0.0.1" in line
     # A hostname nobody declared counts as hosted.
     proc = worker_process(db_url, job, "--engine-option", "base_url=https://api.example.invalid/v1")
-    assert proc.returncode == EXIT_CONFIG and "api.example.invalid" in one_error_line(proc)
+    assert proc.returncode == ExitCode.CONFIG and "api.example.invalid" in one_error_line(proc)
     # The spec marks its fallback endpoint hosted: the batch engine at the same host is refused too.
     marked = submit(conn, make_spec(record_class="restricted", dataset="marked",
                                     engine={"name": "openai", "options": {"base_url": endpoint.base_url}},
                                     fallback={"hosted": True, "base_url": endpoint.base_url})).job_version
-    assert run_worker(WorkerConfig(job_version=marked, db_url=db_url)) == EXIT_CONFIG
+    assert run_worker(WorkerConfig(job_version=marked, db_url=db_url)) == ExitCode.CONFIG
     assert endpoint.hits == [] and claims(conn, job) == 0 and claims(conn, marked) == 0
 
 
@@ -282,11 +283,11 @@ def test_worker_refuses_a_changed_tokenizer_before_any_claim(conn, db_url, tmp_p
     make_source(conn, tickets(5))
     job = submit(conn, vllm_spec(d)).job_version
     (d / "tokenizer_config.json").write_text('{"chat_template": "changed"}')
-    assert run_worker(WorkerConfig(job_version=job, db_url=db_url)) == EXIT_DIGEST
+    assert run_worker(WorkerConfig(job_version=job, db_url=db_url)) == ExitCode.DIGEST
     (d / "tokenizer_config.json").write_text('{"chat_template": "{{ messages }}"}')
     (d / "modeling_x.py").write_text("print('hi')")
     proc = worker_process(db_url, job)
-    assert proc.returncode == EXIT_DIGEST and "modeling_x.py" in one_error_line(proc)
+    assert proc.returncode == ExitCode.DIGEST and "modeling_x.py" in one_error_line(proc)
     assert claims(conn, job) == 0
 
 
@@ -336,7 +337,7 @@ def test_worker_refuses_trust_remote_code_at_run_time_before_any_claim(conn, db_
     make_source(conn, tickets(5))
     job = submit(conn, vllm_spec(model_dir(tmp_path))).job_version
     proc = worker_process(db_url, job, "--engine-option", "trust_remote_code=true")
-    assert proc.returncode == EXIT_CONFIG and "trust_remote_code" in one_error_line(proc)
+    assert proc.returncode == ExitCode.CONFIG and "trust_remote_code" in one_error_line(proc)
     assert claims(conn, job) == 0
 
 
@@ -450,11 +451,11 @@ def test_worker_refuses_a_dotted_engine_before_import(conn, db_url, evil_modules
     job = submit(conn, make_spec(engine={"name": "evil_engine:Engine"})).job_version
     env = {"PYTHONPATH": f"{lib}{os.pathsep}{os.environ.get('PYTHONPATH', '')}", "BATCH_INFERENCE_ENGINE_MODULES": ""}
     proc = worker_process(db_url, job, env=env)                       # from the spec
-    assert proc.returncode == EXIT_CONFIG and "evil_engine" in one_error_line(proc)
+    assert proc.returncode == ExitCode.CONFIG and "evil_engine" in one_error_line(proc)
     proc = worker_process(db_url, job, "--engine", "evil_pkg.sub:Engine", env=env)   # from the command line
-    assert proc.returncode == EXIT_CONFIG and "evil_pkg.sub" in one_error_line(proc)
+    assert proc.returncode == ExitCode.CONFIG and "evil_pkg.sub" in one_error_line(proc)
     # The chaos wrapper's inner engine goes through the same check.
     proc = worker_process(db_url, job, "--engine", "batch_inference.chaos:CountingEngine", "--engine-option",
                           "inner=evil_engine:Engine", "--engine-option", f"count_dir={lib}", env=env)
-    assert proc.returncode == EXIT_CONFIG and "evil_engine" in one_error_line(proc)
+    assert proc.returncode == ExitCode.CONFIG and "evil_engine" in one_error_line(proc)
     assert not marker.exists() and claims(conn, job) == 0

@@ -16,7 +16,8 @@ from batch_inference import db
 from batch_inference.plan import submit
 from batch_inference.status import dead_letters, job_counts
 from batch_inference.engines.base import Engine, Outcome
-from gpu_runner.worker import EXIT_DIGEST, EXIT_ENGINE, WorkerConfig, run_worker
+from batch_inference.exits import ExitCode
+from gpu_runner.worker import WorkerConfig, run_worker
 from tests.conftest import make_source, make_spec, tickets
 
 
@@ -96,7 +97,7 @@ def test_wrong_digest_refuses_to_start_and_writes_nothing(conn, db_url, tmp_path
                                  engine={"name": "llama-cpp"})).job_version
     w = start_worker(db_url, job)
     out, _ = w.communicate(timeout=60)
-    assert w.returncode == EXIT_DIGEST
+    assert w.returncode == ExitCode.DIGEST
     assert "refusing to start" in out and "a" * 12 in out
     assert conn.execute("SELECT count(*) AS n FROM bi.results").fetchone()["n"] == 0
     assert conn.execute("SELECT max(epoch) AS e FROM bi.shards").fetchone()["e"] == 0   # never even claimed
@@ -140,7 +141,7 @@ def test_engine_failure_releases_the_shard_and_exits_non_zero(conn, db_url):
     job = submit(conn, make_spec()).job_version
     code = run_worker(WorkerConfig(job_version=job, db_url=db_url, engine="tests.test_worker:BrokenEngine",
                                    flush_every=1))
-    assert code == EXIT_ENGINE
+    assert code == ExitCode.ENGINE
     shard = conn.execute("SELECT state, epoch FROM bi.shards WHERE job_version = %s", (job,)).fetchone()
     assert shard["state"] == "pending" and shard["epoch"] == 1      # given back at once
     assert job_counts(conn, job)["stored"] == 1                     # what it finished is kept

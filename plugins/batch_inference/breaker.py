@@ -13,7 +13,7 @@ context). The breaker trips when
 and from then on every request raises :class:`EndpointUnavailable` instead
 of being sent. The worker then leaves the shard's records pending with
 their attempts untouched, releases the shard, and exits with
-``EXIT_ENDPOINT``; the fallback pool stops all its threads and raises
+``ExitCode.ENDPOINT``; the fallback pool stops all its threads and raises
 ``FallbackEndpointUnavailable``. The fallback pool hands one breaker to all
 its threads, because they share the endpoint.
 
@@ -30,6 +30,8 @@ import threading
 from collections import deque
 from typing import Any
 from urllib.parse import urlsplit, urlunsplit
+
+from batch_inference.exceptions import BatchInferenceError, InvalidValue
 
 FAILURES = 5          # consecutive transport failures that trip the breaker
 WINDOW = 20           # ... or this many recent requests, of which
@@ -50,7 +52,7 @@ def public_url(url: str) -> str:
     return redact(url)
 
 
-class EndpointUnavailable(RuntimeError):
+class EndpointUnavailable(BatchInferenceError, RuntimeError):
     """The endpoint failed most requests in a row; the records sent to it are not at fault.
 
     ``describe(role)`` is the one-line message (``role``: "engine" or
@@ -71,7 +73,7 @@ class Breaker:
 
     def __init__(self, endpoint: str, failures: int = FAILURES, window: int = WINDOW):
         if failures < 1 or window < failures:
-            raise ValueError(f"breaker: 'breaker_failures' must be at least 1 and 'breaker_window' at least "
+            raise InvalidValue(f"breaker: 'breaker_failures' must be at least 1 and 'breaker_window' at least "
                              f"'breaker_failures', got {failures} and {window}")
         self.endpoint = endpoint
         self.failures = failures

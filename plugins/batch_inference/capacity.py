@@ -18,6 +18,8 @@ from __future__ import annotations
 import math
 from dataclasses import asdict, dataclass, field
 
+from batch_inference.exceptions import InvalidValue
+
 
 @dataclass(frozen=True)
 class Model:
@@ -100,7 +102,7 @@ def kv_bytes_per_token(model: Model) -> float:
 def rate_from_timing(records: int, seconds: float) -> float:
     """Records/s from a timed sample run, first claim to last write."""
     if records <= 0 or seconds <= 0:
-        raise ValueError("a timing needs a positive record count and duration")
+        raise InvalidValue("a timing needs a positive record count and duration")
     return records / seconds
 
 
@@ -186,7 +188,7 @@ def plan_gpus(est: Estimate, overhead: float, gpus_per_worker: int = 1) -> int:
     makespan over its ideal; the design adds about 20% and plans 45 GPUs.
     """
     if overhead < 0:
-        raise ValueError("overhead must be >= 0")
+        raise InvalidValue("overhead must be >= 0")
     workers = math.ceil(est.gpus_flat_out * (1 + overhead) / gpus_per_worker - 1e-9)
     return workers * gpus_per_worker
 
@@ -201,12 +203,12 @@ def _check(w: Workload, h: Hardware, m: Model, measured_rps: float | None) -> No
     }
     for name, value in positive.items():
         if value <= 0:
-            raise ValueError(f"{name} must be > 0, got {value}")
+            raise InvalidValue(f"{name} must be > 0, got {value}")
     if h.prefill_efficiency > 1 or h.decode_efficiency > 1:
-        raise ValueError("efficiencies are fractions of peak: at most 1")
+        raise InvalidValue("efficiencies are fractions of peak: at most 1")
     if w.tokens_out < 0 or h.price_per_gpu_hour < 0:
-        raise ValueError("tokens out and price must be >= 0")
+        raise InvalidValue("tokens out and price must be >= 0")
     if not 0 <= w.cached_prefix < w.tokens_in:
-        raise ValueError("cached prefix must be >= 0 and shorter than tokens in")
+        raise InvalidValue("cached prefix must be >= 0 and shorter than tokens in")
     if measured_rps is not None and measured_rps <= 0:
-        raise ValueError("measured records/s must be > 0")
+        raise InvalidValue("measured records/s must be > 0")

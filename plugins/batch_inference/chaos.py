@@ -54,6 +54,7 @@ from typing import Any
 import psycopg
 
 from batch_inference.engines.base import Engine, Outcome, Request
+from batch_inference.exceptions import InvalidValue
 
 log = logging.getLogger("batch_inference.chaos")
 
@@ -115,14 +116,14 @@ class ChaosConfig:
         for name, low in (("workers", 1), ("faults", 0), ("flush_every", 1), ("db_restarts", 0),
                           ("poison_each", 0)):
             if getattr(self, name) < low:
-                raise ValueError(f"chaos: {name.replace('_', ' ')} must be at least {low}, got {getattr(self, name)}")
+                raise InvalidValue(f"chaos: {name.replace('_', ' ')} must be at least {low}, got {getattr(self, name)}")
         if self.workers > 512:
-            raise ValueError(f"chaos: at most 512 workers, got {self.workers}")
+            raise InvalidValue(f"chaos: at most 512 workers, got {self.workers}")
         if self.records is not None and self.records < 2 * self.poison_each + 2:
-            raise ValueError(f"chaos: records must be at least {2 * self.poison_each + 2} (the poison records and "
+            raise InvalidValue(f"chaos: records must be at least {2 * self.poison_each + 2} (the poison records and "
                              f"healthy ones), got {self.records}")
         if not self.duration > 0:
-            raise ValueError(f"chaos: duration must be positive, got {self.duration}")
+            raise InvalidValue(f"chaos: duration must be positive, got {self.duration}")
         # The job's own limits (shard size, lease, renewal), checked the one way every spec is.
         _spec(self)
 
@@ -210,7 +211,7 @@ class CountingEngine(Engine):
         inner = str(opts.pop("inner", "noop"))
         count_dir = opts.pop("count_dir", None)
         if not count_dir:
-            raise ValueError("engine 'counting': option 'count_dir' is required")
+            raise InvalidValue("engine 'counting': option 'count_dir' is required")
         from batch_inference.engines import load_engine
 
         self.inner = load_engine(inner, spec, opts)

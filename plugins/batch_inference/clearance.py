@@ -45,6 +45,7 @@ from typing import TYPE_CHECKING
 from urllib.parse import urlsplit
 
 from batch_inference.breaker import public_url
+from batch_inference.exceptions import NotCleared
 
 if TYPE_CHECKING:
     from batch_inference.spec import JobSpec
@@ -54,10 +55,6 @@ INTERNAL_NETWORKS = tuple(ipaddress.ip_network(n) for n in (
     "::1/128", "fc00::/7", "fe80::/10",
 ))
 INTERNAL_NAMES = frozenset({"localhost"})
-
-
-class NotCleared(ValueError):
-    """Records may not go to this endpoint (one line, raised before any request)."""
 
 
 def _shown(url: str) -> str:

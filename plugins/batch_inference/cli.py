@@ -217,14 +217,11 @@ def main(argv: list[str] | None = None) -> int:
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     import psycopg
 
-    from batch_inference.db import DatabaseUnavailable
-    from batch_inference.plan import snapshot
-    from batch_inference.spec import SpecError
-    from batch_inference.status import UnknownJob
+    from batch_inference.exceptions import BatchInferenceError
 
     try:
         return int(args.func(args) or 0)
-    except (SpecError, snapshot.SnapshotError, UnknownJob, DatabaseUnavailable, ValueError) as exc:
+    except BatchInferenceError as exc:
         print(f"batch-inference {args.command}: error: {one_line(exc.args[0] if exc.args else exc)}",
               file=sys.stderr)
         return 2

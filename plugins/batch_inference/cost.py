@@ -19,6 +19,8 @@ from dataclasses import dataclass
 from decimal import ROUND_FLOOR, ROUND_HALF_UP, Decimal
 from typing import Any, Iterable
 
+from batch_inference.exceptions import InvalidValue
+
 CENT = Decimal("0.01")
 
 # The seed workload's prices: $0.00725 a row synchronously, half that on batch.
@@ -32,9 +34,9 @@ def _money(value: Any) -> Decimal:
     try:
         d = value if isinstance(value, Decimal) else Decimal(str(value))
     except ArithmeticError:  # decimal.InvalidOperation: not a number at all
-        raise ValueError(f"a price must be a number, got {value!r}") from None
+        raise InvalidValue(f"a price must be a number, got {value!r}") from None
     if not d.is_finite() or d < 0:
-        raise ValueError(f"a price must be a finite number >= 0, got {value!r}")
+        raise InvalidValue(f"a price must be a finite number >= 0, got {value!r}")
     return d
 
 
@@ -77,7 +79,7 @@ DEFAULT_PRICES = Prices()
 
 def _rows(n: int, name: str) -> int:
     if isinstance(n, bool) or int(n) != n or n < 0:
-        raise ValueError(f"{name} must be a whole number >= 0, got {n!r}")
+        raise InvalidValue(f"{name} must be a whole number >= 0, got {n!r}")
     return int(n)
 
 
@@ -173,7 +175,7 @@ def cost_report(
     f = _rows(fallback_rows, "fallback_rows")
     total = b + f if total_rows is None else _rows(total_rows, "total_rows")
     if total < b + f:
-        raise ValueError(f"total_rows {total:,} is fewer than the {b + f:,} rows billed")
+        raise InvalidValue(f"total_rows {total:,} is fewer than the {b + f:,} rows billed")
     return CostReport(
         batch_rows=b,
         fallback_rows=f,
@@ -196,7 +198,7 @@ def split_at(rows: int, completed_fraction: float | Decimal) -> tuple[int, int]:
     n = _rows(rows, "rows")
     frac = Decimal(str(completed_fraction))
     if not (0 <= frac <= 1):
-        raise ValueError(f"completed fraction must be within 0..1, got {completed_fraction!r}")
+        raise InvalidValue(f"completed fraction must be within 0..1, got {completed_fraction!r}")
     batch = int((n * frac).to_integral_value(rounding=ROUND_FLOOR))
     return batch, n - batch
 
@@ -265,7 +267,7 @@ def month_view(
     for s in slip_nights_list:
         k = _rows(s, "slip nights")
         if k > n:
-            raise ValueError(f"{k} slip nights in a {n}-night month")
+            raise InvalidValue(f"{k} slip nights in a {n}-night month")
         out.append(
             MonthRow(
                 slip_nights=k,

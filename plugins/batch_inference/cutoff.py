@@ -31,6 +31,7 @@ from datetime import datetime, time, timedelta, timezone, tzinfo
 from typing import Any, Iterable, Mapping, Sequence
 
 from batch_inference.cost import DEFAULT_PRICES, CostReport, Prices, cents, cost_report
+from batch_inference.exceptions import InvalidValue
 
 UTC = timezone.utc
 
@@ -67,10 +68,10 @@ def parse_clock_time(text: str) -> time:
     """'06:00' or '06:00:30' as a ``time``; anything else is a ValueError naming the text."""
     m = _CLOCK.match(text.strip())
     if not m:
-        raise ValueError(f"expected HH:MM or HH:MM:SS, got {text!r}")
+        raise InvalidValue(f"expected HH:MM or HH:MM:SS, got {text!r}")
     h, mi, s = int(m.group(1)), int(m.group(2)), int(m.group(3) or 0)
     if h > 23 or mi > 59 or s > 59:
-        raise ValueError(f"not a time of day: {text!r}")
+        raise InvalidValue(f"not a time of day: {text!r}")
     return time(h, mi, s)
 
 
@@ -117,11 +118,11 @@ def relabel_start(deadline: datetime, fixed_time: time | str) -> datetime:
 
 def _check(outstanding: int, rate: float, overhead_s: float) -> None:
     if outstanding < 0:
-        raise ValueError(f"outstanding must be >= 0, got {outstanding!r}")
+        raise InvalidValue(f"outstanding must be >= 0, got {outstanding!r}")
     if not rate > 0 or not math.isfinite(rate):
-        raise ValueError(f"rate must be a positive number of rows/s, got {rate!r}")
+        raise InvalidValue(f"rate must be a positive number of rows/s, got {rate!r}")
     if not overhead_s >= 0 or not math.isfinite(overhead_s):
-        raise ValueError(f"overhead_s must be >= 0, got {overhead_s!r}")
+        raise InvalidValue(f"overhead_s must be >= 0, got {overhead_s!r}")
 
 
 def fallback_seconds(outstanding: int, rate: float, overhead_s: float) -> float:
@@ -391,7 +392,7 @@ def slow_half_median(values: Iterable[float]) -> float:
     quantile that one fast outlier cannot raise. ValueError on no values."""
     v = sorted(values)
     if not v:
-        raise ValueError("no values")
+        raise InvalidValue("no values")
     return float(statistics.median(v[: math.ceil(len(v) / 2)]))
 
 

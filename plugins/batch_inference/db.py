@@ -22,19 +22,13 @@ import psycopg
 from psycopg.conninfo import conninfo_to_dict
 from psycopg.rows import dict_row
 
+from batch_inference.exceptions import BadDatabaseURL, DatabaseUnavailable
+
 log = logging.getLogger(__name__)
 
 DB_ENV = "BATCH_INFERENCE_DB"
 HOME_ENV = "BATCH_INFERENCE_HOME"
 _MIGRATION_LOCK = 0x62695F6D  # advisory lock key: one migrator at a time
-
-
-class DatabaseUnavailable(RuntimeError):
-    """The database could not be reached after retries."""
-
-
-class BadDatabaseURL(ValueError):
-    """A database URL or conninfo libpq cannot use; the message names it without its password."""
 
 
 def sql_dir() -> Path:

@@ -67,6 +67,7 @@ from batch_inference.cutoff import (
     early_warning,
     projected_finish,
 )
+from batch_inference.exceptions import InvalidValue
 from batch_inference.spec import JobSpec
 from batch_inference.status import UnknownJob
 
@@ -103,7 +104,7 @@ class WatchConfig:
         if self.relabel_at is not None and self.relabel_at.tzinfo is None:
             object.__setattr__(self, "relabel_at", self.relabel_at.replace(tzinfo=UTC))
         if not self.poll_interval_s > 0:
-            raise ValueError(f"poll interval must be positive, got {self.poll_interval_s!r}")
+            raise InvalidValue(f"poll interval must be positive, got {self.poll_interval_s!r}")
 
 
 @dataclass(frozen=True)
@@ -377,11 +378,11 @@ def config_from_kwargs(job_version: str, deadline: str, poll_interval: float = 6
     """The inverse of :func:`watch_kwargs`."""
     d = parse_iso(deadline)
     if d is None:
-        raise ValueError("a deadline is required")
+        raise InvalidValue("a deadline is required")
     if rate is not None and not (math.isfinite(float(rate)) and float(rate) > 0):
-        raise ValueError(f"rate must be a positive number of rows/s, got {rate!r}")
+        raise InvalidValue(f"rate must be a positive number of rows/s, got {rate!r}")
     if overhead_s is not None and not (math.isfinite(float(overhead_s)) and float(overhead_s) >= 0):
-        raise ValueError(f"overhead_s must be a finite number >= 0, got {overhead_s!r}")
+        raise InvalidValue(f"overhead_s must be a finite number >= 0, got {overhead_s!r}")
     return WatchConfig(job_version=job_version, deadline=d, poll_interval_s=float(poll_interval),
                        rate=None if rate is None else float(rate),
                        overhead_s=None if overhead_s is None else float(overhead_s),

@@ -62,23 +62,12 @@ from batch_inference import db
 from batch_inference.breaker import Breaker, public_url
 from batch_inference.clearance import NotCleared, check_clearance
 from batch_inference.engines.openai import STYLES
+from batch_inference.exceptions import FallbackEndpointUnavailable, FallbackIncomplete, FallbackRefused
 from batch_inference.ratelimit import TokenBucket
 from batch_inference.spec import JobSpec
 from batch_inference.status import UnknownJob, job_counts
 
 log = logging.getLogger("batch_inference.fallback")
-
-
-class FallbackRefused(ValueError):
-    """The fallback may not run as configured (one line, raised before any request)."""
-
-
-class FallbackIncomplete(RuntimeError):
-    """The pool stopped with records still outstanding."""
-
-
-class FallbackEndpointUnavailable(FallbackIncomplete):
-    """The endpoint failed most requests: the pool stopped, records pending, no attempts spent (one line)."""
 
 
 # -- guards -----------------------------------------------------------------

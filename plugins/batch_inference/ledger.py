@@ -22,10 +22,11 @@ from typing import Any
 import psycopg
 
 from batch_inference.db import q
+from batch_inference.exceptions import BatchInferenceError
 from batch_inference.outputs import storable_text
 
 
-class StaleLease(RuntimeError):
+class StaleLease(BatchInferenceError, RuntimeError):
     """The shard was re-leased (our epoch is stale): our write was refused."""
 
 

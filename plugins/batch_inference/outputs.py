@@ -29,6 +29,7 @@ import jsonschema_rs
 from jsonschema import Draft202012Validator
 from jsonschema.exceptions import best_match
 
+from batch_inference.exceptions import BatchInferenceError
 from batch_inference.spec import JobSpec, Rule
 
 MAX_REASON = 300
@@ -78,7 +79,7 @@ def fast_validator_for(schema: dict[str, Any]) -> Any:
     return _compiled(schema).fast
 
 
-class _Unstorable(ValueError):
+class _Unstorable(BatchInferenceError, ValueError):
     """Valid to Python's json module, refused by PostgreSQL's jsonb."""
 
 

@@ -37,6 +37,8 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from batch_inference.exceptions import CodeInModel, DigestMismatch, WeightsMissing
+
 if TYPE_CHECKING:
     from batch_inference.engines.base import Engine
     from batch_inference.spec import JobSpec
@@ -47,22 +49,6 @@ CHUNK = 1 << 20  # 1 MiB: large enough for full disk speed, small enough to stre
 # for many shards hashes them once per process, and a changed file (new size
 # or mtime) is hashed again.
 _cache: dict[tuple[str, int, int], str] = {}
-
-
-class DigestMismatch(ValueError):
-    """The weights on disk are not the weights the spec pins.
-
-    Catching this one class covers every way the pin can fail, so a worker
-    refuses to start for all of them with the same exit code.
-    """
-
-
-class WeightsMissing(DigestMismatch):
-    """The pinned weights are not there at all (missing, unreadable, none found)."""
-
-
-class CodeInModel(DigestMismatch):
-    """A model directory holds a code file the spec does not declare (``model.code_files``)."""
 
 
 # Files a loader could execute: Python sources and bytecode, native libraries, scripts.

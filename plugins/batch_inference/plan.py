@@ -19,6 +19,7 @@ from psycopg import errors, sql
 
 from batch_inference import snapshot
 from batch_inference.db import q
+from batch_inference.exceptions import GrantRefused
 from batch_inference.spec import JobSpec
 
 log = logging.getLogger(__name__)
@@ -133,10 +134,6 @@ def _plan(conn: psycopg.Connection, params: dict[str, Any], records: int) -> Map
     if done["shards"] != last + 1:
         raise RuntimeError(f"planning error: {done['shards']} shard rows for shard numbers 0..{last}")
     return done
-
-
-class GrantRefused(ValueError):
-    """A grant the ledger refused (no such role, or not a worker role); one line."""
 
 
 def drop_job_version(conn: psycopg.Connection, job_version: str) -> bool:

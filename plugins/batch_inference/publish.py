@@ -28,6 +28,7 @@ import psycopg
 from psycopg import errors
 
 from batch_inference.db import q
+from batch_inference.exceptions import InvalidValue, PointerMoved, PublishRefused
 from batch_inference.spec import JobSpec
 from batch_inference.status import UnknownJob, job_spec
 
@@ -36,22 +37,8 @@ log = logging.getLogger(__name__)
 PUBLISHED_SCHEMA = "published"
 
 
-class PublishRefused(ValueError):
-    """A guard refused the publish or rollback; the message is one line."""
-
-
 # The SQLSTATE bi.assert_pointer_at_v1 raises (sql/0008_rollback_guard.sql).
 POINTER_MOVED = "BI409"
-
-
-class PointerMoved(PublishRefused):
-    """The dataset's pointer is not at the version the caller expected; nothing was changed.
-
-    ``actual`` is the version published now (None: nothing is)."""
-
-    def __init__(self, message: str, *, dataset: str, expected: str | None, actual: str | None):
-        super().__init__(message)
-        self.dataset, self.expected, self.actual = dataset, expected, actual
 
 
 def view_name(dataset: str) -> str:
@@ -213,6 +200,6 @@ def set_null_acl(conn: psycopg.Connection, dataset: str, mode: str) -> str:
     """What a record without an ACL means for readers of ``dataset``: 'all_readers' (the
     default) or 'nobody'. Takes effect on the readers' next statement."""
     if mode not in ("all_readers", "nobody"):
-        raise ValueError(f"null ACL mode must be 'all_readers' or 'nobody', not {mode!r}")
+        raise InvalidValue(f"null ACL mode must be 'all_readers' or 'nobody', not {mode!r}")
     r = conn.execute(q("set_null_acl"), {"dataset": dataset, "mode": mode}).fetchone()
     return r["null_acl"]

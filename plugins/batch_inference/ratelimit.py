@@ -18,6 +18,8 @@ import threading
 import time
 from collections.abc import Awaitable, Callable
 
+from batch_inference.exceptions import InvalidValue
+
 
 class TokenBucket:
     def __init__(
@@ -29,9 +31,9 @@ class TokenBucket:
         sleep: Callable[[float], Awaitable[None]] = asyncio.sleep,
     ):
         if rate <= 0:
-            raise ValueError(f"token bucket rate must be positive, got {rate}")
+            raise InvalidValue(f"token bucket rate must be positive, got {rate}")
         if capacity < 1:
-            raise ValueError(f"token bucket capacity must be at least 1, got {capacity}")
+            raise InvalidValue(f"token bucket capacity must be at least 1, got {capacity}")
         self.rate = float(rate)
         self.capacity = float(capacity)
         self._clock = clock
@@ -55,7 +57,7 @@ class TokenBucket:
     def reserve(self, n: float = 1.0) -> float:
         """Take ``n`` tokens now; return how many seconds to wait before using them."""
         if n > self.capacity:
-            raise ValueError(f"cannot take {n} tokens from a bucket of capacity {self.capacity}")
+            raise InvalidValue(f"cannot take {n} tokens from a bucket of capacity {self.capacity}")
         with self._lock:
             self._refill(self._clock())
             self._tokens -= n

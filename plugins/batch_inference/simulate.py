@@ -40,6 +40,8 @@ from collections import deque
 from dataclasses import asdict, dataclass, field
 from functools import partial
 
+from batch_inference.exceptions import InvalidValue
+
 DEFAULT_CANDIDATES = (500, 1_000, 2_000, 5_000, 10_000, 25_000)
 
 
@@ -64,18 +66,18 @@ class Scenario:
 
     def __post_init__(self) -> None:
         if self.records <= 0 or self.workers <= 0 or self.rate <= 0:
-            raise ValueError("records, workers and rate must be > 0")
+            raise InvalidValue("records, workers and rate must be > 0")
         if min(self.interruptions_per_hour, self.load_s, self.lease_s, self.shard_overhead_s,
                self.fence_detect_s) < 0:
-            raise ValueError("rates and durations must be >= 0")
+            raise InvalidValue("rates and durations must be >= 0")
         for name in ("stall_fraction", "notice_fraction"):
             if not 0 <= getattr(self, name) <= 1:
-                raise ValueError(f"{name} must be between 0 and 1")
+                raise InvalidValue(f"{name} must be between 0 and 1")
         if self.stall_extra_s <= 0:
             # By definition a stall outlives its lease; a shorter pause is just a slow worker.
-            raise ValueError("stall_extra_s must be > 0")
+            raise InvalidValue("stall_extra_s must be > 0")
         if self.claim_order not in ("lowest", "fifo"):
-            raise ValueError("claim_order must be 'lowest' or 'fifo'")
+            raise InvalidValue("claim_order must be 'lowest' or 'fifo'")
 
     @property
     def ideal_hours(self) -> float:
@@ -148,7 +150,7 @@ _FREE, _EXPIRE, _RETURN = 0, 1, 2
 def simulate(scenario: Scenario, shard_size: int, seed: int = 0) -> SimResult:
     """Run one job to completion; deterministic for a given (scenario, shard_size, seed)."""
     if shard_size <= 0:
-        raise ValueError("shard_size must be > 0")
+        raise InvalidValue("shard_size must be > 0")
     sc = scenario
     n_shards = -(-sc.records // shard_size)
     last_size = sc.records - (n_shards - 1) * shard_size
@@ -344,7 +346,7 @@ def recommend_shard_size(
     are marked ``near_best``.
     """
     if seeds <= 0 or not candidates:
-        raise ValueError("need at least one seed and one candidate")
+        raise InvalidValue("need at least one seed and one candidate")
     runs = {size: [simulate(scenario, size, seed) for seed in range(seeds)] for size in candidates}
 
     def mean(xs: list[float]) -> float:

@@ -21,11 +21,8 @@ import psycopg
 from psycopg import errors, sql
 
 from batch_inference.db import q
+from batch_inference.exceptions import SnapshotError
 from batch_inference.spec import Source
-
-
-class SnapshotError(ValueError):
-    """The source cannot be snapshotted; one line naming what is wrong."""
 
 
 def source_relation(source: Source) -> sql.Composable:

@@ -25,6 +25,8 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from batch_inference.exceptions import SpecError
+
 _IDENT = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,62}(\.[A-Za-z_][A-Za-z0-9_]{0,62})?$")
 _DIGEST = re.compile(r"^(sha256:)?[0-9a-f]{64}$")
 
@@ -36,10 +38,6 @@ MAX_NAME = 256                  # names and versions (model, prompt, engine, con
 MAX_TEXT = 200_000              # prompt.system, prompt.template, source.query
 MAX_LEASE_SECONDS = 7 * 86_400  # a lease is renewed every renew_seconds; a week is past any use
 PG_IDENT_BYTES = 63             # a PostgreSQL identifier: output properties become view columns
-
-
-class SpecError(ValueError):
-    """A spec that cannot be used; the message is one line naming the field."""
 
 
 class _Strict(BaseModel):

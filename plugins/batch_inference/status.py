@@ -11,11 +11,8 @@ from typing import Any
 import psycopg
 
 from batch_inference.db import q
+from batch_inference.exceptions import UnknownJob
 from batch_inference.spec import JobSpec
-
-
-class UnknownJob(LookupError):
-    pass
 
 
 def job_counts(conn: psycopg.Connection, job_version: str) -> dict[str, Any]:

@@ -45,6 +45,7 @@ from psycopg.types.json import Jsonb
 
 from batch_inference import db
 from batch_inference.db import q
+from batch_inference.exceptions import BatchInferenceError, NotReady
 from batch_inference.outputs import check_output
 from batch_inference.spec import JobSpec, Rule
 from batch_inference.status import UnknownJob, job_counts, job_spec
@@ -55,10 +56,6 @@ MISSING_IDS = 20          # missing record ids listed in the report
 INVALID_EXAMPLES = 5      # invalid outputs quoted with their reason
 NO_CATEGORY = "(none)"    # the key for rows whose category is NULL
 _FETCH = 2000             # server-side cursor batch
-
-
-class NotReady(ValueError):
-    """The job version still has shards to do (or cannot be validated at all)."""
 
 
 class Report(dict):
@@ -78,7 +75,7 @@ class Report(dict):
 # The schema and rules as one SQL predicate that vouches for a row.
 # ---------------------------------------------------------------------------
 
-class Unsupported(Exception):
+class Unsupported(BatchInferenceError):
     """A keyword the SQL form cannot check exactly; the caller falls back to Python."""
 
 

@@ -114,7 +114,7 @@ _previous: dict[int, Any] = {}  # handlers to put back when the run ends (the CL
 def run(args: argparse.Namespace) -> int:
     from batch_inference import db
     from batch_inference.fallback import FallbackEndpointUnavailable, FallbackIncomplete, FallbackRefused, run_fallback
-    from gpu_runner.worker import EXIT_ENDPOINT
+    from batch_inference.exits import ExitCode
 
     conninfo = db.resolve_url(getattr(args, "db", None))
     if args.relabel_at and not args.deadline:
@@ -142,7 +142,7 @@ def run(args: argparse.Namespace) -> int:
         return 2
     except FallbackEndpointUnavailable as exc:
         print(f"batch-inference fallback: {exc}", file=sys.stderr)
-        return EXIT_ENDPOINT   # the worker's code for the same outage
+        return ExitCode.ENDPOINT   # the worker's code for the same outage
     except FallbackIncomplete as exc:
         print(f"batch-inference fallback: {exc}", file=sys.stderr)
         return 1

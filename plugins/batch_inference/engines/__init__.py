@@ -21,6 +21,7 @@ import sys
 from typing import Any
 
 from batch_inference.engines.base import TRUNCATED, Engine, Outcome, Request, one_line
+from batch_inference.exceptions import InvalidValue
 from batch_inference.spec import JobSpec
 
 __all__ = ["BUILTIN_ENGINES", "TRUNCATED", "Engine", "Outcome", "Request", "allowed_engine_modules", "engine_class",
@@ -79,23 +80,23 @@ def engine_class(name: str) -> type[Engine]:
         module_name, _, attr = target.rpartition(".")
     else:
         known = ", ".join(BUILTIN_ENGINES)
-        raise ValueError(f"unknown engine {shown}: use one of {known}, or a dotted path package.module:ClassName")
+        raise InvalidValue(f"unknown engine {shown}: use one of {known}, or a dotted path package.module:ClassName")
     if not _MODULE.match(module_name) or not _ATTR.match(attr):
-        raise ValueError(f"unknown engine {shown}: a dotted path must look like package.module:ClassName")
+        raise InvalidValue(f"unknown engine {shown}: a dotted path must look like package.module:ClassName")
     if not _module_allowed(module_name):
-        raise ValueError(
+        raise InvalidValue(
             f"engine {shown}: module '{module_name}' is not in the allowed engine modules; the deployment allows "
             f"it with {ENGINE_MODULES_ENV} or [batch_inference] allowed_engine_modules (comma-separated modules "
             "or packages)")
     try:
         module = importlib.import_module(module_name)
     except ImportError as exc:
-        raise ValueError(f"engine '{name}': cannot import module '{module_name}': {one_line(exc)}") from None
+        raise InvalidValue(f"engine '{name}': cannot import module '{module_name}': {one_line(exc)}") from None
     cls = getattr(module, attr, None)
     if cls is None:
-        raise ValueError(f"engine '{name}': module '{module_name}' has no attribute '{attr}'")
+        raise InvalidValue(f"engine '{name}': module '{module_name}' has no attribute '{attr}'")
     if not (isinstance(cls, type) and issubclass(cls, Engine)):
-        raise ValueError(f"engine '{name}': '{attr}' is not a subclass of batch_inference.engines.Engine")
+        raise InvalidValue(f"engine '{name}': '{attr}' is not a subclass of batch_inference.engines.Engine")
     return cls
 
 

@@ -33,6 +33,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ClassVar
 
+from batch_inference.exceptions import InvalidValue
 from batch_inference.spec import JobSpec
 
 TRUNCATED = "output truncated at max_tokens"
@@ -84,12 +85,12 @@ class Engine(abc.ABC):
         # pass their own options for the same spec.
         given = dict(spec.engine.options if options is None else options)
         for key in sorted(set(given) & set(self.refused_options)):
-            raise ValueError(f"engine '{self.name}': option '{key}' is refused: {self.refused_options[key]}")
+            raise InvalidValue(f"engine '{self.name}': option '{key}' is refused: {self.refused_options[key]}")
         if self.option_names is not None:
             unknown = sorted(set(given) - self.option_names)
             if unknown:
                 known = ", ".join(sorted(self.option_names)) or "none"
-                raise ValueError(f"engine '{self.name}': unknown option '{unknown[0]}' (known: {known})")
+                raise InvalidValue(f"engine '{self.name}': unknown option '{unknown[0]}' (known: {known})")
         self.options: dict[str, Any] = self._pin(given)
 
     def _pin(self, given: dict[str, Any]) -> dict[str, Any]:
@@ -108,7 +109,7 @@ class Engine(abc.ABC):
                 if key in pinned:
                     out[key] = pinned[key]
             elif given[key] != want:
-                raise ValueError(
+                raise InvalidValue(
                     f"engine '{self.name}': option '{key}' changes results, so it is pinned by the job version: "
                     f"set it in the spec's engine.options (a new job version), not at run time")
         return out

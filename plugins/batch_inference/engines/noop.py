@@ -31,6 +31,7 @@ from collections.abc import Iterator, Sequence
 from typing import Any
 
 from batch_inference.engines.base import Engine, Outcome, Request
+from batch_inference.exceptions import InvalidValue
 
 ENGINE_ERROR_MARKER = "[[engine-error]]"
 INVALID_OUTPUT_MARKER = "[[invalid-output]]"
@@ -50,9 +51,9 @@ class NoopEngine(Engine):
         self.invalid_rate = float(self.option("invalid_rate", 0.0))
         for key in ("fail_rate", "invalid_rate"):
             if not 0.0 <= getattr(self, key) <= 1.0:
-                raise ValueError(f"engine 'noop': option '{key}' must be between 0 and 1")
+                raise InvalidValue(f"engine 'noop': option '{key}' must be between 0 and 1")
         if self.delay_s < 0:
-            raise ValueError("engine 'noop': option 'delay_s' must not be negative")
+            raise InvalidValue("engine 'noop': option 'delay_s' must not be negative")
         self._rng = random.Random(int(self.option("seed", 0)))
         self._answer = json.dumps(minimal_instance(spec.output_schema), separators=(",", ":"))
 
@@ -135,7 +136,7 @@ def minimal_instance(schema: Any, root: Any = None) -> Any:
 
 def _resolve(ref: str, root: Any) -> Any:
     if not ref.startswith("#"):
-        raise ValueError(f"noop engine: only local $ref is supported, got '{ref}'")
+        raise InvalidValue(f"noop engine: only local $ref is supported, got '{ref}'")
     node = root
     for part in [p for p in ref[1:].split("/") if p]:
         node = node[part.replace("~1", "/").replace("~0", "~")]
@@ -145,7 +146,7 @@ def _resolve(ref: str, root: Any) -> Any:
 def _flatten(schema: dict[str, Any], root: Any, depth: int = 0) -> dict[str, Any]:
     """Fold $ref, allOf and the first anyOf/oneOf branch into one schema."""
     if depth > 32:
-        raise ValueError("noop engine: schema references nest too deeply")
+        raise InvalidValue("noop engine: schema references nest too deeply")
     schema = dict(schema)
     if "$ref" in schema:
         target = _resolve(schema.pop("$ref"), root)

@@ -69,6 +69,7 @@ from typing import Any
 from batch_inference.breaker import Breaker, EndpointUnavailable, public_url
 from batch_inference.clearance import check_clearance
 from batch_inference.engines.base import Engine, Outcome, Request, one_line, parse_chat_completion
+from batch_inference.exceptions import BatchInferenceError, InvalidValue
 from batch_inference.ratelimit import TokenBucket
 
 STYLES = ("json_schema", "json_object")
@@ -98,7 +99,7 @@ def response_format(style: str, schema: dict[str, Any]) -> dict[str, Any]:
         return {"type": "json_object", "schema": schema}
     if style == "json_schema":
         return {"type": "json_schema", "json_schema": {"name": "output", "schema": schema, "strict": True}}
-    raise ValueError(f"engine 'openai': response_format_style must be one of {', '.join(STYLES)}, got '{style}'")
+    raise InvalidValue(f"engine 'openai': response_format_style must be one of {', '.join(STYLES)}, got '{style}'")
 
 
 def parse_retry_after(value: str | None, now: float | None = None) -> float | None:
@@ -139,7 +140,7 @@ def error_text(resp: Any) -> str:
     return message if isinstance(message, str) and message.strip() else resp.text
 
 
-class _Retryable(Exception):
+class _Retryable(BatchInferenceError):
     def __init__(self, reason: str, retry_after: float | None = None):
         super().__init__(reason)
         self.reason = reason
@@ -161,14 +162,14 @@ class OpenAIEngine(Engine):
         super().__init__(spec, options)
         base_url = self.option("base_url", spec.fallback.base_url)
         if not base_url:
-            raise ValueError("engine 'openai': option 'base_url' is required (e.g. http://host:8000/v1)")
+            raise InvalidValue("engine 'openai': option 'base_url' is required (e.g. http://host:8000/v1)")
         self.base_url = str(base_url).rstrip("/")
         check_clearance(spec, self.base_url)    # before any request: NotCleared (a ValueError) refuses the start
         extra = self.option("extra_body", {})
         if not isinstance(extra, dict):
-            raise ValueError("engine 'openai': option 'extra_body' must be a mapping")
+            raise InvalidValue("engine 'openai': option 'extra_body' must be a mapping")
         for key in sorted(BODY_FIELDS & set(extra)):
-            raise ValueError(f"engine 'openai': option 'extra_body.{key}' is refused: it would replace the "
+            raise InvalidValue(f"engine 'openai': option 'extra_body.{key}' is refused: it would replace the "
                              f"request's own '{key}' (set by the spec)")
         self.model = str(self.option("model", spec.model.name))
         self.style = str(self.option("response_format_style", "json_schema"))
@@ -183,7 +184,7 @@ class OpenAIEngine(Engine):
         self.rate_burst = float(self.option("rate_burst", 1))
         self.extra_body = dict(extra)
         if self.concurrency < 1 or self.max_retries < 0:
-            raise ValueError("engine 'openai': 'concurrency' must be at least 1 and 'max_retries' at least 0")
+            raise InvalidValue("engine 'openai': 'concurrency' must be at least 1 and 'max_retries' at least 0")
         self._rng = random.Random()
         self._headers: dict[str, str] | None = None
         # One bucket per engine, shared by every generate() call: the limit is
@@ -202,7 +203,7 @@ class OpenAIEngine(Engine):
         if env:
             key = os.environ.get(env)
             if not key:
-                raise ValueError(f"engine 'openai': environment variable '{env}' (option api_key_env) is not set")
+                raise InvalidValue(f"engine 'openai': environment variable '{env}' (option api_key_env) is not set")
             headers["Authorization"] = f"Bearer {key}"
         self._headers = headers
 

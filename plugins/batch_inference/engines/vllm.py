@@ -41,6 +41,7 @@ from pathlib import Path
 from typing import Any
 
 from batch_inference.engines.base import TRUNCATED, Engine, Outcome, Request, one_line
+from batch_inference.exceptions import InvalidValue
 from batch_inference.pinning import WeightsMissing
 from batch_inference.spec import JobSpec
 
@@ -59,7 +60,7 @@ REFUSED_OPTIONS = {
 
 def model_dir(spec: JobSpec) -> Path:
     if not spec.model.path:
-        raise ValueError("engine 'vllm': spec.model.path must name the mounted model directory")
+        raise InvalidValue("engine 'vllm': spec.model.path must name the mounted model directory")
     return Path(spec.model.path)
 
 
@@ -88,13 +89,13 @@ def check_llm_kwargs(llm_kwargs: Any) -> None:
     if llm_kwargs is None:
         return
     if not isinstance(llm_kwargs, dict):
-        raise ValueError("engine 'vllm': option 'llm_kwargs' must be a mapping")
+        raise InvalidValue("engine 'vllm': option 'llm_kwargs' must be a mapping")
     for key in sorted(llm_kwargs):
         if key in REFUSED_OPTIONS:
-            raise ValueError(f"engine 'vllm': option 'llm_kwargs.{key}' is refused: {REFUSED_OPTIONS[key]}")
+            raise InvalidValue(f"engine 'vllm': option 'llm_kwargs.{key}' is refused: {REFUSED_OPTIONS[key]}")
         if key in LLM_OPTIONS or key == "enable_prefix_caching":
             what = "changes results" if key in RESULT_OPTIONS else "is an engine option"
-            raise ValueError(f"engine 'vllm': option 'llm_kwargs.{key}' {what}: give it as the option '{key}' "
+            raise InvalidValue(f"engine 'vllm': option 'llm_kwargs.{key}' {what}: give it as the option '{key}' "
                              "(in the spec's engine.options when it changes results)")
 
 
@@ -201,7 +202,7 @@ class VllmEngine(Engine):
             import vllm
             import vllm.sampling_params as sampling_module
         except ImportError:
-            raise ValueError("engine 'vllm' needs the vllm package (the GPU runner image has it)") from None
+            raise InvalidValue("engine 'vllm' needs the vllm package (the GPU runner image has it)") from None
         self._llm = vllm.LLM(**build_llm_kwargs(self.spec, self.options))
         self._sampling = make_sampling_params(sampling_module, self.spec)
 

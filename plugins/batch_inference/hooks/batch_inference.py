@@ -28,6 +28,7 @@ from psycopg.conninfo import make_conninfo
 
 from batch_inference import db
 from batch_inference.db import airflow_connection_json, normalize_url, redact  # noqa: F401 (the hook's API)
+from batch_inference.exceptions import BatchInferenceError
 
 if TYPE_CHECKING:
     from airflow.sdk import Connection
@@ -71,7 +72,7 @@ def conninfo_from_connection(conn: "Connection", *, iam_token: tuple[str, str, i
     return text
 
 
-class LedgerWorkCancelled(RuntimeError):
+class LedgerWorkCancelled(BatchInferenceError, RuntimeError):
     """The hook was cancelled (the task's ``on_kill``): no new ledger connection is opened."""
 
 

@@ -16,13 +16,14 @@ from typing import Any
 import psycopg
 
 from batch_inference import publish
+from batch_inference.exceptions import BatchInferenceError
 
 
-class Conflict(RuntimeError):
+class Conflict(BatchInferenceError, RuntimeError):
     """The pointer moved since the user looked at it; nothing was changed."""
 
 
-class Refused(RuntimeError):
+class Refused(BatchInferenceError, RuntimeError):
     """The rollback was refused (never published, nothing before it, a dropped version, no privilege)."""
 
 
