@@ -42,7 +42,7 @@ def new_job(conn, n: int = 40, **spec_over: Any) -> str:
 
 def store(conn, job: str, shard: int, k: int, transport: str = "batch") -> None:
     """Write k results into a shard through the real ledger functions (claim, put, release)."""
-    lease = conn.execute("SELECT * FROM bi.claim_shard_v1(%s, 'test', %s, 60)", (job, transport)).fetchone()
+    lease = conn.execute("SELECT * FROM bi.claim_shard_v2(%s, 'test', %s, 60)", (job, transport)).fetchone()
     ids = [r["record_id"] for r in conn.execute(
         "SELECT record_id FROM bi.snapshot_rows WHERE job_version = %s AND shard_no = %s ORDER BY record_id LIMIT %s",
         (job, lease["shard_no"], k))]
@@ -210,7 +210,7 @@ def test_fallback_run_records_the_drain_from_batch_lease_ends(conn, db_url):
     from batch_inference.fallback import enter_fallback
 
     job = new_job(conn, n=20, shard_size=10)
-    lease = conn.execute("SELECT * FROM bi.claim_shard_v1(%s, 'batch-w', 'batch', 60)", (job,)).fetchone()
+    lease = conn.execute("SELECT * FROM bi.claim_shard_v2(%s, 'batch-w', 'batch', 60)", (job,)).fetchone()
     assert enter_fallback(conn, job)
     j = conn.execute(db.q("cutoff_job"), {"job": job}).fetchone()
     params = {"job": job, "dataset": j["dataset"], "started_at": j["fallback_at"], "finished_at": j["db_now"],

@@ -190,7 +190,7 @@ def test_drop_job_version_drops_partitions(conn, job):
     assert conn.execute("SELECT count(*) AS n FROM bi.shards").fetchone()["n"] == 0
 
 
-# -- crash poison (sql/0006_crash_poison.sql) ------------------------------
+# -- crash poison (sql/schema/ledger.sql) -----------------------------------
 
 def expire(conn, job: str, shard: int) -> None:
     """The holder's lease runs out (as if it died), without waiting for the clock."""
@@ -280,13 +280,14 @@ def test_the_sweep_and_an_abandoned_shard_count_deaths_too(db_url, conn, job):
     assert a.abandon(lb) is False                     # once only
 
 
-def test_v1_claim_counts_lost_leases_for_workers_still_on_the_old_code(db_url, conn, job):
+def test_the_claim_function_counts_lost_leases_and_deaths_on_takeover(db_url, conn, job):
     a = ledger(db_url, job, "a")
     la = a.claim()
     a.mark_in_flight(la, ["t00001"])
     expire(conn, job, la.shard_no)
-    r = conn.execute("SELECT * FROM bi.claim_shard_v1(%s, 'old', 'batch', 60)", (job,)).fetchone()
-    assert r["shard_no"] == la.shard_no and set(r) == {"shard_no", "epoch", "lease_expires_at", "records"}
+    r = conn.execute("SELECT * FROM bi.claim_shard_v2(%s, 'other', 'batch', 60)", (job,)).fetchone()
+    assert r["shard_no"] == la.shard_no and r["lost_leases"] == 1
+    assert set(r) == {"shard_no", "epoch", "lease_expires_at", "records", "lost_leases"}
     assert attempts_row(conn, job, "t00001")["crashes"] == 1
 
 

@@ -1,4 +1,4 @@
-"""Least privilege (sql/0004_roles.sql) on the real embedded PostgreSQL.
+"""Least privilege (sql/schema/roles.sql) on the real embedded PostgreSQL.
 
 A worker logs in as its own role, a member of the NOLOGIN group bi_worker.
 The embedded server trusts local connections, so a LOGIN role without a
@@ -27,15 +27,11 @@ OUT = {"category": "billing", "summary": "charged twice"}
 
 # Exactly the functions the worker process calls (gpu_runner/worker.py,
 # batch_inference/ledger.py, status.job_spec/job_mode/job_counts), plus the
-# read-only "may I?" check. The v1 names that 0006 superseded (claim,
-# shard_records, fail_records) stay granted for workers still on the old code.
+# read-only "may I?" check.
 WORKER_FUNCTIONS = {
-    "claim_shard_v1", "renew_lease_v1", "release_shard_v1", "complete_shard_v1", "shard_records_v1",
-    "put_results_v1", "fail_records_v1", "job_spec_v1", "job_spec_v2", "job_counts_v1", "may_work_on_v1",
-    # 0006_crash_poison
-    "claim_shard_v2", "shard_records_v2", "fail_records_v2", "mark_in_flight_v1", "abandon_shard_v1",
-    # 0012_job_halt
-    "halt_job_v1",
+    "claim_shard_v2", "renew_lease_v1", "release_shard_v1", "complete_shard_v1", "shard_records_v2",
+    "mark_in_flight_v1", "abandon_shard_v1", "put_results_v1", "fail_records_v2", "halt_job_v1",
+    "job_spec_v2", "job_counts_v1", "may_work_on_v1",
 }
 
 
@@ -81,7 +77,7 @@ def test_worker_role_executes_exactly_the_ledger_functions(conn):
                aclexplode(coalesce(p.proacl, acldefault('f', p.proowner))) a
          WHERE n.nspname = 'bi' AND a.grantee = 0 AND a.privilege_type = 'EXECUTE'""").fetchall()
     assert public == []
-    # the wrappers that carry the per-job guard are still in place
+    # every one of them checks the per-job grant first
     for name in WORKER_FUNCTIONS - {"may_work_on_v1"}:
         src = conn.execute("SELECT prosrc FROM pg_proc p JOIN pg_namespace n ON n.oid = p.pronamespace "
                            "WHERE n.nspname = 'bi' AND p.proname = %s", (name,)).fetchone()["prosrc"]
@@ -132,13 +128,12 @@ def test_worker_cannot_call_owner_functions(db_url, conn, worker_role, two_jobs)
                            ("SELECT bi.sweep_expired_v1(%s)", (mine,)),
                            ("SELECT bi.grant_job_v1(%s, %s)", (worker_role, theirs)),
                            ("SELECT bi.create_job_partitions_v1(%s)", ("jv_evil",)),
-                           ("SELECT * FROM bi.claim_shard_v1_unguarded(%s, 'w')", (theirs,)),
-                           ("SELECT * FROM bi.job_spec_v1_unguarded(%s)", (theirs,)),
                            ("SELECT bi.record_fence_v1(%s, 0, 'x', 0, 'w')", (mine,)),
                            ("SELECT bi.record_deaths_v1(%s, 0, 1, 'batch', ARRAY['t00000'])", (mine,)),
-                           ("SELECT * FROM bi.claim_shard_v2_unguarded(%s, 'w')", (theirs,)),
-                           ("SELECT bi.mark_in_flight_v1_unguarded(%s, 0, 1, 'w', ARRAY['s000'])", (theirs,)),
-                           ("SELECT bi.abandon_shard_v1_unguarded(%s, 0, 1, 'w')", (theirs,))):
+                           ("SELECT bi.dead_letter_records_v1(%s, 0, 'batch', ARRAY['s000'], ARRAY[9], "
+                            "ARRAY['x'], ARRAY['x'], ARRAY['x'])", (theirs,)),
+                           ("SELECT bi.drop_job_version_v1(%s)", (theirs,)),
+                           ("SELECT bi.attach_snapshot_v1(%s)", (theirs,))):
             with pytest.raises(errors.InsufficientPrivilege):
                 w.execute(stmt, args)
     assert conn.execute("SELECT count(*) AS n FROM bi.worker_grants").fetchone()["n"] == 0
@@ -171,7 +166,7 @@ def test_worker_reads_and_writes_only_the_jobs_it_is_given(db_url, conn, worker_
                      lambda: stranger.fail(other, [Failure("s000", "boom", attempt=1)])):
             with pytest.raises(errors.InsufficientPrivilege):
                 call()
-        for stmt in ("SELECT * FROM bi.job_spec_v1(%s)", "SELECT * FROM bi.job_counts_v1(%s)"):
+        for stmt in ("SELECT * FROM bi.job_spec_v2(%s)", "SELECT * FROM bi.job_counts_v1(%s)"):
             with pytest.raises(errors.InsufficientPrivilege):
                 w.execute(stmt, (theirs,))
     # nothing of the other job moved: no new epoch, no result, no fence event
@@ -220,7 +215,7 @@ def test_session_authorization_as_the_bare_group_role(db_url, two_jobs):
         c.execute("SET SESSION AUTHORIZATION bi_worker")
         assert c.execute("SELECT session_user AS s").fetchone()["s"] == "bi_worker"
         with pytest.raises(errors.InsufficientPrivilege):
-            c.execute("SELECT * FROM bi.job_spec_v1(%s)", (mine,))
+            c.execute("SELECT * FROM bi.job_spec_v2(%s)", (mine,))
         with pytest.raises(errors.InsufficientPrivilege):
             c.execute("SELECT count(*) FROM bi.snapshot_rows")
 
@@ -256,11 +251,11 @@ def test_worker_process_with_worker_credentials_completes_its_job(db_url, conn, 
 
 def test_worker_cannot_read_published_views(db_url, conn, worker_role, two_jobs):
     if not conn.execute("SELECT 1 FROM pg_namespace WHERE nspname = 'published'").fetchone():
-        pytest.skip("schema 'published' does not exist yet (sql/0003_publish.sql)")
+        pytest.skip("schema 'published' does not exist yet (sql/schema/core.sql)")
     mine, _ = two_jobs
     conn.execute("SELECT bi.grant_job_v1(%s, %s)", (worker_role, mine))
     assert run_worker(WorkerConfig(job_version=mine, db_url=url_as(db_url, worker_role))) == 0
-    # publish through the SQL functions of 0003 (the owner's credentials)
+    # publish through the SQL functions of sql/schema/publish.sql (the owner's credentials)
     view = conn.execute("SELECT bi.ensure_published_view_v1('tickets_triage', ARRAY['summary']) AS v").fetchone()["v"]
     conn.execute("SELECT * FROM bi.publish_v1('tickets_triage', %s, 'test', true, 'privilege test')", (mine,))
     rels = _published_relations(conn)

@@ -1,9 +1,11 @@
 """The one gateway to PostgreSQL: connections, migrations and named queries.
 
-SQL lives in ``sql/``: numbered migration files applied in order, and
-``queries.sql``, a list of named statements (``-- name: what it does`` then
-the statement). Nothing else in the package writes SQL strings of its own for
-state changes; the ledger transitions are SQL functions (sql/0002_ledger.sql).
+SQL lives in ``sql/``: ``schema/``, the current definition of the ledger,
+one file per area; ``migrations/``, the numbered steps that build it from an
+empty database (never edited once added); and ``queries.sql``, a list of
+named statements (``-- name: what it does`` then the statement). Nothing else
+in the package writes SQL strings of its own for state changes; the ledger
+transitions are SQL functions (sql/schema/ledger.sql).
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ import psycopg
 from psycopg.conninfo import conninfo_to_dict
 from psycopg.rows import dict_row
 
-from batch_inference.exceptions import BadDatabaseURL, DatabaseUnavailable
+from batch_inference.exceptions import BadDatabaseURL, DatabaseUnavailable, MigrationRefused
 
 log = logging.getLogger(__name__)
 
@@ -118,12 +120,21 @@ def connect(url: str | None = None, *, autocommit: bool = True, retries: int = 0
 
 
 def migrations() -> list[Path]:
-    return sorted(p for p in sql_dir().glob("[0-9][0-9][0-9][0-9]_*.sql"))
+    return sorted(p for p in (sql_dir() / "migrations").glob("[0-9][0-9][0-9][0-9]_*.sql"))
+
+
+# The first migration; a database whose record lacks it was built by the
+# migrations that came before the schema was squashed into it.
+_INITIAL = "0001_initial.sql"
 
 
 def migrate(conn: psycopg.Connection) -> list[str]:
-    """Apply the numbered sql/ files not yet applied, in order, each in its own
-    transaction; idempotent and safe to run from several processes at once."""
+    """Apply the sql/migrations/ files not yet applied, in order, in one
+    transaction; idempotent and safe to run from several processes at once.
+
+    MigrationRefused, one line, when an applied migration's file changed or
+    the database predates the squashed first migration; nothing is applied.
+    """
     applied_now: list[str] = []
     with conn.transaction():
         conn.execute("SELECT pg_advisory_xact_lock(%s)", (_MIGRATION_LOCK,))
@@ -132,12 +143,20 @@ def migrate(conn: psycopg.Connection) -> list[str]:
                             name text PRIMARY KEY, checksum text NOT NULL,
                             applied_at timestamptz NOT NULL DEFAULT clock_timestamp())""")
         done = {r["name"]: r["checksum"] for r in conn.execute("SELECT name, checksum FROM bi.schema_migrations")}
+        if done and _INITIAL not in done:
+            raise MigrationRefused(
+                f"this ledger database predates the schema squash (it was built by {min(done)} and "
+                f"{len(done) - 1} more migrations of the old series) and cannot be upgraded: rebuild it "
+                "(DROP SCHEMA bi, published CASCADE, or a new database), then run `batch-inference db migrate`")
         for path in migrations():
             body = path.read_text()
             checksum = hashlib.sha256(body.encode()).hexdigest()
             if path.name in done:
                 if done[path.name] != checksum:
-                    log.warning("migration %s changed since it was applied; not re-applied", path.name)
+                    raise MigrationRefused(
+                        f"migration {path.name} changed after it was applied to this database (recorded "
+                        f"sha256 {done[path.name][:12]}, file {checksum[:12]}); applied migrations are never "
+                        "edited: restore the file and add a new migration")
                 continue
             conn.execute(body)
             conn.execute("INSERT INTO bi.schema_migrations (name, checksum) VALUES (%s, %s)", (path.name, checksum))

@@ -32,6 +32,10 @@ class BadDatabaseURL(BatchInferenceError, ValueError):
     """A database URL or conninfo libpq cannot use; the message names it without its password."""
 
 
+class MigrationRefused(BatchInferenceError, RuntimeError):
+    """The database's recorded migrations do not match sql/migrations/; nothing was applied."""
+
+
 class UnknownJob(BatchInferenceError, LookupError):
     """No job version of that name in the ledger."""
 

@@ -1,4 +1,10 @@
--- 0001_core: the bookkeeping tables.
+-- core: the schemas, the two group roles and the bookkeeping tables.
+--
+-- sql/schema/ is the current definition of the ledger, one file per area,
+-- applied in name order: core, ledger (the state transitions), publish (the
+-- published views, publish and rollback, readers' row-level security), roles
+-- (who may call what). sql/migrations/ holds the numbered steps that build
+-- the same database from an empty one; tests/test_schema.py compares the two.
 --
 -- Everything lives in schema bi. Per-record tables (snapshot rows, results,
 -- dead letters, attempts) are LIST-partitioned by job_version, so a whole job
@@ -6,12 +12,35 @@
 
 CREATE SCHEMA IF NOT EXISTS bi;
 
+-- Downstream reads published.<dataset> (publish.sql). Only bi_reader may look
+-- inside; PUBLIC gets nothing.
+CREATE SCHEMA IF NOT EXISTS published;
+REVOKE ALL ON SCHEMA published FROM PUBLIC;
+
+-- The group roles (NOLOGIN; grant them to login roles): bi_reader reads
+-- published results (publish.sql), bi_worker runs shards (roles.sql). Roles
+-- are cluster-wide, so several databases migrating at once may race here.
+DO $$
+DECLARE
+    r text;
+BEGIN
+    FOREACH r IN ARRAY ARRAY['bi_reader', 'bi_worker'] LOOP
+        BEGIN
+            IF NOT EXISTS (SELECT 1 FROM pg_roles WHERE rolname = r) THEN
+                EXECUTE format('CREATE ROLE %I NOLOGIN', r);
+            END IF;
+        EXCEPTION WHEN duplicate_object OR unique_violation THEN
+            NULL;  -- another database's migration created it first
+        END;
+    END LOOP;
+END $$;
+
 CREATE TABLE IF NOT EXISTS bi.jobs (
     job_version      text PRIMARY KEY,
     dataset          text NOT NULL,
     spec_hash        text NOT NULL,
     snapshot_id      text NOT NULL,
-    spec             jsonb NOT NULL,
+    spec             jsonb NOT NULL,           -- for queries (spec->>'dataset', containment)
     model_name       text NOT NULL,
     model_digest     text NOT NULL,
     prompt_version   text NOT NULL,
@@ -27,7 +56,20 @@ CREATE TABLE IF NOT EXISTS bi.jobs (
     validation       jsonb,
     submitted_by     text NOT NULL DEFAULT current_user,
     created_at       timestamptz NOT NULL DEFAULT clock_timestamp(),
-    fallback_at      timestamptz
+    fallback_at      timestamptz,
+    -- The spec as the submitter wrote it, key order included: jsonb reorders
+    -- object keys, and structured decoding writes properties in the output
+    -- schema's order. The worker reads this (bi.job_spec_v2); NULL falls back
+    -- to spec.
+    spec_text        text,
+    -- A worker that cannot work at all (weights that do not match the pinned
+    -- digest, an engine that cannot be configured), or the operator for every
+    -- fatal worker exit, records why (bi.halt_job_v1). The cutoff watch reads
+    -- it at each poll and fails the run. Never cleared: a watch ignores halts
+    -- from before its DAG run was (re)queued.
+    halted_at        timestamptz,
+    halt_reason      text,
+    CONSTRAINT jobs_spec_text_matches CHECK (spec_text IS NULL OR spec_text::jsonb = spec)
 );
 CREATE INDEX IF NOT EXISTS jobs_dataset_spec ON bi.jobs (dataset, spec_hash, created_at DESC);
 
@@ -61,9 +103,30 @@ CREATE TABLE IF NOT EXISTS bi.shards (
     dead             integer NOT NULL DEFAULT 0,
     first_claim_at   timestamptz,
     done_at          timestamptz,
+    lost_leases      integer NOT NULL DEFAULT 0,  -- epochs that ended without release or completion
+    in_flight        text[],                      -- the current epoch's last marked engine batch
+    batch_lease_ended_at timestamptz,             -- when a batch worker last stopped holding it
     PRIMARY KEY (job_version, shard_no)
 );
 CREATE INDEX IF NOT EXISTS shards_claimable ON bi.shards (job_version, shard_no) WHERE state <> 'done';
+
+-- Stamp the end of a batch lease: the row was leased by a batch worker and is
+-- now not (released, completed, abandoned, swept, taken over after expiry, or
+-- claimed by the fallback pool). A fallback run's drain time is measured from
+-- these stamps.
+CREATE OR REPLACE FUNCTION bi.stamp_batch_lease_end_v1() RETURNS trigger
+LANGUAGE plpgsql SET search_path = pg_catalog, pg_temp AS $$
+BEGIN
+    NEW.batch_lease_ended_at := clock_timestamp();
+    RETURN NEW;
+END $$;
+
+DROP TRIGGER IF EXISTS shards_batch_lease_end ON bi.shards;
+CREATE TRIGGER shards_batch_lease_end BEFORE UPDATE OF state, lease_transport ON bi.shards
+    FOR EACH ROW
+    WHEN (OLD.state = 'leased' AND OLD.lease_transport = 'batch'
+          AND (NEW.state <> 'leased' OR NEW.lease_transport IS DISTINCT FROM 'batch'))
+    EXECUTE FUNCTION bi.stamp_batch_lease_end_v1();
 
 CREATE TABLE IF NOT EXISTS bi.results (
     job_version    text NOT NULL,
@@ -99,8 +162,9 @@ CREATE TABLE IF NOT EXISTS bi.dead_letters (
     PRIMARY KEY (job_version, record_id)
 ) PARTITION BY LIST (job_version);
 
--- Failed attempts per record; survives leases so a poison record ends in
--- dead letters after max_attempts whichever worker sees it.
+-- Failed attempts and crashes per record; survives leases so a poison record
+-- ends in dead letters after max_attempts whichever worker sees it. The two
+-- are separate budgets (ledger.sql, bi.record_deaths_v1).
 CREATE TABLE IF NOT EXISTS bi.attempts (
     job_version text NOT NULL,
     record_id   text NOT NULL,
@@ -108,6 +172,7 @@ CREATE TABLE IF NOT EXISTS bi.attempts (
     last_error  text,
     last_output text,
     updated_at  timestamptz NOT NULL DEFAULT clock_timestamp(),
+    crashes     integer NOT NULL DEFAULT 0,   -- deaths of the worker with the record in flight
     PRIMARY KEY (job_version, record_id)
 ) PARTITION BY LIST (job_version);
 
@@ -136,7 +201,10 @@ CREATE TABLE IF NOT EXISTS bi.progress (
     PRIMARY KEY (job_version, at)
 );
 
--- Measured fallback runs: the cutoff derives its rate and overhead from these.
+-- Measured fallback runs: the cutoff derives its rate and overhead from these,
+-- and relaxes its constants only on runs that measured every part of the
+-- overhead (docs/deadlines.md, "Constants that go stale"). NULL: not measured.
+-- A run's whole overhead is overhead_s + load_s.
 CREATE TABLE IF NOT EXISTS bi.fallback_runs (
     id          bigserial PRIMARY KEY,
     job_version text NOT NULL,
@@ -145,7 +213,12 @@ CREATE TABLE IF NOT EXISTS bi.fallback_runs (
     finished_at timestamptz NOT NULL,
     records     bigint NOT NULL,
     rate        double precision NOT NULL,   -- sustained records/s
-    overhead_s  double precision NOT NULL    -- drain + reconcile measured around the re-drive
+    overhead_s  double precision NOT NULL,   -- wall time of the pool minus busy_s
+    -- from the cutoff firing (jobs.fallback_at) to the last batch lease's end
+    -- (shards.batch_lease_ended_at), 0 when every batch lease had ended before
+    drain_s     double precision,
+    busy_s      double precision,            -- the re-drive: time at least one pool worker held a shard
+    load_s      double precision             -- nothing outstanding -> the published pointer switch
 );
 
 -- The publish pointer: one row per dataset naming the version downstream reads
@@ -169,3 +242,17 @@ CREATE TABLE IF NOT EXISTS bi.publish_history (
     at           timestamptz NOT NULL DEFAULT clock_timestamp()
 );
 CREATE INDEX IF NOT EXISTS publish_history_dataset ON bi.publish_history (dataset, id DESC);
+
+-- Which job version each Airflow DAG run worked on. SubmitJobOperator writes
+-- one row per DAG run after its submit, whether the submit created the
+-- version or found it already there. The on-call callbacks read it: the
+-- DAG-level Deadline Alert runs in the triggerer with only the DAG run's ids.
+CREATE TABLE IF NOT EXISTS bi.job_runs (
+    dag_id      text NOT NULL,
+    run_id      text NOT NULL,
+    job_version text NOT NULL REFERENCES bi.jobs (job_version) ON DELETE CASCADE,
+    created     boolean NOT NULL,   -- this run's submit created the version (false: it resumed an existing one)
+    at          timestamptz NOT NULL DEFAULT clock_timestamp(),
+    PRIMARY KEY (dag_id, run_id)
+);
+CREATE INDEX IF NOT EXISTS job_runs_job ON bi.job_runs (job_version);

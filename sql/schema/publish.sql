@@ -1,4 +1,4 @@
--- 0003_publish: validation results, the published views, publish and rollback,
+-- publish: validation results, the published views, publish and rollback,
 -- and row-level access control for readers.
 --
 -- Downstream reads one stable view per dataset, published.<dataset>, which
@@ -11,22 +11,9 @@
 -- State changes are SQL functions with the guard in the statement. Unlike the
 -- ledger functions they are SECURITY INVOKER: the caller must own the tables
 -- (the admin or migrating role), so a reader or a worker that can EXECUTE
--- them still cannot publish. That also keeps current_user as the default actor.
-
-CREATE SCHEMA IF NOT EXISTS published;
--- Only bi_reader (below) may look inside; PUBLIC gets nothing.
-REVOKE ALL ON SCHEMA published FROM PUBLIC;
-
--- Readers: a NOLOGIN group. Grant it to login roles (or to groups of them).
--- Roles are cluster-wide, so several databases migrating at once may race here.
-DO $$
-BEGIN
-    IF NOT EXISTS (SELECT 1 FROM pg_roles WHERE rolname = 'bi_reader') THEN
-        CREATE ROLE bi_reader NOLOGIN;
-    END IF;
-EXCEPTION WHEN duplicate_object OR unique_violation THEN
-    NULL;  -- another database's migration created it first
-END $$;
+-- them still cannot publish. That also keeps current_user as the default
+-- actor. Nobody but the owner may execute them (roles.sql closes schema bi to
+-- PUBLIC).
 
 -- One row per published view (created at the dataset's first publish).
 CREATE TABLE IF NOT EXISTS bi.published_views (
@@ -100,18 +87,39 @@ DROP POLICY IF EXISTS reader_principals_own ON bi.reader_principals;
 CREATE POLICY reader_principals_own ON bi.reader_principals FOR SELECT TO bi_reader
 USING (role IN (SELECT r.rolname FROM pg_roles r WHERE pg_has_role(current_user, r.oid, 'USAGE')));
 
+-- Dead letters follow the results' ACL rule, except that a dead letter is
+-- visible whether or not its version is published: it is what on-call reads
+-- while the night runs. The dashboard reads them as the signed-in user's
+-- reader role (bi.dashboard_readers, roles.sql).
+ALTER TABLE bi.dead_letters ENABLE ROW LEVEL SECURITY;
+
+-- The job versions whose records without an ACL every reader may see. SECURITY
+-- DEFINER: the policy runs as the reader, who has no privilege on bi.jobs.
+-- Called once per statement (an uncorrelated sub-select in the policy).
+CREATE OR REPLACE FUNCTION bi.null_acl_readable_jobs_v1() RETURNS text[]
+LANGUAGE sql STABLE SECURITY DEFINER SET search_path = pg_catalog, pg_temp AS $$
+    SELECT coalesce(array_agg(j.job_version), '{}')
+      FROM bi.jobs j
+      LEFT JOIN bi.dataset_acl a ON a.dataset = j.dataset
+     WHERE coalesce(a.null_acl, 'all_readers') = 'all_readers';
+$$;
+
+DROP POLICY IF EXISTS dead_letters_acl ON bi.dead_letters;
+CREATE POLICY dead_letters_acl ON bi.dead_letters FOR SELECT TO bi_reader
+USING (
+    CASE WHEN acl IS NULL
+         THEN job_version = ANY ((SELECT bi.null_acl_readable_jobs_v1())::text[])
+         ELSE acl && (SELECT bi.current_principals())
+    END
+);
+
 -- The views are security_invoker, so the reader needs the base privileges;
 -- RLS above narrows them to the rows it may see.
 GRANT USAGE ON SCHEMA bi TO bi_reader;
 GRANT USAGE ON SCHEMA published TO bi_reader;
-GRANT SELECT ON bi.results, bi.publish_pointer, bi.dataset_acl, bi.reader_principals, bi.published_views
-    TO bi_reader;
-GRANT EXECUTE ON FUNCTION bi.current_principals() TO bi_reader;
-
-
--- Partitions are created on their own and then attached, never with CREATE
--- TABLE ... PARTITION OF (an ACCESS EXCLUSIVE lock on bi.results that would
--- queue behind readers of a published view): see bi.create_job_partitions_v1.
+GRANT SELECT ON bi.results, bi.dead_letters, bi.publish_pointer, bi.dataset_acl, bi.reader_principals,
+    bi.published_views TO bi_reader;
+GRANT EXECUTE ON FUNCTION bi.current_principals(), bi.null_acl_readable_jobs_v1() TO bi_reader;
 
 
 -- Store a validation report. Guard: every shard done and the version not
@@ -317,9 +325,66 @@ LANGUAGE sql SET search_path = pg_catalog, pg_temp AS $$
     RETURNING null_acl;
 $$;
 
--- Publishing is an owner's act: nobody else may even call these.
-REVOKE EXECUTE ON FUNCTION bi.publish_v1(text, text, text, boolean, text) FROM PUBLIC;
-REVOKE EXECUTE ON FUNCTION bi.rollback_v1(text, text, text) FROM PUBLIC;
-REVOKE EXECUTE ON FUNCTION bi.record_validation_v1(text, jsonb, boolean) FROM PUBLIC;
-REVOKE EXECUTE ON FUNCTION bi.ensure_published_view_v1(text, text[], text[]) FROM PUBLIC;
-REVOKE EXECUTE ON FUNCTION bi.set_null_acl_v1(text, text) FROM PUBLIC;
+
+-- Publish and roll back only from the version the caller saw. A person
+-- deciding to roll back (the dashboard's button, `rollback --expect`) looked
+-- at the dataset's pointer first; if another publish lands between that look
+-- and the switch, an unguarded rollback would undo the newer publish instead
+-- of the one they meant. The _v2 functions check under the dataset's publish
+-- lock, then call the _v1 switch in the same transaction (advisory locks and
+-- row locks are re-entrant for their holder), so the switch and its other
+-- guards exist once. _v1 serves callers with no expectation (`rollback`
+-- without --expect, Airflow). Refusal: SQLSTATE BI409 ("the pointer moved"),
+-- one line naming the dataset, the version expected and the version actually
+-- published; the DETAIL is the actual version alone, for programs.
+
+-- Raise unless the dataset's pointer is at p_expected (NULL: nothing published
+-- yet) or at p_or_at. Takes the publish lock and locks the pointer row until
+-- the caller's transaction ends, so what it checked is what the caller then
+-- switches.
+CREATE OR REPLACE FUNCTION bi.assert_pointer_at_v1(p_dataset text, p_expected text, p_action text,
+                                                   p_or_at text DEFAULT NULL)
+RETURNS void
+LANGUAGE plpgsql SET search_path = pg_catalog, pg_temp AS $$
+DECLARE
+    v_cur text;
+BEGIN
+    PERFORM pg_advisory_xact_lock(hashtextextended('bi.publish:' || p_dataset, 0));
+    SELECT p.job_version INTO v_cur FROM bi.publish_pointer p WHERE p.dataset = p_dataset FOR UPDATE;
+    IF v_cur IS DISTINCT FROM p_expected AND v_cur IS DISTINCT FROM coalesce(p_or_at, p_expected) THEN
+        RAISE EXCEPTION '% of dataset % refused: expected % to be published, but % is; nothing was changed',
+            p_action, p_dataset, coalesce(p_expected, 'nothing'), coalesce(v_cur, 'nothing')
+            USING ERRCODE = 'BI409', DETAIL = coalesce(v_cur, ''),
+                  HINT = 'someone published or rolled back in between: look again and decide again';
+    END IF;
+END $$;
+
+
+-- Rollback from p_expected_current: bi.rollback_v1's switch (to the version
+-- the current one replaced, with its guards and history row), refused with
+-- BI409 when the pointer is not at p_expected_current.
+CREATE OR REPLACE FUNCTION bi.rollback_v2(p_dataset text, p_expected_current text, p_actor text DEFAULT NULL,
+                                         p_reason text DEFAULT NULL)
+RETURNS TABLE (dataset text, from_version text, to_version text, action text, forced boolean,
+               changed boolean, history_id bigint)
+LANGUAGE plpgsql SET search_path = pg_catalog, pg_temp AS $$
+BEGIN
+    PERFORM bi.assert_pointer_at_v1(p_dataset, p_expected_current, 'rollback');
+    RETURN QUERY SELECT * FROM bi.rollback_v1(p_dataset, p_actor, p_reason);
+END $$;
+
+
+-- Publish p_job in place of p_expected_current (NULL: the dataset's first
+-- publish). bi.publish_v1's switch and guards; refused with BI409 when the
+-- pointer is elsewhere. Already at p_job is the same no-op as in _v1 (a retry
+-- of a publish that committed finds its own version, not the one it expected).
+CREATE OR REPLACE FUNCTION bi.publish_v2(p_dataset text, p_job text, p_expected_current text,
+                                        p_actor text DEFAULT NULL, p_force boolean DEFAULT false,
+                                        p_reason text DEFAULT NULL)
+RETURNS TABLE (dataset text, from_version text, to_version text, action text, forced boolean,
+               changed boolean, history_id bigint)
+LANGUAGE plpgsql SET search_path = pg_catalog, pg_temp AS $$
+BEGIN
+    PERFORM bi.assert_pointer_at_v1(p_dataset, p_expected_current, 'publish of ' || p_job, p_job);
+    RETURN QUERY SELECT * FROM bi.publish_v1(p_dataset, p_job, p_actor, p_force, p_reason);
+END $$;

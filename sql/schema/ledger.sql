@@ -1,0 +1,575 @@
+-- ledger: every state transition of the shard ledger as one SQL function.
+--
+-- The guard of each transition (state, lease epoch) sits in the statement that
+-- changes state, never in a read-then-write in Python. The lease guard is
+-- written once, bi.holds_lease_v1, which the planner inlines into each of those
+-- statements. A write from a stale epoch is refused and recorded in
+-- bi.fence_events. Worker-facing functions are SECURITY DEFINER with a pinned
+-- search_path so the worker role needs EXECUTE only, and each checks first
+-- that the authenticated role may work on the job version
+-- (bi.assert_may_work_on_v1, roles.sql). Names carry a version suffix: a
+-- change of signature adds _v2 beside _v1, so a worker that is still running
+-- keeps working.
+
+-- Partitions of one job version, created at submit. Each is created on its
+-- own and then attached: CREATE TABLE ... PARTITION OF would take an ACCESS
+-- EXCLUSIVE lock on the parent and queue behind readers of a published view,
+-- ATTACH PARTITION takes only SHARE UPDATE EXCLUSIVE. The snapshot partition
+-- is written by submit itself with CREATE TABLE AS (the bulk path, no index
+-- maintenance per row); bi.attach_snapshot_v1 then adds its constraints in one
+-- scan and attaches it, which builds its indexes in one sort each.
+CREATE OR REPLACE FUNCTION bi.create_job_partitions_v1(p_job text) RETURNS text
+LANGUAGE plpgsql SET search_path = pg_catalog, pg_temp AS $$
+DECLARE
+    t text;
+    part text;
+    suffix text := substr(md5(p_job), 1, 16);
+BEGIN
+    FOREACH t IN ARRAY ARRAY['results', 'dead_letters', 'attempts'] LOOP
+        part := t || '_' || suffix;
+        IF to_regclass(format('bi.%I', part)) IS NULL THEN
+            EXECUTE format('CREATE TABLE bi.%I (LIKE bi.%I INCLUDING DEFAULTS INCLUDING CONSTRAINTS)', part, t);
+            EXECUTE format('ALTER TABLE bi.%I ATTACH PARTITION bi.%I FOR VALUES IN (%L)', t, part, p_job);
+        END IF;
+    END LOOP;
+    RETURN 'snapshot_rows_' || suffix;   -- the name submit creates the snapshot under
+END $$;
+
+CREATE OR REPLACE FUNCTION bi.attach_snapshot_v1(p_job text) RETURNS void
+LANGUAGE plpgsql SET search_path = pg_catalog, pg_temp AS $$
+DECLARE
+    part text := 'snapshot_rows_' || substr(md5(p_job), 1, 16);
+BEGIN
+    -- One ALTER, one scan; the CHECK lets ATTACH skip its own validation scan.
+    EXECUTE format('ALTER TABLE bi.%I ALTER COLUMN job_version SET NOT NULL, ALTER COLUMN record_id SET NOT NULL, '
+                   'ALTER COLUMN text SET NOT NULL, ALTER COLUMN content_hash SET NOT NULL, '
+                   'ADD CONSTRAINT %I CHECK (job_version = %L)', part, part || '_jv', p_job);
+    EXECUTE format('ALTER TABLE bi.snapshot_rows ATTACH PARTITION bi.%I FOR VALUES IN (%L)', part, p_job);
+END $$;
+
+-- Drop a whole job version: its partitions go with DROP TABLE, no row-by-row DELETE.
+-- Refused while the version is published (rollback first).
+CREATE OR REPLACE FUNCTION bi.drop_job_version_v1(p_job text) RETURNS boolean
+LANGUAGE plpgsql SET search_path = pg_catalog, pg_temp AS $$
+DECLARE
+    t text;
+    suffix text := substr(md5(p_job), 1, 16);
+BEGIN
+    IF EXISTS (SELECT 1 FROM bi.publish_pointer WHERE job_version = p_job) THEN
+        RAISE EXCEPTION 'job version % is published; roll back its dataset before dropping it', p_job
+            USING ERRCODE = 'object_in_use';
+    END IF;
+    FOREACH t IN ARRAY ARRAY['snapshot_rows', 'results', 'dead_letters', 'attempts'] LOOP
+        EXECUTE format('DROP TABLE IF EXISTS bi.%I', t || '_' || suffix);
+    END LOOP;
+    DELETE FROM bi.jobs WHERE job_version = p_job;   -- cascades to its shards
+    RETURN FOUND;
+END $$;
+
+-- The fence: shard row s is leased under epoch p_epoch. Every transition made
+-- under a lease puts this in the WHERE clause of the statement that changes
+-- (or locks) the shard row, so the check and the change are one statement.
+-- A plain SQL expression (no SECURITY DEFINER, no SET): the planner inlines
+-- it, so it costs what the two comparisons cost and the row's lock re-check
+-- (READ COMMITTED) covers it. Its callers pin search_path.
+CREATE OR REPLACE FUNCTION bi.holds_lease_v1(s bi.shards, p_epoch bigint) RETURNS boolean
+LANGUAGE sql IMMUTABLE AS $$
+    SELECT s.state = 'leased' AND s.epoch = p_epoch
+$$;
+
+-- A refused call from a stale epoch, recorded with the epoch the shard is at.
+CREATE OR REPLACE FUNCTION bi.record_fence_v1(p_job text, p_shard integer, p_op text, p_epoch bigint, p_worker text)
+RETURNS void LANGUAGE sql SECURITY DEFINER SET search_path = pg_catalog, pg_temp AS $$
+    INSERT INTO bi.fence_events (job_version, shard_no, op, presented, current, worker_id)
+    SELECT p_job, p_shard, p_op, p_epoch,
+           (SELECT s.epoch FROM bi.shards s WHERE s.job_version = p_job AND s.shard_no = p_shard), p_worker;
+$$;
+
+-- Worker-stage dead letters for records of one shard, and the shard's dead
+-- counter with them: the one place both the failure count and the crash
+-- count end in. Arrays are parallel; a record already dead-lettered is
+-- skipped. Owner only. Returns how many were written.
+CREATE OR REPLACE FUNCTION bi.dead_letter_records_v1(p_job text, p_shard integer, p_transport text, p_ids text[],
+                                                    p_attempts integer[], p_reasons text[], p_errors text[],
+                                                    p_outputs text[])
+RETURNS integer
+LANGUAGE plpgsql SET search_path = pg_catalog, pg_temp AS $$
+DECLARE
+    n integer;
+BEGIN
+    INSERT INTO bi.dead_letters (job_version, record_id, reason, error, raw_output, attempts, stage,
+                                 model_name, model_digest, prompt_version, transport, acl)
+    SELECT p_job, u.id, left(u.reason, 300), u.err, u.out, u.n, 'worker',
+           j.model_name, j.model_digest, j.prompt_version, p_transport, sr.acl
+      FROM unnest(p_ids, p_attempts, p_reasons, p_errors, p_outputs) AS u(id, n, reason, err, out)
+      JOIN bi.snapshot_rows sr ON sr.job_version = p_job AND sr.record_id = u.id
+      JOIN bi.jobs j ON j.job_version = p_job
+     WHERE u.id IS NOT NULL
+    ON CONFLICT (job_version, record_id) DO NOTHING;
+    GET DIAGNOSTICS n = ROW_COUNT;
+    IF n > 0 THEN
+        UPDATE bi.shards s SET dead = s.dead + n WHERE s.job_version = p_job AND s.shard_no = p_shard;
+    END IF;
+    RETURN n;
+END $$;
+
+-- Records that kill the worker (an OOM kill, a segfault or an abort in the
+-- engine) are dead-lettered too (I4). A shard whose lease ended without a
+-- release or a completion (taken over after it expired, swept, or abandoned)
+-- counts a lost lease; its next holders run it carefully: the worker marks
+-- each engine batch in flight before generating it (bi.mark_in_flight_v1),
+-- and when such an epoch ends without a release, every record of its last
+-- marked batch left without an outcome gets one more crash. At the job's
+-- max_attempts crashes it is dead-lettered. Crashes and failed attempts are
+-- separate budgets: a record is dead-lettered when either reaches
+-- max_attempts. Records with crashes are suspects, run alone.
+--
+-- One more crash for each record of p_ids in the shard that is neither stored
+-- nor dead-lettered; dead letters at max_attempts. Called with the shard row
+-- locked (by the claim, the sweep or the abandon that ended epoch p_epoch).
+-- Owner only: it is reached through those functions. Returns the number
+-- dead-lettered.
+CREATE OR REPLACE FUNCTION bi.record_deaths_v1(p_job text, p_shard integer, p_epoch bigint, p_transport text,
+                                              p_ids text[])
+RETURNS integer
+LANGUAGE plpgsql SET search_path = pg_catalog, pg_temp AS $$
+DECLARE
+    v_max integer;
+    v_ids text[];
+    v_crashes integer[];
+BEGIN
+    SELECT (j.spec ->> 'max_attempts')::integer INTO v_max FROM bi.jobs j WHERE j.job_version = p_job;
+    WITH died AS (
+        INSERT INTO bi.attempts AS a (job_version, record_id, attempts, crashes, last_error)
+        SELECT p_job, u.id, 0, 1,
+               format('the worker died while this record was in flight (shard %s, epoch %s)', p_shard, p_epoch)
+          FROM (SELECT DISTINCT x.id FROM unnest(p_ids) AS x(id)) u
+         CROSS JOIN LATERAL (SELECT x.shard_no FROM bi.snapshot_rows x
+                              WHERE x.job_version = p_job AND x.record_id = u.id OFFSET 0) sr
+         WHERE sr.shard_no = p_shard
+           AND NOT EXISTS (SELECT 1 FROM bi.results r WHERE r.job_version = p_job AND r.record_id = u.id)
+           AND NOT EXISTS (SELECT 1 FROM bi.dead_letters d WHERE d.job_version = p_job AND d.record_id = u.id)
+        ON CONFLICT (job_version, record_id) DO UPDATE
+           SET crashes = a.crashes + 1, last_error = excluded.last_error, updated_at = clock_timestamp()
+        RETURNING a.record_id, a.crashes
+    )
+    SELECT array_agg(d.record_id), array_agg(d.crashes) INTO v_ids, v_crashes FROM died d WHERE d.crashes >= v_max;
+    -- raw output NULL: the process died before the engine returned anything
+    RETURN bi.dead_letter_records_v1(
+        p_job, p_shard, p_transport, v_ids, v_crashes,
+        ARRAY(SELECT format('worker died %s times with this record in flight', n) FROM unnest(v_crashes) n),
+        ARRAY(SELECT format('the worker died %s times while this record was in flight (the last time: shard %s, '
+                            'epoch %s; an OOM kill, a segfault or an abort in the engine, or a lost device)',
+                            n, p_shard, p_epoch) FROM unnest(v_crashes) n),
+        NULL);
+END $$;
+
+-- Claim one shard: a pending one, or one whose lease expired (no sweeper
+-- needed for progress). The epoch goes up by one on every claim and never
+-- resets. Batch workers are refused once the job is in fallback mode. Taking
+-- over an expired lease counts a lost lease and the deaths of the last batch
+-- the expired epoch marked in flight; the caller learns lost_leases (> 0: run
+-- this shard carefully).
+CREATE OR REPLACE FUNCTION bi.claim_shard_v2(p_job text, p_owner text, p_transport text DEFAULT 'batch',
+                                            p_lease_seconds integer DEFAULT NULL)
+RETURNS TABLE (shard_no integer, epoch bigint, lease_expires_at timestamptz, records integer, lost_leases integer)
+LANGUAGE plpgsql SECURITY DEFINER SET search_path = pg_catalog, pg_temp AS $$
+#variable_conflict use_column
+DECLARE
+    c record;
+BEGIN
+    PERFORM bi.assert_may_work_on_v1(p_job);
+    WITH job AS (
+        SELECT j.job_version,
+               coalesce(p_lease_seconds, (j.spec ->> 'lease_seconds')::integer) AS lease_s
+        FROM bi.jobs j
+        WHERE j.job_version = p_job
+          AND j.status = 'running'
+          AND (p_transport = 'fallback' OR j.mode = 'batch')
+    ), pick AS (
+        SELECT s.shard_no, s.state = 'leased' AS expired, s.epoch AS old_epoch,
+               s.lease_transport AS old_transport, s.in_flight AS old_in_flight
+        FROM bi.shards s
+        WHERE s.job_version = p_job
+          AND EXISTS (SELECT 1 FROM job)
+          AND (s.state = 'pending' OR (s.state = 'leased' AND s.lease_expires_at < clock_timestamp()))
+        ORDER BY s.shard_no
+        LIMIT 1
+        FOR UPDATE SKIP LOCKED
+    )
+    UPDATE bi.shards s
+       SET state = 'leased',
+           epoch = s.epoch + 1,
+           lease_owner = p_owner,
+           lease_transport = p_transport,
+           lease_expires_at = clock_timestamp() + make_interval(secs => job.lease_s),
+           claims = s.claims + 1,
+           first_claim_at = coalesce(s.first_claim_at, clock_timestamp()),
+           lost_leases = s.lost_leases + CASE WHEN pick.expired THEN 1 ELSE 0 END,
+           in_flight = NULL
+      FROM pick, job
+     WHERE s.job_version = p_job AND s.shard_no = pick.shard_no
+    RETURNING s.shard_no AS shard_no, s.epoch AS epoch, s.lease_expires_at AS lease_expires_at,
+              s.records AS records, s.lost_leases AS lost_leases, pick.expired, pick.old_epoch,
+              pick.old_transport, pick.old_in_flight
+    INTO c;
+    IF NOT FOUND THEN
+        RETURN;
+    END IF;
+    -- A release or a completion leaves no lease to expire, so only a holder
+    -- that vanished (or stalled) lands here; its marks were its own epoch's.
+    IF c.expired AND c.old_in_flight IS NOT NULL THEN
+        PERFORM bi.record_deaths_v1(p_job, c.shard_no, c.old_epoch, c.old_transport, c.old_in_flight);
+    END IF;
+    RETURN QUERY SELECT c.shard_no, c.epoch, c.lease_expires_at, c.records, c.lost_leases;
+END $$;
+
+-- Renew: only the holder of the current epoch. Returns the job's mode so a
+-- batch worker learns within one renewal interval that the cutoff fired.
+CREATE OR REPLACE FUNCTION bi.renew_lease_v1(p_job text, p_shard integer, p_epoch bigint, p_worker text,
+                                            p_lease_seconds integer DEFAULT NULL)
+RETURNS TABLE (ok boolean, mode text, lease_expires_at timestamptz)
+LANGUAGE plpgsql SECURITY DEFINER SET search_path = pg_catalog, pg_temp AS $$
+#variable_conflict use_column
+DECLARE
+    v_expires timestamptz;
+    v_mode text;
+BEGIN
+    PERFORM bi.assert_may_work_on_v1(p_job);
+    SELECT j.mode INTO v_mode FROM bi.jobs j WHERE j.job_version = p_job;
+    UPDATE bi.shards s
+       SET lease_expires_at = clock_timestamp() + make_interval(secs =>
+               coalesce(p_lease_seconds, (SELECT (j.spec ->> 'lease_seconds')::integer
+                                          FROM bi.jobs j WHERE j.job_version = p_job)))
+     WHERE s.job_version = p_job AND s.shard_no = p_shard AND bi.holds_lease_v1(s, p_epoch)
+    RETURNING s.lease_expires_at INTO v_expires;
+    IF NOT FOUND THEN
+        PERFORM bi.record_fence_v1(p_job, p_shard, 'renew', p_epoch, p_worker);
+        RETURN QUERY SELECT false, v_mode, NULL::timestamptz;
+        RETURN;
+    END IF;
+    RETURN QUERY SELECT true, v_mode, v_expires;
+END $$;
+
+-- Release (the preemption notice): the shard is pending again at once.
+CREATE OR REPLACE FUNCTION bi.release_shard_v1(p_job text, p_shard integer, p_epoch bigint, p_worker text)
+RETURNS boolean
+LANGUAGE plpgsql SECURITY DEFINER SET search_path = pg_catalog, pg_temp AS $$
+BEGIN
+    PERFORM bi.assert_may_work_on_v1(p_job);
+    UPDATE bi.shards s
+       SET state = 'pending', lease_owner = NULL, lease_transport = NULL, lease_expires_at = NULL
+     WHERE s.job_version = p_job AND s.shard_no = p_shard AND bi.holds_lease_v1(s, p_epoch);
+    IF NOT FOUND THEN
+        PERFORM bi.record_fence_v1(p_job, p_shard, 'release', p_epoch, p_worker);
+        RETURN false;
+    END IF;
+    RETURN true;
+END $$;
+
+-- Complete: only the current epoch, and only when every record of the shard
+-- is stored or dead-lettered. Returns 'done', 'stale' or 'incomplete'.
+CREATE OR REPLACE FUNCTION bi.complete_shard_v1(p_job text, p_shard integer, p_epoch bigint, p_worker text)
+RETURNS text
+LANGUAGE plpgsql SECURITY DEFINER SET search_path = pg_catalog, pg_temp AS $$
+BEGIN
+    PERFORM bi.assert_may_work_on_v1(p_job);
+    UPDATE bi.shards s
+       SET state = 'done', lease_owner = NULL, lease_expires_at = NULL, done_at = clock_timestamp()
+     WHERE s.job_version = p_job AND s.shard_no = p_shard AND bi.holds_lease_v1(s, p_epoch)
+       AND s.stored + s.dead >= s.records;
+    IF FOUND THEN
+        RETURN 'done';
+    END IF;
+    -- Not a guard, only the reason for the refusal.
+    IF EXISTS (SELECT 1 FROM bi.shards s WHERE s.job_version = p_job AND s.shard_no = p_shard
+                                          AND bi.holds_lease_v1(s, p_epoch)) THEN
+        RETURN 'incomplete';
+    END IF;
+    PERFORM bi.record_fence_v1(p_job, p_shard, 'complete', p_epoch, p_worker);
+    RETURN 'stale';
+END $$;
+
+-- The records of a leased shard still to do, with each one's failed attempts
+-- and crashes (> 0: a suspect, run it alone), readable only by the current
+-- epoch's holder: a worker never reads rows of a shard it does not hold.
+-- Every result and dead letter of a shard's record is written with the shard
+-- row locked and counted in shards.stored / shards.dead, so a shard with
+-- nothing stored (or nothing dead) skips that anti-join; the OR
+-- short-circuits per row.
+CREATE OR REPLACE FUNCTION bi.shard_records_v2(p_job text, p_shard integer, p_epoch bigint)
+RETURNS TABLE (record_id text, text text, attempts integer, crashes integer)
+LANGUAGE plpgsql STABLE SECURITY DEFINER SET search_path = pg_catalog, pg_temp AS $$
+#variable_conflict use_column
+BEGIN
+    PERFORM bi.assert_may_work_on_v1(p_job);
+    RETURN QUERY
+    SELECT sr.record_id, sr.text, coalesce(a.attempts, 0), coalesce(a.crashes, 0)
+      FROM bi.shards s
+      JOIN bi.snapshot_rows sr ON sr.job_version = s.job_version AND sr.shard_no = s.shard_no
+      LEFT JOIN bi.attempts a ON a.job_version = sr.job_version AND a.record_id = sr.record_id
+     WHERE s.job_version = p_job AND s.shard_no = p_shard AND bi.holds_lease_v1(s, p_epoch)
+       AND (s.stored = 0 OR NOT EXISTS (SELECT 1 FROM bi.results r
+                                         WHERE r.job_version = sr.job_version AND r.record_id = sr.record_id))
+       AND (s.dead = 0 OR NOT EXISTS (SELECT 1 FROM bi.dead_letters d
+                                       WHERE d.job_version = sr.job_version AND d.record_id = sr.record_id))
+     ORDER BY sr.record_id;
+END $$;
+
+-- Careful mode: the ids of the engine batch about to be generated. One
+-- statement per batch; the current epoch only. false (and a fence event)
+-- when the epoch is stale.
+CREATE OR REPLACE FUNCTION bi.mark_in_flight_v1(p_job text, p_shard integer, p_epoch bigint, p_worker text,
+                                               p_ids text[])
+RETURNS boolean
+LANGUAGE plpgsql SECURITY DEFINER SET search_path = pg_catalog, pg_temp AS $$
+BEGIN
+    PERFORM bi.assert_may_work_on_v1(p_job);
+    UPDATE bi.shards s
+       SET in_flight = p_ids
+     WHERE s.job_version = p_job AND s.shard_no = p_shard AND bi.holds_lease_v1(s, p_epoch);
+    IF NOT FOUND THEN
+        PERFORM bi.record_fence_v1(p_job, p_shard, 'mark_in_flight', p_epoch, p_worker);
+        RETURN false;
+    END IF;
+    RETURN true;
+END $$;
+
+-- The engine broke mid-shard (an exception, not a death): give the shard back
+-- at once like a release, but count it as a lost lease with the deaths of its
+-- in-flight batch, so an engine that fails on one record cannot loop either.
+CREATE OR REPLACE FUNCTION bi.abandon_shard_v1(p_job text, p_shard integer, p_epoch bigint, p_worker text)
+RETURNS boolean
+LANGUAGE plpgsql SECURITY DEFINER SET search_path = pg_catalog, pg_temp AS $$
+DECLARE
+    v_ids text[];
+    v_transport text;
+BEGIN
+    PERFORM bi.assert_may_work_on_v1(p_job);
+    SELECT s.in_flight, s.lease_transport INTO v_ids, v_transport
+      FROM bi.shards s
+     WHERE s.job_version = p_job AND s.shard_no = p_shard AND bi.holds_lease_v1(s, p_epoch)
+       FOR UPDATE;
+    IF NOT FOUND THEN
+        PERFORM bi.record_fence_v1(p_job, p_shard, 'abandon', p_epoch, p_worker);
+        RETURN false;
+    END IF;
+    UPDATE bi.shards s
+       SET state = 'pending', lease_owner = NULL, lease_transport = NULL, lease_expires_at = NULL,
+           lost_leases = s.lost_leases + 1, in_flight = NULL
+     WHERE s.job_version = p_job AND s.shard_no = p_shard;
+    IF v_ids IS NOT NULL THEN
+        PERFORM bi.record_deaths_v1(p_job, p_shard, p_epoch, v_transport, v_ids);
+    END IF;
+    RETURN true;
+END $$;
+
+-- Put-if-absent results for one shard under the current epoch. The shard row
+-- is locked first, so a concurrent claim (which bumps the epoch) waits for
+-- this batch to commit, and a batch from a stale epoch writes nothing. While
+-- the lock is held no record of the shard can be dead-lettered, so with the
+-- shard's dead counter at 0 the per-record dead-letter probe is skipped.
+-- Returns the number of new rows, or -1 when the epoch is stale.
+CREATE OR REPLACE FUNCTION bi.put_results_v1(p_job text, p_shard integer, p_epoch bigint, p_worker text,
+                                            p_transport text, p_ids text[], p_outputs jsonb[], p_categories text[])
+RETURNS integer
+LANGUAGE plpgsql SECURITY DEFINER SET search_path = pg_catalog, pg_temp AS $$
+DECLARE
+    n integer;
+    v_dead bigint;
+BEGIN
+    PERFORM bi.assert_may_work_on_v1(p_job);
+    SELECT s.dead INTO v_dead FROM bi.shards s
+     WHERE s.job_version = p_job AND s.shard_no = p_shard AND bi.holds_lease_v1(s, p_epoch)
+       FOR UPDATE;
+    IF NOT FOUND THEN
+        PERFORM bi.record_fence_v1(p_job, p_shard, 'put_results', p_epoch, p_worker);
+        RETURN -1;
+    END IF;
+    INSERT INTO bi.results (job_version, record_id, output, category, model_name, model_digest,
+                            prompt_version, transport, worker_id, epoch, acl, content_hash)
+    SELECT p_job, u.id, u.output, u.category, j.model_name, j.model_digest, j.prompt_version,
+           p_transport, p_worker, p_epoch, sr.acl, sr.content_hash
+      FROM unnest(p_ids, p_outputs, p_categories) AS u(id, output, category)
+     CROSS JOIN LATERAL (SELECT x.acl, x.content_hash, x.shard_no FROM bi.snapshot_rows x
+                          WHERE x.job_version = p_job AND x.record_id = u.id OFFSET 0) sr
+      JOIN bi.jobs j ON j.job_version = p_job
+     WHERE sr.shard_no = p_shard
+       AND (v_dead = 0 OR NOT EXISTS (SELECT 1 FROM bi.dead_letters d
+                                       WHERE d.job_version = p_job AND d.record_id = u.id))
+    ON CONFLICT (job_version, record_id) DO NOTHING;
+    GET DIAGNOSTICS n = ROW_COUNT;
+    UPDATE bi.shards s
+       SET stored = s.stored + n,
+           stored_fallback = s.stored_fallback + CASE WHEN p_transport = 'fallback' THEN n ELSE 0 END
+     WHERE s.job_version = p_job AND s.shard_no = p_shard;
+    RETURN n;
+END $$;
+
+-- Count one failed attempt per record; at the job's max_attempts the record
+-- goes to dead letters with its last error and raw output (I4).
+-- p_attempt_nos[i] is the attempt number the caller is recording for
+-- p_ids[i]: a record whose count already reached it (the same call, retried
+-- after its reply was lost) is not counted again; NULL counts
+-- unconditionally. Returns, for every given record of the shard without a
+-- result, its count and whether it is dead-lettered; a stale epoch returns
+-- the single row (NULL, -1, false). Records that got an outcome leave the
+-- shard's in-flight batch.
+CREATE OR REPLACE FUNCTION bi.fail_records_v2(p_job text, p_shard integer, p_epoch bigint, p_worker text,
+                                             p_transport text, p_ids text[], p_errors text[], p_outputs text[],
+                                             p_attempt_nos integer[])
+RETURNS TABLE (record_id text, attempts integer, dead boolean)
+LANGUAGE plpgsql SECURITY DEFINER SET search_path = pg_catalog, pg_temp AS $$
+#variable_conflict use_column
+DECLARE
+    v_max integer;
+    v_counted record;
+BEGIN
+    PERFORM bi.assert_may_work_on_v1(p_job);
+    PERFORM 1 FROM bi.shards s
+     WHERE s.job_version = p_job AND s.shard_no = p_shard AND bi.holds_lease_v1(s, p_epoch)
+       FOR UPDATE;
+    IF NOT FOUND THEN
+        PERFORM bi.record_fence_v1(p_job, p_shard, 'fail_records', p_epoch, p_worker);
+        RETURN QUERY SELECT NULL::text, -1, false;
+        RETURN;
+    END IF;
+    SELECT (j.spec ->> 'max_attempts')::integer INTO v_max FROM bi.jobs j WHERE j.job_version = p_job;
+
+    -- bumped and fresh see the same snapshot: one touches rows that exist,
+    -- the other inserts the missing ones, never both for a record.
+    WITH given AS (
+        SELECT u.id, u.err, u.out, u.n
+          FROM unnest(p_ids, p_errors, p_outputs, p_attempt_nos) AS u(id, err, out, n)
+         CROSS JOIN LATERAL (SELECT x.shard_no FROM bi.snapshot_rows x
+                              WHERE x.job_version = p_job AND x.record_id = u.id OFFSET 0) sr
+         WHERE sr.shard_no = p_shard
+           AND NOT EXISTS (SELECT 1 FROM bi.results r WHERE r.job_version = p_job AND r.record_id = u.id)
+           AND NOT EXISTS (SELECT 1 FROM bi.dead_letters d WHERE d.job_version = p_job AND d.record_id = u.id)
+    ), bumped AS (
+        UPDATE bi.attempts a
+           SET attempts = a.attempts + 1, last_error = g.err, last_output = g.out, updated_at = clock_timestamp()
+          FROM given g
+         WHERE a.job_version = p_job AND a.record_id = g.id AND a.attempts < coalesce(g.n, a.attempts + 1)
+        RETURNING a.record_id, a.attempts, a.last_error, a.last_output
+    ), fresh AS (
+        INSERT INTO bi.attempts AS t (job_version, record_id, attempts, last_error, last_output)
+        SELECT p_job, g.id, 1, g.err, g.out
+          FROM given g
+         WHERE NOT EXISTS (SELECT 1 FROM bi.attempts a WHERE a.job_version = p_job AND a.record_id = g.id)
+        ON CONFLICT (job_version, record_id) DO NOTHING
+        RETURNING t.record_id, t.attempts, t.last_error, t.last_output
+    )
+    SELECT array_agg(f.record_id) AS ids, array_agg(f.attempts) AS attempts,
+           array_agg(format('failed %s attempts: %s', f.attempts,
+                            split_part(coalesce(f.last_error, 'unknown error'), E'\n', 1))) AS reasons,
+           array_agg(f.last_error) AS errors, array_agg(f.last_output) AS outputs
+      INTO v_counted
+      FROM (SELECT * FROM bumped UNION ALL SELECT * FROM fresh) f
+     WHERE f.attempts >= v_max;
+    PERFORM bi.dead_letter_records_v1(p_job, p_shard, p_transport, v_counted.ids, v_counted.attempts,
+                                      v_counted.reasons, v_counted.errors, v_counted.outputs);
+
+    -- They had an outcome, so they did not kill anyone (careful shards only).
+    UPDATE bi.shards s
+       SET in_flight = ARRAY(SELECT x FROM unnest(s.in_flight) AS x WHERE x <> ALL (p_ids))
+     WHERE s.job_version = p_job AND s.shard_no = p_shard AND s.in_flight IS NOT NULL;
+
+    RETURN QUERY
+    SELECT a.record_id, a.attempts,
+           EXISTS (SELECT 1 FROM bi.dead_letters d WHERE d.job_version = p_job AND d.record_id = a.record_id)
+      FROM bi.attempts a
+      JOIN bi.snapshot_rows sr ON sr.job_version = a.job_version AND sr.record_id = a.record_id
+     WHERE a.job_version = p_job AND a.record_id = ANY (p_ids) AND sr.shard_no = p_shard
+       AND NOT EXISTS (SELECT 1 FROM bi.results r WHERE r.job_version = p_job AND r.record_id = a.record_id);
+END $$;
+
+-- Return every expired lease to pending (claims also take expired shards, so
+-- this is for a tidy status page, not for progress). A swept lease is a lost
+-- lease, with the same death count as a claim's takeover.
+CREATE OR REPLACE FUNCTION bi.sweep_expired_v1(p_job text) RETURNS integer
+LANGUAGE plpgsql SECURITY DEFINER SET search_path = pg_catalog, pg_temp AS $$
+DECLARE
+    c record;
+    n integer := 0;
+BEGIN
+    FOR c IN
+        UPDATE bi.shards s
+           SET state = 'pending', lease_owner = NULL, lease_transport = NULL, lease_expires_at = NULL,
+               lost_leases = s.lost_leases + 1, in_flight = NULL
+          FROM (SELECT o.shard_no, o.epoch, o.lease_transport, o.in_flight FROM bi.shards o
+                 WHERE o.job_version = p_job AND o.state = 'leased' AND o.lease_expires_at < clock_timestamp()
+                   FOR UPDATE) prev
+         WHERE s.job_version = p_job AND s.shard_no = prev.shard_no
+        RETURNING prev.shard_no, prev.epoch, prev.lease_transport, prev.in_flight
+    LOOP
+        n := n + 1;
+        IF c.in_flight IS NOT NULL THEN
+            PERFORM bi.record_deaths_v1(p_job, c.shard_no, c.epoch, c.lease_transport, c.in_flight);
+        END IF;
+    END LOOP;
+    RETURN n;
+END $$;
+
+-- The cutoff fired: batch workers stop claiming and drain; the fallback pool claims.
+CREATE OR REPLACE FUNCTION bi.enter_fallback_v1(p_job text) RETURNS boolean
+LANGUAGE sql SET search_path = pg_catalog, pg_temp AS $$
+    UPDATE bi.jobs SET mode = 'fallback', fallback_at = coalesce(fallback_at, clock_timestamp())
+     WHERE job_version = p_job AND status = 'running'
+    RETURNING true;
+$$;
+
+-- A job's workers stop the whole run: record why on the job (bi.jobs.halted_at).
+CREATE OR REPLACE FUNCTION bi.halt_job_v1(p_job text, p_reason text)
+RETURNS timestamptz
+LANGUAGE plpgsql SECURITY DEFINER SET search_path = pg_catalog, pg_temp AS $$
+DECLARE
+    v_at timestamptz;
+BEGIN
+    PERFORM bi.assert_may_work_on_v1(p_job);
+    UPDATE bi.jobs SET halted_at = clock_timestamp(), halt_reason = left(p_reason, 2000)
+     WHERE job_version = p_job AND status = 'running'
+    RETURNING halted_at INTO v_at;
+    RETURN v_at;
+END $$;
+
+-- What a worker needs to run a job: its pinned spec, as the JSON text the
+-- submitter wrote (psycopg decodes json in document order). Nothing else of
+-- the job.
+CREATE OR REPLACE FUNCTION bi.job_spec_v2(p_job text)
+RETURNS TABLE (spec json, mode text, status text)
+LANGUAGE plpgsql STABLE SECURITY DEFINER SET search_path = pg_catalog, pg_temp AS $$
+#variable_conflict use_column
+BEGIN
+    PERFORM bi.assert_may_work_on_v1(p_job);
+    RETURN QUERY
+    SELECT coalesce(j.spec_text, j.spec::text)::json, j.mode, j.status
+      FROM bi.jobs j WHERE j.job_version = p_job;
+END $$;
+
+-- Live counts from the shard table alone: cost independent of the number of records.
+CREATE OR REPLACE FUNCTION bi.job_counts_v1(p_job text)
+RETURNS TABLE (records bigint, stored bigint, stored_batch bigint, stored_fallback bigint, reused bigint,
+               dead_letters bigint, outstanding bigint, shards_pending bigint, shards_leased bigint,
+               shards_done bigint, mode text, status text, first_claim_at timestamptz)
+LANGUAGE plpgsql STABLE SECURITY DEFINER SET search_path = pg_catalog, pg_temp AS $$
+#variable_conflict use_column
+BEGIN
+    PERFORM bi.assert_may_work_on_v1(p_job);
+    RETURN QUERY
+    SELECT j.records,
+           j.reused + coalesce(sum(s.stored), 0),
+           coalesce(sum(s.stored - s.stored_fallback), 0),
+           coalesce(sum(s.stored_fallback), 0),
+           j.reused,
+           j.planned_dead + coalesce(sum(s.dead), 0),
+           j.records - j.reused - j.planned_dead - coalesce(sum(s.stored + s.dead), 0),
+           count(*) FILTER (WHERE s.state = 'pending'),
+           count(*) FILTER (WHERE s.state = 'leased'),
+           count(*) FILTER (WHERE s.state = 'done'),
+           j.mode, j.status, min(s.first_claim_at)
+      FROM bi.jobs j
+      LEFT JOIN bi.shards s ON s.job_version = j.job_version
+     WHERE j.job_version = p_job
+     GROUP BY j.job_version;
+END $$;

@@ -1,0 +1,170 @@
+"""sql/schema/ and sql/migrations/ build the same database (the real embedded PostgreSQL).
+
+One database is migrated from empty with ``db.migrate``; another runs the
+schema files in name order. Their catalogs must agree on every table,
+column, constraint, index, function body, grant, policy, trigger and view in
+the ledger's schemas. A migration that drifts from the schema (or a schema
+edit without its migration) fails here, naming the object.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import uuid
+from collections.abc import Iterator
+
+import psycopg
+import pytest
+
+from batch_inference import db
+
+SCHEMAS = ("bi", "published")
+
+# Each probe: a name and a query over the catalogs returning comparable rows.
+# bi.schema_migrations (migrate's own record) is left out: only the migrated
+# database has it.
+CATALOG = {
+    "columns": """
+        SELECT c.table_schema, c.table_name, c.column_name, c.data_type, c.udt_name, c.column_default,
+               c.is_nullable, c.is_identity
+          FROM information_schema.columns c
+         WHERE c.table_schema = ANY (%(schemas)s) AND c.table_name <> 'schema_migrations'""",
+    "relations": """
+        SELECT n.nspname, c.relname, c.relkind, c.relpersistence, c.relrowsecurity, c.relforcerowsecurity,
+               pg_get_partkeydef(c.oid) AS partkey, c.relacl::text AS acl,
+               obj_description(c.oid, 'pg_class') AS comment
+          FROM pg_class c JOIN pg_namespace n ON n.oid = c.relnamespace
+         WHERE n.nspname = ANY (%(schemas)s) AND c.relname NOT LIKE 'schema_migrations%%'
+           AND c.relkind IN ('r', 'p', 'v', 'm', 'S', 'f')""",
+    "constraints": """
+        SELECT n.nspname, c.conrelid::regclass::text AS rel, c.conname, c.contype, pg_get_constraintdef(c.oid) AS def
+          FROM pg_constraint c JOIN pg_namespace n ON n.oid = c.connamespace
+         WHERE n.nspname = ANY (%(schemas)s) AND c.conrelid::regclass::text <> 'bi.schema_migrations'""",
+    "indexes": """
+        SELECT schemaname, tablename, indexname, indexdef FROM pg_indexes
+         WHERE schemaname = ANY (%(schemas)s) AND tablename <> 'schema_migrations'""",
+    "functions": """
+        SELECT n.nspname, p.proname, pg_get_function_identity_arguments(p.oid) AS args,
+               pg_get_functiondef(p.oid) AS def, p.proacl::text AS acl
+          FROM pg_proc p JOIN pg_namespace n ON n.oid = p.pronamespace
+         WHERE n.nspname = ANY (%(schemas)s)""",
+    "policies": """
+        SELECT schemaname, tablename, policyname, permissive, roles::text, cmd, qual, with_check
+          FROM pg_policies WHERE schemaname = ANY (%(schemas)s)""",
+    "triggers": """
+        SELECT c.relname, t.tgname, pg_get_triggerdef(t.oid) AS def, t.tgenabled
+          FROM pg_trigger t JOIN pg_class c ON c.oid = t.tgrelid JOIN pg_namespace n ON n.oid = c.relnamespace
+         WHERE n.nspname = ANY (%(schemas)s) AND NOT t.tgisinternal""",
+    "views": """
+        SELECT schemaname, viewname, definition FROM pg_views WHERE schemaname = ANY (%(schemas)s)""",
+    "schemas": """
+        SELECT nspname, nspacl::text AS acl FROM pg_namespace WHERE nspname = ANY (%(schemas)s)""",
+    "default_privileges": """
+        SELECT defaclobjtype, defaclnamespace::regnamespace::text AS nsp, defaclacl::text AS acl
+          FROM pg_default_acl WHERE defaclrole = (SELECT oid FROM pg_roles WHERE rolname = current_user)""",
+    "sequences": """
+        SELECT schemaname, sequencename, data_type::text, start_value, increment_by FROM pg_sequences
+         WHERE schemaname = ANY (%(schemas)s)""",
+}
+
+
+def catalog(url: str) -> dict[str, list[tuple]]:
+    with db.connect(url) as c:
+        return {name: sorted(tuple(r.values()) for r in c.execute(sql, {"schemas": list(SCHEMAS)}))
+                for name, sql in CATALOG.items()}
+
+
+def apply_schema(url: str) -> None:
+    with db.connect(url) as c, c.transaction():
+        for path in sorted((db.sql_dir() / "schema").glob("*.sql")):
+            c.execute(path.read_text())
+
+
+@pytest.fixture
+def empty_db(pg_server) -> Iterator[str]:
+    """Fresh databases, created empty (not from the migrated template)."""
+    made: list[str] = []
+
+    def make() -> str:
+        name = "s_" + uuid.uuid4().hex[:12]
+        with psycopg.connect(pg_server.get_uri(), autocommit=True) as c:
+            c.execute(f"CREATE DATABASE {name}")
+        made.append(name)
+        return pg_server.get_uri(name)
+
+    yield make
+    with psycopg.connect(pg_server.get_uri(), autocommit=True) as c:
+        for name in made:
+            c.execute(f"DROP DATABASE IF EXISTS {name} WITH (FORCE)")
+
+
+def test_migrations_build_the_schema(empty_db):
+    migrated, defined = empty_db(), empty_db()
+    with db.connect(migrated) as c:
+        assert db.migrate(c) == [p.name for p in db.migrations()]
+    apply_schema(defined)
+    got, want = catalog(migrated), catalog(defined)
+    assert len(want["functions"]) > 30 and len(want["columns"]) > 100   # the probes see the ledger
+    for probe in CATALOG:
+        only_migrated = sorted(set(got[probe]) - set(want[probe]))
+        only_schema = sorted(set(want[probe]) - set(got[probe]))
+        assert not only_migrated and not only_schema, (
+            f"{probe} differ between sql/migrations/ and sql/schema/:\n"
+            f"  migrations only: {only_migrated}\n  schema only: {only_schema}")
+
+
+def test_migrate_is_idempotent(empty_db):
+    url = empty_db()
+    with db.connect(url) as c:
+        assert db.migrate(c)
+        assert db.migrate(c) == []
+        names = [r["name"] for r in c.execute("SELECT name FROM bi.schema_migrations ORDER BY name")]
+    assert names == [p.name for p in db.migrations()]
+
+
+def test_a_changed_migration_is_refused_in_one_line(empty_db):
+    url = empty_db()
+    with db.connect(url) as c:
+        db.migrate(c)
+        first = db.migrations()[0].name
+        c.execute("UPDATE bi.schema_migrations SET checksum = %s WHERE name = %s",
+                  (hashlib.sha256(b"an earlier text").hexdigest(), first))
+        with pytest.raises(db.MigrationRefused) as refused:
+            db.migrate(c)
+    msg = str(refused.value)
+    assert "\n" not in msg and first in msg and "never edited" in msg
+
+
+def test_a_database_from_before_the_squash_is_refused_with_how_to_rebuild(empty_db):
+    url = empty_db()
+    with db.connect(url) as c:
+        c.execute("CREATE SCHEMA bi")
+        c.execute("""CREATE TABLE bi.schema_migrations (name text PRIMARY KEY, checksum text NOT NULL,
+                     applied_at timestamptz NOT NULL DEFAULT clock_timestamp())""")
+        c.execute("INSERT INTO bi.schema_migrations (name, checksum) "
+                  "VALUES ('0001_core.sql', 'x'), ('0002_ledger.sql', 'y')")
+        with pytest.raises(db.MigrationRefused) as refused:
+            db.migrate(c)
+        # nothing was applied
+        assert c.execute("SELECT to_regclass('bi.jobs') AS t").fetchone()["t"] is None
+    msg = str(refused.value)
+    assert "\n" not in msg and "predates the schema squash" in msg and "0001_core.sql" in msg
+    assert "DROP SCHEMA bi, published CASCADE" in msg
+
+
+def test_the_fence_is_inlined_into_the_statements_that_change_state(conn):
+    """bi.holds_lease_v1 is planned as two comparisons, not a function call per row."""
+    conn.execute("SET search_path = pg_catalog, pg_temp")
+    plan = "\n".join(r["QUERY PLAN"] for r in conn.execute(
+        "EXPLAIN (VERBOSE) UPDATE bi.shards s SET claims = s.claims WHERE s.job_version = 'x' AND s.shard_no = 0 "
+        "AND bi.holds_lease_v1(s, 1)"))
+    assert "holds_lease_v1" not in plan and "(s.state = 'leased'::text) AND (s.epoch = '1'::bigint)" in plan
+
+
+def test_no_migration_or_schema_comment_tells_history():
+    """Comments say what the code does now; history lives in git, measurements in docs/."""
+    words = ("until now", "issue ", " ms)", "no longer", "used to ")
+    for path in sorted((db.sql_dir() / "schema").glob("*.sql")) + db.migrations():
+        comments = "\n".join(line.split("--", 1)[1] for line in path.read_text().splitlines() if "--" in line)
+        for w in words:
+            assert w not in comments.lower(), f"{path.name}: a comment says {w.strip()!r}"
