@@ -1,0 +1,21 @@
+"""The ``batch-inference`` commands: each module's ``register(sub)`` adds its subcommands.
+
+``COMMANDS`` is the one list; ``batch-inference --help`` shows the commands
+in its order. A new command is a module here and an entry in it.
+"""
+
+from batch_inference.commands import (
+    capacity,
+    chaos,
+    cost,
+    cutoff,
+    database,
+    demo,
+    fallback,
+    jobs,
+    publish,
+    validate,
+    worker,
+)
+
+COMMANDS = (database, jobs, worker, capacity, cutoff, cost, validate, publish, chaos, fallback, demo)

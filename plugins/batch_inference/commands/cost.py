@@ -12,6 +12,7 @@ import json
 import sys
 from typing import Any
 
+from batch_inference.commands.common import db_arg
 from batch_inference.cost import (
     DEFAULT_PRICES,
     Prices,
@@ -43,7 +44,7 @@ def register(sub: Any) -> None:
     p.add_argument("--batch-price", type=str, help=f"per row on batch (default {DEFAULT_PRICES.batch_per_row})")
     p.add_argument("--fallback-price", type=str, help=f"per row synchronously (default {DEFAULT_PRICES.fallback_per_row})")
     p.add_argument("--json", action="store_true", help="print one JSON object")
-    p.add_argument("--db", default=argparse.SUPPRESS, help="database URL (default: $BATCH_INFERENCE_DB)")
+    db_arg(p)
     p.set_defaults(func=run)
 
 

@@ -15,6 +15,7 @@ from datetime import datetime
 from typing import Any
 from zoneinfo import ZoneInfo, ZoneInfoNotFoundError
 
+from batch_inference.commands.common import db_arg
 from batch_inference.cutoff import (
     DEFAULT_OVERHEAD_S,
     DEFAULT_RATE,
@@ -39,8 +40,7 @@ def register(sub: Any) -> None:
     p.add_argument("--now", help="HH:MM on today's date, or an ISO datetime (default: the clock)")
     p.add_argument("--tz", default="UTC", help="zone the clock times are read in (default UTC)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
-    # SUPPRESS keeps a --db given to the top-level parser from being reset here.
-    p.add_argument("--db", default=argparse.SUPPRESS, help="database URL (default: $BATCH_INFERENCE_DB)")
+    db_arg(p)
     p.set_defaults(func=run)
 
 

@@ -28,6 +28,7 @@ from datetime import datetime
 from typing import Any
 from zoneinfo import ZoneInfo
 
+from batch_inference.commands.common import db_arg
 from batch_inference.cutoff import UTC, parse_clock, relabel_start
 
 log = logging.getLogger("batch_inference.fallback")
@@ -64,7 +65,7 @@ def register(sub: Any) -> None:
     g.add_argument("--cutoff-overhead", type=float, help="overhead seconds the cutoff assumes (default: history, else the spec)")
     g.add_argument("--step", type=int, default=60, help="floor the latest safe start to this many seconds")
     p.add_argument("--json", action="store_true", help="print one JSON object")
-    p.add_argument("--db", default=argparse.SUPPRESS, help="database URL (default: $BATCH_INFERENCE_DB)")
+    db_arg(p)
     p.set_defaults(func=run)
 
 

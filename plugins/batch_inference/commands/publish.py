@@ -8,9 +8,7 @@ import json
 import sys
 from typing import Any
 
-
-def _db_arg(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--db", default=argparse.SUPPRESS, help="database URL (default: $BATCH_INFERENCE_DB)")
+from batch_inference.commands.common import connect, db_arg
 
 
 def register(sub: Any) -> None:
@@ -23,7 +21,7 @@ def register(sub: Any) -> None:
                    help="refuse unless VERSION is the one published now (nobody published since you "
                         "looked); 'none': refuse if anything is published")
     p.add_argument("--json", action="store_true")
-    _db_arg(p)
+    db_arg(p)
     p.set_defaults(func=run_publish)
 
     r = sub.add_parser("rollback", help="switch a dataset back to the version the current one replaced")
@@ -33,23 +31,15 @@ def register(sub: Any) -> None:
     r.add_argument("--expect", metavar="VERSION",
                    help="refuse unless VERSION is the one published now: roll back only what you looked at")
     r.add_argument("--json", action="store_true")
-    _db_arg(r)
+    db_arg(r)
     r.set_defaults(func=run_rollback)
 
     s = sub.add_parser("published", help="the version a dataset publishes now, its view and its history")
     s.add_argument("dataset")
     s.add_argument("--json", action="store_true")
     s.add_argument("--history", type=int, default=20, help="history entries to show")
-    _db_arg(s)
+    db_arg(s)
     s.set_defaults(func=run_published)
-
-
-def _conn(args: argparse.Namespace):
-    from batch_inference import db
-
-    conn = db.connect(getattr(args, "db", None))
-    db.migrate(conn)
-    return conn
 
 
 def _print_switch(out: dict[str, Any], as_json: bool) -> None:
@@ -69,7 +59,7 @@ def run_publish(args: argparse.Namespace) -> int:
     if args.force and not (args.reason or "").strip():
         print("batch-inference publish: error: --force needs --reason TEXT (it is recorded)", file=sys.stderr)
         return 2
-    with _conn(args) as conn:
+    with connect(args) as conn:
         out = publish(conn, args.job_version, actor=args.actor, force=args.force, reason=args.reason,
                       expected_current="" if (args.expect or "").lower() == "none" else args.expect)
     _print_switch(out, args.json)
@@ -79,7 +69,7 @@ def run_publish(args: argparse.Namespace) -> int:
 def run_rollback(args: argparse.Namespace) -> int:
     from batch_inference.publish import rollback
 
-    with _conn(args) as conn:
+    with connect(args) as conn:
         out = rollback(conn, args.dataset, actor=args.actor, reason=args.reason, expected_current=args.expect)
     _print_switch(out, args.json)
     return 0
@@ -88,7 +78,7 @@ def run_rollback(args: argparse.Namespace) -> int:
 def run_published(args: argparse.Namespace) -> int:
     from batch_inference.publish import published
 
-    with _conn(args) as conn:
+    with connect(args) as conn:
         out = published(conn, args.dataset, history=args.history)
     if args.json:
         print(json.dumps(out, default=str))

@@ -8,6 +8,8 @@ import json
 import sys
 from typing import Any
 
+from batch_inference.commands.common import connect, db_arg
+
 
 def register(sub: Any) -> None:
     p = sub.add_parser("validate", help="check a finished job version before publish (exit 1 if it fails)",
@@ -16,16 +18,14 @@ def register(sub: Any) -> None:
     p.add_argument("--json", action="store_true", help="print the whole report as one JSON object")
     p.add_argument("--sample-dir", default=None,
                    help="where the JSONL sample goes (default: $BATCH_INFERENCE_HOME/samples)")
-    p.add_argument("--db", default=argparse.SUPPRESS, help="database URL (default: $BATCH_INFERENCE_DB)")
+    db_arg(p)
     p.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:
-    from batch_inference import db
     from batch_inference.validate import validate
 
-    with db.connect(getattr(args, "db", None)) as conn:
-        db.migrate(conn)
+    with connect(args) as conn:
         report = validate(conn, args.job_version, sample_dir=args.sample_dir)
     if args.json:
         print(json.dumps(report, default=str, ensure_ascii=False))

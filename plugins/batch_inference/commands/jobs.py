@@ -1,0 +1,95 @@
+"""``submit``, ``status``, ``dead-letters`` and ``drop``: a job version in the ledger."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import Any
+
+from batch_inference.commands.common import connect, print_json, printable
+
+
+def register(sub: Any) -> None:
+    s = sub.add_parser("submit", help="validate a spec, snapshot its source and plan shards")
+    s.add_argument("spec")
+    s.add_argument("--shard-size", type=int)
+    s.add_argument("--s3-endpoint", default=None, help="S3-compatible endpoint URL (object-store sources)")
+    s.set_defaults(func=run_submit)
+
+    st = sub.add_parser("status", help="live counts of a job version")
+    st.add_argument("job_version")
+    st.add_argument("--json", action="store_true")
+    st.set_defaults(func=run_status)
+
+    dl = sub.add_parser("dead-letters", help="records that never produced a result, with reasons")
+    dl.add_argument("job_version")
+    dl.add_argument("--json", action="store_true")
+    dl.set_defaults(func=run_dead_letters)
+
+    dr = sub.add_parser("drop", help="drop a whole job version (its partitions)")
+    dr.add_argument("job_version")
+    dr.set_defaults(func=run_drop)
+
+
+def run_submit(args: argparse.Namespace) -> int:
+    from batch_inference.plan import submit
+    from batch_inference.spec import load_spec
+
+    spec = load_spec(args.spec)
+    overrides = {k: v for k, v in (("shard_size", args.shard_size),) if v is not None}
+    if overrides:
+        spec = spec.with_overrides(**overrides)
+    rows = None
+    if spec.source.kind == "s3_manifest":
+        from batch_inference.sources import s3_manifest_rows
+
+        rows = s3_manifest_rows(spec.source, endpoint_url=args.s3_endpoint)
+    with connect(args) as conn:
+        m = submit(conn, spec, rows)
+    print_json(m.as_dict())
+    return 0
+
+
+def run_status(args: argparse.Namespace) -> int:
+    from batch_inference.status import job_counts
+
+    with connect(args) as conn:
+        c = job_counts(conn, args.job_version)
+    if args.json:
+        print_json(c)
+    else:
+        s = c["shards"]
+        print(f"{c['job_version']}: {c['stored']}/{c['records']} stored ({c['stored_fallback']} by fallback, "
+              f"{c['reused']} reused), {c['dead_letters']} dead letters, {c['outstanding']} outstanding; "
+              f"shards pending {s['pending']}, leased {s['leased']}, done {s['done']}; "
+              f"mode {c['mode']}, status {c['status']}")
+    return 0
+
+
+def run_dead_letters(args: argparse.Namespace) -> int:
+    from batch_inference.status import dead_letters, job_counts
+
+    with connect(args) as conn:
+        job_counts(conn, args.job_version)  # a clear error for an unknown version
+        rows = dead_letters(conn, args.job_version)
+    if args.json:
+        for r in rows:
+            print_json({k: r[k] for k in ("record_id", "reason", "attempts", "stage", "error", "raw_output")})
+    else:
+        # Ids, reasons and raw outputs come from records and the model: escaped, never sent raw to a terminal.
+        for r in rows:
+            raw = printable((r["raw_output"] or "")[:80])
+            print(f"{printable(r['record_id'])}\t{r['attempts']}\t{printable(r['reason'])}\t{raw}")
+        print(f"{len(rows)} dead letter(s)", file=sys.stderr)
+    return 0
+
+
+def run_drop(args: argparse.Namespace) -> int:
+    from batch_inference.exceptions import UnknownJob
+    from batch_inference.plan import drop_job_version
+
+    with connect(args) as conn:
+        if not drop_job_version(conn, args.job_version):
+            raise UnknownJob(f"no job version {args.job_version!r}")
+    print("dropped", file=sys.stderr)
+    return 0
