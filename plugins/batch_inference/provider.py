@@ -46,7 +46,8 @@ def get_provider_info() -> dict[str, Any]:
                 "integration-name": INTEGRATION,
                 "python-modules": [
                     "batch_inference.operators.submit",
-                    "batch_inference.operators.workers",
+                    "batch_inference.operators.local_workers",
+                    "batch_inference.operators.gpu_pods",
                     "batch_inference.operators.validate",
                     "batch_inference.operators.publish",
                     "batch_inference.operators.fallback",

@@ -11,9 +11,9 @@ from typing import Any
 
 _WHERE = {
     "SubmitJobOperator": "batch_inference.operators.submit",
-    "LocalWorkersOperator": "batch_inference.operators.workers",
-    "GpuWorkerPodOperator": "batch_inference.operators.workers",
-    "gpu_worker_pods": "batch_inference.operators.workers",
+    "LocalWorkersOperator": "batch_inference.operators.local_workers",
+    "GpuWorkerPodOperator": "batch_inference.operators.gpu_pods",
+    "gpu_worker_pods": "batch_inference.operators.gpu_pods",
     "ValidateOperator": "batch_inference.operators.validate",
     "PublishOperator": "batch_inference.operators.publish",
     "RollbackOperator": "batch_inference.operators.publish",

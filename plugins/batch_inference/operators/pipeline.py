@@ -121,7 +121,7 @@ def local_workers(*, workers: Any = "{{ params.workers }}", engine: Any = "{{ pa
                   **kwargs: Any) -> WorkerLauncher:
     """A launcher for ``LocalWorkersOperator`` (task id ``workers``): N ``python -m gpu_runner``
     processes on the Airflow worker. ``kwargs`` go to the operator (``max_restarts``, ``env``...)."""
-    from batch_inference.operators.workers import LocalWorkersOperator
+    from batch_inference.operators.local_workers import LocalWorkersOperator
 
     def launch(job_version: Any, postgres_conn_id: str) -> Any:
         return LocalWorkersOperator(task_id="workers", job_version=job_version, workers=workers, engine=engine,

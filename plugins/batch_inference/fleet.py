@@ -1,0 +1,286 @@
+"""Worker processes: N ``python -m gpu_runner`` processes under one supervisor.
+
+``Fleet`` starts one process per slot with the environment it is given (the
+database address in ``BATCH_INFERENCE_DB``, never on the command line, where
+``ps`` would show its password), streams each process's lines (into a log
+with a ``[name]`` prefix, into ``log_dir/<name>.log``, or both) and keeps
+the last ones, and collects exits. An exit in ``done`` ends its slot; one in
+``fatal`` is reported for the caller to stop everything; any other exit
+(a preemption notice handled, an engine crash with its shard given back, a
+crash) restarts the slot, up to ``max_restarts`` per slot, after a backoff
+that grows with consecutive unexpected exits. ``stop`` sends SIGTERM to
+every process (a worker then releases its lease at once) and SIGKILL after
+the grace.
+
+``LocalWorkersOperator`` runs its task's workers on it and the chaos harness
+its workers under injected faults. Does not import Airflow.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from enum import Enum
+from pathlib import Path
+
+from batch_inference.exits import ExitCode
+
+# 143: the worker handled SIGTERM (a preemption notice) and released its lease;
+# -15: SIGTERM arrived before its handler was installed. Neither is the worker's fault.
+PREEMPTED = frozenset({int(ExitCode.PREEMPTED), -signal.SIGTERM})
+_SIGNAL_NAMES = {-signal.SIGKILL: "SIGKILL", -signal.SIGTERM: "SIGTERM"}
+
+
+class Action(Enum):
+    """What the fleet did about an exit."""
+
+    DONE = "done"              # the exit code is in ``done``: the slot is finished
+    RESTART = "restart"        # the slot is started again (after its backoff)
+    FATAL = "fatal"            # the exit code is in ``fatal``: the caller stops the fleet
+    GAVE_UP = "gave up"        # the slot was already restarted ``max_restarts`` times
+    STOPPED = "stopped"        # the fleet is stopping, or was told not to restart
+
+
+@dataclass(eq=False)
+class Worker:
+    """One process of a slot (``gen`` counts the slot's processes from 0)."""
+
+    slot: int
+    gen: int
+    name: str
+    popen: subprocess.Popen[str]
+    started: float
+    tail: collections.deque[str]
+    reader: threading.Thread | None = None
+    sent: int | None = None          # the last signal the fleet sent it
+    stopped: bool = False            # SIGSTOPped by the fleet and not yet SIGCONTinued
+    code: int | None = None          # its exit code, once collected
+
+    @property
+    def pid(self) -> int:
+        return self.popen.pid
+
+
+@dataclass(frozen=True)
+class Exit:
+    worker: Worker
+    code: int
+    action: Action
+
+    @property
+    def label(self) -> str:
+        """The exit code, or the signal's name for SIGKILL and SIGTERM."""
+        return _SIGNAL_NAMES.get(self.code, str(self.code))
+
+    @property
+    def preempted(self) -> bool:
+        return self.code in PREEMPTED
+
+    @property
+    def expected(self) -> bool:
+        """0, or what the signal the fleet sent last makes a process return."""
+        sent = self.worker.sent
+        return (self.code == ExitCode.OK or (sent == signal.SIGKILL and self.code == -signal.SIGKILL)
+                or (sent == signal.SIGTERM and self.preempted))
+
+
+def _slot_name(slot: int, gen: int) -> str:
+    return f"w{slot}"
+
+
+@dataclass
+class Fleet:
+    """``size`` slots of ``python -m gpu_runner ARGV`` (``argv`` may depend on the worker's name)."""
+
+    argv: Sequence[str] | Callable[[str], Sequence[str]]
+    env: Mapping[str, str]
+    size: int
+    name: Callable[[int, int], str] = _slot_name
+    log: logging.Logger | logging.LoggerAdapter = field(default_factory=lambda: logging.getLogger(__name__))
+    echo: bool = True                 # worker lines into ``log`` as ``[name] line``
+    log_dir: Path | None = None       # and into ``log_dir/<name>.log``
+    tail_lines: int = 15
+    done: frozenset[int] = frozenset({int(ExitCode.OK)})
+    fatal: frozenset[int] = frozenset()
+    max_restarts: int | None = None   # per slot; None: no limit
+    backoff_s: float = 0.0            # after n consecutive unexpected exits: backoff_s * 2**(n-1) ...
+    backoff_max_s: float = 10.0       # ... at most this
+    new_session: bool = False         # a session of their own: a Ctrl-C on the caller does not reach them
+
+    def __post_init__(self) -> None:
+        self.workers: list[Worker | None] = [None] * self.size     # each slot's current process
+        self.restarts = [0] * self.size
+        self.started = 0
+        self.exits: list[Exit] = []
+        self._crashes = [0] * self.size                              # consecutive unexpected exits
+        self._pending: dict[int, float] = {}                         # slot -> when to start it again
+        self._finished: set[int] = set()
+        self._stopping = threading.Event()
+        self._changed = threading.Event()                           # a process exited
+        self._lock = threading.RLock()
+        if self.log_dir is not None:
+            self.log_dir.mkdir(parents=True, exist_ok=True)
+
+    # -- starting ----------------------------------------------------------
+    def command(self, name: str) -> list[str]:
+        argv = self.argv(name) if callable(self.argv) else self.argv
+        return [sys.executable, "-m", "gpu_runner", *argv]
+
+    def start_all(self) -> None:
+        for slot in range(self.size):
+            self.start(slot)
+
+    def start(self, slot: int) -> Worker | None:
+        """Start ``slot``'s next process; None once the fleet is stopping."""
+        with self._lock:
+            if self._stopping.is_set():
+                return None
+            old = self.workers[slot]
+            gen = old.gen + 1 if old is not None else 0
+            name = self.name(slot, gen)
+            popen = subprocess.Popen(self.command(name), env={**self.env, "PYTHONUNBUFFERED": "1"},
+                                     stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, errors="replace",
+                                     bufsize=1, start_new_session=self.new_session)
+            w = Worker(slot, gen, name, popen, time.monotonic(), collections.deque(maxlen=self.tail_lines))
+            w.reader = threading.Thread(target=self._read, args=(w,), daemon=True, name=f"bi-{name}-log")
+            w.reader.start()
+            self.workers[slot] = w
+            self.started += 1
+        self.log.info("[%s] started pid %d", name, popen.pid)
+        return w
+
+    def _read(self, w: Worker) -> None:
+        assert w.popen.stdout is not None
+        out = open(self.log_dir / f"{w.name}.log", "a") if self.log_dir is not None else None
+        try:
+            for line in w.popen.stdout:
+                line = line.rstrip("\n")
+                w.tail.append(line)
+                if out is not None:
+                    out.write(line + "\n")
+                if self.echo:
+                    self.log.info("[%s] %s", w.name, line)
+            w.popen.wait()                   # the output ends just before the exit
+        finally:
+            if out is not None:
+                out.close()
+            self._changed.set()
+
+    # -- exits -------------------------------------------------------------
+    def poll(self, restart: bool = True, on_exit: Callable[[Exit], None] | None = None) -> list[Exit]:
+        """Collect the processes that exited since the last call and act on each (see ``Action``);
+        ``on_exit`` sees each exit before any restart. Then start the restarts that are due."""
+        self._changed.clear()
+        now = time.monotonic()
+        seen: list[Exit] = []
+        with self._lock:
+            for w in self.workers:
+                if w is None or w.code is not None:
+                    continue
+                rc = w.popen.poll()
+                if rc is None:
+                    continue
+                w.code = rc
+                e = Exit(w, rc, self._decide(w, rc, restart, now))
+                self.exits.append(e)
+                seen.append(e)
+        for e in seen:
+            if e.worker.reader is not None:
+                e.worker.reader.join(timeout=5)      # the tail holds its last lines
+            if on_exit is not None:
+                on_exit(e)
+        if restart:
+            for slot, at in sorted(self._pending.items()):
+                if now >= at and not self._stopping.is_set():
+                    del self._pending[slot]
+                    self.start(slot)
+        return seen
+
+    def _decide(self, w: Worker, rc: int, restart: bool, now: float) -> Action:
+        slot = w.slot
+        expected = Exit(w, rc, Action.STOPPED).expected
+        self._crashes[slot] = 0 if expected else self._crashes[slot] + 1
+        if rc in self.done:
+            self._finished.add(slot)
+            return Action.DONE
+        if rc in self.fatal:
+            self._finished.add(slot)
+            return Action.FATAL
+        if self._stopping.is_set() or not restart:
+            self._finished.add(slot)
+            return Action.STOPPED
+        if self.max_restarts is not None and self.restarts[slot] >= self.max_restarts:
+            self._finished.add(slot)
+            return Action.GAVE_UP
+        self.restarts[slot] += 1
+        n = self._crashes[slot]
+        self._pending[slot] = now + (min(self.backoff_s * 2 ** (n - 1), self.backoff_max_s) if n else 0.0)
+        return Action.RESTART
+
+    def active(self) -> bool:
+        """True while a slot is running or due to restart."""
+        return len(self._finished) < self.size
+
+    def wait(self, timeout: float) -> None:
+        """Until a process exits, a restart is due, or ``timeout``; at once when no slot is active."""
+        if not self.active():
+            return
+        if self._pending:
+            timeout = max(0.0, min(timeout, min(self._pending.values()) - time.monotonic()))
+        self._changed.wait(timeout)
+
+    # -- signals -----------------------------------------------------------
+    def alive(self) -> list[Worker]:
+        return [w for w in self.workers if w is not None and w.popen.poll() is None]
+
+    def signal(self, w: Worker, sig: int) -> bool:
+        """Send ``sig`` to ``w``; False if it is gone."""
+        try:
+            os.kill(w.pid, sig)
+        except ProcessLookupError:
+            return False
+        w.sent = sig
+        if sig == signal.SIGSTOP:
+            w.stopped = True
+        elif sig == signal.SIGCONT:
+            w.stopped = False
+        return True
+
+    def stop(self, grace: float) -> list[Exit]:
+        """SIGTERM to every process (SIGCONT first to a stopped one), SIGKILL to those still
+        running after ``grace`` seconds; no restart after this. Returns the exits collected."""
+        with self._lock:
+            self._stopping.set()
+            self._pending.clear()
+            alive = self.alive()
+            for w in alive:
+                if w.stopped:
+                    self.signal(w, signal.SIGCONT)
+                self.signal(w, signal.SIGTERM)
+        end = time.monotonic() + grace
+        for w in alive:
+            try:
+                w.popen.wait(timeout=max(0.0, end - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                self.signal(w, signal.SIGKILL)
+                w.popen.wait()
+        for w in self.workers:
+            if w is not None and w.reader is not None:
+                w.reader.join(timeout=2)
+        return self.poll(restart=False)
+
+    def kill(self) -> None:
+        """SIGKILL to every process still running (SIGCONT first, so a stopped one dies now)."""
+        with self._lock:
+            self._stopping.set()
+            for w in self.alive():
+                self.signal(w, signal.SIGCONT)
+                self.signal(w, signal.SIGKILL)

@@ -1,0 +1,270 @@
+"""Local workers: N ``python -m gpu_runner`` processes on the Airflow worker.
+
+``LocalWorkersOperator`` runs them on a ``batch_inference.fleet.Fleet``
+until the job has nothing left to claim: the embedded default and the demo.
+The workers know nothing of each other; the shard table is the only
+coordination. A preempted worker loses only its in-flight records, so
+restarting one is always safe. Each worker gets only the environment it
+needs (``worker_environment``) and, with ``worker_conn_id``, its own
+``bi_worker`` login granted the job version.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from airflow.sdk import BaseOperator, Context
+from airflow.sdk.exceptions import AirflowException, AirflowFailException
+
+from batch_inference.exits import FATAL, ExitCode
+from batch_inference.fleet import Action, Exit, Fleet
+from batch_inference.hooks.batch_inference import BatchInferenceHook
+from batch_inference.operators.grants import grant_worker_role
+
+# What each fatal exit (``exits.FATAL``) means for the task: it fails without
+# retries and the job is halted. Every other exit restarts the slot, up to
+# ``max_restarts``: a preemption notice handled (143, or -15 before the handler
+# was installed), an engine crash whose shard was given back (5: a new process
+# loads the engine afresh), and any other crash.
+FATAL_REASONS = {
+    ExitCode.DB: "the ledger database stayed unreachable",
+    ExitCode.DIGEST: "the model weights do not match the digest the spec pins (or are missing)",
+    ExitCode.CONFIG: "configuration error (unknown job version or engine)",
+    ExitCode.ENDPOINT: "the engine endpoint is unavailable (most requests failed in transport); shards released, "
+                       "records left pending with no attempts spent",
+}
+
+
+def _as_int(value: Any, name: str, minimum: int = 0) -> int:
+    try:
+        n = int(value)
+    except (TypeError, ValueError):
+        raise AirflowFailException(f"{name} must be an integer, got {value!r}") from None
+    if n < minimum:
+        raise AirflowFailException(f"{name} must be at least {minimum}, got {n}")
+    return n
+
+
+# What a local worker process inherits from the Airflow worker: enough to run
+# Python and reach the engine, nothing of Airflow's configuration or secrets.
+WORKER_ENV_KEEP = frozenset({
+    "PATH", "HOME", "USER", "LOGNAME", "LANG", "LANGUAGE", "TZ", "TMPDIR", "PYTHONPATH", "VIRTUAL_ENV",
+    "LD_LIBRARY_PATH", "SSL_CERT_FILE", "SSL_CERT_DIR", "REQUESTS_CA_BUNDLE", "CUDA_VISIBLE_DEVICES", "HF_HOME",
+    "HTTP_PROXY", "HTTPS_PROXY", "NO_PROXY", "http_proxy", "https_proxy", "no_proxy",
+    "BATCH_INFERENCE_HOME", "BATCH_INFERENCE_GRACE_SECONDS",
+    "BATCH_INFERENCE_ENGINE_MODULES", "AIRFLOW__BATCH_INFERENCE__ALLOWED_ENGINE_MODULES",
+})
+
+
+def worker_environment(db_url: str, engine_options: Mapping[str, Any], extra: Mapping[str, str] | None = None,
+                       parent: Mapping[str, str] | None = None) -> dict[str, str]:
+    """The environment of a local worker process: ``WORKER_ENV_KEEP`` and ``LC_*`` from
+    ``parent`` (default: this process), the engine's API key variable (the ``api_key_env``
+    engine option), the operator's ``env``, and the ledger URL as ``BATCH_INFERENCE_DB``."""
+    parent = os.environ if parent is None else parent
+    env = {k: v for k, v in parent.items() if k in WORKER_ENV_KEEP or k.startswith("LC_")}
+    key_env = engine_options.get("api_key_env")
+    if isinstance(key_env, str) and key_env in parent:
+        env[key_env] = parent[key_env]
+    env.update({str(k): str(v) for k, v in (extra or {}).items()})
+    # The database address goes in the environment, never on the command
+    # line, where `ps` would show its password to every user of the machine.
+    env["BATCH_INFERENCE_DB"] = db_url
+    return env
+
+
+class LocalWorkersOperator(BaseOperator):
+    """Run N worker processes on the Airflow worker until the job has nothing left to claim.
+
+    Each worker is ``python -m gpu_runner JOB_VERSION``; its log lines are
+    streamed into the task log with a ``[wN]`` prefix. A worker that exits
+    with 143 (preempted: it released its lease), 5 (its engine crashed; the
+    shard was given back) or crashes is restarted, up to ``max_restarts`` per
+    slot. A fatal exit (2: database unreachable, 3: model digest mismatch,
+    4: configuration, 6: endpoint unavailable) stops the other workers, halts
+    the job and fails the task without retries, with the worker's last log lines.
+
+    :param job_version: the job version to work on (usually
+        ``submit.output["job_version"]``). Templated.
+    :param workers: number of worker processes. Templated.
+    :param engine: engine name overriding the spec's (``noop``, ``llama-cpp``...). Templated.
+    :param engine_options: engine options merged over the spec's. Templated.
+        For ``llama-cpp``, ``n_threads`` defaults to the CPUs divided among the workers.
+    :param postgres_conn_id: Airflow connection of the ledger database. Templated.
+    :param max_restarts: restarts allowed per worker slot after preemption or a crash.
+    :param grace_seconds: the worker's grace period after SIGTERM.
+    :param env: extra environment for the worker processes. Templated. Nothing else of the
+        Airflow worker's environment reaches them but ``WORKER_ENV_KEEP``, ``LC_*`` and the
+        variable the ``api_key_env`` engine option names.
+    :param poll_seconds: the longest the supervisor waits between looks at its workers (a
+        worker's output ending wakes it at once).
+    :param worker_conn_id: Airflow connection with the workers' own credentials (a LOGIN role in
+        ``bi_worker``); the job version is granted to ``grant_role`` first, over
+        ``postgres_conn_id``. None: the workers use ``postgres_conn_id`` (the owner). Templated.
+    :param grant_role: the role granted the job version (default: the login of ``worker_conn_id``).
+    """
+
+    template_fields: Sequence[str] = ("job_version", "workers", "engine", "engine_options", "postgres_conn_id",
+                                      "env", "worker_conn_id", "grant_role")
+    template_fields_renderers = {"engine_options": "json", "env": "json"}
+    ui_color = "#f5d195"
+
+    def __init__(self, *, job_version: Any, workers: int | str = 2, engine: str | None = None,
+                 engine_options: Mapping[str, Any] | None = None,
+                 postgres_conn_id: str = BatchInferenceHook.default_conn_name, max_restarts: int = 3,
+                 grace_seconds: float = 20.0, env: Mapping[str, str] | None = None,
+                 poll_seconds: float = 0.5, worker_conn_id: str | None = None, grant_role: str | None = None,
+                 **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.worker_conn_id = worker_conn_id
+        self.grant_role = grant_role
+        self.job_version = job_version
+        self.workers = workers
+        self.engine = engine
+        self.engine_options = engine_options
+        self.postgres_conn_id = postgres_conn_id
+        self.max_restarts = max_restarts
+        self.grace_seconds = grace_seconds
+        self.env = env
+        self.poll_seconds = poll_seconds
+        self.fleet: Fleet | None = None
+        self._killed = threading.Event()
+
+    def worker_arguments(self, job_version: str, engine: str | None, options: Mapping[str, Any]) -> list[str]:
+        """``python -m gpu_runner``'s arguments: the job version, the grace, the engine and its options."""
+        import json
+
+        args = [job_version, "--grace-seconds", str(self.grace_seconds)]
+        if engine:
+            args += ["--engine", engine]
+        for key, value in options.items():
+            args += ["--engine-option", f"{key}={json.dumps(value)}"]
+        return args
+
+    def _plan(self, conninfo: str, job_version: str, workers: int) -> tuple[str, dict[str, Any]]:
+        """The engine and merged options, read from the job's pinned spec."""
+        from batch_inference import db
+        from batch_inference.status import UnknownJob, job_spec
+
+        try:
+            with db.connect(conninfo) as conn:
+                spec = job_spec(conn, job_version)
+        except UnknownJob as exc:
+            raise AirflowFailException(str(exc)) from None
+        engine = (self.engine or "").strip() or spec.engine.name
+        # The CLI's --engine-option replaces the spec's options, so pass the merge.
+        options = {**spec.engine.options, **dict(self.engine_options or {})}
+        if engine == "llama-cpp" and "n_threads" not in options:
+            # Several llama.cpp processes each using every CPU thrash; share them out.
+            options["n_threads"] = max(1, (os.cpu_count() or 1) // workers)
+        return engine, options
+
+    def _stop(self) -> None:
+        if self.fleet is not None:
+            self.fleet.stop(self.grace_seconds + 5)
+
+    def on_kill(self) -> None:
+        # Airflow calls this from the task's SIGTERM handler (the task was marked
+        # failed, cleared, or timed out) and then returns to execute(): the flag
+        # makes execute() fail the try instead of reporting the stopped workers
+        # as a success.
+        self._killed.set()
+        self._stop()
+
+    def execute(self, context: Context) -> dict[str, Any]:
+        from batch_inference import db
+        from batch_inference.status import job_counts
+
+        job_version = str(self.job_version or "").strip()
+        if not job_version:
+            raise AirflowFailException("no job version (did the submit task push one?)")
+        n = _as_int(self.workers, "workers", minimum=1)
+        hook = BatchInferenceHook(self.postgres_conn_id, migrate=False)
+        conninfo = hook.get_conninfo()
+        engine, options = self._plan(conninfo, job_version, n)
+        env = worker_environment(self._worker_conninfo(job_version) or conninfo, options, self.env)
+        self.log.info("starting %d local worker(s) for %s: engine %s, options %s", n, job_version, engine, options)
+
+        fleet = self.fleet = Fleet(self.worker_arguments(job_version, engine, options), env, n, log=self.log,
+                                   fatal=FATAL, max_restarts=self.max_restarts)
+        t0 = time.monotonic()
+        try:
+            if not self._killed.is_set():
+                fleet.start_all()
+            while fleet.active() and not self._killed.is_set():
+                fleet.poll(on_exit=self._on_exit)
+                fleet.wait(self.poll_seconds)
+        except AirflowFailException as exc:
+            self._stop()
+            self._halt(conninfo, job_version, str(exc).splitlines()[0])
+            raise
+        except BaseException:
+            self._stop()
+            raise
+        if self._killed.is_set():
+            self._stop()
+            raise AirflowException(f"workers of {job_version} stopped from outside (the task was marked failed, "
+                                   "cleared or timed out); their shards were released")
+
+        with db.connect(conninfo) as conn:
+            counts = job_counts(conn, job_version)
+        elapsed = time.monotonic() - t0
+        restarts = sum(fleet.restarts)
+        self.log.info("workers done in %.1fs (%d restart(s)): %d/%d stored, %d dead letters, %d outstanding, mode %s",
+                      elapsed, restarts, counts["stored"], counts["records"], counts["dead_letters"],
+                      counts["outstanding"], counts["mode"])
+        if counts["outstanding"] and counts["mode"] == "batch":
+            self.log.warning("%d record(s) still outstanding although every worker exited cleanly",
+                             counts["outstanding"])
+        return {"job_version": job_version, "workers": n, "engine": engine, "restarts": restarts,
+                "seconds": round(elapsed, 1), "records": counts["records"], "stored": counts["stored"],
+                "dead_letters": counts["dead_letters"], "outstanding": counts["outstanding"],
+                "mode": counts["mode"]}
+
+    def _on_exit(self, e: Exit) -> None:
+        """Fail the task on a fatal exit or a slot out of restarts; log a restart."""
+        w, rc = e.worker, e.code
+        tail = "\n".join(w.tail)
+        if e.action is Action.FATAL:
+            # Retrying cannot fix these; the others are stopped so their
+            # leases are released now, not at expiry.
+            raise AirflowFailException(f"worker {w.name} failed fatally (exit {rc}): {FATAL_REASONS[rc]}. "
+                                       f"Last lines:\n{tail}")
+        why = "preempted" if e.preempted else "engine crashed" if rc == ExitCode.ENGINE else "crashed"
+        if e.action is Action.GAVE_UP:
+            raise AirflowException(f"worker {w.name} {why} (exit {rc}) and was already restarted "
+                                   f"{self.max_restarts} time(s); giving up. Last lines:\n{tail}")
+        if e.action is Action.RESTART:
+            assert self.fleet is not None
+            self.log.warning("[%s] %s (exit %s); restarting (%d/%d): its shard is pending again, "
+                             "only in-flight records are redone", w.name, why, rc, self.fleet.restarts[w.slot],
+                             self.max_restarts)
+
+    def _worker_conninfo(self, job_version: str) -> str | None:
+        """The workers' own credentials, granted this job version; None without ``worker_conn_id``."""
+        if not self.worker_conn_id:
+            return None
+        from psycopg.conninfo import conninfo_to_dict
+
+        info = BatchInferenceHook(self.worker_conn_id, migrate=False).get_conninfo()
+        role = self.grant_role or str(conninfo_to_dict(info).get("user") or "")
+        if not role:
+            raise AirflowFailException(f"connection {self.worker_conn_id!r} names no login; set grant_role")
+        new = grant_worker_role(self.postgres_conn_id, role, job_version)
+        self.log.info("%s job version %s to worker role %s; workers log in with connection %s",
+                      "granted" if new else "already granted", job_version, role, self.worker_conn_id)
+        return info
+
+    def _halt(self, conninfo: str, job_version: str, reason: str) -> None:
+        """Record the fatal failure on the job: the cutoff watch then fails the run at its next poll."""
+        from batch_inference import db
+
+        try:
+            with db.connect(conninfo) as conn:
+                conn.execute(db.q("halt_job"), {"job": job_version, "reason": reason})
+        except Exception as exc:  # noqa: BLE001 - the task fails with the worker's reason either way
+            self.log.warning("could not record the halt on %s: %s", job_version, str(exc).strip()[:200])
