@@ -11,7 +11,7 @@ in it kills the process) is run carefully: engine batches of
 ``careful_batch`` records, each marked in flight in the ledger before it is
 generated, and records that were in flight at an earlier death run alone.
 The ledger counts those deaths and dead-letters a record at the job's
-``max_attempts`` (sql/0006_crash_poison.sql); a shard that never lost a lease
+``max_attempts`` (sql/schema/ledger.sql); a shard that never lost a lease
 pays nothing for it.
 
 A background thread renews the lease every ``renew_seconds`` on its own

@@ -1,4 +1,4 @@
-"""Records that kill the worker (I4 for deaths; sql/0006_crash_poison.sql).
+"""Records that kill the worker (I4 for deaths; sql/schema/ledger.sql, bi.record_deaths_v1).
 
 A record that crashes the process itself (OOM, a segfault or an abort in the
 engine) used to loop: the lease expired, the next holder ran the same batch

@@ -228,7 +228,7 @@ def test_cli_publish_rollback_published(conn, db_url, capsys):
     assert json.loads(capsys.readouterr().out)["job_version"] is None
 
 
-# -- expected current version (sql/0008_rollback_guard.sql) ---------------------------------
+# -- expected current version (sql/schema/publish.sql) --------------------------------------
 
 def pointer(conn) -> str | None:
     row = conn.execute("SELECT job_version FROM bi.publish_pointer WHERE dataset = %s", (DATASET,)).fetchone()

@@ -21,7 +21,7 @@ snapshot), each poison record dead-lettered after exactly ``max_attempts``
 bound (at most one flush buffer lost per change of lease holder).
 
 Workers log in with worker credentials (a LOGIN member of ``bi_worker``
-granted this job only, sql/0004_roles.sql), so the run also shows the
+granted this job only, sql/schema/roles.sql), so the run also shows the
 least-privilege guard holding through restarts.
 
 To count computations the workers run the chosen engine wrapped in

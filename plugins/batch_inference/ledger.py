@@ -1,9 +1,8 @@
 """The shard ledger: claim, renew, release and complete leases; write results
 and failed attempts under a lease.
 
-Every method is one call of a SQL function (sql/0002_ledger.sql, with the
-crash-poison additions of sql/0006_crash_poison.sql), whose guard (state,
-epoch) sits inside the statement that changes state. A method that is
+Every method is one call of a SQL function (sql/schema/ledger.sql), whose
+guard (state, epoch) sits inside the statement that changes state. A method that is
 refused because the epoch is stale raises ``StaleLease``: the caller stops
 working on that shard, and nothing it sent was written.
 """
@@ -121,7 +120,7 @@ class Ledger:
     def mark_in_flight(self, lease: Lease, ids: Sequence[str]) -> None:
         """Careful mode: ``ids`` are the engine batch about to be generated. If
         this epoch ends without a release, each of them left without a result
-        gets a crash (sql/0006_crash_poison.sql)."""
+        gets a crash (sql/schema/ledger.sql, bi.record_deaths_v1)."""
         r = self.conn.execute(q("mark_in_flight"), self._args(lease, ids=list(ids))).fetchone()
         if not r or not r["ok"]:
             raise StaleLease(f"in-flight mark refused: shard {lease.shard_no} epoch {lease.epoch} is stale")

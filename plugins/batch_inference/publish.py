@@ -3,7 +3,7 @@
 Downstream reads ``published.<dataset>``, a view that shows the rows of the
 version named in the dataset's row of ``bi.publish_pointer``. Publishing and
 rolling back are one UPDATE of that row, inside ``bi.publish_v1`` and
-``bi.rollback_v1`` (sql/0003_publish.sql), which also hold every guard:
+``bi.rollback_v1`` (sql/schema/publish.sql), which also hold every guard:
 right dataset, every shard done, validated unless forced with a reason. A
 reader's statement sees the old version or the new one, never a mix, and
 never waits: nothing on this path takes a lock a reader conflicts with.
@@ -13,7 +13,7 @@ runs with a short lock_timeout and is retried rather than allowed to queue
 behind (and in front of) other sessions.
 
 Given ``expected_current`` (the version the caller saw as published), both
-go through ``bi.publish_v2`` / ``bi.rollback_v2`` (sql/0008_rollback_guard.sql),
+go through ``bi.publish_v2`` / ``bi.rollback_v2`` (sql/schema/publish.sql),
 which refuse, in the switching statement itself and under the dataset's
 publish lock, when the pointer has moved since: ``PointerMoved``.
 """
@@ -37,7 +37,7 @@ log = logging.getLogger(__name__)
 PUBLISHED_SCHEMA = "published"
 
 
-# The SQLSTATE bi.assert_pointer_at_v1 raises (sql/0008_rollback_guard.sql).
+# The SQLSTATE bi.assert_pointer_at_v1 raises (sql/schema/publish.sql).
 POINTER_MOVED = "BI409"
 
 

@@ -1,7 +1,7 @@
 """The dashboard's one write: rolling a dataset's pointer back.
 
 The switch is ``batch_inference.publish.rollback`` with ``expected_current``,
-i.e. ``bi.rollback_v2`` (sql/0008_rollback_guard.sql): it takes the dataset's
+i.e. ``bi.rollback_v2`` (sql/schema/publish.sql): it takes the dataset's
 publish lock, refuses what cannot be rolled back and writes the history row.
 A button needs one more guard: the user saw a version as published when they
 clicked, and the click must not undo a different publish that landed since.

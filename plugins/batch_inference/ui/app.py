@@ -582,7 +582,7 @@ def _no_privilege(_request: Request, exc: psycopg.errors.InsufficientPrivilege) 
 @app.exception_handler(psycopg.errors.UndefinedTable)
 @app.exception_handler(psycopg.errors.UndefinedFunction)
 def _old_schema(_request: Request, exc: psycopg.Error) -> Response:
-    """The ledger lacks a table or function this dashboard reads (say, bi.dashboard_readers of 0014)."""
+    """The ledger lacks a table or function this dashboard reads (say, bi.dashboard_readers): not migrated."""
     return JSONResponse({"detail": f"the ledger's schema is older than this dashboard (apply the migrations): "
                                    f"{_first_line(exc)}"}, status_code=status.HTTP_503_SERVICE_UNAVAILABLE)
 

@@ -11,7 +11,7 @@ numbers the cutoff polls, so the page agrees with ``batch-inference status``.
 Customer text (dead letters' reasons, errors and raw outputs, validation
 examples) is read only inside ``reading_as(conn, role)``: a transaction that
 runs ``SET LOCAL ROLE`` to the signed-in user's reader role, so the
-database's row-level security (sql/0003_publish.sql, sql/0014_dashboard_readers.sql)
+database's row-level security (sql/schema/publish.sql, sql/schema/roles.sql)
 decides which rows come back, exactly as for that role's own SELECT. Without a
 role (``role=None``) those panels return counts and no text.
 """
