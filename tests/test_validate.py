@@ -20,8 +20,9 @@ from batch_inference.ledger import Failure, Ledger
 from batch_inference.outputs import check_output
 from batch_inference.plan import submit
 from batch_inference.publish import publish
+from batch_inference.schema_sql import output_predicate
 from batch_inference.status import job_counts
-from batch_inference.validate import NotReady, output_predicate, validate
+from batch_inference.validate import NotReady, validate
 from gpu_runner.worker import WorkerConfig, run_worker
 from tests.conftest import SCHEMA, make_source, make_spec, tickets
 

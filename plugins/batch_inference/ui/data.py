@@ -31,7 +31,9 @@ from psycopg import sql
 
 from batch_inference import cutoff, db
 from batch_inference.cost import Prices, cost_report
-from batch_inference.spec import Fallback
+from batch_inference.drift import category_counts as drift_counts
+from batch_inference.drift import compare, over_gate
+from batch_inference.spec import Fallback, Validation
 from batch_inference.status import UnknownJob, job_counts
 
 UTC = timezone.utc
@@ -362,60 +364,41 @@ def cost(conn: psycopg.Connection, job_version: str) -> dict[str, Any]:
 # -- drift --------------------------------------------------------------------
 
 
-def _counts(conn: psycopg.Connection, job_version: str, validation: Any) -> tuple[dict[str, int], str]:
-    """Category counts of a version: from its validation report when it has
-    one (batch_inference.validate stores them, so a published version's rows
-    need not be read again), else counted from its results."""
-    stored = validation.get("categories") if isinstance(validation, dict) else None
-    if isinstance(stored, dict) and all(isinstance(v, int) for v in stored.values()):
-        return {str(k): int(v) for k, v in stored.items()}, "validation"
-    return {r["category"]: int(r["n"]) for r in conn.execute(q("category_counts"), {"job": job_version})}, "results"
-
-
-def _shares(counts: dict[str, int]) -> dict[str, float]:
-    total = sum(counts.values())
-    return {k: v / total for k, v in counts.items()} if total else {}
-
-
 def drift(conn: psycopg.Connection, job_version: str) -> dict[str, Any]:
     """Per-category shares of this version against the published one.
 
     The baseline is the dataset's published version now (which may have
     changed since validation ran); for the published version itself it is
-    the one it replaced. The distance is total variation (half the sum of
-    absolute share differences), the measure of the spec's
-    ``validation.max_drift`` gate and of the validator's drift check.
+    the one it replaced. The shares, the distance and the gate are
+    ``batch_inference.drift``'s, as the validator computes them.
     """
     row = _job_row(conn, job_version)
-    spec = row["spec"] or {}
-    gate = float(((spec.get("validation") or {}).get("max_drift")) or 0.2)
+    gate = Validation.model_validate((row["spec"] or {}).get("validation") or {}).max_drift
     pointer = conn.execute(q("pointer"), {"dataset": row["dataset"]}).fetchone()
     baseline = pointer["job_version"] if pointer else None
     if baseline == job_version:
         prev = conn.execute(q("previous_published"), {"dataset": row["dataset"], "job": job_version}).fetchone()
         baseline = prev["job_version"] if prev else None
 
-    cur_n, cur_src = _counts(conn, job_version, row["validation"])
+    cur_n, cur_src = drift_counts(conn, job_version, row["validation"])
     base_n: dict[str, int] = {}
     base_src = None
     if baseline:
         base_row = conn.execute(q("job_row"), {"job": baseline}).fetchone()
-        base_n, base_src = _counts(conn, baseline, base_row["validation"] if base_row else None)
-    p, b = _shares(cur_n), _shares(base_n)
-    cats = sorted(set(p) | set(b))
-    tv = 0.5 * sum(abs(p.get(c, 0.0) - b.get(c, 0.0)) for c in cats) if p and b else None
+        base_n, base_src = drift_counts(conn, baseline, base_row["validation"] if base_row else None)
+    d = compare(cur_n, base_n)
+    tv = d["distance"]
     report = row["validation"] if isinstance(row["validation"], dict) else None
     return {
         "job_version": job_version,
         "baseline_version": baseline,
         "source": {"current": cur_src, "baseline": base_src},
-        "categories": [{"category": c, "current": round(p.get(c, 0.0), 6),
-                        "baseline": round(b.get(c, 0.0), 6) if baseline else None,
+        "categories": [{"category": c, "current": v["current"], "baseline": v["published"] if baseline else None,
                         "current_n": cur_n.get(c, 0), "baseline_n": base_n.get(c, 0) if baseline else None}
-                       for c in cats],
-        "tv_distance": round(tv, 6) if tv is not None else None,
+                       for c, v in d["per_category"].items()],
+        "tv_distance": tv,
         "max_drift": gate,
-        "over_gate": bool(tv is not None and tv > gate),
+        "over_gate": over_gate(tv, gate),
         # What the validator decided, against the version published when it ran.
         "validated": ({"passed": report.get("passed"), "drift": report.get("drift"),
                        "validated_at": report.get("validated_at")} if report else None),

@@ -59,10 +59,6 @@ SELECT record_id, reason, attempts, stage, transport, left(error, 500) AS error,
   FROM bi.dead_letters WHERE job_version = %(job)s
  ORDER BY record_id LIMIT %(limit)s OFFSET %(offset)s;
 
--- name: category_counts  the output category distribution of one version (drift against another)
-SELECT coalesce(category, '(none)') AS category, count(*) AS n
-  FROM bi.results WHERE job_version = %(job)s GROUP BY 1 ORDER BY 1;
-
 -- name: publish_history  a dataset's pointer switches, newest first
 SELECT id, dataset, from_version, to_version, action, forced, reason, actor, at
   FROM bi.publish_history WHERE dataset = %(dataset)s ORDER BY id DESC LIMIT %(limit)s;

@@ -1,0 +1,161 @@
+"""Each contract stated once: the exceptions base, the exit codes, the worker's
+flags, the command list, and drift (the validator's and the dashboard's)."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import importlib
+import inspect
+import os
+import pkgutil
+import subprocess
+import sys
+import tempfile
+
+import pytest
+
+import batch_inference
+from batch_inference import cli, drift, publish, validate
+from batch_inference.commands import COMMANDS
+from batch_inference.exceptions import BatchInferenceError, InvalidValue
+from batch_inference.exits import FATAL, HALTING, ExitCode, describe
+from batch_inference.plan import submit
+from gpu_runner import worker
+from gpu_runner.worker import WorkerConfig, add_arguments, config_from_args, run_worker
+from tests.conftest import make_source, make_spec, tickets
+from tests.test_dashboard_api import _relabel
+
+
+def _package_modules():
+    """Every module of the package and the worker that imports without Airflow's UI extras."""
+    names = ["gpu_runner.worker"] + [m.name for m in pkgutil.walk_packages(batch_inference.__path__, "batch_inference.")]
+    for name in names:
+        try:
+            yield importlib.import_module(name)
+        except ImportError:   # an optional extra (vLLM, llama.cpp) that is not installed here
+            continue
+
+
+def test_every_exception_the_package_defines_derives_from_the_base():
+    strays = []
+    for mod in _package_modules():
+        for name, obj in vars(mod).items():
+            if (inspect.isclass(obj) and issubclass(obj, BaseException) and obj.__module__ == mod.__name__
+                    and not issubclass(obj, BatchInferenceError)):
+                strays.append(f"{mod.__name__}.{name}")
+    assert strays == []
+
+
+def test_the_cli_turns_the_base_into_one_line_and_leaves_other_errors_alone(capsys, monkeypatch):
+    def refuse(args):
+        raise InvalidValue("no such\nthing")
+
+    def crash(args):
+        raise ValueError("a bug")
+
+    parser = cli.build_parser()
+    for func, expect in ((refuse, 2), (crash, None)):
+        monkeypatch.setattr(cli, "build_parser", lambda func=func: _with_func(parser, func))
+        if expect is None:
+            with pytest.raises(ValueError, match="a bug"):
+                cli.main(["status", "jv_x"])
+        else:
+            assert cli.main(["status", "jv_x"]) == expect
+            assert capsys.readouterr().err == "batch-inference status: error: no such thing\n"
+
+
+def _with_func(parser: argparse.ArgumentParser, func):
+    parser.set_defaults(func=func)
+    for action in parser._subparsers._group_actions:   # the subcommands set func too
+        for sub in action.choices.values():
+            sub.set_defaults(func=func)
+    return parser
+
+
+def test_exit_codes_are_one_table():
+    assert {c.value for c in ExitCode} == {0, 2, 3, 4, 5, 6, 143}
+    assert HALTING <= FATAL and ExitCode.ENGINE not in FATAL and ExitCode.PREEMPTED not in FATAL
+    for code in ExitCode:
+        assert describe(code) and describe(int(code)) == describe(code)
+    assert "endpoint is unavailable" in describe(6)
+    assert describe(-9) == "killed by SIGKILL" and describe(99) == "exit 99"
+    assert not [n for n in vars(worker) if n.startswith("EXIT_")]
+
+
+def test_worker_flags_come_from_worker_config(monkeypatch):
+    monkeypatch.delenv("BATCH_INFERENCE_GRACE_SECONDS", raising=False)
+    p = argparse.ArgumentParser()
+    add_arguments(p)
+    cfg = config_from_args(p.parse_args(["jv_x"]))
+    assert cfg == WorkerConfig(job_version="jv_x")
+    flags = {f.name for f in dataclasses.fields(WorkerConfig) if "flag" in f.metadata}
+    assert flags == {"engine", "engine_options", "worker_id", "transport", "grace_seconds", "lease_seconds",
+                     "flush_every", "flush_seconds", "max_shards", "wait_for_leases", "poll_seconds",
+                     "db_retries", "careful_batch"}
+    cfg = config_from_args(p.parse_args(["jv_x", "--no-wait", "--engine-option", "delay_s=0.5", "--flush-every",
+                                         "7", "--transport", "fallback", "--lease-seconds", "30"]))
+    assert (cfg.wait_for_leases, cfg.engine_options, cfg.flush_every, cfg.transport, cfg.lease_seconds) == \
+        (False, {"delay_s": 0.5}, 7, "fallback", 30)
+    monkeypatch.setenv("BATCH_INFERENCE_GRACE_SECONDS", "7")
+    p = argparse.ArgumentParser()
+    add_arguments(p)
+    assert config_from_args(p.parse_args(["jv_x"])).grace_seconds == 7.0
+
+
+def test_the_worker_entrypoint_and_the_cli_worker_have_the_same_flags():
+    env = {k: v for k, v in os.environ.items() if k != "BATCH_INFERENCE_GRACE_SECONDS"}
+
+    def options(*argv: str) -> list[str]:
+        out = subprocess.run([sys.executable, "-m", *argv, "--help"], capture_output=True, text=True, timeout=60,
+                             env={**env, "COLUMNS": "200"})
+        assert out.returncode == 0, out.stderr
+        return out.stdout.split("options:", 1)[1].splitlines()
+
+    runner = options("gpu_runner")
+    assert [line for line in runner if not line.startswith("  --db DB ")] == options("batch_inference.cli", "worker")
+    text = "\n".join(runner)
+    for f in ("--engine ENGINE", "--engine-option KEY=VALUE", "--transport {batch,fallback}", "--no-wait",
+              "write results at least every N (default 1000)", "... or every S seconds (default 2)",
+              "releasing (default 20)", "this often (default 5)", "database (default 8)", "died (default 32)"):
+        assert f in text
+
+
+def test_every_command_is_registered_from_the_one_list():
+    parser = cli.build_parser()
+    sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    assert list(sub.choices) == ["db", "submit", "status", "dead-letters", "drop", "worker", "grant", "capacity",
+                                 "cutoff", "cost", "validate", "publish", "rollback", "published", "chaos",
+                                 "fallback", "demo"]
+    assert all(m.__name__.startswith("batch_inference.commands.") for m in COMMANDS)
+
+
+def test_the_dashboard_shows_the_drift_the_validator_computed(conn, db_url):
+    from batch_inference.ui import data
+
+    gates = {"max_dead_letter_rate": 0.2, "max_drift": 0.9}
+    fast = dict(backoff=(0.0, 0.0, 0.0), flush_seconds=0.2)
+    make_source(conn, tickets(40))
+    v1 = submit(conn, make_spec(validation=gates)).job_version
+    assert run_worker(WorkerConfig(job_version=v1, db_url=db_url, **fast)) == 0
+    _relabel(conn, v1, [("bug", 8), ("account", 4)])
+    conn.execute("UPDATE bi.results SET category = NULL WHERE job_version = %s AND record_id = 't00039'", (v1,))
+    assert validate.validate(conn, v1, sample_dir=tempfile.mkdtemp()).passed
+    publish.publish(conn, v1, actor="test")
+
+    v2 = submit(conn, make_spec(validation=gates, prompt={"version": "v2"})).job_version
+    assert run_worker(WorkerConfig(job_version=v2, db_url=db_url, **fast)) == 0
+    _relabel(conn, v2, [("bug", 3), ("other", 5)])
+    report = validate.validate(conn, v2, sample_dir=tempfile.mkdtemp())
+    shown = data.drift(conn, v2)
+    assert shown["baseline_version"] == report["drift"]["against"] == v1
+    assert shown["tv_distance"] == report["drift"]["distance"] > 0
+    assert shown["max_drift"] == report["drift"]["threshold"] == 0.9
+    assert {c["category"]: c["current"] for c in shown["categories"]} == \
+        {k: v["current"] for k, v in report["drift"]["per_category"].items()}
+    assert {c["category"]: c["baseline"] for c in shown["categories"]} == \
+        {k: v["published"] for k, v in report["drift"]["per_category"].items()}
+    # One key for a NULL category, in the report's counts and in the dashboard's.
+    assert drift.NO_CATEGORY in report["drift"]["per_category"]
+    counted, source = drift.category_counts(conn, v1)
+    assert source == "results" and counted[drift.NO_CATEGORY] == 1
