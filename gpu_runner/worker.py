@@ -123,7 +123,8 @@ class WorkerConfig:
         need("careful_batch", 1 <= self.careful_batch <= 1_000_000, "between 1 and 1,000,000")
         need("lease_seconds", self.lease_seconds is None or 1 <= self.lease_seconds <= MAX_LEASE_SECONDS,
              f"between 1 and {MAX_LEASE_SECONDS:,}")
-        need("max_shards", self.max_shards is None or self.max_shards >= 1, "at least 1")
+        # 0 starts, loads the engine and exits without claiming (the memory benchmark's baseline).
+        need("max_shards", self.max_shards is None or self.max_shards >= 0, "at least 0")
         for name in ("grace_seconds", "flush_seconds", "poll_seconds"):
             value = getattr(self, name)
             need(name, math.isfinite(value) and 0 <= value <= 86_400, "between 0 and 86,400 seconds")
