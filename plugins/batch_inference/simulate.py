@@ -149,188 +149,193 @@ _FREE, _EXPIRE, _RETURN = 0, 1, 2
 
 def simulate(scenario: Scenario, shard_size: int, seed: int = 0) -> SimResult:
     """Run one job to completion; deterministic for a given (scenario, shard_size, seed)."""
-    if shard_size <= 0:
-        raise InvalidValue("shard_size must be > 0")
-    sc = scenario
-    n_shards = -(-sc.records // shard_size)
-    last_size = sc.records - (n_shards - 1) * shard_size
+    return _Run(scenario, shard_size, seed).result()
 
-    def size(s: int) -> int:
-        return last_size if s == n_shards - 1 else shard_size
 
-    done = [0] * n_shards  # stored records: always a prefix of the shard (see module doc)
-    epoch = [0] * n_shards  # +1 per claim, as in the shard table
-    claimable = [True] * n_shards
-    n_claimable = n_shards
+class _Run:
+    """One simulated job: the shards, the claim queue, the event heap and the tallies."""
 
-    # The queue may hold stale entries (a stalled worker took its own shard
-    # back); take() skips any shard that is no longer claimable.
-    if sc.claim_order == "lowest":
-        queue: list[int] | deque[int] = list(range(n_shards))  # sorted, so already a heap
-        pop, add = partial(heapq.heappop, queue), partial(heapq.heappush, queue)
-    else:
-        queue = deque(range(n_shards))
-        pop, add = queue.popleft, queue.append
+    def __init__(self, scenario: Scenario, shard_size: int, seed: int):
+        if shard_size <= 0:
+            raise InvalidValue("shard_size must be > 0")
+        sc = self.sc = scenario
+        self.shard_size, self.seed = shard_size, seed
+        self.n_shards = -(-sc.records // shard_size)
+        self.last_size = sc.records - (self.n_shards - 1) * shard_size
+        self.done = [0] * self.n_shards  # stored records: always a prefix of the shard (see module doc)
+        self.epoch = [0] * self.n_shards  # +1 per claim, as in the shard table
+        self.claimable = [True] * self.n_shards
+        self.n_claimable = self.n_shards
+        # The queue may hold stale entries (a stalled worker took its own shard
+        # back); take() skips any shard that is no longer claimable.
+        if sc.claim_order == "lowest":
+            queue: list[int] | deque[int] = list(range(self.n_shards))  # sorted, so already a heap
+            self.pop, self.add = partial(heapq.heappop, queue), partial(heapq.heappush, queue)
+        else:
+            queue = deque(range(self.n_shards))
+            self.pop, self.add = queue.popleft, queue.append
+        self.events: list[tuple[float, int, int, tuple]] = []
+        self.seq = 0
+        self.stats = dict.fromkeys(("rows", "refused", "claims", "int", "stalls", "fenced", "notices"), 0)
+        self.lost_s = 0.0
+        self.makespan = 0.0
+        self.mean_between = 3600 / sc.interruptions_per_hour if sc.interruptions_per_hour > 0 else math.inf
+        # One random stream per worker slot, and interruptions on a clock of busy
+        # seconds rather than drawn per claim: a worker meets the same
+        # interruptions whatever the shard size, so sizes are compared under the
+        # same weather and a few seeds separate them (common random numbers). The
+        # exponential is memoryless, so it is the same process as a draw per claim.
+        self.rngs = [random.Random(seed * 1_000_003 + w) for w in range(sc.workers)]
+        self.clock = [self.next_interruption(w) for w in range(sc.workers)]  # busy seconds to the next one
+        self.parked: list[int] = []  # workers waiting for a claimable shard
 
-    def take() -> int:
-        nonlocal n_claimable
+    def size(self, s: int) -> int:
+        return self.last_size if s == self.n_shards - 1 else self.shard_size
+
+    def next_interruption(self, w: int) -> float:
+        return self.rngs[w].expovariate(1 / self.mean_between) if self.mean_between < math.inf else math.inf
+
+    def take(self) -> int:
         while True:
-            s = pop()
-            if claimable[s]:
-                claimable[s] = False
-                n_claimable -= 1
+            s = self.pop()
+            if self.claimable[s]:
+                self.claimable[s] = False
+                self.n_claimable -= 1
                 return s
 
-    def release(s: int) -> None:
-        nonlocal n_claimable
-        claimable[s] = True
-        n_claimable += 1
-        add(s)
+    def release(self, s: int) -> None:
+        self.claimable[s] = True
+        self.n_claimable += 1
+        self.add(s)
 
-    events: list[tuple[float, int, int, tuple]] = []
-    seq = 0
+    def push(self, at: float, kind: int, payload: tuple) -> None:
+        self.seq += 1
+        heapq.heappush(self.events, (at, self.seq, kind, payload))
 
-    def push(at: float, kind: int, payload: tuple) -> None:
-        nonlocal seq
-        seq += 1
-        heapq.heappush(events, (at, seq, kind, payload))
-
-    stats = dict.fromkeys(("rows", "refused", "claims", "int", "stalls", "fenced", "notices"), 0)
-    lost_s = 0.0
-    makespan = 0.0
-    mean_between = 3600 / sc.interruptions_per_hour if sc.interruptions_per_hour > 0 else math.inf
-
-    # One random stream per worker slot, and interruptions on a clock of busy
-    # seconds rather than drawn per claim: a worker meets the same
-    # interruptions whatever the shard size, so sizes are compared under the
-    # same weather and a few seeds separate them (common random numbers). The
-    # exponential is memoryless, so it is the same process as a draw per claim.
-    rngs = [random.Random(seed * 1_000_003 + w) for w in range(sc.workers)]
-
-    def next_interruption(w: int) -> float:
-        return rngs[w].expovariate(1 / mean_between) if mean_between < math.inf else math.inf
-
-    clock = [next_interruption(w) for w in range(sc.workers)]  # busy seconds to the next one
-    parked: list[int] = []  # workers waiting for a claimable shard
-
-    def commit(s: int, ep: int, first: int, n: int, at: float) -> None:
+    def commit(self, s: int, ep: int, first: int, n: int, at: float) -> None:
         """Records [first, first+n) of shard s, written under epoch ep, the last at ``at``.
 
         The guard is the ledger's: the writer's epoch must be the shard's
         current one, else every write is refused. Then put-if-absent.
         """
-        nonlocal makespan
         if n <= 0:
             return
-        if ep != epoch[s]:
-            stats["refused"] += n
+        if ep != self.epoch[s]:
+            self.stats["refused"] += n
             return
+        done = self.done
         present = max(0, min(first + n, done[s]) - first)  # keys already stored are skipped
         if first + present != done[s]:
             raise AssertionError("stored records stopped being a prefix of the shard")
-        stats["rows"] += n - present
+        self.stats["rows"] += n - present
         done[s] += n - present
-        makespan = max(makespan, at)
+        self.makespan = max(self.makespan, at)
 
-    def work(w: int, s: int, ep: int, t: float, overhead: float) -> None:
+    def work(self, w: int, s: int, ep: int, t: float, overhead: float) -> None:
         """Worker w holds shard s under epoch ep from time t until done or interrupted."""
-        nonlocal lost_s
-        first = done[s]
-        todo = size(s) - first
+        sc, clock = self.sc, self.clock
+        first = self.done[s]
+        todo = self.size(s) - first
         busy = overhead + todo / sc.rate
         if clock[w] >= busy:
             clock[w] -= busy
-            commit(s, ep, first, todo, t + busy)
-            push(t + busy, _FREE, (w,))
+            self.commit(s, ep, first, todo, t + busy)
+            self.push(t + busy, _FREE, (w,))
             return
         stop = clock[w]
         # Draw both numbers on every interruption, used or not, so changing the
         # stall or notice fraction leaves every interruption time where it was.
-        u_stall, u_notice = rngs[w].random(), rngs[w].random()
-        clock[w] = next_interruption(w)
-        stats["int"] += 1
+        u_stall, u_notice = self.rngs[w].random(), self.rngs[w].random()
+        clock[w] = self.next_interruption(w)
+        self.stats["int"] += 1
         computing = max(0.0, stop - overhead)
         finished = min(todo, int(computing * sc.rate))
         # Per-record commits: everything finished before the interruption is stored.
-        commit(s, ep, first, finished, t + overhead + finished / sc.rate)
-        lost_s += computing - finished / sc.rate  # the records in flight
+        self.commit(s, ep, first, finished, t + overhead + finished / sc.rate)
+        self.lost_s += computing - finished / sc.rate  # the records in flight
         gone = t + stop
         if u_stall < sc.stall_fraction:
-            stats["stalls"] += 1
+            self.stats["stalls"] += 1
             expiry = gone + sc.lease_s
-            push(expiry, _EXPIRE, (s,))
+            self.push(expiry, _EXPIRE, (s,))
             back = expiry + sc.stall_extra_s
-            lost_s += back - gone
-            push(back, _RETURN, (w, s, ep, first + finished, todo - finished))
+            self.lost_s += back - gone
+            self.push(back, _RETURN, (w, s, ep, first + finished, todo - finished))
             return
         if u_notice < sc.notice_fraction:
-            stats["notices"] += 1
-            release(s)  # the notice releases the lease now
-            if parked:
-                claim(parked.pop(), gone)
+            self.stats["notices"] += 1
+            self.release(s)  # the notice releases the lease now
+            if self.parked:
+                self.claim(self.parked.pop(), gone)
         else:
-            push(gone + sc.lease_s, _EXPIRE, (s,))
-        lost_s += sc.load_s  # the replacement loads the model before it claims
-        push(gone + sc.load_s, _FREE, (w,))
+            self.push(gone + sc.lease_s, _EXPIRE, (s,))
+        self.lost_s += sc.load_s  # the replacement loads the model before it claims
+        self.push(gone + sc.load_s, _FREE, (w,))
 
-    def claim(w: int, t: float) -> None:
-        s = take()
-        epoch[s] += 1
-        stats["claims"] += 1
-        work(w, s, epoch[s], t, sc.shard_overhead_s)
+    def claim(self, w: int, t: float) -> None:
+        s = self.take()
+        self.epoch[s] += 1
+        self.stats["claims"] += 1
+        self.work(w, s, self.epoch[s], t, self.sc.shard_overhead_s)
 
-    for w in range(sc.workers):
-        push(sc.load_s, _FREE, (w,))
+    def come_back(self, t: float, w: int, s: int, ep: int, first: int, remaining: int) -> None:
+        """A stalled worker returns to the shard it held."""
+        if ep == self.epoch[s]:
+            # Nobody claimed it meanwhile: the epoch is still ours, so the
+            # ledger accepts the renewal and the worker simply carries on.
+            if self.claimable[s]:
+                self.claimable[s] = False
+                self.n_claimable -= 1
+            self.work(w, s, ep, t, 0.0)
+            return
+        # Fenced. It keeps producing until its next write or renewal comes
+        # back refused; what it wrote meanwhile is refused, not stored.
+        sc = self.sc
+        self.stats["fenced"] += 1
+        n = min(remaining, max(1, math.ceil(sc.fence_detect_s * sc.rate)))
+        until = t + n / sc.rate
+        self.commit(s, ep, first, n, until)
+        self.lost_s += n / sc.rate
+        self.push(until, _FREE, (w,))
 
-    while events:
-        t, _, kind, payload = heapq.heappop(events)
-        if kind == _FREE:
-            (w,) = payload
-            if n_claimable:
-                claim(w, t)
-            else:
-                parked.append(w)
-        elif kind == _EXPIRE:
-            # Claims take expired leases directly, so expiry is a release.
-            (s,) = payload
-            release(s)
-            if parked:
-                claim(parked.pop(), t)
-        else:  # _RETURN: a stalled worker comes back to the shard it held
-            w, s, ep, first, remaining = payload
-            if ep == epoch[s]:
-                # Nobody claimed it meanwhile: the epoch is still ours, so the
-                # ledger accepts the renewal and the worker simply carries on.
-                if claimable[s]:
-                    claimable[s] = False
-                    n_claimable -= 1
-                work(w, s, ep, t, 0.0)
-                continue
-            # Fenced. It keeps producing until its next write or renewal comes
-            # back refused; what it wrote meanwhile is refused, not stored.
-            stats["fenced"] += 1
-            n = min(remaining, max(1, math.ceil(sc.fence_detect_s * sc.rate)))
-            until = t + n / sc.rate
-            commit(s, ep, first, n, until)
-            lost_s += n / sc.rate
-            push(until, _FREE, (w,))
+    def result(self) -> SimResult:
+        for w in range(self.sc.workers):
+            self.push(self.sc.load_s, _FREE, (w,))
+        events = self.events
+        while events:
+            t, _, kind, payload = heapq.heappop(events)
+            if kind == _FREE:
+                (w,) = payload
+                if self.n_claimable:
+                    self.claim(w, t)
+                else:
+                    self.parked.append(w)
+            elif kind == _EXPIRE:
+                # Claims take expired leases directly, so expiry is a release.
+                (s,) = payload
+                self.release(s)
+                if self.parked:
+                    self.claim(self.parked.pop(), t)
+            else:  # _RETURN
+                self.come_back(t, *payload)
 
-    if any(d != size(i) for i, d in enumerate(done)):
-        raise AssertionError("simulation ended with records unstored")
-    return SimResult(
-        shard_size=shard_size,
-        seed=seed,
-        makespan_h=makespan / 3600,
-        lost_gpu_h=lost_s / 3600,
-        rows=stats["rows"],
-        duplicate_rows=stats["rows"] - sum(done),
-        refused_writes=stats["refused"],
-        claims=stats["claims"],
-        interruptions=stats["int"],
-        stalls=stats["stalls"],
-        fenced=stats["fenced"],
-        notices=stats["notices"],
-    )
+        if any(d != self.size(i) for i, d in enumerate(self.done)):
+            raise AssertionError("simulation ended with records unstored")
+        stats = self.stats
+        return SimResult(
+            shard_size=self.shard_size,
+            seed=self.seed,
+            makespan_h=self.makespan / 3600,
+            lost_gpu_h=self.lost_s / 3600,
+            rows=stats["rows"],
+            duplicate_rows=stats["rows"] - sum(self.done),
+            refused_writes=stats["refused"],
+            claims=stats["claims"],
+            interruptions=stats["int"],
+            stalls=stats["stalls"],
+            fenced=stats["fenced"],
+            notices=stats["notices"],
+        )
 
 
 def recommend_shard_size(

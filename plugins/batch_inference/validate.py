@@ -24,9 +24,9 @@ jsonschema on it costs tens of seconds. So the schema and rules are compiled
 row (true only if the row is valid) and is evaluated in the same scan that
 counts categories. Only rows it does not vouch for (normally the invalid
 ones) are streamed to Python, where ``outputs.check_output`` (the worker's
-own check) gives the verdict and the reason. A schema keyword the compiler cannot express exactly (pattern,
-format, $ref, ...) makes it vouch for nothing: every row then goes through
-Python, slower but never wrong.
+own check) gives the verdict and the reason. A schema keyword the compiler
+cannot express exactly (pattern, format, $ref, ...) makes it vouch for
+nothing: every row then goes through Python, slower but never wrong.
 """
 
 from __future__ import annotations
