@@ -22,7 +22,8 @@ SCHEMAS = ("bi", "published")
 
 # Each probe: a name and a query over the catalogs returning comparable rows.
 # bi.schema_migrations (migrate's own record) is left out: only the migrated
-# database has it.
+# database has it. Columns are compared by name, not position: ALTER TABLE ADD
+# COLUMN puts a column last, where the schema file may place it beside its kin.
 CATALOG = {
     "columns": """
         SELECT c.table_schema, c.table_name, c.column_name, c.data_type, c.udt_name, c.column_default,
