@@ -20,7 +20,7 @@ from typing import Any
 from airflow.sdk import BaseOperator, Context
 from airflow.sdk.exceptions import AirflowException, AirflowFailException
 
-from batch_inference.exits import FATAL, ExitCode
+from batch_inference.exits import FATAL, ExitCode, describe
 from batch_inference.fleet import Action, Exit, Fleet
 from batch_inference.hooks.batch_inference import BatchInferenceHook
 from batch_inference.operators.grants import grant_worker_role
@@ -30,13 +30,7 @@ from batch_inference.operators.grants import grant_worker_role
 # ``max_restarts``: a preemption notice handled (143, or -15 before the handler
 # was installed), an engine crash whose shard was given back (5: a new process
 # loads the engine afresh), and any other crash.
-FATAL_REASONS = {
-    ExitCode.DB: "the ledger database stayed unreachable",
-    ExitCode.DIGEST: "the model weights do not match the digest the spec pins (or are missing)",
-    ExitCode.CONFIG: "configuration error (unknown job version or engine)",
-    ExitCode.ENDPOINT: "the engine endpoint is unavailable (most requests failed in transport); shards released, "
-                       "records left pending with no attempts spent",
-}
+FATAL_REASONS = {code: describe(code) for code in FATAL}
 
 
 def _as_int(value: Any, name: str, minimum: int = 0) -> int:
