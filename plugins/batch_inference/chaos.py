@@ -39,8 +39,6 @@ import random
 import re
 import shutil
 import signal
-import subprocess
-import sys
 import tempfile
 import threading
 import time
@@ -55,6 +53,7 @@ import psycopg
 
 from batch_inference.engines.base import Engine, Outcome, Request
 from batch_inference.exceptions import InvalidValue
+from batch_inference.fleet import Exit, Fleet, Worker
 
 log = logging.getLogger("batch_inference.chaos")
 
@@ -320,21 +319,8 @@ class _EmbeddedServer:
 # -- worker processes -----------------------------------------------------------
 
 @dataclass
-class _Proc:
-    slot: int
-    gen: int
-    owner: str
-    popen: subprocess.Popen
-    started: float
-    fault: str | None = None          # the fault that hit it, if any
-    stopped: bool = False
-    protect_until: float = 0.0        # no new fault before this (a resumed stall must get to its refusal)
-    reaped: bool = False
-
-
-@dataclass
 class _Stall:
-    proc: _Proc
+    proc: Worker
     stopped_at: float
     shard: int | None
     epoch: int | None
@@ -342,94 +328,74 @@ class _Stall:
     moved_on: bool = False            # another worker claimed the shard while this one was stopped
 
 
-class _Fleet:
+class _Workers:
+    """The run's workers on a ``Fleet``: each with the counting engine and a worker id of its
+    own (``chaos-wSS-gG``), its output in ``logs/<id>.log``, restarted like a supervisor would
+    whenever it exits before the job is done, backing off a worker that keeps crashing (a
+    broken image must not spin)."""
+
     def __init__(self, cfg: ChaosConfig, job: str, url: str, work: Path):
-        self.cfg, self.job, self.url, self.work = cfg, job, url, work
-        self.logs = work / "logs"
+        self.cfg, self.job = cfg, job
         self.counts = work / "computations"
-        self.logs.mkdir(parents=True, exist_ok=True)
         self.counts.mkdir(parents=True, exist_ok=True)
-        self.procs: dict[int, _Proc] = {}
-        self.started = 0
+        # A session of its own: a Ctrl-C on the harness is not a preemption notice to every worker.
+        self.fleet = Fleet(self._argv, {**os.environ, "BATCH_INFERENCE_DB": url}, cfg.workers,
+                           name=lambda slot, gen: f"chaos-w{slot:02d}-g{gen}", log=log, echo=False,
+                           log_dir=work / "logs", tail_lines=25, done=frozenset(), backoff_s=0.5,
+                           backoff_max_s=10.0, new_session=True)
         self.exits: Counter[str] = Counter()
         self.unexpected: list[dict[str, Any]] = []     # the first few, with the end of their logs
         self.unexpected_total = 0
-        self.crashes: dict[int, int] = {}               # consecutive unexpected exits per slot
-        self.pending: dict[int, float] = {}             # slot -> when to restart it
+        self.fault: dict[str, str] = {}                 # worker id -> the fault that hit it
+        self.protect_until: dict[str, float] = {}       # no new fault before this (a resumed stall
+                                                         # must get to its refusal)
 
-    def start(self, slot: int) -> None:
-        gen = self.procs[slot].gen + 1 if slot in self.procs else 0
-        owner = f"chaos-w{slot:02d}-g{gen}"
+    def _argv(self, owner: str) -> list[str]:
         opts = {"inner": self.cfg.engine, "count_dir": str(self.counts), **self.cfg.engine_options}
-        cmd = [sys.executable, "-m", "gpu_runner", self.job, "--engine", "batch_inference.chaos:CountingEngine",
-               "--worker-id", owner, "--flush-every", str(self.cfg.flush_every),
-               "--grace-seconds", str(self.cfg.grace_seconds)]
+        argv = [self.job, "--engine", "batch_inference.chaos:CountingEngine", "--worker-id", owner,
+                "--flush-every", str(self.cfg.flush_every), "--grace-seconds", str(self.cfg.grace_seconds)]
         for k, v in opts.items():
-            cmd += ["--engine-option", f"{k}={json.dumps(v) if not isinstance(v, str) else v}"]
-        env = {**os.environ, "BATCH_INFERENCE_DB": self.url, "PYTHONUNBUFFERED": "1"}
-        with open(self.logs / f"{owner}.log", "wb") as out:
-            # A session of its own: a Ctrl-C on the harness is not a preemption notice to every worker.
-            p = subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
-        self.procs[slot] = _Proc(slot, gen, owner, p, time.monotonic())
-        self.started += 1
+            argv += ["--engine-option", f"{k}={json.dumps(v) if not isinstance(v, str) else v}"]
+        return argv
+
+    @property
+    def started(self) -> int:
+        return self.fleet.started
+
+    def start_all(self) -> None:
+        self.fleet.start_all()
+
+    def _count(self, e: Exit) -> None:
+        """An exit is expected when it is 0 or what the fleet's last signal to it makes a worker
+        return; anything else (a traceback's 1, 2 after exhausting its database retries) is a
+        worker bug the faults uncovered."""
+        self.exits[e.label] += 1
+        if not e.expected:
+            self.unexpected_total += 1
+            if len(self.unexpected) < 5:
+                self.unexpected.append({"worker": e.worker.name, "exit": e.label,
+                                        "fault": self.fault.get(e.worker.name), "log_tail": list(e.worker.tail)})
 
     def reap(self, restart: bool) -> None:
-        """Collect exits; schedule restarts like a supervisor, backing off a
-        worker that keeps crashing (a broken image must not spin)."""
-        now = time.monotonic()
-        for slot, p in list(self.procs.items()):
-            rc = p.popen.poll()
-            if rc is None or p.reaped:
-                continue
-            p.reaped = True
-            label = {-9: "SIGKILL", -15: "SIGTERM"}.get(rc, str(rc))
-            self.exits[label] += 1
-            expected = rc == 0 or (p.fault == "kill" and rc == -9) or (p.fault == "term" and rc in (143, -15))
-            self.crashes[slot] = 0 if expected else self.crashes.get(slot, 0) + 1
-            if not expected:
-                self.unexpected_total += 1
-                if len(self.unexpected) < 5:
-                    # Keep the end of its log: the work directory may be deleted.
-                    tail = (self.logs / f"{p.owner}.log").read_text(errors="replace").splitlines()[-25:]
-                    self.unexpected.append({"worker": p.owner, "exit": label, "fault": p.fault, "log_tail": tail})
-            if restart:
-                self.pending[slot] = now + (min(0.5 * 2 ** (self.crashes[slot] - 1), 10.0) if self.crashes[slot] else 0)
-        for slot, at in list(self.pending.items()):
-            if restart and now >= at:
-                del self.pending[slot]
-                self.start(slot)
+        """Count the exits since the last call; restart the workers that are due."""
+        self.fleet.poll(restart=restart, on_exit=self._count)
 
-    def alive(self) -> list[_Proc]:
-        return [p for p in self.procs.values() if p.popen.poll() is None]
+    def alive(self) -> list[Worker]:
+        return self.fleet.alive()
 
-    def targets(self, now: float) -> list[_Proc]:
+    def targets(self, now: float) -> list[Worker]:
         """Workers a new fault may hit: running, not stopped, not already hit."""
-        return [p for p in self.alive() if not p.stopped and p.fault is None and now >= p.protect_until]
+        return [w for w in self.alive() if not w.stopped and w.name not in self.fault
+                and now >= self.protect_until.get(w.name, 0.0)]
 
-    def signal(self, p: _Proc, sig: int) -> bool:
-        try:
-            os.kill(p.popen.pid, sig)
-            return True
-        except ProcessLookupError:
-            return False
+    def signal(self, w: Worker, sig: int) -> bool:
+        return self.fleet.signal(w, sig)
 
     def shutdown(self, grace: float) -> None:
-        for p in self.alive():
-            if p.stopped:
-                self.signal(p, signal.SIGCONT)
-                p.stopped = False
-        for p in self.alive():
-            p.fault = "term"              # the end of the run, not a worker failure
-            self.signal(p, signal.SIGTERM)
-        deadline = time.monotonic() + grace + 5
-        while self.alive() and time.monotonic() < deadline:
-            time.sleep(0.1)
-        for p in self.alive():
-            p.fault = "kill"
-            self.signal(p, signal.SIGKILL)
-        for p in self.procs.values():
-            p.popen.wait()
-        self.reap(restart=False)
+        """The end of the run: SIGTERM to every worker, SIGKILL after the grace (neither counts
+        as a worker failure)."""
+        for e in self.fleet.stop(grace + 5):
+            self._count(e)
 
     def computations(self) -> list[tuple[str, str]]:
         out: list[tuple[str, str]] = []
@@ -505,7 +471,7 @@ def _worker_url(conn: psycopg.Connection, url: str, job: str) -> tuple[str, str]
 
 
 class _Run:
-    def __init__(self, cfg: ChaosConfig, rng: random.Random, admin: _Admin, fleet: _Fleet,
+    def __init__(self, cfg: ChaosConfig, rng: random.Random, admin: _Admin, fleet: _Workers,
                  restart: Callable[[], None] | None, job: str):
         self.cfg, self.rng, self.admin, self.fleet, self.restart, self.job = cfg, rng, admin, fleet, restart, job
         self.faults: Counter[str] = Counter()
@@ -548,7 +514,7 @@ class _Run:
         if not targets:
             return
         holders = self._holders()
-        holding = [p for p in targets if p.owner in holders]
+        holding = [p for p in targets if p.name in holders]
         weights = dict(self.cfg.weights)
         # A stall needs a lease holder to be interesting, and a quarter of
         # the fleet stopped at once is enough.
@@ -568,15 +534,14 @@ class _Run:
         else:
             ok = self.fleet.signal(p, signal.SIGSTOP)
             if ok:
-                p.stopped = True
                 # What it holds now: a stopped process can no longer change it.
-                held = self._holders().get(p.owner)
+                held = self._holders().get(p.name)
                 self.stalls.append(_Stall(p, now, held[0] if held else None, held[1] if held else None))
         if ok:
-            p.fault = kind
+            self.fleet.fault[p.name] = kind
             self.faults[kind] += 1
             self.injected += 1
-            log.debug("fault %d: %s %s", self.injected, kind, p.owner)
+            log.debug("fault %d: %s %s", self.injected, kind, p.name)
 
     def _db_restart(self) -> None:
         assert self.restart is not None
@@ -602,17 +567,15 @@ class _Run:
             # finishing its shard, or an idle one polling) before resuming.
             if st.moved_on or st.shard is None or held_for > lease + 12 or finishing:
                 self.fleet.signal(st.proc, signal.SIGCONT)
-                st.proc.stopped = False
-                st.proc.fault = None          # it may be hit again later...
-                st.proc.protect_until = now + 2 * self.cfg.renew_seconds + 2   # ...once it was refused
+                self.fleet.fault.pop(st.proc.name, None)      # it may be hit again later...
+                self.fleet.protect_until[st.proc.name] = now + 2 * self.cfg.renew_seconds + 2   # ...once refused
                 st.resumed_at = now
 
     # -- the loop ------------------------------------------------------------
     def loop(self) -> float:
         cfg = self.cfg
         t0 = time.monotonic()
-        for slot in range(cfg.workers):
-            self.fleet.start(slot)
+        self.fleet.start_all()
         deadline = t0 + cfg.duration
         next_fault = float("inf")
         while True:
@@ -651,7 +614,7 @@ def run_chaos(cfg: ChaosConfig) -> ChaosReport:
     rng = random.Random(cfg.seed)
     work = Path(tempfile.mkdtemp(prefix="bi-chaos-", dir="/tmp"))   # short: a Unix socket lives in it
     server: _EmbeddedServer | None = None
-    fleet: _Fleet | None = None
+    fleet: _Workers | None = None
     admin: _Admin | None = None
     keep = cfg.keep
     try:
@@ -668,7 +631,7 @@ def run_chaos(cfg: ChaosConfig) -> ChaosReport:
             job = manifest.job_version
             worker_url, role = _worker_url(conn, url, job) if cfg.worker_role else (url, None)
         admin = _Admin(url)
-        fleet = _Fleet(cfg, job, worker_url, work)
+        fleet = _Workers(cfg, job, worker_url, work)
         run = _Run(cfg, rng, admin, fleet, restart, job)
         try:
             job_s = run.loop()
@@ -686,9 +649,7 @@ def run_chaos(cfg: ChaosConfig) -> ChaosReport:
         raise
     finally:
         if fleet is not None:
-            for p in fleet.alive():
-                fleet.signal(p, signal.SIGCONT)
-                fleet.signal(p, signal.SIGKILL)
+            fleet.fleet.kill()
         if admin is not None:
             admin.close()
         if server is not None:
@@ -701,7 +662,7 @@ def run_chaos(cfg: ChaosConfig) -> ChaosReport:
 
 # -- the figures and checks ----------------------------------------------------------
 
-def _report(cfg: ChaosConfig, run: _Run, fleet: _Fleet, admin: _Admin, job: str, manifest: Any,
+def _report(cfg: ChaosConfig, run: _Run, fleet: _Workers, admin: _Admin, job: str, manifest: Any,
             poison: dict[str, str], role: str | None, job_s: float, wall_s: float) -> ChaosReport:
     q = lambda name, **p: admin.rows(name, {"job": job, **p})  # noqa: E731
     cov = q("coverage")[0]
@@ -714,7 +675,7 @@ def _report(cfg: ChaosConfig, run: _Run, fleet: _Fleet, admin: _Admin, job: str,
     # Stalled workers whose shard moved on must have been refused afterwards.
     moved = [s for s in run.stalls if s.moved_on]
     refused = sum(1 for s in moved
-                  if q("fence_for", worker=s.proc.owner, shard=s.shard, epoch=s.epoch)[0]["n"] > 0)
+                  if q("fence_for", worker=s.proc.name, shard=s.shard, epoch=s.epoch)[0]["n"] > 0)
 
     # Computations: valid answers per healthy record, and engine calls per poison record.
     comp = fleet.computations()
