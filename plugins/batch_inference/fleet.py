@@ -1,10 +1,9 @@
 """Worker processes: N ``python -m gpu_runner`` processes under one supervisor.
 
-``Fleet`` starts one process per slot with the environment it is given (the
-database address in ``BATCH_INFERENCE_DB``, never on the command line, where
-``ps`` would show its password), streams each process's lines (into a log
-with a ``[name]`` prefix, into ``log_dir/<name>.log``, or both) and keeps
-the last ones, and collects exits. An exit in ``done`` ends its slot; one in
+``Fleet`` starts one process per slot with the environment it is given
+(the database address goes there, as ``BATCH_INFERENCE_DB``), streams each
+process's lines (into a log with a ``[name]`` prefix, into
+``log_dir/<name>.log``, or both) and keeps the last ones, and collects exits. An exit in ``done`` ends its slot; one in
 ``fatal`` is reported for the caller to stop everything; any other exit
 (a preemption notice handled, an engine crash with its shard given back, a
 crash) restarts the slot, up to ``max_restarts`` per slot, after a backoff
@@ -44,9 +43,9 @@ class Action(Enum):
 
     DONE = "done"              # the exit code is in ``done``: the slot is finished
     RESTART = "restart"        # the slot is started again (after its backoff)
+    STOPPED = "stopped"        # the fleet is stopping, or was told not to restart
     FATAL = "fatal"            # the exit code is in ``fatal``: the caller stops the fleet
     GAVE_UP = "gave up"        # the slot was already restarted ``max_restarts`` times
-    STOPPED = "stopped"        # the fleet is stopping, or was told not to restart
 
 
 @dataclass(eq=False)
@@ -86,10 +85,13 @@ class Exit:
 
     @property
     def expected(self) -> bool:
-        """0, or what the signal the fleet sent last makes a process return."""
-        sent = self.worker.sent
-        return (self.code == ExitCode.OK or (sent == signal.SIGKILL and self.code == -signal.SIGKILL)
-                or (sent == signal.SIGTERM and self.preempted))
+        return _expected(self.worker, self.code)
+
+
+def _expected(w: Worker, code: int) -> bool:
+    """0, or what the signal the fleet sent ``w`` last makes a process return."""
+    return (code == ExitCode.OK or (w.sent == signal.SIGKILL and code == -signal.SIGKILL)
+            or (w.sent == signal.SIGTERM and code in PREEMPTED))
 
 
 def _slot_name(slot: int, gen: int) -> str:
@@ -206,17 +208,16 @@ class Fleet:
 
     def _decide(self, w: Worker, rc: int, restart: bool, now: float) -> Action:
         slot = w.slot
-        expected = Exit(w, rc, Action.STOPPED).expected
-        self._crashes[slot] = 0 if expected else self._crashes[slot] + 1
+        self._crashes[slot] = 0 if _expected(w, rc) else self._crashes[slot] + 1
         if rc in self.done:
             self._finished.add(slot)
             return Action.DONE
-        if rc in self.fatal:
-            self._finished.add(slot)
-            return Action.FATAL
         if self._stopping.is_set() or not restart:
             self._finished.add(slot)
             return Action.STOPPED
+        if rc in self.fatal:
+            self._finished.add(slot)
+            return Action.FATAL
         if self.max_restarts is not None and self.restarts[slot] >= self.max_restarts:
             self._finished.add(slot)
             return Action.GAVE_UP
