@@ -34,8 +34,8 @@ from airflow.sdk import DAG
 
 from batch_inference.callbacks import deadline_alert
 from batch_inference.data import DEMO_DATASET
+from batch_inference.hooks import DEFAULT_CONN_ID
 from batch_inference.operators.pipeline import (
-    CONN_ID,
     batch_inference_pipeline,
     local_workers,
     pipeline_dag_args,
@@ -49,7 +49,7 @@ with DAG(
     tags=["batch-inference"],
     doc_md=__doc__,
     params=pipeline_params(shard_size=25, workers=2, engine="", deadline="+20h"),
-    deadline=deadline_alert(timedelta(hours=20), dataset=DEMO_DATASET, postgres_conn_id=CONN_ID),
-    **pipeline_dag_args(CONN_ID),
+    deadline=deadline_alert(timedelta(hours=20), dataset=DEMO_DATASET, postgres_conn_id=DEFAULT_CONN_ID),
+    **pipeline_dag_args(DEFAULT_CONN_ID),
 ) as dag:
     batch_inference_pipeline(dataset=DEMO_DATASET, workers=local_workers())   # LocalWorkersOperator, task "workers"

@@ -32,8 +32,8 @@ from airflow.sdk import DAG, Param, task
 from batch_inference.callbacks import deadline_alert
 from batch_inference.data import DEMO_DATASET
 from batch_inference.operators import gpu_worker_pods
+from batch_inference.hooks import DEFAULT_CONN_ID
 from batch_inference.operators.pipeline import (
-    CONN_ID,
     batch_inference_pipeline,
     pipeline_dag_args,
     pipeline_params,
@@ -87,7 +87,7 @@ with DAG(
         "kueue_queue": Param("batch", type="string", title="Kueue LocalQueue",
                              description="Pods carry kueue.x-k8s.io/queue-name; Kueue admits them by quota"),
     },
-    deadline=deadline_alert(timedelta(hours=20), dataset=DEMO_DATASET, postgres_conn_id=CONN_ID),
-    **pipeline_dag_args(CONN_ID),
+    deadline=deadline_alert(timedelta(hours=20), dataset=DEMO_DATASET, postgres_conn_id=DEFAULT_CONN_ID),
+    **pipeline_dag_args(DEFAULT_CONN_ID),
 ) as dag:
     batch_inference_pipeline(dataset=DEMO_DATASET, workers=gpu_workers, cutoff_poll_interval=300)

@@ -24,8 +24,8 @@ from airflow.sdk import DAG, Param
 
 from batch_inference.callbacks import deadline_alert
 from batch_inference.data import DEMO_DATASET
+from batch_inference.hooks import DEFAULT_CONN_ID
 from batch_inference.operators.pipeline import (
-    CONN_ID,
     batch_inference_pipeline,
     local_workers,
     pipeline_dag_args,
@@ -43,7 +43,7 @@ with DAG(
         "incremental": Param(True, type="boolean", title="Incremental",
                              description="Reuse results of unchanged records from the last validated version"),
     },
-    deadline=deadline_alert(timedelta(hours=8), dataset=DEMO_DATASET, postgres_conn_id=CONN_ID),
-    **pipeline_dag_args(CONN_ID),
+    deadline=deadline_alert(timedelta(hours=8), dataset=DEMO_DATASET, postgres_conn_id=DEFAULT_CONN_ID),
+    **pipeline_dag_args(DEFAULT_CONN_ID),
 ) as dag:
     batch_inference_pipeline(dataset=DEMO_DATASET, workers=local_workers(), incremental="{{ params.incremental }}")

@@ -417,6 +417,13 @@ class Deferred(Exception):
     pass
 
 
+def default_connection(monkeypatch, db_url: str) -> None:
+    """The ledger as the Airflow connection the sensor defaults to (``batch_inference_default``)."""
+    from batch_inference.db import airflow_connection_json
+
+    monkeypatch.setenv("AIRFLOW_CONN_BATCH_INFERENCE_DEFAULT", airflow_connection_json(db_url))
+
+
 def sensor_context(run_after: datetime) -> dict[str, Any]:
     class DagRun:
         pass
@@ -432,7 +439,7 @@ def test_sensor_defers_with_the_right_trigger(conn, db_url, monkeypatch):
     from batch_inference.sensors.cutoff import CutoffSensor
 
     job = new_job(conn)
-    monkeypatch.setenv(db.DB_ENV, db_url)
+    default_connection(monkeypatch, db_url)
     s = CutoffSensor(task_id="cutoff", job_version=job, deadline="06:00", relabel_at="04:30", tz="Europe/Berlin",
                      poll_interval=120)
     with pytest.raises(TaskDeferred) as exc:
@@ -440,7 +447,7 @@ def test_sensor_defers_with_the_right_trigger(conn, db_url, monkeypatch):
     _, kwargs = exc.value.trigger.serialize()
     assert kwargs["deadline"] == "2031-03-05T06:00:00+01:00"              # the next morning, Berlin time
     assert kwargs["relabel_at"] == "2031-03-05T04:30:00+01:00"
-    assert kwargs["poll_interval"] == 120.0 and kwargs["postgres_conn_id"] is None
+    assert kwargs["poll_interval"] == 120.0 and kwargs["postgres_conn_id"] == "batch_inference_default"
     assert exc.value.method_name == "execute_complete"
 
 
@@ -450,7 +457,7 @@ def test_sensor_refuses_a_hosted_fallback_before_waiting(conn, db_url, monkeypat
     from batch_inference.sensors.cutoff import CutoffSensor
 
     job = new_job(conn, fallback={"hosted": True, "base_url": "https://api.example.com/v1"})
-    monkeypatch.setenv(db.DB_ENV, db_url)
+    default_connection(monkeypatch, db_url)
     s = CutoffSensor(task_id="cutoff", job_version=job, deadline="06:00")
     with pytest.raises(AirflowFailException, match="not cleared for hosted APIs"):
         s.execute(sensor_context(now()))
@@ -461,7 +468,7 @@ def test_sensor_early_warning_notifies_once_and_watches_on(conn, db_url, monkeyp
 
     from batch_inference.sensors.cutoff import CutoffSensor
 
-    monkeypatch.setenv(db.DB_ENV, db_url)
+    default_connection(monkeypatch, db_url)
     got: list[dict] = []
 
     def broken(context, event):
@@ -486,6 +493,7 @@ def test_relabel_mode_fires_at_the_fixed_time_with_nothing_else(conn, db_url, mo
 
     job = new_job(conn)
     monkeypatch.setenv(db.DB_ENV, db_url)
+    default_connection(monkeypatch, db_url)
     relabel = now() + timedelta(seconds=1.5)
     t = CutoffTrigger(job_version=job, deadline=(now() + timedelta(hours=1)).isoformat(), poll_interval=30,
                       rate=1000.0, overhead_s=60.0, relabel_at=relabel.isoformat())
@@ -508,7 +516,7 @@ def test_sensor_decides_a_past_cutoff_at_its_first_poll_without_deferring(conn, 
     from batch_inference.sensors.cutoff import CutoffSensor
 
     job = new_job(conn)
-    monkeypatch.setenv(db.DB_ENV, db_url)
+    default_connection(monkeypatch, db_url)
     s = CutoffSensor(task_id="cutoff", job_version=job, deadline=(now() + timedelta(minutes=1)).isoformat())
     summary = s.execute(sensor_context(now()))           # no TaskDeferred
     assert summary["fired"] is True and summary["entered_fallback"] is True
@@ -523,7 +531,7 @@ def test_sensor_fails_without_deferring_when_the_workers_halted_the_job(conn, db
     from batch_inference.sensors.cutoff import CutoffSensor
 
     job = new_job(conn)
-    monkeypatch.setenv(db.DB_ENV, db_url)
+    default_connection(monkeypatch, db_url)
     started = conn.execute("SELECT clock_timestamp() AS t").fetchone()["t"]
     conn.execute(db.q("halt_job"), {"job": job, "reason": "fatal: refusing to start: weights digest mismatch"})
     ctx = sensor_context(datetime(2031, 3, 4, 21, 0, tzinfo=UTC))

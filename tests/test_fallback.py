@@ -217,7 +217,7 @@ def test_an_endpoint_answering_500_stops_the_pool_and_spends_no_attempts(conn, d
     assert {b["response_format"]["type"] for b in endpoint.bodies} == {"json_object"}   # the spec's default
 
     # The operator: a task failure Airflow may retry (the endpoint may come back), the same one line.
-    monkeypatch.setenv("BATCH_INFERENCE_DB", db_url)
+    monkeypatch.setenv("AIRFLOW_CONN_BATCH_INFERENCE_DEFAULT", db.airflow_connection_json(db_url))
     op = FallbackPoolOperator(task_id="fallback", job_version=job, base_url=endpoint.base_url, rate=50,
                               engine_options=QUICK)
     with pytest.raises(AirflowException) as info:
@@ -550,7 +550,7 @@ def test_the_operator_killed_from_outside_releases_its_shards_and_fails_the_try(
     make_source(conn, tickets(40))
     job = submit(conn, make_spec(shard_size=10, lease_seconds=600)).job_version
     endpoint.delay = 0.2
-    monkeypatch.setenv("BATCH_INFERENCE_DB", db_url)
+    monkeypatch.setenv("AIRFLOW_CONN_BATCH_INFERENCE_DEFAULT", db.airflow_connection_json(db_url))
     op = FallbackPoolOperator(task_id="fallback", job_version=job, base_url=endpoint.base_url, rate=50,
                               concurrency=2, parallel_shards=2)
     outcome: dict = {}

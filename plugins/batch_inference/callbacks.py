@@ -39,6 +39,8 @@ from urllib.parse import urlsplit
 
 from airflow.sdk import BaseNotifier
 
+from batch_inference.hooks.connection import DEFAULT_CONN_ID
+
 log = logging.getLogger("batch_inference.oncall")
 
 WEBHOOK_ENV = "BATCH_INFERENCE_ONCALL_WEBHOOK"
@@ -239,7 +241,7 @@ def dead_letter_causes(conn: Any, job_version: str) -> dict[str, dict[str, Any]]
     return {r["cause"]: {"n": int(r["n"]), "example": r["example"]} for r in rows}
 
 
-def _ledger_facts(postgres_conn_id: str | None, job_version: str | None,
+def _ledger_facts(postgres_conn_id: str, job_version: str | None,
                   run: tuple[str | None, str | None] = (None, None)) -> dict[str, Any]:
     """What the ledger says about the job: ``job_version`` (looked up by ``run``, (dag_id, run_id), when
     not given), ``counts``, ``dataset`` and dead-letter ``causes``; None for what it cannot say."""
@@ -249,11 +251,10 @@ def _ledger_facts(postgres_conn_id: str | None, job_version: str | None,
         return facts
     try:
         from batch_inference import db
-        from batch_inference.hooks.batch_inference import BatchInferenceHook
+        from batch_inference.hooks.connection import ledger_conninfo
         from batch_inference.status import job_counts, job_spec
 
-        conninfo = BatchInferenceHook(postgres_conn_id).get_conninfo() if postgres_conn_id else db.resolve_url(None)
-        with db.connect(conninfo) as conn:
+        with db.connect(ledger_conninfo(postgres_conn_id)) as conn:
             if not job_version:
                 facts["job_version"] = job_version = run_job_version(conn, dag_id, run_id)
                 if not job_version:
@@ -297,7 +298,7 @@ class OnCallNotifier(BaseNotifier):
 
     template_fields: Sequence[str] = ("postgres_conn_id", "webhook_url", "log_file")
 
-    def __init__(self, *, postgres_conn_id: str | None = None, submit_task_id: str = "submit",
+    def __init__(self, *, postgres_conn_id: str = DEFAULT_CONN_ID, submit_task_id: str = "submit",
                  webhook_url: str | None = None, log_file: str | None = None) -> None:
         super().__init__()
         self.postgres_conn_id = postgres_conn_id
@@ -325,7 +326,7 @@ class OnCallNotifier(BaseNotifier):
 
 # -- DAG-level Deadline Alert -------------------------------------------------
 
-def deadline_alert(interval: timedelta, *, dataset: str, postgres_conn_id: str | None = None) -> Any:
+def deadline_alert(interval: timedelta, *, dataset: str, postgres_conn_id: str = DEFAULT_CONN_ID) -> Any:
     """A DAG's ``deadline=``: ``deadline_missed`` if a run is still going ``interval`` after it was queued.
 
     Returns None when ``$BATCH_INFERENCE_NO_DEADLINE_ALERT`` is set. ``airflow
@@ -346,7 +347,7 @@ def deadline_alert(interval: timedelta, *, dataset: str, postgres_conn_id: str |
     )
 
 
-async def deadline_missed(context: dict[str, Any] | None = None, *, dataset: str, postgres_conn_id: str | None = None,
+async def deadline_missed(context: dict[str, Any] | None = None, *, dataset: str, postgres_conn_id: str = DEFAULT_CONN_ID,
                           webhook_url: str | None = None, log_file: str | None = None, **_: Any) -> None:
     """Deadline Alert callback (``AsyncCallback``): the DAG run is past its deadline and still running.
 

@@ -2,74 +2,24 @@
 
 The warehouse (the ledger's PostgreSQL) is reached through an ordinary
 Airflow connection of type ``postgres`` (or this provider's
-``batch_inference`` type, the same fields), read by the postgres provider's
-``PostgresHook``. The hook does not use ``PostgresHook.get_uri()``: that URI
-has the SQLAlchemy scheme ``postgresql+psycopg://``, which libpq rejects, and
-it drops a Unix-socket host given as ``?host=/path`` (Airflow keeps query
-parameters in the connection's extra). Instead it builds a libpq conninfo
-string from the connection's fields and extra, which ``psycopg.connect`` and
-the worker's ``BATCH_INFERENCE_DB`` both accept as they are.
-
-Everything past the connection is the core: ``batch_inference.db.connect``
-(dict rows, autocommit) and ``batch_inference.db.migrate``.
+``batch_inference`` type, the same fields). The conninfo comes from
+:func:`batch_inference.hooks.connection.ledger_conninfo`, the resolver every
+entry point shares (IAM tokens included). Everything past the connection is
+the core: ``batch_inference.db.connect`` (dict rows, autocommit) and
+``batch_inference.db.migrate``.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
-
-import json
-from functools import lru_cache
+from typing import Any
 
 import psycopg
 from airflow.sdk import BaseHook
-from psycopg import pq
-from psycopg.conninfo import make_conninfo
 
 from batch_inference import db
 from batch_inference.db import airflow_connection_json, normalize_url, redact  # noqa: F401 (the hook's API)
 from batch_inference.exceptions import BatchInferenceError
-
-if TYPE_CHECKING:
-    from airflow.sdk import Connection
-
-
-
-@lru_cache(maxsize=1)
-def libpq_keywords() -> frozenset[str]:
-    """Every connection keyword this libpq knows, as libpq itself lists them.
-
-    A connection's extra also holds Airflow's and other tools' keys (``iam``,
-    ``cursor``, ``sqlalchemy_scheme``, UI notes...), and libpq refuses a
-    conninfo with a keyword it does not know; only these pass.
-    """
-    return frozenset(d.keyword.decode() for d in pq.Conninfo.get_defaults())
-
-
-def conninfo_from_connection(conn: "Connection", *, iam_token: tuple[str, str, int] | None = None) -> str:
-    """libpq conninfo (``host=... dbname=...``) for an Airflow postgres connection.
-
-    ``host`` may be a hostname or a Unix-socket directory, given either as the
-    connection's host or as ``host`` in its extra (what a URI ``?host=/path``
-    becomes); extra keys libpq knows (``sslmode``, ``options``,
-    ``connect_timeout``...) pass through.
-    """
-    args: dict[str, Any] = {
-        "host": conn.host or None,
-        "port": conn.port or None,
-        "user": conn.login or None,
-        "password": conn.password or None,
-        "dbname": conn.schema or None,
-    }
-    known = libpq_keywords()
-    for key, value in (conn.extra_dejson or {}).items():
-        if key in known and value not in (None, ""):
-            args[key] = value
-    if iam_token is not None:
-        args["user"], args["password"], args["port"] = iam_token
-    text = make_conninfo("", **{k: v for k, v in args.items() if v is not None})
-    db.usable_url(text)  # a malformed value fails here (BadDatabaseURL, no password), not at connect
-    return text
+from batch_inference.hooks.connection import DEFAULT_CONN_ID, ledger_conninfo
 
 
 class LedgerWorkCancelled(BatchInferenceError, RuntimeError):
@@ -100,7 +50,7 @@ class BatchInferenceHook(BaseHook):
     """
 
     conn_name_attr = "postgres_conn_id"
-    default_conn_name = "batch_inference_default"
+    default_conn_name = DEFAULT_CONN_ID
     conn_type = "batch_inference"
     hook_name = "Batch inference ledger (PostgreSQL)"
 
@@ -120,20 +70,10 @@ class BatchInferenceHook(BaseHook):
             "placeholders": {"extra": '{"sslmode": "require"}'},
         }
 
-    def _postgres_hook(self):
-        # Imported here: the providers manager imports this module to list
-        # connection types, and the postgres provider is only needed to connect.
-        from airflow.providers.postgres.hooks.postgres import PostgresHook
-
-        return PostgresHook(postgres_conn_id=self.postgres_conn_id)
-
     def get_conninfo(self) -> str:
         """libpq conninfo for the connection (contains the password: never log it)."""
         if self._conninfo is None:
-            pg = self._postgres_hook()
-            conn = pg.connection
-            token = pg.get_iam_token(conn) if conn.extra_dejson.get("iam") else None
-            self._conninfo = conninfo_from_connection(conn, iam_token=token)
+            self._conninfo = ledger_conninfo(self.postgres_conn_id)
         return self._conninfo
 
     def get_conn(self) -> psycopg.Connection:

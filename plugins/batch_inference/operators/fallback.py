@@ -17,7 +17,7 @@ from typing import Any
 from airflow.sdk import BaseOperator
 from airflow.sdk.exceptions import AirflowException, AirflowFailException
 
-from batch_inference.triggers.cutoff import resolve_conninfo
+from batch_inference.hooks.connection import DEFAULT_CONN_ID, ledger_conninfo
 
 
 class FallbackPoolOperator(BaseOperator):
@@ -26,7 +26,7 @@ class FallbackPoolOperator(BaseOperator):
     :param job_version: the job version (templated).
     :param base_url: OpenAI-compatible API root including ``/v1`` (templated); default
         ``spec.fallback.base_url``.
-    :param postgres_conn_id: Airflow connection of the ledger database; None uses ``$BATCH_INFERENCE_DB``.
+    :param postgres_conn_id: Airflow connection of the ledger database.
     :param rate: sustained requests/s for the whole pool, retries included (token bucket); default
         ``spec.fallback.rate``.
     :param concurrency: requests in flight across the pool; default ``spec.fallback.concurrency``.
@@ -46,7 +46,7 @@ class FallbackPoolOperator(BaseOperator):
     template_fields: Sequence[str] = ("job_version", "base_url", "model")
     ui_color = "#f6b3a6"
 
-    def __init__(self, *, job_version: str, base_url: str | None = None, postgres_conn_id: str | None = None,
+    def __init__(self, *, job_version: str, base_url: str | None = None, postgres_conn_id: str = DEFAULT_CONN_ID,
                  rate: float | None = None, concurrency: int | None = None, parallel_shards: int = 4,
                  model: str | None = None, style: str | None = None, hosted: bool | None = None,
                  api_key_env: str | None = None, record_run: bool = True,
@@ -76,7 +76,7 @@ class FallbackPoolOperator(BaseOperator):
 
         try:
             result = run_fallback(
-                resolve_conninfo(self.postgres_conn_id), self.job_version, self.base_url or None, rate=self.rate,
+                ledger_conninfo(self.postgres_conn_id), self.job_version, self.base_url or None, rate=self.rate,
                 concurrency=self.concurrency, model=self.model or None, style=self.style or None, hosted=self.hosted,
                 api_key_env=self.api_key_env, parallel_shards=self.parallel_shards, record_run=self.record_run,
                 extra_engine_options=self.engine_options, pool_ready=keep)

@@ -33,13 +33,13 @@ from airflow.sdk import Param, task
 
 from batch_inference.callbacks import OnCallNotifier
 from batch_inference.data import DEMO_SOURCE_TABLE, DEMO_SPEC
+from batch_inference.hooks.connection import DEFAULT_CONN_ID
 from batch_inference.operators.fallback import FallbackPoolOperator
 from batch_inference.operators.publish import PublishOperator, dataset_asset
 from batch_inference.operators.submit import SubmitJobOperator
 from batch_inference.operators.validate import ValidateOperator
 from batch_inference.sensors.cutoff import CutoffSensor
 
-CONN_ID = "batch_inference_default"   # the ledger's PostgreSQL (AIRFLOW_CONN_BATCH_INFERENCE_DEFAULT)
 ENGINES = ("llama-cpp", "noop", "openai", "vllm")
 
 # A launcher gets the job version (an XComArg of submit) and the ledger's
@@ -74,7 +74,7 @@ def resolve_deadline(deadline: str, run_after: str, run_type: str = "") -> str:
 
 def batch_inference_pipeline(*, dataset: str, workers: WorkerLauncher, spec: str = "{{ params.spec_path }}",
                              incremental: bool | str | None = None, cutoff_poll_interval: float = 60,
-                             postgres_conn_id: str = CONN_ID) -> Pipeline:
+                             postgres_conn_id: str = DEFAULT_CONN_ID) -> Pipeline:
     """Add submit → workers / deadline → cutoff → fallback → validate → publish to the current DAG.
 
     Call it inside ``with DAG(...)``. The DAG's Params must include those of
@@ -159,7 +159,7 @@ def pipeline_params(*, shard_size: int = 25, workers: int = 2, max_workers: int 
     }
 
 
-def pipeline_dag_args(postgres_conn_id: str = CONN_ID, *, retries: int = 2,
+def pipeline_dag_args(postgres_conn_id: str = DEFAULT_CONN_ID, *, retries: int = 2,
                       start_date: datetime = datetime(2025, 1, 1)) -> dict[str, Any]:
     """``DAG(**pipeline_dag_args())``: one run at a time (a second would submit the same job version
     beside it), no catch-up, and on every task ``retries`` for transient failures (configuration

@@ -37,7 +37,8 @@ from airflow.sdk.exceptions import AirflowException, AirflowFailException
 
 from batch_inference import deadline as watchlib  # not `deadline`: that is an attribute here
 from batch_inference.cutoff import parse_clock, relabel_start
-from batch_inference.triggers.cutoff import CutoffTrigger, resolve_conninfo
+from batch_inference.hooks.connection import DEFAULT_CONN_ID, ledger_conninfo
+from batch_inference.triggers.cutoff import CutoffTrigger
 
 UTC = timezone.utc
 
@@ -55,8 +56,7 @@ class CutoffSensor(BaseOperator):
     :param tz: zone for clock times (default ``"UTC"``).
     :param poll_interval: seconds between polls of the counts (default 300, the seed's five minutes).
         A poll reads per-shard counters only, so it costs the same at any job size.
-    :param postgres_conn_id: Airflow connection of the ledger database. None uses
-        ``$BATCH_INFERENCE_DB`` (in the triggerer's environment as well).
+    :param postgres_conn_id: Airflow connection of the ledger database, read here and by the trigger.
     :param rate: fallback rows/s to assume. None: the spec's ``fallback.rate``, which the dataset's
         fallback history may lower at any time, and raise only after ``spec.fallback.min_history_runs``
         complete runs (``batch_inference.cutoff.derive_rate_and_overhead``).
@@ -79,7 +79,7 @@ class CutoffSensor(BaseOperator):
     ui_color = "#f4d6a6"
 
     def __init__(self, *, job_version: str, deadline: str, tz: str = "UTC", poll_interval: float = 300.0,
-                 postgres_conn_id: str | None = None, rate: float | None = None, overhead_s: float | None = None,
+                 postgres_conn_id: str = DEFAULT_CONN_ID, rate: float | None = None, overhead_s: float | None = None,
                  relabel_at: str | None = None,
                  on_early_warning: EarlyWarningCallback | list[EarlyWarningCallback] | None = None,
                  fallback_hosted: bool | None = None, step_s: int = 60, **kwargs: Any):
@@ -143,7 +143,7 @@ class CutoffSensor(BaseOperator):
 
     def execute(self, context: Any) -> dict[str, Any] | None:
         deadline, relabel = self.resolve_times(context)
-        conninfo = resolve_conninfo(self.postgres_conn_id)
+        conninfo = ledger_conninfo(self.postgres_conn_id)
         self._preflight(conninfo)
         self.log.info("watching %s: deadline %s%s, poll every %.0f s", self.job_version, deadline.isoformat(),
                       f", relabel mode: re-drive at {relabel.isoformat()}" if relabel else "", self.poll_interval)
@@ -215,7 +215,7 @@ class CutoffSensor(BaseOperator):
             from batch_inference import db
             from batch_inference.fallback import enter_fallback
 
-            with db.connect(resolve_conninfo(self.postgres_conn_id)) as conn:
+            with db.connect(ledger_conninfo(self.postgres_conn_id)) as conn:
                 summary["entered_fallback"] = enter_fallback(conn, summary["job_version"])
             self.log.warning("CUTOFF for %s (%s): job in fallback mode, batch workers drain; %s",
                              summary["job_version"], event.get("reason"), event.get("message"))

@@ -5,16 +5,19 @@ every deferred task of the deployment on one event loop, so the trigger
 must not block it:
 
 * the database is read through ``psycopg.AsyncConnection``;
-* the Airflow connection is resolved with ``BaseHook.aget_connection``,
-  Airflow 3's async getter, inside ``run()``. The sync getter talks to the
-  supervisor and would block the loop.
+* the Airflow connection is resolved inside ``run()`` by
+  :func:`batch_inference.hooks.connection.aledger_conninfo`, the async form of
+  the resolver every task uses (``BaseHook.aget_connection``, an IAM token
+  fetched in a thread). The sync getter talks to the supervisor and would
+  block the loop.
 
 ``serialize()`` carries the job version, the deadline, the poll interval,
 the rate and overhead overrides, the relabel time, the early-warning flag
 and the *id* of the Airflow connection. It never carries a password or a
 URL, because serialized triggers are stored in the metadata database in
-plain text. With no connection id, ``run()`` reads ``$BATCH_INFERENCE_DB``
-in the triggerer's own environment.
+plain text. A trigger built with ``postgres_conn_id=None`` reads
+``$BATCH_INFERENCE_DB`` in the triggerer's own environment (docs/deadlines.md,
+"Serialized state"); the sensor always passes its connection id.
 
 The trigger yields exactly one event and ends. Its payload's ``status`` is
 ``complete``, ``cutoff``, ``early_warning`` or ``error``, as described in
@@ -32,25 +35,6 @@ from airflow.triggers.base import BaseTrigger, TriggerEvent
 from batch_inference import deadline as watchlib  # not `deadline`: that is a parameter name here
 from batch_inference.db import DB_ENV
 
-def conninfo_from_connection(conn: Any) -> str:
-    """A libpq conninfo string from an Airflow ``Connection``: the hook's own
-    translation (a Unix-socket host given as the URI's ``?host=`` included).
-    Lives in memory only; never logged or serialized."""
-    from batch_inference.hooks.batch_inference import conninfo_from_connection as from_hook
-
-    return from_hook(conn)
-
-
-def resolve_conninfo(postgres_conn_id: str | None) -> str:
-    """Blocking form for operators (they run on a worker, not on the triggerer's loop)."""
-    if postgres_conn_id:
-        from airflow.sdk import BaseHook
-
-        return conninfo_from_connection(BaseHook.get_connection(postgres_conn_id))
-    from batch_inference import db
-
-    return db.resolve_url(None)
-
 
 class CutoffTrigger(BaseTrigger):
     """Poll a job's counts until the cutoff fires, the job completes, or an early warning is due.
@@ -60,7 +44,8 @@ class CutoffTrigger(BaseTrigger):
     :param poll_interval: seconds between polls. A poll costs the same at any job size.
     :param rate: fallback rows/s to assume; None derives it from recent fallback runs, else the spec.
     :param overhead_s: fixed fallback overhead in seconds; None: as for ``rate``.
-    :param postgres_conn_id: Airflow connection of the ledger database; None reads ``$BATCH_INFERENCE_DB``.
+    :param postgres_conn_id: Airflow connection of the ledger database; None reads ``$BATCH_INFERENCE_DB``
+        in the triggerer's environment (a documented deployment option, docs/deadlines.md).
     :param relabel_at: ISO datetime; always-re-drive mode, which fires ``cutoff`` at this time whatever the counts.
     :param warned: the early warning was already sent; do not send it again.
     :param step_s: the latest safe start is floored to this many seconds (60: whole minutes).
@@ -85,9 +70,9 @@ class CutoffTrigger(BaseTrigger):
 
     async def _conninfo(self) -> str:
         if self.postgres_conn_id:
-            from airflow.sdk import BaseHook
+            from batch_inference.hooks.connection import aledger_conninfo
 
-            return conninfo_from_connection(await BaseHook.aget_connection(self.postgres_conn_id))
+            return await aledger_conninfo(self.postgres_conn_id)
         url = os.environ.get(DB_ENV)
         if not url:
             # Not db.resolve_url(): starting an embedded server would block the loop.

@@ -28,9 +28,10 @@ another site cannot forge it with the user's cookie. Every response carries a
 Content-Security-Policy that lets the page load only this app's own files and
 be framed only by its own origin (Airflow's UI shows it in an iframe).
 
-The ledger database is found, in order, from ``$BATCH_INFERENCE_DB`` or the
-Airflow connection named by ``$BATCH_INFERENCE_CONN_ID`` (default
-``batch_inference_default``).
+The ledger database is found, in order, from ``$BATCH_INFERENCE_DB`` (a
+documented deployment option, docs/dashboard.md) or the Airflow connection
+named by ``$BATCH_INFERENCE_CONN_ID`` (default ``batch_inference_default``), resolved
+by ``batch_inference.hooks.connection.ledger_conninfo`` as for every task.
 """
 
 from __future__ import annotations
@@ -63,13 +64,13 @@ from airflow.api_fastapi.core_api.security import (
 )
 
 from batch_inference import db
+from batch_inference.hooks.connection import DEFAULT_CONN_ID
 from batch_inference.status import UnknownJob
 from batch_inference.ui import actions, data
 
 log = logging.getLogger(__name__)
 
 CONN_ID_ENV = "BATCH_INFERENCE_CONN_ID"
-DEFAULT_CONN_ID = "batch_inference_default"
 # Which DAG's "trigger" permission a rollback of a dataset needs: one DAG id
 # for every dataset, or a JSON object {"dataset": "dag_id", ...}.
 ROLLBACK_DAG_ENV = "BATCH_INFERENCE_ROLLBACK_DAG"
@@ -110,15 +111,11 @@ class _Conninfo:
 
     @staticmethod
     def _from_airflow() -> str:
-        from batch_inference.hooks.batch_inference import BatchInferenceHook
+        from batch_inference.hooks.connection import ledger_conninfo
 
         conn_id = os.environ.get(CONN_ID_ENV, DEFAULT_CONN_ID)
         try:
-            # The hook builds a libpq conninfo from the connection's fields; the
-            # postgres provider's get_uri() returns a SQLAlchemy URL libpq
-            # rejects and loses a Unix-socket host. migrate=False: the
-            # dashboard reads, it never changes the schema.
-            return BatchInferenceHook(conn_id, migrate=False).get_conninfo()
+            return ledger_conninfo(conn_id)   # the tasks' resolver: the same conninfo, IAM token included
         except Exception as exc:  # noqa: BLE001 - reported to the caller as 503
             raise HTTPException(status.HTTP_503_SERVICE_UNAVAILABLE,
                                 f"ledger connection {conn_id!r} is not usable: {_first_line(exc)}") from None
