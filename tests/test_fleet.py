@@ -128,3 +128,12 @@ def test_wait_wakes_when_a_worker_exits():
     assert time.monotonic() - t0 < 30
     run_until_settled(fleet)
     assert [e.action for e in fleet.exits] == [Action.DONE]
+
+
+def test_the_fleet_and_the_chaos_harness_do_not_import_airflow():
+    import subprocess
+
+    code = ("import sys, batch_inference.fleet, batch_inference.chaos; "
+            "print(sorted(m for m in sys.modules if m.split('.')[0] == 'airflow'))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True)
+    assert out.stdout.strip() == "[]", out.stdout[:500]
