@@ -1,8 +1,9 @@
--- The chaos harness's audit and checks (batch_inference/chaos.py). Not a
--- migration: the harness installs it on a database it runs on, normally an
--- embedded server of its own. Same format as queries.sql.
+-- The chaos harness's source, audit and checks (batch_inference/chaos.py).
+-- Not a migration: the harness installs it on a database it runs on, normally
+-- an embedded server of its own. Same format as queries.sql, loaded with it by
+-- batch_inference.db.queries(); every name starts with chaos_.
 
--- name: install  a lease log: every claim, release and completion of a shard, with its time
+-- name: chaos_install  a lease log: every claim, release and completion of a shard, with its time
 CREATE SCHEMA IF NOT EXISTS chaos;
 CREATE TABLE IF NOT EXISTS chaos.lease_log (
     id          bigserial PRIMARY KEY,
@@ -35,17 +36,13 @@ CREATE TRIGGER chaos_lease_log AFTER UPDATE ON bi.shards FOR EACH ROW
     WHEN (OLD.epoch IS DISTINCT FROM NEW.epoch OR OLD.state IS DISTINCT FROM NEW.state)
     EXECUTE FUNCTION chaos.log_lease();
 
--- name: progress  live counts, from the shard table
-SELECT records, stored, dead_letters, outstanding, shards_pending, shards_leased, shards_done
-  FROM bi.job_counts_v1(%(job)s);
-
--- name: lease_holders  who holds which shard now
+-- name: chaos_lease_holders  who holds which shard now
 SELECT lease_owner, shard_no, epoch FROM bi.shards WHERE job_version = %(job)s AND state = 'leased';
 
--- name: shard_epoch  one shard's current epoch and state
+-- name: chaos_shard_epoch  one shard's current epoch and state
 SELECT epoch, state FROM bi.shards WHERE job_version = %(job)s AND shard_no = %(shard)s;
 
--- name: coverage  every snapshot record is stored or dead-lettered, once
+-- name: chaos_coverage  every snapshot record is stored or dead-lettered, once
 SELECT (SELECT count(*) FROM bi.snapshot_rows WHERE job_version = %(job)s) AS snapshot,
        (SELECT count(*) FROM bi.results WHERE job_version = %(job)s) AS stored,
        (SELECT count(*) - count(DISTINCT record_id) FROM bi.results WHERE job_version = %(job)s) AS duplicates,
@@ -58,7 +55,7 @@ SELECT (SELECT count(*) FROM bi.snapshot_rows WHERE job_version = %(job)s) AS sn
            AND NOT EXISTS (SELECT 1 FROM bi.dead_letters d
                             WHERE d.job_version = s.job_version AND d.record_id = s.record_id)) AS missing;
 
--- name: counter_drift  shards whose live counters disagree with the rows they count
+-- name: chaos_counter_drift  shards whose live counters disagree with the rows they count
 SELECT count(*) AS shards
   FROM bi.shards s
  WHERE s.job_version = %(job)s
@@ -69,7 +66,7 @@ SELECT count(*) AS shards
                      JOIN bi.snapshot_rows sr USING (job_version, record_id)
                     WHERE sr.job_version = s.job_version AND sr.shard_no = s.shard_no));
 
--- name: stale_writes  result rows accepted from an epoch that was not, or no longer, the writer's lease
+-- name: chaos_stale_writes  result rows accepted from an epoch that was not, or no longer, the writer's lease
 SELECT count(*) FILTER (WHERE NOT held) AS never_held,
        count(*) FILTER (WHERE ended) AS after_epoch_ended
   FROM (SELECT EXISTS (SELECT 1 FROM chaos.lease_log l
@@ -86,7 +83,7 @@ SELECT count(*) FILTER (WHERE NOT held) AS never_held,
           JOIN bi.snapshot_rows sr USING (job_version, record_id)
          WHERE r.job_version = %(job)s) t;
 
--- name: handoffs  claims after the first, by what ended the previous epoch
+-- name: chaos_handoffs  claims after the first, by what ended the previous epoch
 SELECT count(*) FILTER (WHERE prev_event = 'release') AS after_release,
        count(*) FILTER (WHERE prev_event = 'claim') AS after_expiry,
        count(*) FILTER (WHERE prev_event IS NOT NULL) AS handoffs,
@@ -95,12 +92,20 @@ SELECT count(*) FILTER (WHERE prev_event = 'release') AS after_release,
           FROM chaos.lease_log l WHERE l.job_version = %(job)s) t
  WHERE event = 'claim';
 
--- name: fence_by_op  refused stale-epoch calls, by operation
-SELECT op, count(*) AS n FROM bi.fence_events WHERE job_version = %(job)s GROUP BY op ORDER BY op;
-
--- name: fence_for  refusals of one worker's one epoch of one shard
+-- name: chaos_fence_for  refusals of one worker's one epoch of one shard
 SELECT count(*) AS n FROM bi.fence_events
  WHERE job_version = %(job)s AND worker_id = %(worker)s AND shard_no = %(shard)s AND presented = %(epoch)s;
 
--- name: dead_letters  the job's dead letters
-SELECT record_id, stage, attempts, reason FROM bi.dead_letters WHERE job_version = %(job)s ORDER BY record_id;
+-- name: chaos_source_create  the harness's source table, empty
+DROP TABLE IF EXISTS public.chaos_records;
+CREATE TABLE public.chaos_records (id text, body text, acl text[]);
+
+-- name: chaos_source_copy  COPY target for the harness's records
+COPY public.chaos_records (id, body, acl) FROM STDIN;
+
+-- name: chaos_worker_role  the workers' LOGIN role, a member of bi_worker, created once ({name} its name as a literal)
+DO $$ BEGIN
+    IF NOT EXISTS (SELECT 1 FROM pg_roles WHERE rolname = {name}) THEN
+        CREATE ROLE {role} LOGIN IN ROLE bi_worker;
+    END IF;
+END $$;

@@ -1,6 +1,22 @@
 -- Named statements used by the package. Format: "-- name: NAME  what it does",
--- then the statement. Loaded by batch_inference.db.queries().
--- Statements with {placeholders} are composed with psycopg.sql identifiers.
+-- then the statement. Loaded, with dashboard.sql and chaos.sql, by
+-- batch_inference.db.queries(): no SQL is written anywhere else.
+-- Statements with {placeholders} are composed with psycopg.sql parts (db.composed).
+
+-- name: migration_lock  one migrator at a time (this transaction)
+SELECT pg_advisory_xact_lock(%(key)s);
+
+-- name: migrations_table  where applied migrations are recorded, created by the first migrate
+CREATE SCHEMA IF NOT EXISTS bi;
+CREATE TABLE IF NOT EXISTS bi.schema_migrations (
+    name text PRIMARY KEY, checksum text NOT NULL,
+    applied_at timestamptz NOT NULL DEFAULT clock_timestamp());
+
+-- name: migrations_applied  every migration applied to this database, with the checksum of its file then
+SELECT name, checksum FROM bi.schema_migrations;
+
+-- name: migration_record  one migration applied
+INSERT INTO bi.schema_migrations (name, checksum) VALUES (%(name)s, %(checksum)s);
 
 -- name: stage_create  a per-transaction staging table for rows read in Python (object store, another database)
 CREATE TEMP TABLE _bi_stage (record_id text, text text, acl text[], reject text) ON COMMIT DROP;
@@ -52,6 +68,18 @@ SELECT job_version FROM bi.jobs
  WHERE dataset = %(dataset)s AND spec_hash = %(spec_hash)s AND status IN ('validated', 'published')
    AND job_version <> %(job)s
  ORDER BY (status = 'published') DESC, created_at DESC LIMIT 1;
+
+-- name: repeatable_read  one snapshot of the database for the whole transaction (a submit reads its source twice: scan, then load)
+SET TRANSACTION ISOLATION LEVEL REPEATABLE READ;
+
+-- name: read_only_transaction  the rest of this transaction may not write (a source.query's fill)
+SET TRANSACTION READ ONLY;
+
+-- name: job_partitions_create  the job version's snapshot and result partitions; returns the snapshot partition's name
+SELECT bi.create_job_partitions_v1(%(job)s) AS p;
+
+-- name: snapshot_attach  attach the filled snapshot partition (builds its primary key: a duplicate id fails here)
+SELECT bi.attach_snapshot_v1(%(job)s);
 
 -- name: job_insert  register a job version (counts are filled in by plan_finish)
 INSERT INTO bi.jobs (job_version, dataset, spec_hash, snapshot_id, spec, spec_text, model_name, model_digest,
@@ -398,3 +426,22 @@ SELECT coalesce((SELECT null_acl FROM bi.dataset_acl WHERE dataset = %(dataset)s
 
 -- name: set_null_acl  all_readers or nobody
 SELECT bi.set_null_acl_v1(%(dataset)s, %(mode)s) AS null_acl;
+
+-- name: server_version  the server's version (the connection test of the Airflow UI)
+SHOW server_version;
+
+-- name: demo_tickets_reset  the demo's source table, created if missing and emptied
+CREATE TABLE IF NOT EXISTS {table} (id text PRIMARY KEY, text text, acl text[], channel text, created_at timestamptz);
+TRUNCATE {table};
+
+-- name: demo_tickets_copy  COPY target for the demo's sample tickets
+COPY {table} (id, text, acl, channel, created_at) FROM STDIN;
+
+-- name: latest_job_of_dataset  the newest job version of a dataset, with its status and validation report
+SELECT job_version, status, validation FROM bi.jobs WHERE dataset = %(dataset)s ORDER BY created_at DESC LIMIT 1;
+
+-- name: published_view_rows_count  the rows a dataset's published view shows ({view} as published() names it)
+SELECT count(*) AS n FROM {view};
+
+-- name: published_view_head  the first rows of a dataset's published view, by record id
+SELECT {columns} FROM {view} ORDER BY record_id LIMIT %(n)s;

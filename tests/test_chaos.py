@@ -12,7 +12,7 @@ import time
 
 import pytest
 
-from batch_inference import chaos
+from batch_inference import chaos, db
 from batch_inference.chaos import ChaosConfig, CountingEngine, run_chaos
 from batch_inference.engines.base import Request
 from batch_inference.ledger import Ledger
@@ -96,7 +96,7 @@ def test_counting_engine_writes_one_line_per_outcome(tmp_path):
 
 @pytest.fixture
 def audited_job(conn):
-    conn.execute(chaos._queries()["install"])
+    conn.execute(db.q("chaos_install"))
     make_source(conn, tickets(20))
     return submit(conn, make_spec(lease_seconds=1, renew_seconds=0.5)).job_version
 
@@ -117,10 +117,10 @@ def test_stale_write_check_counts_a_write_after_the_epoch_ended(conn, db_url, au
     lb = Ledger(conn, job, "b").claim()
     assert lb.shard_no == la.shard_no and lb.epoch == 2
     admin = chaos._Admin(db_url)
-    assert admin.one("stale_writes", {"job": job}) == {"never_held": 0, "after_epoch_ended": 0}
+    assert admin.one("chaos_stale_writes", {"job": job}) == {"never_held": 0, "after_epoch_ended": 0}
     _forge_result(conn, job, "t00001", "a", 1)                          # a's epoch ended before this
     _forge_result(conn, job, "t00002", "mallory", 2)                    # epoch 2 belongs to b
-    assert admin.one("stale_writes", {"job": job}) == {"never_held": 1, "after_epoch_ended": 1}
+    assert admin.one("chaos_stale_writes", {"job": job}) == {"never_held": 1, "after_epoch_ended": 1}
     admin.close()
 
 
@@ -131,12 +131,12 @@ def test_stale_write_check_counts_a_write_after_release_or_completion(conn, db_u
     assert a.release(la)
     _forge_result(conn, job, "t00003", "a", la.epoch)
     admin = chaos._Admin(db_url)
-    assert admin.one("stale_writes", {"job": job})["after_epoch_ended"] == 1
-    h = admin.one("handoffs", {"job": job})
+    assert admin.one("chaos_stale_writes", {"job": job})["after_epoch_ended"] == 1
+    h = admin.one("chaos_handoffs", {"job": job})
     assert (h["claims"], h["handoffs"]) == (1, 0)
     lb = Ledger(conn, job, "b").claim()
     assert lb.shard_no == la.shard_no
-    h = admin.one("handoffs", {"job": job})
+    h = admin.one("chaos_handoffs", {"job": job})
     assert (h["claims"], h["handoffs"], h["after_release"], h["after_expiry"]) == (2, 1, 1, 0)
     admin.close()
 
@@ -144,11 +144,11 @@ def test_stale_write_check_counts_a_write_after_release_or_completion(conn, db_u
 def test_coverage_and_counter_checks_see_missing_and_uncounted_rows(conn, db_url, audited_job):
     job = audited_job
     admin = chaos._Admin(db_url)
-    cov = admin.one("coverage", {"job": job})
+    cov = admin.one("chaos_coverage", {"job": job})
     assert (cov["snapshot"], cov["stored"], cov["missing"]) == (20, 0, 20)
     _forge_result(conn, job, "t00004", "a", 1)            # a row the shard counter never saw
-    assert admin.one("counter_drift", {"job": job})["shards"] == 1
-    assert admin.one("coverage", {"job": job})["missing"] == 19
+    assert admin.one("chaos_counter_drift", {"job": job})["shards"] == 1
+    assert admin.one("chaos_coverage", {"job": job})["missing"] == 19
     admin.close()
 
 

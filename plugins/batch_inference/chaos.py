@@ -36,7 +36,6 @@ import json
 import logging
 import os
 import random
-import re
 import shutil
 import signal
 import tempfile
@@ -45,12 +44,13 @@ import time
 from collections import Counter
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import asdict, dataclass, field
-from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
 import psycopg
+from psycopg import sql
 
+from batch_inference import db
 from batch_inference.engines.base import Engine, Outcome, Request
 from batch_inference.exceptions import InvalidValue
 from batch_inference.fleet import Exit, Fleet, Worker
@@ -244,18 +244,6 @@ class CountingEngine(Engine):
 
 # -- SQL ----------------------------------------------------------------------
 
-@lru_cache(maxsize=1)
-def _queries() -> dict[str, str]:
-    from batch_inference.db import sql_dir
-
-    text = (sql_dir() / "chaos.sql").read_text()
-    out: dict[str, str] = {}
-    for block in re.split(r"^-- name: ", text, flags=re.M)[1:]:
-        header, _, body = block.partition("\n")
-        out[header.split()[0]] = body.strip()
-    return out
-
-
 class _Admin:
     """The harness's own connection (owner credentials); reconnects across restarts."""
 
@@ -264,13 +252,11 @@ class _Admin:
         self.conn: psycopg.Connection | None = None
 
     def rows(self, name: str, params: dict[str, Any] | None = None) -> list[dict[str, Any]]:
-        from batch_inference import db
-
         for attempt in range(120):
             try:
                 if self.conn is None or self.conn.closed:
                     self.conn = db.connect(self.url, retries=0)
-                cur = self.conn.execute(_queries()[name], params)
+                cur = self.conn.execute(db.q(name), params)
                 return cur.fetchall() if cur.description else []
             except (psycopg.OperationalError, db.DatabaseUnavailable):
                 if self.conn is not None:
@@ -418,9 +404,8 @@ def _make_source(conn: psycopg.Connection, cfg: ChaosConfig, rng: random.Random)
     for k, i in enumerate(picks):
         kind = "oversized" if k == 0 else "engine_error" if k <= cfg.poison_each else "invalid_output"
         poison[ids[i]] = kind
-    conn.execute("DROP TABLE IF EXISTS public.chaos_records")
-    conn.execute("CREATE TABLE public.chaos_records (id text, body text, acl text[])")
-    with conn.cursor() as cur, cur.copy("COPY public.chaos_records (id, body, acl) FROM STDIN") as cp:
+    conn.execute(db.q("chaos_source_create"))
+    with conn.cursor() as cur, cur.copy(db.q("chaos_source_copy")) as cp:
         for i, rid in enumerate(ids):
             kind = poison.get(rid)
             if kind == "oversized":
@@ -461,8 +446,7 @@ def _worker_url(conn: psycopg.Connection, url: str, job: str) -> tuple[str, str]
 
     from batch_inference.plan import grant_job
 
-    conn.execute(f"DO $$ BEGIN IF NOT EXISTS (SELECT 1 FROM pg_roles WHERE rolname = '{WORKER_ROLE}') THEN "
-                 f"CREATE ROLE {WORKER_ROLE} LOGIN IN ROLE bi_worker; END IF; END $$")
+    conn.execute(db.composed("chaos_worker_role", name=sql.Literal(WORKER_ROLE), role=sql.Identifier(WORKER_ROLE)))
     grant_job(conn, WORKER_ROLE, job)
     params = conninfo_to_dict(url)
     params["user"] = WORKER_ROLE
@@ -504,7 +488,7 @@ class _Run:
     # -- faults --------------------------------------------------------------
     def _holders(self) -> dict[str, tuple[int, int]]:
         return {r["lease_owner"]: (r["shard_no"], r["epoch"])
-                for r in self.admin.rows("lease_holders", {"job": self.job}) if r["lease_owner"]}
+                for r in self.admin.rows("chaos_lease_holders", {"job": self.job}) if r["lease_owner"]}
 
     def _inject(self, now: float) -> None:
         if self.injected in self.restart_at:
@@ -561,7 +545,7 @@ class _Run:
             if held_for < lease + 0.5 and not finishing:
                 continue
             if st.shard is not None:
-                row = self.admin.one("shard_epoch", {"job": self.job, "shard": st.shard})
+                row = self.admin.one("chaos_shard_epoch", {"job": self.job, "shard": st.shard})
                 st.moved_on = bool(row and row["epoch"] > st.epoch)
             # The lease has expired; wait for a claim by another worker (one
             # finishing its shard, or an idle one polling) before resuming.
@@ -580,7 +564,7 @@ class _Run:
         next_fault = float("inf")
         while True:
             now = time.monotonic()
-            progress = self.admin.one("progress", {"job": self.job})
+            progress = self.admin.one("job_counts", {"job": self.job})
             assert progress is not None
             if progress["outstanding"] == 0 and progress["shards_pending"] == 0 and progress["shards_leased"] == 0:
                 break
@@ -607,7 +591,6 @@ class _Run:
 
 def run_chaos(cfg: ChaosConfig) -> ChaosReport:
     """Run one chaos job end to end; see the module docstring."""
-    from batch_inference import db
     from batch_inference.plan import submit
 
     t_start = time.monotonic()
@@ -625,7 +608,7 @@ def run_chaos(cfg: ChaosConfig) -> ChaosReport:
             url, restart = server.url, server.restart
         with db.connect(url) as conn:
             db.migrate(conn)
-            conn.execute(_queries()["install"])
+            conn.execute(db.q("chaos_install"))
             poison = _make_source(conn, cfg, rng)
             manifest = submit(conn, _spec(cfg))
             job = manifest.job_version
@@ -665,17 +648,17 @@ def run_chaos(cfg: ChaosConfig) -> ChaosReport:
 def _report(cfg: ChaosConfig, run: _Run, fleet: _Workers, admin: _Admin, job: str, manifest: Any,
             poison: dict[str, str], role: str | None, job_s: float, wall_s: float) -> ChaosReport:
     q = lambda name, **p: admin.rows(name, {"job": job, **p})  # noqa: E731
-    cov = q("coverage")[0]
-    stale = q("stale_writes")[0]
-    hand = q("handoffs")[0]
-    drift = q("counter_drift")[0]["shards"]
-    fenced = {r["op"]: int(r["n"]) for r in q("fence_by_op")}
+    cov = q("chaos_coverage")[0]
+    stale = q("chaos_stale_writes")[0]
+    hand = q("chaos_handoffs")[0]
+    drift = q("chaos_counter_drift")[0]["shards"]
+    fenced = {r["op"]: int(r["n"]) for r in q("fence_counts")}
     dead = {r["record_id"]: r for r in q("dead_letters")}
 
     # Stalled workers whose shard moved on must have been refused afterwards.
     moved = [s for s in run.stalls if s.moved_on]
     refused = sum(1 for s in moved
-                  if q("fence_for", worker=s.proc.name, shard=s.shard, epoch=s.epoch)[0]["n"] > 0)
+                  if q("chaos_fence_for", worker=s.proc.name, shard=s.shard, epoch=s.epoch)[0]["n"] > 0)
 
     # Computations: valid answers per healthy record, and engine calls per poison record.
     comp = fleet.computations()

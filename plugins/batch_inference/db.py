@@ -2,10 +2,11 @@
 
 SQL lives in ``sql/``: ``schema/``, the current definition of the ledger,
 one file per area; ``migrations/``, the numbered steps that build it from an
-empty database (never edited once added); and ``queries.sql``, a list of
-named statements (``-- name: what it does`` then the statement). Nothing else
-in the package writes SQL strings of its own for state changes; the ledger
-transitions are SQL functions (sql/schema/ledger.sql).
+empty database (never edited once added); and the named statements
+(``QUERY_FILES``: ``-- name: NAME  what it does``, then the statement), which
+``q(name)`` and ``composed(name, ...)`` return. Nothing else in the package
+writes SQL (tests/test_gateway.py checks); the ledger transitions are SQL
+functions (sql/schema/ledger.sql).
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 import psycopg
+from psycopg import sql
 from psycopg.conninfo import conninfo_to_dict
 from psycopg.rows import dict_row
 
@@ -42,27 +44,50 @@ def sql_dir() -> Path:
     raise FileNotFoundError("cannot find the sql/ directory next to the batch_inference package")
 
 
-@lru_cache(maxsize=1)
-def queries() -> dict[str, str]:
-    """Named statements from sql/queries.sql."""
-    text = (sql_dir() / "queries.sql").read_text()
+# The named statements, one file per reader: the package's own, the dashboard's
+# reads and the chaos harness's audit. Names are unique across the files.
+QUERY_FILES = ("queries.sql", "dashboard.sql", "chaos.sql")
+
+
+def parse_queries(text: str) -> dict[str, str]:
+    """``-- name: NAME  what it does`` blocks: NAME -> the statement, without its
+    final ``;`` and without the comments and blank lines that follow it (a
+    section header before the next block belongs to no statement)."""
     out: dict[str, str] = {}
     for block in re.split(r"^-- name: ", text, flags=re.M)[1:]:
         header, _, body = block.partition("\n")
-        name = header.split()[0]
-        # A section header comment before the next "-- name:" belongs to no statement.
         lines = body.strip().splitlines()
         while lines and (not lines[-1].strip() or lines[-1].lstrip().startswith("--")):
             lines.pop()
-        out[name] = "\n".join(lines).strip().rstrip(";")
+        out[header.split()[0]] = "\n".join(lines).strip().rstrip(";")
+    return out
+
+
+@lru_cache(maxsize=1)
+def queries() -> dict[str, str]:
+    """Every named statement of the ``QUERY_FILES`` in sql/: the package's one SQL gateway."""
+    out: dict[str, str] = {}
+    where: dict[str, str] = {}
+    for file in QUERY_FILES:
+        for name, statement in parse_queries((sql_dir() / file).read_text()).items():
+            if name in out:
+                raise ValueError(f"query {name!r} is named in both sql/{where[name]} and sql/{file}")
+            out[name], where[name] = statement, file
     return out
 
 
 def q(name: str) -> str:
+    """The named statement ``name``."""
     try:
         return queries()[name]
     except KeyError:
-        raise KeyError(f"no query named {name!r} in sql/queries.sql") from None
+        raise KeyError(f"no query named {name!r} in sql/ ({', '.join(QUERY_FILES)})") from None
+
+
+def composed(name: str, /, **parts: sql.Composable) -> sql.Composed:
+    """The named statement ``name`` with its ``{placeholders}`` filled by psycopg.sql
+    parts (``sql.Identifier`` for a table, ``sql.Literal``...), never by string formatting."""
+    return sql.SQL(q(name)).format(**parts)
 
 
 def home() -> Path:
@@ -137,12 +162,9 @@ def migrate(conn: psycopg.Connection) -> list[str]:
     """
     applied_now: list[str] = []
     with conn.transaction():
-        conn.execute("SELECT pg_advisory_xact_lock(%s)", (_MIGRATION_LOCK,))
-        conn.execute("CREATE SCHEMA IF NOT EXISTS bi")
-        conn.execute("""CREATE TABLE IF NOT EXISTS bi.schema_migrations (
-                            name text PRIMARY KEY, checksum text NOT NULL,
-                            applied_at timestamptz NOT NULL DEFAULT clock_timestamp())""")
-        done = {r["name"]: r["checksum"] for r in conn.execute("SELECT name, checksum FROM bi.schema_migrations")}
+        conn.execute(q("migration_lock"), {"key": _MIGRATION_LOCK})
+        conn.execute(q("migrations_table"))
+        done = {r["name"]: r["checksum"] for r in conn.execute(q("migrations_applied"))}
         if done and _INITIAL not in done:
             raise MigrationRefused(
                 f"this ledger database predates the schema squash (it was built by {min(done)} and "
@@ -159,7 +181,7 @@ def migrate(conn: psycopg.Connection) -> list[str]:
                         "edited: restore the file and add a new migration")
                 continue
             conn.execute(body)
-            conn.execute("INSERT INTO bi.schema_migrations (name, checksum) VALUES (%s, %s)", (path.name, checksum))
+            conn.execute(q("migration_record"), {"name": path.name, "checksum": checksum})
             applied_now.append(path.name)
     if applied_now:
         log.info("applied migrations: %s", ", ".join(applied_now))

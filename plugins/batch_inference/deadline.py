@@ -69,7 +69,7 @@ from batch_inference.cutoff import (
 )
 from batch_inference.exceptions import InvalidValue
 from batch_inference.spec import JobSpec
-from batch_inference.status import UnknownJob
+from batch_inference.status import JobCounts, UnknownJob, counts_from_row
 
 log = logging.getLogger("batch_inference.deadline")
 
@@ -126,20 +126,11 @@ async def _one(aconn: psycopg.AsyncConnection, name: str, params: dict[str, Any]
     return await cur.fetchone()
 
 
-async def poll_counts(aconn: psycopg.AsyncConnection, job_version: str) -> dict[str, Any]:
-    """The job's live counts from the shard table's counters (``bi.job_counts_v1``).
-
-    The same figures as :func:`batch_inference.status.job_counts`, read
-    without blocking the loop. Raises :class:`UnknownJob` for a missing job.
-    """
-    r = await _one(aconn, "job_counts", {"job": job_version})
-    if r is None:
-        raise UnknownJob(f"no job version {job_version!r}")
-    out = dict(r)
-    out["job_version"] = job_version
-    out["shards"] = {"pending": out.pop("shards_pending"), "leased": out.pop("shards_leased"),
-                     "done": out.pop("shards_done")}
-    return out
+async def poll_counts(aconn: psycopg.AsyncConnection, job_version: str) -> JobCounts:
+    """The job's live counts from the shard table's counters (``bi.job_counts_v1``):
+    :func:`batch_inference.status.job_counts` without blocking the loop. Raises
+    :class:`UnknownJob` for a missing job."""
+    return counts_from_row(job_version, await _one(aconn, "job_counts", {"job": job_version}))
 
 
 async def fallback_history(aconn: psycopg.AsyncConnection, dataset: str, n: int,
@@ -304,7 +295,7 @@ async def watch(connect: Callable[[], Awaitable[psycopg.AsyncConnection]], cfg: 
     Sleeps are cut short so that a poll falls on the cutoff or the relabel
     time instead of up to one interval after it.
     """
-    await asyncio.to_thread(db.queries)  # read sql/queries.sql off the loop, once per process
+    await asyncio.to_thread(db.queries)  # read the named statements off the loop, once per process
     conn: psycopg.AsyncConnection | None = None
     ctx: JobContext | None = None
     polls = failures = 0

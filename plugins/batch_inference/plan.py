@@ -60,8 +60,7 @@ def submit(conn: psycopg.Connection, spec: JobSpec,
 def _submit(conn: psycopg.Connection, spec: JobSpec, rows: Iterable[Mapping[str, Any]] | None, source_name: str,
             query_stage: sql.Composable | None, t0: float) -> Manifest:
     with conn.transaction():
-        # The source is read twice (scan, then load): one snapshot of it for both.
-        conn.execute("SET TRANSACTION ISOLATION LEVEL REPEATABLE READ")
+        conn.execute(q("repeatable_read"))
         if rows is not None:
             conn.execute(q("stage_create"))
             snapshot.stage_from_rows(conn, rows)
@@ -92,7 +91,7 @@ def _submit(conn: psycopg.Connection, spec: JobSpec, rows: Iterable[Mapping[str,
             "spec_text": json.dumps(spec.model_dump(mode="json")), "model_name": spec.model.name,
             "model_digest": spec.model.digest, "prompt_version": spec.prompt.version, "records": n,
             "base": base})
-        part = conn.execute("SELECT bi.create_job_partitions_v1(%s) AS p", (job,)).fetchone()["p"]
+        part = conn.execute(q("job_partitions_create"), {"job": job}).fetchone()["p"]
         conn.execute(q("plan_work_mem"))
         params: dict[str, Any] = {"job": job, "base": base, "cap": spec.max_input_chars,
                                   "shard_size": spec.shard_size}
@@ -102,7 +101,7 @@ def _submit(conn: psycopg.Connection, spec: JobSpec, rows: Iterable[Mapping[str,
                                                           reuse=reuse), params)
         try:
             with conn.transaction():
-                conn.execute("SELECT bi.attach_snapshot_v1(%s)", (job,))   # builds the primary key
+                conn.execute(q("snapshot_attach"), {"job": job})
         except errors.UniqueViolation:
             raise snapshot.duplicates_error(conn, relation, source_name, spec.source.id_column) from None
         except errors.ProgramLimitExceeded:   # an id over the index's row size

@@ -81,9 +81,9 @@ def materialize_query(conn: psycopg.Connection, source: Source, source_name: str
     ``drop_query_stage``."""
     drop_query_stage(conn)
     with _source_errors(source_name, any_refusal=True), conn.transaction():
-        conn.execute("SET TRANSACTION ISOLATION LEVEL REPEATABLE READ")
+        conn.execute(q("repeatable_read"))
         conn.execute(q("query_stage_create"))     # a temporary table may be written in a read-only transaction
-        conn.execute("SET TRANSACTION READ ONLY")
+        conn.execute(q("read_only_transaction"))
         with conn.pipeline():
             conn.execute(sql.SQL(q("query_stage_fill")).format(relation=source_relation(source)))
     return QUERY_STAGE

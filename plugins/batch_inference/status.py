@@ -6,7 +6,8 @@ the same at a thousand records or fifty million (the cutoff polls this).
 
 from __future__ import annotations
 
-from typing import Any
+from datetime import datetime
+from typing import Any, TypedDict
 
 import psycopg
 
@@ -15,15 +16,45 @@ from batch_inference.exceptions import UnknownJob
 from batch_inference.spec import JobSpec
 
 
-def job_counts(conn: psycopg.Connection, job_version: str) -> dict[str, Any]:
-    r = conn.execute(q("job_counts"), {"job": job_version}).fetchone()
-    if r is None:
+class ShardCounts(TypedDict):
+    pending: int
+    leased: int
+    done: int
+
+
+class JobCounts(TypedDict):
+    """A job's live counts (``bi.job_counts_v1``), the one shape every reader returns:
+    ``status`` (the CLI, the dashboard, the fallback pool) and ``deadline.poll_counts``
+    (the cutoff, on the triggerer's loop). A dict, so it goes into JSON, XComs and
+    trigger events as it is."""
+
+    job_version: str
+    records: int
+    stored: int
+    stored_batch: int
+    stored_fallback: int
+    reused: int
+    dead_letters: int
+    outstanding: int
+    shards: ShardCounts
+    mode: str
+    status: str
+    first_claim_at: datetime | None
+
+
+def counts_from_row(job_version: str, row: dict[str, Any] | None) -> JobCounts:
+    """``JobCounts`` from the ``job_counts`` query's row; UnknownJob when there is none."""
+    if row is None:
         raise UnknownJob(f"no job version {job_version!r}")
-    out = dict(r)
+    out = dict(row)
     out["job_version"] = job_version
     out["shards"] = {"pending": out.pop("shards_pending"), "leased": out.pop("shards_leased"),
                      "done": out.pop("shards_done")}
-    return out
+    return out  # type: ignore[return-value]
+
+
+def job_counts(conn: psycopg.Connection, job_version: str) -> JobCounts:
+    return counts_from_row(job_version, conn.execute(q("job_counts"), {"job": job_version}).fetchone())
 
 
 def job_spec(conn: psycopg.Connection, job_version: str) -> JobSpec:

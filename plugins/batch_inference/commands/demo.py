@@ -97,14 +97,15 @@ def airflow_env(home: Path, db_url: str) -> dict[str, str]:
 
 def load_tickets(conn, n: int) -> int:
     """Replace public.support_tickets with the first ``n`` sample tickets."""
+    from psycopg import sql
+
+    from batch_inference import db
     from batch_inference.data import DEMO_SOURCE_TABLE, read_tickets
 
-    schema, table = DEMO_SOURCE_TABLE.split(".")
+    ident = sql.Identifier(*DEMO_SOURCE_TABLE.split("."))
     with conn.transaction():
-        conn.execute(f"CREATE TABLE IF NOT EXISTS {schema}.{table} (id text PRIMARY KEY, text text, acl text[], "
-                     "channel text, created_at timestamptz)")
-        conn.execute(f"TRUNCATE {schema}.{table}")
-        with conn.cursor() as cur, cur.copy(f"COPY {schema}.{table} (id, text, acl, channel, created_at) FROM STDIN") as cp:
+        conn.execute(db.composed("demo_tickets_reset", table=ident))
+        with conn.cursor() as cur, cur.copy(db.composed("demo_tickets_copy", table=ident)) as cp:
             count = 0
             for t in read_tickets(n):
                 cp.write_row((t["id"], t["text"], t["acl"], t["channel"], t["created_at"]))
@@ -144,6 +145,8 @@ def _tidy(line: str) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
+    from psycopg import sql
+
     from batch_inference import db, embedded
     from batch_inference.data import DEMO_DATASET, DEMO_SOURCE_TABLE, DEMO_SPEC
     from batch_inference.db import normalize_url
@@ -193,8 +196,7 @@ def run(args: argparse.Namespace) -> int:
     from batch_inference.status import job_counts
 
     with db.connect(url) as conn:
-        latest = conn.execute("SELECT job_version, status, validation FROM bi.jobs WHERE dataset = %s "
-                              "ORDER BY created_at DESC LIMIT 1", (DEMO_DATASET,)).fetchone()
+        latest = conn.execute(db.q("latest_job_of_dataset"), {"dataset": DEMO_DATASET}).fetchone()
         pub = published(conn, DEMO_DATASET, history=1)
         if rc != 0 or latest is None or pub["job_version"] != latest["job_version"]:
             why = f"the DAG run did not publish ({latest['job_version']} is {latest['status']})" if latest \
@@ -203,11 +205,12 @@ def run(args: argparse.Namespace) -> int:
             return 1
         counts = job_counts(conn, pub["job_version"])
         view = pub["view"]
-        total = conn.execute(f"SELECT count(*) AS n FROM {view}").fetchone()["n"]
+        total = conn.execute(db.composed("published_view_rows_count", view=sql.SQL(view))).fetchone()["n"]
         cols = [c for c in ("record_id", "category", "priority", "summary", "acl")
                 if c in ("record_id", "category", "acl") or c in (pub.get("view_fields") or {})]
-        rows = conn.execute(f"SELECT {', '.join(cols)} FROM {view} ORDER BY record_id LIMIT %s",
-                            (args.rows,)).fetchall()
+        rows = conn.execute(db.composed("published_view_head", view=sql.SQL(view),
+                                        columns=sql.SQL(", ").join(map(sql.Identifier, cols))),
+                            {"n": args.rows}).fetchall()
     rate = counts["dead_letters"] / counts["records"] if counts["records"] else 0.0
     print(f"\npublished view: {view}  ({pub['job_version']}, {total} rows)")
     print(f"job: {counts['records']} records, {counts['stored']} stored, {counts['dead_letters']} dead letters "

@@ -105,7 +105,7 @@ class BatchInferenceHook(BaseHook):
         """The UI's "Test" button."""
         try:
             with db.connect(self.get_conninfo()) as conn:
-                version = conn.execute("SHOW server_version").fetchone()
+                version = conn.execute(db.q("server_version")).fetchone()
         except Exception as exc:  # noqa: BLE001 - the message goes back to the UI
             return False, str(exc).strip().splitlines()[0] if str(exc).strip() else exc.__class__.__name__
         return True, f"connected (PostgreSQL {version['server_version'] if version else '?'})"

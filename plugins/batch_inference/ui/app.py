@@ -136,7 +136,7 @@ def ledger() -> Iterator[psycopg.Connection]:
     except db.DatabaseUnavailable as exc:
         raise HTTPException(status.HTTP_503_SERVICE_UNAVAILABLE, str(exc)) from None
     try:
-        conn.execute(f"SET statement_timeout = '{_STATEMENT_TIMEOUT}'")
+        conn.execute(db.q("statement_timeout"), {"timeout": _STATEMENT_TIMEOUT})
         yield conn
     finally:
         conn.close()

@@ -18,12 +18,9 @@ role (``role=None``) those panels return counts and no text.
 
 from __future__ import annotations
 
-import re
 from collections.abc import Iterator
 from contextlib import contextmanager
 from datetime import datetime, timedelta, timezone
-from functools import lru_cache
-from pathlib import Path
 from typing import Any
 
 import psycopg
@@ -31,26 +28,13 @@ from psycopg import sql
 
 from batch_inference import cutoff, db
 from batch_inference.cost import Prices, cost_report
+from batch_inference.db import q
 from batch_inference.drift import category_counts as drift_counts
 from batch_inference.drift import compare, over_gate
 from batch_inference.spec import Fallback, Validation
 from batch_inference.status import UnknownJob, job_counts
 
 UTC = timezone.utc
-
-
-@lru_cache(maxsize=1)
-def _queries() -> dict[str, str]:
-    text = (Path(__file__).with_name("queries.sql")).read_text()
-    out: dict[str, str] = {}
-    for block in re.split(r"^-- name: ", text, flags=re.M)[1:]:
-        header, _, body = block.partition("\n")
-        out[header.split()[0]] = body.strip().rstrip(";")
-    return out
-
-
-def q(name: str) -> str:
-    return _queries()[name]
 
 
 def _now() -> datetime:
@@ -68,7 +52,7 @@ def reading_as(conn: psycopg.Connection, role: str) -> Iterator[psycopg.Connecti
     if conn.info.transaction_status != psycopg.pq.TransactionStatus.IDLE:
         raise RuntimeError("reading_as needs a connection outside any transaction")
     with conn.transaction():
-        conn.execute(sql.SQL("SET LOCAL ROLE {}").format(sql.Identifier(role)))
+        conn.execute(db.composed("reader_role_set", role=sql.Identifier(role)))
         yield conn
 
 
@@ -97,7 +81,7 @@ def _fallback_constants(conn: psycopg.Connection, dataset: str, spec: dict[str, 
     defaults = Fallback()
     n = int(fb.get("history_runs", defaults.history_runs))
     min_runs = int(fb.get("min_history_runs", defaults.min_history_runs))
-    rows = (conn.execute(db.q("fallback_history"), cutoff.history_params(dataset, n, min_runs)).fetchall()
+    rows = (conn.execute(q("fallback_history"), cutoff.history_params(dataset, n, min_runs)).fetchall()
             if n > 0 else [])
     return cutoff.derive_rate_and_overhead(
         [cutoff.FallbackRun.from_row(r) for r in rows], float(fb.get("rate") or defaults.rate),
@@ -410,5 +394,5 @@ def drift(conn: psycopg.Connection, job_version: str) -> dict[str, Any]:
 
 def history(conn: psycopg.Connection, dataset: str, limit: int = 50) -> dict[str, Any]:
     pointer = conn.execute(q("pointer"), {"dataset": dataset}).fetchone()
-    rows = conn.execute(q("publish_history"), {"dataset": dataset, "limit": limit}).fetchall()
+    rows = conn.execute(q("publish_history"), {"dataset": dataset, "n": limit}).fetchall()
     return {"dataset": dataset, "pointer": pointer, "history": rows}

@@ -1,7 +1,8 @@
--- The dashboard's read statements. Same format as sql/queries.sql
--- ("-- name: NAME  what it does", then the statement); loaded by
--- batch_inference.ui.data.q(). Every statement here only reads: the one
--- write the dashboard makes (rollback) goes through batch_inference.publish.
+-- The dashboard's read statements (batch_inference/ui/data.py). Same format
+-- as queries.sql ("-- name: NAME  what it does", then the statement), loaded
+-- with it by batch_inference.db.queries(). Every statement here only reads:
+-- the one write the dashboard makes (rollback) goes through
+-- batch_inference.publish.
 
 -- name: jobs  the newest job versions with live counts (per-shard counters, never COUNT(*) over results)
 SELECT j.job_version, j.dataset, j.status, j.mode, j.created_at, j.fallback_at, j.model_name,
@@ -59,15 +60,10 @@ SELECT record_id, reason, attempts, stage, transport, left(error, 500) AS error,
   FROM bi.dead_letters WHERE job_version = %(job)s
  ORDER BY record_id LIMIT %(limit)s OFFSET %(offset)s;
 
--- name: publish_history  a dataset's pointer switches, newest first
-SELECT id, dataset, from_version, to_version, action, forced, reason, actor, at
-  FROM bi.publish_history WHERE dataset = %(dataset)s ORDER BY id DESC LIMIT %(limit)s;
-
 -- name: previous_published  the version that was published before this one (drift baseline for the published job)
 SELECT from_version AS job_version FROM bi.publish_history
  WHERE dataset = %(dataset)s AND to_version = %(job)s AND from_version IS NOT NULL
  ORDER BY id DESC LIMIT 1;
-
 
 -- name: run_dags  every DAG that has run a job version (the jobs list is filtered by the user's read permission on them)
 SELECT DISTINCT dag_id FROM bi.job_runs ORDER BY dag_id;
@@ -90,3 +86,9 @@ SELECT count(*) AS n FROM bi.dead_letters WHERE job_version = %(job)s;
 SELECT record_id FROM bi.results WHERE job_version = %(job)s AND record_id = ANY(%(ids)s)
  UNION
 SELECT record_id FROM bi.dead_letters WHERE job_version = %(job)s AND record_id = ANY(%(ids)s);
+
+-- name: statement_timeout  a dashboard read must never hold the ledger for long (this session)
+SELECT set_config('statement_timeout', %(timeout)s, false);
+
+-- name: reader_role_set  run the rest of this transaction as the user's reader role
+SET LOCAL ROLE {role};
