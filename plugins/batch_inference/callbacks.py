@@ -228,7 +228,7 @@ def run_job_version(conn: Any, dag_id: str, run_id: str) -> str | None:
     """The job version a DAG run's submit returned, created or resumed (``bi.job_runs``); None before it."""
     from batch_inference import db
 
-    row = db.fetch_one(conn, "job_run_version", {"dag_id": dag_id, "run_id": run_id})
+    row = conn.execute(db.q("job_run_version"), {"dag_id": dag_id, "run_id": run_id}).fetchone()
     return row["job_version"] if row else None
 
 
@@ -236,8 +236,8 @@ def dead_letter_causes(conn: Any, job_version: str) -> dict[str, dict[str, Any]]
     """The job's dead letters by cause (endpoint, output, input, other), most first: ``{cause: {n, example}}``."""
     from batch_inference import db
 
-    rows = db.fetch_all(conn, "dead_letter_causes",
-                        {"job": job_version, "endpoint": ENDPOINT_ERRORS, "output": OUTPUT_ERRORS})
+    rows = conn.execute(db.q("dead_letter_causes"),
+                        {"job": job_version, "endpoint": ENDPOINT_ERRORS, "output": OUTPUT_ERRORS}).fetchall()
     return {r["cause"]: {"n": int(r["n"]), "example": r["example"]} for r in rows}
 
 

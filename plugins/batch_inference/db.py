@@ -19,7 +19,6 @@ import re
 import time
 from functools import lru_cache
 from pathlib import Path
-from typing import Any
 
 import psycopg
 from psycopg import sql
@@ -186,14 +185,6 @@ def migrate(conn: psycopg.Connection) -> list[str]:
     if applied_now:
         log.info("applied migrations: %s", ", ".join(applied_now))
     return applied_now
-
-
-def fetch_all(conn: psycopg.Connection, name: str, params: Any = None) -> list[dict[str, Any]]:
-    return conn.execute(q(name), params).fetchall()
-
-
-def fetch_one(conn: psycopg.Connection, name: str, params: Any = None) -> dict[str, Any] | None:
-    return conn.execute(q(name), params).fetchone()
 
 
 _SCHEME = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*)://")
