@@ -32,6 +32,7 @@ from typing import Any
 import psycopg
 
 from batch_inference import db
+from batch_inference.data import TRIAGE_SCHEMA
 from batch_inference.engines.llama_cpp import SMOLLM2_GGUF_SHA256, LlamaCppEngine
 from batch_inference.plan import drop_job_version, submit
 from batch_inference.prompting import build_messages
@@ -41,15 +42,7 @@ from benchmarks.common import ServerCpu, emit, fresh_server, machine, median, rn
 
 TARGET = 0.03  # pipeline at most 3% slower
 
-SCHEMA = {
-    "type": "object",
-    "properties": {
-        "category": {"type": "string", "enum": ["billing", "bug", "account", "other"]},
-        "summary": {"type": "string", "maxLength": 200},
-    },
-    "required": ["category", "summary"],
-    "additionalProperties": False,
-}
+SCHEMA = TRIAGE_SCHEMA
 
 TICKETS = [
     "I was charged twice for my subscription this month. Please refund one of the charges.",

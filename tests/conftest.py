@@ -15,6 +15,7 @@ import psycopg
 import pytest
 
 from batch_inference import db
+from batch_inference.data import TRIAGE_SCHEMA
 from batch_inference.spec import JobSpec, parse_spec
 
 pytest_plugins = ["tests.fixtures.airflow_env", "tests.fixtures.llama_server", "tests.fixtures.live_airflow",
@@ -90,15 +91,7 @@ def make_source(conn: psycopg.Connection, rows: list[tuple[Any, ...]], table: st
     return table
 
 
-SCHEMA = {
-    "type": "object",
-    "properties": {
-        "category": {"type": "string", "enum": ["billing", "bug", "account", "other"]},
-        "summary": {"type": "string", "maxLength": 200},
-    },
-    "required": ["category", "summary"],
-    "additionalProperties": False,
-}
+SCHEMA = TRIAGE_SCHEMA
 
 
 def spec_dict(**over: Any) -> dict[str, Any]:

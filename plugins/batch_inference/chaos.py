@@ -51,6 +51,7 @@ import psycopg
 from psycopg import sql
 
 from batch_inference import db
+from batch_inference.data import TRIAGE_SCHEMA
 from batch_inference.engines.base import Engine, Outcome, Request
 from batch_inference.exceptions import InvalidValue
 from batch_inference.fleet import Exit, Fleet, Worker
@@ -62,16 +63,6 @@ ENGINE_ERROR = "[[engine-error]]"
 INVALID_OUTPUT = "[[invalid-output]]"
 NOOP_DIGEST = "0" * 64
 WORKER_ROLE = "bi_chaos_worker"
-# The chaos job's output: a category and a one-line summary, as in the test suite.
-_SCHEMA = {
-    "type": "object",
-    "properties": {
-        "category": {"type": "string", "enum": ["billing", "bug", "account", "other"]},
-        "summary": {"type": "string", "maxLength": 200},
-    },
-    "required": ["category", "summary"],
-    "additionalProperties": False,
-}
 _TICKETS = (
     "I was charged twice for my subscription this month.",
     "The export button does nothing on Firefox.",
@@ -430,7 +421,7 @@ def _spec(cfg: ChaosConfig):
         "engine": {"name": "noop"},
         "prompt": {"version": "chaos-v1", "system": "Classify the support ticket and summarize it in one sentence."},
         "params": {"temperature": 0, "max_tokens": 64},
-        "output_schema": _SCHEMA,
+        "output_schema": TRIAGE_SCHEMA,
         "shard_size": cfg.shard_size,
         "max_attempts": cfg.max_attempts,
         "max_input_chars": cfg.max_input_chars,

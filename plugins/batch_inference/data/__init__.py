@@ -19,6 +19,17 @@ TICKETS = DATA_DIR / "tickets.jsonl"
 DEMO_SPEC = DATA_DIR / "tickets_spec.yaml"
 DEMO_DATASET = "ticket_triage"
 DEMO_SOURCE_TABLE = "public.support_tickets"
+# A small output schema (a category and a one-line summary) for the jobs that need no model:
+# the chaos harness, the test suite and the benchmarks.
+TRIAGE_SCHEMA: dict[str, Any] = {
+    "type": "object",
+    "properties": {
+        "category": {"type": "string", "enum": ["billing", "bug", "account", "other"]},
+        "summary": {"type": "string", "maxLength": 200},
+    },
+    "required": ["category", "summary"],
+    "additionalProperties": False,
+}
 
 
 def path(name: str) -> Path:
