@@ -50,7 +50,7 @@ def check_control_plane(out: dict) -> None:
 
 
 def check_submit(out: dict) -> None:
-    assert {"snapshot_scan", "snapshot_insert", "attach_snapshot_v1", "commit"} <= out["steps_s"].keys()
+    assert {"snapshot_scan", "snapshot_insert", "snapshot_attach", "commit"} <= out["steps_s"].keys()
     if importlib.util.find_spec("batch_inference.validate") is not None:
         assert out["validate_s"] > 0 and "validate_ratio" in out
 
