@@ -17,7 +17,6 @@ import subprocess
 import sys
 import threading
 import time
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -32,6 +31,8 @@ from batch_inference.pinning import DigestMismatch, WeightsMissing, sha256_file,
 from batch_inference.prompting import build_request
 from batch_inference.ratelimit import TokenBucket
 from tests.fixtures import make_spec
+from tests.fixtures.chat_server import ChatServer
+from tests.fixtures.chat_server import completion as chat_completion
 from tests.fixtures.llama_server import JSON_SCHEMA_REFUSAL, free_port
 
 RECORDS = [
@@ -339,67 +340,23 @@ def test_openai_engine_against_llama_server(llama_server):
 
 # -- openai retries against a tiny real HTTP server -------------------------------------------
 def completion(content='{"category": "bug", "summary": "x"}', finish="stop"):
-    return {"choices": [{"index": 0, "message": {"role": "assistant", "content": content}, "finish_reason": finish}], "usage": {"completion_tokens": 7}}
-
-
-class ScriptedServer(ThreadingHTTPServer):
-    """Answers POST /v1/chat/completions from a script of (status, headers, body); 200 once it runs out."""
-
-    daemon_threads = True
-
-    def __init__(self, script=(), delay=0.0):
-        super().__init__(("127.0.0.1", 0), ScriptedHandler)
-        self.script = list(script)
-        self.delay = delay
-        self.hits: list[tuple[float, dict, dict]] = []
-        self.lock = threading.Lock()
-        self.in_flight = 0
-        self.max_in_flight = 0
-
-    @property
-    def base_url(self):
-        return f"http://127.0.0.1:{self.server_address[1]}/v1"
-
-
-class ScriptedHandler(BaseHTTPRequestHandler):
-    def log_message(self, *args):
-        pass
-
-    def do_POST(self):
-        srv = self.server
-        body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
-        with srv.lock:
-            srv.hits.append((time.monotonic(), body, dict(self.headers)))
-            status, headers, payload = srv.script.pop(0) if srv.script else (200, {}, completion())
-            srv.in_flight += 1
-            srv.max_in_flight = max(srv.max_in_flight, srv.in_flight)
-        time.sleep(srv.delay)
-        data = payload if isinstance(payload, bytes) else json.dumps(payload).encode()
-        self.send_response(status)
-        for k, v in headers.items():
-            self.send_header(k, v)
-        self.send_header("Content-Type", "application/json")
-        self.send_header("Content-Length", str(len(data)))
-        self.end_headers()
-        self.wfile.write(data)
-        with srv.lock:
-            srv.in_flight -= 1
+    return chat_completion(content, finish, tokens=7)
 
 
 @pytest.fixture
 def scripted():
+    """``scripted([(status, headers, body), ...])``: a chat server answering from the script, 200 once it runs out."""
     servers = []
 
     def start(script=(), delay=0.0):
-        srv = ScriptedServer(script, delay)
-        threading.Thread(target=srv.serve_forever, daemon=True).start()
+        script = list(script)
+        srv = ChatServer(lambda body: script.pop(0) if script else (200, {}, completion()), delay)
         servers.append(srv)
         return srv
 
     yield start
     for srv in servers:
-        srv.shutdown()
-        srv.server_close()
+        srv.close()
 
 
 def run_openai(spec, options, records=RECORDS[:1], stop=None):

@@ -20,7 +20,6 @@ import sys
 import textwrap
 import threading
 import time
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import pytest
@@ -30,6 +29,7 @@ from batch_inference.fallback import FallbackEndpointUnavailable, FallbackIncomp
 from batch_inference.plan import submit
 from batch_inference.status import job_counts
 from tests.conftest import make_source, make_spec, tickets
+from tests.fixtures.chat_server import ChatServer, completion
 from tests.fixtures.llama_server import JSON_SCHEMA_REFUSAL, free_port
 
 REPO = Path(__file__).resolve().parent.parent
@@ -46,53 +46,28 @@ CATEGORY_ONLY = {
 # -- a small OpenAI-compatible endpoint ------------------------------------------
 
 
-class Endpoint(ThreadingHTTPServer):
-    daemon_threads = True
+class Endpoint(ChatServer):
+    """Answers ``content`` to every request, or ``error`` with ``status`` when that is not 200."""
 
     def __init__(self):
-        super().__init__(("127.0.0.1", 0), _Handler)
-        self.hits: list[float] = []
-        self.lock = threading.Lock()
-        self.delay = 0.0
-        self.status = 200                   # anything else answers with ``error`` as the body
+        super().__init__(self.answer)
+        self.status = 200
         self.error: dict = {}
         self.content = '{"category": "bug", "summary": "x"}'
-        self.bodies: list[dict] = []
+
+    def answer(self, body: dict) -> tuple[int, dict, dict]:
+        return self.status, {}, self.error if self.status != 200 else completion(self.content)
 
     @property
-    def base_url(self) -> str:
-        return f"http://127.0.0.1:{self.server_address[1]}/v1"
-
-
-class _Handler(BaseHTTPRequestHandler):
-    def log_message(self, *args):
-        pass
-
-    def do_POST(self):
-        srv = self.server
-        body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
-        with srv.lock:
-            srv.hits.append(time.monotonic())
-            srv.bodies.append(body)
-        time.sleep(srv.delay)
-        data = json.dumps(srv.error if srv.status != 200 else {
-            "choices": [{"index": 0, "finish_reason": "stop",
-                         "message": {"role": "assistant", "content": srv.content}}],
-            "usage": {"completion_tokens": 9}}).encode()
-        self.send_response(srv.status)
-        self.send_header("Content-Type", "application/json")
-        self.send_header("Content-Length", str(len(data)))
-        self.end_headers()
-        self.wfile.write(data)
+    def times(self) -> list[float]:
+        return [t for t, _, _ in self.hits]
 
 
 @pytest.fixture
 def endpoint():
     srv = Endpoint()
-    threading.Thread(target=srv.serve_forever, daemon=True).start()
     yield srv
-    srv.shutdown()
-    srv.server_close()
+    srv.close()
 
 
 def mode_of(conn, job: str) -> str:
@@ -151,7 +126,7 @@ def test_pool_rate_limit_spans_the_pool_and_the_run_is_measured(conn, db_url, en
     assert r.entered_fallback and mode_of(conn, job) == "fallback"
     assert (r.records, r.stored, r.outstanding, r.workers) == (60, 60, 0, 4)
     # One bucket for four threads: 60 requests at 20/s take at least (60 - burst) / 20 s.
-    hits = sorted(endpoint.hits)
+    hits = sorted(endpoint.times)
     span = hits[-1] - hits[0]
     assert len(hits) == 60 and span >= (60 - 10) / rate - 0.25, span     # arrival times jitter a little
     # No one-second window holds more than the burst plus a second of tokens.
@@ -287,7 +262,7 @@ def test_the_response_format_comes_from_the_spec_unless_given(conn, db_url, endp
     assert {b["response_format"]["type"] for b in endpoint.bodies} == {"json_schema"}
     make_source(conn, tickets(4, start=100))
     job = submit(conn, make_spec(shard_size=2, fallback={"response_format_style": "json_schema"})).job_version
-    endpoint.bodies.clear()
+    endpoint.hits.clear()
     assert run_fallback(db_url, job, endpoint.base_url, rate=50, style="json_object").stored == 4
     assert {b["response_format"]["type"] for b in endpoint.bodies} == {"json_object"}
 
@@ -500,7 +475,7 @@ def test_cli_relabel_mode_waits_for_the_fixed_time_then_redrives(conn, db_url, e
     assert rc == 0
     out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert out["watch"]["status"] == "cutoff" and "relabel mode" in out["watch"]["reason"]
-    assert endpoint.hits and min(endpoint.hits) - t0 >= 1.0          # nothing sent before the fixed time
+    assert endpoint.hits and min(endpoint.times) - t0 >= 1.0          # nothing sent before the fixed time
     assert (out["records"], out["outstanding"], out["entered_fallback"]) == (12, 0, True)
     # A second run the same night finds nothing to do.
     assert main(["--db", db_url, "fallback", job, "--base-url", endpoint.base_url, "--json"]) == 0

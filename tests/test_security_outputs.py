@@ -20,7 +20,6 @@ import subprocess
 import sys
 import threading
 from collections.abc import Iterator, Sequence
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import pytest
@@ -30,6 +29,7 @@ from batch_inference.outputs import check_for_storage, storable_text
 from batch_inference.plan import submit
 from batch_inference.status import dead_letters, job_counts
 from tests.conftest import SCHEMA, make_source, make_spec
+from tests.fixtures.chat_server import ChatServer
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -77,58 +77,32 @@ WIRE: dict[str, tuple[bytes, str, str]] = {
 }
 
 
-class Endpoint(ThreadingHTTPServer):
-    """Answers each record with the vector its text names (``vec:NAME``), else a good output."""
-
-    daemon_threads = True
-
-    def __init__(self):
-        super().__init__(("127.0.0.1", 0), _Handler)
-
-    @property
-    def base_url(self) -> str:
-        return f"http://127.0.0.1:{self.server_address[1]}/v1"
-
-
-class _Handler(BaseHTTPRequestHandler):
-    def log_message(self, *args):
-        pass
-
-    def do_POST(self):
-        body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
-        user = body["messages"][-1]["content"]
-        name = next((n for n in (*WIRE, "truncated_surrogate", "error_surrogate") if f"vec:{n}." in user), None)
-        status, finish = 200, "stop"
-        if name == "content_number":
-            content = b"12345"
-        elif name == "truncated_surrogate":      # cut off at the token cap, mid-surrogate
-            content, finish = b'"' + _wire('{"category": "bug", "summary": "a\ud800') + b'"', "length"
-        elif name == "error_surrogate":          # an error message PostgreSQL cannot hold either
-            status = 400
-        elif name is not None:
-            content = b'"' + WIRE[name][0] + b'"'
-        else:
-            content = b'"' + _wire(GOOD) + b'"'
-        if status == 400:
-            data = b'{"error": {"message": "bad request \\ud800 \\u0000 here"}}'
-        else:
-            data = (b'{"id": "x", "object": "chat.completion", "choices": [{"index": 0, "finish_reason": "'
-                    + finish.encode() + b'", "message": {"role": "assistant", "content": ' + content
-                    + b'}}], "usage": {"completion_tokens": 9}}')
-        self.send_response(status)
-        self.send_header("Content-Type", "application/json")
-        self.send_header("Content-Length", str(len(data)))
-        self.end_headers()
-        self.wfile.write(data)
+def answer(body: dict) -> tuple[int, dict, bytes]:
+    """The vector the record's text names (``vec:NAME``), else a good output, as raw chat-completions bytes
+    (the vectors are bytes no JSON encoder would write)."""
+    user = body["messages"][-1]["content"]
+    name = next((n for n in (*WIRE, "truncated_surrogate", "error_surrogate") if f"vec:{n}." in user), None)
+    finish = "stop"
+    if name == "error_surrogate":          # an error message PostgreSQL cannot hold either
+        return 400, {}, b'{"error": {"message": "bad request \\ud800 \\u0000 here"}}'
+    if name == "content_number":
+        content = b"12345"
+    elif name == "truncated_surrogate":      # cut off at the token cap, mid-surrogate
+        content, finish = b'"' + _wire('{"category": "bug", "summary": "a\ud800') + b'"', "length"
+    elif name is not None:
+        content = b'"' + WIRE[name][0] + b'"'
+    else:
+        content = b'"' + _wire(GOOD) + b'"'
+    return 200, {}, (b'{"id": "x", "object": "chat.completion", "choices": [{"index": 0, "finish_reason": "'
+                     + finish.encode() + b'", "message": {"role": "assistant", "content": ' + content
+                     + b'}}], "usage": {"completion_tokens": 9}}')
 
 
 @pytest.fixture
 def endpoint():
-    srv = Endpoint()
-    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    srv = ChatServer(answer)
     yield srv
-    srv.shutdown()
-    srv.server_close()
+    srv.close()
 
 
 EXTRA = {"truncated_surrogate": ("truncated", "\\ud800"), "error_surrogate": ("HTTP 400", None)}
