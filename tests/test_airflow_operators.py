@@ -19,6 +19,7 @@ from batch_inference.plan import submit
 from batch_inference.publish import publish
 from batch_inference.status import job_counts
 from batch_inference.validate import validate
+from tests.fixtures import execute_in_thread
 from tests.conftest import NOOP_DIGEST, make_source, make_spec, spec_dict, tickets
 
 CONN_ID = "bi_test_ops"
@@ -125,16 +126,7 @@ def test_local_workers_killed_from_outside_release_their_shards_and_fail_the_try
     job = submit(conn, make_spec(shard_size=10, renew_seconds=1)).job_version
     op = LocalWorkersOperator(task_id="workers", job_version=job, workers=2, postgres_conn_id=CONN_ID,
                               engine_options={"delay_s": 0.5}, grace_seconds=2)
-    outcome: dict = {}
-
-    def run() -> None:
-        try:
-            outcome["result"] = op.execute({})
-        except BaseException as exc:  # noqa: BLE001 - what the task runner would see
-            outcome["error"] = exc
-
-    runner = threading.Thread(target=run)
-    runner.start()
+    runner, outcome = execute_in_thread(op)
     end = time.monotonic() + 60
     while job_counts(conn, job)["shards"]["leased"] < 2:
         assert time.monotonic() < end, "the workers never leased"

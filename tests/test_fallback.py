@@ -28,6 +28,7 @@ from batch_inference import db
 from batch_inference.fallback import FallbackEndpointUnavailable, FallbackIncomplete, FallbackRefused, run_fallback
 from batch_inference.plan import submit
 from batch_inference.status import job_counts
+from tests.fixtures import execute_in_thread
 from tests.conftest import make_source, make_spec, tickets
 from tests.fixtures.chat_server import ChatServer, completion
 from tests.fixtures.llama_server import JSON_SCHEMA_REFUSAL, free_port
@@ -516,8 +517,6 @@ def test_cli_sigterm_stops_the_pool_and_releases_its_leases(conn, db_url, endpoi
 
 def test_the_operator_killed_from_outside_releases_its_shards_and_fails_the_try(conn, db_url, endpoint, monkeypatch):
     """Airflow's SIGTERM handler calls on_kill() and returns into execute(): the try must fail."""
-    import threading
-
     from airflow.sdk.exceptions import AirflowException
 
     from batch_inference.operators.fallback import FallbackPoolOperator
@@ -528,16 +527,7 @@ def test_the_operator_killed_from_outside_releases_its_shards_and_fails_the_try(
     monkeypatch.setenv("AIRFLOW_CONN_BATCH_INFERENCE_DEFAULT", db.airflow_connection_json(db_url))
     op = FallbackPoolOperator(task_id="fallback", job_version=job, base_url=endpoint.base_url, rate=50,
                               concurrency=2, parallel_shards=2)
-    outcome: dict = {}
-
-    def run() -> None:
-        try:
-            outcome["result"] = op.execute({})
-        except BaseException as exc:  # noqa: BLE001 - what the task runner would see
-            outcome["error"] = exc
-
-    runner = threading.Thread(target=run)
-    runner.start()
+    runner, outcome = execute_in_thread(op)
     end = time.monotonic() + 60
     while job_counts(conn, job)["stored_fallback"] < 3:
         assert time.monotonic() < end, "the pool stored nothing"
