@@ -22,7 +22,7 @@ pytest_plugins = ["tests.fixtures.airflow_env", "tests.fixtures.llama_server", "
                   "tests.fixtures.password_check"]
 
 NOOP_DIGEST = "0" * 64
-# Test engines are loaded by dotted path from this package (tests.test_worker:BrokenEngine, ...);
+# Test engines are loaded by dotted path from this package (tests.process.test_worker:BrokenEngine, ...);
 # worker processes the tests start inherit the setting.
 os.environ.setdefault("BATCH_INFERENCE_ENGINE_MODULES", "tests")
 

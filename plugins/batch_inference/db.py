@@ -5,7 +5,7 @@ one file per area; ``migrations/``, the numbered steps that build it from an
 empty database (never edited once added); and the named statements
 (``QUERY_FILES``: ``-- name: NAME  what it does``, then the statement), which
 ``q(name)`` and ``composed(name, ...)`` return. Nothing else in the package
-writes SQL (tests/test_gateway.py checks); the ledger transitions are SQL
+writes SQL (tests/unit/test_gateway.py checks); the ledger transitions are SQL
 functions (sql/schema/ledger.sql).
 """
 

@@ -15,7 +15,7 @@ import pytest
 
 from batch_inference import db
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 SOURCES = ("plugins", "gpu_runner", "dags")
 # Modules that write SQL by construction, with why. Keep this short.
 ALLOWED = {

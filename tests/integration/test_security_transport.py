@@ -39,9 +39,9 @@ from batch_inference.spec import SpecError, load_spec
 from batch_inference.exits import ExitCode
 from gpu_runner.worker import WorkerConfig, run_worker
 from tests.conftest import make_source, make_spec, tickets
-from tests.test_fallback import endpoint  # noqa: F401 - the fixture: a loopback OpenAI-compatible server
+from tests.integration.test_fallback import endpoint  # noqa: F401 - the fixture: a loopback OpenAI-compatible server
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 
 
 def claims(conn, job: str) -> int:

@@ -31,8 +31,8 @@ from batch_inference import db, publish, validate
 from batch_inference.plan import submit
 from gpu_runner.worker import WorkerConfig, run_worker
 from tests.conftest import make_source, make_spec
-from tests.test_dashboard_api import reader_role
-from tests.test_privileges import url_as
+from tests.integration.test_dashboard_api import reader_role
+from tests.integration.test_privileges import url_as
 
 from airflow.api_fastapi.auth.managers.simple.simple_auth_manager import SimpleAuthManager
 

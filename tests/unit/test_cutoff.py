@@ -441,38 +441,3 @@ def test_cli_cutoff_rejects_bad_input(capsys):
     rc, out = _run(["cutoff", "--deadline", "06:00"], capsys)
     assert rc == 2 and "--outstanding" in out.err
 
-
-def _store_batch_results(db_url: str, job: str, n: int) -> None:
-    """Settle ``n`` rows of the job through the batch transport, as a worker would."""
-    from batch_inference import db
-    from batch_inference.ledger import Ledger
-
-    with db.connect(db_url) as c:
-        lg = Ledger(c, job, "batch-worker")
-        lease = lg.claim()
-        ids = [r["record_id"] for r in lg.records(lease)][:n]
-        lg.put_results(lease, ids, [{"category": "billing", "summary": "charged twice"}] * len(ids),
-                       ["billing"] * len(ids))
-
-
-def test_cli_cutoff_reads_a_job_version(db_url, conn, capsys):
-    # A real job on the embedded PostgreSQL: 25 records, 10 stored by the
-    # batch path. Rate and overhead come from the spec's fallback block.
-    from batch_inference.plan import submit
-    from tests.conftest import make_source, make_spec, tickets
-
-    make_source(conn, tickets(25))
-    job = submit(conn, make_spec(fallback={"rate": 0.5, "overhead_s": 600})).job_version
-    _store_batch_results(db_url, job, 10)
-
-    rc, out = _run(["cutoff", job, "--deadline", "06:00", "--now", "05:00", "--json", "--db", db_url], capsys)
-    assert rc == 0, out.err
-    doc = json.loads(out.out)
-    # 15 outstanding at 0.5/s is 30 s, plus 600 s: 06:00 - 10.5 min = 05:49:30, floored to 05:49.
-    assert doc["job_version"] == job and doc["done"] == 10 and doc["outstanding"] == 15
-    assert (doc["rate"], doc["overhead_s"]) == (0.5, 600.0)
-    assert doc["latest_safe_start_clock"] == "05:49:00"
-    # a flag still overrides the spec
-    rc, out = _run(["cutoff", job, "--deadline", "06:00", "--now", "05:00", "--rate", "85",
-                    "--overhead", "1800", "--json", "--db", db_url], capsys)
-    assert json.loads(out.out)["latest_safe_start_clock"] == "05:29:00"

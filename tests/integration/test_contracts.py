@@ -24,7 +24,7 @@ from batch_inference.plan import submit
 from gpu_runner import worker
 from gpu_runner.worker import WorkerConfig, add_arguments, config_from_args, run_worker
 from tests.conftest import make_source, make_spec, tickets
-from tests.test_dashboard_api import _relabel
+from tests.integration.test_dashboard_api import _relabel
 
 
 def _package_modules():

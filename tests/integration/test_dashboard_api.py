@@ -2,7 +2,7 @@
 
 The app runs in process under FastAPI's TestClient. Airflow's user lookup is
 replaced by a header (the one boundary that needs a running API server and
-its token machinery; tests/test_dashboard.py covers that against a real
+its token machinery; tests/process/test_dashboard.py covers that against a real
 ``airflow api-server``), while the rollback permission is decided by Airflow's
 real SimpleAuthManager, so a viewer is refused for the reason production
 refuses one.

@@ -31,7 +31,7 @@ from batch_inference.status import job_counts, job_spec
 from batch_inference.validate import validate
 from gpu_runner.worker import WorkerConfig, run_worker
 from tests.conftest import make_source, make_spec, spec_dict, tickets
-from tests.test_privileges import url_as, worker_role  # noqa: F401  (worker_role: a fixture)
+from tests.integration.test_privileges import url_as, worker_role  # noqa: F401  (worker_role: a fixture)
 
 CONN_ID = "bi_test_security"
 

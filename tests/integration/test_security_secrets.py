@@ -27,10 +27,10 @@ from batch_inference.exits import ExitCode
 from batch_inference.plan import submit
 from gpu_runner import worker
 from tests.conftest import make_source, make_spec, tickets
-from tests.test_engines import scripted  # noqa: F401 (a fixture: a loopback chat-completions server)
+from tests.process.test_engines import scripted  # noqa: F401 (a fixture: a loopback chat-completions server)
 from tests.fixtures.password_check import TEST_PASSWORD
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 SECRET = "Xq9-s3cr3t-Vv2"      # the password the unusable URLs carry (never a working one)
 
 

@@ -77,7 +77,7 @@ class CrashingEngine(Engine):
 def start_worker(db_url: str, job: str, log: Path, how: str) -> subprocess.Popen:
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "BATCH_INFERENCE_DB": db_url}
     return subprocess.Popen(
-        [sys.executable, "-m", "gpu_runner", job, "--engine", "tests.test_crash_poison:CrashingEngine",
+        [sys.executable, "-m", "gpu_runner", job, "--engine", "tests.process.test_crash_poison:CrashingEngine",
          "--engine-option", f"crash_ids={json.dumps([POISON])}", "--engine-option", f"how={how}",
          "--engine-option", f"log={log}", "--careful-batch", "4", "--poll-seconds", "0.3"],
         env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
@@ -135,7 +135,7 @@ def test_an_engine_that_raises_on_one_record_does_not_loop_either(conn, db_url, 
     shard back at once, counted like a death (bi.abandon_shard_v1)."""
     make_source(conn, tickets(30))
     job = submit(conn, make_spec(max_attempts=3)).job_version
-    cfg = WorkerConfig(job_version=job, db_url=db_url, engine="tests.test_crash_poison:CrashingEngine",
+    cfg = WorkerConfig(job_version=job, db_url=db_url, engine="tests.process.test_crash_poison:CrashingEngine",
                        engine_options={"crash_ids": [POISON], "how": "raise"}, careful_batch=4)
     codes = []
     while len(codes) < 10:

@@ -171,24 +171,3 @@ def test_cli_errors(capsys):
     assert rc == 2
     rc, out = _run(["cost", "--rows", "10", "--batch-price", "cheap"], capsys)
     assert rc == 2 and "price" in out.err
-
-
-def test_cli_cost_of_a_job_version(db_url, conn, capsys):
-    # A real job on the embedded PostgreSQL: 20 records, 10 stored by the
-    # batch path, priced at the spec's own rates.
-    from batch_inference.plan import submit
-    from tests.conftest import make_source, make_spec, tickets
-    from tests.test_cutoff import _store_batch_results
-
-    make_source(conn, tickets(20))
-    job = submit(conn, make_spec(cost={"batch_per_row": 0.5, "fallback_per_row": 1.0})).job_version
-    _store_batch_results(db_url, job, 10)
-
-    rc, out = _run(["cost", job, "--json", "--db", db_url], capsys)
-    assert rc == 0, out.err
-    doc = json.loads(out.out)
-    assert (doc["records"], doc["stored"], doc["outstanding"]) == (20, 10, 10)
-    assert doc["so_far"]["batch_rows"] == 10 and doc["so_far"]["total"] == 5.0
-    fired = doc["if_fallback_now"]
-    assert (fired["batch_cost"], fired["fallback_cost"], fired["total"]) == (5.0, 10.0, 15.0)
-    assert fired["clean_batch_floor"] == 10.0 and fired["all_synchronous_ceiling"] == 20.0

@@ -33,7 +33,7 @@ from tests.conftest import make_source, make_spec, tickets
 from tests.fixtures.chat_server import ChatServer, completion
 from tests.fixtures.llama_server import JSON_SCHEMA_REFUSAL, free_port
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 # One short answer per record: SmolLM2 rambles past any token cap when asked
 # for a free-text summary, and this test is about the transport, not labels.
 CATEGORY_ONLY = {

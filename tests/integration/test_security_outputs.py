@@ -31,7 +31,7 @@ from batch_inference.status import dead_letters, job_counts
 from tests.conftest import SCHEMA, make_source, make_spec
 from tests.fixtures.chat_server import ChatServer
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 
 # The ticket schema plus an optional number, so a number jsonb refuses can pass the schema.
 NUMBER_SCHEMA = {**SCHEMA, "properties": {**SCHEMA["properties"], "score": {"type": "number"},
@@ -168,7 +168,7 @@ def _python_text(wire: bytes) -> str:
 def test_every_unstorable_output_from_an_in_process_engine_is_one_failed_attempt(conn, db_url):
     names = list(WIRE)
     job = _job(conn, names)
-    proc = _worker(db_url, job, "--engine", "tests.test_security_outputs:TextEngine")
+    proc = _worker(db_url, job, "--engine", "tests.integration.test_security_outputs:TextEngine")
     _assert_each_vector_failed_once(conn, job, proc, names)
 
 
@@ -219,7 +219,7 @@ def test_a_batch_the_database_refuses_is_split_and_only_the_bad_record_fails(con
         END $$;
         CREATE TRIGGER refuse_one BEFORE INSERT ON bi.results FOR EACH ROW EXECUTE FUNCTION public.refuse_one();
     """)
-    proc = _worker(db_url, job, "--engine", "tests.test_security_outputs:TextEngine")
+    proc = _worker(db_url, job, "--engine", "tests.integration.test_security_outputs:TextEngine")
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0 and "Traceback" not in out, out[-3000:]
     dl = dead_letters(conn, job)

@@ -18,7 +18,7 @@ from batch_inference.callbacks import OnCallNotifier, build_message, deadline_mi
 from batch_inference.ledger import Failure, Ledger
 from batch_inference.plan import submit
 from tests.conftest import make_source, make_spec, spec_dict, tickets
-from tests.test_airflow_operators import CONN_ID, ledger  # noqa: F401  (ledger: a fixture)
+from tests.integration.test_airflow_operators import CONN_ID, ledger  # noqa: F401  (ledger: a fixture)
 
 ENDPOINT_ERROR = 'HTTP 503: {"error": "down"} (gave up after 3 attempts)'   # the openai engine's text
 SCHEMA_ERROR = "output does not match the schema at category: 'urgent' is not one of ['billing', 'bug']"

@@ -188,11 +188,3 @@ def test_outputs_jsonb_would_refuse_are_failed_attempts_not_failed_batches(raw, 
 def test_a_valid_surrogate_pair_is_kept():
     obj, err = check_output(make_spec(), '{"category": "bug", "summary": "\\ud83d\\ude00 ok"}')
     assert err is None and obj["summary"] == "\U0001F600 ok"
-
-
-def test_a_nul_output_would_have_failed_the_whole_flush(conn):
-    """Why check_output refuses it: PostgreSQL rejects the batch it is in."""
-    import psycopg
-
-    with pytest.raises(psycopg.errors.UntranslatableCharacter):
-        conn.execute("SELECT %s::text::jsonb", (json.dumps({"summary": "a\x00b"}),))

@@ -32,7 +32,7 @@ from batch_inference.status import UnknownJob
 from batch_inference.validate import validate
 from gpu_runner.worker import WorkerConfig, run_worker
 from tests.conftest import make_source, make_spec, tickets
-from tests.test_validate import finish, status_of
+from tests.integration.test_validate import finish, status_of
 
 DATASET = "tickets_triage"
 VIEW = view_name(DATASET)

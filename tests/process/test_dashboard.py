@@ -38,11 +38,11 @@ import pytest
 
 from batch_inference import db
 from batch_inference.status import job_counts
-from tests.test_dashboard_api import DATASET, map_night_readers, seed_night
+from tests.integration.test_dashboard_api import DATASET, map_night_readers, seed_night
 
 pytestmark = pytest.mark.browser
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 CHROMIUM = "/usr/bin/chromium"
 AIRFLOW = str(Path(sys.executable).with_name("airflow"))
 ARTIFACTS = ROOT / "artifacts"

@@ -3,7 +3,7 @@
 Each process runs a short script instead of ``python -m gpu_runner`` (the one
 method the test overrides), so every exit code and signal path is exercised
 without a database. LocalWorkersOperator and the chaos harness run the real
-worker on it (tests/test_airflow_operators.py, tests/test_chaos.py).
+worker on it (tests/integration/test_airflow_operators.py, tests/process/test_chaos.py).
 """
 
 from __future__ import annotations

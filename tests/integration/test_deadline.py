@@ -241,7 +241,7 @@ def test_publish_records_the_load_time_on_the_jobs_fallback_run(conn, db_url):
     from batch_inference.fallback import add_load_time
     from batch_inference.publish import publish
     from batch_inference.validate import validate
-    from tests.test_validate import finish
+    from tests.integration.test_validate import finish
 
     job = new_job(conn, n=20)
     finish(db_url, job)

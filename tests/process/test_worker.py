@@ -4,7 +4,6 @@ leave, give it the wrong weights, feed it poison."""
 from __future__ import annotations
 
 import os
-import random
 import signal
 import subprocess
 import sys
@@ -46,11 +45,19 @@ def test_worker_runs_a_job_to_the_end_in_process(conn, db_url):
     assert row["acl"] is not None and row["output"]["category"] == "billing"
 
 
-def test_sigkill_at_a_random_point_then_a_new_worker_finishes(conn, db_url):
+def _wait_for_stored(conn, job: str, at_least: int, timeout_s: float = 30) -> None:
+    """Return once the job has ``at_least`` stored rows (an event in the ledger, not a guess at timing)."""
+    deadline = time.monotonic() + timeout_s
+    while job_counts(conn, job)["stored"] < at_least:
+        assert time.monotonic() < deadline, f"the worker stored fewer than {at_least} rows in {timeout_s} s"
+        time.sleep(0.05)
+
+
+def test_sigkill_mid_job_then_a_new_worker_finishes(conn, db_url):
     make_source(conn, tickets(300))
     job = submit(conn, make_spec(shard_size=100, lease_seconds=2, renew_seconds=0.5)).job_version
     w = start_worker(db_url, job, "--engine-option", "delay_s=0.01")
-    time.sleep(random.Random(7).uniform(1.0, 2.5))            # somewhere inside the first shards
+    _wait_for_stored(conn, job, 100)                         # mid-job: rows stored, shards still to come
     w.send_signal(signal.SIGKILL)
     w.wait()
     mid = job_counts(conn, job)
@@ -68,11 +75,7 @@ def test_sigterm_releases_the_lease_at_once(conn, db_url):
     make_source(conn, tickets(200))
     job = submit(conn, make_spec(shard_size=200, lease_seconds=600)).job_version
     w = start_worker(db_url, job, "--engine-option", "delay_s=0.05")
-    deadline = time.time() + 30
-    while time.time() < deadline:
-        if conn.execute("SELECT stored FROM bi.shards WHERE job_version = %s", (job,)).fetchone()["stored"] > 0:
-            break
-        time.sleep(0.1)
+    _wait_for_stored(conn, job, 1)
     w.send_signal(signal.SIGTERM)
     out, _ = w.communicate(timeout=30)
     exited = time.time()
@@ -139,7 +142,7 @@ class BrokenEngine(Engine):
 def test_engine_failure_releases_the_shard_and_exits_non_zero(conn, db_url):
     make_source(conn, tickets(10))
     job = submit(conn, make_spec()).job_version
-    code = run_worker(WorkerConfig(job_version=job, db_url=db_url, engine="tests.test_worker:BrokenEngine",
+    code = run_worker(WorkerConfig(job_version=job, db_url=db_url, engine="tests.process.test_worker:BrokenEngine",
                                    flush_every=1))
     assert code == ExitCode.ENGINE
     shard = conn.execute("SELECT state, epoch FROM bi.shards WHERE job_version = %s", (job,)).fetchone()

@@ -1,0 +1,1 @@
+"""Tests that start processes: worker fleets, chaos, the llama.cpp server, a live Airflow deployment, Chromium."""

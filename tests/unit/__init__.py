@@ -1,0 +1,1 @@
+"""Pure tests: no database, no processes (cutoff, cost, the schema compiler, simulate, outputs)."""
