@@ -233,7 +233,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--patch", action="append", default=[],
                     help="SQL file applied after the migrations (a prototype of a core fix, e.g. "
-                         "a CREATE OR REPLACE FUNCTION of bi.put_results_v1)")
+                         "a CREATE OR REPLACE FUNCTION of bi.put_results_v2)")
     a = ap.parse_args(argv)
     emit(run(a.records, a.shard_size, a.workers, tuple(int(x) for x in a.flush.split(",")), a.repeats,
              tuple(a.patch)))

@@ -16,8 +16,8 @@ CREATE TABLE IF NOT EXISTS chaos.lease_log (
 );
 CREATE INDEX IF NOT EXISTS lease_log_shard ON chaos.lease_log (job_version, shard_no, epoch);
 -- The trigger fires inside the ledger's own UPDATE, which holds the shard
--- row lock that every fenced write takes first (put_results_v1 and
--- fail_records_v2 lock the row FOR UPDATE). So an epoch's end is logged
+-- row lock that every fenced write takes first (put_results_v2 and
+-- fail_records_v3 lock the row FOR UPDATE). So an epoch's end is logged
 -- strictly after every write that epoch got in, and strictly before any
 -- write it refused: comparing results.created_at with these times is exact.
 CREATE OR REPLACE FUNCTION chaos.log_lease() RETURNS trigger

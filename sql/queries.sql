@@ -227,30 +227,30 @@ SELECT sr.record_id
 -- name: claim_shard  a pending or expired shard; lost_leases > 0 means run it carefully (0006)
 SELECT * FROM bi.claim_shard_v2(%(job)s, %(owner)s, %(transport)s, %(lease_s)s);
 
--- name: renew_lease
-SELECT * FROM bi.renew_lease_v1(%(job)s, %(shard)s, %(epoch)s, %(owner)s, %(lease_s)s);
+-- name: renew_lease  extend the lease, read the job's mode (fenced calls answer one row; stale is true once our epoch ended)
+SELECT * FROM bi.renew_lease_v2(%(job)s, %(shard)s, %(epoch)s, %(owner)s, %(lease_s)s);
 
 -- name: release_shard
-SELECT bi.release_shard_v1(%(job)s, %(shard)s, %(epoch)s, %(owner)s) AS ok;
+SELECT * FROM bi.release_shard_v2(%(job)s, %(shard)s, %(epoch)s, %(owner)s);
 
 -- name: complete_shard
-SELECT bi.complete_shard_v1(%(job)s, %(shard)s, %(epoch)s, %(owner)s) AS outcome;
+SELECT * FROM bi.complete_shard_v2(%(job)s, %(shard)s, %(epoch)s, %(owner)s);
 
 -- name: shard_records  records still to do, with failed attempts and crashes so far
 SELECT * FROM bi.shard_records_v2(%(job)s, %(shard)s, %(epoch)s);
 
 -- name: mark_in_flight  careful mode: the engine batch about to be generated
-SELECT bi.mark_in_flight_v1(%(job)s, %(shard)s, %(epoch)s, %(owner)s, %(ids)s::text[]) AS ok;
+SELECT * FROM bi.mark_in_flight_v2(%(job)s, %(shard)s, %(epoch)s, %(owner)s, %(ids)s::text[]);
 
 -- name: abandon_shard  the engine broke: give the shard back, counted as a lost lease
-SELECT bi.abandon_shard_v1(%(job)s, %(shard)s, %(epoch)s, %(owner)s) AS ok;
+SELECT * FROM bi.abandon_shard_v2(%(job)s, %(shard)s, %(epoch)s, %(owner)s);
 
 -- name: put_results
-SELECT bi.put_results_v1(%(job)s, %(shard)s, %(epoch)s, %(owner)s, %(transport)s,
-                         %(ids)b::text[], %(outputs)b::text[]::jsonb[], %(categories)b::text[]) AS n;
+SELECT * FROM bi.put_results_v2(%(job)s, %(shard)s, %(epoch)s, %(owner)s, %(transport)s,
+                                %(ids)b::text[], %(outputs)b::text[]::jsonb[], %(categories)b::text[]);
 
 -- name: fail_records  one failed attempt per record, the attempt numbers make a retried call count once
-SELECT * FROM bi.fail_records_v2(%(job)s, %(shard)s, %(epoch)s, %(owner)s, %(transport)s,
+SELECT * FROM bi.fail_records_v3(%(job)s, %(shard)s, %(epoch)s, %(owner)s, %(transport)s,
                                  %(ids)s::text[], %(errors)s::text[], %(outputs)s::text[],
                                  %(attempt_nos)s::integer[]);
 

@@ -93,43 +93,46 @@ class Ledger:
         return Lease(self.job_version, r["shard_no"], r["epoch"], r["lease_expires_at"], r["records"],
                      self.owner, self.transport, r["lost_leases"])
 
+    def _fenced(self, statement: str, lease: Lease, **extra: Any) -> dict[str, Any] | None:
+        """Run one fenced transition. Each answers one row; ``stale`` is true
+        (and the call changed nothing) when our epoch has ended: None then."""
+        r = self.conn.execute(q(statement), self._args(lease, **extra)).fetchone()
+        return None if r["stale"] else r
+
+    def _held(self, what: str, statement: str, lease: Lease, **extra: Any) -> dict[str, Any]:
+        r = self._fenced(statement, lease, **extra)
+        if r is None:
+            raise StaleLease(f"{what} refused: shard {lease.shard_no} epoch {lease.epoch} is stale")
+        return r
+
     def renew(self, lease: Lease) -> str:
         """Extend the lease; returns the job's mode ('batch' or 'fallback')."""
-        r = self.conn.execute(q("renew_lease"), self._args(lease, lease_s=self.lease_seconds)).fetchone()
-        if not r or not r["ok"]:
-            raise StaleLease(f"renew refused: shard {lease.shard_no} epoch {lease.epoch} is stale")
-        return r["mode"]
+        return self._held("renew", "renew_lease", lease, lease_s=self.lease_seconds)["mode"]
 
     def release(self, lease: Lease) -> bool:
-        r = self.conn.execute(q("release_shard"), self._args(lease)).fetchone()
-        return bool(r and r["ok"])
+        """Give the shard back at once; False when our epoch had already ended."""
+        return self._fenced("release_shard", lease) is not None
 
     def complete(self, lease: Lease) -> str:
         """'done', or 'incomplete' (records left: release instead). Stale raises."""
-        r = self.conn.execute(q("complete_shard"), self._args(lease)).fetchone()
-        outcome = r["outcome"] if r else "stale"
-        if outcome == "stale":
-            raise StaleLease(f"complete refused: shard {lease.shard_no} epoch {lease.epoch} is stale")
-        return outcome
+        return "done" if self._held("complete", "complete_shard", lease)["done"] else "incomplete"
 
     def records(self, lease: Lease) -> list[dict[str, Any]]:
         """The shard's records not yet stored or dead-lettered, with failed
-        attempts and crashes (deaths with the record in flight) so far."""
+        attempts and crashes (deaths with the record in flight) so far. Empty
+        for a stale epoch: a stale holder reads nothing."""
         return self.conn.execute(q("shard_records"), self._args(lease)).fetchall()
 
     def mark_in_flight(self, lease: Lease, ids: Sequence[str]) -> None:
         """Careful mode: ``ids`` are the engine batch about to be generated. If
         this epoch ends without a release, each of them left without a result
         gets a crash (sql/schema/ledger.sql, bi.record_deaths_v1)."""
-        r = self.conn.execute(q("mark_in_flight"), self._args(lease, ids=list(ids))).fetchone()
-        if not r or not r["ok"]:
-            raise StaleLease(f"in-flight mark refused: shard {lease.shard_no} epoch {lease.epoch} is stale")
+        self._held("in-flight mark", "mark_in_flight", lease, ids=list(ids))
 
     def abandon(self, lease: Lease) -> bool:
         """Give the shard back at once because the engine broke: a release that
         counts as a lost lease, with crashes for the in-flight batch."""
-        r = self.conn.execute(q("abandon_shard"), self._args(lease)).fetchone()
-        return bool(r and r["ok"])
+        return self._fenced("abandon_shard", lease) is not None
 
     def put_results(self, lease: Lease, ids: Sequence[str], outputs: Sequence[dict[str, Any] | str],
                     categories: Sequence[str | None]) -> int:
@@ -137,27 +140,20 @@ class Ledger:
         object, or JSON text jsonb accepts (``outputs.check_for_storage``)."""
         if not ids:
             return 0
-        r = self.conn.execute(q("put_results"), self._args(
-            lease, ids=list(ids),
-            outputs=[o if isinstance(o, str) else json.dumps(o, ensure_ascii=False) for o in outputs],
-            categories=list(categories))).fetchone()
-        n = r["n"] if r else -1
-        if n < 0:
-            raise StaleLease(f"results refused: shard {lease.shard_no} epoch {lease.epoch} is stale")
-        return n
+        return self._held("results", "put_results", lease, ids=list(ids),
+                          outputs=[o if isinstance(o, str) else json.dumps(o, ensure_ascii=False) for o in outputs],
+                          categories=list(categories))["n"]
 
     def fail(self, lease: Lease, failures: Sequence[Failure]) -> list[FailedAttempt]:
         """Count one failed attempt per record; returns the counts (dead at the
         max). Safe to repeat when every failure carries its ``attempt``."""
         if not failures:
             return []
-        rows = self.conn.execute(q("fail_records"), self._args(
-            lease, ids=[f.record_id for f in failures], errors=[storable_text(f.error) for f in failures],
-            outputs=[storable_text(f.raw_output) for f in failures],
-            attempt_nos=[f.attempt for f in failures])).fetchall()
-        if len(rows) == 1 and rows[0]["record_id"] is None and rows[0]["attempts"] == -1:
-            raise StaleLease(f"failures refused: shard {lease.shard_no} epoch {lease.epoch} is stale")
-        return [FailedAttempt(r["record_id"], r["attempts"], r["dead"]) for r in rows]
+        r = self._held("failures", "fail_records", lease, ids=[f.record_id for f in failures],
+                       errors=[storable_text(f.error) for f in failures],
+                       outputs=[storable_text(f.raw_output) for f in failures],
+                       attempt_nos=[f.attempt for f in failures])
+        return [FailedAttempt(*row) for row in zip(r["record_ids"], r["attempts"], r["dead"])]
 
     def done_keys(self, job_version: str, shard_no: int) -> set[str]:
         return {r["record_id"] for r in self.conn.execute(q("done_keys"), {"job": job_version, "shard": shard_no})}

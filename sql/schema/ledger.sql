@@ -3,8 +3,9 @@
 -- The guard of each transition (state, lease epoch) sits in the statement that
 -- changes state, never in a read-then-write in Python. The lease guard is
 -- written once, bi.holds_lease_v1, which the planner inlines into each of those
--- statements. A write from a stale epoch is refused and recorded in
--- bi.fence_events. Worker-facing functions are SECURITY DEFINER with a pinned
+-- statements. A call from a stale epoch is refused and recorded in
+-- bi.fence_events, and every fenced transition reports it the same way: one
+-- row whose first column, stale, is true (the rest NULL). Worker-facing functions are SECURITY DEFINER with a pinned
 -- search_path so the worker role needs EXECUTE only, and each checks first
 -- that the authenticated role may work on the job version
 -- (bi.assert_may_work_on_v1, roles.sql). Names carry a version suffix: a
@@ -117,7 +118,7 @@ END $$;
 -- engine) are dead-lettered too (I4). A shard whose lease ended without a
 -- release or a completion (taken over after it expired, swept, or abandoned)
 -- counts a lost lease; its next holders run it carefully: the worker marks
--- each engine batch in flight before generating it (bi.mark_in_flight_v1),
+-- each engine batch in flight before generating it (bi.mark_in_flight_v2),
 -- and when such an epoch ends without a release, every record of its last
 -- marked batch left without an outcome gets one more crash. At the job's
 -- max_attempts crashes it is dead-lettered. Crashes and failed attempts are
@@ -226,51 +227,46 @@ END $$;
 
 -- Renew: only the holder of the current epoch. Returns the job's mode so a
 -- batch worker learns within one renewal interval that the cutoff fired.
-CREATE OR REPLACE FUNCTION bi.renew_lease_v1(p_job text, p_shard integer, p_epoch bigint, p_worker text,
-                                            p_lease_seconds integer DEFAULT NULL)
-RETURNS TABLE (ok boolean, mode text, lease_expires_at timestamptz)
+CREATE OR REPLACE FUNCTION bi.renew_lease_v2(p_job text, p_shard integer, p_epoch bigint, p_worker text,
+                                            p_lease_seconds integer DEFAULT NULL,
+                                            OUT stale boolean, OUT mode text, OUT lease_expires_at timestamptz)
 LANGUAGE plpgsql SECURITY DEFINER SET search_path = pg_catalog, pg_temp AS $$
 #variable_conflict use_column
-DECLARE
-    v_expires timestamptz;
-    v_mode text;
 BEGIN
     PERFORM bi.assert_may_work_on_v1(p_job);
-    SELECT j.mode INTO v_mode FROM bi.jobs j WHERE j.job_version = p_job;
+    SELECT j.mode INTO mode FROM bi.jobs j WHERE j.job_version = p_job;
     UPDATE bi.shards s
        SET lease_expires_at = clock_timestamp() + make_interval(secs =>
                coalesce(p_lease_seconds, (SELECT (j.spec ->> 'lease_seconds')::integer
                                           FROM bi.jobs j WHERE j.job_version = p_job)))
      WHERE s.job_version = p_job AND s.shard_no = p_shard AND bi.holds_lease_v1(s, p_epoch)
-    RETURNING s.lease_expires_at INTO v_expires;
-    IF NOT FOUND THEN
+    RETURNING s.lease_expires_at INTO lease_expires_at;
+    stale := NOT FOUND;
+    IF stale THEN
         PERFORM bi.record_fence_v1(p_job, p_shard, 'renew', p_epoch, p_worker);
-        RETURN QUERY SELECT false, v_mode, NULL::timestamptz;
-        RETURN;
+        mode := NULL;
     END IF;
-    RETURN QUERY SELECT true, v_mode, v_expires;
 END $$;
 
 -- Release (the preemption notice): the shard is pending again at once.
-CREATE OR REPLACE FUNCTION bi.release_shard_v1(p_job text, p_shard integer, p_epoch bigint, p_worker text)
-RETURNS boolean
+CREATE OR REPLACE FUNCTION bi.release_shard_v2(p_job text, p_shard integer, p_epoch bigint, p_worker text,
+                                             OUT stale boolean)
 LANGUAGE plpgsql SECURITY DEFINER SET search_path = pg_catalog, pg_temp AS $$
 BEGIN
     PERFORM bi.assert_may_work_on_v1(p_job);
     UPDATE bi.shards s
        SET state = 'pending', lease_owner = NULL, lease_transport = NULL, lease_expires_at = NULL
      WHERE s.job_version = p_job AND s.shard_no = p_shard AND bi.holds_lease_v1(s, p_epoch);
-    IF NOT FOUND THEN
+    stale := NOT FOUND;
+    IF stale THEN
         PERFORM bi.record_fence_v1(p_job, p_shard, 'release', p_epoch, p_worker);
-        RETURN false;
     END IF;
-    RETURN true;
 END $$;
 
 -- Complete: only the current epoch, and only when every record of the shard
--- is stored or dead-lettered. Returns 'done', 'stale' or 'incomplete'.
-CREATE OR REPLACE FUNCTION bi.complete_shard_v1(p_job text, p_shard integer, p_epoch bigint, p_worker text)
-RETURNS text
+-- is stored or dead-lettered. done is false while records are left.
+CREATE OR REPLACE FUNCTION bi.complete_shard_v2(p_job text, p_shard integer, p_epoch bigint, p_worker text,
+                                              OUT stale boolean, OUT done boolean)
 LANGUAGE plpgsql SECURITY DEFINER SET search_path = pg_catalog, pg_temp AS $$
 BEGIN
     PERFORM bi.assert_may_work_on_v1(p_job);
@@ -278,16 +274,19 @@ BEGIN
        SET state = 'done', lease_owner = NULL, lease_expires_at = NULL, done_at = clock_timestamp()
      WHERE s.job_version = p_job AND s.shard_no = p_shard AND bi.holds_lease_v1(s, p_epoch)
        AND s.stored + s.dead >= s.records;
-    IF FOUND THEN
-        RETURN 'done';
+    done := FOUND;
+    stale := false;
+    IF done THEN
+        RETURN;
     END IF;
     -- Not a guard, only the reason for the refusal.
     IF EXISTS (SELECT 1 FROM bi.shards s WHERE s.job_version = p_job AND s.shard_no = p_shard
                                           AND bi.holds_lease_v1(s, p_epoch)) THEN
-        RETURN 'incomplete';
+        RETURN;
     END IF;
     PERFORM bi.record_fence_v1(p_job, p_shard, 'complete', p_epoch, p_worker);
-    RETURN 'stale';
+    stale := true;
+    done := NULL;
 END $$;
 
 -- The records of a leased shard still to do, with each one's failed attempts
@@ -317,29 +316,26 @@ BEGIN
 END $$;
 
 -- Careful mode: the ids of the engine batch about to be generated. One
--- statement per batch; the current epoch only. false (and a fence event)
--- when the epoch is stale.
-CREATE OR REPLACE FUNCTION bi.mark_in_flight_v1(p_job text, p_shard integer, p_epoch bigint, p_worker text,
-                                               p_ids text[])
-RETURNS boolean
+-- statement per batch; the current epoch only.
+CREATE OR REPLACE FUNCTION bi.mark_in_flight_v2(p_job text, p_shard integer, p_epoch bigint, p_worker text,
+                                               p_ids text[], OUT stale boolean)
 LANGUAGE plpgsql SECURITY DEFINER SET search_path = pg_catalog, pg_temp AS $$
 BEGIN
     PERFORM bi.assert_may_work_on_v1(p_job);
     UPDATE bi.shards s
        SET in_flight = p_ids
      WHERE s.job_version = p_job AND s.shard_no = p_shard AND bi.holds_lease_v1(s, p_epoch);
-    IF NOT FOUND THEN
+    stale := NOT FOUND;
+    IF stale THEN
         PERFORM bi.record_fence_v1(p_job, p_shard, 'mark_in_flight', p_epoch, p_worker);
-        RETURN false;
     END IF;
-    RETURN true;
 END $$;
 
 -- The engine broke mid-shard (an exception, not a death): give the shard back
 -- at once like a release, but count it as a lost lease with the deaths of its
 -- in-flight batch, so an engine that fails on one record cannot loop either.
-CREATE OR REPLACE FUNCTION bi.abandon_shard_v1(p_job text, p_shard integer, p_epoch bigint, p_worker text)
-RETURNS boolean
+CREATE OR REPLACE FUNCTION bi.abandon_shard_v2(p_job text, p_shard integer, p_epoch bigint, p_worker text,
+                                             OUT stale boolean)
 LANGUAGE plpgsql SECURITY DEFINER SET search_path = pg_catalog, pg_temp AS $$
 DECLARE
     v_ids text[];
@@ -352,7 +348,8 @@ BEGIN
        FOR UPDATE;
     IF NOT FOUND THEN
         PERFORM bi.record_fence_v1(p_job, p_shard, 'abandon', p_epoch, p_worker);
-        RETURN false;
+        stale := true;
+        RETURN;
     END IF;
     UPDATE bi.shards s
        SET state = 'pending', lease_owner = NULL, lease_transport = NULL, lease_expires_at = NULL,
@@ -361,7 +358,7 @@ BEGIN
     IF v_ids IS NOT NULL THEN
         PERFORM bi.record_deaths_v1(p_job, p_shard, p_epoch, v_transport, v_ids);
     END IF;
-    RETURN true;
+    stale := false;
 END $$;
 
 -- Put-if-absent results for one shard under the current epoch. The shard row
@@ -369,13 +366,12 @@ END $$;
 -- this batch to commit, and a batch from a stale epoch writes nothing. While
 -- the lock is held no record of the shard can be dead-lettered, so with the
 -- shard's dead counter at 0 the per-record dead-letter probe is skipped.
--- Returns the number of new rows, or -1 when the epoch is stale.
-CREATE OR REPLACE FUNCTION bi.put_results_v1(p_job text, p_shard integer, p_epoch bigint, p_worker text,
-                                            p_transport text, p_ids text[], p_outputs jsonb[], p_categories text[])
-RETURNS integer
+-- n is the number of new rows.
+CREATE OR REPLACE FUNCTION bi.put_results_v2(p_job text, p_shard integer, p_epoch bigint, p_worker text,
+                                            p_transport text, p_ids text[], p_outputs jsonb[], p_categories text[],
+                                            OUT stale boolean, OUT n integer)
 LANGUAGE plpgsql SECURITY DEFINER SET search_path = pg_catalog, pg_temp AS $$
 DECLARE
-    n integer;
     v_dead bigint;
 BEGIN
     PERFORM bi.assert_may_work_on_v1(p_job);
@@ -384,7 +380,8 @@ BEGIN
        FOR UPDATE;
     IF NOT FOUND THEN
         PERFORM bi.record_fence_v1(p_job, p_shard, 'put_results', p_epoch, p_worker);
-        RETURN -1;
+        stale := true;
+        RETURN;
     END IF;
     INSERT INTO bi.results (job_version, record_id, output, category, model_name, model_digest,
                             prompt_version, transport, worker_id, epoch, acl, content_hash)
@@ -403,7 +400,7 @@ BEGIN
        SET stored = s.stored + n,
            stored_fallback = s.stored_fallback + CASE WHEN p_transport = 'fallback' THEN n ELSE 0 END
      WHERE s.job_version = p_job AND s.shard_no = p_shard;
-    RETURN n;
+    stale := false;
 END $$;
 
 -- Count one failed attempt per record; at the job's max_attempts the record
@@ -412,13 +409,14 @@ END $$;
 -- p_ids[i]: a record whose count already reached it (the same call, retried
 -- after its reply was lost) is not counted again; NULL counts
 -- unconditionally. Returns, for every given record of the shard without a
--- result, its count and whether it is dead-lettered; a stale epoch returns
--- the single row (NULL, -1, false). Records that got an outcome leave the
--- shard's in-flight batch.
-CREATE OR REPLACE FUNCTION bi.fail_records_v2(p_job text, p_shard integer, p_epoch bigint, p_worker text,
+-- result (parallel arrays in record id order), its count and whether it is
+-- dead-lettered. Records that got an outcome leave the shard's in-flight
+-- batch.
+CREATE OR REPLACE FUNCTION bi.fail_records_v3(p_job text, p_shard integer, p_epoch bigint, p_worker text,
                                              p_transport text, p_ids text[], p_errors text[], p_outputs text[],
-                                             p_attempt_nos integer[])
-RETURNS TABLE (record_id text, attempts integer, dead boolean)
+                                             p_attempt_nos integer[],
+                                             OUT stale boolean, OUT record_ids text[], OUT attempts integer[],
+                                             OUT dead boolean[])
 LANGUAGE plpgsql SECURITY DEFINER SET search_path = pg_catalog, pg_temp AS $$
 #variable_conflict use_column
 DECLARE
@@ -431,7 +429,7 @@ BEGIN
        FOR UPDATE;
     IF NOT FOUND THEN
         PERFORM bi.record_fence_v1(p_job, p_shard, 'fail_records', p_epoch, p_worker);
-        RETURN QUERY SELECT NULL::text, -1, false;
+        stale := true;
         RETURN;
     END IF;
     SELECT (j.spec ->> 'max_attempts')::integer INTO v_max FROM bi.jobs j WHERE j.job_version = p_job;
@@ -475,9 +473,13 @@ BEGIN
        SET in_flight = ARRAY(SELECT x FROM unnest(s.in_flight) AS x WHERE x <> ALL (p_ids))
      WHERE s.job_version = p_job AND s.shard_no = p_shard AND s.in_flight IS NOT NULL;
 
-    RETURN QUERY
-    SELECT a.record_id, a.attempts,
-           EXISTS (SELECT 1 FROM bi.dead_letters d WHERE d.job_version = p_job AND d.record_id = a.record_id)
+    stale := false;
+    SELECT coalesce(array_agg(a.record_id ORDER BY a.record_id), '{}'),
+           coalesce(array_agg(a.attempts ORDER BY a.record_id), '{}'),
+           coalesce(array_agg(EXISTS (SELECT 1 FROM bi.dead_letters d
+                                       WHERE d.job_version = p_job AND d.record_id = a.record_id)
+                              ORDER BY a.record_id), '{}')
+      INTO record_ids, attempts, dead
       FROM bi.attempts a
       JOIN bi.snapshot_rows sr ON sr.job_version = a.job_version AND sr.record_id = a.record_id
      WHERE a.job_version = p_job AND a.record_id = ANY (p_ids) AND sr.shard_no = p_shard

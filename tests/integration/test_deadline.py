@@ -50,7 +50,7 @@ def store(conn, job: str, shard: int, k: int, transport: str = "batch") -> None:
                                        "owner": "test", "transport": transport, "ids": ids,
                                        "outputs": ['{"category": "bug", "summary": "x"}'] * len(ids),
                                        "categories": ["bug"] * len(ids)})
-    conn.execute("SELECT bi.release_shard_v1(%s, %s, %s, 'test')", (job, lease["shard_no"], lease["epoch"]))
+    conn.execute("SELECT bi.release_shard_v2(%s, %s, %s, 'test')", (job, lease["shard_no"], lease["epoch"]))
 
 
 def cfg(job: str, deadline: datetime, **kw: Any) -> watchlib.WatchConfig:
@@ -220,7 +220,7 @@ def test_fallback_run_records_the_drain_from_batch_lease_ends(conn, db_url):
             r = conn.execute(db.q("fallback_run_insert"), params).fetchone()
             assert r["drain_s"] is None          # a batch worker still holds a lease: the drain is not over
             raise RuntimeError("probe")
-    conn.execute("SELECT bi.release_shard_v1(%s, %s, %s, 'batch-w')", (job, lease["shard_no"], lease["epoch"]))
+    conn.execute("SELECT bi.release_shard_v2(%s, %s, %s, 'batch-w')", (job, lease["shard_no"], lease["epoch"]))
     ended = conn.execute("SELECT batch_lease_ended_at FROM bi.shards WHERE job_version = %s AND shard_no = %s",
                          (job, lease["shard_no"])).fetchone()["batch_lease_ended_at"]
     assert ended is not None and ended >= j["fallback_at"]

@@ -121,7 +121,7 @@ def test_pool_rate_limit_spans_the_pool_and_the_run_is_measured(conn, db_url, en
     make_source(conn, tickets(60))
     job = submit(conn, make_spec(shard_size=10)).job_version    # 6 shards: several held at once
     store_some = conn.execute("SELECT * FROM bi.claim_shard_v2(%s, 'batch-w', 'batch', 60)", (job,)).fetchone()
-    conn.execute("SELECT bi.release_shard_v1(%s, %s, %s, 'batch-w')", (job, store_some["shard_no"], store_some["epoch"]))
+    conn.execute("SELECT bi.release_shard_v2(%s, %s, %s, 'batch-w')", (job, store_some["shard_no"], store_some["epoch"]))
     rate = 20.0
     r = run_fallback(db_url, job, endpoint.base_url, rate=rate, concurrency=8, parallel_shards=4)
     assert r.entered_fallback and mode_of(conn, job) == "fallback"

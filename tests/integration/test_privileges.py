@@ -29,8 +29,8 @@ OUT = {"category": "billing", "summary": "charged twice"}
 # batch_inference/ledger.py, status.job_spec/job_mode/job_counts), plus the
 # read-only "may I?" check.
 WORKER_FUNCTIONS = {
-    "claim_shard_v2", "renew_lease_v1", "release_shard_v1", "complete_shard_v1", "shard_records_v2",
-    "mark_in_flight_v1", "abandon_shard_v1", "put_results_v1", "fail_records_v2", "halt_job_v1",
+    "claim_shard_v2", "renew_lease_v2", "release_shard_v2", "complete_shard_v2", "shard_records_v2",
+    "mark_in_flight_v2", "abandon_shard_v2", "put_results_v2", "fail_records_v3", "halt_job_v1",
     "job_spec_v2", "job_counts_v1", "may_work_on_v1",
 }
 

@@ -162,6 +162,24 @@ def test_the_fence_is_inlined_into_the_statements_that_change_state(conn):
     assert "holds_lease_v1" not in plan and "(s.state = 'leased'::text) AND (s.epoch = '1'::bigint)" in plan
 
 
+
+def test_every_fenced_transition_reports_a_stale_epoch_in_one_shape(conn):
+    """Each function that records a fence event answers one row whose first column is ``stale boolean``."""
+    rows = conn.execute("""
+        SELECT p.proname, p.proretset,
+               (SELECT array_agg(n ORDER BY i) FROM unnest(p.proargnames, p.proargmodes) WITH ORDINALITY AS a(n, m, i)
+                 WHERE m IN ('o', 'b')) AS outs,
+               (SELECT format_type(t, NULL) FROM unnest(p.proallargtypes, p.proargmodes) AS a(t, m)
+                 WHERE m IN ('o', 'b') LIMIT 1) AS first_type
+          FROM pg_proc p JOIN pg_namespace n ON n.oid = p.pronamespace
+         WHERE n.nspname = 'bi' AND p.prosrc LIKE '%%bi.record_fence_v1(%%'
+         ORDER BY 1""").fetchall()
+    names = [r["proname"] for r in rows]
+    assert {"renew_lease_v2", "release_shard_v2", "complete_shard_v2", "mark_in_flight_v2", "abandon_shard_v2",
+            "put_results_v2", "fail_records_v3"} <= set(names), names
+    for r in rows:
+        assert not r["proretset"] and r["outs"] and r["outs"][0] == "stale" and r["first_type"] == "boolean", r
+
 def test_no_migration_or_schema_comment_tells_history():
     """Comments say what the code does now; history lives in git, measurements in docs/."""
     words = ("until now", "issue ", " ms)", "no longer", "used to ")

@@ -132,7 +132,7 @@ def test_a_record_that_kills_the_worker_is_dead_lettered_and_the_job_finishes(co
 
 def test_an_engine_that_raises_on_one_record_does_not_loop_either(conn, db_url, tmp_path):
     """A lost device that raises (rather than killing the process) gives the
-    shard back at once, counted like a death (bi.abandon_shard_v1)."""
+    shard back at once, counted like a death (bi.abandon_shard_v2)."""
     make_source(conn, tickets(30))
     job = submit(conn, make_spec(max_attempts=3)).job_version
     cfg = WorkerConfig(job_version=job, db_url=db_url, engine="tests.process.test_crash_poison:CrashingEngine",
