@@ -370,10 +370,6 @@ def static_file(name: str) -> Response:
 api = APIRouter(prefix="/api", dependencies=[Depends(requires_authenticated())])
 
 
-def _unknown(exc: UnknownJob) -> HTTPException:
-    return HTTPException(status.HTTP_404_NOT_FOUND, str(exc.args[0] if exc.args else exc))
-
-
 Offset = Annotated[int, Query(ge=0, le=MAX_OFFSET)]
 
 
@@ -387,53 +383,35 @@ def api_jobs(conn: Ledger, who: Annotated[Reader, Depends(reader)], dataset: str
 
 @api.get("/jobs/{job_version}")
 def api_job(job_version: str, conn: Ledger, who: JobReader) -> dict[str, Any]:
-    try:
-        return data.job(conn, job_version, role=who.role)
-    except UnknownJob as exc:
-        raise _unknown(exc) from None
+    return data.job(conn, job_version, role=who.role)
 
 
 @api.get("/jobs/{job_version}/progress")
 def api_progress(job_version: str, conn: Ledger, _who: JobReader) -> dict[str, Any]:
-    try:
-        return data.progress(conn, job_version)
-    except UnknownJob as exc:
-        raise _unknown(exc) from None
+    return data.progress(conn, job_version)
 
 
 @api.get("/jobs/{job_version}/shards")
 def api_shards(job_version: str, conn: Ledger, _who: JobReader,
                limit: Annotated[int, Query(ge=1, le=5000)] = 500, offset: Offset = 0) -> dict[str, Any]:
-    try:
-        return data.shards(conn, job_version, limit, offset)
-    except UnknownJob as exc:
-        raise _unknown(exc) from None
+    return data.shards(conn, job_version, limit, offset)
 
 
 @api.get("/jobs/{job_version}/dead-letters")
 def api_dead_letters(job_version: str, conn: Ledger, who: JobReader,
                      limit: Annotated[int, Query(ge=1, le=1000)] = 100, offset: Offset = 0) -> dict[str, Any]:
     """The dead letters the user's reader role may read (row-level security), and how many it may not."""
-    try:
-        return data.dead_letters(conn, job_version, limit, offset, role=who.role)
-    except UnknownJob as exc:
-        raise _unknown(exc) from None
+    return data.dead_letters(conn, job_version, limit, offset, role=who.role)
 
 
 @api.get("/jobs/{job_version}/cost")
 def api_cost(job_version: str, conn: Ledger, _who: JobReader) -> dict[str, Any]:
-    try:
-        return data.cost(conn, job_version)
-    except UnknownJob as exc:
-        raise _unknown(exc) from None
+    return data.cost(conn, job_version)
 
 
 @api.get("/jobs/{job_version}/drift")
 def api_drift(job_version: str, conn: Ledger, _who: JobReader) -> dict[str, Any]:
-    try:
-        return data.drift(conn, job_version)
-    except UnknownJob as exc:
-        raise _unknown(exc) from None
+    return data.drift(conn, job_version)
 
 
 @api.get("/datasets/{dataset}/history")
@@ -560,6 +538,12 @@ def api_run_job(dag_id: str, run_id: str) -> dict[str, Any]:
 
 
 app.include_router(api)
+
+
+@app.exception_handler(UnknownJob)
+def _unknown_job(_request: Request, exc: UnknownJob) -> Response:
+    """A job version the ledger does not have: 404 with its one line, from any route."""
+    return JSONResponse({"detail": str(exc.args[0] if exc.args else exc)}, status_code=status.HTTP_404_NOT_FOUND)
 
 
 @app.exception_handler(psycopg.DataError)
