@@ -380,13 +380,9 @@ SELECT r.record_id, r.output::text AS output
 -- name: category_counts  rows per category of one version (drift, when its report lacks them)
 SELECT category, count(*) AS n FROM bi.results WHERE job_version = %(job)s GROUP BY category;
 
--- name: validate_sample  a seeded random sample of stored results with their input text (order-independent)
-SELECT r.record_id, s.text, r.output::text AS output
-  FROM (SELECT record_id FROM bi.results WHERE job_version = %(job)s
-         ORDER BY hashtextextended(record_id, %(seed)s), record_id LIMIT %(n)s) pick
-  JOIN bi.results r ON r.job_version = %(job)s AND r.record_id = pick.record_id
-  JOIN bi.snapshot_rows s ON s.job_version = %(job)s AND s.record_id = pick.record_id
- ORDER BY r.record_id;
+-- name: validate_sample  the stored review sample (review_sample_store picks it) with its input text
+SELECT record_id, text, output::text AS output FROM bi.review_sample WHERE job_version = %(job)s
+ ORDER BY record_id LIMIT %(n)s;
 
 -- name: record_validation  store the report; status validated or failed_validation (guarded: every shard done)
 SELECT bi.record_validation_v1(%(job)s, %(report)s, %(passed)s) AS status;

@@ -86,6 +86,10 @@ class PublishRefused(BatchInferenceError, ValueError):
     """A guard refused the publish or rollback; the message is one line."""
 
 
+class ReviewRefused(BatchInferenceError, ValueError):
+    """A review could not be recorded: a bad verdict, or a record outside the version's review sample."""
+
+
 class PointerMoved(PublishRefused):
     """The dataset's pointer is not at the version the caller expected; nothing was changed.
 

@@ -175,6 +175,78 @@ class Cost(_Strict):
     fallback_per_row: float = Field(default=0.00725, ge=0, le=1_000)
 
 
+class GoldenSet(_Strict):
+    """Records with expected outputs: a table of (id, text, expected) rows (batch_inference.evaluation)."""
+
+    table: str = Field(description="schema.table holding the golden records")
+    id_column: str = "id"
+    text_column: str = "text"
+    expected_column: str = Field(default="expected", description="the expected output: a JSON object (jsonb or "
+                                 "JSON text) with some or all of the output's top-level fields")
+    run: Literal["auto", "join", "engine"] = Field(
+        default="auto", description="join: grade the job's own results (every golden record is in its snapshot "
+        "with the same text); engine: run the job's engine over the golden records under a companion job "
+        "version; auto: join when it can, else engine")
+
+    _table = field_validator("table")(Source._table_ident.__func__)
+    _cols = field_validator("id_column", "text_column", "expected_column")(Source._col_ident.__func__)
+
+
+class FieldGrader(_Strict):
+    grader: Literal["exact", "normalized", "similarity"] = Field(
+        description="exact: equal values; normalized: equal after case folding and collapsing punctuation and "
+        "white space; similarity: normalized texts at least min_similarity alike (difflib ratio)")
+    min_similarity: float = Field(default=0.8, ge=0.0, le=1.0)
+
+
+class Judge(_Strict):
+    """A second engine that grades a sample of the outputs with a rubric; its verdicts are a companion job."""
+
+    model: Model
+    engine: Engine
+    rubric: str = Field(min_length=1, max_length=MAX_TEXT, description="the judge's system prompt: what a right "
+                        "answer is; it answers {verdict: right|wrong, reason}")
+    params: Params = Field(default_factory=lambda: Params(max_tokens=96))
+    cost: Cost = Field(default_factory=Cost, description="the judge engine's price per row (batch_inference.cost)")
+    sample_size: int = Field(default=20, ge=1, le=100_000, description="rows of the review sample it grades")
+    min_agreement: float | None = Field(default=None, ge=0.0, le=1.0,
+                                        description="gate: the share of graded rows the judge calls right")
+
+
+class Review(_Strict):
+    """The human sign-off on the review sample, checked at publish (bi.review_gate_problem_v1)."""
+
+    min_reviewed: int = Field(default=0, ge=0, le=100_000, description="sample rows a person must have reviewed")
+    min_right: float = Field(default=0.0, ge=0.0, le=1.0, description="share of reviewed rows marked right")
+
+
+class Evaluation(_Strict):
+    """Correctness gates (batch_inference.evaluation). None of it changes results, so none of it joins the
+    job version: the golden run and the judge are companion job versions with versions of their own."""
+
+    golden: GoldenSet | None = None
+    graders: dict[str, FieldGrader] = Field(default_factory=dict, description="per output field; default: exact "
+                                            "for enums, numbers and booleans, normalized for other strings")
+    min_accuracy: dict[str, float] = Field(default_factory=dict, description="gate: per output field, the least "
+                                           "share of golden records graded right")
+    judge: Judge | None = None
+    review: Review = Field(default_factory=Review)
+
+    @field_validator("min_accuracy")
+    @classmethod
+    def _shares(cls, v: dict[str, float]) -> dict[str, float]:
+        for name, share in v.items():
+            if not 0.0 <= share <= 1.0:
+                raise ValueError(f"{name}: an accuracy is a share between 0 and 1, not {share}")
+        return v
+
+    @model_validator(mode="after")
+    def _needs_golden(self) -> "Evaluation":
+        if self.min_accuracy and self.golden is None:
+            raise ValueError("min_accuracy needs a golden set (evaluation.golden)")
+        return self
+
+
 class Fallback(_Strict):
     rate: float = Field(default=85.0, gt=0, le=1_000_000, description="sustained requests/s of the synchronous pool")
     overhead_s: float = Field(default=1800.0, ge=0, le=MAX_LEASE_SECONDS,
@@ -215,6 +287,7 @@ class JobSpec(_Strict):
     validation: Validation = Field(default_factory=Validation)
     cost: Cost = Field(default_factory=Cost)
     fallback: Fallback = Field(default_factory=Fallback)
+    evaluation: Evaluation = Field(default_factory=Evaluation)
 
     @field_validator("dataset")
     @classmethod
@@ -248,6 +321,18 @@ class JobSpec(_Strict):
     def _renew_below_lease(self) -> "JobSpec":
         if self.renew_seconds >= self.lease_seconds:
             raise ValueError("renew_seconds must be shorter than lease_seconds")
+        return self
+
+    @model_validator(mode="after")
+    def _evaluation_fields(self) -> "JobSpec":
+        props = self.output_schema.get("properties") or {}
+        ev = self.evaluation
+        for name in [*ev.min_accuracy, *ev.graders]:
+            if name not in props:
+                raise ValueError(f"evaluation: {name!r} is not a top-level property of output_schema")
+        if ev.review.min_reviewed > self.validation.sample_size:
+            raise ValueError(f"evaluation.review.min_reviewed ({ev.review.min_reviewed}) is more than the review "
+                             f"sample holds (validation.sample_size {self.validation.sample_size})")
         return self
 
     # -- identity ---------------------------------------------------------

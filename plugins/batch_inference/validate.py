@@ -1,6 +1,6 @@
 """The validator: may this job version be published?
 
-Run when no shard is left. Five checks, each a line in ``failures`` when it
+Run when no shard is left. Six checks, each a line in ``failures`` when it
 fails:
 
 * coverage: every snapshot record has exactly one of a result or a dead
@@ -13,7 +13,11 @@ fails:
 * drift: the category distribution against the version the dataset publishes
   now (total variation distance under ``spec.validation.max_drift``,
   ``batch_inference.drift``);
-* a seeded random sample is exported as JSONL for the evaluation suite.
+* a seeded random sample is stored for review (``bi.review_sample``) and
+  exported as JSONL;
+* evaluation (``batch_inference.evaluation``): accuracy per field on the
+  spec's golden set, the judge's agreement on the sample, and the state of
+  the human review, which ``bi.publish_v1`` checks at publish.
 
 The report is stored in ``bi.jobs.validation`` and the status becomes
 ``validated`` or ``failed_validation`` (guarded in SQL, ``bi.record_validation_v1``).
@@ -47,6 +51,7 @@ from psycopg.types.json import Jsonb
 from batch_inference import db
 from batch_inference import drift as drifts
 from batch_inference.db import q
+from batch_inference.evaluation import evaluate
 from batch_inference.exceptions import NotReady
 from batch_inference.outputs import check_output
 from batch_inference.schema_sql import output_predicate
@@ -123,6 +128,11 @@ def validate(conn: psycopg.Connection, job_version: str, *, sample_dir: str | Pa
         sample = _sample(conn, spec, job_version, path)
         timings["sample_s"] = time.perf_counter() - t
 
+    # After the sample is stored: the judge grades rows of it.
+    t = time.perf_counter()
+    evaluation = evaluate(conn, spec, job_version, job["dataset"], failures)
+    timings["evaluation_s"] = time.perf_counter() - t
+
     snapshot = coverage["snapshot"]
     rate = coverage["dead_letters"] / snapshot if snapshot else 0.0
     gate = spec.validation.max_dead_letter_rate
@@ -142,6 +152,7 @@ def validate(conn: psycopg.Connection, job_version: str, *, sample_dir: str | Pa
         categories=categories,
         drift=drift,
         sample=sample,
+        evaluation=evaluation,
         failures=failures,
         notes=notes,
         validated_at=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
@@ -253,7 +264,8 @@ def _sample(conn: psycopg.Connection, spec: JobSpec, job: str, path: Path) -> di
     out = {"path": None, "rows": 0, "seed": spec.validation.sample_seed, "size": n}
     if n <= 0:
         return out
-    rows = conn.execute(q("validate_sample"), {"job": job, "seed": spec.validation.sample_seed, "n": n}).fetchall()
+    conn.execute(q("review_sample_store"), {"job": job, "seed": spec.validation.sample_seed, "n": n})
+    rows = conn.execute(q("validate_sample"), {"job": job, "n": n}).fetchall()
     write_jsonl(path, ({"record_id": r["record_id"], "text": r["text"], "output": json.loads(r["output"])}
                        for r in rows))
     out.update(path=str(path), rows=len(rows))

@@ -1,9 +1,10 @@
 -- core: the schemas, the two group roles and the bookkeeping tables.
 --
 -- sql/schema/ is the current definition of the ledger, one file per area,
--- applied in name order: core, ledger (the state transitions), publish (the
--- published views, publish and rollback, readers' row-level security), roles
--- (who may call what). sql/migrations/ holds the numbered steps that build
+-- applied in name order: core, evaluation (the review sample and the
+-- reviews), ledger (the state transitions), publish (the published views,
+-- publish and rollback, readers' row-level security), roles (who may call
+-- what). sql/migrations/ holds the numbered steps that build
 -- the same database from an empty one; tests/test_schema.py compares the two.
 --
 -- Everything lives in schema bi. Per-record tables (snapshot rows, results,

@@ -121,6 +121,25 @@ GRANT SELECT ON bi.results, bi.dead_letters, bi.publish_pointer, bi.dataset_acl,
     bi.published_views TO bi_reader;
 GRANT EXECUTE ON FUNCTION bi.current_principals(), bi.null_acl_readable_jobs_v1() TO bi_reader;
 
+-- The review sample (evaluation.sql) follows the dead letters' rule: a
+-- reviewer reads it before the version is published, as its reader role.
+ALTER TABLE bi.review_sample ENABLE ROW LEVEL SECURITY;
+DROP POLICY IF EXISTS review_sample_acl ON bi.review_sample;
+CREATE POLICY review_sample_acl ON bi.review_sample FOR SELECT TO bi_reader
+USING (
+    CASE WHEN acl IS NULL
+         THEN job_version = ANY ((SELECT bi.null_acl_readable_jobs_v1())::text[])
+         ELSE acl && (SELECT bi.current_principals())
+    END
+);
+-- A verdict's comment may quote the record: readable with the row it is on.
+ALTER TABLE bi.reviews ENABLE ROW LEVEL SECURITY;
+DROP POLICY IF EXISTS reviews_of_visible_rows ON bi.reviews;
+CREATE POLICY reviews_of_visible_rows ON bi.reviews FOR SELECT TO bi_reader
+USING (EXISTS (SELECT 1 FROM bi.review_sample s
+                WHERE s.job_version = reviews.job_version AND s.record_id = reviews.record_id));
+GRANT SELECT ON bi.review_sample, bi.reviews TO bi_reader;
+
 
 -- Store a validation report. Guard: every shard done and the version not
 -- dropped. A published version keeps its status (the pointer names it);
@@ -220,6 +239,8 @@ DECLARE
     v_id bigint;
     v_actor text := coalesce(nullif(btrim(p_actor), ''), current_user);
     v_reason text := nullif(btrim(p_reason), '');
+    v_review text;
+    v_forced boolean;
 BEGIN
     -- One publisher per dataset at a time, including the very first publish
     -- (no pointer row to lock yet).
@@ -255,9 +276,17 @@ BEGIN
                                  ELSE 'is ' || j.status || ', not validated' END
             USING ERRCODE = 'object_not_in_prerequisite_state';
     END IF;
+    -- The human review gate (evaluation.sql): reviews come after validation,
+    -- so it is checked here, in the switching transaction, not in the report.
+    v_review := bi.review_gate_problem_v1(p_job);
+    IF v_review IS NOT NULL AND NOT p_force THEN
+        RAISE EXCEPTION 'job version %: %; refused (publish --force --reason TEXT to override)', p_job, v_review
+            USING ERRCODE = 'object_not_in_prerequisite_state';
+    END IF;
     IF p_force AND v_reason IS NULL THEN
         RAISE EXCEPTION 'a forced publish needs a reason' USING ERRCODE = 'object_not_in_prerequisite_state';
     END IF;
+    v_forced := p_force AND (j.status <> 'validated' OR v_review IS NOT NULL);
 
     INSERT INTO bi.publish_pointer AS pp (dataset, job_version, switched_at, switched_by)
     VALUES (p_dataset, p_job, clock_timestamp(), v_actor)
@@ -268,9 +297,9 @@ BEGIN
     UPDATE bi.jobs jb SET status = bi.unpublished_status_v1(jb.validation)
      WHERE jb.job_version = v_from AND jb.status = 'published';
     INSERT INTO bi.publish_history (dataset, from_version, to_version, action, forced, reason, actor)
-    VALUES (p_dataset, v_from, p_job, 'publish', p_force AND j.status <> 'validated', v_reason, v_actor)
+    VALUES (p_dataset, v_from, p_job, 'publish', v_forced, v_reason, v_actor)
     RETURNING id INTO v_id;
-    RETURN QUERY SELECT p_dataset, v_from, p_job, 'publish'::text, p_force AND j.status <> 'validated', true, v_id;
+    RETURN QUERY SELECT p_dataset, v_from, p_job, 'publish'::text, v_forced, true, v_id;
 END $$;
 
 

@@ -14,8 +14,9 @@ from batch_inference.commands import (
     fallback,
     jobs,
     publish,
+    review,
     validate,
     worker,
 )
 
-COMMANDS = (database, jobs, worker, capacity, cutoff, cost, validate, publish, chaos, fallback, demo)
+COMMANDS = (database, jobs, worker, capacity, cutoff, cost, validate, review, publish, chaos, fallback, demo)

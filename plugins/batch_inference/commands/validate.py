@@ -41,6 +41,16 @@ def run(args: argparse.Namespace) -> int:
             print(f"  drift: {d['distance']:.3f} against {d['against']} (gate {d['threshold']:.2f})")
         if report["sample"]["path"]:
             print(f"  sample: {report['sample']['rows']} rows in {report['sample']['path']}")
+        ev = report["evaluation"]
+        if ev["golden"]:
+            shown = ", ".join(f"{k} {v:.1%}" for k, v in ev["accuracy"].items() if v is not None)
+            print(f"  golden set: {ev['graded']} graded ({ev['golden']['mode']}): {shown or 'no accuracy'}")
+        if ev["judge"]:
+            j = ev["judge"]
+            agreement = "n/a" if j["agreement"] is None else f"{j['agreement']:.1%}"
+            print(f"  judge: {j['judged']} of {j['sample']} sample rows graded, {agreement} right, cost {j['cost']:.4f}")
+        if ev["review"]["problem"]:
+            print(f"  publish needs: {ev['review']['problem']}")
         for note in report["notes"]:
             print(f"  note: {note}")
         for failure in report["failures"]:

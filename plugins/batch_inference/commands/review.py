@@ -1,0 +1,70 @@
+"""``batch-inference review JOB_VERSION``: the review sample beside its
+verdicts and the gate's progress; with ``--record ID --verdict V`` it records
+one verdict (stored in the ledger with the reviewer's name)."""
+
+from __future__ import annotations
+
+import argparse
+import getpass
+from typing import Any
+
+from batch_inference.commands.common import connect, db_arg, print_json, printable
+
+EXCERPT = 100   # characters of input text and output shown per row
+
+
+def register(sub: Any) -> None:
+    p = sub.add_parser("review", help="show a validated version's review sample, or record a verdict on one row",
+                       description=__doc__.splitlines()[0])
+    p.add_argument("job_version")
+    p.add_argument("--record", metavar="ID", help="the sample row to give a verdict on")
+    p.add_argument("--verdict", choices=("right", "wrong", "unsure"), help="the verdict on --record")
+    p.add_argument("--comment", help="why (stored with the verdict)")
+    p.add_argument("--reviewer", help="who reviews (default: cli:<login name>)")
+    p.add_argument("--limit", type=int, default=1000, help="sample rows to show")
+    p.add_argument("--json", action="store_true")
+    db_arg(p)
+    p.set_defaults(func=run)
+
+
+def _excerpt(value: Any) -> str:
+    text = printable(" ".join(str(value).split()))
+    return text if len(text) <= EXCERPT else text[:EXCERPT - 1] + "\u2026"
+
+
+def run(args: argparse.Namespace) -> int:
+    from batch_inference import evaluation
+    from batch_inference.exceptions import InvalidValue, ReviewRefused
+    from batch_inference.status import job_counts
+
+    if (args.record is None) != (args.verdict is None):
+        raise InvalidValue("--record and --verdict go together")
+    if args.limit < 1:
+        raise InvalidValue(f"--limit must be at least 1, got {args.limit}")
+    with connect(args) as conn:
+        job_counts(conn, args.job_version)   # UnknownJob, one line, for a version that does not exist
+        recorded = None
+        if args.record is not None:
+            reviewer = args.reviewer or f"cli:{getpass.getuser()}"
+            if not reviewer.strip():
+                raise ReviewRefused("--reviewer must not be empty")
+            recorded = evaluation.record_review(conn, args.job_version, args.record, args.verdict,
+                                                reviewer=reviewer, comment=args.comment)
+        state = evaluation.review_state(conn, args.job_version)
+        rows = [] if recorded else evaluation.review_rows(conn, args.job_version, args.limit)
+    if args.json:
+        print_json({"job_version": args.job_version, "recorded": recorded, "review": state,
+                    "rows": [{k: v for k, v in r.items() if k != "acl"} for r in rows]})
+        return 0
+    if recorded:
+        print(f"{args.job_version}: {printable(recorded['record_id'])} marked {recorded['verdict']} by "
+              f"{printable(recorded['reviewer'])}")
+    gate = "met" if state["passed"] else printable(state["problem"])
+    print(f"{args.job_version}: {state['reviewed']} of {state['sampled']} sample rows reviewed "
+          f"({state['right']} right, {state['wrong']} wrong, {state['unsure']} unsure); gate: {gate}")
+    for r in rows:
+        print(f"  {printable(r['record_id'])}  [{r['verdict'] or '-'}]  {_excerpt(r['text'])}")
+        print(f"      -> {_excerpt(r['output'])}")
+    if not rows and not recorded and not state["sampled"]:
+        print("  no review sample yet: run `batch-inference validate` first")
+    return 0

@@ -1,0 +1,88 @@
+-- evaluation: the review sample of a job version and the human verdicts on it.
+--
+-- validate stores the seeded sample here (bi.review_sample, the rows the
+-- evaluation suite and reviewers look at, input text beside output); a
+-- reviewer's verdict on a row is one row of bi.reviews, replaced when the row
+-- is reviewed again, with who said it. The review gate (the spec's
+-- evaluation.review) is computed by bi.review_gate_problem_v1 and checked by
+-- bi.publish_v1 in the statement that switches the pointer. Readers see the
+-- sample through row-level security (publish.sql), as they see dead letters.
+-- Both tables go with their job version (ON DELETE CASCADE from bi.jobs).
+
+CREATE TABLE IF NOT EXISTS bi.review_sample (
+    job_version text NOT NULL REFERENCES bi.jobs (job_version) ON DELETE CASCADE,
+    record_id   text NOT NULL,
+    text        text NOT NULL,
+    output      jsonb NOT NULL,
+    acl         text[],
+    PRIMARY KEY (job_version, record_id)
+);
+
+CREATE TABLE IF NOT EXISTS bi.reviews (
+    job_version text NOT NULL,
+    record_id   text NOT NULL,
+    verdict     text NOT NULL CHECK (verdict IN ('right', 'wrong', 'unsure')),
+    comment     text,
+    reviewer    text NOT NULL,          -- 'airflow:NAME' from the dashboard, 'cli:NAME' from the command
+    reviewed_at timestamptz NOT NULL DEFAULT clock_timestamp(),
+    PRIMARY KEY (job_version, record_id),
+    FOREIGN KEY (job_version, record_id) REFERENCES bi.review_sample (job_version, record_id) ON DELETE CASCADE
+);
+
+-- Record (or replace) one verdict. Guard: the record is in the version's
+-- review sample, in the same statement; when it is not, nothing is written
+-- and no_data_found is raised. Owner only.
+CREATE OR REPLACE FUNCTION bi.record_review_v1(p_job text, p_record text, p_verdict text, p_comment text,
+                                              p_reviewer text)
+RETURNS TABLE (job_version text, record_id text, verdict text, reviewer text, reviewed_at timestamptz)
+LANGUAGE plpgsql SET search_path = pg_catalog, pg_temp AS $$
+#variable_conflict use_column
+BEGIN
+    IF nullif(btrim(p_reviewer), '') IS NULL THEN
+        RAISE EXCEPTION 'a review needs the reviewer''s name' USING ERRCODE = 'invalid_parameter_value';
+    END IF;
+    RETURN QUERY
+    INSERT INTO bi.reviews AS r (job_version, record_id, verdict, comment, reviewer)
+    SELECT s.job_version, s.record_id, p_verdict, nullif(btrim(p_comment), ''), p_reviewer
+      FROM bi.review_sample s WHERE s.job_version = p_job AND s.record_id = p_record
+    ON CONFLICT ON CONSTRAINT reviews_pkey DO UPDATE
+       SET verdict = excluded.verdict, comment = excluded.comment, reviewer = excluded.reviewer,
+           reviewed_at = clock_timestamp()
+    RETURNING r.job_version, r.record_id, r.verdict, r.reviewer, r.reviewed_at;
+    IF NOT FOUND THEN
+        RAISE EXCEPTION 'record % is not in the review sample of job version % (validate it first)', p_record, p_job
+            USING ERRCODE = 'no_data_found';
+    END IF;
+END $$;
+
+-- The review state of a version against its spec's evaluation.review gate.
+CREATE OR REPLACE FUNCTION bi.review_state_v1(p_job text)
+RETURNS TABLE (required integer, min_right double precision, sampled bigint, reviewed bigint, right_n bigint,
+               wrong_n bigint, unsure_n bigint)
+LANGUAGE sql STABLE SET search_path = pg_catalog, pg_temp AS $$
+    SELECT coalesce((j.spec #>> '{evaluation,review,min_reviewed}')::integer, 0),
+           coalesce((j.spec #>> '{evaluation,review,min_right}')::double precision, 0),
+           (SELECT count(*) FROM bi.review_sample s WHERE s.job_version = p_job),
+           count(r.verdict),
+           count(*) FILTER (WHERE r.verdict = 'right'),
+           count(*) FILTER (WHERE r.verdict = 'wrong'),
+           count(*) FILTER (WHERE r.verdict = 'unsure')
+      FROM bi.jobs j LEFT JOIN bi.reviews r ON r.job_version = j.job_version
+     WHERE j.job_version = p_job
+     GROUP BY j.spec;
+$$;
+
+-- Why the version's review gate is not met, one line, or NULL when it is (or
+-- the spec asks for no review). Unsure verdicts count as reviewed, not right.
+CREATE OR REPLACE FUNCTION bi.review_gate_problem_v1(p_job text) RETURNS text
+LANGUAGE sql STABLE SET search_path = pg_catalog, pg_temp AS $$
+    SELECT CASE
+        WHEN st.required = 0 AND st.min_right = 0 THEN NULL
+        WHEN st.reviewed < greatest(st.required, 1)
+            THEN format('review: %s of %s required sample rows reviewed', st.reviewed, greatest(st.required, 1))
+        WHEN st.right_n::double precision / st.reviewed < st.min_right
+            THEN format('review: %s of %s reviewed rows marked right (%s%%), under the gate of %s%%', st.right_n,
+                        st.reviewed, round(100.0 * st.right_n / st.reviewed, 1), round(100 * st.min_right::numeric, 1))
+    END
+      FROM bi.review_state_v1(p_job) st;
+$$;
