@@ -149,6 +149,7 @@ class Worker:
         self.spec: JobSpec | None = None
         self.engine: Engine | None = None
         self.current: _Shard | None = None
+        self.transport = cfg.transport
         self.stats = {"shards": 0, "stored": 0, "failed": 0, "dead": 0, "stale": 0}
 
     # -- connections ------------------------------------------------------
@@ -242,7 +243,9 @@ class Worker:
             raise Fatal(f"fatal: engine {name!r} could not load: {exc}", ExitCode.CONFIG) from None
         log.info("%s: engine %s loaded in %.2fs for %s (model %s, prompt %s)", self.owner, name,
                  time.perf_counter() - t0, cfg.job_version, spec.model.name, spec.prompt.version)
-        self.ledger = Ledger(self.conn, cfg.job_version, self.owner, cfg.transport, cfg.lease_seconds)
+        # A batch worker's transport is its engine's ('hosted_batch' for the hosted batch engines).
+        self.transport = cfg.transport if cfg.transport == "fallback" else self.engine.transport
+        self.ledger = Ledger(self.conn, cfg.job_version, self.owner, self.transport, cfg.lease_seconds)
         self._install_signals()
 
         while not self.stop.is_set():
@@ -264,7 +267,7 @@ class Worker:
         """No shard to claim: wait while others hold leases that may still expire."""
         assert self.conn is not None
         mode, status = self._db(job_mode, self.conn, self.cfg.job_version)
-        if status != "running" or (mode == "fallback" and self.cfg.transport == "batch"):
+        if status != "running" or (mode == "fallback" and self.transport != "fallback"):
             log.info("%s: job is %s/%s; nothing for this worker", self.owner, status, mode)
             return False
         counts = self._db(job_counts, self.conn, self.cfg.job_version)
@@ -296,7 +299,7 @@ class Worker:
         if shard is not None:
             try:
                 with self._connect() as conn:
-                    Ledger(conn, self.cfg.job_version, self.owner, self.cfg.transport).release(shard.lease)
+                    Ledger(conn, self.cfg.job_version, self.owner, self.transport).release(shard.lease)
                 log.warning("%s: grace period over; released shard %d", self.owner, shard.lease.shard_no)
             except Exception as exc:  # noqa: BLE001 - the lease will expire instead
                 log.error("%s: could not release shard on exit: %s", self.owner, exc)
@@ -312,7 +315,7 @@ class Worker:
                 try:
                     if conn is None:
                         conn = self._connect()
-                    mode = Ledger(conn, self.cfg.job_version, self.owner, self.cfg.transport,
+                    mode = Ledger(conn, self.cfg.job_version, self.owner, self.transport,
                                   self.cfg.lease_seconds).renew(shard.lease)
                 except StaleLease as exc:
                     log.warning("%s: %s; abandoning the shard", self.owner, exc)
@@ -325,7 +328,7 @@ class Worker:
                         conn.close()
                     conn = None
                     continue
-                if mode == "fallback" and self.cfg.transport == "batch" and not shard.drain.is_set():
+                if mode == "fallback" and self.transport != "fallback" and not shard.drain.is_set():
                     log.warning("%s: cutoff fired: draining shard %d (in-flight records, then release)",
                                 self.owner, shard.lease.shard_no)
                     shard.drain.set()
@@ -344,7 +347,9 @@ class Worker:
                                    name=f"renew-{lease.shard_no}")
         renewer.start()
         try:
+            self.engine.begin_shard(self.ledger, lease, shard.drain)
             outcome = self._work(shard)
+            self.engine.end_shard(lease)
         except StaleLease as exc:
             self._drop_stale(lease, exc)
             outcome = "stale"
@@ -439,7 +444,7 @@ class Worker:
         """The whole list at once normally. On a careful shard: each suspect
         alone first (the next death then names the culprit), the rest in
         batches of ``careful_batch`` (a death implicates only one batch)."""
-        if not lease.careful:
+        if not lease.careful or self.engine.whole_shard:
             return [todo]
         n = max(1, self.cfg.careful_batch)
         rest = [rid for rid in todo if rid not in suspects]

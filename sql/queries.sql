@@ -301,7 +301,7 @@ VALUES (%(job)s, %(stored)s, %(dead_letters)s, %(outstanding)s, %(latest_safe_st
 -- drain_s: to the latest batch lease end of the job's shards (0 if none after the firing); NULL while one is left
 INSERT INTO bi.fallback_runs (job_version, dataset, started_at, finished_at, records, rate, overhead_s, busy_s, drain_s)
 SELECT %(job)s, %(dataset)s, %(started_at)s, %(finished_at)s, %(records)s, %(rate)s, %(overhead_s)s, %(busy_s)s,
-       CASE WHEN bool_or(s.state = 'leased' AND s.lease_transport = 'batch') THEN NULL
+       CASE WHEN bool_or(s.state = 'leased' AND s.lease_transport IN ('batch', 'hosted_batch')) THEN NULL
             ELSE extract(epoch FROM greatest(%(started_at)s, max(s.batch_lease_ended_at)) - %(started_at)s)::float8 END
   FROM bi.shards s WHERE s.job_version = %(job)s
 RETURNING id, drain_s;

@@ -1,8 +1,10 @@
 """What a night costs, split by transport.
 
 Every row of a job is billed once, by the transport that produced it: the
-batch path (cheap, slow, no deadline) or the synchronous fallback pool
-(about twice the price, fast enough to meet one). A night's bill is therefore
+batch path (cheap, slow, no deadline), a hosted batch API (half the
+synchronous price by default, or what the provider's reported usage comes
+to) or the synchronous fallback pool (about twice the price, fast enough to
+meet one). A night's bill is therefore
 two multiplications and a sum, and it is bounded above by the price of
 sending every row synchronously, whatever moment the cutoff fired at, as long
 as the batch price is not above the fallback price.
@@ -23,7 +25,8 @@ from batch_inference.exceptions import InvalidValue
 
 CENT = Decimal("0.01")
 
-# The seed workload's prices: $0.00725 a row synchronously, half that on batch.
+# The seed workload's prices: $0.00725 a row synchronously, half that on batch
+# (our own workers, or a hosted batch API).
 DEFAULT_FALLBACK_PER_ROW = Decimal("0.00725")
 DEFAULT_BATCH_PER_ROW = DEFAULT_FALLBACK_PER_ROW / 2
 
@@ -47,14 +50,34 @@ def cents(amount: Decimal) -> Decimal:
 
 @dataclass(frozen=True)
 class Prices:
-    """Per-row prices of the two transports, named as in the job spec's ``cost`` block."""
+    """Per-row prices of the transports, named as in the job spec's ``cost`` block.
+
+    ``hosted_batch_per_row`` None: half of ``fallback_per_row`` (a hosted batch API's
+    discount on its synchronous price). The per-million-token prices, when set, price
+    hosted batch rows from the provider's reported usage instead."""
 
     batch_per_row: Decimal = DEFAULT_BATCH_PER_ROW
     fallback_per_row: Decimal = DEFAULT_FALLBACK_PER_ROW
+    hosted_batch_per_row: Decimal | None = None
+    hosted_batch_per_m_input_tokens: Decimal | None = None
+    hosted_batch_per_m_output_tokens: Decimal | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "batch_per_row", _money(self.batch_per_row))
         object.__setattr__(self, "fallback_per_row", _money(self.fallback_per_row))
+        hosted = self.fallback_per_row / 2 if self.hosted_batch_per_row is None else self.hosted_batch_per_row
+        object.__setattr__(self, "hosted_batch_per_row", _money(hosted))
+        for name in ("hosted_batch_per_m_input_tokens", "hosted_batch_per_m_output_tokens"):
+            if getattr(self, name) is not None:
+                object.__setattr__(self, name, _money(getattr(self, name)))
+
+    def hosted_usage_cost(self, input_tokens: int | None, output_tokens: int | None) -> Decimal | None:
+        """What the provider's reported usage costs, or None without token prices or usage."""
+        if self.hosted_batch_per_m_input_tokens is None or self.hosted_batch_per_m_output_tokens is None \
+                or input_tokens is None or output_tokens is None:
+            return None
+        return (int(input_tokens) * self.hosted_batch_per_m_input_tokens
+                + int(output_tokens) * self.hosted_batch_per_m_output_tokens) / 1_000_000
 
     @classmethod
     def from_spec(cls, spec: Any) -> "Prices":
@@ -68,10 +91,14 @@ class Prices:
         return cls(
             batch_per_row=get("batch_per_row", DEFAULT_BATCH_PER_ROW),
             fallback_per_row=get("fallback_per_row", DEFAULT_FALLBACK_PER_ROW),
+            hosted_batch_per_row=get("hosted_batch_per_row", None),
+            hosted_batch_per_m_input_tokens=get("hosted_batch_per_m_input_tokens", None),
+            hosted_batch_per_m_output_tokens=get("hosted_batch_per_m_output_tokens", None),
         )
 
     def to_dict(self) -> dict[str, float]:
-        return {"batch_per_row": float(self.batch_per_row), "fallback_per_row": float(self.fallback_per_row)}
+        return {"batch_per_row": float(self.batch_per_row), "fallback_per_row": float(self.fallback_per_row),
+                "hosted_batch_per_row": float(self.hosted_batch_per_row)}
 
 
 DEFAULT_PRICES = Prices()
@@ -83,11 +110,12 @@ def _rows(n: int, name: str) -> int:
     return int(n)
 
 
-def night_cost(batch_rows: int, fallback_rows: int, prices: Prices = DEFAULT_PRICES) -> Decimal:
+def night_cost(batch_rows: int, fallback_rows: int, prices: Prices = DEFAULT_PRICES, hosted_rows: int = 0) -> Decimal:
     """The bill for one night: each row at the price of the transport that produced it."""
     b = _rows(batch_rows, "batch_rows")
     f = _rows(fallback_rows, "fallback_rows")
-    return b * prices.batch_per_row + f * prices.fallback_per_row
+    h = _rows(hosted_rows, "hosted_rows")
+    return b * prices.batch_per_row + h * prices.hosted_batch_per_row + f * prices.fallback_per_row
 
 
 def all_synchronous_ceiling(rows: int, prices: Prices = DEFAULT_PRICES) -> Decimal:
@@ -117,6 +145,8 @@ class CostReport:
     all_synchronous_ceiling: Decimal
     clean_batch_floor: Decimal
     prices: Prices
+    hosted_rows: int = 0
+    hosted_cost: Decimal = Decimal(0)
 
     @property
     def overage(self) -> Decimal:
@@ -130,7 +160,8 @@ class CostReport:
 
     @property
     def batch_fraction(self) -> float:
-        return self.batch_rows / self.total_rows if self.total_rows else 1.0
+        """Of the job's rows, those billed at a batch price (our workers' or a hosted API's)."""
+        return (self.batch_rows + self.hosted_rows) / self.total_rows if self.total_rows else 1.0
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -140,6 +171,8 @@ class CostReport:
             "batch_fraction": round(self.batch_fraction, 6),
             "batch_cost": float(cents(self.batch_cost)),
             "fallback_cost": float(cents(self.fallback_cost)),
+            "hosted_rows": self.hosted_rows,
+            "hosted_cost": float(cents(self.hosted_cost)),
             "total": float(cents(self.total)),
             "clean_batch_floor": float(cents(self.clean_batch_floor)),
             "all_synchronous_ceiling": float(cents(self.all_synchronous_ceiling)),
@@ -151,8 +184,10 @@ class CostReport:
     def lines(self) -> list[str]:
         return [
             f"batch     {self.batch_rows:>12,} rows  ${cents(self.batch_cost):>12,}",
+            *([f"hosted    {self.hosted_rows:>12,} rows  ${cents(self.hosted_cost):>12,}"] if self.hosted_rows else []),
             f"fallback  {self.fallback_rows:>12,} rows  ${cents(self.fallback_cost):>12,}",
-            f"night     {self.batch_rows + self.fallback_rows:>12,} rows  ${cents(self.total):>12,}",
+            f"night     {self.batch_rows + self.hosted_rows + self.fallback_rows:>12,} rows  "
+            f"${cents(self.total):>12,}",
             f"clean batch floor ${cents(self.clean_batch_floor):,}, "
             f"all-synchronous ceiling ${cents(self.all_synchronous_ceiling):,}, "
             f"overage ${cents(self.overage):,}, saved vs all-synchronous ${cents(self.savings):,}",
@@ -164,6 +199,8 @@ def cost_report(
     fallback_rows: int,
     prices: Prices = DEFAULT_PRICES,
     total_rows: int | None = None,
+    hosted_rows: int = 0,
+    hosted_cost: Decimal | None = None,
 ) -> CostReport:
     """The night's bill split by transport.
 
@@ -173,19 +210,23 @@ def cost_report(
     """
     b = _rows(batch_rows, "batch_rows")
     f = _rows(fallback_rows, "fallback_rows")
-    total = b + f if total_rows is None else _rows(total_rows, "total_rows")
-    if total < b + f:
-        raise InvalidValue(f"total_rows {total:,} is fewer than the {b + f:,} rows billed")
+    h = _rows(hosted_rows, "hosted_rows")
+    total = b + h + f if total_rows is None else _rows(total_rows, "total_rows")
+    if total < b + h + f:
+        raise InvalidValue(f"total_rows {total:,} is fewer than the {b + h + f:,} rows billed")
+    hosted = h * prices.hosted_batch_per_row if hosted_cost is None else _money(hosted_cost)
     return CostReport(
         batch_rows=b,
         fallback_rows=f,
         total_rows=total,
         batch_cost=b * prices.batch_per_row,
         fallback_cost=f * prices.fallback_per_row,
-        total=night_cost(b, f, prices),
+        total=b * prices.batch_per_row + hosted + f * prices.fallback_per_row,
         all_synchronous_ceiling=all_synchronous_ceiling(total, prices),
         clean_batch_floor=clean_batch_floor(total, prices),
         prices=prices,
+        hosted_rows=h,
+        hosted_cost=hosted,
     )
 
 

@@ -44,9 +44,9 @@ def sql_dir() -> Path:
 
 
 # The named statements, one file per reader: the package's own, the dashboard's
-# reads, the chaos harness's audit and the evaluation's. Names are unique
-# across the files.
-QUERY_FILES = ("queries.sql", "dashboard.sql", "chaos.sql", "evaluation.sql")
+# reads, the chaos harness's audit, the evaluation's and the hosted batch
+# transports'. Names are unique across the files.
+QUERY_FILES = ("queries.sql", "dashboard.sql", "chaos.sql", "evaluation.sql", "hosted.sql")
 
 
 def parse_queries(text: str) -> dict[str, str]:

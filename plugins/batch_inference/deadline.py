@@ -69,6 +69,7 @@ from batch_inference.cutoff import (
 )
 from batch_inference.exceptions import InvalidValue
 from batch_inference.spec import JobSpec
+from batch_inference.hosted.counts import with_hosted
 from batch_inference.status import JobCounts, UnknownJob, counts_from_row
 
 log = logging.getLogger("batch_inference.deadline")
@@ -129,8 +130,10 @@ async def _one(aconn: psycopg.AsyncConnection, name: str, params: dict[str, Any]
 async def poll_counts(aconn: psycopg.AsyncConnection, job_version: str) -> JobCounts:
     """The job's live counts from the shard table's counters (``bi.job_counts_v1``):
     :func:`batch_inference.status.job_counts` without blocking the loop. Raises
-    :class:`UnknownJob` for a missing job."""
-    return counts_from_row(job_version, await _one(aconn, "job_counts", {"job": job_version}))
+    :class:`UnknownJob` for a missing job. Outstanding leaves out what hosted batches in
+    flight have succeeded at the provider (``hosted.counts``)."""
+    counts = counts_from_row(job_version, await _one(aconn, "job_counts", {"job": job_version}))
+    return with_hosted(counts, await _one(aconn, "hosted_counts", {"job": job_version}))
 
 
 async def fallback_history(aconn: psycopg.AsyncConnection, dataset: str, n: int,

@@ -173,6 +173,11 @@ class Validation(_Strict):
 class Cost(_Strict):
     batch_per_row: float = Field(default=0.003625, ge=0, le=1_000)
     fallback_per_row: float = Field(default=0.00725, ge=0, le=1_000)
+    hosted_batch_per_row: float | None = Field(default=None, ge=0, le=1_000,
+                                               description="a hosted batch API's row; default half of fallback_per_row")
+    hosted_batch_per_m_input_tokens: float | None = Field(default=None, ge=0, le=1_000_000, description=(
+        "with the output price: hosted batch rows priced from the provider's reported usage"))
+    hosted_batch_per_m_output_tokens: float | None = Field(default=None, ge=0, le=1_000_000)
 
 
 class GoldenSet(_Strict):

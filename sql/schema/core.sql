@@ -111,10 +111,10 @@ CREATE TABLE IF NOT EXISTS bi.shards (
 );
 CREATE INDEX IF NOT EXISTS shards_claimable ON bi.shards (job_version, shard_no) WHERE state <> 'done';
 
--- Stamp the end of a batch lease: the row was leased by a batch worker and is
--- now not (released, completed, abandoned, swept, taken over after expiry, or
--- claimed by the fallback pool). A fallback run's drain time is measured from
--- these stamps.
+-- Stamp the end of a batch lease: the row was leased by a batch or hosted
+-- batch worker and is now not (released, completed, abandoned, swept, taken
+-- over after expiry, or claimed by the fallback pool). A fallback run's drain
+-- time is measured from these stamps.
 CREATE OR REPLACE FUNCTION bi.stamp_batch_lease_end_v1() RETURNS trigger
 LANGUAGE plpgsql SET search_path = pg_catalog, pg_temp AS $$
 BEGIN
@@ -125,8 +125,8 @@ END $$;
 DROP TRIGGER IF EXISTS shards_batch_lease_end ON bi.shards;
 CREATE TRIGGER shards_batch_lease_end BEFORE UPDATE OF state, lease_transport ON bi.shards
     FOR EACH ROW
-    WHEN (OLD.state = 'leased' AND OLD.lease_transport = 'batch'
-          AND (NEW.state <> 'leased' OR NEW.lease_transport IS DISTINCT FROM 'batch'))
+    WHEN (OLD.state = 'leased' AND OLD.lease_transport IN ('batch', 'hosted_batch')
+          AND (NEW.state <> 'leased' OR NEW.lease_transport IS DISTINCT FROM OLD.lease_transport))
     EXECUTE FUNCTION bi.stamp_batch_lease_end_v1();
 
 CREATE TABLE IF NOT EXISTS bi.results (
@@ -137,7 +137,7 @@ CREATE TABLE IF NOT EXISTS bi.results (
     model_name     text NOT NULL,
     model_digest   text NOT NULL,
     prompt_version text NOT NULL,
-    transport      text NOT NULL CHECK (transport IN ('batch', 'fallback', 'reused')),
+    transport      text NOT NULL CHECK (transport IN ('batch', 'hosted_batch', 'fallback', 'reused')),
     worker_id      text,
     epoch          bigint,
     acl            text[],
@@ -157,7 +157,7 @@ CREATE TABLE IF NOT EXISTS bi.dead_letters (
     model_name     text NOT NULL,
     model_digest   text NOT NULL,
     prompt_version text NOT NULL,
-    transport      text CHECK (transport IN ('batch', 'fallback')),
+    transport      text CHECK (transport IN ('batch', 'hosted_batch', 'fallback')),
     acl            text[],
     created_at     timestamptz NOT NULL DEFAULT clock_timestamp(),
     PRIMARY KEY (job_version, record_id)

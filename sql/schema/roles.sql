@@ -166,3 +166,12 @@ GRANT EXECUTE ON FUNCTION
     bi.job_counts_v1(text),
     bi.may_work_on_v1(text)
 TO bi_worker;
+
+-- The hosted batch transports (hosted.sql): a hosted worker records, confirms,
+-- polls and closes its provider batches under its lease.
+GRANT EXECUTE ON FUNCTION
+    bi.hosted_open_v1(text, integer, bigint, text, text, text[]),
+    bi.hosted_intents_v1(text, integer, bigint),
+    bi.hosted_update_v1(text, integer, bigint, text, integer, text, text, text, text[], text, integer[], boolean,
+                        boolean, bigint, bigint)
+TO bi_worker;

@@ -47,10 +47,11 @@ def register(sub: Any) -> None:
 def _from_job(args: argparse.Namespace) -> tuple[int, int, float | None, float | None]:
     """(done, outstanding, spec rate, spec overhead) from the database."""
     from batch_inference import db, status  # lazily: the calculator needs no database
+    from batch_inference.hosted.counts import hosted_row, with_hosted
 
     conn = db.connect(getattr(args, "db", None))
     try:
-        counts = status.job_counts(conn, args.job_version)
+        counts = with_hosted(status.job_counts(conn, args.job_version), hosted_row(conn, args.job_version))
         rate = overhead = None
         job_spec = getattr(status, "job_spec", None)
         spec = job_spec(conn, args.job_version) if job_spec else None

@@ -2,8 +2,10 @@
 
 ``load_engine(name, spec, options)`` returns an :class:`Engine`. Built-in
 names are ``llama-cpp`` (embedded CPU default), ``vllm`` (offline GPU),
-``openai`` (any OpenAI-compatible HTTP endpoint) and ``noop`` (benchmark and
-chaos engine, never a default). Anything else is a dotted path to an Engine
+``openai`` (any OpenAI-compatible HTTP endpoint), ``noop`` (benchmark and
+chaos engine, never a default) and the hosted batch transports
+``openai-batch``, ``anthropic-batch`` and ``bedrock-batch``
+(``batch_inference.hosted``). Anything else is a dotted path to an Engine
 subclass, ``package.module:ClassName`` or ``package.module.ClassName``,
 imported only from a module the deployment allows (``allowed_engine_modules``):
 the check comes before the import, so a refused module never runs.
@@ -32,6 +34,9 @@ BUILTIN_ENGINES: dict[str, str] = {
     "vllm": "batch_inference.engines.vllm:VllmEngine",
     "openai": "batch_inference.engines.openai:OpenAIEngine",
     "noop": "batch_inference.engines.noop:NoopEngine",
+    "openai-batch": "batch_inference.hosted.openai_batch:OpenAIBatchEngine",
+    "anthropic-batch": "batch_inference.hosted.anthropic_batch:AnthropicBatchEngine",
+    "bedrock-batch": "batch_inference.hosted.bedrock_batch:BedrockBatchEngine",
 }
 
 

@@ -78,6 +78,10 @@ class Engine(abc.ABC):
     result_options: ClassVar[frozenset[str]] = frozenset()
     refused_options: ClassVar[dict[str, str]] = {}   # option -> why it is refused
     result_defaults: ClassVar[dict[str, Any]] = {}   # a result option's value when the spec does not set it
+    # The ledger transport of a batch worker running this engine.
+    transport: ClassVar[str] = "batch"
+    # True: a careful (re-leased) shard is still sent as one request set, not in batches of careful_batch.
+    whole_shard: ClassVar[bool] = False
 
     def __init__(self, spec: JobSpec, options: dict[str, Any] | None = None):
         self.spec = spec
@@ -133,6 +137,13 @@ class Engine(abc.ABC):
     @abc.abstractmethod
     def generate(self, requests: Sequence[Request], stop: threading.Event) -> Iterator[Outcome]:
         """Yield one outcome per started record as it completes; see the module docstring."""
+
+    def begin_shard(self, ledger: Any, lease: Any, drain: threading.Event) -> None:
+        """The worker leased a shard (``ledger.Ledger``, ``ledger.Lease``); ``drain`` is set
+        when the cutoff fires. Engines that keep per-shard state at a provider use it."""
+
+    def end_shard(self, lease: Any) -> None:
+        """The worker stored every outcome of the shard's last ``generate``."""
 
     def close(self) -> None:
         """Release the model. Idempotent."""

@@ -102,6 +102,24 @@ def response_format(style: str, schema: dict[str, Any]) -> dict[str, Any]:
     raise InvalidValue(f"engine 'openai': response_format_style must be one of {', '.join(STYLES)}, got '{style}'")
 
 
+def chat_body(spec: Any, model: str, messages: list[dict[str, str]], fmt: dict[str, Any],
+              extra: dict[str, Any] | None = None) -> dict[str, Any]:
+    """One chat-completions request body: the spec's params, the output schema's response_format."""
+    p = spec.params
+    body: dict[str, Any] = {
+        "model": model,
+        "messages": messages,
+        "temperature": p.temperature,
+        "top_p": p.top_p,
+        "max_tokens": p.max_tokens,
+        "response_format": fmt,
+    }
+    if p.seed is not None:
+        body["seed"] = p.seed
+    body.update(extra or {})
+    return body
+
+
 def parse_retry_after(value: str | None, now: float | None = None) -> float | None:
     """Seconds to wait from a Retry-After header (delta-seconds or HTTP date), or None."""
     if not value:
@@ -208,19 +226,7 @@ class OpenAIEngine(Engine):
         self._headers = headers
 
     def body(self, req: Request) -> dict[str, Any]:
-        p = self.spec.params
-        body: dict[str, Any] = {
-            "model": self.model,
-            "messages": req.messages,
-            "temperature": p.temperature,
-            "top_p": p.top_p,
-            "max_tokens": p.max_tokens,
-            "response_format": self.response_format,
-        }
-        if p.seed is not None:
-            body["seed"] = p.seed
-        body.update(self.extra_body)
-        return body
+        return chat_body(self.spec, self.model, req.messages, self.response_format, self.extra_body)
 
     def _client(self):
         import httpx

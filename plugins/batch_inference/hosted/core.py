@@ -1,0 +1,359 @@
+"""The hosted batch transport: one provider batch per leased shard.
+
+A hosted batch engine is an :class:`~batch_inference.engines.base.Engine`
+run by the ordinary worker, so the worker leases the shard, renders its
+records (``prompting.build_messages``), renews the lease on its thread while
+the provider works, checks every output (``outputs.check_for_storage``) and
+writes it put-if-absent under the transport ``hosted_batch``. What the engine
+adds, in :meth:`HostedBatchEngine.generate`:
+
+1. **Intent.** Before the provider's create call it writes an intent row
+   (``bi.hosted_open_v1``: job version, shard, epoch, idempotency key). A
+   worker that re-leases the shard finds the open row: it re-attaches to the
+   batch the row names, or, when the earlier holder died between the create
+   call and the confirmation, asks the provider for the batch by the key
+   (:meth:`Provider.find`) before it would create one. A record is never in
+   two provider batches by our doing.
+2. **Poll.** Every ``poll_seconds`` it reads the batch and mirrors the
+   provider's request counts into the row (the cutoff's hosted term,
+   ``bi.hosted_counts_v1``).
+3. **Cancel and collect.** When the cutoff fires (the worker's ``drain``) it
+   asks the provider to cancel, keeps polling until the batch has settled, and
+   then collects every result the provider completed, of a cancelled or
+   expired batch too: they were paid for. A preemption notice or a stale lease
+   only stops watching: the batch goes on and the next holder re-attaches.
+4. **Reconcile.** Results become outcomes: a success is text for the worker's
+   checks; a request the provider refused as invalid is a failed attempt; a
+   provider-side server error, an expiry or a cancellation spends nothing and
+   leaves the record pending (for the next batch or the fallback). The row is
+   marked collected; once the worker has stored the outcomes (``end_shard``, or
+   the shard's next ``generate``) it is reconciled and the provider's input
+   and output files are deleted. A holder that dies before storing collects
+   the ended batch again: results are read again, never bought again.
+"""
+
+from __future__ import annotations
+
+import abc
+import logging
+import os
+import threading
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+from batch_inference.clearance import check_clearance
+from batch_inference.db import q
+from batch_inference.engines.base import TRUNCATED, Engine, Outcome, Request, one_line
+from batch_inference.exceptions import BatchInferenceError, InvalidValue
+from batch_inference.ledger import Lease, Ledger, StaleLease
+
+log = logging.getLogger("batch_inference.hosted")
+
+# Normalised kinds of one result line.
+SUCCEEDED, ERRORED, TRANSPORT, CANCELED, EXPIRED = "succeeded", "errored", "transport", "canceled", "expired"
+# Intent states still at the provider (sql/schema/hosted.sql).
+IN_FLIGHT = ("intent", "submitted")
+
+
+class HostedBatchError(BatchInferenceError, RuntimeError):
+    """The provider refused a whole batch (not one request)."""
+
+
+@dataclass(frozen=True)
+class BatchStatus:
+    """A provider batch as the transport sees it: the provider's own status word and its counts."""
+
+    status: str
+    ended: bool
+    total: int = 0
+    processing: int = 0
+    succeeded: int = 0
+    errored: int = 0
+    canceled: int = 0
+    expired: int = 0
+    input_tokens: int | None = None
+    output_tokens: int | None = None
+    failed: bool = False          # the whole batch failed (validation): nothing ran
+
+    def counts(self) -> list[int]:
+        return [self.total, self.processing, self.succeeded, self.errored, self.canceled, self.expired]
+
+
+@dataclass(frozen=True)
+class Item:
+    """One result line: ``custom_id`` and what became of the request."""
+
+    custom_id: str
+    kind: str
+    text: str | None = None
+    error: str | None = None
+    tokens_out: int = 0
+
+
+@dataclass(frozen=True)
+class Intent:
+    intent_no: int
+    idem_key: str
+    batch_id: str | None
+    state: str
+    record_ids: list[str]
+    reattached: bool
+    collected_epoch: int | None
+    input_ref: str | None = None
+
+
+class Provider(abc.ABC):
+    """One hosted batch API, through its official client."""
+
+    name: ClassVar[str]
+
+    def __init__(self, engine: "HostedBatchEngine"):
+        self.engine = engine
+
+    @abc.abstractmethod
+    def connect(self) -> None:
+        """Build the client (credentials read here)."""
+
+    def custom_id(self, record_id: str) -> str:
+        """The id a request carries at the provider (the record id, unless the API restricts it)."""
+        return record_id
+
+    @abc.abstractmethod
+    def submit(self, key: str, requests: Sequence[Request]) -> tuple[str, str | None]:
+        """Create the batch; returns (provider batch id, input reference)."""
+
+    @abc.abstractmethod
+    def find(self, key: str, custom_ids: Sequence[str], since: float) -> str | None:
+        """The batch an unconfirmed intent created, if the provider has it (created after ``since``)."""
+
+    @abc.abstractmethod
+    def status(self, batch_id: str) -> BatchStatus: ...
+
+    @abc.abstractmethod
+    def cancel(self, batch_id: str) -> None: ...
+
+    @abc.abstractmethod
+    def results(self, batch_id: str) -> Iterator[Item]:
+        """Every result line of an ended batch (output and error files alike)."""
+
+    def cleanup(self, batch_id: str, input_ref: str | None) -> None:
+        """Delete the provider's input and output files where the API allows it."""
+
+
+class HostedLedger:
+    """The fenced provider-batch calls (sql/hosted.sql), on the worker's own ledger connection."""
+
+    def __init__(self, ledger: Ledger):
+        self.ledger = ledger
+
+    def _call(self, name: str, lease: Lease, **params: Any) -> dict[str, Any]:
+        args = {"job": lease.job_version, "shard": lease.shard_no, "epoch": lease.epoch,
+                "owner": self.ledger.owner, **params}
+        r = self.ledger.conn.execute(q(name), args).fetchone()
+        if r is None or r["stale"]:
+            raise StaleLease(f"{name} refused: shard {lease.shard_no} epoch {lease.epoch} is stale")
+        return r
+
+    def open(self, lease: Lease, provider: str, ids: Sequence[str]) -> Intent:
+        r = self._call("hosted_open", lease, provider=provider, ids=list(ids))
+        return Intent(r["intent_no"], r["idem_key"], r["provider_batch_id"], r["state"], list(r["record_ids"]),
+                      bool(r["reattached"]), r["collected_epoch"])
+
+    def intents(self, lease: Lease) -> list[Intent]:
+        rows = self.ledger.conn.execute(q("hosted_intents"), {
+            "job": lease.job_version, "shard": lease.shard_no, "epoch": lease.epoch}).fetchall()
+        return [Intent(r["intent_no"], r["idem_key"], r["provider_batch_id"], r["state"], list(r["record_ids"]),
+                       True, r["collected_epoch"], r["input_ref"]) for r in rows]
+
+    def update(self, lease: Lease, intent_no: int, op: str, *, batch_id: str | None = None,
+               input_ref: str | None = None, ids: Sequence[str] | None = None, st: BatchStatus | None = None,
+               cancel: bool = False) -> str:
+        r = self._call("hosted_update", lease, intent=intent_no, op=op, batch_id=batch_id, input_ref=input_ref,
+                       ids=None if ids is None else list(ids), status=st.status if st else None,
+                       counts=st.counts() if st else None, ended=bool(st and st.ended), cancel=cancel,
+                       input_tokens=st.input_tokens if st and op == "collected" else None,
+                       output_tokens=st.output_tokens if st and op == "collected" else None)
+        return r["state"]
+
+
+class HostedBatchEngine(Engine):
+    """Base of the hosted batch engines; a subclass names its :class:`Provider`."""
+
+    transport = "hosted_batch"
+    whole_shard = True
+    provider_class: ClassVar[type[Provider]]
+    common_options = frozenset({"model", "api_key_env", "conn_id", "base_url", "poll_seconds", "cancel_poll_seconds",
+                                "cancel_timeout_s", "delete_files", "hosted", "timeout_s"})
+    result_options = frozenset({"model"})
+    default_base_url: ClassVar[str | None] = None
+
+    def __init__(self, spec, options=None):
+        super().__init__(spec, options)
+        self.model = str(self.option("model", spec.model.name))
+        self.base_url = self.option("base_url", self.default_base_url)
+        self.poll_seconds = float(self.option("poll_seconds", 60.0))
+        self.cancel_poll_seconds = float(self.option("cancel_poll_seconds", min(self.poll_seconds, 30.0)))
+        self.cancel_timeout_s = float(self.option("cancel_timeout_s", 3600.0))
+        self.timeout_s = float(self.option("timeout_s", 120.0))
+        self.delete_files = bool(self.option("delete_files", True))
+        if not (self.poll_seconds > 0 and self.cancel_poll_seconds > 0 and self.cancel_timeout_s > 0):
+            raise InvalidValue(f"engine '{self.name}': poll_seconds, cancel_poll_seconds and cancel_timeout_s "
+                               "must be positive")
+        # A hosted batch API is hosted unless the spec's endpoints say its host is internal
+        # (option hosted: false declares nothing, as for the fallback).
+        check_clearance(spec, self.clearance_url(), hosted=bool(self.option("hosted", True)), role=self.name)
+        self.provider = self.provider_class(self)
+        self._ledger: HostedLedger | None = None
+        self._lease: Lease | None = None
+        self._drain: threading.Event | None = None
+        self._connected = False
+
+    def result_default(self, key: str) -> Any:
+        return self.spec.model.name if key == "model" else None
+
+    def clearance_url(self) -> str | None:
+        return self.base_url
+
+    # -- credentials --------------------------------------------------------
+    def secret(self, what: str = "api key") -> str | None:
+        """The API key: from ``api_key_env`` (an environment variable's name), else the Airflow
+        connection ``conn_id``'s password (read only when named; the worker need not have Airflow)."""
+        env = self.option("api_key_env")
+        if env:
+            value = os.environ.get(str(env))
+            if not value:
+                raise InvalidValue(f"engine '{self.name}': environment variable '{env}' (option api_key_env) "
+                                   "is not set")
+            return value
+        conn = self.airflow_connection()
+        return conn.password if conn is not None else None
+
+    def airflow_connection(self) -> Any:
+        conn_id = self.option("conn_id")
+        if not conn_id:
+            return None
+        from airflow.sdk import BaseHook   # lazily: only a deployment that names a connection needs Airflow
+
+        return BaseHook.get_connection(str(conn_id))
+
+    # -- the worker's hooks -------------------------------------------------
+    def load(self) -> None:
+        self.provider.connect()
+        self._connected = True
+
+    def begin_shard(self, ledger: Any, lease: Any, drain: threading.Event) -> None:
+        self._ledger, self._lease, self._drain = HostedLedger(ledger), lease, drain
+
+    def end_shard(self, lease: Any) -> None:
+        self._close_collected()
+
+    def _close_collected(self) -> None:
+        """Provider batches whose results this epoch handed to the worker, which has stored them since:
+        reconciled, and their files deleted."""
+        hl, lease = self._require()
+        for it in hl.intents(lease):
+            if it.state == "ended" and it.collected_epoch == lease.epoch:
+                hl.update(lease, it.intent_no, "reconciled")
+                if self.delete_files and it.batch_id:
+                    try:
+                        self.provider.cleanup(it.batch_id, it.input_ref)
+                    except Exception as exc:  # noqa: BLE001 - the results are stored; the provider's retention applies
+                        log.warning("%s: could not delete the files of batch %s: %s", self.name, it.batch_id,
+                                    one_line(exc))
+
+    def _require(self) -> tuple[HostedLedger, Lease]:
+        if self._ledger is None or self._lease is None:
+            raise RuntimeError(f"engine '{self.name}': generate() called outside a leased shard")
+        return self._ledger, self._lease
+
+    # -- one shard's batch --------------------------------------------------
+    def generate(self, requests: Sequence[Request], stop: threading.Event) -> Iterator[Outcome]:
+        if not self._connected:
+            raise RuntimeError(f"engine '{self.name}': generate() called before load()")
+        hl, lease = self._require()
+        self._close_collected()
+        draining = self._drain if self._drain is not None else stop
+        by_id = {r.record_id: r for r in requests}
+        it = hl.open(lease, self.provider.name, list(by_id))
+        if it.reattached:
+            log.info("%s: shard %d: re-attaching to intent %d (%s, batch %s)", self.name, lease.shard_no,
+                     it.intent_no, it.state, it.batch_id or "not confirmed")
+        batch_id = it.batch_id
+        if batch_id is None and it.reattached:
+            batch_id = self.provider.find(it.idem_key, [self.provider.custom_id(r) for r in it.record_ids], 0.0)
+            if batch_id is not None:
+                log.warning("%s: shard %d: the earlier holder created batch %s but died before confirming it; "
+                            "re-attached by key %s", self.name, lease.shard_no, batch_id, it.idem_key)
+                hl.update(lease, it.intent_no, "confirm", batch_id=batch_id)
+        if batch_id is None:
+            if stop.is_set():
+                return
+            # What the shard still needs, of what the intent names: never a stored record again.
+            left = {r["record_id"] for r in hl.ledger.records(lease)}
+            ids = [rid for rid in it.record_ids if rid in left and rid in by_id]
+            if not ids:
+                hl.update(lease, it.intent_no, "abandoned")
+                return
+            batch_id, input_ref = self.provider.submit(it.idem_key, [by_id[rid] for rid in ids])
+            hl.update(lease, it.intent_no, "confirm", batch_id=batch_id, input_ref=input_ref, ids=ids)
+            it = Intent(it.intent_no, it.idem_key, batch_id, "submitted", ids, False, None)
+            log.info("%s: shard %d: submitted %d requests as batch %s", self.name, lease.shard_no, len(ids),
+                     batch_id)
+        st = self._watch(hl, lease, it.intent_no, batch_id, stop, draining)
+        if st is None:
+            return     # preempted or stale: the batch goes on; the next holder re-attaches
+        yield from self._collect(hl, lease, it, batch_id, st)
+
+    def _watch(self, hl: HostedLedger, lease: Lease, intent_no: int, batch_id: str, stop: threading.Event,
+               draining: threading.Event) -> BatchStatus | None:
+        """Poll until the batch ends; cancel it (and keep polling) once the cutoff fires."""
+        pause = threading.Event()      # never set: a plain wait that the halt does not cut short
+        cancel_at: float | None = None
+        while True:
+            st = self.provider.status(batch_id)
+            hl.update(lease, intent_no, "poll", st=st)
+            if st.ended:
+                if cancel_at is not None:
+                    log.info("%s: shard %d: batch %s settled %.1fs after the cancel (%s)", self.name,
+                             lease.shard_no, batch_id, time.monotonic() - cancel_at, st.status)
+                return st
+            if stop.is_set() and not draining.is_set():
+                return None
+            if draining.is_set() and cancel_at is None:
+                log.warning("%s: shard %d: cutoff fired: cancelling batch %s (%d of %d succeeded so far)",
+                            self.name, lease.shard_no, batch_id, st.succeeded, st.total)
+                self.provider.cancel(batch_id)
+                cancel_at = time.monotonic()
+                hl.update(lease, intent_no, "poll", cancel=True)
+            if cancel_at is not None:
+                if time.monotonic() - cancel_at > self.cancel_timeout_s:
+                    log.error("%s: shard %d: batch %s still not settled %.0fs after the cancel; leaving it",
+                              self.name, lease.shard_no, batch_id, self.cancel_timeout_s)
+                    return None
+                pause.wait(self.cancel_poll_seconds)
+            else:
+                stop.wait(self.poll_seconds)
+
+    def _collect(self, hl: HostedLedger, lease: Lease, it: Intent, batch_id: str,
+                 st: BatchStatus) -> Iterator[Outcome]:
+        ids = {self.provider.custom_id(rid): rid for rid in it.record_ids}
+        kinds: dict[str, int] = {}
+        if not st.failed:
+            for item in self.provider.results(batch_id):
+                rid = ids.get(item.custom_id)
+                if rid is None:
+                    log.warning("%s: batch %s answered an unknown custom_id %r; ignored", self.name, batch_id,
+                                item.custom_id[:80])
+                    continue
+                kinds[item.kind] = kinds.get(item.kind, 0) + 1
+                if item.kind == SUCCEEDED:
+                    yield Outcome(rid, item.text, error=TRUNCATED if item.error == TRUNCATED else None,
+                                  tokens_out=item.tokens_out)
+                elif item.kind == ERRORED:
+                    yield Outcome(rid, item.text, error=item.error or "the provider refused the request")
+                # transport errors, cancellations and expiries: no attempt spent, the record stays pending
+        hl.update(lease, it.intent_no, "collected", st=st)
+        log.info("%s: shard %d: batch %s %s: %s", self.name, lease.shard_no, batch_id, st.status,
+                 ", ".join(f"{n} {k}" for k, n in sorted(kinds.items())) or "no results")

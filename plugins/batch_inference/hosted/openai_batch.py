@@ -1,0 +1,167 @@
+"""``openai-batch``: OpenAI's Batch API (Files + Batches) through the official ``openai`` client.
+
+Any server that speaks the Batch API works through ``base_url``. The input
+is a JSONL file (purpose ``batch``) of chat-completions requests, one per
+record, ``custom_id`` the record id, built like the ``openai`` engine's
+requests (``engines.openai.chat_body``: the spec's params, the output schema
+as ``response_format``). The idempotency key travels in the batch's
+``metadata`` (``bi_key``), so a batch created by a holder that died before
+confirming it is found again by listing batches.
+
+Results: the output file holds the requests answered 200, the error file the
+rest: an HTTP 4xx body (the request's own fault, a failed attempt), a 5xx
+body, or no response with ``error.code`` ``batch_expired`` /
+``batch_cancelled`` (nothing spent: the record stays pending). After
+reconciliation the input, output and error files are deleted (Files API);
+the batch object itself cannot be deleted. Usage: the batch's ``usage``
+(input and output tokens) where the API reports it.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+from batch_inference.engines.base import TRUNCATED, Request, one_line
+from batch_inference.engines.openai import STYLES, chat_body, error_text, response_format
+from batch_inference.exceptions import InvalidValue
+from batch_inference.hosted.core import (
+    CANCELED, ERRORED, EXPIRED, SUCCEEDED, TRANSPORT, BatchStatus, HostedBatchEngine, HostedBatchError, Item,
+    Provider,
+)
+
+ENDED = frozenset({"completed", "failed", "expired", "cancelled"})
+KEY_FIELD = "bi_key"
+LIST_PAGE = 100
+
+
+class OpenAIBatches(Provider):
+    name = "openai"
+
+    def connect(self) -> None:
+        import openai
+
+        e = self.engine
+        base_url = e.base_url
+        key = e.secret()
+        conn = e.airflow_connection() if not e.option("api_key_env") else None
+        if conn is not None and not e.option("base_url") and conn.host:
+            base_url = conn.host
+        self.client = openai.OpenAI(api_key=key or "unused", base_url=base_url, timeout=e.timeout_s,
+                                    max_retries=5)
+
+    def line(self, req: Request) -> dict[str, Any]:
+        e = self.engine
+        return {"custom_id": req.record_id, "method": "POST", "url": "/v1/chat/completions",
+                "body": chat_body(e.spec, e.model, req.messages, e.response_format, e.extra_body)}
+
+    def submit(self, key: str, requests: Sequence[Request]) -> tuple[str, str | None]:
+        data = "".join(json.dumps(self.line(r), ensure_ascii=False) + "\n" for r in requests).encode()
+        f = self.client.files.create(file=(f"{key}.jsonl", data, "application/jsonl"), purpose="batch")
+        b = self.client.batches.create(input_file_id=f.id, endpoint="/v1/chat/completions",
+                                       completion_window="24h", metadata={KEY_FIELD: key})
+        return b.id, f.id
+
+    def find(self, key: str, custom_ids: Sequence[str], since: float) -> str | None:
+        for b in self.client.batches.list(limit=LIST_PAGE):
+            if (b.metadata or {}).get(KEY_FIELD) == key:
+                return b.id
+        return None
+
+    def status(self, batch_id: str) -> BatchStatus:
+        b = self.client.batches.retrieve(batch_id)
+        c = b.request_counts
+        total, done, failed = (c.total, c.completed, c.failed) if c else (0, 0, 0)
+        ended = b.status in ENDED
+        usage = getattr(b, "usage", None)
+        return BatchStatus(
+            status=b.status, ended=ended, total=total, processing=0 if ended else max(0, total - done - failed),
+            succeeded=done, errored=failed,
+            input_tokens=getattr(usage, "input_tokens", None) if usage else None,
+            output_tokens=getattr(usage, "output_tokens", None) if usage else None,
+            failed=b.status == "failed")
+
+    def cancel(self, batch_id: str) -> None:
+        self.client.batches.cancel(batch_id)
+
+    def _lines(self, file_id: str | None) -> Iterator[dict[str, Any]]:
+        if not file_id:
+            return
+        text = self.client.files.content(file_id).text
+        for raw in text.splitlines():
+            if raw.strip():
+                yield json.loads(raw)
+
+    def results(self, batch_id: str) -> Iterator[Item]:
+        b = self.client.batches.retrieve(batch_id)
+        for line in list(self._lines(b.output_file_id)) + list(self._lines(b.error_file_id)):
+            yield parse_line(line)
+
+    def cleanup(self, batch_id: str, input_ref: str | None) -> None:
+        b = self.client.batches.retrieve(batch_id)
+        for fid in (input_ref or b.input_file_id, b.output_file_id, b.error_file_id):
+            if fid:
+                self.client.files.delete(fid)
+
+
+class _Resp:
+    """Just enough of an HTTP response for ``engines.openai.error_text``."""
+
+    def __init__(self, body: Any):
+        self.body = body
+        self.text = body if isinstance(body, str) else json.dumps(body)
+
+    def json(self) -> Any:
+        return self.body
+
+
+def parse_line(line: dict[str, Any]) -> Item:
+    """One line of a Batch API output or error file."""
+    cid = str(line.get("custom_id"))
+    resp = line.get("response")
+    err = line.get("error")
+    if not resp:
+        code = (err or {}).get("code") or ""
+        kind = EXPIRED if code == "batch_expired" else CANCELED if code == "batch_cancelled" else TRANSPORT
+        return Item(cid, kind, error=one_line(f"{code}: {(err or {}).get('message', '')}", 300))
+    status = int(resp.get("status_code") or 0)
+    body = resp.get("body") or {}
+    if status == 200:
+        try:
+            choice = body["choices"][0]
+            text = choice["message"].get("content")
+        except (KeyError, IndexError, TypeError, AttributeError):
+            return Item(cid, ERRORED, error="response has no choices[0].message")
+        tokens = int((body.get("usage") or {}).get("completion_tokens") or 0)
+        if choice.get("finish_reason") == "length":
+            return Item(cid, SUCCEEDED, text=text, error=TRUNCATED, tokens_out=tokens)
+        if text is None:
+            return Item(cid, ERRORED, error="response message has no content", tokens_out=tokens)
+        return Item(cid, SUCCEEDED, text=text, tokens_out=tokens)
+    reason = f"HTTP {status}: {one_line(error_text(_Resp(body)), 300)}"
+    if status >= 500 or status in (408, 429):
+        return Item(cid, TRANSPORT, error=reason)
+    return Item(cid, ERRORED, error=reason)
+
+
+class OpenAIBatchEngine(HostedBatchEngine):
+    name = "openai-batch"
+    provider_class = OpenAIBatches
+    default_base_url = "https://api.openai.com/v1"
+    option_names = HostedBatchEngine.common_options | {"response_format_style", "extra_body"}
+    result_options = frozenset({"model", "extra_body"})
+
+    def __init__(self, spec, options=None):
+        super().__init__(spec, options)
+        style = str(self.option("response_format_style", "json_schema"))
+        if style not in STYLES:
+            raise InvalidValue(f"engine 'openai-batch': response_format_style must be one of {', '.join(STYLES)}")
+        self.response_format = response_format(style, spec.output_schema)
+        extra = self.option("extra_body", {})
+        if not isinstance(extra, dict):
+            raise InvalidValue("engine 'openai-batch': option 'extra_body' must be a mapping")
+        self.extra_body = dict(extra)
+
+
+__all__ = ["HostedBatchError", "OpenAIBatchEngine", "OpenAIBatches", "parse_line"]
