@@ -13,8 +13,8 @@ ON CONFLICT (job_version, record_id) DO NOTHING;
 -- name: golden_rows  the golden set: id, text and expected output ({table}, {id}, {text}, {expected} composed)
 SELECT {id}::text AS record_id, {text}::text AS text, {expected}::jsonb AS expected FROM {table} ORDER BY 1;
 
--- name: golden_in_snapshot  how many golden records are in the job's snapshot with the same text
-SELECT count(*) AS n
+-- name: golden_in_snapshot  the golden records that are in the job's snapshot with the same text
+SELECT g.record_id
   FROM unnest(%(ids)s::text[], %(texts)s::text[]) AS g(record_id, text)
   JOIN bi.snapshot_rows s ON s.job_version = %(job)s AND s.record_id = g.record_id AND s.text = g.text;
 
@@ -40,3 +40,10 @@ SELECT * FROM bi.record_review_v1(%(job)s, %(record)s, %(verdict)s, %(comment)s,
 
 -- name: review_state  the review counts against the spec's gate, and why it is not met (NULL: met)
 SELECT st.*, bi.review_gate_problem_v1(%(job)s) AS problem FROM bi.review_state_v1(%(job)s) st;
+
+-- name: demo_labels_reset  the demo's golden set table (the sample tickets' expected labels), created if missing and emptied
+CREATE TABLE IF NOT EXISTS {table} (id text PRIMARY KEY, text text NOT NULL, expected jsonb NOT NULL);
+TRUNCATE {table};
+
+-- name: demo_labels_copy  COPY target for the demo's golden set
+COPY {table} (id, text, expected) FROM STDIN;

@@ -208,47 +208,52 @@ def judge_text(text: str, output: Any) -> str:
 # -- the checks -----------------------------------------------------------------
 
 
-def _golden(conn: psycopg.Connection, spec: JobSpec, job: str, failures: list[str]) -> dict[str, Any] | None:
+def _golden(conn: psycopg.Connection, spec: JobSpec, job: str, failures: list[str],
+            notes: list[str]) -> dict[str, Any] | None:
     g = spec.evaluation.golden
     if g is None:
         return None
     t = time.perf_counter()
     out: dict[str, Any] = {"table": g.table, "mode": None, "job_version": None}
+    # A golden set that cannot be graded fails the gates that need it; with no gate on it, it is a note.
+    problems = failures if spec.evaluation.min_accuracy else notes
     try:
         with conn.transaction():
             rows = conn.execute(composed(
                 "golden_rows", table=sql.Identifier(*g.table.split(".")), id=sql.Identifier(g.id_column),
                 text=sql.Identifier(g.text_column), expected=sql.Identifier(g.expected_column))).fetchall()
     except (errors.UndefinedTable, errors.UndefinedColumn, errors.DataError, errors.CannotCoerce) as exc:
-        failures.append(f"evaluation: golden set {g.table}: {first_line(exc)}")
+        problems.append(f"evaluation: golden set {g.table}: {first_line(exc)}")
         return out
     bad = [r["record_id"] for r in rows if not isinstance(r["expected"], dict)]
     if bad:
-        failures.append(f"evaluation: golden set {g.table}: {len(bad)} expected value(s) are not JSON objects "
+        problems.append(f"evaluation: golden set {g.table}: {len(bad)} expected value(s) are not JSON objects "
                         f"({', '.join(bad[:5])})")
         return out
-    if not rows:
-        failures.append(f"evaluation: golden set {g.table} is empty")
-        return out
-    ids = [r["record_id"] for r in rows]
-    inside = conn.execute(q("golden_in_snapshot"), {"job": job, "ids": ids,
-                                                    "texts": [r["text"] for r in rows]}).fetchone()["n"]
-    mode = g.run if g.run != "auto" else ("join" if inside == len(rows) else "engine")
+    in_snapshot = {r["record_id"] for r in conn.execute(q("golden_in_snapshot"), {
+        "job": job, "ids": [r["record_id"] for r in rows], "texts": [r["text"] for r in rows]})}
+    mode = g.run if g.run != "auto" else ("join" if rows and len(in_snapshot) == len(rows) else "engine")
     out["mode"] = mode
     if mode == "join":
-        if inside < len(rows):
-            failures.append(f"evaluation: {len(rows) - inside} of {len(rows)} golden records are not in the "
-                            f"snapshot of {job} with the same text (golden.run is join)")
-            return out
+        if len(in_snapshot) < len(rows):
+            notes.append(f"evaluation: {len(rows) - len(in_snapshot)} of {len(rows)} golden records are not in "
+                         f"the snapshot of {job} with the same text; graded the other {len(in_snapshot)}")
+        rows = [r for r in rows if r["record_id"] in in_snapshot]
+    if not rows:
+        problems.append(f"evaluation: golden set {g.table} has no record to grade"
+                        + (" in this job's snapshot (golden.run is join)" if mode == "join" else ""))
+        return out
+    if mode == "join":
         graded_job = job
     else:
         graded_job, code = run_companion(conn, golden_spec(spec))
         out["worker_exit"] = code
         left = job_counts(conn, graded_job)["outstanding"]
         if left:
-            failures.append(f"evaluation: the golden run {graded_job} has {left} of {len(rows)} records left "
+            problems.append(f"evaluation: the golden run {graded_job} has {left} of {len(rows)} records left "
                             f"(worker exit {code}); validate again to resume it")
     out["job_version"] = graded_job
+    ids = [r["record_id"] for r in rows]
     outputs = {r["record_id"]: r["output"] for r in conn.execute(q("outputs_of"), {"job": graded_job, "ids": ids})}
     out.update(grade(spec, rows, outputs))
     out["seconds"] = round(time.perf_counter() - t, 3)
@@ -331,12 +336,12 @@ def _against_published(conn: psycopg.Connection, spec: JobSpec, dataset: str, jo
 
 
 def evaluate(conn: psycopg.Connection, spec: JobSpec, job_version: str, dataset: str,
-             failures: list[str]) -> dict[str, Any]:
+             failures: list[str], notes: list[str]) -> dict[str, Any]:
     """The ``evaluation`` section of the validation report; each failed threshold appended to ``failures``.
 
     Needs the review sample stored (validate stores it first) for the judge."""
     t = time.perf_counter()
-    golden = _golden(conn, spec, job_version, failures)
+    golden = _golden(conn, spec, job_version, failures, notes)
     judge = _judge(conn, spec, job_version, failures)
     review = review_state(conn, job_version)
     return {

@@ -232,3 +232,30 @@ def test_report_compares_accuracy_and_labels_with_the_published_version(conn, db
     assert cmp["accuracy"]["category"] == {"this": 1.0, "published": 0.25, "change": 0.75}
     assert cmp["labels"]["category"]["published"] == {"billing": 1.0}
     assert cmp["labels"]["category"]["this"] == {c: 0.25 for c in sorted(CATS)}
+
+
+def test_the_demo_grades_its_own_results_against_the_sample_tickets_labels(conn, db_url):
+    from batch_inference.commands.demo import load_tickets
+    from batch_inference.data import DEMO_SPEC, TICKETS_EXPECTED, expected_labels
+    from batch_inference.data.make_tickets import labelled_tickets
+    from batch_inference.spec import load_spec
+
+    # The labels file is what the generator writes (make_tickets.py --expected).
+    assert TICKETS_EXPECTED.read_text().splitlines() == [
+        json.dumps({"id": t["id"], "expected": e}) for t, e in labelled_tickets() if e is not None]
+    labels = expected_labels()
+    assert load_tickets(conn, 30) == 30                    # ticket 29 is the blank one: no label
+    spec = load_spec(DEMO_SPEC).with_overrides(engine={"name": "noop"})
+    job = submit(conn, spec).job_version
+    ids = [r["record_id"] for r in conn.execute("SELECT record_id FROM bi.snapshot_rows WHERE job_version = %s "
+                                                "AND reject IS NULL ORDER BY record_id", (job,))]
+    right = set(ids[::2])
+    finish(db_url, job, lambda rid: {**(labels[rid] if rid in right else {"category": "other", "priority": "low"}),
+                                     "summary": "s"})
+    ev = validate(conn, job)["evaluation"]
+    g = ev["golden"]
+    graded = [i for i in ids if i in labels]
+    assert g["mode"] == "join" and g["graded"] == len(graded) == 29
+    want = sum(1 for i in graded if i in right or labels[i]["category"] == "other")
+    assert g["fields"]["category"]["right"] == want
+    assert set(g["fields"]) == {"category", "priority"}     # the labels say nothing of the summary

@@ -9,7 +9,9 @@
    the repository's ``dags/`` as the DAGs folder, the ledger as the Airflow
    connection ``batch_inference_default`` (an ``AIRFLOW_CONN_...`` variable),
    local worker processes, the llama.cpp CPU engine with SmolLM2;
-4. prints the published view: its name, its row count and a few rows.
+4. prints the published view: its name, its row count and a few rows, and
+   the model's accuracy per field on the labelled sample tickets (the spec's
+   golden set, graded by the validator).
 
 The full Airflow output goes to a log file under $BATCH_INFERENCE_HOME; the
 terminal shows task starts and ends, worker progress and the summaries
@@ -96,20 +98,31 @@ def airflow_env(home: Path, db_url: str) -> dict[str, str]:
 
 
 def load_tickets(conn, n: int) -> int:
-    """Replace public.support_tickets with the first ``n`` sample tickets."""
+    """Replace public.support_tickets with the first ``n`` sample tickets, and the demo's
+    golden set (public.support_ticket_labels) with their expected labels."""
     from psycopg import sql
+    from psycopg.types.json import Jsonb
 
     from batch_inference import db
-    from batch_inference.data import DEMO_SOURCE_TABLE, read_tickets
+    from batch_inference.data import DEMO_LABELS_TABLE, DEMO_SOURCE_TABLE, expected_labels, read_tickets
 
     ident = sql.Identifier(*DEMO_SOURCE_TABLE.split("."))
+    labels_ident = sql.Identifier(*DEMO_LABELS_TABLE.split("."))
+    labels = expected_labels()
     with conn.transaction():
         conn.execute(db.composed("demo_tickets_reset", table=ident))
+        conn.execute(db.composed("demo_labels_reset", table=labels_ident))
+        golden = []
         with conn.cursor() as cur, cur.copy(db.composed("demo_tickets_copy", table=ident)) as cp:
             count = 0
             for t in read_tickets(n):
                 cp.write_row((t["id"], t["text"], t["acl"], t["channel"], t["created_at"]))
+                if t["id"] in labels:
+                    golden.append((t["id"], t["text"], Jsonb(labels[t["id"]])))
                 count += 1
+        with conn.cursor() as cur, cur.copy(db.composed("demo_labels_copy", table=labels_ident)) as cp:
+            for row in golden:
+                cp.write_row(row)
     return count
 
 
@@ -216,6 +229,13 @@ def run(args: argparse.Namespace) -> int:
     print(f"job: {counts['records']} records, {counts['stored']} stored, {counts['dead_letters']} dead letters "
           f"({rate:.1%}; the spec's gate is {(latest['validation'] or {}).get('dead_letter_gate', 0):.0%}), "
           f"engine {args.engine}, {args.workers} worker(s)")
+    ev = (latest["validation"] or {}).get("evaluation") or {}
+    golden = ev.get("golden") or {}
+    if golden.get("fields"):
+        shown = ", ".join(f"{k} {f['accuracy']:.0%} ({f['right']}/{f['graded']})" for k, f in golden["fields"].items()
+                          if f.get("accuracy") is not None)
+        print(f"accuracy on the labelled sample tickets ({golden['graded']} graded, "
+              f"{golden['graded'] - golden['with_output']} without a result): {shown}")
     print(f"time: {time.monotonic() - t0:.0f} s in all, {dag_s:.0f} s in airflow dags test\n")
     for r in rows:
         print("  " + json.dumps({k: r[k] for k in cols}, ensure_ascii=False, default=str))

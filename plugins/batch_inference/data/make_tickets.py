@@ -4,6 +4,7 @@ Deterministic (a fixed seed, no clock), so the file in the repository is
 exactly what this script prints:
 
     python plugins/batch_inference/data/make_tickets.py > plugins/batch_inference/data/tickets.jsonl
+    python plugins/batch_inference/data/make_tickets.py --expected > plugins/batch_inference/data/tickets_expected.jsonl
 
 Each line is ``{"id", "text", "acl", "channel", "created_at"}``. The mix is
 what a real queue holds: billing, bugs, account access, feature requests and
@@ -12,7 +13,9 @@ that any prefix has some, hostile records a batch job must survive as data:
 prompt injection aimed at the labeller, SQL-looking text, markup, odd Unicode
 (right-to-left overrides, zero-width characters, combining marks, emoji),
 and a ticket that fakes the prompt's closing delimiter. ACLs carry the
-team that may read the ticket (and so its summary).
+team that may read the ticket (and so its summary). ``tickets_expected.jsonl``
+holds each ticket's true category and priority (the demo's golden set; the
+blank ticket and the pasted log have none).
 """
 
 from __future__ import annotations
@@ -78,6 +81,24 @@ OTHER = [
     "Where can I find your security whitepaper for our vendor review?",
     "Just checking whether you are open on public holidays.",
     "Who should I talk to about a partnership with our agency in {city}?",
+]
+# The label each template truly has, parallel to the lists above: the
+# priority the demo prompt's rule gives it (urgent: work blocked or money
+# lost; high: a customer affected now; normal otherwise; low: questions,
+# thanks and wishes). tickets_expected.jsonl is written from these.
+PRIORITY = {
+    "billing": ["urgent", "normal", "normal", "urgent", "normal", "high", "low", "normal"],
+    "bug": ["high", "urgent", "high", "normal", "normal", "high", "normal", "low"],
+    "account": ["urgent", "normal", "urgent", "normal", "urgent", "low", "urgent"],
+    "feature_request": ["low"] * 6,
+    "other": ["low"] * 6,
+}
+# (category, priority) of each HOSTILE entry: what the ticket asks for, not what it tells the labeller.
+HOSTILE_LABELS = [
+    ("other", "low"), ("other", "low"), ("billing", "normal"), ("other", "low"), ("billing", "normal"),
+    ("other", "low"), ("billing", "normal"), ("bug", "urgent"), ("account", "high"), ("bug", "normal"),
+    ("bug", "normal"), ("billing", "normal"), ("account", "high"), ("bug", "high"), ("bug", "normal"),
+    ("account", "urgent"), ("billing", "urgent"), ("other", "low"),
 ]
 CITIES = ["Lagos", "Porto", "Kraków", "Osaka", "Montréal", "Nairobi", "Bogotá", "Tallinn", "Izmir", "Pune"]
 
@@ -151,41 +172,56 @@ def long_thread(rng: random.Random, first: str) -> str:
     return "".join(parts)
 
 
-def tickets() -> list[dict]:
+def labelled_tickets() -> list[tuple[dict, dict | None]]:
+    """Each ticket with its expected labels ({category, priority}; None for the two odd ones no model sees)."""
     rng = random.Random(SEED)
     start = datetime(2025, 11, 1, tzinfo=timezone.utc)
     pools = [("billing", BILLING, 30), ("bug", BUG, 28), ("account", ACCOUNT, 20),
              ("feature_request", FEATURE, 12), ("other", OTHER, 10)]
     out = []
     for i in range(COUNT):
+        expected: dict | None
         if i in ODD_ONES:
-            kind, text = "other", ODD_ONES[i]
+            kind, text, expected = "other", ODD_ONES[i], None
         elif i % HOSTILE_EVERY == HOSTILE_EVERY // 2:
-            kind, text = "hostile", HOSTILE[(i // HOSTILE_EVERY) % len(HOSTILE)].replace(
+            k = (i // HOSTILE_EVERY) % len(HOSTILE)
+            kind, text = "hostile", HOSTILE[k].replace(
                 "{inv}", str(rng.randint(10000, 99999)))  # the others hold literal braces: no format()
+            expected = dict(zip(("category", "priority"), HOSTILE_LABELS[k]))
         else:
             kind, templates, _w = rng.choices(pools, weights=[p[2] for p in pools])[0]
-            text = fill(rng, rng.choice(templates))
+            template = rng.choice(templates)
+            expected = {"category": kind, "priority": PRIORITY[kind][templates.index(template)]}
+            text = fill(rng, template)
             if rng.random() < 0.08:
                 text = long_thread(rng, text)
             elif rng.random() < 0.3:
                 text = f"Hi team,\n\n{text}\n\nThanks,\n{rng.choice(NAMES)}"
         created = start + timedelta(minutes=rng.randint(0, 60 * 24 * 28))
-        out.append({
+        out.append(({
             "id": f"TCK-{100000 + i * 7 + rng.randint(0, 6)}",
             "text": text,
             "acl": rng.choice(ACLS[kind]),
             "channel": rng.choice(["email", "chat", "web form", "phone note"]),
             "created_at": created.strftime("%Y-%m-%dT%H:%M:%SZ"),
-        })
+        }, expected))
     return out
 
 
-def main() -> int:
-    for t in tickets():
-        sys.stdout.write(json.dumps(t, ensure_ascii=False) + "\n")
+def tickets() -> list[dict]:
+    return [t for t, _expected in labelled_tickets()]
+
+
+def main(argv: list[str]) -> int:
+    """The tickets, or with ``--expected`` each labelled ticket's {"id", "expected"}."""
+    for t, expected in labelled_tickets():
+        if argv == ["--expected"]:
+            if expected is not None:
+                sys.stdout.write(json.dumps({"id": t["id"], "expected": expected}) + "\n")
+        else:
+            sys.stdout.write(json.dumps(t, ensure_ascii=False) + "\n")
     return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(main(sys.argv[1:]))
