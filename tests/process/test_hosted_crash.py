@@ -15,35 +15,60 @@ import subprocess
 import sys
 import time
 
-from gpu_runner.worker import run_worker
-from batch_inference.status import job_counts
+import pytest
+
 from batch_inference.plan import submit
+from batch_inference.status import job_counts
+from gpu_runner.worker import run_worker
 from tests.conftest import make_source, tickets
-from tests.integration.test_hosted_openai import api_key, batches, emulator, hosted_spec, worker_cfg  # noqa: F401
+from tests.fixtures.hosted_anthropic import AnthropicBatchEmulator
+from tests.fixtures.hosted_openai import OpenAIBatchEmulator
+from tests.integration.test_hosted_anthropic import anthropic_spec
+from tests.integration.test_hosted_openai import batches, hosted_spec, worker_cfg
+
+PROVIDERS = {
+    "openai": (OpenAIBatchEmulator, lambda srv, **kw: hosted_spec(srv.base_url, **kw), "BI_TEST_OPENAI_KEY"),
+    "anthropic": (AnthropicBatchEmulator, lambda srv, **kw: anthropic_spec(srv.url, **kw), "BI_TEST_ANTHROPIC_KEY"),
+}
 
 
-def test_a_crash_between_create_and_confirmation_re_attaches_without_a_second_batch(conn, db_url, emulator):
+@pytest.mark.parametrize("provider", sorted(PROVIDERS))
+def test_a_crash_between_create_and_confirmation_re_attaches_without_a_second_batch(conn, db_url, provider,
+                                                                                    monkeypatch):
+    emulator_class, spec_for, key_env = PROVIDERS[provider]
+    monkeypatch.setenv(key_env, "test-key-not-a-secret")
+    emulator = emulator_class()
+    try:
+        run(conn, db_url, emulator, spec_for)
+    finally:
+        emulator.close()
+
+
+def run(conn, db_url, emulator, spec_for) -> None:
     make_source(conn, tickets(1000))
-    job = submit(conn, hosted_spec(emulator.base_url, shard_size=1000, lease_seconds=2,
-                                   renew_seconds=0.5)).job_version
+    job = submit(conn, spec_for(emulator, shard_size=1000, lease_seconds=2, renew_seconds=0.5)).job_version
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "BATCH_INFERENCE_DB": db_url}
+    created: list[str] = []
     proc = subprocess.Popen([sys.executable, "-m", "gpu_runner", job, "--no-wait"], env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    # the provider created the batch; the worker dies before the reply reaches it, so before it confirms
-    emulator.on_create = lambda b: os.kill(proc.pid, signal.SIGKILL)
+
+    def kill(batch):     # the provider has the batch; the worker dies before the reply reaches it
+        created.append(batch["id"])
+        os.kill(proc.pid, signal.SIGKILL)
+
+    emulator.on_create = kill
     out, _ = proc.communicate(timeout=60)
     assert proc.returncode == -signal.SIGKILL, out
-    assert len(emulator.batches) == 1
+    assert emulator.created == 1
     (intent,) = batches(conn, job)
     assert intent["state"] == "intent" and intent["provider_batch_id"] is None
     emulator.on_create = None
     t0 = time.monotonic()
     assert run_worker(worker_cfg(db_url, job, wait_for_leases=True)) == 0   # waits out the dead holder's lease
     reattach_s = time.monotonic() - t0
-    assert len(emulator.batches) == 1                                        # re-attached, not submitted again
+    assert emulator.created == 1                                             # re-attached, not submitted again
     (row,) = batches(conn, job)
-    assert row["provider_batch_id"] == next(iter(emulator.batches)) and row["state"] == "reconciled"
-    assert row["epoch"] == 2
+    assert row["provider_batch_id"] == created[0] and row["state"] == "reconciled" and row["epoch"] == 2
     assert job_counts(conn, job)["stored"] == 1000
     assert set(emulator.billed.values()) == {1} and len(emulator.billed) == 1000
     print(f"\nre-attach after the crash: {reattach_s:.2f}s from the new worker's start to the shard stored "

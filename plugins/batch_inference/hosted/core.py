@@ -35,6 +35,7 @@ adds, in :meth:`HostedBatchEngine.generate`:
 from __future__ import annotations
 
 import abc
+import dataclasses
 import logging
 import os
 import threading
@@ -43,6 +44,7 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
+from batch_inference.breaker import EndpointUnavailable
 from batch_inference.clearance import check_clearance
 from batch_inference.db import q
 from batch_inference.engines.base import TRUNCATED, Engine, Outcome, Request, one_line
@@ -55,6 +57,7 @@ log = logging.getLogger("batch_inference.hosted")
 SUCCEEDED, ERRORED, TRANSPORT, CANCELED, EXPIRED = "succeeded", "errored", "transport", "canceled", "expired"
 # Intent states still at the provider (sql/schema/hosted.sql).
 IN_FLIGHT = ("intent", "submitted")
+MAX_POLL_FAILURES = 10
 
 
 class HostedBatchError(BatchInferenceError, RuntimeError):
@@ -90,6 +93,7 @@ class Item:
     text: str | None = None
     error: str | None = None
     tokens_out: int = 0
+    tokens_in: int = 0
 
 
 @dataclass(frozen=True)
@@ -102,6 +106,7 @@ class Intent:
     reattached: bool
     collected_epoch: int | None
     input_ref: str | None = None
+    created_at: float = 0.0       # when the intent was written (database clock, epoch seconds)
 
 
 class Provider(abc.ABC):
@@ -141,6 +146,10 @@ class Provider(abc.ABC):
     def cleanup(self, batch_id: str, input_ref: str | None) -> None:
         """Delete the provider's input and output files where the API allows it."""
 
+    def transient(self, exc: BaseException) -> bool:
+        """A failure of the call, not of the batch: refused, reset, timed out, a 5xx."""
+        return False
+
 
 class HostedLedger:
     """The fenced provider-batch calls (sql/hosted.sql), on the worker's own ledger connection."""
@@ -159,7 +168,7 @@ class HostedLedger:
     def open(self, lease: Lease, provider: str, ids: Sequence[str]) -> Intent:
         r = self._call("hosted_open", lease, provider=provider, ids=list(ids))
         return Intent(r["intent_no"], r["idem_key"], r["provider_batch_id"], r["state"], list(r["record_ids"]),
-                      bool(r["reattached"]), r["collected_epoch"])
+                      bool(r["reattached"]), r["collected_epoch"], created_at=r["created_at"].timestamp())
 
     def intents(self, lease: Lease) -> list[Intent]:
         rows = self.ledger.conn.execute(q("hosted_intents"), {
@@ -282,7 +291,8 @@ class HostedBatchEngine(Engine):
                      it.intent_no, it.state, it.batch_id or "not confirmed")
         batch_id = it.batch_id
         if batch_id is None and it.reattached:
-            batch_id = self.provider.find(it.idem_key, [self.provider.custom_id(r) for r in it.record_ids], 0.0)
+            batch_id = self.provider.find(it.idem_key, [self.provider.custom_id(r) for r in it.record_ids],
+                                          it.created_at)
             if batch_id is not None:
                 log.warning("%s: shard %d: the earlier holder created batch %s but died before confirming it; "
                             "re-attached by key %s", self.name, lease.shard_no, batch_id, it.idem_key)
@@ -296,7 +306,7 @@ class HostedBatchEngine(Engine):
             if not ids:
                 hl.update(lease, it.intent_no, "abandoned")
                 return
-            batch_id, input_ref = self.provider.submit(it.idem_key, [by_id[rid] for rid in ids])
+            batch_id, input_ref = self._create(it, [by_id[rid] for rid in ids])
             hl.update(lease, it.intent_no, "confirm", batch_id=batch_id, input_ref=input_ref, ids=ids)
             it = Intent(it.intent_no, it.idem_key, batch_id, "submitted", ids, False, None)
             log.info("%s: shard %d: submitted %d requests as batch %s", self.name, lease.shard_no, len(ids),
@@ -306,13 +316,42 @@ class HostedBatchEngine(Engine):
             return     # preempted or stale: the batch goes on; the next holder re-attaches
         yield from self._collect(hl, lease, it, batch_id, st)
 
+    def _create(self, it: Intent, requests: list[Request]) -> tuple[str, str | None]:
+        """The provider's create call, made once: the client does not retry it (a retry after a lost
+        reply would create a second batch); a failed call is followed by a look-up by key."""
+        try:
+            return self.provider.submit(it.idem_key, requests)
+        except Exception as exc:
+            if not self.provider.transient(exc):
+                raise
+            found = self.provider.find(it.idem_key, [self.provider.custom_id(r.record_id) for r in requests],
+                                       it.created_at)
+            if found is None:
+                raise EndpointUnavailable(str(self.base_url or self.name), f"batch create failed: {one_line(exc)}") \
+                    from None
+            log.warning("%s: the create call failed (%s) but the provider has batch %s: attached", self.name,
+                        one_line(exc), found)
+            return found, None
+
+    def _status(self, batch_id: str) -> BatchStatus:
+        """The batch's status; a transient failure is retried every poll, up to ``MAX_POLL_FAILURES`` in a row."""
+        for n in range(MAX_POLL_FAILURES):
+            try:
+                return self.provider.status(batch_id)
+            except Exception as exc:
+                if not self.provider.transient(exc):
+                    raise
+                log.warning("%s: polling batch %s failed (%s); retrying", self.name, batch_id, one_line(exc))
+                time.sleep(min(self.poll_seconds, 30.0) * (n + 1))
+        raise EndpointUnavailable(str(self.base_url or self.name), f"{MAX_POLL_FAILURES} polls of {batch_id} failed")
+
     def _watch(self, hl: HostedLedger, lease: Lease, intent_no: int, batch_id: str, stop: threading.Event,
                draining: threading.Event) -> BatchStatus | None:
         """Poll until the batch ends; cancel it (and keep polling) once the cutoff fires."""
         pause = threading.Event()      # never set: a plain wait that the halt does not cut short
         cancel_at: float | None = None
         while True:
-            st = self.provider.status(batch_id)
+            st = self._status(batch_id)
             hl.update(lease, intent_no, "poll", st=st)
             if st.ended:
                 if cancel_at is not None:
@@ -340,6 +379,7 @@ class HostedBatchEngine(Engine):
                  st: BatchStatus) -> Iterator[Outcome]:
         ids = {self.provider.custom_id(rid): rid for rid in it.record_ids}
         kinds: dict[str, int] = {}
+        tokens_in = tokens_out = 0
         if not st.failed:
             for item in self.provider.results(batch_id):
                 rid = ids.get(item.custom_id)
@@ -348,12 +388,16 @@ class HostedBatchEngine(Engine):
                                 item.custom_id[:80])
                     continue
                 kinds[item.kind] = kinds.get(item.kind, 0) + 1
+                tokens_in += item.tokens_in
+                tokens_out += item.tokens_out
                 if item.kind == SUCCEEDED:
                     yield Outcome(rid, item.text, error=TRUNCATED if item.error == TRUNCATED else None,
                                   tokens_out=item.tokens_out)
                 elif item.kind == ERRORED:
                     yield Outcome(rid, item.text, error=item.error or "the provider refused the request")
                 # transport errors, cancellations and expiries: no attempt spent, the record stays pending
+        if st.input_tokens is None and (tokens_in or tokens_out):   # usage per result, not per batch
+            st = dataclasses.replace(st, input_tokens=tokens_in, output_tokens=tokens_out)
         hl.update(lease, it.intent_no, "collected", st=st)
         log.info("%s: shard %d: batch %s %s: %s", self.name, lease.shard_no, batch_id, st.status,
                  ", ".join(f"{n} {k}" for k, n in sorted(kinds.items())) or "no results")

@@ -59,9 +59,14 @@ class OpenAIBatches(Provider):
     def submit(self, key: str, requests: Sequence[Request]) -> tuple[str, str | None]:
         data = "".join(json.dumps(self.line(r), ensure_ascii=False) + "\n" for r in requests).encode()
         f = self.client.files.create(file=(f"{key}.jsonl", data, "application/jsonl"), purpose="batch")
-        b = self.client.batches.create(input_file_id=f.id, endpoint="/v1/chat/completions",
-                                       completion_window="24h", metadata={KEY_FIELD: key})
+        b = self.client.with_options(max_retries=0).batches.create(
+            input_file_id=f.id, endpoint="/v1/chat/completions", completion_window="24h", metadata={KEY_FIELD: key})
         return b.id, f.id
+
+    def transient(self, exc: BaseException) -> bool:
+        import openai
+
+        return isinstance(exc, (openai.APIConnectionError, openai.InternalServerError, openai.RateLimitError))
 
     def find(self, key: str, custom_ids: Sequence[str], since: float) -> str | None:
         for b in self.client.batches.list(limit=LIST_PAGE):
