@@ -22,6 +22,8 @@ from __future__ import annotations
 
 import tempfile
 import uuid
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import psycopg
@@ -86,12 +88,50 @@ def _night(conn, url: str, dataset: str, prefix: str, dag: str | None) -> str:
     return jv
 
 
-@pytest.fixture(scope="module")
-def ledger(pg_server, template_db):
-    name = "secdash_" + uuid.uuid4().hex[:10]
+@contextmanager
+def module_database(pg_server, template_db, prefix: str) -> Iterator[str]:
+    """A ledger database of the module's own (from the migrated template), dropped at the end."""
+    name = prefix + uuid.uuid4().hex[:10]
     with psycopg.connect(pg_server.get_uri(), autocommit=True) as c:
         c.execute(f"CREATE DATABASE {name} TEMPLATE {template_db}")
-    url = pg_server.get_uri(name)
+    try:
+        yield pg_server.get_uri(name)
+    finally:
+        with psycopg.connect(pg_server.get_uri(), autocommit=True) as c:
+            c.execute(f"DROP DATABASE IF EXISTS {name} WITH (FORCE)")
+
+
+@contextmanager
+def app_client(url: str, users: str, auth_manager: str):
+    """The dashboard app under TestClient on ledger ``url``, with Airflow's auth manager ``auth_manager``
+    (a class path) and its users ``users`` (SIMPLE_AUTH_MANAGER_USERS)."""
+    from fastapi.testclient import TestClient
+
+    from airflow.api_fastapi import app as airflow_app
+    from batch_inference.ui import app as appmod
+
+    mp = pytest.MonkeyPatch()
+    mp.setenv("BATCH_INFERENCE_DB", url)
+    mp.setenv("AIRFLOW__CORE__SIMPLE_AUTH_MANAGER_USERS", users)
+    mp.setenv("AIRFLOW__CORE__AUTH_MANAGER", auth_manager)
+    airflow_app._AuthManagerState.instance = None
+    airflow_app.init_auth_manager()
+    appmod.app.dependency_overrides.clear()
+    try:
+        with TestClient(appmod.app, base_url="http://airflow.test") as c:
+            yield c
+    finally:
+        mp.undo()
+        airflow_app._AuthManagerState.instance = None      # the next module builds its own
+
+
+@pytest.fixture(scope="module")
+def ledger(pg_server, template_db):
+    with module_database(pg_server, template_db, "secdash_") as url:
+        yield from _seed(url)
+
+
+def _seed(url: str):
     suffix = uuid.uuid4().hex[:6]
     with db.connect(url) as conn:
         jobs = {A: _night(conn, url, A, "a", DAG_A), B: _night(conn, url, B, "b", DAG_B),
@@ -106,32 +146,15 @@ def ledger(pg_server, template_db):
         for user, role in users.items():
             conn.execute("SELECT bi.map_dashboard_reader_v1(%s, %s)", (user, role))
     yield url, jobs, users
-    with psycopg.connect(pg_server.get_uri(), autocommit=True) as c:
-        c.execute(f"DROP DATABASE IF EXISTS {name} WITH (FORCE)")
 
 
 @pytest.fixture(scope="module")
 def client(ledger, airflow_home):
-    from fastapi.testclient import TestClient
-
     from airflow.api_fastapi import app as airflow_app
-    from batch_inference.ui import app as appmod
 
-    url, _, _ = ledger
-    mp = pytest.MonkeyPatch()
-    mp.setenv("BATCH_INFERENCE_DB", url)
-    mp.setenv("AIRFLOW__CORE__SIMPLE_AUTH_MANAGER_USERS", USERS)
-    mp.setenv("AIRFLOW__CORE__AUTH_MANAGER", f"{__name__}.{PerDagAuthManager.__name__}")
-    airflow_app._AuthManagerState.instance = None
-    airflow_app.init_auth_manager()
-    assert isinstance(airflow_app.get_auth_manager(), PerDagAuthManager)
-    appmod.app.dependency_overrides.clear()
-    try:
-        with TestClient(appmod.app, base_url="http://airflow.test") as c:
-            yield c
-    finally:
-        mp.undo()
-        airflow_app._AuthManagerState.instance = None      # the next module builds its own
+    with app_client(ledger[0], USERS, f"{__name__}.{PerDagAuthManager.__name__}") as c:
+        assert isinstance(airflow_app.get_auth_manager(), PerDagAuthManager)
+        yield c
 
 
 def auth(user: str) -> dict[str, str]:
@@ -171,6 +194,10 @@ def _requests(jobs: dict[str, str]) -> dict[tuple[str, str], list[tuple[str, dic
         ("GET", "/api/jobs/{job_version}/dead-letters"): jv("/api/jobs/{job_version}/dead-letters"),
         ("GET", "/api/jobs/{job_version}/cost"): jv("/api/jobs/{job_version}/cost"),
         ("GET", "/api/jobs/{job_version}/drift"): jv("/api/jobs/{job_version}/drift"),
+        ("GET", "/jobs/{job_version}/review"): jv("/jobs/{job_version}/review"),
+        ("GET", "/api/jobs/{job_version}/review"): jv("/api/jobs/{job_version}/review"),
+        ("POST", "/api/jobs/{job_version}/review"): [(f"/api/jobs/{a}/review",
+                                                      {"json": {"record_id": "a0", "verdict": "right"}})],
         ("GET", "/api/datasets/{dataset}/history"): [(f"/api/datasets/{d}/history", {}) for d in (A, B, C)],
         ("POST", "/api/datasets/{dataset}/rollback"): [(f"/api/datasets/{A}/rollback", body)],
         ("GET", "/api/runs/job"): [(f"/api/runs/job?dag_id={DAG_A}&run_id=run_{A}", {})],

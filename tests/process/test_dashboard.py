@@ -410,3 +410,71 @@ def test_airflow_ui_embeds_the_dashboard_in_browse_and_on_the_dag_run(open_serve
     frame = page.frame_locator("iframe")
     frame.locator("body[data-loaded=true]").wait_for(timeout=60000)
     assert frame.locator("#job-version").text_content() == info["v3"]
+
+
+# -- the review screen ----------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def reviewed(night):
+    """A finished, validated version whose spec asks for two reviewed sample rows, half of them right."""
+    from batch_inference import validate
+    from batch_inference.plan import submit
+    from gpu_runner.worker import WorkerConfig, run_worker
+    from tests.conftest import make_source, make_spec, tickets
+
+    url, _ = night
+    with db.connect(url) as conn:
+        make_source(conn, tickets(10))
+        job = submit(conn, make_spec(dataset="tickets_review", validation={"sample_size": 3},
+                                     evaluation={"review": {"min_reviewed": 2, "min_right": 0.5}})).job_version
+        assert run_worker(WorkerConfig(job_version=job, db_url=url, backoff=(0.0, 0.0, 0.0), flush_seconds=0.2)) == 0
+        assert validate.validate(conn, job, sample_dir=tempfile.mkdtemp()).passed
+    return url, job
+
+
+def test_a_review_recorded_in_the_dashboard_moves_the_gate(open_server, reviewed, page):
+    url, job = reviewed
+    page.goto(f"{open_server.base}/batch-inference/jobs/{job}/review")
+    page.wait_for_selector("body[data-loaded=true]", timeout=30000)
+    assert page.text_content("#review-problem") == "review: 0 of 2 required sample rows reviewed"
+    assert page.text_content("#review-publish").startswith("Publish: refused")
+    rows = page.locator("#review-rows tbody tr")
+    assert rows.count() == 3
+    first, second = rows.nth(0).get_attribute("data-record"), rows.nth(1).get_attribute("data-record")
+    assert "charged twice" in rows.nth(0).locator(".review-text").text_content()     # input beside output
+    assert '"category"' in rows.nth(0).locator(".review-output").text_content()
+
+    page.fill(f'#review-rows tr[data-record="{first}"] .review-comment', "label fits")
+    page.click(f'#review-rows tr[data-record="{first}"] button[data-verdict="right"]')
+    page.locator("#review-progress", has_text="1 of 3 sample rows reviewed").wait_for(timeout=30000)
+    assert page.text_content("#review-problem") == "review: 1 of 2 required sample rows reviewed"
+    page.click(f'#review-rows tr[data-record="{second}"] button[data-verdict="wrong"]')
+    page.locator("#review-problem", has_text="The review gate is met.").wait_for(timeout=30000)
+    assert page.text_content("#review-publish") == "Publish: allowed."
+    assert page.get_attribute(f'#review-rows tr[data-record="{first}"]', "data-verdict") == "right"
+    with db.connect(url) as conn:
+        stored = {r["record_id"]: r for r in conn.execute(
+            "SELECT record_id, verdict, comment, reviewer FROM bi.reviews WHERE job_version = %s", (job,))}
+    assert (stored[first]["verdict"], stored[first]["comment"]) == ("right", "label fits")
+    assert stored[second]["verdict"] == "wrong"
+    assert all(r["reviewer"].startswith("airflow:") for r in stored.values())
+
+
+def test_a_viewer_cannot_record_a_review(auth_server, reviewed):
+    url, job = reviewed
+    base = auth_server.base + "/batch-inference"
+    with db.connect(url) as conn:
+        record = conn.execute("SELECT record_id FROM bi.review_sample WHERE job_version = %s ORDER BY record_id "
+                              "DESC LIMIT 1", (job,)).fetchone()["record_id"]
+        before = conn.execute("SELECT count(*) AS n FROM bi.reviews WHERE job_version = %s", (job,)).fetchone()["n"]
+    body = {"record_id": record, "verdict": "right"}
+    assert httpx.post(f"{base}/api/jobs/{job}/review", json=body).status_code == 401
+    viewer = {"Authorization": "Bearer " + _token(auth_server, "vera")}
+    shown = httpx.get(f"{base}/api/jobs/{job}/review", headers=viewer).json()
+    assert shown["may_review"] is False and shown["rows"] == []          # no reader role: no text either
+    r = httpx.post(f"{base}/api/jobs/{job}/review", json=body, headers=viewer)
+    assert r.status_code == 403 and "review refused" in r.text, r.text
+    with db.connect(url) as conn:
+        assert conn.execute("SELECT count(*) AS n FROM bi.reviews WHERE job_version = %s",
+                            (job,)).fetchone()["n"] == before

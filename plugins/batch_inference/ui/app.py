@@ -20,11 +20,13 @@ reads is narrowed twice:
   ROLE`` in ``data.reading_as``), so row-level security filters it as it
   would that role's own SELECT. An unmapped user reads counts only.
 
-The one write, rollback, requires the auth manager to allow that user to
+The two writes: rollback requires the auth manager to allow that user to
 trigger the dataset's DAG (``is_authorized_dag(method="POST", access_entity=RUN)``),
-the same check Airflow applies to ``POST /api/v2/dags/{dag_id}/dagRuns``.
-Rollback is POST-only with a JSON body and a same-origin check, so a page on
-another site cannot forge it with the user's cookie. Every response carries a
+the same check Airflow applies to ``POST /api/v2/dags/{dag_id}/dagRuns``; a
+review verdict on a row of the review sample requires the edit right on a DAG
+that ran the version (``method="PUT"``) and a reader role that may read the
+row. Both are POST-only with a JSON body and a same-origin check, so a page on
+another site cannot forge them with the user's cookie. Every response carries a
 Content-Security-Policy that lets the page load only this app's own files and
 be framed only by its own origin (Airflow's UI shows it in an iframe).
 
@@ -63,7 +65,8 @@ from airflow.api_fastapi.core_api.security import (
     requires_authenticated,
 )
 
-from batch_inference import db
+from batch_inference import db, evaluation
+from batch_inference.exceptions import ReviewRefused
 from batch_inference.hooks.connection import DEFAULT_CONN_ID
 from batch_inference.status import UnknownJob
 from batch_inference.ui import actions, data
@@ -247,6 +250,21 @@ def authorize_rollback(dataset: str, user: GetUserDep) -> BaseUser:
     return user
 
 
+def may_review(conn: psycopg.Connection, user: BaseUser, job_version: str) -> bool:
+    """Whether ``user`` may record reviews of ``job_version``: the edit right on a DAG that ran it
+    (``is_authorized_dag(method="PUT")``, the right to change the DAG), on every DAG when none did."""
+    dags = data.run_dags(conn, job_version=job_version)
+    am = _auth_manager()
+    return any(am.is_authorized_dag(method="PUT", details=_dag_details(d), user=user) for d in (dags or [None]))
+
+
+def authorize_review(job_version: str, conn: Ledger, who: Annotated[Reader, Depends(job_reader)]) -> Reader:
+    if not may_review(conn, who.user, job_version):
+        raise HTTPException(status.HTTP_403_FORBIDDEN, f"user {who.user.get_name()!r} may not edit the DAG that ran "
+                                                       f"{job_version}; review refused")
+    return who
+
+
 def same_origin(request: Request) -> None:
     """Refuse a cross-site POST: a browser always sends Origin on one.
 
@@ -346,6 +364,14 @@ def job_page(job_version: str, request: Request,
     return _page(request, "job", job_version=job_version)
 
 
+@app.get("/jobs/{job_version}/review", response_class=HTMLResponse, include_in_schema=False)
+def review_page(job_version: str, request: Request,
+                user: Annotated[BaseUser | None, Depends(optional_user)]) -> Response:
+    if user is None:
+        return _login_redirect(request)
+    return _page(request, "review", job_version=job_version)
+
+
 @app.get("/run", include_in_schema=False)
 def run_page(request: Request, user: Annotated[BaseUser | None, Depends(optional_user)],
              dag_id: str | None = None, run_id: str | None = None, job_version: str | None = None) -> Response:
@@ -412,6 +438,55 @@ def api_cost(job_version: str, conn: Ledger, _who: JobReader) -> dict[str, Any]:
 @api.get("/jobs/{job_version}/drift")
 def api_drift(job_version: str, conn: Ledger, _who: JobReader) -> dict[str, Any]:
     return data.drift(conn, job_version)
+
+
+@api.get("/jobs/{job_version}/review")
+def api_review(job_version: str, conn: Ledger, who: JobReader) -> dict[str, Any]:
+    """The review sample as the user's reader role sees it, the review gate's progress, and whether
+    this user may record verdicts (``may_review``)."""
+    try:
+        out = data.review(conn, job_version, role=who.role)
+    except UnknownJob as exc:
+        raise _unknown(exc) from None
+    return {**out, "may_review": may_review(conn, who.user, job_version), "reads_text": who.role is not None}
+
+
+@api.post("/jobs/{job_version}/review", dependencies=[Depends(same_origin)])
+def api_record_review(job_version: str, conn: Ledger, who: Annotated[Reader, Depends(authorize_review)],
+                      body: Annotated[dict[str, Any], Body()]) -> dict[str, Any]:
+    """Record a verdict on one row of the review sample: ``record_id``, ``verdict`` (right, wrong
+    or unsure) and an optional ``comment``, stored with the user's Airflow identity. The row must
+    be one the user's reader role may read: nobody signs off on text they were not shown."""
+    record_id, verdict, comment = _review_body(body)
+    if who.role is None:
+        raise HTTPException(status.HTTP_403_FORBIDDEN, f"user {who.user.get_name()!r} reads no customer text "
+                                                       "(no reader role), so it cannot review a row")
+    with data.reading_as(conn, who.role):
+        seen = conn.execute(db.q("review_visible"), {"job": job_version, "record": record_id}).fetchone()["n"]
+    if not seen:
+        raise HTTPException(status.HTTP_404_NOT_FOUND, f"no row {record_id!r} in the review sample of {job_version} "
+                                                       "that your reader role may read")
+    try:
+        recorded = evaluation.record_review(conn, job_version, record_id, verdict,
+                                            reviewer=f"airflow:{who.user.get_name()}", comment=comment)
+    except ReviewRefused as exc:
+        raise HTTPException(422, str(exc)) from None
+    return {"recorded": recorded, "review": evaluation.review_state(conn, job_version)}
+
+
+def _review_body(body: dict[str, Any]) -> tuple[str, str, str | None]:
+    out: list[str | None] = []
+    for key, most, required in (("record_id", 1000, True), ("verdict", 20, True),
+                                ("comment", evaluation.MAX_COMMENT, False)):
+        value = body.get(key)
+        if value is None and required:
+            raise HTTPException(422, f"{key} is required")
+        if value is not None and not isinstance(value, str):
+            raise HTTPException(422, f"{key} must be a string, not {type(value).__name__}")
+        if value is not None and len(value) > most:
+            raise HTTPException(422, f"{key} is longer than {most:,} characters")
+        out.append(value)
+    return out[0], out[1], out[2]  # type: ignore[return-value]
 
 
 @api.get("/datasets/{dataset}/history")

@@ -31,6 +31,7 @@ from batch_inference.cost import Prices, cost_report
 from batch_inference.db import q
 from batch_inference.drift import category_counts as drift_counts
 from batch_inference.drift import compare, over_gate
+from batch_inference.evaluation import review_rows, review_state
 from batch_inference.spec import Fallback, Validation
 from batch_inference.status import UnknownJob, job_counts
 
@@ -316,6 +317,34 @@ def dead_letters(conn: psycopg.Connection, job_version: str, limit: int = 100, o
                                 {"job": job_version, "limit": limit, "offset": offset}).fetchall()
     return {"job_version": job_version, "total": total, "visible": visible, "hidden": max(total - visible, 0),
             "reasons": reasons, "dead_letters": rows, "limit": limit, "offset": offset}
+
+
+# -- review -------------------------------------------------------------------
+
+
+def review(conn: psycopg.Connection, job_version: str, role: str | None = None) -> dict[str, Any]:
+    """The review sample as ``role`` sees it (row-level security), each row with its verdict;
+    the review gate's progress (``evaluation.review_state``); the validation's accuracy
+    and judge figures. Without a role: counts only."""
+    row = _job_row(conn, job_version)
+    state = review_state(conn, job_version)
+    rows: list[dict[str, Any]] = []
+    if role is not None:
+        with reading_as(conn, role):
+            rows = [{k: v for k, v in r.items() if k != "acl"} for r in review_rows(conn, job_version)]
+    report = row["validation"] if isinstance(row["validation"], dict) else {}
+    ev = report.get("evaluation") if isinstance(report.get("evaluation"), dict) else {}
+    judge = ev.get("judge") if isinstance(ev.get("judge"), dict) else {}
+    validated = row["status"] in ("validated", "published")
+    return {
+        "job_version": job_version, "dataset": row["dataset"], "status": row["status"],
+        "review": state, "rows": rows, "visible": len(rows), "hidden": max(state["sampled"] - len(rows), 0),
+        "accuracy": ev.get("accuracy") or {}, "graded": ev.get("graded") or 0,
+        "confusion": ev.get("confusion") or {},
+        "judge": {k: judge.get(k) for k in ("judged", "agreement", "min_agreement", "cost")} if judge else None,
+        # What bi.publish_v1 checks without --force: validated, and the review gate met.
+        "publishable": validated and state["passed"],
+    }
 
 
 # -- cost ---------------------------------------------------------------------

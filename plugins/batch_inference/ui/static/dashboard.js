@@ -485,13 +485,83 @@
     const reload = () => renderJob(jobVersion, note);
     main.replaceChildren(
       note ? h("p", { class: "muted", id: "run-note" }, note) : "",
-      header(job), timelinePanel(prog),
+      header(job),
+      h("p", {}, h("a", { id: "review-link", href: BASE + "/jobs/" + enc + "/review" }, "Review the sample")),
+      timelinePanel(prog),
       h("div", { class: "grid" }, costPanel(cost), shardsPanel(shards)),
       h("div", { class: "grid" }, driftPanel(drift), historyPanel(hist, jobVersion, reload)),
       deadLettersPanel(dead));
     body.dataset.loaded = "true";  // for tests and screenshots: every panel is drawn
     refreshed();
     return job;
+  }
+
+  // -- the review sample: input and output side by side, a verdict per row ---------
+
+  function reviewGate(rv) {
+    const g = rv.review;
+    const parts = [`${fmtInt(g.reviewed)} of ${fmtInt(g.sampled)} sample rows reviewed`,
+      `${fmtInt(g.right)} right, ${fmtInt(g.wrong)} wrong, ${fmtInt(g.unsure)} unsure`];
+    if (g.required || g.min_right) parts.push(`gate: at least ${fmtInt(g.required)} reviewed, ${fmtPct(g.min_right)} right`);
+    return h("section", { class: "panel", id: "panel-review-gate" },
+      h("h2", {}, "Review gate ", badge(g.passed ? "met" : "open")),
+      h("p", { id: "review-progress" }, parts.join("; ")),
+      h("p", { id: "review-problem", class: g.problem ? "error" : "muted" }, g.problem || "The review gate is met."),
+      h("p", { id: "review-publish" }, rv.publishable ? "Publish: allowed."
+        : "Publish: refused without --force and a reason (" + (rv.status !== "validated" && rv.status !== "published"
+          ? "the version is " + rv.status : g.problem) + ")."),
+      Object.keys(rv.accuracy || {}).length ? h("p", { id: "review-accuracy" }, `golden set (${fmtInt(rv.graded)} graded): ` +
+        Object.entries(rv.accuracy).map(([k, v]) => `${k} ${fmtPct(v)}`).join(", ")) : "",
+      rv.judge ? h("p", { id: "review-judge" }, `judge: ${fmtInt(rv.judge.judged)} rows, ${fmtPct(rv.judge.agreement)} right`) : "");
+  }
+
+  function reviewRow(rv, r, reload) {
+    const comment = h("input", { type: "text", class: "review-comment", placeholder: "comment", value: r.comment || "" });
+    const status = h("span", { class: "review-status", role: "status" });
+    const send = async (verdict) => {
+      status.textContent = "saving…";
+      try {
+        await api("/jobs/" + encodeURIComponent(rv.job_version) + "/review", {
+          method: "POST", headers: { "Content-Type": "application/json" },
+          body: JSON.stringify({ record_id: r.record_id, verdict: verdict, comment: comment.value || null }) });
+        await reload();
+      } catch (err) {
+        status.className = "review-status error";
+        status.textContent = (err.status === 403 ? "not allowed: " : "") + err.message;
+      }
+    };
+    const buttons = ["right", "wrong", "unsure"].map((v) => h("button", {
+      class: "verdict verdict-" + v + (r.verdict === v ? " chosen" : ""), "data-verdict": v,
+      disabled: !rv.may_review, onclick: () => send(v) }, v));
+    return h("tr", { "data-record": r.record_id, "data-verdict": r.verdict || "" },
+      h("td", { class: "mono" }, r.record_id),
+      h("td", { class: "review-text" }, r.text),
+      h("td", { class: "review-output mono" }, JSON.stringify(r.output, null, 1)),
+      h("td", { class: "nowrap" }, buttons, h("div", {}, comment), status,
+        r.reviewer ? h("div", { class: "muted" }, `${r.verdict} by ${r.reviewer}, ${stamp(r.reviewed_at)}`) : ""));
+  }
+
+  async function renderReview(jobVersion) {
+    const main = document.getElementById("main");
+    document.getElementById("where").textContent = "review of " + jobVersion;
+    let rv;
+    try { rv = await api("/jobs/" + encodeURIComponent(jobVersion) + "/review"); } catch (err) { return showError(main, err); }
+    const reload = () => renderReview(jobVersion);
+    const notes = [];
+    if (!rv.may_review) notes.push("Your Airflow user may not record reviews: that needs the edit right on the DAG that ran this version.");
+    if (!rv.reads_text) notes.push("Your Airflow user has no reader role, so no customer text is shown.");
+    else if (rv.hidden) notes.push(`${fmtInt(rv.hidden)} of ${fmtInt(rv.review.sampled)} sample rows are not shown: your reader role may not read them.`);
+    main.replaceChildren(
+      h("p", {}, h("a", { href: BASE + "/jobs/" + encodeURIComponent(jobVersion), id: "review-back" }, "← the job page")),
+      reviewGate(rv),
+      notes.length ? h("p", { class: "muted", id: "review-notes" }, notes.join(" ")) : "",
+      rv.rows.length ? h("section", { class: "panel" }, h("div", { class: "scroll" }, h("table", { id: "review-rows" },
+        h("thead", {}, h("tr", {}, ["record", "input", "output", "verdict"].map((t) => h("th", {}, t)))),
+        h("tbody", {}, rv.rows.map((r) => reviewRow(rv, r, reload))))))
+        : h("p", { class: "muted", id: "review-empty" }, rv.review.sampled ? "" : "No review sample yet: validate the version first."));
+    body.dataset.loaded = "true";
+    refreshed();
+    return rv;
   }
 
   async function renderRun() {
@@ -517,6 +587,7 @@
     if (VIEW === "jobs") return renderJobs();
     if (VIEW === "job") return renderJob(body.dataset.jobVersion);
     if (VIEW === "run") return renderRun();
+    if (VIEW === "review" && body.dataset.loaded !== "true") return renderReview(body.dataset.jobVersion);
   }
 
   tick().finally(() => {
