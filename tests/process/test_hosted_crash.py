@@ -22,22 +22,38 @@ from batch_inference.status import job_counts
 from gpu_runner.worker import run_worker
 from tests.conftest import make_source, tickets
 from tests.fixtures.hosted_anthropic import AnthropicBatchEmulator
+from tests.fixtures.hosted_bedrock import BedrockBatchEmulator
 from tests.fixtures.hosted_openai import OpenAIBatchEmulator
 from tests.integration.test_hosted_anthropic import anthropic_spec
+from tests.integration.test_hosted_bedrock import bedrock_spec, s3  # noqa: F401  (fixture)
+from tests.fixtures.moto_server import moto_s3  # noqa: F401  (fixture)
 from tests.integration.test_hosted_openai import batches, hosted_spec, worker_cfg
 
-PROVIDERS = {
-    "openai": (OpenAIBatchEmulator, lambda srv, **kw: hosted_spec(srv.base_url, **kw), "BI_TEST_OPENAI_KEY"),
-    "anthropic": (AnthropicBatchEmulator, lambda srv, **kw: anthropic_spec(srv.url, **kw), "BI_TEST_ANTHROPIC_KEY"),
-}
+def _openai(request):
+    request.getfixturevalue("monkeypatch").setenv("BI_TEST_OPENAI_KEY", "test-key-not-a-secret")
+    srv = OpenAIBatchEmulator()
+    return srv, lambda **kw: hosted_spec(srv.base_url, **kw)
+
+
+def _anthropic(request):
+    request.getfixturevalue("monkeypatch").setenv("BI_TEST_ANTHROPIC_KEY", "test-key-not-a-secret")
+    srv = AnthropicBatchEmulator()
+    return srv, lambda **kw: anthropic_spec(srv.url, **kw)
+
+
+def _bedrock(request):
+    s3 = request.getfixturevalue("s3")            # AWS test credentials in the environment, a moto bucket
+    srv = BedrockBatchEmulator(s3[0])
+    return srv, lambda **kw: bedrock_spec(srv, s3, **kw)
+
+
+PROVIDERS = {"openai": _openai, "anthropic": _anthropic, "bedrock": _bedrock}
 
 
 @pytest.mark.parametrize("provider", sorted(PROVIDERS))
 def test_a_crash_between_create_and_confirmation_re_attaches_without_a_second_batch(conn, db_url, provider,
-                                                                                    monkeypatch):
-    emulator_class, spec_for, key_env = PROVIDERS[provider]
-    monkeypatch.setenv(key_env, "test-key-not-a-secret")
-    emulator = emulator_class()
+                                                                                    request):
+    emulator, spec_for = PROVIDERS[provider](request)
     try:
         run(conn, db_url, emulator, spec_for)
     finally:
@@ -46,14 +62,14 @@ def test_a_crash_between_create_and_confirmation_re_attaches_without_a_second_ba
 
 def run(conn, db_url, emulator, spec_for) -> None:
     make_source(conn, tickets(1000))
-    job = submit(conn, spec_for(emulator, shard_size=1000, lease_seconds=2, renew_seconds=0.5)).job_version
+    job = submit(conn, spec_for(shard_size=1000, lease_seconds=2, renew_seconds=0.5)).job_version
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "BATCH_INFERENCE_DB": db_url}
     created: list[str] = []
     proc = subprocess.Popen([sys.executable, "-m", "gpu_runner", job, "--no-wait"], env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
     def kill(batch):     # the provider has the batch; the worker dies before the reply reaches it
-        created.append(batch["id"])
+        created.append(batch.get("id") or batch["jobArn"])
         os.kill(proc.pid, signal.SIGKILL)
 
     emulator.on_create = kill
