@@ -21,6 +21,7 @@ import psycopg
 import pytest
 
 from batch_inference import db, deadline
+from batch_inference.cli import main as cli_main
 from batch_inference.cost import Prices, cents, cost_report
 from batch_inference.cutoff import decide
 from batch_inference.exceptions import NotCleared
@@ -167,7 +168,7 @@ def test_the_bill_of_a_night_abandoned_at_90_percent():
     assert r.total <= r.all_synchronous_ceiling == Decimal("2175.00")
 
 
-def test_cutoff_cancels_mid_batch_and_the_fallback_finishes_the_night(conn, db_url, emulator):
+def test_cutoff_cancels_mid_batch_and_the_fallback_finishes_the_night(conn, db_url, emulator, capsys):
     emulator.rate = 400.0
     emulator.cancel_delay_s = 0.4
     emulator.hold_after = 200            # each batch stalls after 200 of 500, as a slow provider queue does
@@ -211,5 +212,11 @@ def test_cutoff_cancels_mid_batch_and_the_fallback_finishes_the_night(conn, db_u
     report = validate(conn, job)
     assert report.passed, report.failures
     publish(conn, job)
+    # the night's bill by transport: hosted rows at half the synchronous price, within the all-synchronous ceiling
+    assert cli_main(["cost", job, "--db", db_url, "--json"]) == 0
+    bill = json.loads(capsys.readouterr().out.strip().splitlines()[-1])["so_far"]
+    assert (bill["hosted_rows"], bill["fallback_rows"], bill["batch_rows"]) == (hosted_stored, 2000 - hosted_stored, 0)
+    assert bill["hosted_cost"] == float(cents(hosted_stored * Decimal("0.003625")))
+    assert bill["total"] <= bill["all_synchronous_ceiling"] == 14.5
     print(f"\nemulated cancel drain per batch: {', '.join(f'{d:.2f}s' for d in drains)} "
           f"(emulator's settle delay {emulator.cancel_delay_s}s); cutoff to both shards released: {drain_wall:.2f}s")

@@ -8,6 +8,7 @@ third need no database.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 from typing import Any
@@ -49,7 +50,8 @@ def register(sub: Any) -> None:
 
 
 def _prices(args: argparse.Namespace, base: Prices = DEFAULT_PRICES) -> Prices:
-    return Prices(
+    return dataclasses.replace(
+        base,
         batch_per_row=args.batch_price if args.batch_price is not None else base.batch_per_row,
         fallback_per_row=args.fallback_price if args.fallback_price is not None else base.fallback_per_row,
     )
@@ -62,6 +64,7 @@ def _job(args: argparse.Namespace) -> dict[str, Any]:
     try:
         counts = status.job_counts(conn, args.job_version)
         spec = status.job_spec(conn, args.job_version)
+        hosted = conn.execute(db.q("hosted_cost_rows"), {"job": args.job_version}).fetchone()
     finally:
         close = getattr(conn, "close", None)
         if close:
@@ -69,14 +72,22 @@ def _job(args: argparse.Namespace) -> dict[str, Any]:
     prices = _prices(args, Prices.from_spec(spec))
     records = int(counts["records"])
     batch, fallback = int(counts["stored_batch"]), int(counts["stored_fallback"])
+    # Hosted batch rows: the provider's reported usage when every batch reported it
+    # and the spec prices tokens, else the per-row price.
+    hosted_rows = int(hosted["rows"])
+    batch -= hosted_rows
+    hosted_cost = prices.hosted_usage_cost(hosted["input_tokens"], hosted["output_tokens"]) \
+        if hosted_rows and not hosted["unpriced_batches"] else None
     outstanding = int(counts["outstanding"])
     # Tonight's bill covers the rows this run produces: stored by either
     # transport, or still to be. Reused rows were paid for by an earlier
     # version and dead letters produced nothing, so neither is priced.
-    billable = batch + fallback + outstanding
-    so_far = cost_report(batch, fallback, prices, total_rows=billable)
+    billable = batch + hosted_rows + fallback + outstanding
+    so_far = cost_report(batch, fallback, prices, total_rows=billable, hosted_rows=hosted_rows,
+                         hosted_cost=hosted_cost)
     # If the cutoff fired now, every outstanding row would go synchronous.
-    fired = cost_report(batch, fallback + outstanding, prices, total_rows=billable)
+    fired = cost_report(batch, fallback + outstanding, prices, total_rows=billable, hosted_rows=hosted_rows,
+                        hosted_cost=hosted_cost)
     return {
         "job_version": args.job_version,
         "records": records,
@@ -99,7 +110,9 @@ def run(args: argparse.Namespace) -> int:
                 s, f = out["so_far"], out["if_fallback_now"]
                 print(f"job {out['job_version']}: {out['records']:,} records, {out['stored']:,} stored, "
                       f"{out['dead_letters']:,} dead letters, {out['outstanding']:,} outstanding")
-                print(f"so far: batch {s['batch_rows']:,} rows ${s['batch_cost']:,.2f}, "
+                hosted = f"hosted batch {s['hosted_rows']:,} rows ${s['hosted_cost']:,.2f}, " \
+                    if s["hosted_rows"] else ""
+                print(f"so far: batch {s['batch_rows']:,} rows ${s['batch_cost']:,.2f}, {hosted}"
                       f"fallback {s['fallback_rows']:,} rows ${s['fallback_cost']:,.2f}, total ${s['total']:,.2f}")
                 print(f"if the fallback fired now: ${f['total']:,.2f} (+${f['overage']:,.2f} over a clean batch night, "
                       f"ceiling ${f['all_synchronous_ceiling']:,.2f})")
