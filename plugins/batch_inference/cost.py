@@ -319,3 +319,27 @@ def month_view(
             )
         )
     return out
+
+
+def job_bill(counts: Any, prices: Prices, hosted: Any = None) -> tuple[CostReport, CostReport]:
+    """A running job's bill so far by transport, and what it would be if the fallback fired now.
+
+    ``counts`` is the job's ``JobCounts``, ``hosted`` the ``hosted_cost_rows`` row
+    (rows stored through hosted batch and the providers' reported usage). Tonight's
+    bill covers the rows this run produces: stored by any transport, or still to be.
+    Reused rows were paid for by an earlier version and dead letters produced
+    nothing, so neither is priced. Hosted batch rows are priced from the reported
+    usage when the spec prices tokens and every batch reported it, else per row.
+    """
+    hosted_rows = int(hosted["rows"]) if hosted else 0
+    batch = int(counts["stored_batch"]) - hosted_rows
+    fallback, outstanding = int(counts["stored_fallback"]), int(counts["outstanding"])
+    hosted_cost = prices.hosted_usage_cost(hosted["input_tokens"], hosted["output_tokens"]) \
+        if hosted_rows and not hosted["unpriced_batches"] else None
+    billable = batch + hosted_rows + fallback + outstanding
+    so_far = cost_report(batch, fallback, prices, total_rows=billable, hosted_rows=hosted_rows,
+                         hosted_cost=hosted_cost)
+    # If the cutoff fired now, every outstanding row would go synchronous.
+    fired = cost_report(batch, fallback + outstanding, prices, total_rows=billable, hosted_rows=hosted_rows,
+                        hosted_cost=hosted_cost)
+    return so_far, fired

@@ -20,6 +20,7 @@ from batch_inference.cost import (
     cents,
     cost_report,
     fallback_table,
+    job_bill,
     month_view,
 )
 
@@ -71,23 +72,8 @@ def _job(args: argparse.Namespace) -> dict[str, Any]:
             close()
     prices = _prices(args, Prices.from_spec(spec))
     records = int(counts["records"])
-    batch, fallback = int(counts["stored_batch"]), int(counts["stored_fallback"])
-    # Hosted batch rows: the provider's reported usage when every batch reported it
-    # and the spec prices tokens, else the per-row price.
-    hosted_rows = int(hosted["rows"])
-    batch -= hosted_rows
-    hosted_cost = prices.hosted_usage_cost(hosted["input_tokens"], hosted["output_tokens"]) \
-        if hosted_rows and not hosted["unpriced_batches"] else None
     outstanding = int(counts["outstanding"])
-    # Tonight's bill covers the rows this run produces: stored by either
-    # transport, or still to be. Reused rows were paid for by an earlier
-    # version and dead letters produced nothing, so neither is priced.
-    billable = batch + hosted_rows + fallback + outstanding
-    so_far = cost_report(batch, fallback, prices, total_rows=billable, hosted_rows=hosted_rows,
-                         hosted_cost=hosted_cost)
-    # If the cutoff fired now, every outstanding row would go synchronous.
-    fired = cost_report(batch, fallback + outstanding, prices, total_rows=billable, hosted_rows=hosted_rows,
-                        hosted_cost=hosted_cost)
+    so_far, fired = job_bill(counts, prices, hosted)
     return {
         "job_version": args.job_version,
         "records": records,

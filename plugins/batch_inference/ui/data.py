@@ -27,7 +27,7 @@ import psycopg
 from psycopg import sql
 
 from batch_inference import cutoff, db
-from batch_inference.cost import Prices, cost_report
+from batch_inference.cost import Prices, job_bill
 from batch_inference.db import q
 from batch_inference.drift import category_counts as drift_counts
 from batch_inference.drift import compare, over_gate
@@ -353,21 +353,18 @@ def review(conn: psycopg.Connection, job_version: str, role: str | None = None) 
 def cost(conn: psycopg.Connection, job_version: str) -> dict[str, Any]:
     """The bill so far by transport, and what it would be if the fallback fired now.
 
-    The same arithmetic as ``batch-inference cost JOB_VERSION``: tonight's
-    bill covers rows this run produces (stored by either transport, or still
-    outstanding); reused rows were paid for by an earlier version and dead
-    letters produced nothing, so neither is priced.
+    The same arithmetic as ``batch-inference cost JOB_VERSION`` (``cost.job_bill``),
+    hosted batch rows in their own column.
     """
     row = _job_row(conn, job_version)
     counts = job_counts(conn, job_version)
     prices = Prices.from_spec(row["spec"] or {})
-    batch, fallback = int(counts["stored_batch"]), int(counts["stored_fallback"])
     outstanding = int(counts["outstanding"])
-    billable = batch + fallback + outstanding
+    so_far, fired = job_bill(counts, prices, conn.execute(q("hosted_cost_rows"), {"job": job_version}).fetchone())
     return {
         "job_version": job_version,
-        "so_far": cost_report(batch, fallback, prices, total_rows=billable).to_dict(),
-        "if_fallback_now": cost_report(batch, fallback + outstanding, prices, total_rows=billable).to_dict(),
+        "so_far": so_far.to_dict(),
+        "if_fallback_now": fired.to_dict(),
         "reused": int(counts["reused"]),
         "dead_letters": int(counts["dead_letters"]),
         "outstanding": outstanding,
