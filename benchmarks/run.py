@@ -32,6 +32,7 @@ BENCHMARKS: dict[str, tuple[list[str], list[str]]] = {
     "cutoff_poll": ([], ["--cases", "100:500000,100:5000000,1000:5000000", "--polls", "20"]),
     "memory": ([], ["--shards", "1,2", "--shard-size", "200", "--repeats", "1"]),
     "pipeline_overhead": ([], ["--records", "2", "--chunk", "1", "--max-tokens", "32", "--repeats", "1"]),
+    "evaluation": ([], ["--records", "2000", "--golden", "100", "--repeats", "1"]),
 }
 
 

@@ -24,6 +24,7 @@ KEYS = {
                     "shards_x10_time_ratio"},
     "memory": {"baseline_peak_rss_mib", "peak_rss_mib", "growth_mib"},
     "pipeline_overhead": {"records", "direct_s", "pipeline_s", "overhead", "outputs_matching"},
+    "evaluation": {"records", "golden", "validate_s", "evaluation_s", "ratio", "graded", "engine_first_s"},
 }
 
 
@@ -70,6 +71,12 @@ def check_memory(out: dict) -> None:
 def check_pipeline_overhead(out: dict) -> None:
     assert out["records"] == 2 and out["direct_s"] > 0 and out["pipeline_s"] > 0
     assert out["outputs_matching"].endswith("/2")
+
+
+def check_evaluation(out: dict) -> None:
+    assert set(out["validate_s"]) == {"baseline", "join", "engine_cached"}
+    assert out["graded"] == {"baseline": 0, "join": out["golden"], "engine_cached": out["golden"]}
+    assert all(r > 0 for r in out["ratio"].values()) and out["engine_first_s"] > 0
 
 
 @pytest.mark.parametrize("name", sorted(KEYS))

@@ -95,6 +95,7 @@ def test_golden_accuracy_gates_publish_with_the_real_model(conn, db_url, llama_s
     j = passed["evaluation"]["judge"]
     assert j["judged"] == JOB_RECORDS and 0.0 <= j["agreement"] <= 1.0 and j["worker_exit"] == 0
     assert j["cost"] == pytest.approx(JOB_RECORDS * Cost().batch_per_row)     # the judge's own price
-    print(f"judge: {j['judged']} rows in {j['seconds']:.1f} s, agreement {j['agreement']:.0%}, cost {j['cost']:.5f}")
+    print(f"validate again (golden run read): evaluation {passed['timings']['evaluation_s']:.2f} s, of which the judge "
+          f"{j['judged']} rows in {j['seconds']:.1f} s, agreement {j['agreement']:.0%}, cost {j['cost']:.5f}")
     assert passed.passed, passed["failures"]
     assert publish(conn, lenient)["forced"] is False
