@@ -15,10 +15,11 @@ import pytest
 from batch_inference import db
 from batch_inference.commands.demo import load_tickets
 from batch_inference.data import DEMO_DATASET
+from batch_inference.spec import load_spec
 from batch_inference.status import job_counts
 from tests.fixtures.airflow_env import DAGS, airflow_home  # noqa: F401  (fixture)
 
-DAG_IDS = {"batch_inference_backfill", "batch_inference_nightly", "batch_inference_gpu"}
+DAG_IDS = {"batch_inference_backfill", "batch_inference_nightly", "batch_inference_gpu", "batch_inference_hosted"}
 ASSET_URI = f"batch-inference://published/{DEMO_DATASET}"
 
 
@@ -69,6 +70,10 @@ def test_dagbag_imports_the_example_dags_without_errors():
     assert backfill.get_task("cutoff").upstream_task_ids == {"submit", "deadline"}
     assert {"workers", "fallback"} <= backfill.get_task("validate").upstream_task_ids
     assert bag.dags["batch_inference_nightly"].params["incremental"] is True
+    hosted = bag.dags["batch_inference_hosted"]
+    assert hosted.params["spec_path"].endswith("tickets_hosted_spec.yaml") and hosted.params["deadline"] == "06:00"
+    assert hosted.get_task("fallback").api_key_env == "OPENAI_API_KEY"
+    assert load_spec(hosted.params["spec_path"]).engine.name == "openai-batch"
 
 
 def test_the_deadline_alert_is_on_when_not_switched_off(monkeypatch):

@@ -7,6 +7,9 @@
   (``make_tickets.py --expected``), the demo's golden set;
 * ``tickets_spec.yaml``: the job spec the example DAGs and the demo run:
   SmolLM2 on llama.cpp, a short schema-bounded output, and the gates.
+* ``tickets_hosted_spec.yaml``: the same job on a hosted batch API
+  (``openai-batch``), with the synchronous API as the fallback
+  (``batch_inference_hosted``).
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ from typing import Any
 DATA_DIR = Path(__file__).resolve().parent
 TICKETS = DATA_DIR / "tickets.jsonl"
 DEMO_SPEC = DATA_DIR / "tickets_spec.yaml"
+HOSTED_SPEC = DATA_DIR / "tickets_hosted_spec.yaml"   # the same job on OpenAI's Batch API (openai-batch)
 DEMO_DATASET = "ticket_triage"
 DEMO_SOURCE_TABLE = "public.support_tickets"
 TICKETS_EXPECTED = DATA_DIR / "tickets_expected.jsonl"

@@ -40,7 +40,7 @@ from batch_inference.operators.submit import SubmitJobOperator
 from batch_inference.operators.validate import ValidateOperator
 from batch_inference.sensors.cutoff import CutoffSensor
 
-ENGINES = ("llama-cpp", "noop", "openai", "vllm")
+ENGINES = ("llama-cpp", "noop", "openai", "vllm", "openai-batch", "anthropic-batch", "bedrock-batch")
 
 # A launcher gets the job version (an XComArg of submit) and the ledger's
 # connection id, and adds the worker task(s): it returns one task, or
@@ -74,7 +74,8 @@ def resolve_deadline(deadline: str, run_after: str, run_type: str = "") -> str:
 
 def batch_inference_pipeline(*, dataset: str, workers: WorkerLauncher, spec: str = "{{ params.spec_path }}",
                              incremental: bool | str | None = None, cutoff_poll_interval: float = 60,
-                             postgres_conn_id: str = DEFAULT_CONN_ID) -> Pipeline:
+                             postgres_conn_id: str = DEFAULT_CONN_ID,
+                             fallback_kwargs: dict[str, Any] | None = None) -> Pipeline:
     """Add submit → workers / deadline → cutoff → fallback → validate → publish to the current DAG.
 
     Call it inside ``with DAG(...)``. The DAG's Params must include those of
@@ -89,6 +90,7 @@ def batch_inference_pipeline(*, dataset: str, workers: WorkerLauncher, spec: str
         None keeps the spec's.
     :param cutoff_poll_interval: seconds between the cutoff trigger's reads of the counts.
     :param postgres_conn_id: the ledger's Airflow connection, for every task.
+    :param fallback_kwargs: more arguments of the ``FallbackPoolOperator`` (``api_key_env``, ``base_url``...).
     """
     submit = SubmitJobOperator(
         task_id="submit",
@@ -105,7 +107,8 @@ def batch_inference_pipeline(*, dataset: str, workers: WorkerLauncher, spec: str
     deadline = resolve_deadline("{{ params.deadline }}", "{{ dag_run.run_after.isoformat() }}", "{{ dag_run.run_type }}")
     cutoff = CutoffSensor(task_id="cutoff", job_version=job_version, deadline=deadline,
                           poll_interval=cutoff_poll_interval, postgres_conn_id=postgres_conn_id)
-    fallback = FallbackPoolOperator(task_id="fallback", job_version=job_version, postgres_conn_id=postgres_conn_id)
+    fallback = FallbackPoolOperator(task_id="fallback", job_version=job_version, postgres_conn_id=postgres_conn_id,
+                                    **(fallback_kwargs or {}))
     validate = ValidateOperator(task_id="validate", job_version=job_version, postgres_conn_id=postgres_conn_id)
     publish = PublishOperator(task_id="publish", job_version=job_version, postgres_conn_id=postgres_conn_id,
                               outlets=[dataset_asset(dataset)])
