@@ -6,6 +6,11 @@ if [ ! -x /usr/bin/chromium ] && command -v apt-get >/dev/null && [ "$(id -u)" =
   # The dashboard's browser tests drive Debian's Chromium (no browser download).
   (apt-get update -qq && apt-get install -y -qq chromium >/dev/null) || echo "warning: could not install chromium; browser tests will fail" >&2
 fi
+if ! command -v pgbouncer >/dev/null && [ ! -x /usr/sbin/pgbouncer ] && command -v apt-get >/dev/null && [ "$(id -u)" = 0 ]; then
+  # The ledger, worker and chaos tests also run through Debian's PgBouncer in transaction mode.
+  (apt-get install -y -qq pgbouncer >/dev/null 2>&1 || (apt-get update -qq && apt-get install -y -qq pgbouncer >/dev/null)) \
+    || echo "warning: could not install pgbouncer; the PgBouncer runs will be skipped" >&2
+fi
 set +e
 python -m pytest "$@"
 rc=$?

@@ -19,7 +19,7 @@ from batch_inference.data import TRIAGE_SCHEMA
 from batch_inference.spec import JobSpec, parse_spec
 
 pytest_plugins = ["tests.fixtures.airflow_env", "tests.fixtures.llama_server", "tests.fixtures.live_airflow",
-                  "tests.fixtures.password_check"]
+                  "tests.fixtures.password_check", "tests.fixtures.pgbouncer"]
 
 NOOP_DIGEST = "0" * 64
 # Test engines are loaded by dotted path from this package (tests.process.test_worker:BrokenEngine, ...);
@@ -58,12 +58,29 @@ def template_db(pg_server) -> str:
     return name
 
 
+def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
+    """A test module that sets ``DB_ROUTES = ("direct", "pgbouncer")`` runs each of
+    its tests that uses ``db_url`` (or ``conn``) once per route."""
+    routes = getattr(metafunc.module, "DB_ROUTES", None)
+    if routes and "db_route" in metafunc.fixturenames:
+        metafunc.parametrize("db_route", routes, indirect=True)
+
+
 @pytest.fixture
-def db_url(pg_server, template_db) -> str:
+def db_route(request) -> str:
+    """How ``db_url`` reaches the server: "direct" (the socket), or "pgbouncer"
+    (tests/fixtures/pgbouncer.py: PgBouncer in transaction pooling mode)."""
+    return getattr(request, "param", "direct")
+
+
+@pytest.fixture
+def db_url(request, pg_server, template_db, db_route) -> str:
     name = "t_" + uuid.uuid4().hex[:12]
     with psycopg.connect(pg_server.get_uri(), autocommit=True) as c:
         c.execute(f"CREATE DATABASE {name} TEMPLATE {template_db}")
     url = pg_server.get_uri(name)
+    if db_route == "pgbouncer":
+        url = request.getfixturevalue("pgbouncer").url(url)
     yield url
     with psycopg.connect(pg_server.get_uri(), autocommit=True) as c:
         c.execute(f"DROP DATABASE IF EXISTS {name} WITH (FORCE)")

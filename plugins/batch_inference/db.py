@@ -122,15 +122,28 @@ def first_line(exc: BaseException) -> str:
     return text.splitlines()[0] if text else exc.__class__.__name__
 
 
+# psycopg prepares a statement server-side after it has run five times; behind
+# PgBouncer in transaction mode (1.18 has no protocol-level prepared
+# statements) the next transaction may run on a server connection that lacks
+# it. None: never prepare. The ledger's calls are SELECTs of SQL functions,
+# whose own plans PostgreSQL caches either way, so preparing bought nothing
+# measurable (docs/capacity.md).
+PREPARE_THRESHOLD: int | None = None
+
+
 def connect(url: str | None = None, *, autocommit: bool = True, retries: int = 0,
             retry_wait: float = 1.0, application_name: str = "batch-inference") -> psycopg.Connection:
-    """Open a connection with dict rows. ``retries`` covers a database restart."""
+    """Open a connection with dict rows. ``retries`` covers a database restart.
+
+    Never server-side prepared statements (``PREPARE_THRESHOLD``), so the
+    connection works through a transaction pooler (docs/capacity.md)."""
     dsn = resolve_url(url)
     attempt = 0
     while True:
         try:
             return psycopg.connect(dsn, autocommit=autocommit, row_factory=dict_row,
-                                   application_name=application_name, connect_timeout=10)
+                                   application_name=application_name, connect_timeout=10,
+                                   prepare_threshold=PREPARE_THRESHOLD)
         except psycopg.ProgrammingError as exc:   # a value libpq refuses only at connect (sslmode=...)
             raise BadDatabaseURL(f"unusable database URL {redact(dsn)}: {scrub(first_line(exc), dsn)}") from None
         except psycopg.OperationalError as exc:

@@ -282,7 +282,8 @@ def error_payload(cfg: WatchConfig, message: str, polls: int = 0) -> dict[str, A
 
 async def connect_async(conninfo: str, application_name: str = "batch-inference-cutoff") -> psycopg.AsyncConnection:
     return await psycopg.AsyncConnection.connect(db.usable_url(conninfo), autocommit=True, row_factory=dict_row,
-                                                 application_name=application_name, connect_timeout=10)
+                                                 application_name=application_name, connect_timeout=10,
+                                                 prepare_threshold=db.PREPARE_THRESHOLD)
 
 
 async def watch(connect: Callable[[], Awaitable[psycopg.AsyncConnection]], cfg: WatchConfig, *,

@@ -548,30 +548,3 @@ BEGIN
     SELECT coalesce(j.spec_text, j.spec::text)::json, j.mode, j.status
       FROM bi.jobs j WHERE j.job_version = p_job;
 END $$;
-
--- Live counts from the shard table alone: cost independent of the number of records.
-CREATE OR REPLACE FUNCTION bi.job_counts_v1(p_job text)
-RETURNS TABLE (records bigint, stored bigint, stored_batch bigint, stored_fallback bigint, reused bigint,
-               dead_letters bigint, outstanding bigint, shards_pending bigint, shards_leased bigint,
-               shards_done bigint, mode text, status text, first_claim_at timestamptz)
-LANGUAGE plpgsql STABLE SECURITY DEFINER SET search_path = pg_catalog, pg_temp AS $$
-#variable_conflict use_column
-BEGIN
-    PERFORM bi.assert_may_work_on_v1(p_job);
-    RETURN QUERY
-    SELECT j.records,
-           j.reused + coalesce(sum(s.stored), 0),
-           coalesce(sum(s.stored - s.stored_fallback), 0),
-           coalesce(sum(s.stored_fallback), 0),
-           j.reused,
-           j.planned_dead + coalesce(sum(s.dead), 0),
-           j.records - j.reused - j.planned_dead - coalesce(sum(s.stored + s.dead), 0),
-           count(*) FILTER (WHERE s.state = 'pending'),
-           count(*) FILTER (WHERE s.state = 'leased'),
-           count(*) FILTER (WHERE s.state = 'done'),
-           j.mode, j.status, min(s.first_claim_at)
-      FROM bi.jobs j
-      LEFT JOIN bi.shards s ON s.job_version = j.job_version
-     WHERE j.job_version = p_job
-     GROUP BY j.job_version;
-END $$;

@@ -15,6 +15,8 @@ from batch_inference.status import dead_letters, fence_counts, job_counts
 from tests.conftest import make_source, make_spec, tickets
 
 OUT = {"category": "billing", "summary": "charged twice"}
+# Each database test runs directly and through PgBouncer in transaction mode (tests/conftest.py).
+DB_ROUTES = ("direct", "pgbouncer")
 
 
 @pytest.fixture

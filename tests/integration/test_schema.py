@@ -32,7 +32,7 @@ CATALOG = {
          WHERE c.table_schema = ANY (%(schemas)s) AND c.table_name <> 'schema_migrations'""",
     "relations": """
         SELECT n.nspname, c.relname, c.relkind, c.relpersistence, c.relrowsecurity, c.relforcerowsecurity,
-               pg_get_partkeydef(c.oid) AS partkey, c.relacl::text AS acl,
+               pg_get_partkeydef(c.oid) AS partkey, c.relacl::text AS acl, c.reloptions::text AS options,
                obj_description(c.oid, 'pg_class') AS comment
           FROM pg_class c JOIN pg_namespace n ON n.oid = c.relnamespace
          WHERE n.nspname = ANY (%(schemas)s) AND c.relname NOT LIKE 'schema_migrations%%'

@@ -5,6 +5,8 @@ must see the failures they are there to catch, or a green run means nothing."""
 from __future__ import annotations
 
 import json
+import os
+import socket
 import subprocess
 import sys
 import threading
@@ -20,6 +22,8 @@ from batch_inference.plan import submit
 from tests.conftest import make_source, make_spec, tickets
 
 OUT = {"category": "billing", "summary": "charged twice"}
+# Each database test runs directly and through PgBouncer in transaction mode (tests/conftest.py).
+DB_ROUTES = ("direct", "pgbouncer")
 
 
 @pytest.mark.chaos
@@ -154,7 +158,20 @@ def test_coverage_and_counter_checks_see_missing_and_uncounted_rows(conn, db_url
 
 # -- regressions the chaos run found --------------------------------------------------
 
-def _drop_connection_on_first_call(monkeypatch, admin, name: str) -> dict[str, int]:
+def _cut(admin, conn, db_route: str) -> None:
+    """End ``conn`` the way a restart reaches a worker. Directly: the server
+    terminates its backend. Through PgBouncer in transaction mode a server
+    restart between transactions never reaches the client (the pooler takes a
+    fresh server connection), so what does is the pooler's own restart: the
+    client's socket closes under it."""
+    if db_route == "pgbouncer":
+        with socket.socket(fileno=os.dup(conn.fileno())) as s:
+            s.shutdown(socket.SHUT_RDWR)
+    else:
+        admin.execute("SELECT pg_terminate_backend(%s, 5000)", (conn.info.backend_pid,))
+
+
+def _drop_connection_on_first_call(monkeypatch, admin, name: str, db_route: str) -> dict[str, int]:
     """Make the worker's first call of ``name`` meet a connection the server
     has just terminated, as a database restart does."""
     import gpu_runner.worker as worker_mod
@@ -165,40 +182,40 @@ def _drop_connection_on_first_call(monkeypatch, admin, name: str) -> dict[str, i
     def flaky(conn, *args):
         calls["n"] += 1
         if calls["n"] == 1:
-            admin.execute("SELECT pg_terminate_backend(%s, 5000)", (conn.info.backend_pid,))
+            _cut(admin, conn, db_route)
         return real(conn, *args)
 
     monkeypatch.setattr(worker_mod, name, flaky)
     return calls
 
 
-def test_worker_reconnects_when_the_database_restarts_before_its_first_query(monkeypatch, conn, db_url):
+def test_worker_reconnects_when_the_database_restarts_before_its_first_query(monkeypatch, conn, db_url, db_route):
     """A worker started during a database restart crashed with a traceback
     (exit 1) at its first query instead of reconnecting."""
     from gpu_runner.worker import WorkerConfig, run_worker
 
     make_source(conn, tickets(15))
     job = submit(conn, make_spec()).job_version
-    calls = _drop_connection_on_first_call(monkeypatch, conn, "job_spec")
+    calls = _drop_connection_on_first_call(monkeypatch, conn, "job_spec", db_route)
     assert run_worker(WorkerConfig(job_version=job, db_url=db_url, db_retries=2)) == 0
     assert calls["n"] == 2
     assert conn.execute("SELECT count(*) AS n FROM bi.results").fetchone()["n"] == 15
 
 
-def test_worker_reconnects_when_the_database_restarts_while_it_waits(monkeypatch, conn, db_url):
+def test_worker_reconnects_when_the_database_restarts_while_it_waits(monkeypatch, conn, db_url, db_route):
     """Between shards the worker passed its connection to the retried call:
     after a reconnect it retried on the closed one and crashed (exit 1)."""
     from gpu_runner.worker import WorkerConfig, run_worker
 
     make_source(conn, tickets(5))
     job = submit(conn, make_spec()).job_version
-    calls = _drop_connection_on_first_call(monkeypatch, conn, "job_mode")
+    calls = _drop_connection_on_first_call(monkeypatch, conn, "job_mode", db_route)
     assert run_worker(WorkerConfig(job_version=job, db_url=db_url, db_retries=2)) == 0
     assert calls["n"] == 2
     assert conn.execute("SELECT count(*) AS n FROM bi.results").fetchone()["n"] == 5
 
 
-def _drop_put_results(monkeypatch, admin, times: int) -> dict[str, int]:
+def _drop_put_results(monkeypatch, admin, times: int, db_route: str) -> dict[str, int]:
     from batch_inference.ledger import Ledger as L
 
     real = L.put_results
@@ -207,33 +224,33 @@ def _drop_put_results(monkeypatch, admin, times: int) -> dict[str, int]:
     def flaky(self, *args):
         calls["n"] += 1
         if calls["n"] <= times:
-            admin.execute("SELECT pg_terminate_backend(%s, 5000)", (self.conn.info.backend_pid,))
+            _cut(admin, self.conn, db_route)
         return real(self, *args)
 
     monkeypatch.setattr(L, "put_results", flaky)
     return calls
 
 
-def test_worker_survives_a_connection_lost_again_right_after_reconnecting(monkeypatch, conn, db_url):
+def test_worker_survives_a_connection_lost_again_right_after_reconnecting(monkeypatch, conn, db_url, db_route):
     """Two database restarts in a row (or a stalled worker waking into a
     second one) failed the single retry and crashed the worker (exit 1)."""
     from gpu_runner.worker import WorkerConfig, run_worker
 
     make_source(conn, tickets(5))
     job = submit(conn, make_spec()).job_version
-    calls = _drop_put_results(monkeypatch, conn, times=2)
+    calls = _drop_put_results(monkeypatch, conn, times=2, db_route=db_route)
     assert run_worker(WorkerConfig(job_version=job, db_url=db_url, db_retries=3)) == 0
     assert calls["n"] == 3
     assert conn.execute("SELECT count(*) AS n FROM bi.results").fetchone()["n"] == 5
 
 
-def test_worker_whose_database_keeps_failing_exits_2_not_with_a_traceback(monkeypatch, conn, db_url):
+def test_worker_whose_database_keeps_failing_exits_2_not_with_a_traceback(monkeypatch, conn, db_url, db_route):
     from batch_inference.exits import ExitCode
     from gpu_runner.worker import WorkerConfig, run_worker
 
     make_source(conn, tickets(5))
     job = submit(conn, make_spec()).job_version
-    _drop_put_results(monkeypatch, conn, times=1000)
+    _drop_put_results(monkeypatch, conn, times=1000, db_route=db_route)
     assert run_worker(WorkerConfig(job_version=job, db_url=db_url, db_retries=2)) == ExitCode.DB
     assert conn.execute("SELECT count(*) AS n FROM bi.results").fetchone()["n"] == 0
 

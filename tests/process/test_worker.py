@@ -19,6 +19,9 @@ from batch_inference.exits import ExitCode
 from gpu_runner.worker import WorkerConfig, run_worker
 from tests.conftest import make_source, make_spec, tickets
 
+# Each database test runs directly and through PgBouncer in transaction mode (tests/conftest.py).
+DB_ROUTES = ("direct", "pgbouncer")
+
 
 def start_worker(db_url: str, job: str, *extra: str) -> subprocess.Popen:
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}

@@ -1,0 +1,135 @@
+-- counts: a job's live counts, kept in stripes so that reading them costs the
+-- same at ten shards or a hundred thousand, and the ledger's autovacuum
+-- settings.
+--
+-- bi.shards holds each shard's counters (stored, stored_fallback, dead) and
+-- state; the cutoff polls their totals. Summing the shard table grows with
+-- the shards, and one job-wide row that every write updates would serialize
+-- every worker's put on it. So the totals live in bi.shard_stripes, one row
+-- per (job version, shard_no % 1024): triggers on bi.shards add each change
+-- to its shard's stripe in the same transaction, and bi.job_counts_v1 sums at
+-- most 1,024 rows. Workers claim shards in shard_no order, so the shards held
+-- at one time are close to consecutive numbers, and consecutive numbers fall
+-- in different stripes: up to 1,024 concurrent holders never share a row.
+
+CREATE TABLE IF NOT EXISTS bi.shard_stripes (
+    job_version     text NOT NULL REFERENCES bi.jobs (job_version) ON DELETE CASCADE,
+    stripe          integer NOT NULL,            -- shard_no % bi.shard_stripe_count_v1()
+    pending         bigint NOT NULL DEFAULT 0,   -- shards in each state
+    leased          bigint NOT NULL DEFAULT 0,
+    done            bigint NOT NULL DEFAULT 0,
+    stored          bigint NOT NULL DEFAULT 0,   -- the sums of the shards' counters
+    stored_fallback bigint NOT NULL DEFAULT 0,
+    dead            bigint NOT NULL DEFAULT 0,
+    first_claim_at  timestamptz,                 -- the earliest first claim of the stripe's shards
+    PRIMARY KEY (job_version, stripe)
+) WITH (fillfactor = 50, autovacuum_vacuum_scale_factor = 0, autovacuum_vacuum_threshold = 5000,
+        autovacuum_vacuum_cost_delay = 0);
+
+CREATE OR REPLACE FUNCTION bi.shard_stripe_count_v1() RETURNS integer
+LANGUAGE sql IMMUTABLE AS $$ SELECT 1024 $$;
+
+-- New shards (submit inserts a job's shards in one statement): their totals, per stripe.
+CREATE OR REPLACE FUNCTION bi.stripes_add_shards_v1() RETURNS trigger
+LANGUAGE plpgsql SET search_path = pg_catalog, pg_temp AS $$
+BEGIN
+    INSERT INTO bi.shard_stripes AS t (job_version, stripe, pending, leased, done, stored, stored_fallback, dead,
+                                       first_claim_at)
+    SELECT n.job_version, n.shard_no % bi.shard_stripe_count_v1(),
+           count(*) FILTER (WHERE n.state = 'pending'), count(*) FILTER (WHERE n.state = 'leased'),
+           count(*) FILTER (WHERE n.state = 'done'),
+           sum(n.stored), sum(n.stored_fallback), sum(n.dead), min(n.first_claim_at)
+      FROM added n
+     GROUP BY 1, 2
+    ON CONFLICT (job_version, stripe) DO UPDATE
+       SET pending = t.pending + excluded.pending, leased = t.leased + excluded.leased,
+           done = t.done + excluded.done, stored = t.stored + excluded.stored,
+           stored_fallback = t.stored_fallback + excluded.stored_fallback, dead = t.dead + excluded.dead,
+           first_claim_at = least(t.first_claim_at, excluded.first_claim_at);
+    RETURN NULL;
+END $$;
+
+-- Removed shards (a job version dropped without its jobs row going too): their totals out.
+CREATE OR REPLACE FUNCTION bi.stripes_remove_shards_v1() RETURNS trigger
+LANGUAGE plpgsql SET search_path = pg_catalog, pg_temp AS $$
+BEGIN
+    UPDATE bi.shard_stripes t
+       SET pending = t.pending - o.pending, leased = t.leased - o.leased, done = t.done - o.done,
+           stored = t.stored - o.stored, stored_fallback = t.stored_fallback - o.stored_fallback,
+           dead = t.dead - o.dead
+      FROM (SELECT r.job_version, r.shard_no % bi.shard_stripe_count_v1() AS stripe,
+                   count(*) FILTER (WHERE r.state = 'pending') AS pending,
+                   count(*) FILTER (WHERE r.state = 'leased') AS leased,
+                   count(*) FILTER (WHERE r.state = 'done') AS done,
+                   sum(r.stored) AS stored, sum(r.stored_fallback) AS stored_fallback, sum(r.dead) AS dead
+              FROM removed r GROUP BY 1, 2) o
+     WHERE t.job_version = o.job_version AND t.stripe = o.stripe;
+    RETURN NULL;
+END $$;
+
+-- One shard changed state or counters: the difference, to its stripe. A
+-- renewal changes neither, so the trigger's WHEN clause skips it.
+CREATE OR REPLACE FUNCTION bi.stripes_change_shard_v1() RETURNS trigger
+LANGUAGE plpgsql SET search_path = pg_catalog, pg_temp AS $$
+BEGIN
+    UPDATE bi.shard_stripes t
+       SET pending = t.pending + (NEW.state = 'pending')::integer - (OLD.state = 'pending')::integer,
+           leased = t.leased + (NEW.state = 'leased')::integer - (OLD.state = 'leased')::integer,
+           done = t.done + (NEW.state = 'done')::integer - (OLD.state = 'done')::integer,
+           stored = t.stored + NEW.stored - OLD.stored,
+           stored_fallback = t.stored_fallback + NEW.stored_fallback - OLD.stored_fallback,
+           dead = t.dead + NEW.dead - OLD.dead,
+           first_claim_at = least(t.first_claim_at, NEW.first_claim_at)
+     WHERE t.job_version = NEW.job_version AND t.stripe = NEW.shard_no % bi.shard_stripe_count_v1();
+    RETURN NULL;
+END $$;
+
+DROP TRIGGER IF EXISTS shards_stripes_insert ON bi.shards;
+CREATE TRIGGER shards_stripes_insert AFTER INSERT ON bi.shards
+    REFERENCING NEW TABLE AS added FOR EACH STATEMENT EXECUTE FUNCTION bi.stripes_add_shards_v1();
+DROP TRIGGER IF EXISTS shards_stripes_delete ON bi.shards;
+CREATE TRIGGER shards_stripes_delete AFTER DELETE ON bi.shards
+    REFERENCING OLD TABLE AS removed FOR EACH STATEMENT EXECUTE FUNCTION bi.stripes_remove_shards_v1();
+DROP TRIGGER IF EXISTS shards_stripes_update ON bi.shards;
+CREATE TRIGGER shards_stripes_update AFTER UPDATE OF state, stored, stored_fallback, dead, first_claim_at
+    ON bi.shards FOR EACH ROW
+    WHEN (OLD.state IS DISTINCT FROM NEW.state OR OLD.stored IS DISTINCT FROM NEW.stored
+          OR OLD.stored_fallback IS DISTINCT FROM NEW.stored_fallback OR OLD.dead IS DISTINCT FROM NEW.dead
+          OR OLD.first_claim_at IS DISTINCT FROM NEW.first_claim_at)
+    EXECUTE FUNCTION bi.stripes_change_shard_v1();
+
+-- Live counts from the stripes: at most 1,024 rows a job, whatever its size.
+CREATE OR REPLACE FUNCTION bi.job_counts_v1(p_job text)
+RETURNS TABLE (records bigint, stored bigint, stored_batch bigint, stored_fallback bigint, reused bigint,
+               dead_letters bigint, outstanding bigint, shards_pending bigint, shards_leased bigint,
+               shards_done bigint, mode text, status text, first_claim_at timestamptz)
+LANGUAGE plpgsql STABLE SECURITY DEFINER SET search_path = pg_catalog, pg_temp AS $$
+#variable_conflict use_column
+BEGIN
+    PERFORM bi.assert_may_work_on_v1(p_job);
+    RETURN QUERY
+    SELECT j.records,
+           j.reused + coalesce(sum(c.stored), 0)::bigint,
+           coalesce(sum(c.stored - c.stored_fallback), 0)::bigint,
+           coalesce(sum(c.stored_fallback), 0)::bigint,
+           j.reused,
+           j.planned_dead + coalesce(sum(c.dead), 0)::bigint,
+           j.records - j.reused - j.planned_dead - coalesce(sum(c.stored + c.dead), 0)::bigint,
+           coalesce(sum(c.pending), 0)::bigint,
+           coalesce(sum(c.leased), 0)::bigint,
+           coalesce(sum(c.done), 0)::bigint,
+           j.mode, j.status, min(c.first_claim_at)
+      FROM bi.jobs j
+      LEFT JOIN bi.shard_stripes c ON c.job_version = j.job_version
+     WHERE j.job_version = p_job
+     GROUP BY j.job_version;
+END $$;
+
+-- The shard table takes an update for every claim, renewal, put and
+-- completion: every renewal leaves a dead tuple, so autovacuum visits it
+-- after a fixed number of them rather than a fraction of a table that grows
+-- with every job, without sleeping between pages; fillfactor leaves room on
+-- each page for those updates to stay HOT (no index entry per update).
+ALTER TABLE bi.shards SET (fillfactor = 70, autovacuum_vacuum_scale_factor = 0,
+                           autovacuum_vacuum_threshold = 10000, autovacuum_vacuum_cost_delay = 0,
+                           autovacuum_analyze_scale_factor = 0.05);

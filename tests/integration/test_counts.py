@@ -1,0 +1,129 @@
+"""The job's live counts come from bi.shard_stripes (sql/schema/counts.sql):
+after every kind of shard change they equal the sums over the shard table,
+and the migration fills the stripes of jobs submitted before it."""
+
+from __future__ import annotations
+
+import psycopg
+import pytest
+
+from batch_inference import db
+from batch_inference.ledger import Failure, Ledger
+from batch_inference.plan import submit
+from batch_inference.status import job_counts
+from tests.conftest import make_source, make_spec, tickets
+
+OUT = {"category": "billing", "summary": "charged twice"}
+
+# What bi.job_counts_v1 summed before the stripes: the shard table itself.
+FROM_SHARDS = """
+    SELECT j.reused + coalesce(sum(s.stored), 0) AS stored, coalesce(sum(s.stored_fallback), 0) AS stored_fallback,
+           j.planned_dead + coalesce(sum(s.dead), 0) AS dead_letters,
+           j.records - j.reused - j.planned_dead - coalesce(sum(s.stored + s.dead), 0) AS outstanding,
+           count(*) FILTER (WHERE s.state = 'pending') AS pending, count(*) FILTER (WHERE s.state = 'leased') AS leased,
+           count(*) FILTER (WHERE s.state = 'done') AS done, min(s.first_claim_at) AS first_claim_at
+      FROM bi.jobs j LEFT JOIN bi.shards s ON s.job_version = j.job_version
+     WHERE j.job_version = %s GROUP BY j.job_version, j.records, j.reused, j.planned_dead"""
+
+
+def same_as_shards(conn: psycopg.Connection, job: str) -> dict:
+    c = job_counts(conn, job)
+    want = conn.execute(FROM_SHARDS, (job,)).fetchone()
+    got = {"stored": c["stored"], "stored_fallback": c["stored_fallback"], "dead_letters": c["dead_letters"],
+           "outstanding": c["outstanding"], **c["shards"], "first_claim_at": c["first_claim_at"]}
+    assert got == dict(want)
+    return c
+
+
+def test_counts_follow_every_shard_change(conn, db_url):
+    make_source(conn, tickets(25))
+    job = submit(conn, make_spec(max_attempts=1)).job_version
+    c = same_as_shards(conn, job)
+    assert (c["shards"]["pending"], c["outstanding"]) == (3, 25)
+    a = Ledger(db.connect(db_url), job, "a", lease_seconds=1)
+    la = a.claim()
+    ids = sorted(r["record_id"] for r in a.records(la))
+    assert a.put_results(la, ids[:4], [OUT] * 4, ["billing"] * 4) == 4
+    assert a.put_results(la, ids[:4], [OUT] * 4, ["billing"] * 4) == 0        # nothing new: no change
+    a.fail(la, [Failure(ids[4], "bad output", "{")])                          # max_attempts 1: dead
+    c = same_as_shards(conn, job)
+    assert (c["stored"], c["dead_letters"], c["shards"]["leased"]) == (4, 1, 1)
+    assert a.release(la)
+    same_as_shards(conn, job)
+    lb = a.claim()
+    assert lb.shard_no == la.shard_no
+    rest = sorted(r["record_id"] for r in a.records(lb))
+    a.put_results(lb, rest, [OUT] * len(rest), ["billing"] * len(rest))
+    assert a.complete(lb) == "done"
+    c = same_as_shards(conn, job)
+    assert (c["shards"]["done"], c["stored"], c["dead_letters"]) == (1, 9, 1)
+    lc = a.claim()                      # left to expire, then swept back to pending
+    conn.execute("UPDATE bi.shards SET lease_expires_at = clock_timestamp() - interval '1 second' "
+                 "WHERE job_version = %s AND shard_no = %s", (job, lc.shard_no))
+    assert conn.execute(db.q("sweep_expired"), {"job": job}).fetchone() is not None
+    c = same_as_shards(conn, job)
+    assert c["shards"]["leased"] == 0 and lc is not None
+    conn.execute("DELETE FROM bi.shards WHERE job_version = %s AND shard_no = 2", (job,))
+    same_as_shards(conn, job)
+
+
+def test_two_jobs_and_a_dropped_one_keep_their_own_counts(conn):
+    make_source(conn, tickets(30))
+    one = submit(conn, make_spec()).job_version
+    two = submit(conn, make_spec(prompt={"version": "v2"})).job_version
+    assert same_as_shards(conn, one)["outstanding"] == same_as_shards(conn, two)["outstanding"] == 30
+    conn.execute(db.q("drop_job_version"), {"job": one})
+    assert conn.execute("SELECT count(*) AS n FROM bi.shard_stripes WHERE job_version = %s", (one,)).fetchone()["n"] == 0
+    same_as_shards(conn, two)
+
+
+def test_concurrently_held_shards_fall_in_different_stripes(conn, db_url):
+    make_source(conn, tickets(50))
+    job = submit(conn, make_spec(shard_size=5)).job_version
+    leases = [Ledger(db.connect(db_url), job, f"w{i}").claim() for i in range(10)]
+    stripes = conn.execute("SELECT count(*) AS n FROM bi.shard_stripes WHERE job_version = %s AND leased > 0",
+                           (job,)).fetchone()["n"]
+    assert stripes == len({lease.shard_no for lease in leases}) == 10
+
+
+def test_the_migration_fills_the_stripes_of_existing_jobs(pg_server):
+    name = "t_stripes_mig"
+    with psycopg.connect(pg_server.get_uri(), autocommit=True) as c:
+        c.execute(f"DROP DATABASE IF EXISTS {name}")
+        c.execute(f"CREATE DATABASE {name}")
+    try:
+        with db.connect(pg_server.get_uri(name)) as conn:
+            with conn.transaction():     # every migration before 0005, recorded as db.migrate records them
+                conn.execute(db.q("migrations_table"))
+                for path in db.migrations():
+                    if path.name >= "0005":
+                        break
+                    conn.execute(path.read_text())
+                    conn.execute(db.q("migration_record"), {"name": path.name, "checksum": _checksum(path)})
+            make_source(conn, tickets(25))
+            job = submit(conn, make_spec()).job_version
+            conn.execute("UPDATE bi.shards SET stored = 3, state = 'done' WHERE job_version = %s AND shard_no = 1",
+                         (job,))
+            assert "0005_scale.sql" in db.migrate(conn)
+            c = same_as_shards(conn, job)
+            assert (c["stored"], c["shards"]["done"], c["shards"]["pending"]) == (3, 1, 2)
+    finally:
+        with psycopg.connect(pg_server.get_uri(), autocommit=True) as c:
+            c.execute(f"DROP DATABASE IF EXISTS {name} WITH (FORCE)")
+
+
+def _checksum(path) -> str:
+    import hashlib
+
+    return hashlib.sha256(path.read_text().encode()).hexdigest()
+
+
+@pytest.mark.parametrize("shards", [1, 1500])
+def test_the_poll_reads_at_most_one_row_per_stripe(conn, shards):
+    """The stripes of a job: as many as its shards, never more than the stripe count."""
+    make_source(conn, tickets(shards))
+    job = submit(conn, make_spec(shard_size=1)).job_version
+    n = conn.execute("SELECT count(*) AS n FROM bi.shard_stripes WHERE job_version = %s", (job,)).fetchone()["n"]
+    cap = conn.execute("SELECT bi.shard_stripe_count_v1() AS n").fetchone()["n"]
+    assert n == min(shards, cap)
+    assert same_as_shards(conn, job)["shards"]["pending"] == shards
