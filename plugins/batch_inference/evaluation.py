@@ -35,6 +35,8 @@ import hashlib
 import json
 import logging
 import re
+import signal
+import threading
 import time
 import unicodedata
 from collections.abc import Mapping
@@ -165,8 +167,16 @@ def run_companion(conn: psycopg.Connection, spec: JobSpec,
     job = plan.submit(conn, spec, rows).job_version
     if job_counts(conn, job)["outstanding"] == 0:
         return job, 0
-    code = run_worker(WorkerConfig(job_version=job, db_url=conninfo_of(conn), wait_for_leases=False,
-                                   backoff=(0.5, 1.0, 2.0), flush_seconds=1.0))
+    # The worker takes SIGTERM and SIGINT as its preemption notice; the caller's own handlers
+    # (an Airflow task's, the CLI's Ctrl-C) come back when it is done.
+    saved = ({s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT)}
+             if threading.current_thread() is threading.main_thread() else {})
+    try:
+        code = run_worker(WorkerConfig(job_version=job, db_url=conninfo_of(conn), wait_for_leases=False,
+                                       backoff=(0.5, 1.0, 2.0), flush_seconds=1.0))
+    finally:
+        for sig, handler in saved.items():
+            signal.signal(sig, handler)
     return job, int(code)
 
 
@@ -177,7 +187,7 @@ def golden_spec(spec: JobSpec) -> JobSpec:
     return spec.with_overrides(
         dataset="golden_" + _key(g.table, g.id_column, g.text_column),
         source={"kind": "postgres", "table": g.table, "id_column": g.id_column, "text_column": g.text_column},
-        incremental=False, evaluation={}, validation={"sample_size": 0}, shard_size=max(spec.shard_size, 1))
+        incremental=False, evaluation={}, validation={"sample_size": 0})
 
 
 def judge_spec(spec: JobSpec) -> JobSpec:

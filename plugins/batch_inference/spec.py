@@ -335,6 +335,9 @@ class JobSpec(_Strict):
         for name in [*ev.min_accuracy, *ev.graders]:
             if name not in props:
                 raise ValueError(f"evaluation: {name!r} is not a top-level property of output_schema")
+        if ev.judge is not None and self.validation.sample_size == 0:
+            raise ValueError("evaluation.judge grades rows of the review sample: validation.sample_size must be "
+                             "at least 1")
         if ev.review.min_reviewed > self.validation.sample_size:
             raise ValueError(f"evaluation.review.min_reviewed ({ev.review.min_reviewed}) is more than the review "
                              f"sample holds (validation.sample_size {self.validation.sample_size})")

@@ -142,6 +142,9 @@ def test_bad_golden_sets_fail_validation_with_one_line(conn, db_url):
         make_spec(evaluation=golden_block(min_accuracy={"colour": 0.5}))
     with pytest.raises(SpecError, match="min_reviewed .* is more than the review sample holds"):
         make_spec(evaluation={"review": {"min_reviewed": 500}}, validation={"sample_size": 10})
+    judge = {"model": {"name": "noop", "digest": "0" * 64}, "engine": {"name": "noop"}, "rubric": "Right?"}
+    with pytest.raises(SpecError, match="judge grades rows of the review sample"):
+        make_spec(evaluation={"judge": judge}, validation={"sample_size": 0})
     # Gates do not join the job version (I2): only what changes results does.
     assert make_spec(evaluation=golden_block(min_accuracy={"category": 0.9})).spec_hash == make_spec().spec_hash
 
@@ -259,3 +262,22 @@ def test_the_demo_grades_its_own_results_against_the_sample_tickets_labels(conn,
     want = sum(1 for i in graded if i in right or labels[i]["category"] == "other")
     assert g["fields"]["category"]["right"] == want
     assert set(g["fields"]) == {"category", "priority"}     # the labels say nothing of the summary
+
+
+def test_the_in_process_golden_run_gives_the_callers_signal_handlers_back(conn, db_url):
+    import signal
+
+    make_source(conn, tickets(3))
+    golden_table(conn, [("g0", "Golden ticket", {"category": "billing"})])
+    job = submit(conn, make_spec(evaluation=golden_block(golden={"run": "engine"}))).job_version
+    finish(db_url, job)
+
+    def mine(_signum, _frame):  # pragma: no cover - never delivered
+        pass
+
+    before = signal.signal(signal.SIGTERM, mine)
+    try:
+        assert validate(conn, job)["evaluation"]["golden"]["worker_exit"] == 0
+        assert signal.getsignal(signal.SIGTERM) is mine
+    finally:
+        signal.signal(signal.SIGTERM, before)
