@@ -31,8 +31,12 @@ BENCHMARKS: dict[str, tuple[list[str], list[str]]] = {
     "submit": ([], ["--records", "5000", "--shard-size", "500", "--repeats", "1"]),
     "cutoff_poll": ([], ["--cases", "100:500000,100:5000000,1000:5000000", "--polls", "20"]),
     "memory": ([], ["--shards", "1,2", "--shard-size", "200", "--repeats", "1"]),
+    "scale": ([], ["--workers", "3,6", "--seconds", "3", "--warmup", "1", "--rate", "40", "--renew", "1",
+                   "--lease", "3", "--shard-size", "60", "--ceiling-records", "2000", "--stalls-per-minute", "3",
+                   "--kills-per-minute", "3"]),
     "pipeline_overhead": ([], ["--records", "2", "--chunk", "1", "--max-tokens", "32", "--repeats", "1"]),
     "evaluation": ([], ["--records", "2000", "--golden", "100", "--repeats", "1"]),
+    "hosted_drain": ([], ["--records", "2000", "--shard-size", "500", "--settle", "0.3", "--repeats", "1"]),
 }
 
 

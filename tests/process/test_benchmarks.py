@@ -25,6 +25,8 @@ KEYS = {
     "memory": {"baseline_peak_rss_mib", "peak_rss_mib", "growth_mib"},
     "pipeline_overhead": {"records", "direct_s", "pipeline_s", "overhead", "outputs_matching"},
     "evaluation": {"records", "golden", "validate_s", "evaluation_s", "ratio", "graded", "engine_first_s"},
+    "hosted_drain": {"records", "batches", "reconcile_s", "direct_put_s", "reconcile_ratio", "settle_s", "drain_s",
+                     "drain_overhead_s", "cutoff_to_released_s"},
 }
 
 
