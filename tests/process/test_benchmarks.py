@@ -81,6 +81,11 @@ def check_evaluation(out: dict) -> None:
     assert all(r > 0 for r in out["ratio"].values()) and out["engine_first_s"] > 0
 
 
+def check_hosted_drain(out: dict) -> None:
+    assert out["batches"] == out["records"] // 500 and out["reconcile_s"] > 0 and out["direct_put_s"] > 0
+    assert out["drain_s"] >= 0.3 and out["settle_s"] >= 0.3      # the --settle given, as both sides saw it
+
+
 @pytest.mark.parametrize("name", sorted(KEYS))
 def test_benchmark_prints_one_json_line_of_the_documented_shape(name):
     if name == "pipeline_overhead" and not _has_llama():
