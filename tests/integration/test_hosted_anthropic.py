@@ -63,11 +63,11 @@ def test_a_job_runs_end_to_end_on_anthropic_batch(conn, db_url, emulator):
         return message(OUT)
 
     emulator.respond = respond
-    make_source(conn, tickets(1500) + [("odd id/with space", "Ticket 9999: charged twice", ["team0"])])
+    make_source(conn, tickets(2000) + [("odd id/with space", "Ticket 9999: charged twice", ["team0"])])
     job = submit(conn, anthropic_spec(emulator.url)).job_version
     assert run_worker(worker_cfg(db_url, job)) == 0
     c = job_counts(conn, job)
-    assert c["stored"] == 1499 and c["dead_letters"] == 2 and c["outstanding"] == 0
+    assert c["stored"] == 1999 and c["dead_letters"] == 2 and c["outstanding"] == 0
     dead = {d["record_id"]: d for d in conn.execute(
         "SELECT record_id, attempts, error, raw_output, transport FROM bi.dead_letters WHERE job_version = %s",
         (job,))}

@@ -79,11 +79,11 @@ def test_a_job_runs_end_to_end_on_bedrock_batch(conn, db_url, bedrock, s3):
         return {"modelOutput": claude_output(OUT)}
 
     bedrock.respond = respond
-    make_source(conn, tickets(1200))
+    make_source(conn, tickets(2000))
     job = submit(conn, bedrock_spec(bedrock, s3)).job_version
     assert run_worker(worker_cfg(db_url, job)) == 0
     c = job_counts(conn, job)
-    assert c["stored"] == 1199 and c["dead_letters"] == 1 and c["outstanding"] == 0
+    assert c["stored"] == 1999 and c["dead_letters"] == 1 and c["outstanding"] == 0
     assert bedrock.billed["t00007"] == 3 and bedrock.billed["t00013"] == 2
     assert all(n == 1 for k, n in bedrock.billed.items() if k not in ("t00007", "t00013"))
     rows = batches(conn, job)
