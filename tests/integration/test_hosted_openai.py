@@ -85,6 +85,19 @@ def test_a_restricted_record_class_never_reaches_the_batch_api(emulator):
     assert emulator.calls == []
 
 
+def test_the_key_and_endpoint_come_from_an_airflow_connection(conn, db_url, emulator, monkeypatch):
+    """conn_id: the connection's password is the API key and its host the endpoint (no base_url option)."""
+    monkeypatch.setenv("AIRFLOW_CONN_BI_TEST_BATCH_API", json.dumps(
+        {"conn_type": "generic", "host": emulator.base_url, "password": "sk-from-the-connection"}))
+    make_source(conn, tickets(20))
+    spec = make_spec(engine={"name": "openai-batch", "options": {"conn_id": "bi_test_batch_api", "poll_seconds": 0.05}},
+                     cleared_for_hosted=True, lease_seconds=30, renew_seconds=0.2)
+    job = submit(conn, spec).job_version
+    assert run_worker(worker_cfg(db_url, job)) == 0
+    assert job_counts(conn, job)["stored"] == 20
+    assert emulator.auth == {"Bearer sk-from-the-connection"}
+
+
 def test_a_job_runs_end_to_end_on_openai_batch(conn, db_url, emulator):
     fail_once = {"t00011"}
 
@@ -128,6 +141,7 @@ def test_a_job_runs_end_to_end_on_openai_batch(conn, db_url, emulator):
     assert first["response_format"]["json_schema"]["schema"] == make_spec().output_schema
     # reconciled: the input, output and error files are deleted at the provider
     assert emulator.files == {}
+    assert emulator.auth == {"Bearer sk-test-not-a-secret"}          # the key from api_key_env
 
 
 def test_the_cutoff_counts_hosted_work_with_the_seed_numbers(conn, db_url, emulator):
@@ -209,6 +223,9 @@ def test_cutoff_cancels_mid_batch_and_the_fallback_finishes_the_night(conn, db_u
     sent = Counter(json.loads(json.dumps(b["messages"][1]["content"])) for b in chat.bodies)
     assert all(n == 1 for n in sent.values()) and len(sent) == 2000 - hosted_stored
     assert all(n == 1 for n in emulator.billed.values()) and len(emulator.billed) == hosted_stored
+    # the fallback run's measured drain (the constants the cutoff re-derives) covers the cancel settling
+    run = conn.execute("SELECT drain_s FROM bi.fallback_runs WHERE job_version = %s", (job,)).fetchone()
+    assert run["drain_s"] >= emulator.cancel_delay_s
     report = validate(conn, job)
     assert report.passed, report.failures
     publish(conn, job)
