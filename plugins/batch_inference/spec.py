@@ -102,7 +102,8 @@ class Model(_Strict):
 
 class Engine(_Strict):
     name: str = Field(default="llama-cpp", min_length=1, max_length=MAX_NAME,
-                      description="llama-cpp, vllm, openai, noop, or a dotted path module:Class")
+                      description="llama-cpp, vllm, openai, noop, openai-batch, anthropic-batch, bedrock-batch, "
+                                  "or a dotted path module:Class")
     options: dict[str, Any] = Field(default_factory=dict, description="engine options; those that change results "
                                     "join the job version (batch_inference.engines.pinned_options)")
 
