@@ -144,6 +144,28 @@ def test_a_job_runs_end_to_end_on_openai_batch(conn, db_url, emulator):
     assert emulator.auth == {"Bearer sk-test-not-a-secret"}          # the key from api_key_env
 
 
+def test_an_expired_batch_gives_its_completed_part_and_the_rest_goes_into_the_next_batch(conn, db_url, emulator):
+    """The completion window ran out with 150 of 500 done: those are stored (they were paid for), the
+    other 350 spend no attempt and go into the shard's next batch."""
+    emulator.rate, emulator.expire_s, emulator.hold_after = 1000.0, 0.4, 150
+
+    def second_gets_a_full_window(batch):
+        if emulator.created == 2:
+            batch["_expire_s"], emulator.hold_after = None, None
+
+    emulator.on_create = second_gets_a_full_window
+    make_source(conn, tickets(500))
+    job = submit(conn, hosted_spec(emulator.base_url)).job_version
+    assert run_worker(worker_cfg(db_url, job)) == 0
+    first, second = batches(conn, job)
+    assert (first["provider_status"], first["succeeded"], first["requests"]) == ("expired", 150, 500)
+    assert (second["provider_status"], second["succeeded"], second["requests"]) == ("completed", 350, 350)
+    assert job_counts(conn, job)["stored"] == 500
+    assert conn.execute("SELECT count(*) AS n FROM bi.attempts WHERE job_version = %s AND attempts > 0",
+                        (job,)).fetchone()["n"] == 0
+    assert all(n == 1 for n in emulator.billed.values()) and len(emulator.billed) == 500
+
+
 def test_the_cutoff_counts_hosted_work_with_the_seed_numbers(conn, db_url, emulator):
     """300 records in one provider batch stand for the seed's 300,000 (rate 85/s becomes 0.085/s)."""
     emulator.hold_after = 40
