@@ -30,13 +30,12 @@ from datetime import datetime, timezone
 
 from batch_inference.engines.base import TRUNCATED, Request
 from batch_inference.hosted.core import (
-    CANCELED, ERRORED, EXPIRED, SUCCEEDED, TRANSPORT, BatchStatus, HostedBatchEngine, HostedBatchError, Item,
-    Provider,
+    CANCELED, CLOCK_SKEW_S, ERRORED, EXPIRED, SUCCEEDED, TRANSPORT, BatchStatus, HostedBatchEngine, HostedBatchError,
+    Item, Provider,
 )
 
 _CUSTOM_ID = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
 RECORD_FAULTS = frozenset({"invalid_request_error"})
-CLOCK_SKEW_S = 300.0
 LIST_PAGE = 100
 
 

@@ -36,9 +36,9 @@ from typing import Any
 
 from batch_inference.engines.base import TRUNCATED, Request
 from batch_inference.exceptions import InvalidValue
-from batch_inference.hosted.anthropic_batch import CLOCK_SKEW_S, custom_id
+from batch_inference.hosted.anthropic_batch import custom_id
 from batch_inference.hosted.core import (
-    ERRORED, SUCCEEDED, TRANSPORT, BatchStatus, HostedBatchEngine, Item, Provider,
+    CLOCK_SKEW_S, ERRORED, SUCCEEDED, TRANSPORT, BatchStatus, HostedBatchEngine, Item, Provider,
 )
 from batch_inference.sources import parse_s3_url, s3_client
 

@@ -55,9 +55,9 @@ log = logging.getLogger("batch_inference.hosted")
 
 # Normalised kinds of one result line.
 SUCCEEDED, ERRORED, TRANSPORT, CANCELED, EXPIRED = "succeeded", "errored", "transport", "canceled", "expired"
-# Intent states still at the provider (sql/schema/hosted.sql).
-IN_FLIGHT = ("intent", "submitted")
 MAX_POLL_FAILURES = 10
+# How far before an intent a provider batch may be dated and still be the one it created (clock skew).
+CLOCK_SKEW_S = 300.0
 
 
 class HostedBatchError(BatchInferenceError, RuntimeError):

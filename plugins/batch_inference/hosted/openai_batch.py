@@ -27,8 +27,8 @@ from batch_inference.engines.base import TRUNCATED, Request, one_line
 from batch_inference.engines.openai import STYLES, chat_body, error_text, response_format
 from batch_inference.exceptions import InvalidValue
 from batch_inference.hosted.core import (
-    CANCELED, ERRORED, EXPIRED, SUCCEEDED, TRANSPORT, BatchStatus, HostedBatchEngine, HostedBatchError, Item,
-    Provider,
+    CANCELED, CLOCK_SKEW_S, ERRORED, EXPIRED, SUCCEEDED, TRANSPORT, BatchStatus, HostedBatchEngine, HostedBatchError,
+    Item, Provider,
 )
 
 ENDED = frozenset({"completed", "failed", "expired", "cancelled"})
@@ -69,9 +69,11 @@ class OpenAIBatches(Provider):
         return isinstance(exc, (openai.APIConnectionError, openai.InternalServerError, openai.RateLimitError))
 
     def find(self, key: str, custom_ids: Sequence[str], since: float) -> str | None:
-        for b in self.client.batches.list(limit=LIST_PAGE):
+        for b in self.client.batches.list(limit=LIST_PAGE):      # newest first
             if (b.metadata or {}).get(KEY_FIELD) == key:
                 return b.id
+            if b.created_at < since - CLOCK_SKEW_S:
+                return None       # older than the intent: the rest are older still
         return None
 
     def status(self, batch_id: str) -> BatchStatus:
