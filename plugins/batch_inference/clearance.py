@@ -2,8 +2,9 @@
 
 One rule for every transport that sends records over the network: the
 ``openai`` engine (in a batch worker or in the fallback pool), the fallback
-pool itself, and any hosted batch transport added later, which calls
-:func:`check_clearance` with its upload URL before it sends anything.
+pool itself, and the hosted batch transports (``batch_inference.hosted``),
+which call :func:`check_clearance` with ``hosted=True`` in their constructor,
+before any claim and before anything is sent.
 
 An endpoint is **hosted** (outside the company) or **internal**:
 
