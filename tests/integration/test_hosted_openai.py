@@ -14,7 +14,7 @@ import json
 import threading
 import time
 from collections import Counter
-from datetime import datetime, timezone
+from datetime import datetime, timedelta, timezone
 from decimal import Decimal
 
 import psycopg
@@ -26,7 +26,7 @@ from batch_inference.cost import Prices, cents, cost_report
 from batch_inference.cutoff import decide
 from batch_inference.exceptions import NotCleared
 from batch_inference.engines import load_engine
-from batch_inference.fallback import enter_fallback, run_fallback
+from batch_inference.fallback import run_fallback
 from batch_inference.plan import submit
 from batch_inference.publish import publish
 from batch_inference.status import job_counts
@@ -216,8 +216,19 @@ def test_cutoff_cancels_mid_batch_and_the_fallback_finishes_the_night(conn, db_u
     for w in workers:
         w.start()
     wait_for(lambda: sum(r["succeeded"] for r in batches(conn, job)) >= 400, what="two batches part done")
-    assert enter_fallback(conn, job)               # what the cutoff does when it fires
+    # The real cutoff watch: 30 minutes to the deadline and a 1,800 s overhead, so it fires at its first
+    # poll, with outstanding already net of what the provider has succeeded.
+    cfg = deadline.config_from_kwargs(job, (datetime.now(UTC) + timedelta(minutes=30)).isoformat(), 0.1,
+                                      warned=True)
+    event = asyncio.run(deadline.watch(lambda: deadline.connect_async(db_url), cfg))
+    assert event["status"] == "cutoff" and event["counts"]["outstanding"] == 2000 - 400
+    # The fallback pool starts at once (it puts the job in fallback mode) beside the draining hosted workers.
+    chat = ChatServer(lambda body: (200, {}, OK))
     t_fire = time.monotonic()
+    try:
+        result = run_fallback(db_url, job, chat.base_url, rate=1000.0, concurrency=8)
+    finally:
+        chat.close()
     for w in workers:
         w.join(60)
     drain_wall = time.monotonic() - t_fire
@@ -227,14 +238,9 @@ def test_cutoff_cancels_mid_batch_and_the_fallback_finishes_the_night(conn, db_u
     assert {r["state"] for r in rows} == {"reconciled"}
     drains = [r["drain_s"] for r in conn.execute(db.q("hosted_drain"), {"job": job})]
     assert len(drains) == 2 and all(d >= 0.4 for d in drains)
-    hosted_stored = job_counts(conn, job)["stored"]
+    hosted_stored = int(conn.execute("SELECT count(*) AS n FROM bi.results WHERE job_version = %s AND "
+                                     "transport = 'hosted_batch'", (job,)).fetchone()["n"])
     assert hosted_stored == sum(r["succeeded"] for r in rows) >= 400     # the cancelled batches' paid-for part
-
-    chat = ChatServer(lambda body: (200, {}, OK))
-    try:
-        result = run_fallback(db_url, job, chat.base_url, rate=1000.0, concurrency=8)
-    finally:
-        chat.close()
     assert result.stored == 2000 - hosted_stored
     c = job_counts(conn, job)
     assert c["stored"] == 2000 and c["outstanding"] == 0
@@ -258,4 +264,4 @@ def test_cutoff_cancels_mid_batch_and_the_fallback_finishes_the_night(conn, db_u
     assert bill["hosted_cost"] == float(cents(hosted_stored * Decimal("0.003625")))
     assert bill["total"] <= bill["all_synchronous_ceiling"] == 14.5
     print(f"\nemulated cancel drain per batch: {', '.join(f'{d:.2f}s' for d in drains)} "
-          f"(emulator's settle delay {emulator.cancel_delay_s}s); cutoff to both shards released: {drain_wall:.2f}s")
+          f"(emulator's settle delay {emulator.cancel_delay_s}s); cutoff to nothing outstanding: {drain_wall:.2f}s")
