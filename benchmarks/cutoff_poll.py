@@ -2,15 +2,16 @@
 cutoff trigger polls) against the shard table of a large job.
 
 The snapshot rows do not need to exist: the counts come from the shard
-table's per-shard counters alone, which is the point being measured. Each
+table's counters alone (summed per stripe, sql/schema/counts.sql), which is
+the point being measured. Each
 case inserts one ``bi.jobs`` row and its shards directly (60% done, 5% leased,
 35% pending, counters filled in), beside a second job of the same size so the
 poll has to find its own shards, then times 200 polls on one connection.
 
 Cases: 10,000 shards for 50M records (the backfill at 5,000 per shard);
 the same 10,000 shards for 500M records (10x the records, 50,000 per shard:
-the time must not move); 100,000 shards for 500M records (10x the shards: the
-time grows with shards, and that is reported as measured).
+the time must not move); 100,000 shards for 500M records (10x the shards, the
+10x job: the target is judged on the case with the most shards).
 
     python -m benchmarks.cutoff_poll [--polls N] [--cases 10000:50000000,...]
 """
@@ -101,8 +102,9 @@ def run(cases: tuple[tuple[int, int], ...] = DEFAULT_CASES, polls: int = 200) ->
         out["records_x10_time_ratio"] = round(same_shards[0]["median_ms"] / first["median_ms"], 2)
     if more_shards:
         out["shards_x10_time_ratio"] = round(more_shards[0]["median_ms"] / first["median_ms"], 2)
-    out.update({"median_ms": first["median_ms"], "target": f"<= {TARGET_MS} ms at {first['shards']} shards",
-                "met": first["median_ms"] <= TARGET_MS, "postgres": version, "machine": machine()})
+    judged = max(results, key=lambda r: r["shards"])
+    out.update({"median_ms": judged["median_ms"], "target": f"<= {TARGET_MS} ms at {judged['shards']} shards",
+                "met": judged["median_ms"] <= TARGET_MS, "postgres": version, "machine": machine()})
     return out
 
 
@@ -110,7 +112,7 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--polls", type=int, default=200)
     ap.add_argument("--cases", default=",".join(f"{s}:{r}" for s, r in DEFAULT_CASES),
-                    help="comma-separated SHARDS:RECORDS; the first is judged against the target")
+                    help="comma-separated SHARDS:RECORDS; the one with the most shards is judged against the target")
     a = ap.parse_args(argv)
     cases = tuple(tuple(int(x) for x in c.split(":")) for c in a.cases.split(","))
     emit(run(cases, a.polls))  # type: ignore[arg-type]

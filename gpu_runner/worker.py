@@ -34,6 +34,7 @@ import json
 import logging
 import math
 import os
+import random
 import signal
 import sys
 import threading
@@ -65,6 +66,9 @@ from batch_inference.spec import MAX_LEASE_SECONDS, JobSpec
 from batch_inference.status import job_counts, job_mode, job_spec
 
 log = logging.getLogger("batch_inference.worker")
+
+# The shortest renewal wait, as a fraction of renew_seconds (_renew_loop).
+RENEW_JITTER = 0.8
 
 
 class Fatal(BatchInferenceError, RuntimeError):
@@ -311,7 +315,11 @@ class Worker:
         interval = self.spec.renew_seconds
         conn: psycopg.Connection | None = None
         try:
-            while not shard.halt.wait(interval):
+            # Each wait is jittered down by up to a fifth (never later than
+            # renew_seconds): renewals of workers that started, or came back
+            # from a database restart, together spread out instead of arriving
+            # at the ledger in one burst every interval.
+            while not shard.halt.wait(interval * random.uniform(RENEW_JITTER, 1.0)):
                 try:
                     if conn is None:
                         conn = self._connect()

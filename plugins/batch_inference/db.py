@@ -15,6 +15,7 @@ import hashlib
 import json
 import logging
 import os
+import random
 import re
 import time
 from functools import lru_cache
@@ -151,7 +152,9 @@ def connect(url: str | None = None, *, autocommit: bool = True, retries: int = 0
             if attempt > retries:
                 raise DatabaseUnavailable(f"database unreachable after {attempt} attempt(s): "
                                           f"{scrub(first_line(exc), dsn)}") from None
-            wait = min(retry_wait * 2 ** (attempt - 1), 10.0)
+            # Jittered: clients cut off by the same restart come back spread
+            # over the interval instead of all at once.
+            wait = min(retry_wait * 2 ** (attempt - 1), 10.0) * random.uniform(0.5, 1.0)
             log.warning("database unreachable (%s); retry %d/%d in %.1fs", exc.__class__.__name__,
                         attempt, retries, wait)
             time.sleep(wait)

