@@ -45,6 +45,11 @@ def run(args: argparse.Namespace) -> int:
         if ev["golden"]:
             shown = ", ".join(f"{k} {v:.1%}" for k, v in ev["accuracy"].items() if v is not None)
             print(f"  golden set: {ev['graded']} graded ({ev['golden']['mode']}): {shown or 'no accuracy'}")
+        if ev["published"] and ev["published"]["accuracy"]:
+            moved = ", ".join(f"{k} {v['published']:.1%} -> {v['this']:.1%}" for k, v in ev["published"]["accuracy"].items()
+                              if v["this"] is not None and v["published"] is not None)
+            if moved:
+                print(f"  against {ev['published']['against']} (published): {moved}")
         if ev["judge"]:
             j = ev["judge"]
             agreement = "n/a" if j["agreement"] is None else f"{j['agreement']:.1%}"
