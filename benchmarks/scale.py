@@ -257,6 +257,14 @@ UPDATE bi.shards s SET stored = pre.k FROM pre
 """
 
 
+WAL_LSN = "SELECT pg_current_wal_lsn() AS lsn"
+WAL_SINCE = "SELECT pg_wal_lsn_diff(pg_current_wal_lsn(), %(lsn)s) AS bytes"
+PARTITION_BYTES = """
+SELECT pg_total_relation_size(format('bi.%%I', 'results_' || substr(md5(%(job)s), 1, 16))::regclass) AS results,
+       pg_total_relation_size(format('bi.%%I', 'snapshot_rows_' || substr(md5(%(job)s), 1, 16))::regclass) AS snapshot
+"""
+
+
 def prestore(conn: psycopg.Connection, job: str, workers: int, seed: int) -> None:
     """The job some hours in: each of the first ``workers`` shards (the ones the
     fleet claims first) has a random share of its records stored already, so
@@ -312,11 +320,13 @@ def level(a: argparse.Namespace, url: str, conn: psycopg.Connection, pooled_url:
     def client_cpu() -> float:
         return sum(sum(c.cpu_times()[:2]) for c in clients)
 
+    w0 = conn.execute(WAL_LSN).fetchone()["lsn"]
     s0, b0, k0, c0, st0 = server(), sum(bouncer.cpu_times()[:2]), client_cpu(), job_counts(conn, job), \
         bouncer_stats(pooled_url)
     time.sleep(max(0.0, window[1] - time.time()))
     s1, b1, k1, c1, st1 = server(), sum(bouncer.cpu_times()[:2]), client_cpu(), job_counts(conn, job), \
         bouncer_stats(pooled_url)
+    wal = conn.execute(WAL_SINCE, {"lsn": w0}).fetchone()["bytes"]
     d = {k: st1[k] - st0.get(k, 0.0) for k in st1}
     queries = max(d.get("total_query_count", 0.0), 1.0)
     outs = []
@@ -332,6 +342,7 @@ def level(a: argparse.Namespace, url: str, conn: psycopg.Connection, pooled_url:
     count = {k: sum(o["count"][k] for o in outs) for k in outs[0]["count"]}
     stats = conn.execute("SELECT n_tup_upd, n_tup_hot_upd, n_dead_tup, n_live_tup, autovacuum_count"
                          "  FROM pg_stat_user_tables WHERE relid = 'bi.shards'::regclass").fetchone()
+    sizes = conn.execute(PARTITION_BYTES, {"job": job}).fetchone()
     conn.execute(db.q("drop_job_version"), {"job": job})
     conn.execute(f"DROP TABLE {table}")
     rows = c1["stored"] - c0["stored"]
@@ -351,6 +362,11 @@ def level(a: argparse.Namespace, url: str, conn: psycopg.Connection, pooled_url:
         "pgbouncer_mean_query_ms": rnd(d.get("total_query_time", 0.0) / queries / 1e3),
         "pgbouncer_mean_wait_ms": rnd(d.get("total_wait_time", 0.0) / queries / 1e3),
         "pgbouncer_queries_s": rnd(queries / secs),
+        # disk: what the window's results wrote to the WAL, and what a stored
+        # result and a snapshot row take in their partitions (indexes included)
+        "wal_bytes_per_row": rnd(float(wal) / max(rows, 1)),
+        "result_bytes_per_row": rnd(sizes["results"] / max(c1["stored"], 1)),
+        "snapshot_bytes_per_row": rnd(sizes["snapshot"] / max(c1["records"], 1)),
         "client_connections": 2 * workers,
         "server_connections_max": max(sampler.server_conns, default=0),
         "lock_waits_max": max(sampler.lock_waits, default=0),
