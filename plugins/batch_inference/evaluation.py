@@ -50,6 +50,7 @@ from batch_inference import plan
 from batch_inference.cost import Prices, night_cost
 from batch_inference.db import composed, first_line, q
 from batch_inference.exceptions import ReviewRefused
+from batch_inference.exits import HALTING, describe
 from batch_inference.spec import FieldGrader, JobSpec, parse_spec
 from batch_inference.status import job_counts
 
@@ -180,6 +181,15 @@ def run_companion(conn: psycopg.Connection, spec: JobSpec,
     return job, int(code)
 
 
+def _stopped(conn: psycopg.Connection, job: str, code: int) -> str:
+    """Why a companion run stopped short: the worker's exit in words, the halt it recorded,
+    and whether validating again resumes it (not after a halting exit: fix the cause first)."""
+    halt = conn.execute(q("job_halt"), {"job": job}).fetchone()
+    why = halt["halt_reason"] if halt and halt["halt_reason"] else None
+    then = "fix it, then validate again" if code in HALTING else "validate again to resume it"
+    return f"worker: {describe(code)}" + (f"; {why}" if why else "") + f"); {then}"
+
+
 def golden_spec(spec: JobSpec) -> JobSpec:
     """The companion spec of the golden run: the job's own result-defining fields, the golden table as source."""
     g = spec.evaluation.golden
@@ -261,7 +271,7 @@ def _golden(conn: psycopg.Connection, spec: JobSpec, job: str, failures: list[st
         left = job_counts(conn, graded_job)["outstanding"]
         if left:
             problems.append(f"evaluation: the golden run {graded_job} has {left} of {len(rows)} records left "
-                            f"(worker exit {code}); validate again to resume it")
+                            f"({_stopped(conn, graded_job, code)}")
     out["job_version"] = graded_job
     ids = [r["record_id"] for r in rows]
     outputs = {r["record_id"]: r["output"] for r in conn.execute(q("outputs_of"), {"job": graded_job, "ids": ids})}
@@ -299,7 +309,7 @@ def _judge(conn: psycopg.Connection, spec: JobSpec, job: str, failures: list[str
            "seconds": round(time.perf_counter() - t, 3)}
     if judged < len(rows):
         failures.append(f"evaluation: the judge {judge_job} graded {judged} of {len(rows)} sample rows "
-                        f"(worker exit {code}); validate again to resume it")
+                        f"({_stopped(conn, judge_job, code)}")
     if j.min_agreement is not None and agreement is not None and agreement < j.min_agreement:
         failures.append(f"evaluation: the judge calls {agreement:.1%} of {judged} sample rows right, under the "
                         f"gate of {j.min_agreement:.1%}")

@@ -281,3 +281,18 @@ def test_the_in_process_golden_run_gives_the_callers_signal_handlers_back(conn, 
         assert signal.getsignal(signal.SIGTERM) is mine
     finally:
         signal.signal(signal.SIGTERM, before)
+
+
+def test_a_hosted_judge_never_gets_records_not_cleared_for_it(conn, db_url):
+    make_source(conn, tickets(4))
+    judge = {"model": {"name": "gpt-judge", "digest": "1" * 64},
+             "engine": {"name": "openai", "options": {"base_url": "https://judge.example.com/v1", "model": "gpt-judge"}},
+             "rubric": "Say whether the answer is right.", "sample_size": 2, "min_agreement": 0.5}
+    job = submit(conn, make_spec(validation={"sample_size": 2}, evaluation={"judge": judge})).job_version
+    finish(db_url, job)
+    report = validate(conn, job)
+    j = report["evaluation"]["judge"]
+    assert j["judged"] == 0 and j["cost"] == 0
+    line = next(f for f in report["failures"] if f.startswith("evaluation: the judge"))
+    assert "graded 0 of 2 sample rows" in line and "not cleared" in line and line.endswith("fix it, then validate again"), line
+    assert not report.passed
