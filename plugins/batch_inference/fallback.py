@@ -337,10 +337,11 @@ def run_fallback(db_url: str | None, job_version: str, base_url: str | None = No
             log.warning("fallback %s: job was in batch mode; entered fallback mode (batch workers drain)",
                         job_version)
         leases = {r["transport"]: int(r["n"]) for r in conn.execute(db.q("leases_by_transport"), {"job": job_version})}
-        leased_batch = leases.get("batch", 0)
-        log.info("fallback %s: %d outstanding in %d open shards (%d still leased by draining batch workers); "
+        draining = sum(n for transport, n in leases.items() if transport != "fallback")
+        log.info("fallback %s: %d outstanding in %d open shards (%d still leased by draining batch or hosted "
+                 "batch workers); "
                  "pool of %d worker(s) x %d in flight = %d, %.4g requests/s, %s endpoint %s (%s)", job_version,
-                 counts["outstanding"], open_shards, leased_batch, workers, per_worker, workers * per_worker,
+                 counts["outstanding"], open_shards, draining, workers, per_worker, workers * per_worker,
                  rate, "hosted" if is_hosted else "in-house", public_url(url), style)
 
     pool = FallbackPool(db_url, job_version, options=opts, rate=rate, workers=workers, lease_seconds=lease_seconds)
