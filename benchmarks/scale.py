@@ -219,6 +219,7 @@ class Sampler(threading.Thread):
         self.poll: list[float] = []
         self.server_conns: list[int] = []
         self.lock_waits: list[int] = []
+        self.waiting: dict[str, int] = {}   # the ledger function a waiting backend was in, by samples
 
     def run(self) -> None:
         with db.connect(self.pooled_url) as pooled, db.connect(self.direct_url) as direct:
@@ -235,6 +236,9 @@ class Sampler(threading.Thread):
                     "   AND pid <> pg_backend_pid()").fetchone()
                 self.server_conns.append(int(r["n"]) - 1)
                 self.lock_waits.append(int(r["locks"]))
+                if r["locks"]:
+                    for w in direct.execute(LOCK_WAITERS):
+                        self.waiting[w["call"]] = self.waiting.get(w["call"], 0) + int(w["n"])
                 time.sleep(max(0.0, tick + 1.0 - time.time()))
 
 
@@ -257,6 +261,11 @@ UPDATE bi.shards s SET stored = pre.k FROM pre
 """
 
 
+LOCK_WAITERS = """
+SELECT coalesce(substring(query from 'bi[.]([a-z_0-9]+)'), left(query, 40)) AS call, count(*) AS n
+  FROM pg_stat_activity
+ WHERE datname = current_database() AND wait_event_type = 'Lock' GROUP BY 1
+"""
 WAL_LSN = "SELECT pg_current_wal_lsn() AS lsn"
 WAL_SINCE = "SELECT pg_wal_lsn_diff(pg_current_wal_lsn(), %(lsn)s) AS bytes"
 PARTITION_BYTES = """
@@ -371,6 +380,7 @@ def level(a: argparse.Namespace, url: str, conn: psycopg.Connection, pooled_url:
         "server_connections_max": max(sampler.server_conns, default=0),
         "lock_waits_max": max(sampler.lock_waits, default=0),
         "lock_waits_mean": rnd(sum(sampler.lock_waits) / max(len(sampler.lock_waits), 1)),
+        "lock_waits_by_call": sampler.waiting,
         "shards_hot_update_ratio": rnd(stats["n_tup_hot_upd"] / max(stats["n_tup_upd"], 1)),
         "shards_dead_tuples": stats["n_dead_tup"],
         "events": count,
