@@ -38,6 +38,7 @@ import time
 from typing import Any
 
 import psycopg
+import psycopg.sql
 from psycopg.rows import dict_row
 
 from batch_inference import db
@@ -219,7 +220,7 @@ class Sampler(threading.Thread):
         self.poll: list[float] = []
         self.server_conns: list[int] = []
         self.lock_waits: list[int] = []
-        self.waiting: dict[str, int] = {}   # the ledger function a waiting backend was in, by samples
+        self.waiting: dict[str, int] = {}   # "function: lock" a waiting backend was in, by samples
 
     def run(self) -> None:
         with db.connect(self.pooled_url) as pooled, db.connect(self.direct_url) as direct:
@@ -262,7 +263,8 @@ UPDATE bi.shards s SET stored = pre.k FROM pre
 
 
 LOCK_WAITERS = """
-SELECT coalesce(substring(query from 'bi[.]([a-z_0-9]+)'), left(query, 40)) AS call, count(*) AS n
+SELECT coalesce(substring(query from 'bi[.]([a-z_0-9]+)'), left(query, 40)) || ': ' || wait_event AS call,
+       count(*) AS n
   FROM pg_stat_activity
  WHERE datname = current_database() AND wait_event_type = 'Lock' GROUP BY 1
 """
@@ -391,6 +393,11 @@ def run(a: argparse.Namespace) -> dict[str, Any]:
     from tests.fixtures.pgbouncer import PgBouncer
 
     with fresh_server() as url, db.connect(url) as conn:
+        for setting in a.pg_setting:   # NAME=VALUE, for the whole server (ALTER SYSTEM, then a reload)
+            name, _, value = setting.partition("=")
+            conn.execute(psycopg.sql.SQL("ALTER SYSTEM SET {} = {}").format(psycopg.sql.Identifier(name),
+                                                                            psycopg.sql.Literal(value)))
+            conn.execute("SELECT pg_reload_conf()")
         put_batch = max(1, min(a.flush_every, int(a.rate * a.flush_seconds)))
         ceiling = {str(b): rnd(raw_ceiling(conn, f"ceil_{b}", a.ceiling_records, b)[0]) for b in (1000, put_batch)}
         bouncer = PgBouncer(url, pool_size=a.pool_size, max_client_conn=max(2000, 4 * max(a.workers) + 100))
@@ -406,6 +413,7 @@ def run(a: argparse.Namespace) -> dict[str, Any]:
     return {"benchmark": "scale", "workers": a.workers, "seconds": a.seconds, "rate_per_worker": a.rate,
             "shard_size": a.shard_size, "renew_seconds": a.renew, "lease_seconds": a.lease,
             "flush_seconds": a.flush_seconds, "put_batch": put_batch, "processes": a.processes,
+            "pg_settings": a.pg_setting,
             "pgbouncer": {"pool_mode": "transaction", "default_pool_size": a.pool_size},
             "ceiling_rows_s_by_batch": ceiling,
             "levels": levels,
@@ -422,6 +430,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--processes", type=int, default=2)
     ap.add_argument("--pool-size", type=int, default=20, help="PgBouncer's default_pool_size")
     ap.add_argument("--ceiling-records", type=int, default=100_000)
+    ap.add_argument("--pg-setting", action="append", default=[], metavar="NAME=VALUE",
+                    help="a server setting for the run (repeatable), e.g. wal_compression=lz4")
     # what each simulated worker does (passed on to the child processes)
     sim = argparse.ArgumentParser(add_help=False)
     sim.add_argument("--warmup", type=float, default=10.0)
