@@ -32,6 +32,7 @@ only difference from a production worker.
 
 from __future__ import annotations
 
+import copy
 import json
 import logging
 import os
@@ -43,7 +44,7 @@ import threading
 import time
 from collections import Counter
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
@@ -721,7 +722,9 @@ def _report(cfg: ChaosConfig, run: _Run, fleet: _Workers, admin: _Admin, job: st
         # retries) is a worker bug the faults uncovered.
         Check("workers that crashed on their own", fleet.unexpected_total, "0", fleet.unexpected_total == 0),
     ]
-    config = {k: v for k, v in asdict(cfg).items() if k not in ("restart",)}
+    # Not asdict: it deep-copies every field, the restart callable too (a
+    # bound method of a server object, which does not copy).
+    config = {f.name: copy.deepcopy(getattr(cfg, f.name)) for f in fields(cfg) if f.name != "restart"}
     if cfg.db_url:
         from batch_inference.db import redact
 

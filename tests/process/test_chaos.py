@@ -9,9 +9,12 @@ import os
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
+from pathlib import Path
 
+import psycopg
 import pytest
 
 from batch_inference import chaos, db
@@ -58,6 +61,31 @@ def test_default_chaos_run_passes():
     # workers ran with worker credentials, not the owner's
     assert f["worker_role"] == chaos.WORKER_ROLE
     assert f["job_s"] < cfg.duration
+
+
+@pytest.mark.chaos
+def test_default_chaos_run_through_pgbouncer_with_database_restarts(tmp_path):
+    """The default run with every worker, the harness and the migration going
+    through PgBouncer in transaction mode, and PostgreSQL behind it
+    restarted twice under them."""
+    from tests.fixtures.pgbouncer import PgBouncer, pgbouncer_binary
+
+    if pgbouncer_binary() is None:
+        pytest.skip("no PgBouncer on this machine (scripts/test.sh installs Debian's pgbouncer)")
+    server = chaos._EmbeddedServer(Path(tempfile.mkdtemp(prefix="bi-chp-", dir="/tmp")))
+    bouncer = PgBouncer(server.url)
+    try:
+        with psycopg.connect(server.url, autocommit=True) as c:
+            c.execute("CREATE DATABASE chaos")
+        report = run_chaos(ChaosConfig(db_url=bouncer.url(server.server.get_uri("chaos")), restart=server.restart))
+    finally:
+        bouncer.close()
+        server.stop()
+    f = report.figures
+    assert report.passed, report.table()
+    assert f["faults"]["by_kind"]["db_restart"] == 2 and f["faults"]["total"] >= 100
+    assert f["duplicates"] == 0 and f["coverage"]["missing"] == 0
+    assert f["stale_writes_accepted"] == {"never_held": 0, "after_epoch_ended": 0}
 
 
 @pytest.mark.chaos
