@@ -8,6 +8,7 @@ import logging
 import os
 import tempfile
 import uuid
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -84,6 +85,25 @@ def db_url(request, pg_server, template_db, db_route) -> str:
     yield url
     with psycopg.connect(pg_server.get_uri(), autocommit=True) as c:
         c.execute(f"DROP DATABASE IF EXISTS {name} WITH (FORCE)")
+
+
+@pytest.fixture
+def empty_db(pg_server) -> Iterator[Callable[[], str]]:
+    """Make fresh databases, created empty (not from the migrated template):
+    ``empty_db()`` returns a direct URL; each is dropped at teardown."""
+    made: list[str] = []
+
+    def make() -> str:
+        name = "s_" + uuid.uuid4().hex[:12]
+        with psycopg.connect(pg_server.get_uri(), autocommit=True) as c:
+            c.execute(f"CREATE DATABASE {name}")
+        made.append(name)
+        return pg_server.get_uri(name)
+
+    yield make
+    with psycopg.connect(pg_server.get_uri(), autocommit=True) as c:
+        for name in made:
+            c.execute(f"DROP DATABASE IF EXISTS {name} WITH (FORCE)")
 
 
 @pytest.fixture

@@ -86,30 +86,22 @@ def test_concurrently_held_shards_fall_in_different_stripes(conn, db_url):
     assert stripes == len({lease.shard_no for lease in leases}) == 10
 
 
-def test_the_migration_fills_the_stripes_of_existing_jobs(pg_server):
-    name = "t_stripes_mig"
-    with psycopg.connect(pg_server.get_uri(), autocommit=True) as c:
-        c.execute(f"DROP DATABASE IF EXISTS {name}")
-        c.execute(f"CREATE DATABASE {name}")
-    try:
-        with db.connect(pg_server.get_uri(name)) as conn:
-            with conn.transaction():     # every migration before 0005, recorded as db.migrate records them
-                conn.execute(db.q("migrations_table"))
-                for path in db.migrations():
-                    if path.name >= "0005":
-                        break
-                    conn.execute(path.read_text())
-                    conn.execute(db.q("migration_record"), {"name": path.name, "checksum": _checksum(path)})
-            make_source(conn, tickets(25))
-            job = submit(conn, make_spec()).job_version
-            conn.execute("UPDATE bi.shards SET stored = 3, state = 'done' WHERE job_version = %s AND shard_no = 1",
-                         (job,))
-            assert "0005_scale.sql" in db.migrate(conn)
-            c = same_as_shards(conn, job)
-            assert (c["stored"], c["shards"]["done"], c["shards"]["pending"]) == (3, 1, 2)
-    finally:
-        with psycopg.connect(pg_server.get_uri(), autocommit=True) as c:
-            c.execute(f"DROP DATABASE IF EXISTS {name} WITH (FORCE)")
+def test_the_migration_fills_the_stripes_of_existing_jobs(empty_db):
+    with db.connect(empty_db()) as conn:
+        with conn.transaction():     # every migration before 0005, recorded as db.migrate records them
+            conn.execute(db.q("migrations_table"))
+            for path in db.migrations():
+                if path.name >= "0005":
+                    break
+                conn.execute(path.read_text())
+                conn.execute(db.q("migration_record"), {"name": path.name, "checksum": _checksum(path)})
+        make_source(conn, tickets(25))
+        job = submit(conn, make_spec()).job_version
+        conn.execute("UPDATE bi.shards SET stored = 3, state = 'done' WHERE job_version = %s AND shard_no = 1",
+                     (job,))
+        assert "0005_scale.sql" in db.migrate(conn)
+        c = same_as_shards(conn, job)
+        assert (c["stored"], c["shards"]["done"], c["shards"]["pending"]) == (3, 1, 2)
 
 
 def _checksum(path) -> str:

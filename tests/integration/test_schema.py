@@ -10,10 +10,7 @@ edit without its migration) fails here, naming the object.
 from __future__ import annotations
 
 import hashlib
-import uuid
-from collections.abc import Iterator
 
-import psycopg
 import pytest
 
 from batch_inference import db
@@ -79,24 +76,6 @@ def apply_schema(url: str) -> None:
     with db.connect(url) as c, c.transaction():
         for path in sorted((db.sql_dir() / "schema").glob("*.sql")):
             c.execute(path.read_text())
-
-
-@pytest.fixture
-def empty_db(pg_server) -> Iterator[str]:
-    """Fresh databases, created empty (not from the migrated template)."""
-    made: list[str] = []
-
-    def make() -> str:
-        name = "s_" + uuid.uuid4().hex[:12]
-        with psycopg.connect(pg_server.get_uri(), autocommit=True) as c:
-            c.execute(f"CREATE DATABASE {name}")
-        made.append(name)
-        return pg_server.get_uri(name)
-
-    yield make
-    with psycopg.connect(pg_server.get_uri(), autocommit=True) as c:
-        for name in made:
-            c.execute(f"DROP DATABASE IF EXISTS {name} WITH (FORCE)")
 
 
 def test_migrations_build_the_schema(empty_db):
