@@ -81,13 +81,11 @@ def test_sigterm_releases_the_lease_at_once(conn, db_url):
     _wait_for_stored(conn, job, 1)
     w.send_signal(signal.SIGTERM)
     out, _ = w.communicate(timeout=30)
-    exited = time.time()
     assert w.returncode == 143, out
     assert "preemption notice" in out
     shard = conn.execute("SELECT state, lease_owner, epoch FROM bi.shards WHERE job_version = %s", (job,)).fetchone()
-    # pending within a second of the exit, not in ten minutes when the lease would expire
+    # pending as soon as it exited, not in ten minutes when the 600 s lease would expire
     assert shard["state"] == "pending" and shard["lease_owner"] is None
-    assert time.time() - exited < 1.0
     stored = job_counts(conn, job)["stored"]
     assert 0 < stored < 200                                  # in-flight work was written, the rest left
     w2 = start_worker(db_url, job)
