@@ -21,6 +21,9 @@ from batch_inference import db
 from batch_inference.commands.demo import load_tickets
 from batch_inference.data import DEMO_SPEC
 from batch_inference.status import job_counts
+from tests.fixtures.chat_server import completion
+from tests.fixtures.hosted_openai import OpenAIBatchEmulator
+from tests.fixtures.live_airflow import LIVE_API_KEY_ENV
 
 pytestmark = pytest.mark.live
 
@@ -137,6 +140,37 @@ def test_cutoff_firing_at_once_is_redriven_by_the_fallback_through_llama_cpp(liv
     print(f"cutoff path: trigger to published in {time.monotonic() - t0:.1f} s; cutoff to nothing outstanding "
           f"{fallback['wall_s']} s; {by}")
 
+
+
+def test_a_job_on_a_hosted_batch_api_runs_through_the_deployment(live_airflow):
+    """The spec's engine is openai-batch against a loopback Batch API emulator (the one boundary
+    that cannot run here): the deployment's workers submit each shard as one provider batch with
+    the key from their environment, the cutoff watch counts hosted work, and the run publishes."""
+    dep = live_airflow
+    emulator = OpenAIBatchEmulator(respond=lambda body: (200, completion(
+        '{"category": "billing", "priority": "normal", "summary": "charged twice"}')))
+    try:
+        table = make_table(dep.ledger_url, "live_hosted", 24)
+        spec = make_spec(dep, "live_hosted", cleared_for_hosted=True, engine={"name": "openai-batch", "options": {
+            "base_url": emulator.base_url, "api_key_env": LIVE_API_KEY_ENV, "poll_seconds": 0.2}})
+        run_id = dep.trigger(BACKFILL, {"spec_path": spec, "source_table": table, "shard_size": 12, "workers": 2,
+                                        "deadline": "+20h"})
+        run = dep.wait_run(BACKFILL, run_id, timeout=300)
+        assert run["state"] == "success", dep.explain(BACKFILL, run_id)
+        job = dep.xcom(BACKFILL, run_id, "submit")["job_version"]
+        c = counts(dep, job)
+        assert c["status"] == "published" and (c["stored"], c["outstanding"]) == (24, 0)
+        with db.connect(dep.ledger_url) as conn:
+            by = {r["transport"]: r["n"] for r in conn.execute(
+                "SELECT transport, count(*) AS n FROM bi.results WHERE job_version = %s GROUP BY 1", (job,))}
+            states = {r["state"] for r in conn.execute(db.q("hosted_batches"), {"job": job})}
+        assert by == {"hosted_batch": 24} and states == {"reconciled"}
+        assert published_rows(dep, "live_hosted") == 24
+        # two shards, two provider batches, each request billed once, with the key the workers were given
+        assert emulator.created == 2 and sorted(emulator.billed.values()) == [1] * 24
+        assert emulator.auth == {f"Bearer {dep.env[LIVE_API_KEY_ENV]}"} and emulator.files == {}
+    finally:
+        emulator.close()
 
 def test_wrong_digest_fails_the_run_within_minutes_and_pages_on_call(live_airflow, webhook_sink):
     dep = live_airflow
