@@ -111,3 +111,8 @@ def test_a_viewer_cannot_record_a_review(client, ledger):
     assert client.post(f"/api/jobs/{job}/review", json={"record_id": "r2", "verdict": "right"}).status_code == 401
     with db.connect(url) as conn:
         assert conn.execute("SELECT count(*) AS n FROM bi.reviews").fetchone()["n"] == before
+
+
+def test_an_unknown_job_version_is_404_on_the_review_routes(client):
+    r = client.get("/api/jobs/jv_0000000000000000/review", headers=auth("admin"))
+    assert r.status_code == 404 and "jv_0000000000000000" in r.json()["detail"], r.text

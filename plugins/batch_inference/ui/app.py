@@ -444,10 +444,7 @@ def api_drift(job_version: str, conn: Ledger, _who: JobReader) -> dict[str, Any]
 def api_review(job_version: str, conn: Ledger, who: JobReader) -> dict[str, Any]:
     """The review sample as the user's reader role sees it, the review gate's progress, and whether
     this user may record verdicts (``may_review``)."""
-    try:
-        out = data.review(conn, job_version, role=who.role)
-    except UnknownJob as exc:
-        raise _unknown(exc) from None
+    out = data.review(conn, job_version, role=who.role)   # UnknownJob: 404 by the app's handler
     return {**out, "may_review": may_review(conn, who.user, job_version), "reads_text": who.role is not None}
 
 
