@@ -49,7 +49,7 @@ from batch_inference.clearance import check_clearance
 from batch_inference.db import q
 from batch_inference.engines.base import TRUNCATED, Engine, Outcome, Request, one_line
 from batch_inference.exceptions import BatchInferenceError, InvalidValue
-from batch_inference.ledger import Lease, Ledger, StaleLease
+from batch_inference.ledger import Lease, Ledger
 
 log = logging.getLogger("batch_inference.hosted")
 
@@ -158,12 +158,8 @@ class HostedLedger:
         self.ledger = ledger
 
     def _call(self, name: str, lease: Lease, **params: Any) -> dict[str, Any]:
-        args = {"job": lease.job_version, "shard": lease.shard_no, "epoch": lease.epoch,
-                "owner": self.ledger.owner, **params}
-        r = self.ledger.conn.execute(q(name), args).fetchone()
-        if r is None or r["stale"]:
-            raise StaleLease(f"{name} refused: shard {lease.shard_no} epoch {lease.epoch} is stale")
-        return r
+        """One fenced call: the ledger's own fence check (``Ledger._held``: StaleLease when stale)."""
+        return self.ledger._held(name, name, lease, **params)
 
     def open(self, lease: Lease, provider: str, ids: Sequence[str]) -> Intent:
         r = self._call("hosted_open", lease, provider=provider, ids=list(ids))
