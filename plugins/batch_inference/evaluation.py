@@ -46,7 +46,7 @@ import psycopg
 from psycopg import errors, sql
 from psycopg.conninfo import make_conninfo
 
-from batch_inference import plan
+from batch_inference import drift, plan
 from batch_inference.cost import Prices, night_cost
 from batch_inference.db import composed, first_line, q
 from batch_inference.exceptions import ReviewRefused
@@ -328,16 +328,23 @@ def review_state(conn: psycopg.Connection, job_version: str) -> dict[str, Any]:
             "passed": r["problem"] is None, "problem": r["problem"]}
 
 
-def _labels(conn: psycopg.Connection, job: str, field: str) -> dict[str, float]:
-    counts = {r["label"] if r["label"] is not None else "(none)": r["n"]
-              for r in conn.execute(q("label_counts"), {"job": job, "field": field})}
+def _labels(conn: psycopg.Connection, job: str, field: str,
+            counts: Mapping[str, int] | None = None) -> dict[str, float]:
+    """Label shares of one field; ``counts`` when the caller has them, else a scan of the results."""
+    if counts is None:
+        counts = {drift.category_key(r["label"]): r["n"]
+                  for r in conn.execute(q("label_counts"), {"job": job, "field": field})}
     total = sum(counts.values())
     return {k: round(v / total, 4) for k, v in sorted(counts.items())} if total else {}
 
 
 def _against_published(conn: psycopg.Connection, spec: JobSpec, dataset: str, job: str,
-                       golden: dict[str, Any] | None) -> dict[str, Any] | None:
-    """Accuracy and label shares per enum field, this version beside the published one."""
+                       golden: dict[str, Any] | None,
+                       categories: Mapping[str, int] | None) -> dict[str, Any] | None:
+    """Accuracy and label shares per enum field, this version beside the published one.
+
+    The category field's counts are not read again: this version's are the validator's
+    (``categories``), the published one's are in its report (``drift.category_counts``)."""
     pub = conn.execute(q("published_version"), {"dataset": dataset}).fetchone()
     if pub is None or pub["job_version"] == job:
         return None
@@ -346,20 +353,30 @@ def _against_published(conn: psycopg.Connection, spec: JobSpec, dataset: str, jo
     theirs = ((report.get("evaluation") or {}).get("golden") or {}).get("accuracy") or {}
     ours = (golden or {}).get("accuracy") or {}
     enums = [n for n, s in (spec.output_schema.get("properties") or {}).items() if isinstance(s, dict) and "enum" in s]
+    cat = spec.category_field
+    known: dict[str, Mapping[str, int] | None] = {job: None, against: None}
+    if cat in enums and categories is not None:
+        known[job] = categories
+        theirs_spec = conn.execute(q("job_spec"), {"job": against}).fetchone()["spec"] or {}
+        if theirs_spec.get("category_field") == cat:   # its bi.results.category holds the same field
+            known[against] = drift.category_counts(conn, against, pub["validation"])[0]
     return {
         "against": against,
         "accuracy": {n: {"this": ours.get(n), "published": theirs.get(n),
                          "change": round(ours[n] - theirs[n], 4) if ours.get(n) is not None
                          and theirs.get(n) is not None else None} for n in sorted(set(ours) | set(theirs))},
-        "labels": {n: {"this": _labels(conn, job, n), "published": _labels(conn, against, n)} for n in enums},
+        "labels": {n: {"this": _labels(conn, job, n, known[job] if n == cat else None),
+                       "published": _labels(conn, against, n, known[against] if n == cat else None)}
+                   for n in enums},
     }
 
 
 def evaluate(conn: psycopg.Connection, spec: JobSpec, job_version: str, dataset: str,
-             failures: list[str], notes: list[str]) -> dict[str, Any]:
+             failures: list[str], notes: list[str], categories: Mapping[str, int] | None = None) -> dict[str, Any]:
     """The ``evaluation`` section of the validation report; each failed threshold appended to ``failures``.
 
-    Needs the review sample stored (validate stores it first) for the judge."""
+    Needs the review sample stored (validate stores it first) for the judge. ``categories``: the
+    version's rows per category, as the validator's schema scan counted them (else read again)."""
     t = time.perf_counter()
     golden = _golden(conn, spec, job_version, failures, notes)
     judge = _judge(conn, spec, job_version, failures)
@@ -372,7 +389,7 @@ def evaluate(conn: psycopg.Connection, spec: JobSpec, job_version: str, dataset:
         "judge": judge,
         "judge_agreement": judge["agreement"] if judge else None,
         "review": review,
-        "published": _against_published(conn, spec, dataset, job_version, golden),
+        "published": _against_published(conn, spec, dataset, job_version, golden, categories),
         "seconds": round(time.perf_counter() - t, 3),
     }
 

@@ -130,7 +130,7 @@ def validate(conn: psycopg.Connection, job_version: str, *, sample_dir: str | Pa
 
     # After the sample is stored: the judge grades rows of it.
     t = time.perf_counter()
-    evaluation = evaluate(conn, spec, job_version, job["dataset"], failures, notes)
+    evaluation = evaluate(conn, spec, job_version, job["dataset"], failures, notes, categories)
     timings["evaluation_s"] = time.perf_counter() - t
 
     snapshot = coverage["snapshot"]
