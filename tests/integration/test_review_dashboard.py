@@ -116,3 +116,14 @@ def test_a_viewer_cannot_record_a_review(client, ledger):
 def test_an_unknown_job_version_is_404_on_the_review_routes(client):
     r = client.get("/api/jobs/jv_0000000000000000/review", headers=auth("admin"))
     assert r.status_code == 404 and "jv_0000000000000000" in r.json()["detail"], r.text
+
+
+def test_a_full_page_of_the_sample_does_not_call_the_rest_hidden(ledger):
+    from batch_inference.ui import data
+
+    url, job = ledger
+    with db.connect(url) as conn:
+        role, _why = data.reader_role(conn, "rita")
+        page = data.review(conn, job, role=role, limit=2)
+        assert [r["record_id"] for r in page["rows"]] == ["r0", "r1"] and page["hidden"] is None
+        assert data.review(conn, job, role=role)["hidden"] == 2        # team1's two rows

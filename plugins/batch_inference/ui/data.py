@@ -322,23 +322,26 @@ def dead_letters(conn: psycopg.Connection, job_version: str, limit: int = 100, o
 # -- review -------------------------------------------------------------------
 
 
-def review(conn: psycopg.Connection, job_version: str, role: str | None = None) -> dict[str, Any]:
-    """The review sample as ``role`` sees it (row-level security), each row with its verdict;
-    the review gate's progress (``evaluation.review_state``); the validation's accuracy
-    and judge figures. Without a role: counts only."""
+def review(conn: psycopg.Connection, job_version: str, role: str | None = None,
+           limit: int = 1000) -> dict[str, Any]:
+    """The review sample as ``role`` sees it (row-level security), each row with its verdict,
+    its first ``limit`` rows; the review gate's progress (``evaluation.review_state``); the
+    validation's accuracy and judge figures. Without a role: counts only. ``hidden`` (rows the
+    role may not read) is None when the page is full: the rest may be readable."""
     row = _job_row(conn, job_version)
     state = review_state(conn, job_version)
     rows: list[dict[str, Any]] = []
     if role is not None:
         with reading_as(conn, role):
-            rows = [{k: v for k, v in r.items() if k != "acl"} for r in review_rows(conn, job_version)]
+            rows = [{k: v for k, v in r.items() if k != "acl"} for r in review_rows(conn, job_version, limit)]
     report = row["validation"] if isinstance(row["validation"], dict) else {}
     ev = report.get("evaluation") if isinstance(report.get("evaluation"), dict) else {}
     judge = ev.get("judge") if isinstance(ev.get("judge"), dict) else {}
     validated = row["status"] in ("validated", "published")
     return {
         "job_version": job_version, "dataset": row["dataset"], "status": row["status"],
-        "review": state, "rows": rows, "visible": len(rows), "hidden": max(state["sampled"] - len(rows), 0),
+        "review": state, "rows": rows, "visible": len(rows),
+        "hidden": max(state["sampled"] - len(rows), 0) if len(rows) < limit else None,
         "accuracy": ev.get("accuracy") or {}, "graded": ev.get("graded") or 0,
         "confusion": ev.get("confusion") or {},
         "judge": {k: judge.get(k) for k in ("judged", "agreement", "min_agreement", "cost")} if judge else None,
