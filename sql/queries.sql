@@ -1,5 +1,5 @@
 -- Named statements used by the package. Format: "-- name: NAME  what it does",
--- then the statement. Loaded, with dashboard.sql and chaos.sql, by
+-- then the statement. Loaded, with the other files of db.QUERY_FILES, by
 -- batch_inference.db.queries(): no SQL is written anywhere else.
 -- Statements with {placeholders} are composed with psycopg.sql parts (db.composed).
 

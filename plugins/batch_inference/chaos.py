@@ -726,8 +726,6 @@ def _report(cfg: ChaosConfig, run: _Run, fleet: _Workers, admin: _Admin, job: st
     # bound method of a server object, which does not copy).
     config = {f.name: copy.deepcopy(getattr(cfg, f.name)) for f in fields(cfg) if f.name != "restart"}
     if cfg.db_url:
-        from batch_inference.db import redact
-
-        config["db_url"] = redact(cfg.db_url)
+        config["db_url"] = db.redact(cfg.db_url)
     config["records"] = cfg.n_records()
     return ChaosReport(config, job, figures, checks)
