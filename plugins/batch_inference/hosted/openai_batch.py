@@ -23,7 +23,7 @@ import json
 from collections.abc import Iterator, Sequence
 from typing import Any
 
-from batch_inference.engines.base import TRUNCATED, Request, one_line
+from batch_inference.engines.base import TRUNCATED, Request, one_line, parse_chat_completion
 from batch_inference.engines.openai import STYLES, chat_body, error_text, response_format
 from batch_inference.exceptions import InvalidValue
 from batch_inference.hosted.core import (
@@ -135,17 +135,9 @@ def parse_line(line: dict[str, Any]) -> Item:
     status = int(resp.get("status_code") or 0)
     body = resp.get("body") or {}
     if status == 200:
-        try:
-            choice = body["choices"][0]
-            text = choice["message"].get("content")
-        except (KeyError, IndexError, TypeError, AttributeError):
-            return Item(cid, ERRORED, error="response has no choices[0].message")
-        tokens = int((body.get("usage") or {}).get("completion_tokens") or 0)
-        if choice.get("finish_reason") == "length":
-            return Item(cid, SUCCEEDED, text=text, error=TRUNCATED, tokens_out=tokens)
-        if text is None:
-            return Item(cid, ERRORED, error="response message has no content", tokens_out=tokens)
-        return Item(cid, SUCCEEDED, text=text, tokens_out=tokens)
+        o = parse_chat_completion(cid, body)   # the synchronous engines' reading of a chat completion
+        ok = o.error is None or o.error == TRUNCATED
+        return Item(cid, SUCCEEDED if ok else ERRORED, text=o.text, error=o.error, tokens_out=o.tokens_out)
     reason = f"HTTP {status}: {one_line(error_text(_Resp(body)), 300)}"
     if status >= 500 or status in (408, 429):
         return Item(cid, TRANSPORT, error=reason)
