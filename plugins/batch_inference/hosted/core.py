@@ -296,9 +296,9 @@ class HostedBatchEngine(Engine):
         if batch_id is None:
             if stop.is_set():
                 return
-            # What the shard still needs, of what the intent names: never a stored record again.
-            left = {r["record_id"] for r in hl.ledger.records(lease)}
-            ids = [rid for rid in it.record_ids if rid in left and rid in by_id]
+            # What the shard still needs, of what the intent names: never a stored record again. The
+            # worker's requests are this epoch's unstored records (read under the lease just now).
+            ids = [rid for rid in it.record_ids if rid in by_id]
             if not ids:
                 hl.update(lease, it.intent_no, "abandoned")
                 return
