@@ -4,7 +4,6 @@ results, attempts and dead letters."""
 from __future__ import annotations
 
 import threading
-import time
 
 import pytest
 
@@ -23,6 +22,12 @@ DB_ROUTES = ("direct", "pgbouncer")
 def job(conn):
     make_source(conn, tickets(25))
     return submit(conn, make_spec()).job_version
+
+
+def expire(conn, job: str, shard: int) -> None:
+    """The holder's lease runs out (as if it died), without waiting for the clock."""
+    conn.execute("UPDATE bi.shards SET lease_expires_at = clock_timestamp() - interval '1 second' "
+                 "WHERE job_version = %s AND shard_no = %s", (job, shard))
 
 
 def ledger(db_url, job, owner, **kw):
@@ -50,11 +55,11 @@ def test_two_workers_never_hold_the_same_shard(db_url, job):
 
 
 def test_stale_epoch_cannot_renew_complete_or_write(db_url, conn, job):
-    a = ledger(db_url, job, "a", lease_seconds=1)
+    a = ledger(db_url, job, "a")
     b = ledger(db_url, job, "b")
     la = a.claim()
     assert la is not None and la.epoch == 1
-    time.sleep(1.2)                                  # a stalls past its lease
+    expire(conn, job, la.shard_no)                   # a stalls past its lease
     lb = b.claim()
     assert lb is not None and lb.shard_no == la.shard_no and lb.epoch == la.epoch + 1
 
@@ -81,12 +86,13 @@ def test_stale_epoch_cannot_renew_complete_or_write(db_url, conn, job):
     assert b.complete(lb) == "done"
 
 
-def test_expired_lease_is_reclaimed_with_next_epoch(db_url, job):
-    a = ledger(db_url, job, "a", lease_seconds=1)
+def test_expired_lease_is_reclaimed_with_next_epoch(db_url, conn, job):
+    a = ledger(db_url, job, "a")
     first = [a.claim() for _ in range(3)]
     assert [l.epoch for l in first] == [1, 1, 1]
     assert a.claim() is None                         # all leased, none expired
-    time.sleep(1.2)
+    for lease in first:
+        expire(conn, job, lease.shard_no)
     again = ledger(db_url, job, "b").claim()
     assert again is not None and again.shard_no == 0 and again.epoch == 2
 
@@ -193,12 +199,6 @@ def test_drop_job_version_drops_partitions(conn, job):
 
 
 # -- crash poison (sql/schema/ledger.sql) -----------------------------------
-
-def expire(conn, job: str, shard: int) -> None:
-    """The holder's lease runs out (as if it died), without waiting for the clock."""
-    conn.execute("UPDATE bi.shards SET lease_expires_at = clock_timestamp() - interval '1 second' "
-                 "WHERE job_version = %s AND shard_no = %s", (job, shard))
-
 
 def attempts_row(conn, job: str, rid: str):
     return conn.execute("SELECT attempts, crashes FROM bi.attempts WHERE job_version = %s AND record_id = %s",
