@@ -50,9 +50,8 @@ class AnthropicBatches(Provider):
         import anthropic
 
         e = self.engine
-        conn = e.airflow_connection() if not e.option("api_key_env") else None
-        base_url = e.base_url if (e.option("base_url") or conn is None or not conn.host) else conn.host
-        self.client = anthropic.Anthropic(api_key=e.secret() or "unused", base_url=base_url, timeout=e.timeout_s,
+        key, base_url = e.credentials()
+        self.client = anthropic.Anthropic(api_key=key or "unused", base_url=base_url, timeout=e.timeout_s,
                                           max_retries=5)
 
     def custom_id(self, record_id: str) -> str:

@@ -222,18 +222,21 @@ class HostedBatchEngine(Engine):
         return self.base_url
 
     # -- credentials --------------------------------------------------------
-    def secret(self, what: str = "api key") -> str | None:
-        """The API key: from ``api_key_env`` (an environment variable's name), else the Airflow
-        connection ``conn_id``'s password (read only when named; the worker need not have Airflow)."""
+    def credentials(self) -> tuple[str | None, str | None]:
+        """(API key, base URL). The key: from ``api_key_env`` (an environment variable's name), else
+        the Airflow connection ``conn_id``'s password (read only when named, once; the worker need not
+        have Airflow), whose host, if any, is the endpoint unless ``base_url`` is set."""
         env = self.option("api_key_env")
         if env:
             value = os.environ.get(str(env))
             if not value:
                 raise InvalidValue(f"engine '{self.name}': environment variable '{env}' (option api_key_env) "
                                    "is not set")
-            return value
+            return value, self.base_url
         conn = self.airflow_connection()
-        return conn.password if conn is not None else None
+        if conn is None:
+            return None, self.base_url
+        return conn.password, conn.host if conn.host and not self.option("base_url") else self.base_url
 
     def airflow_connection(self) -> Any:
         conn_id = self.option("conn_id")

@@ -43,11 +43,7 @@ class OpenAIBatches(Provider):
         import openai
 
         e = self.engine
-        base_url = e.base_url
-        key = e.secret()
-        conn = e.airflow_connection() if not e.option("api_key_env") else None
-        if conn is not None and not e.option("base_url") and conn.host:
-            base_url = conn.host
+        key, base_url = e.credentials()
         self.client = openai.OpenAI(api_key=key or "unused", base_url=base_url, timeout=e.timeout_s,
                                     max_retries=5)
 
