@@ -27,6 +27,7 @@ import hashlib
 import re
 from collections.abc import Iterator, Sequence
 from datetime import datetime, timezone
+from typing import Any
 
 from batch_inference.engines.base import TRUNCATED, Request
 from batch_inference.hosted.core import (
@@ -41,6 +42,18 @@ LIST_PAGE = 100
 
 def custom_id(record_id: str) -> str:
     return record_id if _CUSTOM_ID.match(record_id) else "r" + hashlib.sha256(record_id.encode()).hexdigest()[:40]
+
+
+def message_params(spec: Any, messages: list[dict[str, str]], structured: bool = True) -> dict[str, Any]:
+    """One record's Messages API fields (here and Anthropic models on Bedrock): ``max_tokens`` from
+    the spec, the system turns as ``system``, the other turns, the output schema as
+    ``output_config.format`` when ``structured``."""
+    body: dict[str, Any] = {"max_tokens": spec.params.max_tokens,
+                            "system": "\n\n".join(m["content"] for m in messages if m["role"] == "system"),
+                            "messages": [m for m in messages if m["role"] != "system"]}
+    if structured:
+        body["output_config"] = {"format": {"type": "json_schema", "schema": spec.output_schema}}
+    return body
 
 
 class AnthropicBatches(Provider):
@@ -59,11 +72,8 @@ class AnthropicBatches(Provider):
 
     def request(self, req: Request) -> dict:
         e = self.engine
-        system = "\n\n".join(m["content"] for m in req.messages if m["role"] == "system")
-        params = {"model": e.model, "max_tokens": e.spec.params.max_tokens, "system": system,
-                  "messages": [m for m in req.messages if m["role"] != "system"],
-                  "output_config": {"format": {"type": "json_schema", "schema": e.spec.output_schema}}}
-        return {"custom_id": custom_id(req.record_id), "params": params}
+        return {"custom_id": custom_id(req.record_id),
+                "params": {"model": e.model, **message_params(e.spec, req.messages)}}
 
     def submit(self, key: str, requests: Sequence[Request]) -> tuple[str, str | None]:
         b = self.client.with_options(max_retries=0).messages.batches.create(

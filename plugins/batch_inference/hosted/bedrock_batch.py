@@ -36,7 +36,7 @@ from typing import Any
 
 from batch_inference.engines.base import TRUNCATED, Request
 from batch_inference.exceptions import InvalidValue
-from batch_inference.hosted.anthropic_batch import custom_id
+from batch_inference.hosted.anthropic_batch import custom_id, message_params
 from batch_inference.hosted.core import (
     CLOCK_SKEW_S, ERRORED, SUCCEEDED, TRANSPORT, BatchStatus, HostedBatchEngine, Item, Provider,
 )
@@ -70,14 +70,9 @@ class BedrockJobs(Provider):
 
     def line(self, req: Request) -> dict[str, Any]:
         e = self.engine
-        body: dict[str, Any] = {
-            "anthropic_version": ANTHROPIC_VERSION, "max_tokens": e.spec.params.max_tokens,
-            "system": "\n\n".join(m["content"] for m in req.messages if m["role"] == "system"),
-            "messages": [m for m in req.messages if m["role"] != "system"],
-        }
-        if e.structured_output:
-            body["output_config"] = {"format": {"type": "json_schema", "schema": e.spec.output_schema}}
-        return {"recordId": custom_id(req.record_id), "modelInput": body}
+        return {"recordId": custom_id(req.record_id),
+                "modelInput": {"anthropic_version": ANTHROPIC_VERSION,
+                               **message_params(e.spec, req.messages, e.structured_output)}}
 
     def _input_uri(self, key: str) -> str:
         return f"{self.engine.input_prefix.rstrip('/')}/{key}.jsonl"
