@@ -110,12 +110,12 @@ def _rows(n: int, name: str) -> int:
     return int(n)
 
 
-def night_cost(batch_rows: int, fallback_rows: int, prices: Prices = DEFAULT_PRICES, hosted_rows: int = 0) -> Decimal:
-    """The bill for one night: each row at the price of the transport that produced it."""
+def night_cost(batch_rows: int, fallback_rows: int, prices: Prices = DEFAULT_PRICES) -> Decimal:
+    """The bill for one night: each row at the price of the transport that produced it
+    (``cost_report`` adds hosted batch rows)."""
     b = _rows(batch_rows, "batch_rows")
     f = _rows(fallback_rows, "fallback_rows")
-    h = _rows(hosted_rows, "hosted_rows")
-    return b * prices.batch_per_row + h * prices.hosted_batch_per_row + f * prices.fallback_per_row
+    return b * prices.batch_per_row + f * prices.fallback_per_row
 
 
 def all_synchronous_ceiling(rows: int, prices: Prices = DEFAULT_PRICES) -> Decimal:
