@@ -364,6 +364,11 @@ def test_llama_cpp_and_openai_result_options(tmp_path, conn, db_url, endpoint):
                                                              "extra_body": {"messages": []}}})
     with pytest.raises(ValueError, match="extra_body.*messages"):
         load_engine("openai", bodied)
+    # The hosted Batch API engine builds the same body: the same refusal (the model is pinned by the spec).
+    hosted = make_spec(cleared_for_hosted=True, engine={"name": "openai-batch", "options": {
+        "base_url": endpoint.base_url, "extra_body": {"model": "gpt-other"}}})
+    with pytest.raises(ValueError, match="engine 'openai-batch': option 'extra_body.model' is refused"):
+        load_engine("openai-batch", hosted)
     assert make_spec(engine={"name": "openai", "options": {"model": "x"}}).spec_hash != make_spec().spec_hash
     # The fallback pool's --model is the same option.
     make_source(conn, tickets(4))

@@ -94,6 +94,17 @@ BODY_FIELDS = frozenset({"model", "messages", "temperature", "top_p", "max_token
 _DONE = object()
 
 
+
+def extra_body_option(engine: str, extra: Any) -> dict[str, Any]:
+    """The ``extra_body`` option of a chat-completions engine: a mapping that adds to the
+    request and never replaces one of its own fields (``BODY_FIELDS``, set by the spec)."""
+    if not isinstance(extra, dict):
+        raise InvalidValue(f"engine '{engine}': option 'extra_body' must be a mapping")
+    for key in sorted(BODY_FIELDS & set(extra)):
+        raise InvalidValue(f"engine '{engine}': option 'extra_body.{key}' is refused: it would replace the "
+                           f"request's own '{key}' (set by the spec)")
+    return dict(extra)
+
 def response_format(style: str, schema: dict[str, Any]) -> dict[str, Any]:
     if style == "json_object":
         return {"type": "json_object", "schema": schema}
@@ -183,12 +194,7 @@ class OpenAIEngine(Engine):
             raise InvalidValue("engine 'openai': option 'base_url' is required (e.g. http://host:8000/v1)")
         self.base_url = str(base_url).rstrip("/")
         check_clearance(spec, self.base_url)    # before any request: NotCleared (a ValueError) refuses the start
-        extra = self.option("extra_body", {})
-        if not isinstance(extra, dict):
-            raise InvalidValue("engine 'openai': option 'extra_body' must be a mapping")
-        for key in sorted(BODY_FIELDS & set(extra)):
-            raise InvalidValue(f"engine 'openai': option 'extra_body.{key}' is refused: it would replace the "
-                             f"request's own '{key}' (set by the spec)")
+        self.extra_body = extra_body_option(self.name, self.option("extra_body", {}))
         self.model = str(self.option("model", spec.model.name))
         self.style = str(self.option("response_format_style", "json_schema"))
         self.response_format = response_format(self.style, spec.output_schema)
@@ -200,7 +206,6 @@ class OpenAIEngine(Engine):
         self.timeout_s = float(self.option("timeout_s", 120.0))
         self.rate_limit = self.option("rate_limit")
         self.rate_burst = float(self.option("rate_burst", 1))
-        self.extra_body = dict(extra)
         if self.concurrency < 1 or self.max_retries < 0:
             raise InvalidValue("engine 'openai': 'concurrency' must be at least 1 and 'max_retries' at least 0")
         self._rng = random.Random()

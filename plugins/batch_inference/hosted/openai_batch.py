@@ -24,7 +24,7 @@ from collections.abc import Iterator, Sequence
 from typing import Any
 
 from batch_inference.engines.base import TRUNCATED, Request, one_line, parse_chat_completion
-from batch_inference.engines.openai import STYLES, chat_body, error_text, response_format
+from batch_inference.engines.openai import STYLES, chat_body, error_text, extra_body_option, response_format
 from batch_inference.exceptions import InvalidValue
 from batch_inference.hosted.core import (
     CANCELED, CLOCK_SKEW_S, ERRORED, EXPIRED, SUCCEEDED, TRANSPORT, BatchStatus, HostedBatchEngine, HostedBatchError,
@@ -153,10 +153,7 @@ class OpenAIBatchEngine(HostedBatchEngine):
         if style not in STYLES:
             raise InvalidValue(f"engine 'openai-batch': response_format_style must be one of {', '.join(STYLES)}")
         self.response_format = response_format(style, spec.output_schema)
-        extra = self.option("extra_body", {})
-        if not isinstance(extra, dict):
-            raise InvalidValue("engine 'openai-batch': option 'extra_body' must be a mapping")
-        self.extra_body = dict(extra)
+        self.extra_body = extra_body_option("openai-batch", self.option("extra_body", {}))
 
 
 __all__ = ["HostedBatchError", "OpenAIBatchEngine", "OpenAIBatches", "parse_line"]
