@@ -74,3 +74,49 @@ def test_bedrock_result_records():
     assert parse_record({"recordId": "t1", "error": {"errorCode": 400, "errorMessage": "bad"}}).kind == ERRORED
     assert parse_record({"recordId": "t1", "error": {"errorCode": 503, "errorMessage": "busy"}}).kind == TRANSPORT
     assert parse_record({"recordId": "t1", "error": {"errorCode": 429, "errorMessage": "slow"}}).kind == TRANSPORT
+
+
+def test_a_stop_cuts_a_poll_back_off_short_so_a_flaky_endpoint_cannot_hold_up_the_cancel():
+    """Polls failing with a transient error back off by up to a poll interval each (here 600 s);
+    the cutoff or a preemption notice (``stop``) ends the wait, and the remaining retries come at
+    the cancel poll's pace until the poll gives up with EndpointUnavailable."""
+    import threading
+
+    import pytest
+
+    from batch_inference.breaker import EndpointUnavailable
+    from batch_inference.engines import load_engine
+    from tests.fixtures import make_spec
+
+    spec = make_spec(cleared_for_hosted=True, engine={"name": "openai-batch", "options": {
+        "base_url": "http://127.0.0.1:9/v1", "poll_seconds": 600, "cancel_poll_seconds": 0.01}})
+    engine = load_engine("openai-batch", spec)
+    polled = threading.Event()
+
+    class Down:
+        calls = 0
+
+        def status(self, batch_id):
+            Down.calls += 1
+            polled.set()
+            raise ConnectionError("connection refused")
+
+        def transient(self, exc):
+            return True
+
+    engine.provider = Down()
+    stop, result = threading.Event(), {}
+
+    def poll():
+        try:
+            engine._status("batch_1", stop)
+        except EndpointUnavailable as exc:
+            result["error"] = exc
+
+    t = threading.Thread(target=poll, daemon=True)
+    t.start()
+    assert polled.wait(10)
+    stop.set()                                  # the cutoff fired while the first back-off (600 s) ran
+    t.join(60)
+    assert not t.is_alive(), "the poll's back-off ignored the stop"
+    assert isinstance(result.get("error"), EndpointUnavailable) and Down.calls == 10

@@ -332,8 +332,10 @@ class HostedBatchEngine(Engine):
                         one_line(exc), found)
             return found, None
 
-    def _status(self, batch_id: str) -> BatchStatus:
-        """The batch's status; a transient failure is retried every poll, up to ``MAX_POLL_FAILURES`` in a row."""
+    def _status(self, batch_id: str, stop: threading.Event) -> BatchStatus:
+        """The batch's status; a transient failure is retried, backing off, up to ``MAX_POLL_FAILURES``
+        in a row. ``stop`` (the cutoff or a preemption notice) cuts a back-off short, and from then
+        on retries come at the cancel poll's pace, so a flaky endpoint cannot hold up the cancel."""
         for n in range(MAX_POLL_FAILURES):
             try:
                 return self.provider.status(batch_id)
@@ -341,7 +343,11 @@ class HostedBatchEngine(Engine):
                 if not self.provider.transient(exc):
                     raise
                 log.warning("%s: polling batch %s failed (%s); retrying", self.name, batch_id, one_line(exc))
-                time.sleep(min(self.poll_seconds, 30.0) * (n + 1))
+                delay = min(self.poll_seconds, 30.0) * (n + 1)
+                if stop.is_set():
+                    time.sleep(min(delay, self.cancel_poll_seconds))
+                else:
+                    stop.wait(delay)
         raise EndpointUnavailable(str(self.base_url or self.name), f"{MAX_POLL_FAILURES} polls of {batch_id} failed")
 
     def _watch(self, hl: HostedLedger, lease: Lease, intent_no: int, batch_id: str, stop: threading.Event,
@@ -350,7 +356,7 @@ class HostedBatchEngine(Engine):
         pause = threading.Event()      # never set: a plain wait that the halt does not cut short
         cancel_at: float | None = None
         while True:
-            st = self._status(batch_id)
+            st = self._status(batch_id, stop)
             hl.update(lease, intent_no, "poll", st=st)
             if st.ended:
                 if cancel_at is not None:
