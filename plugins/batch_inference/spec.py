@@ -39,6 +39,31 @@ MAX_TEXT = 200_000              # prompt.system, prompt.template, source.query
 MAX_LEASE_SECONDS = 7 * 86_400  # a lease is renewed every renew_seconds; a week is past any use
 PG_IDENT_BYTES = 63             # a PostgreSQL identifier: output properties become view columns
 
+# The options of each built-in engine (batch_inference.engines.BUILTIN_ENGINES)
+# that change results: set in a spec they join the job version
+# (pinned_options). Each engine class's ``result_options`` is its entry here,
+# so the spec reads them without importing an engine.
+ENGINE_RESULT_OPTIONS: dict[str, tuple[str, ...]] = {
+    "llama-cpp": ("n_ctx", "chat_format"),
+    "vllm": ("dtype", "quantization", "max_model_len", "trust_remote_code", "tokenizer_mode", "kv_cache_dtype",
+             "hf_overrides", "generation_config", "override_generation_config", "seed"),
+    "openai": ("model", "extra_body"),
+    "noop": (),
+    "openai-batch": ("model", "extra_body"),
+    "anthropic-batch": ("model",),
+    "bedrock-batch": ("model",),
+}
+
+
+def pinned_options(name: str, options: dict[str, Any]) -> dict[str, Any]:
+    """The options of engine ``name`` that change results: they join the job version.
+
+    A built-in engine's are in ``ENGINE_RESULT_OPTIONS``; a dotted-path
+    engine is not imported to find out, so all its options count.
+    """
+    keys = ENGINE_RESULT_OPTIONS.get(name, options)
+    return {k: options[k] for k in sorted(keys) if options.get(k) is not None}
+
 
 class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
@@ -105,7 +130,7 @@ class Engine(_Strict):
                       description="llama-cpp, vllm, openai, noop, openai-batch, anthropic-batch, bedrock-batch, "
                                   "or a dotted path module:Class")
     options: dict[str, Any] = Field(default_factory=dict, description="engine options; those that change results "
-                                    "join the job version (batch_inference.engines.pinned_options)")
+                                    "join the job version (batch_inference.spec.pinned_options)")
 
 
 _HOST = re.compile(r"^(\*\.)?[a-z0-9_-]+(\.[a-z0-9_-]+)*\.?$|^[0-9a-f:.]*:[0-9a-f:.]*$")
@@ -349,8 +374,6 @@ class JobSpec(_Strict):
         """The fields that change results. Sharding and leases do not; of the
         engine, only the options that change results do, and only when the
         spec sets any, so a spec without them keeps its version."""
-        from batch_inference.engines import pinned_options
-
         out = {
             "model": {"name": self.model.name, "digest": self.model.digest},
             "prompt": self.prompt.model_dump(),

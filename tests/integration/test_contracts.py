@@ -4,14 +4,17 @@ flags, the command list, and drift (the validator's and the dashboard's)."""
 from __future__ import annotations
 
 import argparse
+import ast
 import dataclasses
 import importlib
+import importlib.util
 import inspect
 import os
 import pkgutil
 import subprocess
 import sys
 import tempfile
+from pathlib import Path
 
 import pytest
 
@@ -45,6 +48,41 @@ def test_every_exception_the_package_defines_derives_from_the_base():
                     and not issubclass(obj, BatchInferenceError)):
                 strays.append(f"{mod.__name__}.{name}")
     assert strays == []
+
+
+# The contracts layer (docs/architecture.md): it may import nothing of the project but each other.
+CONTRACTS = ("batch_inference.exceptions", "batch_inference.exits", "batch_inference.spec")
+
+
+def _project_imports(module_name: str) -> set[str]:
+    """The project modules a module's source imports, at the top or inside a function."""
+    origin = importlib.util.find_spec(module_name).origin
+    found: set[str] = set()
+    for node in ast.walk(ast.parse(Path(origin).read_text())):
+        if isinstance(node, ast.Import):
+            found |= {a.name for a in node.names}
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                found.add("." * node.level + (node.module or ""))
+            elif node.module == "batch_inference":
+                found |= {f"batch_inference.{a.name}" for a in node.names}
+            elif node.module:
+                found.add(node.module)
+    return {n for n in found if n.startswith((".", "batch_inference", "gpu_runner"))}
+
+
+@pytest.mark.parametrize("module", CONTRACTS)
+def test_the_contracts_layer_imports_nothing_above_it(module):
+    assert _project_imports(module) - set(CONTRACTS) == set()
+
+
+def test_each_builtin_engine_reads_its_result_options_from_the_spec():
+    from batch_inference.engines import BUILTIN_ENGINES, engine_class
+    from batch_inference.spec import ENGINE_RESULT_OPTIONS
+
+    assert set(ENGINE_RESULT_OPTIONS) == set(BUILTIN_ENGINES)
+    for name, options in ENGINE_RESULT_OPTIONS.items():
+        assert engine_class(name).result_options == frozenset(options), name
 
 
 def test_the_cli_turns_the_base_into_one_line_and_leaves_other_errors_alone(capsys, monkeypatch):

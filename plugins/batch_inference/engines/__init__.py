@@ -24,7 +24,7 @@ from typing import Any
 
 from batch_inference.engines.base import TRUNCATED, Engine, Outcome, Request, one_line
 from batch_inference.exceptions import InvalidValue
-from batch_inference.spec import JobSpec
+from batch_inference.spec import JobSpec, pinned_options  # noqa: F401 - re-exported: the spec owns it
 
 __all__ = ["BUILTIN_ENGINES", "TRUNCATED", "Engine", "Outcome", "Request", "allowed_engine_modules", "engine_class",
            "engine_for", "load_engine", "one_line", "pinned_options"]
@@ -103,16 +103,6 @@ def engine_class(name: str) -> type[Engine]:
     if not (isinstance(cls, type) and issubclass(cls, Engine)):
         raise InvalidValue(f"engine '{name}': '{attr}' is not a subclass of batch_inference.engines.Engine")
     return cls
-
-
-def pinned_options(name: str, options: dict[str, Any]) -> dict[str, Any]:
-    """The options of engine ``name`` that change results: they join the job version.
-
-    A built-in engine names them (``Engine.result_options``); a dotted-path
-    engine is not imported to find out, so all its options count.
-    """
-    keys = engine_class(name).result_options if name in BUILTIN_ENGINES else options
-    return {k: options[k] for k in sorted(keys) if options.get(k) is not None}
 
 
 def load_engine(name: str, spec: JobSpec, options: dict[str, Any] | None = None) -> Engine:

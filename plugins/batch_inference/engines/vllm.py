@@ -43,10 +43,9 @@ from typing import Any
 from batch_inference.engines.base import TRUNCATED, Engine, Outcome, Request, one_line
 from batch_inference.exceptions import InvalidValue
 from batch_inference.pinning import WeightsMissing
-from batch_inference.spec import JobSpec
+from batch_inference.spec import ENGINE_RESULT_OPTIONS, JobSpec
 
-RESULT_OPTIONS = ("dtype", "quantization", "max_model_len", "trust_remote_code", "tokenizer_mode", "kv_cache_dtype",
-                  "hf_overrides", "generation_config", "override_generation_config", "seed")
+RESULT_OPTIONS = ENGINE_RESULT_OPTIONS["vllm"]
 LLM_OPTIONS = ("tensor_parallel_size", "gpu_memory_utilization", "max_num_seqs", "enforce_eager", *RESULT_OPTIONS)
 _PINNED_BY_DIGEST = "the model is spec.model.path, pinned by spec.model.digest"
 REFUSED_OPTIONS = {

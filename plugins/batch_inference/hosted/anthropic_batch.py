@@ -34,6 +34,7 @@ from batch_inference.hosted.core import (
     CANCELED, CLOCK_SKEW_S, ERRORED, EXPIRED, SUCCEEDED, TRANSPORT, BatchStatus, HostedBatchEngine, HostedBatchError,
     Item, Provider,
 )
+from batch_inference.spec import ENGINE_RESULT_OPTIONS
 
 _CUSTOM_ID = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
 RECORD_FAULTS = frozenset({"invalid_request_error"})
@@ -148,3 +149,4 @@ class AnthropicBatchEngine(HostedBatchEngine):
     provider_class = AnthropicBatches
     default_base_url = "https://api.anthropic.com"
     option_names = HostedBatchEngine.common_options
+    result_options = frozenset(ENGINE_RESULT_OPTIONS["anthropic-batch"])

@@ -41,6 +41,7 @@ from batch_inference.hosted.core import (
     CLOCK_SKEW_S, ERRORED, SUCCEEDED, TRANSPORT, BatchStatus, HostedBatchEngine, Item, Provider,
 )
 from batch_inference.sources import parse_s3_url, s3_client
+from batch_inference.spec import ENGINE_RESULT_OPTIONS
 
 ENDED = frozenset({"Completed", "PartiallyCompleted", "Stopped", "Expired", "Failed"})
 ANTHROPIC_VERSION = "bedrock-2023-05-31"
@@ -170,6 +171,7 @@ class BedrockBatchEngine(HostedBatchEngine):
     option_names = HostedBatchEngine.common_options | {
         "region", "endpoint_url", "s3_endpoint_url", "aws_conn_id", "role_arn", "input_s3_uri", "output_s3_uri",
         "timeout_hours", "structured_output"}
+    result_options = frozenset(ENGINE_RESULT_OPTIONS["bedrock-batch"])
 
     def __init__(self, spec, options=None):
         super().__init__(spec, options)

@@ -191,7 +191,6 @@ class HostedBatchEngine(Engine):
     provider_class: ClassVar[type[Provider]]
     common_options = frozenset({"model", "api_key_env", "conn_id", "base_url", "poll_seconds", "cancel_poll_seconds",
                                 "cancel_timeout_s", "delete_files", "hosted", "timeout_s"})
-    result_options = frozenset({"model"})
     default_base_url: ClassVar[str | None] = None
 
     def __init__(self, spec, options=None):

@@ -30,6 +30,7 @@ from batch_inference.hosted.core import (
     CANCELED, CLOCK_SKEW_S, ERRORED, EXPIRED, SUCCEEDED, TRANSPORT, BatchStatus, HostedBatchEngine, HostedBatchError,
     Item, Provider,
 )
+from batch_inference.spec import ENGINE_RESULT_OPTIONS
 
 ENDED = frozenset({"completed", "failed", "expired", "cancelled"})
 KEY_FIELD = "bi_key"
@@ -145,7 +146,7 @@ class OpenAIBatchEngine(HostedBatchEngine):
     provider_class = OpenAIBatches
     default_base_url = "https://api.openai.com/v1"
     option_names = HostedBatchEngine.common_options | {"response_format_style", "extra_body"}
-    result_options = frozenset({"model", "extra_body"})
+    result_options = frozenset(ENGINE_RESULT_OPTIONS["openai-batch"])
 
     def __init__(self, spec, options=None):
         super().__init__(spec, options)
