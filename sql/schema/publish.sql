@@ -225,7 +225,11 @@ $$;
 -- transaction. Refused (SQLSTATE 55000, one line) when the version belongs to
 -- another dataset, is dropped, still has shards to do, or is not validated and
 -- not forced with a reason. Publishing the version already published is a
--- no-op (an Airflow retry must not write history twice).
+-- no-op (an Airflow retry must not write history twice). The version's
+-- bi.jobs row stays locked FOR UPDATE from before the review gate check to
+-- the commit; bi.record_review_v1 takes a key-share lock on the same row, so
+-- the check sees every verdict committed before it and a verdict that comes
+-- later waits for the switch.
 CREATE OR REPLACE FUNCTION bi.publish_v1(p_dataset text, p_job text, p_actor text DEFAULT NULL,
                                         p_force boolean DEFAULT false, p_reason text DEFAULT NULL)
 RETURNS TABLE (dataset text, from_version text, to_version text, action text, forced boolean,

@@ -9,11 +9,12 @@ tests/process/test_evaluation_real_model.py)."""
 from __future__ import annotations
 
 import json
+import threading
 from typing import Any
 
 import pytest
 
-from batch_inference import evaluation
+from batch_inference import db, evaluation
 from batch_inference.cli import main as cli_main
 from batch_inference.exceptions import PublishRefused, ReviewRefused, SpecError
 from batch_inference.plan import submit
@@ -21,6 +22,7 @@ from batch_inference.publish import publish
 from batch_inference.spec import FieldGrader
 from batch_inference.validate import validate
 from tests.conftest import make_source, make_spec, tickets
+from tests.integration.test_publish import waits_on_a_lock
 from tests.integration.test_validate import finish
 
 CATS = ["billing", "bug", "account", "other"]
@@ -180,6 +182,67 @@ def test_review_gate_blocks_publish_until_enough_rows_are_marked_right(conn, db_
     assert by_id[sample[2]]["reviewer"] == "airflow:cy" and by_id[sample[0]]["comment"] == "looks right"
     assert "text" in by_id[sample[0]] and by_id[sample[0]]["output"]["category"]
     assert publish(conn, job)["forced"] is False
+
+
+def _gate_met(conn, db_url) -> tuple[str, list[str]]:
+    """A validated version whose review gate (2 reviewed, all right) two verdicts of three sampled rows meet."""
+    make_source(conn, tickets(12))
+    job = submit(conn, make_spec(validation={"sample_size": 3},
+                                 evaluation={"review": {"min_reviewed": 2, "min_right": 1.0}})).job_version
+    finish(db_url, job)
+    assert validate(conn, job).passed
+    sample = [r["record_id"] for r in evaluation.review_rows(conn, job)]
+    for rid in sample[:2]:
+        evaluation.record_review(conn, job, rid, "right", reviewer="cli:ana")
+    assert evaluation.review_state(conn, job)["passed"]
+    return job, sample
+
+
+def test_a_verdict_uncommitted_when_publish_checks_the_gate_is_waited_for_and_counted(conn, db_url):
+    """Two connections race: a 'wrong' verdict is written but not committed when publish starts.
+    The publish waits for it (the version's row lock) and then refuses, as the gate with it says."""
+    job, sample = _gate_met(conn, db_url)
+    result: dict[str, Any] = {}
+
+    def publisher() -> None:
+        with db.connect(db_url, application_name="racing-publish") as c:
+            try:
+                result["out"] = publish(c, job)
+            except PublishRefused as exc:
+                result["error"] = exc
+
+    with db.connect(db_url) as reviewer, reviewer.transaction():
+        evaluation.record_review(reviewer, job, sample[2], "wrong", reviewer="cli:bo")
+        t = threading.Thread(target=publisher)
+        t.start()
+        waited = waits_on_a_lock(conn, "racing-publish", t.is_alive)
+    t.join(timeout=30)
+    assert waited, f"the publish did not wait for the verdict in flight: {result}"
+    assert "out" not in result, result
+    assert "2 of 3 reviewed rows marked right (66.7%), under the gate of 100.0%" in str(result["error"])
+    assert conn.execute(db.q("published_version"), {"dataset": "tickets_triage"}).fetchone() is None
+
+
+def test_a_verdict_recorded_while_a_publish_is_in_flight_waits_for_the_switch(conn, db_url):
+    """The other order: the publish has checked the gate and switched, not yet committed; a verdict
+    sent then waits for the commit, so it lands after the switch, never between check and switch."""
+    job, sample = _gate_met(conn, db_url)
+    result: dict[str, Any] = {}
+
+    def reviewer() -> None:
+        with db.connect(db_url, application_name="racing-review") as c:
+            result["review"] = evaluation.record_review(c, job, sample[2], "wrong", reviewer="cli:bo")
+
+    with db.connect(db_url) as publisher, publisher.transaction():
+        switched = publish(publisher, job)
+        t = threading.Thread(target=reviewer)
+        t.start()
+        waited = waits_on_a_lock(conn, "racing-review", t.is_alive)
+    t.join(timeout=30)
+    assert waited, "the verdict did not wait for the publish in flight"
+    assert switched["changed"] and switched["forced"] is False
+    live = conn.execute(db.q("published_version"), {"dataset": "tickets_triage"}).fetchone()
+    assert live["job_version"] == job and result["review"]["reviewed_at"] > live["switched_at"]
 
 
 def test_bad_reviews_are_refused_with_one_line(conn, db_url, capsys):

@@ -260,6 +260,20 @@ def test_a_publish_between_read_and_rollback_refuses_the_rollback(conn, db_url):
     assert pointer(conn) == v2
 
 
+def waits_on_a_lock(conn: psycopg.Connection, application_name: str, running=lambda: True) -> bool:
+    """Whether the session named ``application_name`` comes to wait for a lock (within 10 s, and
+    while ``running()``: a thread that finished without waiting ends the watch)."""
+    for _ in range(200):
+        waiting = conn.execute("SELECT wait_event_type FROM pg_stat_activity "
+                               "WHERE application_name = %s AND state = 'active'", (application_name,)).fetchone()
+        if waiting and waiting["wait_event_type"] == "Lock":
+            return True
+        if not running():
+            return False
+        time.sleep(0.05)
+    return False
+
+
 def test_a_rollback_waiting_on_a_publish_in_flight_sees_it_and_is_refused(conn, db_url):
     """The guard is under the publish lock: a rollback that starts while a publish is uncommitted
     waits for it, then checks against the version it published, never against what it read before."""
@@ -279,13 +293,7 @@ def test_a_rollback_waiting_on_a_publish_in_flight_sees_it_and_is_refused(conn, 
         publish(publisher, v3, actor="nightly")                      # holds the lock, not yet committed
         t = threading.Thread(target=oncall_rollback)
         t.start()
-        for _ in range(200):                                         # the rollback is queued on the lock
-            waiting = conn.execute("SELECT wait_event_type FROM pg_stat_activity "
-                                   "WHERE application_name = 'oncall-rollback' AND state = 'active'").fetchone()
-            if waiting and waiting["wait_event_type"] == "Lock":
-                break
-            time.sleep(0.05)
-        else:
+        if not waits_on_a_lock(conn, "oncall-rollback", t.is_alive):  # the rollback is queued on the lock
             pytest.fail("the rollback did not wait for the publish in flight")
         assert pointer(conn) == v2                                   # others still read v2
     t.join(timeout=30)
