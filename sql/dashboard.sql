@@ -87,8 +87,8 @@ SELECT record_id FROM bi.results WHERE job_version = %(job)s AND record_id = ANY
  UNION
 SELECT record_id FROM bi.dead_letters WHERE job_version = %(job)s AND record_id = ANY(%(ids)s);
 
--- name: statement_timeout  a dashboard read must never hold the ledger for long (this session)
-SELECT set_config('statement_timeout', %(timeout)s, false);
+-- name: statement_timeout  a dashboard read must never hold the ledger for long (this transaction only)
+SELECT set_config('statement_timeout', %(timeout)s, true);
 
 -- name: reader_role_set  run the rest of this transaction as the user's reader role
 SET LOCAL ROLE {role};

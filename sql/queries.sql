@@ -24,14 +24,11 @@ CREATE TEMP TABLE _bi_stage (record_id text, text text, acl text[], reject text)
 -- name: stage_copy  COPY target for rows read in Python
 COPY _bi_stage (record_id, text, acl, reject) FROM STDIN;
 
--- name: query_stage_create  a session table for a source.query's rows, filled read-only before the submit
-CREATE TEMP TABLE _bi_query (record_id text, text text, acl text[], reject text);
+-- name: query_stage_create  a per-transaction table for a source.query's rows, filled read-only inside the submit's transaction
+CREATE TEMP TABLE _bi_query (record_id text, text text, acl text[], reject text) ON COMMIT DROP;
 
--- name: query_stage_fill  the source.query's rows, in a read-only transaction and one statement
-INSERT INTO _bi_query (record_id, text, acl, reject) SELECT * FROM {relation} AS s;
-
--- name: query_stage_drop  the session table of query_stage_create
-DROP TABLE IF EXISTS pg_temp._bi_query;
+-- name: query_stage_fill  the source.query's rows, in a read-only subtransaction and one statement
+INSERT INTO pg_temp._bi_query (record_id, text, acl, reject) SELECT * FROM {relation} AS s;
 
 -- name: source_longest_id  the longest record id of a source (named when one is too long to key a result)
 SELECT left(record_id, 40) AS head, octet_length(record_id) AS bytes FROM {relation} AS s
@@ -72,7 +69,7 @@ SELECT job_version FROM bi.jobs
 -- name: repeatable_read  one snapshot of the database for the whole transaction (a submit reads its source twice: scan, then load)
 SET TRANSACTION ISOLATION LEVEL REPEATABLE READ;
 
--- name: read_only_transaction  the rest of this transaction may not write (a source.query's fill)
+-- name: read_only_transaction  the rest of this (sub)transaction may not write (a source.query's fill)
 SET TRANSACTION READ ONLY;
 
 -- name: job_partitions_create  the job version's snapshot and result partitions; returns the snapshot partition's name

@@ -133,7 +133,8 @@ PREPARE_THRESHOLD: int | None = None
 
 
 def connect(url: str | None = None, *, autocommit: bool = True, retries: int = 0,
-            retry_wait: float = 1.0, application_name: str = "batch-inference") -> psycopg.Connection:
+            retry_wait: float = 1.0, application_name: str = "batch-inference",
+            connection_class: type[psycopg.Connection] = psycopg.Connection) -> psycopg.Connection:
     """Open a connection with dict rows. ``retries`` covers a database restart.
 
     Never server-side prepared statements (``PREPARE_THRESHOLD``), so the
@@ -142,9 +143,9 @@ def connect(url: str | None = None, *, autocommit: bool = True, retries: int = 0
     attempt = 0
     while True:
         try:
-            return psycopg.connect(dsn, autocommit=autocommit, row_factory=dict_row,
-                                   application_name=application_name, connect_timeout=10,
-                                   prepare_threshold=PREPARE_THRESHOLD)
+            return connection_class.connect(dsn, autocommit=autocommit, row_factory=dict_row,
+                                            application_name=application_name, connect_timeout=10,
+                                            prepare_threshold=PREPARE_THRESHOLD)
         except psycopg.ProgrammingError as exc:   # a value libpq refuses only at connect (sslmode=...)
             raise BadDatabaseURL(f"unusable database URL {redact(dsn)}: {scrub(first_line(exc), dsn)}") from None
         except psycopg.OperationalError as exc:

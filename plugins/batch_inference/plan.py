@@ -47,26 +47,16 @@ def submit(conn: psycopg.Connection, spec: JobSpec,
     read elsewhere: an object store, another database)."""
     t0 = time.perf_counter()
     source_name = spec.source.table or spec.source.s3_manifest or "query"
-    query_stage = None
-    if rows is None and spec.source.kind == "postgres" and spec.source.query:
-        query_stage = snapshot.materialize_query(conn, spec.source, source_name)
-    try:
-        return _submit(conn, spec, rows, source_name, query_stage, t0)
-    finally:
-        if query_stage is not None and not conn.closed:
-            snapshot.drop_query_stage(conn)
-
-
-def _submit(conn: psycopg.Connection, spec: JobSpec, rows: Iterable[Mapping[str, Any]] | None, source_name: str,
-            query_stage: sql.Composable | None, t0: float) -> Manifest:
+    # One transaction: nothing of it (staging tables included) outlives it,
+    # so it runs through a transaction pooler (docs/capacity.md).
     with conn.transaction():
         conn.execute(q("repeatable_read"))
         if rows is not None:
             conn.execute(q("stage_create"))
             snapshot.stage_from_rows(conn, rows)
             relation: sql.Composable = snapshot.STAGE
-        elif query_stage is not None:
-            relation = query_stage
+        elif spec.source.kind == "postgres" and spec.source.query:
+            relation = snapshot.materialize_query(conn, spec.source, source_name)
         elif spec.source.kind == "postgres":
             relation = snapshot.source_relation(spec.source)
         else:

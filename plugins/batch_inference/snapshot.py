@@ -3,8 +3,8 @@
 A PostgreSQL source in the ledger's database is read server-side, twice in
 one REPEATABLE READ transaction (a scan for the checks and the identity, then
 the bulk load into the snapshot partition). A ``source.query`` is first run
-once, read-only and as a single statement, into a session table
-(``materialize_query``), which is then read the same way. Anything else (an
+once, read-only and as a single statement, into a table of that same
+transaction (``materialize_query``), which is then read the same way. Anything else (an
 object store manifest, another database) arrives as Python rows and goes by
 COPY into a per-transaction staging table, read the same way too.
 Records that cannot be processed (NUL bytes, broken Unicode, empty text) are
@@ -38,7 +38,7 @@ def source_relation(source: Source) -> sql.Composable:
 
 
 STAGE = sql.Identifier("_bi_stage")
-QUERY_STAGE = sql.Identifier("_bi_query")
+QUERY_STAGE = sql.Identifier("pg_temp", "_bi_query")
 
 
 @contextmanager
@@ -70,27 +70,24 @@ def _source_errors(source_name: str, *, any_refusal: bool = False) -> Iterator[N
 
 
 def materialize_query(conn: psycopg.Connection, source: Source, source_name: str = "query") -> sql.Composable:
-    """Run ``source.query`` once, read-only, into a session table and return its name.
+    """Run ``source.query`` once, read-only, into a table of the caller's transaction and return its name.
 
-    The query runs in its own REPEATABLE READ, READ ONLY transaction, so it
-    cannot write, create or drop anything, whatever functions it calls; and it
-    is sent in pipeline mode, which uses the extended query protocol: the
-    server parses exactly one statement and refuses text that holds two
-    (``SELECT ...; DROP ...``). Nothing of the query's text reaches the submit
-    transaction, which reads the session table. The caller drops it with
-    ``drop_query_stage``."""
-    drop_query_stage(conn)
+    Called inside the submit's REPEATABLE READ transaction, so the query reads
+    the submit's snapshot, and the table is dropped when that transaction ends
+    (``ON COMMIT DROP``): nothing outlives it, so a transaction pooler may
+    give the next transaction any server connection. The query runs in a
+    subtransaction set ``READ ONLY``, so it cannot write, create or drop
+    anything, whatever functions it calls (and cannot turn that off inside
+    it); the submit writes again once the subtransaction is released. It is
+    sent in pipeline mode, which uses the extended query protocol: the server
+    parses exactly one statement and refuses text that holds two
+    (``SELECT ...; DROP ...``)."""
+    conn.execute(q("query_stage_create"))
     with _source_errors(source_name, any_refusal=True), conn.transaction():
-        conn.execute(q("repeatable_read"))
-        conn.execute(q("query_stage_create"))     # a temporary table may be written in a read-only transaction
-        conn.execute(q("read_only_transaction"))
+        conn.execute(q("read_only_transaction"))  # a temporary table may be written in a read-only transaction
         with conn.pipeline():
             conn.execute(sql.SQL(q("query_stage_fill")).format(relation=source_relation(source)))
     return QUERY_STAGE
-
-
-def drop_query_stage(conn: psycopg.Connection) -> None:
-    conn.execute(q("query_stage_drop"))
 
 
 def scan(conn: psycopg.Connection, relation: sql.Composable, source_name: str, id_column: str) -> tuple[int, str]:

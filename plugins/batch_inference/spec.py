@@ -75,7 +75,8 @@ class Source(_Strict):
     kind: Literal["postgres", "s3_manifest"] = "postgres"
     table: str | None = None
     query: str | None = Field(default=None, max_length=MAX_TEXT,
-                              description="one SELECT, run in a read-only transaction (snapshot.materialize_query)")
+                              description="one SELECT, run read-only inside the submit's transaction "
+                              "(snapshot.materialize_query)")
     s3_manifest: str | None = Field(default=None, max_length=2048,
                                     description="s3://bucket/key of a manifest listing JSONL object keys")
     id_column: str = "id"

@@ -45,6 +45,7 @@ import os
 import threading
 import time
 from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated, Any
@@ -132,14 +133,36 @@ def _first_line(exc: BaseException) -> str:
     return text.splitlines()[0] if text else exc.__class__.__name__
 
 
+class TimedConnection(psycopg.Connection):
+    """The dashboard's connection: every transaction it runs starts with the
+    statement timeout set for that transaction only (``SET LOCAL``), and a
+    statement outside a transaction runs in one of its own. Nothing is left
+    on the session, so behind a transaction pooler the limit never stays on a
+    server connection that another client gets next (docs/capacity.md)."""
+
+    def execute(self, query, params=None, **kwargs):
+        if self.info.transaction_status != psycopg.pq.TransactionStatus.IDLE:
+            return super().execute(query, params, **kwargs)
+        with self.transaction():
+            return super().execute(query, params, **kwargs)
+
+    @contextmanager
+    def transaction(self, *args, **kwargs):
+        outermost = self.info.transaction_status == psycopg.pq.TransactionStatus.IDLE
+        with super().transaction(*args, **kwargs) as tx:
+            if outermost:
+                super().execute(db.q("statement_timeout"), {"timeout": _STATEMENT_TIMEOUT})
+            yield tx
+
+
 def ledger() -> Iterator[psycopg.Connection]:
     """One short-lived connection per request (a Unix socket or a pooler makes this cheap)."""
     try:
-        conn = db.connect(conninfo.get(), application_name="batch-inference-dashboard")
+        conn = db.connect(conninfo.get(), application_name="batch-inference-dashboard",
+                          connection_class=TimedConnection)
     except db.DatabaseUnavailable as exc:
         raise HTTPException(status.HTTP_503_SERVICE_UNAVAILABLE, str(exc)) from None
     try:
-        conn.execute(db.q("statement_timeout"), {"timeout": _STATEMENT_TIMEOUT})
         yield conn
     finally:
         conn.close()
