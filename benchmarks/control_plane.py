@@ -50,7 +50,7 @@ RAW_TABLE = """
 CREATE TABLE IF NOT EXISTS public.raw_results (
     job_version text NOT NULL, record_id text NOT NULL, output jsonb NOT NULL, category text,
     model_name text NOT NULL, model_digest text NOT NULL, prompt_version text NOT NULL,
-    transport text NOT NULL, worker_id text, epoch bigint, acl text[], content_hash text,
+    transport text NOT NULL, engine text, endpoint text, worker_id text, epoch bigint, acl text[], content_hash text,
     created_at timestamptz NOT NULL DEFAULT clock_timestamp(),
     PRIMARY KEY (job_version, record_id)
 ) PARTITION BY LIST (job_version)
@@ -58,8 +58,8 @@ CREATE TABLE IF NOT EXISTS public.raw_results (
 
 RAW_INSERT = """
 INSERT INTO public.raw_results (job_version, record_id, output, category, model_name, model_digest,
-                                prompt_version, transport, worker_id, epoch, acl, content_hash)
-SELECT %(job)s, u.id, u.output, u.category, 'noop', %(digest)s, 'v1', 'batch', 'raw', 1,
+                                prompt_version, transport, engine, endpoint, worker_id, epoch, acl, content_hash)
+SELECT %(job)s, u.id, u.output, u.category, 'noop', %(digest)s, 'v1', 'batch', 'noop', 'local', 'raw', 1,
        ARRAY['team0'], md5(u.id)
   FROM unnest(%(ids)b::text[], %(outputs)b::text[]::jsonb[], %(categories)b::text[]) AS u(id, output, category)
 ON CONFLICT (job_version, record_id) DO NOTHING
@@ -233,7 +233,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--patch", action="append", default=[],
                     help="SQL file applied after the migrations (a prototype of a core fix, e.g. "
-                         "a CREATE OR REPLACE FUNCTION of bi.put_results_v2)")
+                         "a CREATE OR REPLACE FUNCTION of bi.put_results_v3)")
     a = ap.parse_args(argv)
     emit(run(a.records, a.shard_size, a.workers, tuple(int(x) for x in a.flush.split(",")), a.repeats,
              tuple(a.patch)))

@@ -129,7 +129,7 @@ class Sim:
                 self.count["claims"] += 1
                 lease = claimed[0]
                 args = {"job": a.job, "shard": lease["shard_no"], "epoch": lease["epoch"], "owner": name,
-                        "transport": "batch"}
+                        "transport": "batch", "engine": "noop", "endpoint": "local"}
                 ids = [r["record_id"] for r in await self.call(main, "shard_records", "records", args)]
                 stop = asyncio.Event()
                 renewer = asyncio.create_task(self.renew_loop(renew_conn, args, stop))

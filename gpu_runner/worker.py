@@ -45,7 +45,7 @@ from typing import Any
 
 import psycopg
 
-from batch_inference import db
+from batch_inference import db, provenance
 from batch_inference.breaker import EndpointUnavailable
 from batch_inference.engines import load_engine
 from batch_inference.engines.base import Engine, Request
@@ -234,6 +234,7 @@ class Worker:
         name = cfg.engine or spec.engine.name
         try:
             self.engine = load_engine(name, spec, cfg.engine_options)
+            made_by = provenance.made_by(spec, self.engine)   # refuses an engine that cannot serve the pinned model
         except (ValueError, ImportError) as exc:
             raise Fatal(f"fatal: engine {name!r}: {exc}", ExitCode.CONFIG) from None
         try:
@@ -249,7 +250,7 @@ class Worker:
                  time.perf_counter() - t0, cfg.job_version, spec.model.name, spec.prompt.version)
         # A batch worker's transport is its engine's ('hosted_batch' for the hosted batch engines).
         self.transport = cfg.transport if cfg.transport == "fallback" else self.engine.transport
-        self.ledger = Ledger(self.conn, cfg.job_version, self.owner, self.transport, cfg.lease_seconds)
+        self.ledger = Ledger(self.conn, cfg.job_version, self.owner, self.transport, cfg.lease_seconds, *made_by)
         self._install_signals()
 
         while not self.stop.is_set():

@@ -159,9 +159,9 @@ SELECT %(job)s, p.record_id, p.reject, p.reject, NULL, 0,
 
 -- name: plan_reuse  carry over results of unchanged records from the base version (incremental)
 INSERT INTO bi.results (job_version, record_id, output, category, model_name, model_digest, prompt_version,
-                        transport, worker_id, epoch, acl, content_hash, created_at)
+                        transport, engine, endpoint, worker_id, epoch, acl, content_hash, created_at)
 SELECT %(job)s, r.record_id, r.output, r.category, r.model_name, r.model_digest, r.prompt_version,
-       'reused', r.worker_id, r.epoch, p.acl, p.content_hash, r.created_at
+       'reused', r.engine, r.endpoint, r.worker_id, r.epoch, p.acl, p.content_hash, r.created_at
   FROM bi.snapshot_rows p
   JOIN bi.results r ON r.job_version = %(base)s AND r.record_id = p.record_id
  WHERE p.job_version = %(job)s AND p.shard_no IS NULL AND p.reject IS NULL;
@@ -242,8 +242,8 @@ SELECT * FROM bi.mark_in_flight_v2(%(job)s, %(shard)s, %(epoch)s, %(owner)s, %(i
 -- name: abandon_shard  the engine broke: give the shard back, counted as a lost lease
 SELECT * FROM bi.abandon_shard_v2(%(job)s, %(shard)s, %(epoch)s, %(owner)s);
 
--- name: put_results
-SELECT * FROM bi.put_results_v2(%(job)s, %(shard)s, %(epoch)s, %(owner)s, %(transport)s,
+-- name: put_results  put-if-absent under the lease; the engine and its endpoint class once per call
+SELECT * FROM bi.put_results_v3(%(job)s, %(shard)s, %(epoch)s, %(owner)s, %(transport)s, %(engine)s, %(endpoint)s,
                                 %(ids)b::text[], %(outputs)b::text[]::jsonb[], %(categories)b::text[]);
 
 -- name: fail_records  one failed attempt per record, the attempt numbers make a retried call count once
@@ -366,9 +366,9 @@ SELECT t.record_id FROM (SELECT record_id FROM bi.results WHERE job_version = %(
  WHERE NOT EXISTS (SELECT 1 FROM bi.snapshot_rows s WHERE s.job_version = %(job)s AND s.record_id = t.record_id)
  ORDER BY t.record_id LIMIT %(n)s;
 
--- name: validate_results  one scan: rows per category, and rows the SQL form of the schema cannot vouch for ({valid})
-SELECT r.category, count(*) AS n, count(*) FILTER (WHERE NOT {valid}) AS unvouched
-  FROM bi.results r WHERE r.job_version = %(job)s GROUP BY r.category;
+-- name: validate_results  one scan: rows per category, engine, endpoint class and transport, and rows the SQL form of the schema cannot vouch for ({valid})
+SELECT r.category, r.engine, r.endpoint, r.transport, count(*) AS n, count(*) FILTER (WHERE NOT {valid}) AS unvouched
+  FROM bi.results r WHERE r.job_version = %(job)s GROUP BY r.category, r.engine, r.endpoint, r.transport;
 
 -- name: validate_unvouched  the outputs {valid} does not vouch for, as JSON text, for the full check in Python
 SELECT r.record_id, r.output::text AS output

@@ -70,15 +70,21 @@ def new_owner_id(prefix: str = "worker") -> str:
 
 
 class Ledger:
-    """The worker's view of the ledger, over one autocommit connection."""
+    """The worker's view of the ledger, over one autocommit connection.
+
+    ``engine`` and ``endpoint`` (``provenance.made_by``) go on every result
+    row this ledger puts; None records neither."""
 
     def __init__(self, conn: psycopg.Connection, job_version: str, owner: str,
-                 transport: str = "batch", lease_seconds: int | None = None):
+                 transport: str = "batch", lease_seconds: int | None = None,
+                 engine: str | None = None, endpoint: str | None = None):
         self.conn = conn
         self.job_version = job_version
         self.owner = owner
         self.transport = transport
         self.lease_seconds = lease_seconds
+        self.engine = engine
+        self.endpoint = endpoint
 
     def _args(self, lease: Lease, **extra: Any) -> dict[str, Any]:
         return {"job": lease.job_version, "shard": lease.shard_no, "epoch": lease.epoch,
@@ -140,7 +146,8 @@ class Ledger:
         object, or JSON text jsonb accepts (``outputs.check_for_storage``)."""
         if not ids:
             return 0
-        return self._held("results", "put_results", lease, ids=list(ids),
+        return self._held("results", "put_results", lease, engine=self.engine, endpoint=self.endpoint,
+                          ids=list(ids),
                           outputs=[o if isinstance(o, str) else json.dumps(o, ensure_ascii=False) for o in outputs],
                           categories=list(categories))["n"]
 

@@ -1,6 +1,6 @@
 """The validator: may this job version be published?
 
-Run when no shard is left. Six checks, each a line in ``failures`` when it
+Run when no shard is left. Seven checks, each a line in ``failures`` when it
 fails:
 
 * coverage: every snapshot record has exactly one of a result or a dead
@@ -8,6 +8,9 @@ fails:
 * schema: every stored output is checked again against the spec's schema and
   rules (the worker checked it once, but reused rows, the fallback pool and
   hand-made fixes also write results);
+* engines: every stored output came from an engine that may serve the
+  spec's pinned model (``batch_inference.provenance``); the report counts
+  rows by engine, endpoint class and transport, from the schema scan;
 * dead letters: their share of the snapshot stays under
   ``spec.validation.max_dead_letter_rate``;
 * drift: the category distribution against the version the dataset publishes
@@ -48,7 +51,7 @@ import psycopg
 from psycopg import sql
 from psycopg.types.json import Jsonb
 
-from batch_inference import db
+from batch_inference import db, provenance
 from batch_inference import drift as drifts
 from batch_inference.db import q
 from batch_inference.evaluation import evaluate
@@ -205,11 +208,16 @@ def _schema(conn: psycopg.Connection, spec: JobSpec, job: str, failures: list[st
     if why:
         notes.append(why)
     categories: dict[str, int] = {}
+    made_by: dict[tuple[str | None, str | None, str], int] = {}
     unvouched = 0
     for r in conn.execute(sql.SQL(q("validate_results")).format(valid=vouch), {"job": job}):
-        categories[drifts.category_key(r["category"])] = r["n"]
+        key = drifts.category_key(r["category"])
+        categories[key] = categories.get(key, 0) + r["n"]
+        made = (r["engine"], r["endpoint"], r["transport"])
+        made_by[made] = made_by.get(made, 0) + r["n"]
         unvouched += r["unvouched"]
     checked = sum(categories.values())
+    engines = _engines(spec, made_by, failures, notes)
     invalid = 0
     examples: list[dict[str, str]] = []
     if unvouched:
@@ -228,7 +236,33 @@ def _schema(conn: psycopg.Connection, spec: JobSpec, job: str, failures: list[st
         failures.append(f"schema: {invalid} of {checked} stored outputs fail the schema or rules "
                         f"({first['record_id']}: {first['reason']})")
     return ({"checked": checked, "invalid": invalid, "examples": examples,
-             "checked_in_python": unvouched, "sql_check": why is None}, categories)
+             "checked_in_python": unvouched, "sql_check": why is None, "engines": engines}, categories)
+
+
+def _engines(spec: JobSpec, made_by: Mapping[tuple[str | None, str | None, str], int], failures: list[str],
+             notes: list[str]) -> list[dict[str, Any]]:
+    """Rows by engine, endpoint class and transport; a failure for each engine
+    the spec does not allow (``provenance.row_refusal``)."""
+    out = [{"engine": e, "endpoint": p, "transport": t, "rows": n}
+           for (e, p, t), n in sorted(made_by.items(), key=lambda kv: (kv[0][0] or "", kv[0][1] or "", kv[0][2]))]
+    refused: dict[str, tuple[int, str]] = {}
+    unrecorded = 0
+    for row in out:
+        if row["engine"] is None:
+            unrecorded += row["rows"]
+            row["allowed"] = None
+            continue
+        why = provenance.row_refusal(spec, row["engine"])
+        if why is not None:
+            n, _ = refused.get(row["engine"], (0, why))
+            refused[row["engine"]] = (n + row["rows"], why)
+        row["allowed"] = why is None
+    for name, (n, why) in sorted(refused.items()):
+        failures.append(f"engine: {n} stored output(s) came from engine {name!r}, which this spec does not allow "
+                        f"({why})")
+    if unrecorded:
+        notes.append(f"engine: {unrecorded} stored output(s) record no engine (written before migration 0006)")
+    return out
 
 
 def _drift(conn: psycopg.Connection, spec: JobSpec, dataset: str, job: str, categories: dict[str, int],

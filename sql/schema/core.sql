@@ -138,12 +138,19 @@ CREATE TABLE IF NOT EXISTS bi.results (
     model_digest   text NOT NULL,
     prompt_version text NOT NULL,
     transport      text NOT NULL CHECK (transport IN ('batch', 'hosted_batch', 'fallback', 'reused')),
+    -- The engine that made the output (a built-in name, or module:Class) and
+    -- its endpoint's class: local (in the worker's process), internal (an
+    -- endpoint inside the company), hosted (outside it). A reused row keeps
+    -- its base row's. NULL: written before migration 0006.
+    engine         text,
+    endpoint       text CHECK (endpoint IN ('local', 'internal', 'hosted')),
     worker_id      text,
     epoch          bigint,
     acl            text[],
     content_hash   text,
     created_at     timestamptz NOT NULL DEFAULT clock_timestamp(),
-    PRIMARY KEY (job_version, record_id)
+    PRIMARY KEY (job_version, record_id),
+    CONSTRAINT results_engine_endpoint CHECK ((engine IS NULL) = (endpoint IS NULL))
 ) PARTITION BY LIST (job_version);
 
 CREATE TABLE IF NOT EXISTS bi.dead_letters (

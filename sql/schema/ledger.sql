@@ -366,9 +366,11 @@ END $$;
 -- this batch to commit, and a batch from a stale epoch writes nothing. While
 -- the lock is held no record of the shard can be dead-lettered, so with the
 -- shard's dead counter at 0 the per-record dead-letter probe is skipped.
--- n is the number of new rows.
-CREATE OR REPLACE FUNCTION bi.put_results_v2(p_job text, p_shard integer, p_epoch bigint, p_worker text,
-                                            p_transport text, p_ids text[], p_outputs jsonb[], p_categories text[],
+-- p_engine and p_endpoint (the engine that made every output of the call,
+-- and its endpoint class) go on each row. n is the number of new rows.
+CREATE OR REPLACE FUNCTION bi.put_results_v3(p_job text, p_shard integer, p_epoch bigint, p_worker text,
+                                            p_transport text, p_engine text, p_endpoint text, p_ids text[],
+                                            p_outputs jsonb[], p_categories text[],
                                             OUT stale boolean, OUT n integer)
 LANGUAGE plpgsql SECURITY DEFINER SET search_path = pg_catalog, pg_temp AS $$
 DECLARE
@@ -384,9 +386,9 @@ BEGIN
         RETURN;
     END IF;
     INSERT INTO bi.results (job_version, record_id, output, category, model_name, model_digest,
-                            prompt_version, transport, worker_id, epoch, acl, content_hash)
+                            prompt_version, transport, engine, endpoint, worker_id, epoch, acl, content_hash)
     SELECT p_job, u.id, u.output, u.category, j.model_name, j.model_digest, j.prompt_version,
-           p_transport, p_worker, p_epoch, sr.acl, sr.content_hash
+           p_transport, p_engine, p_endpoint, p_worker, p_epoch, sr.acl, sr.content_hash
       FROM unnest(p_ids, p_outputs, p_categories) AS u(id, output, category)
      CROSS JOIN LATERAL (SELECT x.acl, x.content_hash, x.shard_no FROM bi.snapshot_rows x
                           WHERE x.job_version = p_job AND x.record_id = u.id OFFSET 0) sr

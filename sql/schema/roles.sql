@@ -159,7 +159,7 @@ GRANT EXECUTE ON FUNCTION
     bi.shard_records_v2(text, integer, bigint),
     bi.mark_in_flight_v2(text, integer, bigint, text, text[]),
     bi.abandon_shard_v2(text, integer, bigint, text),
-    bi.put_results_v2(text, integer, bigint, text, text, text[], jsonb[], text[]),
+    bi.put_results_v3(text, integer, bigint, text, text, text, text, text[], jsonb[], text[]),
     bi.fail_records_v3(text, integer, bigint, text, text, text[], text[], text[], integer[]),
     bi.halt_job_v1(text, text),
     bi.job_spec_v2(text),

@@ -47,7 +47,8 @@ def store(conn, job: str, shard: int, k: int, transport: str = "batch") -> None:
         "SELECT record_id FROM bi.snapshot_rows WHERE job_version = %s AND shard_no = %s ORDER BY record_id LIMIT %s",
         (job, lease["shard_no"], k))]
     conn.execute(db.q("put_results"), {"job": job, "shard": lease["shard_no"], "epoch": lease["epoch"],
-                                       "owner": "test", "transport": transport, "ids": ids,
+                                       "owner": "test", "transport": transport, "engine": "noop",
+                                       "endpoint": "local", "ids": ids,
                                        "outputs": ['{"category": "bug", "summary": "x"}'] * len(ids),
                                        "categories": ["bug"] * len(ids)})
     conn.execute("SELECT bi.release_shard_v2(%s, %s, %s, 'test')", (job, lease["shard_no"], lease["epoch"]))

@@ -155,7 +155,7 @@ def test_every_fenced_transition_reports_a_stale_epoch_in_one_shape(conn):
          ORDER BY 1""").fetchall()
     names = [r["proname"] for r in rows]
     assert {"renew_lease_v2", "release_shard_v2", "complete_shard_v2", "mark_in_flight_v2", "abandon_shard_v2",
-            "put_results_v2", "fail_records_v3"} <= set(names), names
+            "put_results_v3", "fail_records_v3"} <= set(names), names
     for r in rows:
         assert not r["proretset"] and r["outs"] and r["outs"][0] == "stale" and r["first_type"] == "boolean", r
 

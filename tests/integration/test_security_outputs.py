@@ -176,6 +176,7 @@ class TextEngine(Engine):
     """The model's text for each vector as a Python string (what llama.cpp's and vLLM's bindings return)."""
 
     name = "text-vectors"
+    serves_models = ("noop",)   # the test specs' model (batch_inference.provenance)
 
     def load(self) -> None:
         pass

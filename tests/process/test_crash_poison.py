@@ -44,6 +44,7 @@ class CrashingEngine(Engine):
 
     name = "crashing"
     option_names = frozenset({"crash_ids", "how", "log", "delay_s"})
+    serves_models = ("noop",)   # the test specs' model (batch_inference.provenance)
 
     def load(self) -> None:
         self.crash_ids = set(self.option("crash_ids", []))

@@ -131,6 +131,7 @@ class BrokenEngine(Engine):
     """A user engine (loaded by dotted path) whose device fails mid-shard."""
 
     name = "broken"
+    serves_models = ("noop",)   # the test specs' model (batch_inference.provenance)
 
     def load(self) -> None:
         pass
