@@ -7,9 +7,11 @@
   passes the alert's stored interval (a serialized ``timedelta``, a dict) to
   ``timedelta(seconds=...)``: "unsupported type for timedelta seconds component:
   dict". :func:`fix_clear_with_queued_at_deadline` replaces that function with one
-  that decodes the interval as Airflow's own decoder does. It is applied by the
-  dashboard plugin in the API server, the process that serves clears from the UI
-  and the REST API, and only on Airflow 3.3, the release with the bug.
+  that decodes the interval as Airflow's own decoder does. The dashboard plugin
+  applies it when Airflow loads it (``BatchInferencePlugin.on_load``), which every
+  Airflow process does before it reads a DAG: the API server (clears from the UI
+  and the REST API) and ``airflow tasks clear`` on the command line. Only on
+  Airflow 3.3, the release with the bug.
 
 The other upstream bug the DAGs meet, a trigger that fires at once racing the
 scheduler (apache/airflow#72716, #71580), is avoided in ``CutoffSensor.execute``:

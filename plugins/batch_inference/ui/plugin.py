@@ -13,6 +13,12 @@ Airflow imports plugins in every process (scheduler, triggerer, workers,
 CLI), and only the API server needs the app, so the FastAPI app and Airflow's
 API-server security module are imported on first access of
 ``fastapi_apps``, not when this module is imported.
+
+Loading the plugin (``on_load``) applies ``batch_inference.airflow_fixes``:
+every Airflow process loads plugins before it reads a DAG (deserializing an
+operator looks up the plugins' extra links), so the API server's clears and
+``airflow tasks clear`` on the command line both get the workaround for
+apache/airflow#70368.
 """
 
 from __future__ import annotations
@@ -43,11 +49,14 @@ class BatchInferencePlugin(AirflowPlugin):
         },
     ]
 
+    @classmethod
+    def on_load(cls, *args: Any, **kwargs: Any) -> None:
+        from batch_inference.airflow_fixes import fix_clear_with_queued_at_deadline
+
+        fix_clear_with_queued_at_deadline()
+
     @property
     def fastapi_apps(self) -> list[dict[str, Any]]:  # type: ignore[override]
-        from batch_inference.airflow_fixes import fix_clear_with_queued_at_deadline
         from batch_inference.ui.app import app
 
-        # Only the API server reads this: it serves the clears that apache/airflow#70368 breaks.
-        fix_clear_with_queued_at_deadline()
         return [{"app": app, "url_prefix": URL_PREFIX, "name": "Batch inference dashboard"}]
