@@ -92,6 +92,13 @@ SELECT count(*) FILTER (WHERE prev_event = 'release') AS after_release,
           FROM chaos.lease_log l WHERE l.job_version = %(job)s) t
  WHERE event = 'claim';
 
+-- name: chaos_death_dead_letters  records dead-lettered for deaths with them in flight (crashes at max_attempts), not for failed attempts
+SELECT d.record_id
+  FROM bi.dead_letters d
+  JOIN bi.attempts a ON a.job_version = d.job_version AND a.record_id = d.record_id
+  JOIN bi.jobs j ON j.job_version = d.job_version
+ WHERE d.job_version = %(job)s AND d.stage = 'worker' AND a.crashes >= (j.spec ->> 'max_attempts')::integer;
+
 -- name: chaos_fence_for  refusals of one worker's one epoch of one shard
 SELECT count(*) AS n FROM bi.fence_events
  WHERE job_version = %(job)s AND worker_id = %(worker)s AND shard_no = %(shard)s AND presented = %(epoch)s;

@@ -97,6 +97,7 @@ CREATE TABLE IF NOT EXISTS bi.shards (
     lease_owner      text,
     lease_transport  text,
     lease_expires_at timestamptz,
+    lease_renewed_at timestamptz,                 -- the current lease's claim or last renewal
     claims           integer NOT NULL DEFAULT 0,
     records          integer NOT NULL,
     stored           integer NOT NULL DEFAULT 0,  -- results written under this shard (any transport)

@@ -114,13 +114,26 @@ BEGIN
     RETURN n;
 END $$;
 
+-- Whether the server (re)started after a lease was last claimed or renewed
+-- (bi.shards.lease_renewed_at): the restart cut the holder's connections, its
+-- renewals included, so the lapse is no sign that the holder died. An expired
+-- lease counts no deaths then. False when the stamp is unknown.
+CREATE OR REPLACE FUNCTION bi.lapsed_over_restart_v1(p_renewed_at timestamptz)
+RETURNS boolean
+LANGUAGE sql STABLE SET search_path = pg_catalog, pg_temp AS $$
+    SELECT coalesce(pg_postmaster_start_time() > p_renewed_at, false)
+$$;
+
 -- Records that kill the worker (an OOM kill, a segfault or an abort in the
 -- engine) are dead-lettered too (I4). A shard whose lease ended without a
 -- release or a completion (taken over after it expired, swept, or abandoned)
 -- counts a lost lease; its next holders run it carefully: the worker marks
 -- each engine batch in flight before generating it (bi.mark_in_flight_v2),
 -- and when such an epoch ends without a release, every record of its last
--- marked batch left without an outcome gets one more crash. At the job's
+-- marked batch left without an outcome gets one more crash, unless the server
+-- restarted since the lease was last claimed or renewed
+-- (bi.lapsed_over_restart_v1: the holder may be alive and reconnecting;
+-- nothing says it died). At the job's
 -- max_attempts crashes it is dead-lettered. Crashes and failed attempts are
 -- separate budgets: a record is dead-lettered when either reaches
 -- max_attempts. Records with crashes are suspects, run alone.
@@ -169,8 +182,9 @@ END $$;
 -- needed for progress). The epoch goes up by one on every claim and never
 -- resets. Batch workers are refused once the job is in fallback mode. Taking
 -- over an expired lease counts a lost lease and the deaths of the last batch
--- the expired epoch marked in flight; the caller learns lost_leases (> 0: run
--- this shard carefully).
+-- the expired epoch marked in flight (none when the server restarted since
+-- that lease was last renewed); the caller learns lost_leases (> 0: run this
+-- shard carefully).
 CREATE OR REPLACE FUNCTION bi.claim_shard_v2(p_job text, p_owner text, p_transport text DEFAULT 'batch',
                                             p_lease_seconds integer DEFAULT NULL)
 RETURNS TABLE (shard_no integer, epoch bigint, lease_expires_at timestamptz, records integer, lost_leases integer)
@@ -189,7 +203,7 @@ BEGIN
           AND (p_transport = 'fallback' OR j.mode = 'batch')
     ), pick AS (
         SELECT s.shard_no, s.state = 'leased' AS expired, s.epoch AS old_epoch,
-               s.lease_transport AS old_transport, s.in_flight AS old_in_flight
+               s.lease_transport AS old_transport, s.in_flight AS old_in_flight, s.lease_renewed_at AS old_renewed_at
         FROM bi.shards s
         WHERE s.job_version = p_job
           AND EXISTS (SELECT 1 FROM job)
@@ -204,6 +218,7 @@ BEGIN
            lease_owner = p_owner,
            lease_transport = p_transport,
            lease_expires_at = clock_timestamp() + make_interval(secs => job.lease_s),
+           lease_renewed_at = clock_timestamp(),
            claims = s.claims + 1,
            first_claim_at = coalesce(s.first_claim_at, clock_timestamp()),
            lost_leases = s.lost_leases + CASE WHEN pick.expired THEN 1 ELSE 0 END,
@@ -212,14 +227,14 @@ BEGIN
      WHERE s.job_version = p_job AND s.shard_no = pick.shard_no
     RETURNING s.shard_no AS shard_no, s.epoch AS epoch, s.lease_expires_at AS lease_expires_at,
               s.records AS records, s.lost_leases AS lost_leases, pick.expired, pick.old_epoch,
-              pick.old_transport, pick.old_in_flight
+              pick.old_transport, pick.old_in_flight, pick.old_renewed_at
     INTO c;
     IF NOT FOUND THEN
         RETURN;
     END IF;
     -- A release or a completion leaves no lease to expire, so only a holder
     -- that vanished (or stalled) lands here; its marks were its own epoch's.
-    IF c.expired AND c.old_in_flight IS NOT NULL THEN
+    IF c.expired AND c.old_in_flight IS NOT NULL AND NOT bi.lapsed_over_restart_v1(c.old_renewed_at) THEN
         PERFORM bi.record_deaths_v1(p_job, c.shard_no, c.old_epoch, c.old_transport, c.old_in_flight);
     END IF;
     RETURN QUERY SELECT c.shard_no, c.epoch, c.lease_expires_at, c.records, c.lost_leases;
@@ -238,7 +253,8 @@ BEGIN
     UPDATE bi.shards s
        SET lease_expires_at = clock_timestamp() + make_interval(secs =>
                coalesce(p_lease_seconds, (SELECT (j.spec ->> 'lease_seconds')::integer
-                                          FROM bi.jobs j WHERE j.job_version = p_job)))
+                                          FROM bi.jobs j WHERE j.job_version = p_job))),
+           lease_renewed_at = clock_timestamp()
      WHERE s.job_version = p_job AND s.shard_no = p_shard AND bi.holds_lease_v1(s, p_epoch)
     RETURNING s.lease_expires_at INTO lease_expires_at;
     stale := NOT FOUND;
@@ -501,14 +517,14 @@ BEGIN
         UPDATE bi.shards s
            SET state = 'pending', lease_owner = NULL, lease_transport = NULL, lease_expires_at = NULL,
                lost_leases = s.lost_leases + 1, in_flight = NULL
-          FROM (SELECT o.shard_no, o.epoch, o.lease_transport, o.in_flight FROM bi.shards o
+          FROM (SELECT o.shard_no, o.epoch, o.lease_transport, o.in_flight, o.lease_renewed_at FROM bi.shards o
                  WHERE o.job_version = p_job AND o.state = 'leased' AND o.lease_expires_at < clock_timestamp()
                    FOR UPDATE) prev
          WHERE s.job_version = p_job AND s.shard_no = prev.shard_no
-        RETURNING prev.shard_no, prev.epoch, prev.lease_transport, prev.in_flight
+        RETURNING prev.shard_no, prev.epoch, prev.lease_transport, prev.in_flight, prev.lease_renewed_at
     LOOP
         n := n + 1;
-        IF c.in_flight IS NOT NULL THEN
+        IF c.in_flight IS NOT NULL AND NOT bi.lapsed_over_restart_v1(c.lease_renewed_at) THEN
             PERFORM bi.record_deaths_v1(p_job, c.shard_no, c.epoch, c.lease_transport, c.in_flight);
         END IF;
     END LOOP;

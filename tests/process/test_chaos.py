@@ -5,6 +5,7 @@ must see the failures they are there to catch, or a green run means nothing."""
 from __future__ import annotations
 
 import json
+import shutil
 import os
 import socket
 import subprocess
@@ -322,3 +323,65 @@ def test_run_on_a_given_database_without_restarts(db_url):
     assert report.passed, report.table()
     assert report.figures["faults"]["total"] >= 6
     assert "db_restart" not in report.figures["faults"]["by_kind"]
+
+
+def _claim_once_free(lg: Ledger):
+    """The next claim of the job's only shard: as soon as its lease has lapsed (or at once when pending)."""
+    for _ in range(300):
+        lease = lg.claim()
+        if lease is not None:
+            return lease
+        time.sleep(0.05)
+    pytest.fail("the shard's lease never lapsed")
+
+
+def test_a_lease_that_lapses_over_a_database_restart_charges_its_records_no_death():
+    """The healthy record dead-lettered under load: a database restart cuts every worker's
+    connections, lease renewals included, so leases lapse while their holders reconnect, and
+    the next claim charged each record of the holder's in-flight batch a death; two restarts
+    over one careful batch dead-lettered healthy records. A lapse over a restart charges none
+    now; one without a restart still does, and the chaos report fails a run whose healthy
+    records were dead-lettered for deaths, whatever the engine."""
+    work = Path(tempfile.mkdtemp(prefix="bi-rst-", dir="/tmp"))    # short: the socket lives in it
+    server = chaos._EmbeddedServer(work / "pg")
+    try:
+        url = server.url
+        with db.connect(url) as c:
+            db.migrate(c)
+            make_source(c, tickets(4))
+            job = submit(c, make_spec(shard_size=4, max_attempts=2, lease_seconds=2, renew_seconds=1)).job_version
+        ids = [rid for rid, _, _ in tickets(4)]
+
+        def hold(owner: str) -> None:
+            """Claim the shard (a takeover once the last lease lapsed) and mark the batch in flight."""
+            with db.connect(url, retries=30, retry_wait=0.2) as c:
+                lg = Ledger(c, job, owner)
+                lg.mark_in_flight(_claim_once_free(lg), ids)
+
+        def state() -> tuple[list[int], int]:
+            with db.connect(url, retries=30, retry_wait=0.2) as c:
+                crashes = [r["crashes"] for r in c.execute(
+                    "SELECT crashes FROM bi.attempts WHERE job_version = %s ORDER BY record_id", (job,))]
+                dead = c.execute("SELECT count(*) AS n FROM bi.dead_letters WHERE job_version = %s",
+                                 (job,)).fetchone()["n"]
+            return crashes, dead
+
+        hold("w0")
+        for owner in ("w1", "w2"):       # the holder alive, the server restarted under it, the lease lapsed
+            server.restart()
+            hold(owner)
+        assert state() == ([], 0)
+        hold("w3")                       # w2 vanished with no restart: a death for each record in flight
+        assert state() == ([1] * 4, 0)
+        hold("w4")                       # and another: dead-lettered at max_attempts
+        assert state() == ([2] * 4, 4)
+        admin = chaos._Admin(url)
+        died = {r["record_id"] for r in admin.rows("chaos_death_dead_letters", {"job": job})}
+        admin.close()
+        assert died == set(ids)
+        assert not chaos.healthy_dead_check(4, len(died), noisy_engine=True).ok
+        assert chaos.healthy_dead_check(4, 0, noisy_engine=True).ok      # failed attempts of a noisy engine
+        assert not chaos.healthy_dead_check(4, 0, noisy_engine=False).ok
+    finally:
+        server.stop()
+        shutil.rmtree(work, ignore_errors=True)
