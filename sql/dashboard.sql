@@ -19,8 +19,22 @@ SELECT j.job_version, j.dataset, j.status, j.mode, j.created_at, j.fallback_at, 
    -- no DAG run and %(undagged)s (the user may read every DAG)
    AND (EXISTS (SELECT 1 FROM bi.job_runs r WHERE r.job_version = j.job_version AND r.dag_id = ANY(%(dags)s))
         OR (%(undagged)s AND NOT EXISTS (SELECT 1 FROM bi.job_runs r WHERE r.job_version = j.job_version)))
+   -- companion versions (a golden run, a judge) only when %(companions)s: each is shown under the version it serves
+   AND (%(companions)s OR NOT EXISTS (SELECT 1 FROM bi.companion_versions cv WHERE cv.companion = j.job_version))
  ORDER BY j.created_at DESC, j.job_version
  LIMIT %(limit)s;
+
+-- name: companions_of  the companion job versions serving a version, with live counts
+SELECT cv.kind, cv.companion AS job_version, j.dataset, j.status, c.records, c.stored, c.dead_letters,
+       c.outstanding, j.created_at
+  FROM bi.companion_versions cv
+  JOIN bi.jobs j ON j.job_version = cv.companion
+ CROSS JOIN LATERAL bi.job_counts_v1(cv.companion) c
+ WHERE cv.job_version = %(job)s
+ ORDER BY cv.kind, j.created_at, cv.companion;
+
+-- name: companion_serves  the versions a companion job version serves, and as what
+SELECT job_version, kind FROM bi.companion_versions WHERE companion = %(job)s ORDER BY job_version;
 
 -- name: job_row  one job version's fixed facts (the spec included)
 SELECT job_version, dataset, spec_hash, snapshot_id, spec, model_name, model_digest, prompt_version, mode,

@@ -47,3 +47,7 @@ TRUNCATE {table};
 
 -- name: demo_labels_copy  COPY target for the demo's golden set
 COPY {table} (id, text, expected) FROM STDIN;
+
+-- name: companion_link  record that a companion job version (the golden run, the judge) serves a version
+INSERT INTO bi.companion_versions (job_version, companion, kind) VALUES (%(job)s, %(companion)s, %(kind)s)
+ON CONFLICT (job_version, companion) DO NOTHING;

@@ -158,14 +158,16 @@ def _key(*parts: str) -> str:
     return hashlib.sha256("\x1f".join(parts).encode()).hexdigest()[:12]
 
 
-def run_companion(conn: psycopg.Connection, spec: JobSpec,
+def run_companion(conn: psycopg.Connection, spec: JobSpec, serves: str, kind: str,
                   rows: list[dict[str, Any]] | None = None) -> tuple[str, int]:
-    """Submit ``spec`` (over ``rows``, else its source read as for any job) and run what is left
-    of it with an in-process worker; a version already done is only read.
-    Returns (job version, worker exit code)."""
+    """Submit ``spec`` (over ``rows``, else its source read as for any job) as the ``kind``
+    ('golden' or 'judge') companion of version ``serves`` (bi.companion_versions: left out of
+    job lists, dropped with the last version it serves), and run what is left of it with an
+    in-process worker; a version already done is only read. Returns (job version, worker exit code)."""
     from gpu_runner.worker import WorkerConfig, run_worker   # the GPU runner imports no Airflow either
 
     job = plan.submit(conn, spec, rows).job_version
+    conn.execute(q("companion_link"), {"job": serves, "companion": job, "kind": kind})
     if job_counts(conn, job)["outstanding"] == 0:
         return job, 0
     # The worker takes SIGTERM and SIGINT as its preemption notice; the caller's own handlers
@@ -266,7 +268,7 @@ def _golden(conn: psycopg.Connection, spec: JobSpec, job: str, failures: list[st
     if mode == "join":
         graded_job = job
     else:
-        graded_job, code = run_companion(conn, golden_spec(spec))
+        graded_job, code = run_companion(conn, golden_spec(spec), job, "golden")
         out["worker_exit"] = code
         left = job_counts(conn, graded_job)["outstanding"]
         if left:
@@ -295,7 +297,7 @@ def _judge(conn: psycopg.Connection, spec: JobSpec, job: str, failures: list[str
     t = time.perf_counter()
     rows = conn.execute(q("review_rows"), {"job": job, "n": j.sample_size}).fetchall()
     # The pairs it grades are the judge's records (plan.submit's rows), each with its record's ACL.
-    judge_job, code = run_companion(conn, judge_spec(spec), [
+    judge_job, code = run_companion(conn, judge_spec(spec), job, "judge", [
         {"record_id": r["record_id"], "text": judge_text(r["text"], r["output"]), "acl": r["acl"]} for r in rows])
     verdicts = {r["record_id"]: r["output"] for r in conn.execute(q("outputs_of"), {
         "job": judge_job, "ids": [r["record_id"] for r in rows]})}

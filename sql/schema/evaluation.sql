@@ -29,6 +29,21 @@ CREATE TABLE IF NOT EXISTS bi.reviews (
     FOREIGN KEY (job_version, record_id) REFERENCES bi.review_sample (job_version, record_id) ON DELETE CASCADE
 );
 
+-- A version's companion job versions, the golden run and the judge
+-- (evaluation.run_companion): each has a version of its own, and one golden
+-- run may serve several versions of a spec. A companion is left out of job
+-- lists unless asked for, shown on the page of each version it serves, and
+-- dropped with the last of them (bi.drop_job_version_v1). A row goes with
+-- either of its versions.
+CREATE TABLE IF NOT EXISTS bi.companion_versions (
+    job_version text NOT NULL REFERENCES bi.jobs (job_version) ON DELETE CASCADE,
+    companion   text NOT NULL REFERENCES bi.jobs (job_version) ON DELETE CASCADE,
+    kind        text NOT NULL CHECK (kind IN ('golden', 'judge')),
+    PRIMARY KEY (job_version, companion),
+    CHECK (companion <> job_version)
+);
+CREATE INDEX IF NOT EXISTS companion_versions_companion ON bi.companion_versions (companion);
+
 -- Record (or replace) one verdict. Guard: the record is in the version's
 -- review sample, in the same statement; when it is not, nothing is written
 -- and no_data_found is raised. The same statement takes a key-share lock on

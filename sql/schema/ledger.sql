@@ -49,17 +49,32 @@ BEGIN
 END $$;
 
 -- Drop a whole job version: its partitions go with DROP TABLE, no row-by-row DELETE.
--- Refused while the version is published (rollback first).
+-- Refused while the version is published (rollback first). Its companion
+-- versions (bi.companion_versions) go with it, each unless it serves another
+-- version too or is published itself; the companion's row is locked first,
+-- so two drops of versions sharing one do not both leave it behind.
 CREATE OR REPLACE FUNCTION bi.drop_job_version_v1(p_job text) RETURNS boolean
 LANGUAGE plpgsql SET search_path = pg_catalog, pg_temp AS $$
 DECLARE
     t text;
     suffix text := substr(md5(p_job), 1, 16);
+    v_companion text;
 BEGIN
     IF EXISTS (SELECT 1 FROM bi.publish_pointer WHERE job_version = p_job) THEN
         RAISE EXCEPTION 'job version % is published; roll back its dataset before dropping it', p_job
             USING ERRCODE = 'object_in_use';
     END IF;
+    FOR v_companion IN
+        SELECT jc.job_version FROM bi.jobs jc
+         WHERE jc.job_version IN (SELECT c.companion FROM bi.companion_versions c WHERE c.job_version = p_job)
+         ORDER BY jc.job_version
+           FOR UPDATE
+    LOOP
+        IF NOT EXISTS (SELECT 1 FROM bi.companion_versions o WHERE o.companion = v_companion AND o.job_version <> p_job)
+           AND NOT EXISTS (SELECT 1 FROM bi.publish_pointer pp WHERE pp.job_version = v_companion) THEN
+            PERFORM bi.drop_job_version_v1(v_companion);
+        END IF;
+    END LOOP;
     FOREACH t IN ARRAY ARRAY['snapshot_rows', 'results', 'dead_letters', 'attempts'] LOOP
         EXECUTE format('DROP TABLE IF EXISTS bi.%I', t || '_' || suffix);
     END LOOP;

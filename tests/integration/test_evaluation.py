@@ -8,6 +8,7 @@ tests/process/test_evaluation_real_model.py)."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 import threading
 from typing import Any
@@ -17,7 +18,7 @@ import pytest
 from batch_inference import db, evaluation
 from batch_inference.cli import main as cli_main
 from batch_inference.exceptions import PublishRefused, ReviewRefused, SpecError
-from batch_inference.plan import submit
+from batch_inference.plan import drop_job_version, submit
 from batch_inference.publish import publish
 from batch_inference.spec import FieldGrader
 from batch_inference.validate import validate
@@ -281,6 +282,53 @@ def test_judge_verdicts_are_a_keyed_companion_job_and_priced(conn, db_url):
     assert kept["acl"] is not None and "Answer:" in kept["text"]       # the record's ACL travels with its verdict
     assert validate(conn, job)["evaluation"]["judge"]["job_version"] == j["job_version"]
 
+
+
+def test_companion_versions_are_listed_under_the_version_they_serve_and_dropped_with_the_last(conn, db_url,
+                                                                                             monkeypatch):
+    """A golden run serves every version of a spec over the same golden set; a judge serves one.
+    Job lists leave them out unless asked for, a version's page shows its own, and they go with
+    the last version they serve."""
+    from tests.integration.test_dashboard_api import ADMIN, _client
+
+    judge = {"model": {"name": "noop", "digest": "0" * 64}, "engine": {"name": "noop"},
+             "rubric": "Say whether the category is right for the ticket.", "sample_size": 2}
+    golden_table(conn, [(f"g{i}", f"Golden ticket {i}", {"category": "billing"}) for i in range(3)])
+    spec = make_spec(validation={"sample_size": 3}, evaluation={**golden_block(), "judge": judge})
+    versions, made = [], {}
+    for n in (6, 8):                                   # two nightly snapshots of one spec
+        make_source(conn, tickets(n))
+        job = submit(conn, spec).job_version
+        finish(db_url, job)
+        ev = validate(conn, job)["evaluation"]
+        versions.append(job)
+        made[job] = {"golden": ev["golden"]["job_version"], "judge": ev["judge"]["job_version"]}
+    v1, v2 = versions
+    golden = made[v1]["golden"]
+    assert made[v2]["golden"] == golden and made[v1]["judge"] != made[v2]["judge"]
+    companions = {golden, made[v1]["judge"], made[v2]["judge"]}
+
+    def exists(job: str) -> bool:
+        return conn.execute(db.q("job_row"), {"job": job}).fetchone() is not None
+
+    with _client(db_url, monkeypatch) as client:
+        listed = {j["job_version"] for j in client.get("/api/jobs", headers=ADMIN).json()["jobs"]}
+        assert listed == {v1, v2}
+        everything = client.get("/api/jobs", params={"companions": "true"}, headers=ADMIN).json()["jobs"]
+        assert {j["job_version"] for j in everything} == {v1, v2} | companions
+        page = client.get(f"/api/jobs/{v1}", headers=ADMIN).json()
+        assert sorted((c["kind"], c["job_version"]) for c in page["companions"]) == [
+            ("golden", golden), ("judge", made[v1]["judge"])]
+        assert all(c["outstanding"] == 0 and c["stored"] > 0 for c in page["companions"])
+        served = client.get(f"/api/jobs/{golden}", headers=ADMIN).json()["serves"]
+        assert sorted((sv["job_version"], sv["kind"]) for sv in served) == sorted([(v1, "golden"), (v2, "golden")])
+
+    assert drop_job_version(conn, v1)
+    assert not exists(made[v1]["judge"]) and exists(golden)      # the golden run still serves v2
+    assert drop_job_version(conn, v2)
+    assert not any(exists(c) for c in companions)
+    assert conn.execute("SELECT count(*) AS n FROM pg_tables WHERE schemaname = 'bi' AND tablename LIKE ANY (%s)",
+                        ([f"%_{hashlib.md5(c.encode()).hexdigest()[:16]}" for c in companions],)).fetchone()["n"] == 0
 
 
 def test_report_compares_accuracy_and_labels_with_the_published_version(conn, db_url):

@@ -424,10 +424,12 @@ Offset = Annotated[int, Query(ge=0, le=MAX_OFFSET)]
 
 @api.get("/jobs")
 def api_jobs(conn: Ledger, who: Annotated[Reader, Depends(reader)], dataset: str | None = None,
-             limit: Annotated[int, Query(ge=1, le=1000)] = 200) -> dict[str, Any]:
-    """The newest job versions the user may read (a DAG that ran it is readable)."""
+             limit: Annotated[int, Query(ge=1, le=1000)] = 200, companions: bool = False) -> dict[str, Any]:
+    """The newest job versions the user may read (a DAG that ran it is readable); companion
+    versions (golden runs, judges) only with ``companions=true``, else under the version they serve."""
     dags = readable_dags(who.user, data.run_dags(conn))
-    return {"jobs": data.jobs(conn, dataset, limit, dags=sorted(dags), undagged=reads_every_dag(who.user))}
+    return {"jobs": data.jobs(conn, dataset, limit, dags=sorted(dags), undagged=reads_every_dag(who.user),
+                              companions=companions)}
 
 
 @api.get("/jobs/{job_version}")

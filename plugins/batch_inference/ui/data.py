@@ -93,10 +93,12 @@ def _fallback_constants(conn: psycopg.Connection, dataset: str, spec: dict[str, 
 
 
 def jobs(conn: psycopg.Connection, dataset: str | None = None, limit: int = 200, *,
-         dags: list[str] | None = None, undagged: bool = False) -> list[dict[str, Any]]:
-    """The newest job versions run by one of ``dags``, and (``undagged``) those no DAG run has."""
+         dags: list[str] | None = None, undagged: bool = False, companions: bool = False) -> list[dict[str, Any]]:
+    """The newest job versions run by one of ``dags``, and (``undagged``) those no DAG run has;
+    companion versions (a golden run, a judge) only with ``companions``: each is listed on the
+    page of the version it serves (``job``)."""
     return conn.execute(q("jobs"), {"dataset": dataset, "limit": limit, "dags": list(dags or []),
-                                    "undagged": undagged}).fetchall()
+                                    "undagged": undagged, "companions": companions}).fetchall()
 
 
 def run_dags(conn: psycopg.Connection, *, job_version: str | None = None, dataset: str | None = None) -> list[str]:
@@ -147,8 +149,9 @@ def _validation_view(conn: psycopg.Connection, job_version: str, report: Any, ro
 
 
 def job(conn: psycopg.Connection, job_version: str, role: str | None = None) -> dict[str, Any]:
-    """The header of a job page: fixed facts, live counts, what is published, and
-    the validation report as ``role`` may see it (``_validation_view``)."""
+    """The header of a job page: fixed facts, live counts, what is published, the
+    validation report as ``role`` may see it (``_validation_view``), the companion
+    versions serving it (``companions``) and the versions it serves (``serves``)."""
     row = _job_row(conn, job_version)
     counts = job_counts(conn, job_version)
     pointer = conn.execute(q("pointer"), {"dataset": row["dataset"]}).fetchone()
@@ -162,6 +165,8 @@ def job(conn: psycopg.Connection, job_version: str, role: str | None = None) -> 
         "is_published": bool(pointer and pointer["job_version"] == job_version),
         "fallback": constants.to_dict(),
         "validation_gate": (spec.get("validation") or {}),
+        "companions": conn.execute(q("companions_of"), {"job": job_version}).fetchall(),
+        "serves": conn.execute(q("companion_serves"), {"job": job_version}).fetchall(),
     }
 
 

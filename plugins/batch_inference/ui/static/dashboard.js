@@ -94,10 +94,16 @@
     const main = document.getElementById("main");
     const params = new URLSearchParams(location.search);
     const dataset = params.get("dataset");
+    const companions = params.get("companions") === "true";   // golden runs and judges: else on their version's page
+    const query = new URLSearchParams();
+    if (dataset) query.set("dataset", dataset);
+    if (companions) query.set("companions", "true");
     let payload;
     try {
-      payload = await api("/jobs" + (dataset ? "?dataset=" + encodeURIComponent(dataset) : ""));
+      payload = await api("/jobs" + (query.toString() ? "?" + query.toString() : ""));
     } catch (err) { return showError(main, err); }
+    const toggle = new URLSearchParams(query);
+    if (companions) toggle.delete("companions"); else toggle.set("companions", "true");
     const rows = payload.jobs.map((j) => h("tr", { "data-job": j.job_version, class: j.published ? "current" : null },
       h("td", {}, jobLink(j.job_version)),
       h("td", {}, h("a", { href: "?dataset=" + encodeURIComponent(j.dataset) }, j.dataset)),
@@ -117,7 +123,9 @@
           "outstanding", "shards done", "cutoff", "deadline", "submitted"].map((t) => h("th", {}, t)))),
         h("tbody", {}, rows))
         : h("p", { class: "muted" }, "No job versions in the ledger yet."),
-      h("p", { class: "muted" }, "Times in " + tzName() + ". The bold row of a dataset is the version its readers see."));
+      h("p", { class: "muted" }, "Times in " + tzName() + ". The bold row of a dataset is the version its readers see. ",
+        h("a", { id: "companions-toggle", href: "?" + toggle.toString() },
+          companions ? "Hide companion versions" : "Show companion versions (golden runs, judges)")));
     refreshed();
   }
 
@@ -148,6 +156,28 @@
           ? h("span", {}, job.is_published ? "published now" : ["published: ", jobLink(job.published_version)])
           : h("span", { class: "muted" }, "nothing published for this dataset")),
       countCards(c));
+  }
+
+  // The golden runs and judges that serve this version, and the versions this one serves.
+  function companionsPanel(job) {
+    if (!job.companions.length && !job.serves.length) return "";
+    return h("section", { id: "companions" },
+      job.companions.length ? [h("h2", {}, "Companion versions"),
+        h("table", { id: "companions-table" },
+          h("thead", {}, h("tr", {}, ["kind", "job version", "dataset", "status", "records", "stored", "dead letters",
+            "outstanding", "submitted"].map((t) => h("th", {}, t)))),
+          h("tbody", {}, job.companions.map((c) => h("tr", { "data-job": c.job_version },
+            h("td", {}, c.kind),
+            h("td", {}, jobLink(c.job_version)),
+            h("td", { class: "mono" }, c.dataset),
+            h("td", {}, badge(c.status)),
+            h("td", { class: "num" }, fmtInt(c.records)),
+            h("td", { class: "num" }, fmtInt(c.stored)),
+            h("td", { class: "num" }, fmtInt(c.dead_letters)),
+            h("td", { class: "num" }, fmtInt(c.outstanding)),
+            h("td", {}, stamp(c.created_at))))))] : null,
+      job.serves.length ? h("p", { id: "serves" }, "Companion version: ",
+        job.serves.map((sv, i) => [i ? ", " : "", "the " + sv.kind + " run of ", jobLink(sv.job_version)])) : null);
   }
 
   // Nice tick steps for a time axis, in minutes.
@@ -487,6 +517,7 @@
     main.replaceChildren(
       note ? h("p", { class: "muted", id: "run-note" }, note) : "",
       header(job),
+      companionsPanel(job),
       h("p", {}, h("a", { id: "review-link", href: BASE + "/jobs/" + enc + "/review" }, "Review the sample")),
       timelinePanel(prog),
       h("div", { class: "grid" }, costPanel(cost), shardsPanel(shards)),
