@@ -126,7 +126,8 @@ def _plan(conn: psycopg.Connection, params: dict[str, Any], records: int) -> Map
 
 
 def drop_job_version(conn: psycopg.Connection, job_version: str) -> bool:
-    """Drop a job version's partitions and ledger rows; False if there is no such version.
+    """Drop a job version's partitions and ledger rows, and its companion versions that serve
+    no other version (``bi.drop_job_version_v1``); False if there is no such version.
 
     :raises PublishRefused: the version is published (roll its dataset back first); nothing is dropped.
     """
