@@ -26,7 +26,8 @@ def register(sub: Any) -> None:
     dl.add_argument("--json", action="store_true")
     dl.set_defaults(func=run_dead_letters)
 
-    dr = sub.add_parser("drop", help="drop a whole job version (its partitions, and its golden and judge runs unless shared)")
+    dr = sub.add_parser("drop", help="drop a whole job version (its partitions, and its golden and judge runs "
+                                     "unless shared)")
     dr.add_argument("job_version")
     dr.set_defaults(func=run_drop)
 
