@@ -478,3 +478,27 @@ def test_a_viewer_cannot_record_a_review(auth_server, reviewed):
     with db.connect(url) as conn:
         assert conn.execute("SELECT count(*) AS n FROM bi.reviews WHERE job_version = %s",
                             (job,)).fetchone()["n"] == before
+
+
+def test_a_companion_version_is_shown_under_the_version_it_serves_not_in_the_list(open_server, night, page):
+    url, info = night
+    v1, v2, v3 = info["v1"], info["v2"], info["v3"]
+    with db.connect(url) as conn:                     # v1 recorded as v3's golden run, as run_companion does
+        conn.execute(db.q("companion_link"), {"job": v3, "companion": v1, "kind": "golden"})
+    try:
+        page.goto(f"{open_server.base}/batch-inference/")
+        page.wait_for_selector("#jobs-table")
+        rows = page.locator("#jobs-table tbody tr")
+        assert {rows.nth(i).get_attribute("data-job") for i in range(rows.count())} == {v2, v3}
+        page.click("#companions-toggle")
+        page.wait_for_selector(f'#jobs-table tr[data-job="{v1}"]')
+        assert page.locator("#jobs-table tbody tr").count() == 3
+        _open_job(page, open_server, v3)
+        companions = page.locator("#companions-table tbody tr")
+        assert companions.count() == 1 and companions.first.get_attribute("data-job") == v1
+        assert companions.first.locator("td").first.text_content() == "golden"
+        _open_job(page, open_server, v1)
+        assert page.text_content("#serves") == f"Companion version: the golden run of {v3}"
+    finally:
+        with db.connect(url) as conn:
+            conn.execute("DELETE FROM bi.companion_versions WHERE companion = %s", (v1,))

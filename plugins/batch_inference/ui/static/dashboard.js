@@ -177,7 +177,7 @@
             h("td", { class: "num" }, fmtInt(c.outstanding)),
             h("td", {}, stamp(c.created_at))))))] : null,
       job.serves.length ? h("p", { id: "serves" }, "Companion version: ",
-        job.serves.map((sv, i) => [i ? ", " : "", "the " + sv.kind + " run of ", jobLink(sv.job_version)])) : null);
+        job.serves.flatMap((sv, i) => [i ? ", " : "", "the " + sv.kind + " run of ", jobLink(sv.job_version)])) : null);
   }
 
   // Nice tick steps for a time axis, in minutes.
