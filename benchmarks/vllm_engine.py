@@ -19,7 +19,8 @@ on, temperature 0:
   schema), the file mode that keeps no ledger and retries nothing.
 * ``prefix_on`` / ``prefix_off``: bare ``LLM.chat`` with a long fixed
   instruction prefix (about 500 tokens, the seed's figure) before each
-  ticket, with ``enable_prefix_caching`` on and off.
+  ticket, with ``enable_prefix_caching`` on and off (``--prefix-records 0``
+  leaves them out).
 
 Records/s is over generation only (start-up apart) for ``bare`` and
 ``worker``; ``run_batch`` cannot be split, so the ratio against it is taken
@@ -228,7 +229,7 @@ def run(records: int = 500, prefix_records: int = 200, max_tokens: int = 24, rep
     runs: dict[str, list[dict[str, Any]]] = {k: [] for k in ("worker", "bare", "run_batch", "prefix_on", "prefix_off")}
     spec_json = None
     for rep in range(repeats):
-        order = ["worker", "bare", "run_batch", "prefix_on", "prefix_off"]
+        order = ["worker", "bare", "run_batch"] + (["prefix_on", "prefix_off"] if prefix_records else [])
         for name in order if rep % 2 == 0 else order[::-1]:   # the worker first: it writes the stored spec
             if name == "worker":
                 arm = run_arm("worker", common)
@@ -250,7 +251,7 @@ def run(records: int = 500, prefix_records: int = 200, max_tokens: int = 24, rep
     last = {name: arms[-1]["outputs"] for name, arms in runs.items() if name in ("worker", "bare", "run_batch")}
     same = {f"{x}_{y}": sum(last[x].get(k) == last[y].get(k) for k in last[x])
             for x, y in (("worker", "bare"), ("worker", "run_batch"), ("bare", "run_batch"))}
-    prefix_ratio = med("prefix_off", "generate_s") / med("prefix_on", "generate_s")
+    prefix_ratio = med("prefix_off", "generate_s") / med("prefix_on", "generate_s") if prefix_records else None
     b_a, b_c = rate["worker"] / rate["bare"], whole["worker"] / whole["run_batch"]
     return {"benchmark": "vllm_engine", "engine": "vllm", "vllm": _vllm_version(),
             "model": "SmolLM2-135M-Instruct bf16 (CPU)", "records": records, "max_tokens": max_tokens,
@@ -266,8 +267,9 @@ def run(records: int = 500, prefix_records: int = 200, max_tokens: int = 24, rep
             "outputs_identical": {k: f"{v}/{records}" for k, v in same.items()},
             "prefix_records": prefix_records,
             "prefix_cache_records_s": {"on": rnd(prefix_records / med("prefix_on", "generate_s")),
-                                       "off": rnd(prefix_records / med("prefix_off", "generate_s"))},
-            "prefix_cache_ratio": round(prefix_ratio, 3),
+                                       "off": rnd(prefix_records / med("prefix_off", "generate_s"))}
+            if prefix_records else None,
+            "prefix_cache_ratio": round(prefix_ratio, 3) if prefix_ratio else None,
             "target": ">= 0.95 (worker/bare), >= 1.0 (worker/run-batch)",
             "met": b_a >= TARGETS["worker_vs_bare"] and b_c >= TARGETS["worker_vs_run_batch"],
             "machine": machine()}

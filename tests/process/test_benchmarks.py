@@ -105,7 +105,8 @@ def check_scale(out: dict) -> None:
 def check_vllm_engine(out: dict) -> None:
     assert out["records"] == 6 and set(out["records_s"]) == {"bare", "worker"}
     assert set(out["records_s_whole_run"]) == {"bare", "worker", "run_batch"}
-    assert all(v > 0 for v in out["records_s_whole_run"].values()) and out["prefix_cache_ratio"] > 0
+    assert all(v > 0 for v in out["records_s_whole_run"].values())
+    assert out["prefix_records"] == 0 and out["prefix_cache_ratio"] is None     # the quick run leaves those arms out
     assert all(v.endswith("/6") for v in out["outputs_identical"].values())
     assert all(v > 100 for v in out["peak_rss_mib"].values())    # each arm loaded the model
 
