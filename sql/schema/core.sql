@@ -85,9 +85,7 @@ CREATE TABLE IF NOT EXISTS bi.snapshot_rows (
     reject       text,           -- why the record never reaches a worker (it is dead-lettered), else NULL
     PRIMARY KEY (job_version, record_id)
 ) PARTITION BY LIST (job_version);
--- A shard's rows in record id order: the claim's read, and put_results_v3's
--- one range scan for the snapshot rows of a call's results.
-CREATE INDEX IF NOT EXISTS snapshot_rows_shard ON bi.snapshot_rows (job_version, shard_no, record_id);
+CREATE INDEX IF NOT EXISTS snapshot_rows_shard ON bi.snapshot_rows (job_version, shard_no);
 
 -- The shard table: leases, fencing epochs and live counts (the cutoff reads
 -- these, never COUNT(*) over results).

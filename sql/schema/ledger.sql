@@ -401,23 +401,23 @@ END $$;
 -- and its endpoint class) go on each row. n is the number of new rows.
 --
 -- The snapshot side (the shard check, and the ACL and content hash every
--- result carries) is one scan of the shard index over the call's range of
--- record ids: a worker writes a shard's results in about record id order,
--- so the range holds about the call's own records, and at worst the shard's.
--- The join with the call's arrays is a hash or merge join (enable_nestloop
--- off for this function): a nested loop would scan the range again per
--- result, whatever the estimates say. The plan is the generic one
--- (plan_cache_mode), made once per connection rather than at every call.
+-- result carries) is one scan of the primary key with all of the call's ids
+-- (record_id = ANY: one descent, then the leaf pages in key order), hash-joined
+-- to the call's arrays; the shard test is a filter (IS NOT DISTINCT FROM, which
+-- no index serves), so the shard index, which holds the whole shard, is never
+-- the scan. enable_nestloop and enable_seqscan are off for this function: a
+-- nested loop would scan the snapshot again per result, a sequential scan
+-- would read the whole job, whatever the estimates say. The plan is the
+-- generic one (plan_cache_mode), made once per connection rather than at
+-- every call.
 CREATE OR REPLACE FUNCTION bi.put_results_v3(p_job text, p_shard integer, p_epoch bigint, p_worker text,
                                             p_transport text, p_engine text, p_endpoint text, p_ids text[],
                                             p_outputs jsonb[], p_categories text[],
                                             OUT stale boolean, OUT n integer)
 LANGUAGE plpgsql SECURITY DEFINER SET search_path = pg_catalog, pg_temp SET enable_nestloop = off
-    SET plan_cache_mode = force_generic_plan AS $$
+    SET enable_seqscan = off SET plan_cache_mode = force_generic_plan AS $$
 DECLARE
     v_dead bigint;
-    v_lo text;
-    v_hi text;
     v_model text;
     v_digest text;
     v_prompt text;
@@ -433,14 +433,13 @@ BEGIN
     END IF;
     SELECT j.model_name, j.model_digest, j.prompt_version INTO v_model, v_digest, v_prompt
       FROM bi.jobs j WHERE j.job_version = p_job;
-    SELECT min(i), max(i) INTO v_lo, v_hi FROM unnest(p_ids) AS i;
     INSERT INTO bi.results (job_version, record_id, output, category, model_name, model_digest,
                             prompt_version, transport, engine, endpoint, worker_id, epoch, acl, content_hash)
     SELECT p_job, u.id, u.output, u.category, v_model, v_digest, v_prompt,
            p_transport, p_engine, p_endpoint, p_worker, p_epoch, sr.acl, sr.content_hash
       FROM unnest(p_ids, p_outputs, p_categories) AS u(id, output, category)
       JOIN bi.snapshot_rows sr ON sr.record_id = u.id
-     WHERE sr.job_version = p_job AND sr.shard_no = p_shard AND sr.record_id BETWEEN v_lo AND v_hi
+     WHERE sr.job_version = p_job AND sr.record_id = ANY (p_ids) AND sr.shard_no IS NOT DISTINCT FROM p_shard
        AND (v_dead = 0 OR NOT EXISTS (SELECT 1 FROM bi.dead_letters d
                                        WHERE d.job_version = p_job AND d.record_id = u.id))
     ON CONFLICT (job_version, record_id) DO NOTHING;
