@@ -3,7 +3,7 @@
 Trigger it from the Airflow UI ("Trigger DAG w/ config") to run a backfill;
 every knob is a Param:
 
-    submit ──┬── workers (local processes) ──────────────┬── validate ── publish ──> Asset batch_inference.ticket_triage
+    submit ──┬── workers (local processes) ──────────────┬── validate ── review ── publish ──> Asset batch_inference.ticket_triage
              └── deadline ── cutoff (sensor) ── fallback ┘
 
 * ``submit`` snapshots the source table into the ledger and plans shards;
@@ -15,8 +15,12 @@ every knob is a Param:
   the job enters fallback mode: batch workers drain, and ``fallback`` drives
   what is left through the synchronous pool; if not, ``fallback`` has nothing
   to do and returns at once.
-* ``validate`` is the publish gate; ``publish`` switches the pointer that
-  ``published.ticket_triage`` reads and records an Asset event.
+* ``validate`` is the publish gate; ``review`` holds the run while the
+  spec's human review gate is open (a Required Action in Airflow's UI linking
+  the dashboard's review screen; passes at once when the spec asks for no
+  review, fails the run if a reviewer rejects, pages at ``review_timeout``);
+  ``publish`` switches the pointer that ``published.ticket_triage`` reads
+  and records an Asset event.
 
 A failing task pages on-call (``OnCallNotifier``) with the job version, its
 counts and the next commands; a run still going 20 hours after it was queued

@@ -12,7 +12,7 @@ provider completed and release their shards, and the fallback pool re-drives
 the rest through the synchronous API under the same keys; validate and
 publish follow as on every night.
 
-    submit ──┬── workers (hosted batches) ───────────────┬── validate ── publish ──> Asset batch_inference.ticket_triage_hosted
+    submit ──┬── workers (hosted batches) ───────────────┬── validate ── review ── publish ──> Asset batch_inference.ticket_triage_hosted
              └── deadline ── cutoff (sensor) ── fallback ┘
 
 Only a record class cleared for hosted APIs may run here (the spec's
@@ -40,7 +40,7 @@ with DAG(
     tags=["batch-inference", "hosted"],
     doc_md=__doc__,
     params={
-        **pipeline_params(shard_size=5000, workers=8, engine="", deadline="06:00",
+        **pipeline_params(shard_size=5000, workers=8, engine="", deadline="06:00", review_timeout="12:00",
                           workers_title="Hosted batches in flight",
                           workers_description="Worker processes; each holds one shard's provider batch"),
         "spec_path": Param(str(HOSTED_SPEC), type="string", title="Job spec",

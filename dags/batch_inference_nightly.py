@@ -6,9 +6,11 @@ record whose text and ACL are unchanged since the last validated version of
 the same spec carries its result over (transport ``reused``), so only new
 and changed tickets reach a worker. The published view still holds every
 record. The nightly deadline is a clock time ("06:00" UTC by default): the
-cutoff sensor places it after the run's scheduled start.
+cutoff sensor places it after the run's scheduled start. A spec with a human
+review gate holds publish until the morning's reviews meet it, and pages at
+the ``review_timeout`` ("12:00" UTC) if they have not.
 
-    submit ──┬── workers (local processes) ──────────────┬── validate ── publish ──> Asset batch_inference.ticket_triage
+    submit ──┬── workers (local processes) ──────────────┬── validate ── review ── publish ──> Asset batch_inference.ticket_triage
              └── deadline ── cutoff (sensor) ── fallback ┘
 
 A failing task pages on-call (``OnCallNotifier``) with the job version, its
@@ -39,7 +41,7 @@ with DAG(
     tags=["batch-inference"],
     doc_md=__doc__,
     params={
-        **pipeline_params(shard_size=25, workers=2, engine="", deadline="06:00"),
+        **pipeline_params(shard_size=25, workers=2, engine="", deadline="06:00", review_timeout="12:00"),
         "incremental": Param(True, type="boolean", title="Incremental",
                              description="Reuse results of unchanged records from the last validated version"),
     },

@@ -114,6 +114,15 @@ def next_steps(task_id: str | None, job_version: str | None, dataset: str | None
                      f"`batch-inference dead-letters {job_version}`")
         steps.append("a prompt or schema fix is a new spec and a new job version: edit it and trigger the DAG again; "
                      f"to publish this version anyway: `batch-inference publish {job_version} --force --reason TEXT`")
+    elif "review" in task and "rejected" in err:
+        steps.append("a reviewer rejected the version (the reason is the error above); it stays unpublished and "
+                     "downstream keeps reading the current version")
+        steps.append("a prompt or schema fix is a new spec and a new job version: edit it and trigger the DAG again; "
+                     "to review this version again, clear the review task (a new Required Action opens)")
+    elif "review" in task:
+        steps.append(f"review the sample: the dashboard's review screen (the link in the error) or "
+                     f"`batch-inference review {job_version}`, then clear the review task: it passes at once when "
+                     "the gate is met, and publish follows")
     elif "publish" in task:
         steps.append(f"see what is live: `batch-inference published {dataset or 'DATASET'}`")
     elif "worker" in task or "fallback" in task or "cutoff" in task:

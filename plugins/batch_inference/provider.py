@@ -51,6 +51,7 @@ def get_provider_info() -> dict[str, Any]:
                     "batch_inference.operators.validate",
                     "batch_inference.operators.publish",
                     "batch_inference.operators.fallback",
+                    "batch_inference.operators.review",
                 ],
             }
         ],
@@ -58,7 +59,8 @@ def get_provider_info() -> dict[str, Any]:
             {"integration-name": INTEGRATION, "python-modules": ["batch_inference.sensors.cutoff"]}
         ],
         "triggers": [
-            {"integration-name": INTEGRATION, "python-modules": ["batch_inference.triggers.cutoff"]}
+            {"integration-name": INTEGRATION, "python-modules": ["batch_inference.triggers.cutoff",
+                                                                      "batch_inference.triggers.review"]}
         ],
         "hooks": [
             {"integration-name": INTEGRATION, "python-modules": ["batch_inference.hooks.batch_inference"]}

@@ -60,11 +60,12 @@ def test_dagbag_imports_the_example_dags_without_errors():
     assert bag.import_errors == {}
     assert set(bag.dags) == DAG_IDS
     for dag in bag.dags.values():
-        assert {"submit", "deadline", "cutoff", "fallback", "validate", "publish"} <= set(dag.task_dict)
+        assert {"submit", "deadline", "cutoff", "fallback", "validate", "review", "publish"} <= set(dag.task_dict)
         assert dag.default_args["on_failure_callback"].__class__.__name__ == "OnCallNotifier"
         DagSerialization.deserialize_dag(DagSerialization.serialize_dag(dag))
     backfill = bag.dags["batch_inference_backfill"]
-    assert {"spec_path", "source_table", "shard_size", "workers", "engine", "deadline"} <= set(backfill.params)
+    assert {"spec_path", "source_table", "shard_size", "workers", "engine", "deadline",
+            "review_timeout"} <= set(backfill.params)
     assert backfill.get_task("publish").outlets[0].uri == ASSET_URI
     # The cutoff watches beside the workers, not after them; validate waits for both paths.
     assert backfill.get_task("cutoff").upstream_task_ids == {"submit", "deadline"}
@@ -132,9 +133,10 @@ def test_the_pipeline_builder_wires_any_launcher_between_submit_and_validate():
     assert seen["conn"] == "probe_conn"           # the launcher's tasks use the pipeline's connection
     assert up["scale_up"] == {"submit"} and up["deadline"] == {"submit"}
     assert up["cutoff"] == {"submit", "deadline"} and up["fallback"] == {"submit", "cutoff"}
-    assert up["validate"] == {"submit", "run_workers", "fallback"} and up["publish"] == {"submit", "validate"}
+    assert up["validate"] == {"submit", "run_workers", "fallback"} and up["review"] == {"submit", "validate"}
+    assert up["publish"] == {"submit", "review"}         # the review gate holds publish
     assert p.workers.task_id == "run_workers" and p.cutoff.poll_interval == 5
-    assert {t.postgres_conn_id for t in (p.submit, p.validate, p.publish)} == {"probe_conn"}
+    assert {t.postgres_conn_id for t in (p.submit, p.validate, p.review, p.publish)} == {"probe_conn"}
     assert p.publish.outlets[0].uri == "batch-inference://published/probe_set"
     assert dag.max_active_runs == 1 and dag.default_args["retries"] == 2
 

@@ -19,6 +19,7 @@ _WHERE = {
     "RollbackOperator": "batch_inference.operators.publish",
     "dataset_asset": "batch_inference.operators.publish",
     "FallbackPoolOperator": "batch_inference.operators.fallback",
+    "ReviewGateOperator": "batch_inference.operators.review",
 }
 
 __all__ = sorted(_WHERE)

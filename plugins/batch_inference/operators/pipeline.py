@@ -2,14 +2,14 @@
 
 Every example DAG runs the same tasks::
 
-    submit ──┬── <workers> ───────────────────────────────┬── validate ── publish ──> Asset batch_inference.<dataset>
+    submit ──┬── <workers> ───────────────────────────────┬── validate ── review ── publish ──> Asset batch_inference.<dataset>
              └── deadline ── cutoff (sensor) ── fallback ─┘
 
 What differs from one DAG to the next is the schedule, the Params'
 defaults, the deadline and how the workers run, so those stay in the DAG
 file and this module builds the rest:
 
-* :func:`batch_inference_pipeline` adds the seven tasks (the workers come
+* :func:`batch_inference_pipeline` adds the eight tasks (the workers come
   from a launcher the DAG passes in) and wires them;
 * :func:`local_workers` is the launcher for worker processes on the Airflow
   worker (a DAG with pods writes its own: see ``batch_inference_gpu``);
@@ -18,7 +18,7 @@ file and this module builds the rest:
   a time, no catch-up, retries and the on-call notifier on every task.
 
 The task ids are fixed (``submit``, ``deadline``, ``cutoff``, ``fallback``,
-``validate``, ``publish``), so the callbacks, the dashboard's DAG-run tab and
+``validate``, ``review``, ``publish``), so the callbacks, the dashboard's DAG-run tab and
 on-call messages find the job version the same way in every DAG.
 """
 
@@ -36,6 +36,7 @@ from batch_inference.data import DEMO_SOURCE_TABLE, DEMO_SPEC
 from batch_inference.hooks.connection import DEFAULT_CONN_ID
 from batch_inference.operators.fallback import FallbackPoolOperator
 from batch_inference.operators.publish import PublishOperator, dataset_asset
+from batch_inference.operators.review import ReviewGateOperator
 from batch_inference.operators.submit import SubmitJobOperator
 from batch_inference.operators.validate import ValidateOperator
 from batch_inference.sensors.cutoff import CutoffSensor
@@ -60,6 +61,7 @@ class Pipeline:
     cutoff: Any
     fallback: Any
     validate: Any
+    review: Any
     publish: Any
 
 
@@ -74,13 +76,13 @@ def resolve_deadline(deadline: str, run_after: str, run_type: str = "") -> str:
 
 def batch_inference_pipeline(*, dataset: str, workers: WorkerLauncher, spec: str = "{{ params.spec_path }}",
                              incremental: bool | str | None = None, cutoff_poll_interval: float = 60,
-                             postgres_conn_id: str = DEFAULT_CONN_ID,
+                             review_poll_interval: float = 15, postgres_conn_id: str = DEFAULT_CONN_ID,
                              fallback_kwargs: dict[str, Any] | None = None) -> Pipeline:
-    """Add submit → workers / deadline → cutoff → fallback → validate → publish to the current DAG.
+    """Add submit → workers / deadline → cutoff → fallback → validate → review → publish to the current DAG.
 
     Call it inside ``with DAG(...)``. The DAG's Params must include those of
-    :func:`pipeline_params` (``source_table``, ``shard_size``, ``deadline``; the
-    launcher usually reads ``workers`` and ``engine``).
+    :func:`pipeline_params` (``source_table``, ``shard_size``, ``deadline``,
+    ``review_timeout``; the launcher usually reads ``workers`` and ``engine``).
 
     :param dataset: the published dataset; ``publish`` records an event on ``dataset_asset(dataset)``.
     :param workers: ``launcher(job_version, postgres_conn_id)`` adds the worker task(s) and returns one task, or
@@ -89,6 +91,7 @@ def batch_inference_pipeline(*, dataset: str, workers: WorkerLauncher, spec: str
     :param incremental: overrides the spec's ``incremental`` (e.g. ``"{{ params.incremental }}"``);
         None keeps the spec's.
     :param cutoff_poll_interval: seconds between the cutoff trigger's reads of the counts.
+    :param review_poll_interval: seconds between the review trigger's reads of the review gate.
     :param postgres_conn_id: the ledger's Airflow connection, for every task.
     :param fallback_kwargs: more arguments of the ``FallbackPoolOperator`` (``api_key_env``, ``base_url``...).
     """
@@ -110,14 +113,17 @@ def batch_inference_pipeline(*, dataset: str, workers: WorkerLauncher, spec: str
     fallback = FallbackPoolOperator(task_id="fallback", job_version=job_version, postgres_conn_id=postgres_conn_id,
                                     **(fallback_kwargs or {}))
     validate = ValidateOperator(task_id="validate", job_version=job_version, postgres_conn_id=postgres_conn_id)
+    # Holds publish while the spec's human review gate is open (a Required Action in Airflow's UI).
+    review = ReviewGateOperator(task_id="review", job_version=job_version, timeout="{{ params.review_timeout }}",
+                                poll_interval=review_poll_interval, postgres_conn_id=postgres_conn_id)
     publish = PublishOperator(task_id="publish", job_version=job_version, postgres_conn_id=postgres_conn_id,
                               outlets=[dataset_asset(dataset)])
 
     # The cutoff watches beside the workers, not after them; validate waits for both paths.
     submit >> [first, deadline]
     deadline >> cutoff >> fallback
-    [last, fallback] >> validate >> publish
-    return Pipeline(submit, job_version, last, deadline, cutoff, fallback, validate, publish)
+    [last, fallback] >> validate >> review >> publish
+    return Pipeline(submit, job_version, last, deadline, cutoff, fallback, validate, review, publish)
 
 
 def local_workers(*, workers: Any = "{{ params.workers }}", engine: Any = "{{ params.engine }}",
@@ -134,9 +140,10 @@ def local_workers(*, workers: Any = "{{ params.workers }}", engine: Any = "{{ pa
 
 
 def pipeline_params(*, shard_size: int = 25, workers: int = 2, max_workers: int = 64, engine: str = "",
-                    deadline: str = "+20h", workers_title: str = "Workers",
+                    deadline: str = "+20h", review_timeout: str = "+12h", workers_title: str = "Workers",
                     workers_description: str = "Local worker processes") -> dict[str, Param]:
-    """The trigger form: spec, source table, shard size, workers, engine and deadline, with these defaults.
+    """The trigger form: spec, source table, shard size, workers, engine, deadline and review timeout,
+    with these defaults.
 
     ``engine=""`` means the spec's engine and is offered first; any other
     default leaves the empty choice out (the DAG insists on an engine).
@@ -159,6 +166,10 @@ def pipeline_params(*, shard_size: int = 25, workers: int = 2, max_workers: int 
         "deadline": Param(deadline, type="string", title="Deadline",
                           description="'+20h' / '+90m' after the run starts, 'HH:MM' (next such time, UTC), "
                                       "or an ISO datetime"),
+        "review_timeout": Param(review_timeout, type="string", title="Review timeout",
+                                description="When a spec's human review gate is still open, page on-call and fail "
+                                            "the run: '+12h' / '+90m' after the review opens, 'HH:MM' (next such "
+                                            "time, UTC), an ISO datetime, or empty to wait without end"),
     }
 
 
