@@ -55,7 +55,12 @@ def gguf_to_dir(gguf: Path, dest: Path, dtype: str = DEFAULT_DTYPE) -> str:
         del config.quantization_config
     config.dtype = torch_dtype
     model = AutoModelForCausalLM.from_config(config, dtype=torch_dtype)
-    model.load_state_dict(loaded.state_dict(), strict=False)
+    found = model.load_state_dict(loaded.state_dict(), strict=False)
+    # Only a tied output head may be missing (it is the embedding); anything else would save random weights.
+    tied = {"lm_head.weight"} if getattr(config, "tie_word_embeddings", False) else set()
+    if set(found.missing_keys) - tied or found.unexpected_keys:
+        raise ValueError(f"converting {gguf.name}: weights missing {sorted(set(found.missing_keys) - tied)[:3]}, "
+                         f"unexpected {sorted(found.unexpected_keys)[:3]}")
     model.tie_weights()
     del loaded
     dest.parent.mkdir(parents=True, exist_ok=True)
