@@ -438,3 +438,23 @@ SELECT count(*) AS n FROM {view};
 
 -- name: published_view_head  the first rows of a dataset's published view, by record id
 SELECT {columns} FROM {view} ORDER BY record_id LIMIT %(n)s;
+
+-- Publish destinations besides the view (batch_inference.destinations)
+
+-- name: destination_rows  a job version's rows as a destination gets them, by record id
+SELECT record_id, output, job_version, model_name, model_digest, prompt_version, transport, acl,
+       created_at AS stored_at
+  FROM bi.results WHERE job_version = %(job)s ORDER BY record_id;
+
+-- name: destination_record  what a publish or rollback left a destination pointing at
+INSERT INTO bi.publish_destinations (history_id, destination, job_version, snapshot_id, location)
+VALUES (%(history_id)s, %(destination)s, %(job)s, %(snapshot_id)s, %(location)s);
+
+-- name: destination_history  the destinations of a dataset's latest publishes and rollbacks
+SELECT d.history_id, d.destination, d.job_version, d.snapshot_id, d.location
+  FROM bi.publish_destinations d JOIN bi.publish_history h ON h.id = d.history_id
+ WHERE h.dataset = %(dataset)s AND d.history_id = ANY (%(ids)s)
+ ORDER BY d.history_id DESC, d.destination;
+
+-- name: schema_exists  whether a schema exists in the connected database
+SELECT EXISTS (SELECT 1 FROM pg_namespace WHERE nspname = %(schema)s) AS present;

@@ -100,6 +100,16 @@ class PointerMoved(PublishRefused):
         self.dataset, self.expected, self.actual = dataset, expected, actual
 
 
+class DestinationRefused(PublishRefused):
+    """A publish destination refused the version (a removed field, an uncleared record class, a lost race);
+    nothing was switched. Not worth a retry."""
+
+
+class DestinationUnavailable(BatchInferenceError, RuntimeError):
+    """A publish destination (its catalog or its object store) could not be reached; nothing was switched.
+    Worth a retry."""
+
+
 class FallbackRefused(BatchInferenceError, ValueError):
     """The fallback may not run as configured (one line, raised before any request)."""
 

@@ -17,7 +17,7 @@ from typing import Any
 import psycopg
 from psycopg import errors, sql
 
-from batch_inference import snapshot
+from batch_inference import destinations, snapshot
 from batch_inference.db import q
 from batch_inference.exceptions import GrantRefused
 from batch_inference.spec import JobSpec
@@ -46,6 +46,7 @@ def submit(conn: psycopg.Connection, spec: JobSpec,
     """Snapshot the source and plan shards. ``rows`` overrides the source (rows
     read elsewhere: an object store, another database)."""
     t0 = time.perf_counter()
+    destinations.check_spec(conn, spec)   # an unreachable or uncleared destination: one line, nothing written
     source_name = spec.source.table or spec.source.s3_manifest or "query"
     # One transaction: nothing of it (staging tables included) outlives it,
     # so it runs through a transaction pooler (docs/capacity.md).

@@ -12,6 +12,14 @@ The view is created once, at the dataset's first publish. That is DDL, so it
 runs with a short lock_timeout and is retried rather than allowed to queue
 behind (and in front of) other sessions.
 
+Destinations besides the view (the spec's ``publish.destinations``: an
+Iceberg table, ``batch_inference.destinations``) move first, each by its own
+commit, after the view's guards have passed in a rolled-back switch; then the
+view switches, expecting the pointer those guards saw, and records where each
+destination points beside its history row. A destination that fails leaves
+the view unswitched (one line); a view switch that fails restores the
+destinations that moved.
+
 Given ``expected_current`` (the version the caller saw as published), both
 go through ``bi.publish_v2`` / ``bi.rollback_v2`` (sql/schema/publish.sql),
 which refuse, in the switching statement itself and under the dataset's
@@ -21,92 +29,81 @@ publish lock, when the pointer has moved since: ``PointerMoved``.
 from __future__ import annotations
 
 import logging
-import time
 from typing import Any
 
 import psycopg
-from psycopg import errors
 
+from batch_inference import destinations
 from batch_inference.db import q
+from batch_inference.destinations import Destination, Pointed, Version, version_rows
+from batch_inference.destinations.view import (  # noqa: F401 - the view's names, as callers import them
+    POINTER_MOVED,
+    PUBLISHED_SCHEMA,
+    switch,
+    view_fields,
+    view_name,
+)
 from batch_inference.exceptions import InvalidValue, PointerMoved, PublishRefused
-from batch_inference.spec import JobSpec
 from batch_inference.status import UnknownJob, job_spec
 
 log = logging.getLogger(__name__)
 
-PUBLISHED_SCHEMA = "published"
+
+def _recorder(pointed: list[Pointed]):
+    """``switch``'s ``after``: each destination's pointer beside the history row of the switch."""
+
+    def record(conn: psycopg.Connection, out: dict[str, Any]) -> None:
+        if not out.get("changed") or out.get("history_id") is None:
+            return
+        for p in pointed:
+            conn.execute(q("destination_record"), {"history_id": out["history_id"], "destination": p.destination,
+                                                   "job": p.job_version, "snapshot_id": p.snapshot_id,
+                                                   "location": p.location})
+    return record
 
 
-# The SQLSTATE bi.assert_pointer_at_v1 raises (sql/schema/publish.sql).
-POINTER_MOVED = "BI409"
+def _move_all(targets: list[Destination], move) -> list[tuple[Destination, Pointed]]:
+    """Move every destination; if one fails, restore those moved already and re-raise."""
+    done: list[tuple[Destination, Pointed]] = []
+    try:
+        for d in targets:
+            done.append((d, move(d)))
+    except BaseException:
+        _restore(done)
+        raise
+    return done
 
 
-def view_name(dataset: str) -> str:
-    """The qualified name of the dataset's view. Dataset names are lower-case
-    identifiers; one that is also an SQL keyword ("user") is quoted by the
-    database, and ``published()`` returns that exact form."""
-    return f"{PUBLISHED_SCHEMA}.{dataset}"
-
-
-def view_fields(spec: JobSpec) -> tuple[list[str], list[str]]:
-    """Top-level output fields exposed as view columns: (text fields, jsonb fields).
-
-    Strings come out as text and everything else as jsonb: extracting never
-    casts, so no later version's output can make a read of the view fail."""
-    text: list[str] = []
-    other: list[str] = []
-    for name, sub in (spec.output_schema.get("properties") or {}).items():
-        if isinstance(sub, dict) and sub.get("type") == "string":
-            text.append(name)
-        else:
-            other.append(name)
-    return text, other
-
-
-def _refused(exc: psycopg.Error) -> PublishRefused:
-    return PublishRefused(exc.diag.message_primary or str(exc).splitlines()[0])
-
-
-def _switch(conn: psycopg.Connection, name: str, params: dict[str, Any], dataset: str,
-            spec: JobSpec | None, lock_timeout: str, attempts: int) -> dict[str, Any]:
-    """One transaction: create the view if this is the first publish, then the
-    guarded pointer switch. Retried only on a lock timeout (the DDL)."""
-    wait = 0.2
-    for attempt in range(1, attempts + 1):
+def _restore(done: list[tuple[Destination, Pointed]]) -> None:
+    for d, p in reversed(done):
         try:
-            with conn.transaction():
-                conn.execute(q("set_lock_timeout"), {"timeout": lock_timeout})
-                if spec is not None:
-                    text, other = view_fields(spec)
-                    view = conn.execute(q("ensure_published_view"), {
-                        "dataset": dataset, "text_fields": text, "json_fields": other}).fetchone()["view_name"]
-                else:
-                    known = conn.execute(q("published_view"), {"dataset": dataset}).fetchone()
-                    view = known["view_name"] if known else view_name(dataset)
-                row = conn.execute(q(name), params).fetchone()
-                assert row is not None
-                out = dict(row)
-                out["view"] = view      # as SQL writes it: quoted if the dataset name is a keyword
-                return out
-        except errors.LockNotAvailable:
-            if attempt == attempts:
-                raise PublishRefused(f"{name} of dataset {dataset}: could not get a lock within {lock_timeout} "
-                                     f"after {attempts} attempts (a long transaction holds bi.results?)") from None
-            log.warning("%s of %s: lock timeout (attempt %d/%d); retrying in %.1fs", name, dataset, attempt,
-                        attempts, wait)
-            time.sleep(wait)
-            wait = min(wait * 2, 5.0)
-        except errors.NoDataFound as exc:
-            raise UnknownJob(exc.diag.message_primary or str(exc)) from None
-        except (errors.ObjectNotInPrerequisiteState, errors.InsufficientPrivilege) as exc:
-            raise _refused(exc) from None
-        except psycopg.DatabaseError as exc:
-            if exc.sqlstate != POINTER_MOVED:
-                raise
-            raise PointerMoved(_refused(exc).args[0], dataset=dataset, expected=params.get("expected"),
-                               actual=exc.diag.message_detail or None) from None
-    raise AssertionError("unreachable")
+            d.restore(p)
+        except Exception as exc:  # noqa: BLE001 - the original error is the one to report
+            log.error("%s: could not restore its pointer after the view did not switch: %s", d.name,
+                      str(exc).splitlines()[0] if str(exc) else type(exc).__name__)
 
+
+def _with_destinations(conn: psycopg.Connection, targets: list[Destination], move, name: str,
+                       params: dict[str, Any], ds: str, spec, lock_timeout: str, attempts: int,
+                       seen_name: str) -> tuple[dict[str, Any], list[Pointed]]:
+    """The view's guards (a rolled-back switch), then every destination, then the view's switch,
+    expecting the pointer the guards saw; destinations are restored if that switch fails."""
+    seen = switch(conn, name, params, ds, spec, lock_timeout, attempts, dry_run=True)
+    done = _move_all(targets, lambda d: move(d, seen))
+    pointed = [p for _, p in done]
+    real = {**params, "expected": params.get("expected") if name.endswith("_expected") else seen[seen_name]}
+    try:
+        out = switch(conn, name if name.endswith("_expected") else name + "_expected", real, ds, spec,
+                     lock_timeout, attempts, after=_recorder(pointed))
+    except BaseException:
+        _restore(done)
+        raise
+    return out, pointed
+
+
+def _destinations_out(pointed: list[Pointed]) -> list[dict[str, Any]]:
+    return [{"destination": p.destination, "job_version": p.job_version, "snapshot_id": p.snapshot_id,
+             "location": p.location, "changed": p.changed} for p in pointed]
 
 def _record_load_time(conn: psycopg.Connection, job_version: str) -> None:
     """The warehouse load of the job's fallback run, if it had one: from nothing
@@ -151,7 +148,15 @@ def publish(conn: psycopg.Connection, job_version: str, *, actor: str | None = N
     params = {"dataset": ds, "job": job_version, "actor": actor, "force": force, "reason": reason,
               "expected": expected_current or None}   # "": expect that nothing is published yet
     name = "publish" if expected_current is None else "publish_expected"
-    out = _switch(conn, name, params, ds, spec, lock_timeout, attempts)
+    targets = destinations.for_spec(conn, spec)
+    if targets:
+        version = Version(job_version, spec, version_rows(conn, job_version))
+        out, pointed = _with_destinations(
+            conn, targets, lambda d, _seen: d.publish(version, force=force, reason=reason), name, params, ds, spec,
+            lock_timeout, attempts, "from_version")
+        out["destinations"] = _destinations_out(pointed)
+    else:
+        out = switch(conn, name, params, ds, spec, lock_timeout, attempts)
     if out["changed"]:
         log.info("published %s for dataset %s (was %s)%s", job_version, ds, out["from_version"] or "nothing",
                  f"; FORCED: {reason}" if out["forced"] else "")
@@ -172,8 +177,16 @@ def rollback(conn: psycopg.Connection, dataset: str, *, actor: str | None = None
     :raises PointerMoved: the pointer is not at ``expected_current``; nothing was changed.
     """
     name = "rollback" if expected_current is None else "rollback_expected"
-    out = _switch(conn, name, {"dataset": dataset, "actor": actor, "reason": reason, "expected": expected_current},
-                  dataset, None, lock_timeout, attempts)
+    params = {"dataset": dataset, "actor": actor, "reason": reason, "expected": expected_current}
+    cur = conn.execute(q("published_version"), {"dataset": dataset}).fetchone()
+    targets = destinations.for_spec(conn, job_spec(conn, cur["job_version"])) if cur else []
+    if targets:
+        out, pointed = _with_destinations(
+            conn, targets, lambda d, seen: d.point_back(seen["to_version"]), name, params, dataset, None,
+            lock_timeout, attempts, "from_version")
+        out["destinations"] = _destinations_out(pointed)
+    else:
+        out = switch(conn, name, params, dataset, None, lock_timeout, attempts)
     log.info("rolled back dataset %s: %s -> %s", dataset, out["from_version"], out["to_version"])
     return out
 
@@ -182,7 +195,13 @@ def published(conn: psycopg.Connection, dataset: str, *, history: int = 20) -> d
     """What the dataset publishes now: the version, the view's name, the ACL default and the history."""
     cur = conn.execute(q("published_version"), {"dataset": dataset}).fetchone()
     view = conn.execute(q("published_view"), {"dataset": dataset}).fetchone()
-    hist = conn.execute(q("publish_history"), {"dataset": dataset, "n": history}).fetchall()
+    hist = [dict(h) for h in conn.execute(q("publish_history"), {"dataset": dataset, "n": history}).fetchall()]
+    dests: dict[int, list[dict[str, Any]]] = {}
+    for d in conn.execute(q("destination_history"), {"dataset": dataset, "ids": [h["id"] for h in hist]}):
+        dests.setdefault(d["history_id"], []).append({k: d[k] for k in ("destination", "job_version",
+                                                                         "snapshot_id", "location")})
+    for h in hist:
+        h["destinations"] = dests.get(h["id"], [])
     null_acl = conn.execute(q("dataset_null_acl"), {"dataset": dataset}).fetchone()
     return {
         "dataset": dataset,
@@ -192,7 +211,7 @@ def published(conn: psycopg.Connection, dataset: str, *, history: int = 20) -> d
         "view": view["view_name"] if view else None,
         "view_fields": view["fields"] if view else None,
         "null_acl": null_acl["null_acl"] if null_acl else "all_readers",
-        "history": [dict(h) for h in hist],
+        "history": hist,
     }
 
 

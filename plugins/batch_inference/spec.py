@@ -295,6 +295,81 @@ class Fallback(_Strict):
                                                                "relax rate/overhead (fewer only tighten them)")
 
 
+_TABLE_IDENT = re.compile(r"^[a-z_][a-z0-9_]{0,62}(\.[a-z_][a-z0-9_]{0,62})+$")
+
+
+class IcebergCatalog(_Strict):
+    """Where an Iceberg table's metadata pointer lives (batch_inference.destinations.iceberg).
+
+    ``sql``: pyiceberg's SqlCatalog on a PostgreSQL (``uri`` a SQLAlchemy URL,
+    else the ledger's own database), its tables in ``db_schema``. ``rest``: a
+    REST catalog at ``uri``. ``glue``: AWS Glue. Credentials never go here:
+    they come from ``conn_id`` (an Airflow connection) or the environment."""
+
+    type: Literal["sql", "rest", "glue"] = "sql"
+    name: str = Field(default="ledger", min_length=1, max_length=64, pattern=r"^[a-z_][a-z0-9_]*$")
+    uri: str | None = Field(default=None, max_length=2048, description="sql: a SQLAlchemy URL without a "
+                            "password (default: the ledger's database); rest: the catalog's URI")
+    db_schema: str = Field(default="iceberg_catalog", pattern=r"^[a-z_][a-z0-9_]{0,62}$",
+                           description="sql: the PostgreSQL schema holding the catalog's tables")
+    conn_id: str | None = Field(default=None, max_length=MAX_NAME, description="an Airflow connection with "
+                                "the catalog's or the object store's credentials")
+
+    @field_validator("uri")
+    @classmethod
+    def _no_password(cls, v: str | None) -> str | None:
+        if v is not None and re.search(r"//[^/@]*:[^/@]*@|password=", v, re.I):
+            raise ValueError("must not hold a password: credentials come from conn_id or the environment")
+        return v
+
+
+class Destination(_Strict):
+    """A place the published version goes besides the PostgreSQL view, which always gets it.
+
+    Not part of the job version: where the rows go does not change them."""
+
+    kind: Literal["iceberg"] = "iceberg"
+    identifier: str = Field(max_length=200, description="namespace.table")
+    catalog: IcebergCatalog = Field(default_factory=IcebergCatalog)
+    warehouse: str = Field(min_length=1, max_length=2048, description="a local path or s3://bucket/prefix")
+    s3_endpoint: str | None = Field(default=None, max_length=2048, description="an S3-compatible endpoint URL")
+    s3_region: str | None = Field(default=None, max_length=64)
+    cleared_record_classes: list[str] = Field(default_factory=list, max_length=100, description="record classes "
+                                              "that may be written here (as cleared_for_hosted does for endpoints)")
+    target_file_rows: int = Field(default=1_000_000, ge=1_000, le=100_000_000,
+                                  description="rows per Parquet data file")
+
+    @field_validator("identifier")
+    @classmethod
+    def _ident(cls, v: str) -> str:
+        if not _TABLE_IDENT.match(v):
+            raise ValueError("must be namespace.table in lower-case letters, digits and underscores")
+        return v
+
+    @field_validator("warehouse", "s3_endpoint")
+    @classmethod
+    def _no_credentials(cls, v: str | None) -> str | None:
+        if v is not None and "@" in v.split("?")[0]:
+            raise ValueError("must not hold credentials: they come from catalog.conn_id or the environment")
+        return v
+
+    @property
+    def name(self) -> str:
+        """The destination's name in the publish history: kind, catalog and table."""
+        return f"{self.kind}:{self.catalog.name}.{self.identifier}"
+
+
+class Publish(_Strict):
+    destinations: list[Destination] = Field(default_factory=list, max_length=16)
+
+    @model_validator(mode="after")
+    def _unique(self) -> "Publish":
+        names = [d.name for d in self.destinations]
+        if len(names) != len(set(names)):
+            raise ValueError("each destination may be named once")
+        return self
+
+
 class JobSpec(_Strict):
     dataset: str
     source: Source
@@ -320,6 +395,8 @@ class JobSpec(_Strict):
     cost: Cost = Field(default_factory=Cost)
     fallback: Fallback = Field(default_factory=Fallback)
     evaluation: Evaluation = Field(default_factory=Evaluation)
+    publish: Publish = Field(default_factory=Publish, description="destinations besides the view; not part of "
+                             "the job version")
 
     @field_validator("dataset")
     @classmethod

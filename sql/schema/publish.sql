@@ -24,6 +24,26 @@ CREATE TABLE IF NOT EXISTS bi.published_views (
     created_by  text NOT NULL DEFAULT current_user
 );
 
+-- What a publish or rollback left each destination pointing at: for an
+-- Iceberg table the snapshot its main branch names and the metadata file that
+-- commit wrote. Written in the transaction that switches the view, so a
+-- history row and its destinations appear together. No credentials: the
+-- destination is named by kind, catalog name and table.
+CREATE TABLE IF NOT EXISTS bi.publish_destinations (
+    history_id  bigint NOT NULL REFERENCES bi.publish_history (id) ON DELETE CASCADE,
+    destination text NOT NULL,              -- e.g. iceberg:ledger.analytics.ticket_triage
+    job_version text NOT NULL,
+    snapshot_id bigint,
+    location    text,
+    PRIMARY KEY (history_id, destination)
+);
+REVOKE ALL ON bi.publish_destinations FROM PUBLIC;
+
+-- pyiceberg's SqlCatalog creates its own two tables (iceberg_tables,
+-- iceberg_namespace_properties) here on first use.
+CREATE SCHEMA IF NOT EXISTS iceberg_catalog;
+REVOKE ALL ON SCHEMA iceberg_catalog FROM PUBLIC;
+
 -- Principal mapping. A reader's principals are its own role name, the names of
 -- the roles whose privileges it has (pg_has_role USAGE: inherited membership),
 -- and every principal mapped here to any of those roles. A source's ACL
