@@ -396,8 +396,8 @@ def slow_half_median(values: Iterable[float]) -> float:
     return float(statistics.median(v[: math.ceil(len(v) / 2)]))
 
 
-def _minute_up(seconds: float) -> float:
-    return float(math.ceil(seconds / 60) * 60)
+def _minute_up(seconds: float, step_s: float = 60.0) -> float:
+    return float(math.ceil(seconds / step_s) * step_s)
 
 
 @dataclass(frozen=True)
@@ -426,6 +426,7 @@ def derive_rate_and_overhead(
     n: int = 5,
     min_redrive_s: float = MIN_REDRIVE_S,
     min_runs: int = DEFAULT_MIN_HISTORY_RUNS,
+    step_s: float = 60.0,
 ) -> DerivedConstants:
     """Rate and overhead from fallback history, never later than the configured constants on thin evidence.
 
@@ -439,6 +440,9 @@ def derive_rate_and_overhead(
       more conservative: a slower rate (the same statistic over their
       sustained re-drives) or a longer overhead (the longest, rounded up; a
       partial run's overhead is a lower bound, a short run's is a real one).
+
+    Overheads are rounded up to ``step_s`` (the cutoff's own step, a minute
+    by default), so a night watched at a finer step keeps its precision.
 
     So short or partial runs never move the cutoff later. Runs are ordered by
     ``finished_at`` where known, else taken in list order; ``n`` = 0 turns
@@ -483,24 +487,25 @@ def derive_rate_and_overhead(
                          if would is not None else
                          f"rate {rate:g}/s configured (no re-drive of {min_redrive_s:.0f} s or more measured)")
 
-    q_over = _minute_up(max(r.whole_overhead_s for r in complete)) if complete else None
-    recent_over = _minute_up(max(measured)) if measured else None
+    q_over = _minute_up(max(r.whole_overhead_s for r in complete), step_s) if complete else None
+    recent_over = _minute_up(max(measured), step_s) if measured else None
+    up = "rounded up to the minute" if step_s == 60 else f"rounded up to {step_s:g} s"
     if relax:
         assert q_over is not None
         overhead = q_over
         over_part = (f"overhead {overhead:,.0f} s = longest of {len(complete)} complete runs (drain, re-drive and "
-                     "load measured), rounded up to the minute")
+                     f"load measured), {up}")
         if recent_over is not None and recent_over > overhead:
             overhead = recent_over
-            over_part = (f"overhead {overhead:,.0f} s = longest of {len(measured)} recent runs, rounded up to the "
-                         f"minute (complete runs give {q_over:,.0f} s)")
+            over_part = (f"overhead {overhead:,.0f} s = longest of {len(measured)} recent runs, {up} "
+                         f"(complete runs give {q_over:,.0f} s)")
     else:
         longest = max((x for x in (q_over, recent_over) if x is not None), default=None)
         if longest is not None and longest > cfg_over:
             overhead = longest
             of = f"{len(measured)} recent runs" if longest == recent_over else f"{len(complete)} complete runs"
             over_part = (f"overhead {overhead:,.0f} s measured, longer than the configured {cfg_over:,.0f} s "
-                         f"(longest of {of}, rounded up to the minute)")
+                         f"(longest of {of}, {up})")
         else:
             overhead = cfg_over
             over_part = (f"overhead {overhead:,.0f} s configured ({need}; history would give {longest:,.0f} s)"

@@ -146,11 +146,12 @@ async def fallback_history(aconn: psycopg.AsyncConnection, dataset: str, n: int,
 
 
 def choose_constants(spec: JobSpec, history: list[FallbackRun], rate: float | None,
-                     overhead_s: float | None) -> DerivedConstants:
-    """History over the spec's constants; an explicit override over both."""
+                     overhead_s: float | None, step_s: float = 60.0) -> DerivedConstants:
+    """History over the spec's constants; an explicit override over both. Measured
+    overheads are rounded up to ``step_s``, the cutoff's own step."""
     derived = derive_rate_and_overhead(history, default_rate=spec.fallback.rate,
                                        default_overhead=spec.fallback.overhead_s, n=spec.fallback.history_runs,
-                                       min_runs=spec.fallback.min_history_runs)
+                                       min_runs=spec.fallback.min_history_runs, step_s=step_s)
     if rate is None and overhead_s is None:
         return derived
     parts = []
@@ -171,7 +172,7 @@ async def load_context(aconn: psycopg.AsyncConnection, cfg: WatchConfig) -> JobC
     history = await fallback_history(aconn, job["dataset"], spec.fallback.history_runs,
                                      spec.fallback.min_history_runs)
     return JobContext(job_version=cfg.job_version, dataset=job["dataset"], spec=spec,
-                      constants=choose_constants(spec, history, cfg.rate, cfg.overhead_s),
+                      constants=choose_constants(spec, history, cfg.rate, cfg.overhead_s, cfg.step_s),
                       prices=Prices.from_spec(spec))
 
 

@@ -13,10 +13,11 @@ from batch_inference.commands import (
     demo,
     fallback,
     jobs,
+    nights,
     publish,
     review,
     validate,
     worker,
 )
 
-COMMANDS = (database, jobs, worker, capacity, cutoff, cost, validate, review, publish, chaos, fallback, demo)
+COMMANDS = (database, jobs, worker, capacity, cutoff, cost, validate, review, publish, chaos, nights, fallback, demo)

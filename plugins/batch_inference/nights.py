@@ -1,0 +1,836 @@
+"""The nights harness: many compressed nights, each a whole job from submit to publish, under drawn faults.
+
+``run_nights(NightsConfig())`` starts one embedded PostgreSQL (``chaos._EmbeddedServer``,
+restartable) and a loopback OpenAI-compatible endpoint of its own (``Endpoint``), then runs
+each night on the real parts:
+
+* the batch: ``workers`` processes of ``python -m gpu_runner`` on the process fleet
+  (``fleet.Fleet``), the noop engine paced by ``PacedEngine`` (the night's batch throughput,
+  which a fault may slow from some second on);
+* the cutoff: the real watch (``deadline.watch``, the loop ``CutoffTrigger`` runs) on the
+  night's deadline, with the early warning re-armed as ``CutoffSensor`` does;
+* the fallback: ``fallback.run_fallback`` (the pool of in-process workers, one token bucket,
+  one breaker) against the endpoint, retried like an Airflow task when the breaker trips;
+* validate and publish (``validate.validate``, ``publish.publish``), which records the load.
+
+A night is the production night with the clock compressed: deadline, fallback rate, overhead,
+lease and renewal are scaled (seconds, not hours), and the cutoff is floored to the second
+(``step_s=1``) instead of the minute, so the arithmetic is the production arithmetic on
+smaller numbers. Each night's faults are drawn from ``random.Random(seed)`` (``draw_faults``):
+a batch slowed by a factor from some second on, worker kills and stalls, fallback 5xx bursts,
+429s with Retry-After, a cancel that settles slowly (the batch lease holders stopped at the
+cutoff, so their leases must expire), a PostgreSQL restart, a drifted history of fallback runs
+(``bi.fallback_runs`` rows for the night's dataset, so the watch re-derives its constants from
+them), and, rarely, a fallback endpoint that stays down for the whole tail of the night: no
+design absorbs that, so the night must page early, when the arithmetic knows the deadline is
+lost, and say why.
+
+Each night has a dataset of its own (``nights-<seed>``), so a night replayed alone
+(``--night SEED``) draws the same faults, the same history and so the same constants and the
+same cutoff at submit. Process timing is not reproducible; the verdict should be.
+
+Verdicts: a night fails if it publishes after its deadline without an early page, stores a
+duplicate, loses a record, dead-letters a healthy record or bills over the all-synchronous
+ceiling (``cost.job_bill``). Beside the outcome each night carries what the cutoff's own
+projection predicted at submit for its drawn conditions (``predict``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import math
+import os
+import random
+import shutil
+import signal
+import statistics
+import tempfile
+import threading
+import time
+from collections import Counter
+from collections.abc import Iterator, Sequence
+from dataclasses import asdict, dataclass, field, replace
+from datetime import datetime, timedelta, timezone
+from pathlib import Path
+from typing import Any
+
+import psycopg
+
+from batch_inference import db
+from batch_inference.chaos import NOOP_DIGEST, ChaosConfig, _Admin, _EmbeddedServer, _make_source, _worker_url
+from batch_inference.data import TRIAGE_SCHEMA
+from batch_inference.engines.base import Engine, Outcome, Request
+from batch_inference.exceptions import InvalidValue
+
+log = logging.getLogger("batch_inference.nights")
+UTC = timezone.utc
+DRIFTS = ("slower", "longer", "faster")
+
+
+@dataclass
+class NightsConfig:
+    """A run of compressed nights. The defaults make a night of about 40 s on two cores."""
+
+    nights: int = 3
+    seed: int = 0                     # nights are seeds seed, seed+1, ...; --night replays one
+    night: int | None = None          # replay this seed alone
+    records: int = 1200
+    shard_size: int = 100
+    workers: int = 2
+    batch_delay_s: float = 0.02       # per record and worker: the batch's nominal throughput
+    deadline_s: float = 40.0          # submit to deadline (the night's 22:00 to 06:00)
+    rate: float = 50.0                # spec.fallback.rate: the sustained rows/s the cutoff assumes
+    pool_rate: float = 80.0           # the pool's own limit (its token bucket), above what it sustains
+    overhead_s: float = 8.0           # spec.fallback.overhead_s: cancel drain + reconcile + load
+    concurrency: int = 8
+    parallel_shards: int = 4
+    lease_seconds: int = 3
+    renew_seconds: float = 0.5
+    poll_s: float = 0.5               # the watch's poll interval
+    page_reserve_s: float = 2.0       # what the publish needs after the re-drive (the early page's margin)
+    late_s: float = 15.0              # how long past its deadline a paged night may finish
+    keep: bool = False
+
+    def __post_init__(self) -> None:
+        for name, low in (("nights", 1), ("records", 10), ("shard_size", 1), ("workers", 1),
+                          ("concurrency", 1), ("parallel_shards", 1), ("lease_seconds", 1)):
+            if getattr(self, name) < low:
+                raise InvalidValue(f"nights: {name.replace('_', ' ')} must be at least {low}, got {getattr(self, name)}")
+        for name in ("deadline_s", "rate", "pool_rate", "batch_delay_s", "renew_seconds", "poll_s"):
+            if not getattr(self, name) > 0:
+                raise InvalidValue(f"nights: {name.replace('_', ' ')} must be positive, got {getattr(self, name)}")
+        if self.renew_seconds >= self.lease_seconds:
+            raise InvalidValue("nights: renew seconds must be below the lease")
+
+    def seeds(self) -> list[int]:
+        return [self.night] if self.night is not None else list(range(self.seed, self.seed + self.nights))
+
+
+# -- the faults ---------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Faults:
+    """One night's drawn faults. Times are seconds from submit, or from the pool's first request
+    (``*_at_pool``) for the endpoint's."""
+
+    slow_at: float | None = None
+    slow_factor: float = 1.0
+    kills: tuple[float, ...] = ()
+    stalls: tuple[float, ...] = ()
+    burst_at_pool: float | None = None        # the endpoint answers 5xx from here ...
+    burst_s: float = 0.0                      # ... for this long
+    throttle_at_pool: float | None = None     # 429 with Retry-After to a share of requests
+    throttle_s: float = 0.0
+    throttle_share: float = 0.0
+    retry_after_s: int = 1
+    slow_cancel_s: float | None = None        # batch lease holders stopped this long at the cutoff
+    db_restart_at: float | None = None
+    drift: str | None = None                  # slower | longer | faster: the night's fallback history
+    down_at_pool: float | None = None         # the endpoint down from here to past the deadline
+
+    def names(self) -> list[str]:
+        out = []
+        if self.slow_at is not None:
+            out.append(f"batch x{self.slow_factor:.1f} slower from {self.slow_at:.0f}s")
+        if self.kills:
+            out.append(f"{len(self.kills)} kill(s)")
+        if self.stalls:
+            out.append(f"{len(self.stalls)} stall(s)")
+        if self.burst_at_pool is not None:
+            out.append(f"5xx burst {self.burst_s:.1f}s")
+        if self.throttle_at_pool is not None:
+            out.append(f"429 {self.throttle_share:.0%} for {self.throttle_s:.1f}s")
+        if self.slow_cancel_s is not None:
+            out.append(f"cancel settles in {self.slow_cancel_s:.1f}s")
+        if self.db_restart_at is not None:
+            out.append(f"db restart at {self.db_restart_at:.0f}s")
+        if self.drift:
+            out.append(f"history {self.drift}")
+        if self.down_at_pool is not None:
+            out.append("endpoint down for the tail")
+        return out
+
+
+def draw_faults(seed: int, cfg: NightsConfig) -> Faults:
+    """The night's faults from its seed alone (the same on a replay)."""
+    r = random.Random(f"nights-{seed}")
+    d = cfg.deadline_s
+    slow = r.random() < 0.6
+    f = Faults(
+        slow_at=round(r.uniform(1.0, 0.25 * d), 2) if slow else None,
+        slow_factor=round(r.uniform(1.5, 8.0), 2) if slow else 1.0,
+        kills=tuple(sorted(round(r.uniform(1.0, 0.5 * d), 2) for _ in range(r.choice((0, 0, 1, 2, 3))))),
+        stalls=tuple(sorted(round(r.uniform(1.0, 0.5 * d), 2) for _ in range(r.choice((0, 0, 1, 2))))),
+        burst_at_pool=round(r.uniform(0.2, 3.0), 2) if r.random() < 0.35 else None,
+        burst_s=round(r.uniform(0.3, 2.5), 2),
+        throttle_at_pool=round(r.uniform(0.0, 3.0), 2) if r.random() < 0.35 else None,
+        throttle_s=round(r.uniform(0.5, 3.0), 2),
+        throttle_share=round(r.uniform(0.2, 0.6), 2),
+        retry_after_s=r.choice((1, 1, 2)),
+        slow_cancel_s=round(cfg.lease_seconds + r.uniform(0.0, 3.0), 2) if r.random() < 0.3 else None,
+        db_restart_at=round(r.uniform(2.0, 0.6 * d), 2) if r.random() < 0.25 else None,
+        drift=r.choice(DRIFTS) if r.random() < 0.35 else None,
+        down_at_pool=round(r.uniform(0.5, 2.0), 2) if r.random() < 0.12 else None,
+    )
+    if f.burst_at_pool is None:
+        f = replace(f, burst_s=0.0)
+    if f.throttle_at_pool is None:
+        f = replace(f, throttle_s=0.0, throttle_share=0.0)
+    return f
+
+
+def history_rows(seed: int, cfg: NightsConfig, drift: str | None) -> list[dict[str, Any]]:
+    """The night's drifted history: five past fallback runs of its dataset (none without drift).
+
+    * ``slower``: partial runs (no load measured) whose sustained re-drives were slower than the
+      configured rate: they may only tighten it;
+    * ``longer``: partial runs whose overhead was longer than the configured one;
+    * ``faster``: complete runs (drain, re-drive and load measured) of a faster pool and a
+      shorter overhead: five of them relax both constants, which tonight's pool must then hold.
+    """
+    if drift is None:
+        return []
+    r = random.Random(f"nights-history-{seed}")
+    rows = []
+    for k in range(5):
+        if drift == "slower":
+            rate, over, load = cfg.rate * r.uniform(0.5, 0.8), cfg.overhead_s * r.uniform(0.5, 0.9), None
+        elif drift == "longer":
+            rate, over, load = cfg.rate * r.uniform(1.0, 1.3), cfg.overhead_s * r.uniform(1.1, 1.6), None
+        else:
+            rate, over, load = cfg.rate * r.uniform(1.05, 1.3), cfg.overhead_s * r.uniform(0.4, 0.6), 1.0
+        busy = 60.0 + r.uniform(0.0, 30.0)   # a sustained re-drive (cutoff.MIN_REDRIVE_S)
+        rows.append({"rate": round(rate, 3), "overhead_s": round(over, 3), "busy_s": round(busy, 3),
+                     "records": int(rate * busy), "drain_s": round(over / 2, 3), "load_s": load,
+                     "days_ago": 5 - k})
+    return rows
+
+
+# -- the batch engine ------------------------------------------------------------------
+
+
+class PacedEngine(Engine):
+    """The noop engine at the night's batch throughput: each answer takes ``delay_s`` times the
+    factor in ``pace_file`` (1 when absent), so the harness can slow the batch from any second
+    on without restarting a worker. Options: ``inner`` (default noop), ``delay_s``, ``pace_file``."""
+
+    name = "paced"
+    option_names = None
+
+    def __init__(self, spec, options=None):
+        super().__init__(spec, options)
+        opts = dict(self.options)
+        inner = str(opts.pop("inner", "noop"))
+        self.delay_s = float(opts.pop("delay_s", 0.0))
+        self.pace_file = opts.pop("pace_file", None)
+        from batch_inference.engines import load_engine
+
+        self.inner = load_engine(inner, spec, opts)
+
+    def weights_files(self) -> list[Path]:
+        return self.inner.weights_files()
+
+    def load(self) -> None:
+        self.inner.load()
+
+    def _factor(self) -> float:
+        if not self.pace_file:
+            return 1.0
+        try:
+            return float(Path(self.pace_file).read_text() or 1.0)
+        except (OSError, ValueError):
+            return 1.0
+
+    def generate(self, requests: Sequence[Request], stop: threading.Event) -> Iterator[Outcome]:
+        for outcome in self.inner.generate(requests, stop):
+            if self.delay_s:
+                stop.wait(self.delay_s * self._factor())
+            yield outcome
+
+    def close(self) -> None:
+        self.inner.close()
+
+
+# -- the fallback endpoint ---------------------------------------------------------------
+
+
+class Endpoint:
+    """The night's fallback endpoint: a ``loopback.ChatServer`` (OpenAI's chat completions on
+    127.0.0.1) answering a schema-valid triage object, with the night's endpoint faults on a
+    clock that starts at its first request: 5xx bursts, 429 with ``Retry-After`` to a share of
+    requests, and an outage from some second of the re-drive until ``down_until`` (monotonic)."""
+
+    def __init__(self, faults: Faults, seed: int, down_until: float = float("inf")) -> None:
+        from batch_inference.loopback import ChatServer, completion
+
+        self.faults, self.down_until = faults, down_until
+        self.rng = random.Random(f"nights-endpoint-{seed}")
+        self.first: float | None = None
+        self.answers: Counter[int] = Counter()
+        self._ok = completion(json.dumps({"category": "other", "summary": "re-driven by the fallback pool"}),
+                              tokens=12)
+        self.server = ChatServer(self.respond)
+
+    @property
+    def base_url(self) -> str:
+        return self.server.base_url
+
+    def respond(self, body: dict[str, Any]) -> tuple[int, dict[str, str], dict[str, Any]]:
+        """One answer (the server calls it under its lock)."""
+        now = time.monotonic()
+        f = self.faults
+        if self.first is None:
+            self.first = now
+        t = now - self.first
+        if f.down_at_pool is not None and t >= f.down_at_pool and now < self.down_until:
+            status, headers = 503, {}
+        elif f.burst_at_pool is not None and f.burst_at_pool <= t < f.burst_at_pool + f.burst_s:
+            status, headers = 500, {}
+        elif (f.throttle_at_pool is not None and f.throttle_at_pool <= t < f.throttle_at_pool + f.throttle_s
+              and self.rng.random() < f.throttle_share):
+            status, headers = 429, {"Retry-After": str(f.retry_after_s)}
+        else:
+            status, headers = 200, {}
+        self.answers[status] += 1
+        if status != 200:
+            return status, headers, {"error": {"message": f"nights endpoint: HTTP {status}", "type": "server_error"}}
+        return 200, {}, self._ok
+
+    def close(self) -> None:
+        self.server.close()
+
+
+# -- the prediction -------------------------------------------------------------------------
+
+
+def predict(cfg: NightsConfig, faults: Faults, rate: float, overhead_s: float, start_s: float = 1.5) -> dict[str, Any]:
+    """What the cutoff's own arithmetic predicts at submit for the night's drawn conditions.
+
+    The batch settles ``workers / (batch_delay_s * factor)`` rows/s after ``start_s`` (the
+    workers' start); a kill or a stall costs its worker one lease and a restart. The moving
+    cutoff (``cutoff.decide`` with the constants in force) is evaluated every poll. Once it
+    fires, the pool re-drives what is left at its own limit (``pool_rate``), losing the drawn
+    5xx burst (and a retry after the breaker trips) and the throttled share of the 429 window.
+    Returns the predicted firing and finish (the last row stored), seconds from submit.
+    """
+    from batch_inference.cutoff import decide
+
+    t0 = datetime(2026, 1, 1, 22, 0, tzinfo=UTC)
+    deadline = t0 + timedelta(seconds=cfg.deadline_s)
+    lost = [(t, t + cfg.lease_seconds + start_s) for t in (*faults.kills, *faults.stalls)]
+    left, t, dt = float(cfg.records - 1), 0.0, 0.05   # the oversized record is dead at planning
+    next_poll = 0.0
+    while left > 0 and t < 4 * cfg.deadline_s:
+        if t >= next_poll:
+            d = decide(t0 + timedelta(seconds=t), deadline, math.ceil(left), rate, overhead_s, step_s=1)
+            if d.fire:
+                rows = math.ceil(left)
+                redrive = rows / cfg.pool_rate + cfg.renew_seconds
+                if faults.burst_at_pool is not None and faults.burst_at_pool < redrive:
+                    redrive += faults.burst_s + 0.5
+                if faults.throttle_at_pool is not None and faults.throttle_at_pool < redrive:
+                    redrive += faults.throttle_s * faults.throttle_share
+                return {"fires": True, "fire_s": round(t, 2), "finish_s": round(t + redrive, 2),
+                        "fallback_rows": rows}
+            next_poll = t + cfg.poll_s
+        if t >= start_s:
+            factor = faults.slow_factor if faults.slow_at is not None and t >= faults.slow_at else 1.0
+            down = sum(1 for a, b in lost if a <= t < b)
+            left -= max(0, cfg.workers - down) / (cfg.batch_delay_s * factor) * dt
+        t += dt
+    return {"fires": False, "fire_s": None, "finish_s": round(t, 2), "fallback_rows": 0}
+
+
+# -- one night ----------------------------------------------------------------------
+
+
+@dataclass
+class Night:
+    """One night's record: what it drew, what the cutoff did, what it cost, and the verdict."""
+
+    seed: int
+    job_version: str = ""
+    faults: list[str] = field(default_factory=list)
+    constants: dict[str, Any] = field(default_factory=dict)
+    cutoff_at_submit_s: float | None = None   # the latest safe start at submit, from submit
+    cutoff_before_deadline_s: float | None = None   # the same, seconds before the deadline (replays match)
+    fired_s: float | None = None              # when the cutoff fired, from submit (None: it did not)
+    fired_reason: str | None = None
+    warned_s: float | None = None
+    deadline_s: float | None = None           # the deadline, from submit
+    last_row_s: float | None = None
+    published_s: float | None = None
+    slack_s: float | None = None              # deadline minus publish (negative: late)
+    rows: dict[str, int] = field(default_factory=dict)
+    bill: dict[str, Any] = field(default_factory=dict)
+    cost_ratio: float | None = None
+    dead_letters: list[dict[str, Any]] = field(default_factory=list)
+    healthy_dead: int = 0
+    coverage: dict[str, int] = field(default_factory=dict)
+    fallback: dict[str, Any] = field(default_factory=dict)
+    endpoint: dict[str, int] = field(default_factory=dict)
+    predicted: dict[str, Any] = field(default_factory=dict)
+    prediction_error_s: float | None = None
+    page: str | None = None
+    page_s: float | None = None
+    failures: list[str] = field(default_factory=list)
+    verdict: str = ""
+    wall_s: float = 0.0
+
+    def line(self) -> str:
+        fired = f"fired {self.fired_s:.1f}s" if self.fired_s is not None else "no fire"
+        slack = f"slack {self.slack_s:+.1f}s" if self.slack_s is not None else "unpublished"
+        ratio = f"cost {self.cost_ratio:.3f}" if self.cost_ratio is not None else "cost ?"
+        rows = " ".join(f"{k} {v}" for k, v in sorted(self.rows.items()))
+        pe = f"pred {self.prediction_error_s:+.1f}s" if self.prediction_error_s is not None else "pred -"
+        cut = f"{self.cutoff_before_deadline_s:.0f}" if self.cutoff_before_deadline_s is not None else "?"
+        head = (f"night {self.seed:>4}: {self.verdict:<6} cutoff at submit D-{cut}s, {fired}, "
+                f"{slack}, {ratio}, {rows}, {pe}")
+        tail = f"  [{'; '.join(self.faults) or 'no faults'}]"
+        out = head + tail
+        if self.page:
+            out += f"\n      page at {self.page_s:.1f}s: {self.page}"
+        for f in self.failures:
+            out += f"\n      FAIL: {f}"
+        return out
+
+
+class _Supervisor(threading.Thread):
+    """The night's batch side: restarts workers that exit (as Kubernetes would), and injects the
+    drawn kills, stalls, slow-down, database restart and slow cancel at their times."""
+
+    def __init__(self, night: "_NightRun"):
+        super().__init__(daemon=True, name="nights-supervisor")
+        self.n = night
+        self.stop_event = threading.Event()
+        self.cutoff = threading.Event()
+        self.events: list[str] = []
+        self.resume: list[tuple[float, Any]] = []
+
+    def _holders(self) -> dict[str, int]:
+        rows = self.n.admin.rows("chaos_lease_holders", {"job": self.n.job})
+        return {r["lease_owner"]: r["shard_no"] for r in rows if r["lease_owner"]}
+
+    def _pick_holder(self) -> Any:
+        holders = self._holders()
+        alive = [w for w in self.n.fleet.alive() if not w.stopped and w.name in holders]
+        return self.n.rng.choice(alive) if alive else None
+
+    def run(self) -> None:
+        f, n = self.n.faults, self.n
+        todo = sorted([(t, "kill") for t in f.kills] + [(t, "stall") for t in f.stalls]
+                      + ([(f.slow_at, "slow")] if f.slow_at is not None else [])
+                      + ([(f.db_restart_at, "db_restart")] if f.db_restart_at is not None else []))
+        cancel_done = False
+        while not self.stop_event.is_set():
+            now = time.monotonic()
+            t = now - n.t0
+            try:
+                n.fleet.poll(restart=not self.cutoff.is_set())
+                while todo and todo[0][0] <= t:
+                    _, kind = todo.pop(0)
+                    self._inject(kind, now)
+                if self.cutoff.is_set() and not cancel_done:
+                    cancel_done = True
+                    if f.slow_cancel_s is not None:
+                        for name in self._holders():
+                            w = next((w for w in n.fleet.alive() if w.name == name and not w.stopped), None)
+                            if w is not None and n.fleet.signal(w, signal.SIGSTOP):
+                                self.resume.append((now + f.slow_cancel_s, w))
+                                self.events.append(f"{t:.1f}s slow cancel: stopped {w.name}")
+                for at, w in list(self.resume):
+                    if now >= at:
+                        n.fleet.signal(w, signal.SIGCONT)
+                        self.resume.remove((at, w))
+            except Exception as exc:  # noqa: BLE001 - a fault must not end the night's supervisor
+                log.warning("nights %s: supervisor: %s", n.seed, exc)
+            self.stop_event.wait(0.05)
+        for _, w in self.resume:
+            n.fleet.signal(w, signal.SIGCONT)
+
+    def _inject(self, kind: str, now: float) -> None:
+        n = self.n
+        t = now - n.t0
+        if kind == "slow":
+            n.pace.write_text(str(n.faults.slow_factor))
+            self.events.append(f"{t:.1f}s batch slowed x{n.faults.slow_factor:.1f}")
+        elif kind == "db_restart":
+            t1 = time.monotonic()
+            n.server.restart()
+            self.events.append(f"{t:.1f}s database restarted ({time.monotonic() - t1:.1f}s)")
+        else:
+            w = self._pick_holder()
+            if w is None:
+                self.events.append(f"{t:.1f}s {kind}: no lease holder")
+                return
+            if kind == "kill":
+                n.fleet.signal(w, signal.SIGKILL)
+            else:
+                n.fleet.signal(w, signal.SIGSTOP)
+                self.resume.append((now + n.cfg.lease_seconds + 1.5, w))
+            self.events.append(f"{t:.1f}s {kind} {w.name}")
+
+
+class _NightRun:
+    def __init__(self, cfg: NightsConfig, seed: int, server: _EmbeddedServer, work: Path):
+        self.cfg, self.seed, self.server = cfg, seed, server
+        self.url = server.url
+        self.work = work / f"night-{seed}"
+        self.work.mkdir(parents=True, exist_ok=True)
+        self.pace = self.work / "pace"
+        self.faults = draw_faults(seed, cfg)
+        self.rng = random.Random(f"nights-targets-{seed}")
+        self.admin = _Admin(self.url)
+        self.rec = Night(seed=seed, faults=self.faults.names())
+        self.dataset = f"nights_{seed}"
+        self.job = ""
+        self.t0 = 0.0
+
+    # -- set-up -----------------------------------------------------------------
+    def spec(self):
+        from batch_inference.spec import parse_spec
+
+        c = self.cfg
+        return parse_spec({
+            "dataset": self.dataset,
+            "source": {"table": "public.chaos_records", "id_column": "id", "text_column": "body",
+                       "acl_column": "acl"},
+            "model": {"name": "noop", "digest": NOOP_DIGEST},
+            "engine": {"name": "noop"},
+            "prompt": {"version": "nights-v1", "system": "Classify the support ticket and summarize it."},
+            "params": {"temperature": 0, "max_tokens": 64},
+            "output_schema": TRIAGE_SCHEMA,
+            "shard_size": c.shard_size, "max_attempts": 3, "max_input_chars": 4000,
+            "lease_seconds": c.lease_seconds, "renew_seconds": c.renew_seconds,
+            "validation": {"sample_size": 0, "max_dead_letter_rate": 0.05},
+            "fallback": {"rate": c.rate, "overhead_s": c.overhead_s, "concurrency": c.concurrency},
+        })
+
+    def _setup(self) -> None:
+        from batch_inference.plan import submit
+
+        c = self.cfg
+        with db.connect(self.url, retries=10) as conn:
+            # The chaos source with one oversized record: a dead letter at planning, by design.
+            _make_source(conn, ChaosConfig(records=c.records, poison_each=0, workers=1, faults=0,
+                                           shard_size=c.shard_size, lease_seconds=c.lease_seconds,
+                                           renew_seconds=c.renew_seconds), random.Random(f"nights-source-{self.seed}"))
+            now = conn.execute(db.q("nights_db_now")).fetchone()["now"]
+            for h in history_rows(self.seed, c, self.faults.drift):
+                conn.execute(db.q("nights_history_insert"), {
+                    "job": f"{self.dataset}_past_{h['days_ago']}", "dataset": self.dataset,
+                    "finished_at": now - timedelta(days=h["days_ago"]), "records": h["records"],
+                    "rate": h["rate"], "overhead_s": h["overhead_s"], "drain_s": h["drain_s"],
+                    "busy_s": h["busy_s"], "load_s": h["load_s"]})
+            manifest = submit(conn, self.spec())
+            self.job = self.rec.job_version = manifest.job_version
+            self.worker_url, _ = _worker_url(conn, self.url, self.job)
+
+    def _argv(self, owner: str) -> list[str]:
+        opts = {"inner": "noop", "delay_s": self.cfg.batch_delay_s, "pace_file": str(self.pace)}
+        argv = [self.job, "--engine", "batch_inference.nights:PacedEngine", "--worker-id", owner,
+                "--flush-every", "20", "--grace-seconds", "1"]
+        for k, v in opts.items():
+            argv += ["--engine-option", f"{k}={json.dumps(v) if not isinstance(v, str) else v}"]
+        return argv
+
+    # -- the night ----------------------------------------------------------------
+    def run(self) -> Night:
+        from batch_inference.fleet import Fleet
+
+        c, rec = self.cfg, self.rec
+        t_wall = time.monotonic()
+        self._setup()
+        log.info("nights %d: %s, faults: %s", self.seed, self.job, "; ".join(rec.faults) or "none")
+        self.fleet = Fleet(self._argv, {**os.environ, "BATCH_INFERENCE_DB": self.worker_url}, c.workers,
+                           name=lambda slot, gen: f"n{self.seed}-w{slot}-g{gen}", log=log, echo=False,
+                           log_dir=self.work / "logs", tail_lines=20, backoff_s=0.5, backoff_max_s=4.0,
+                           new_session=True)
+        self.t0 = time.monotonic()
+        self.submit_at = datetime.now(UTC)
+        # On a whole second, so the cutoff (floored to the second) is the same distance before it
+        # on every replay of the night.
+        exact = self.submit_at + timedelta(seconds=c.deadline_s)
+        self.deadline = exact.replace(microsecond=0) + timedelta(seconds=1 if exact.microsecond else 0)
+        # The endpoint's outage (if drawn) lasts until past the deadline.
+        self.endpoint = Endpoint(self.faults, self.seed, self.t0 + c.deadline_s + 2.0)
+        self.fleet.start_all()
+        sup = _Supervisor(self)
+        sup.start()
+        try:
+            self._watch_and_redrive(sup)
+        finally:
+            sup.stop_event.set()
+            sup.join(timeout=10)
+            self.fleet.stop(3.0)
+            self.fleet.kill()
+            self.endpoint.close()
+        self._measure()
+        rec.fallback["supervisor"] = sup.events
+        rec.endpoint = {str(k): v for k, v in sorted(self.endpoint.answers.items())}
+        rec.wall_s = round(time.monotonic() - t_wall, 1)
+        self.admin.close()
+        return rec
+
+    def _s(self, when: datetime | None) -> float | None:
+        return None if when is None else round((when - self.submit_at).total_seconds(), 2)
+
+    def _watch_and_redrive(self, sup: _Supervisor) -> None:
+        from batch_inference import deadline as dl
+        from batch_inference.cutoff import latest_safe_start
+        from batch_inference.exceptions import FallbackIncomplete
+        from batch_inference.fallback import enter_fallback, run_fallback
+        from batch_inference.publish import publish
+        from batch_inference.status import job_counts
+        from batch_inference.validate import validate
+
+        c, rec = self.cfg, self.rec
+        wcfg = dl.WatchConfig(job_version=self.job, deadline=self.deadline, poll_interval_s=c.poll_s, step_s=1)
+        wlog = logging.getLogger("batch_inference.nights.watch")
+        first = True
+        while True:
+            payload = asyncio.run(dl.watch(lambda: dl.connect_async(self.url, "nights-watch"), wcfg, logger=wlog,
+                                           max_polls=1 if first else None))
+            if first and payload.get("decision"):
+                lss = dl.parse_iso(payload["decision"]["latest_safe_start"])
+                rec.cutoff_at_submit_s = self._s(lss)
+                rec.cutoff_before_deadline_s = round((self.deadline - lss).total_seconds(), 2)
+                rec.constants = payload["constants"]
+                k = payload["constants"]
+                rec.predicted = predict(c, self.faults, k["rate"], k["overhead_s"])
+            first = False
+            status = payload["status"]
+            if status == dl.WAIT:
+                continue
+            if status == dl.EARLY_WARNING:
+                rec.warned_s = self._s(datetime.now(UTC))
+                wcfg = replace(wcfg, warned=True)
+                continue
+            break
+        rate, overhead = rec.constants.get("rate", c.rate), rec.constants.get("overhead_s", c.overhead_s)
+        if status == dl.CUTOFF:
+            rec.fired_s = self._s(datetime.now(UTC))
+            rec.fired_reason = payload["reason"]
+            with db.connect(self.url, retries=10) as conn:
+                enter_fallback(conn, self.job)                       # what CutoffSensor does on the event
+            sup.cutoff.set()
+        elif status != dl.COMPLETE:
+            rec.failures.append(f"the watch ended {status}: {payload.get('reason')}")
+        # The pool runs every night, as the DAG's fallback task does; retried like an Airflow task.
+        tries, redriven = 0, {"stored": 0, "dead": 0, "failed_attempts": 0, "tries": 0, "errors": []}
+        give_up = self.t0 + c.deadline_s + c.late_s
+        while True:
+            tries += 1
+            try:
+                res = run_fallback(self.url, self.job, self.endpoint.base_url, rate=c.pool_rate,
+                                   concurrency=c.concurrency, parallel_shards=c.parallel_shards,
+                                   lease_seconds=c.lease_seconds,
+                                   extra_engine_options={"backoff_base_s": 0.05, "backoff_max_s": 1.0,
+                                                         "retry_after_max_s": 3.0, "timeout_s": 5.0})
+                for k in ("stored", "dead", "failed_attempts"):
+                    redriven[k] += getattr(res, k)
+                redriven["run"] = res.to_dict()
+                break
+            except (FallbackIncomplete, psycopg.OperationalError, db.DatabaseUnavailable) as exc:
+                line = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+                redriven["errors"].append(f"{self._s(datetime.now(UTC))}s {line[:160]}")
+                if rec.page is None:
+                    self._maybe_page(line, rate, latest_safe_start, job_counts)
+                if time.monotonic() > give_up:
+                    rec.failures.append(f"the fallback did not finish {c.late_s:g}s past the deadline: {line[:120]}")
+                    break
+                time.sleep(0.5)
+        redriven["tries"] = tries
+        rec.fallback.update(redriven)
+        # Validate and publish (the load), as the DAG's last two tasks.
+        with db.connect(self.url, retries=10) as conn:
+            counts = job_counts(conn, self.job)
+            if counts["outstanding"] == 0 and counts["shards"]["pending"] + counts["shards"]["leased"] == 0:
+                report = validate(conn, self.job, sample_dir=self.work)
+                if report["passed"]:
+                    out = publish(conn, self.job, actor="nights")
+                    row = conn.execute(db.q("published_version"), {"dataset": out["dataset"]}).fetchone()
+                    rec.published_s = self._s(row["switched_at"])
+                else:
+                    rec.failures.append("validation failed: " + "; ".join(report["failures"]))
+            else:
+                rec.failures.append(f"not finished: {counts['outstanding']} outstanding")
+
+    def _maybe_page(self, reason: str, rate: float, latest_safe_start: Any, job_counts: Any) -> None:
+        """Page once the arithmetic says the deadline is lost: with the endpoint failing now, even a
+        pool that came back at once could not re-drive what is left and publish before it."""
+        with db.connect(self.url, retries=10) as conn:
+            left = int(job_counts(conn, self.job)["outstanding"])
+        if left == 0:
+            return
+        now = datetime.now(UTC)
+        lss = latest_safe_start(self.deadline, left, rate, self.cfg.page_reserve_s, step_s=1)
+        if now >= lss:
+            self.rec.page_s = self._s(now)
+            self.rec.page = (f"deadline {self.deadline:%H:%M:%S} will be missed: {left:,} rows outstanding need "
+                             f"{left / rate:.1f}s at {rate:g}/s + {self.cfg.page_reserve_s:g}s to publish, "
+                             f"{(self.deadline - now).total_seconds():.1f}s left; the fallback endpoint is "
+                             f"failing: {reason[:140]}")
+            log.error("nights %d: PAGE: %s", self.seed, self.rec.page)
+
+    # -- the figures ------------------------------------------------------------------
+    def _measure(self) -> None:
+        from batch_inference.cost import Prices, job_bill
+        from batch_inference.status import job_counts, job_spec
+
+        rec, c = self.rec, self.cfg
+        with db.connect(self.url, retries=10) as conn:
+            counts = job_counts(conn, self.job)
+            spec = job_spec(conn, self.job)
+            cov = conn.execute(db.q("chaos_coverage"), {"job": self.job}).fetchone()
+            last = conn.execute(db.q("nights_last_rows"), {"job": self.job}).fetchall()
+            dead = conn.execute(db.q("dead_letters"), {"job": self.job}).fetchall()
+            runs = conn.execute(db.q("nights_fallback_runs"), {"job": self.job}).fetchall()
+        rec.coverage = {k: int(v) for k, v in cov.items()}
+        rec.rows = {r["transport"]: int(r["n"]) for r in last}
+        lasts = [r["last_at"] for r in last if r["last_at"] is not None]
+        rec.last_row_s = self._s(max(lasts)) if lasts else None
+        bill, _ = job_bill(counts, Prices.from_spec(spec))
+        b = bill.to_dict()
+        rec.bill = {k: b[k] for k in ("batch_rows", "fallback_rows", "batch_cost", "fallback_cost", "total",
+                                      "all_synchronous_ceiling", "clean_batch_floor")}
+        rec.cost_ratio = round(float(bill.total / bill.all_synchronous_ceiling), 4) \
+            if bill.all_synchronous_ceiling else None
+        rec.dead_letters = [{"record_id": d["record_id"], "stage": d["stage"], "attempts": d["attempts"],
+                             "reason": (d["reason"] or "")[:160]} for d in dead]
+        # The one oversized record is dead-lettered at planning by design; any other is a healthy one.
+        rec.healthy_dead = sum(1 for d in dead if d["stage"] != "plan")
+        rec.fallback["runs"] = [{k: (round(float(v), 3) if isinstance(v, float) else v)
+                                 for k, v in r.items() if k not in ("started_at", "finished_at")} for r in runs]
+        rec.deadline_s = self._s(self.deadline)
+        if rec.published_s is not None:
+            rec.slack_s = round(rec.deadline_s - rec.published_s, 2)
+        if rec.predicted and rec.last_row_s is not None:
+            rec.prediction_error_s = round(rec.last_row_s - rec.predicted["finish_s"], 2)
+        self._verdict()
+
+    def _verdict(self) -> None:
+        rec, c = self.rec, self.cfg
+        cov = rec.coverage
+        if cov.get("duplicates"):
+            rec.failures.append(f"{cov['duplicates']} duplicate row(s)")
+        lost = cov.get("missing", 0) + cov.get("stored_and_dead", 0)
+        if lost:
+            rec.failures.append(f"{cov.get('missing', 0)} record(s) neither stored nor dead-lettered, "
+                                f"{cov.get('stored_and_dead', 0)} both")
+        if rec.healthy_dead:
+            why = Counter(d["reason"][:60] for d in rec.dead_letters if d["stage"] != "plan")
+            rec.failures.append(f"{rec.healthy_dead} healthy record(s) dead-lettered: {dict(why)}")
+        if rec.bill and rec.bill["total"] > rec.bill["all_synchronous_ceiling"]:
+            rec.failures.append(f"bill ${rec.bill['total']} over the ceiling ${rec.bill['all_synchronous_ceiling']}")
+        late = rec.published_s is None or rec.slack_s is None or rec.slack_s < 0
+        paged_early = rec.page is not None and rec.page_s is not None and rec.page_s < rec.deadline_s
+        if late and not paged_early:
+            when = f"at {rec.published_s:.1f}s" if rec.published_s is not None else "never"
+            rec.failures.append(f"published {when}, deadline {rec.deadline_s:g}s, no early page")
+        if rec.failures:
+            rec.verdict = "FAIL"
+        elif late:
+            rec.verdict = "paged"
+        else:
+            rec.verdict = "met"
+
+
+# -- the run ---------------------------------------------------------------------------
+
+
+@dataclass
+class NightsReport:
+    config: dict[str, Any]
+    nights: list[Night]
+    wall_s: float
+    work_dir: str | None = None
+
+    @property
+    def passed(self) -> bool:
+        return all(n.verdict in ("met", "paged") for n in self.nights)
+
+    def summary(self) -> dict[str, Any]:
+        ns = self.nights
+        met = [n for n in ns if n.verdict == "met"]
+        slacks = [n.slack_s for n in ns if n.slack_s is not None]
+        ratios = [n.cost_ratio for n in ns if n.cost_ratio is not None]
+        errs = [abs(n.prediction_error_s) for n in ns if n.prediction_error_s is not None]
+        fired = [n for n in ns if n.fired_s is not None]
+        month_bill = sum(n.bill.get("total", 0.0) for n in ns)
+        return {
+            "nights": len(ns), "met": len(met), "paged": sum(1 for n in ns if n.verdict == "paged"),
+            "failed": sum(1 for n in ns if n.verdict == "FAIL"),
+            "met_rate": round(len(met) / len(ns), 4) if ns else None,
+            "slip_rate": round(len(fired) / len(ns), 4) if ns else None,
+            "worst_slack_s": min(slacks) if slacks else None,
+            "cost_ratio_mean": round(statistics.mean(ratios), 4) if ratios else None,
+            "cost_ratio_worst": max(ratios) if ratios else None,
+            "prediction_error_mean_s": round(statistics.mean(errs), 2) if errs else None,
+            "prediction_error_worst_s": max(errs) if errs else None,
+            "bill_total": round(month_bill, 2),
+            "ceiling_total": round(sum(n.bill.get("all_synchronous_ceiling", 0.0) for n in ns), 2),
+            "floor_total": round(sum(n.bill.get("clean_batch_floor", 0.0) for n in ns), 2),
+            "failing_seeds": [n.seed for n in ns if n.verdict == "FAIL"],
+            "duplicates": sum(n.coverage.get("duplicates", 0) for n in ns),
+            "lost": sum(n.coverage.get("missing", 0) for n in ns),
+            "healthy_dead": sum(n.healthy_dead for n in ns),
+        }
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"passed": self.passed, "summary": self.summary(), "config": self.config,
+                "nights": [asdict(n) for n in self.nights], "wall_s": self.wall_s, "work_dir": self.work_dir}
+
+    def table(self) -> str:
+        s, c = self.summary(), self.config
+        lines = [f"nights run: {s['nights']} night(s), {c['records']:,} records each, {c['workers']} batch workers, "
+                 f"deadline {c['deadline_s']:g}s, fallback {c['rate']:g}/s (pool limit {c['pool_rate']:g}/s), "
+                 f"overhead {c['overhead_s']:g}s; wall {self.wall_s:.0f}s", ""]
+        lines += [n.line() for n in self.nights]
+
+        def fmt(v: Any, spec: str = "") -> str:
+            return "-" if v is None else format(v, spec)
+
+        lines += ["",
+                  f"met {s['met']}/{s['nights']} ({fmt(s['met_rate'], '.0%')}), paged early {s['paged']}, "
+                  f"failed {s['failed']}; cutoff fired on {fmt(s['slip_rate'], '.0%')} of nights",
+                  f"worst slack {fmt(s['worst_slack_s'], '+.1f')}s; cost / all-synchronous ceiling: mean "
+                  f"{fmt(s['cost_ratio_mean'], '.3f')}, worst {fmt(s['cost_ratio_worst'], '.3f')}; "
+                  f"bill ${s['bill_total']:,.2f} against ${s['ceiling_total']:,.2f} all-synchronous and "
+                  f"${s['floor_total']:,.2f} all-batch",
+                  f"prediction error of the finish: mean {fmt(s['prediction_error_mean_s'], '.1f')}s, worst "
+                  f"{fmt(s['prediction_error_worst_s'], '.1f')}s",
+                  f"duplicates {s['duplicates']}, lost {s['lost']}, healthy dead letters {s['healthy_dead']}",
+                  "PASSED" if self.passed else f"FAILED: nights {s['failing_seeds']} (replay one with --night SEED)"
+                  + (f"; logs kept in {self.work_dir}" if self.work_dir else "")]
+        return "\n".join(lines)
+
+
+def run_nights(cfg: NightsConfig) -> NightsReport:
+    """Run the configured nights one after another on one database server."""
+    t_start = time.monotonic()
+    work = Path(tempfile.mkdtemp(prefix="bi-nights-", dir="/tmp"))   # short: a Unix socket lives in it
+    server: _EmbeddedServer | None = None
+    clean = False
+    try:
+        server = _EmbeddedServer(work / "pg")
+        with db.connect(server.url) as conn:
+            db.migrate(conn)
+        nights: list[Night] = []
+        for seed in cfg.seeds():
+            nights.append(_NightRun(cfg, seed, server, work).run())
+            log.warning("%s", nights[-1].line())
+        report = NightsReport(asdict(cfg), nights, round(time.monotonic() - t_start, 1))
+        clean = report.passed and not cfg.keep
+        report.work_dir = None if clean else str(work)
+        return report
+    finally:
+        if server is not None:
+            server.stop()
+        if clean:
+            shutil.rmtree(work, ignore_errors=True)
+        else:
+            log.warning("nights: work directory kept: %s", work)

@@ -1,0 +1,126 @@
+"""The nights harness: compressed nights end to end under drawn faults (batch_inference.nights).
+
+The default run (three nights: a slowed batch with kills and a 5xx burst, a night of drifted
+"faster" history with a database restart and 429s, a slow cancel with "slower" history) must
+meet every deadline with no duplicate, no loss, no healthy dead letter and every bill under its
+ceiling; a replay of one night by its seed must reproduce its cutoff and verdict; and a night
+whose fallback endpoint is down for the whole tail must page early, saying why."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from datetime import UTC, datetime, timedelta
+
+import pytest
+
+from batch_inference import nights
+from batch_inference.cutoff import FallbackRun, derive_rate_and_overhead
+from batch_inference.nights import Endpoint, Faults, NightsConfig, draw_faults, history_rows, predict, run_nights
+
+
+def _post(url: str) -> tuple[int, dict[str, str], dict]:
+    req = urllib.request.Request(url + "/chat/completions", data=b'{"model": "noop", "messages": []}',
+                                 headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=5) as r:
+            return r.status, dict(r.headers), json.loads(r.read())
+    except urllib.error.HTTPError as e:
+        return e.code, dict(e.headers), json.loads(e.read())
+
+
+def test_faults_and_history_are_drawn_from_the_seed_alone():
+    cfg = NightsConfig()
+    assert draw_faults(7, cfg) == draw_faults(7, cfg)
+    assert history_rows(7, cfg, "faster") == history_rows(7, cfg, "faster")
+    assert len({draw_faults(s, cfg) for s in range(30)}) == 30
+    # Over a month of seeds every kind of fault comes up, the unabsorbable one included.
+    names = " ".join(n for s in range(30) for n in draw_faults(s, cfg).names())
+    for kind in ("slower from", "kill", "stall", "5xx burst", "429", "cancel settles", "db restart",
+                 "history slower", "history longer", "history faster", "endpoint down"):
+        assert kind in names, kind
+
+
+def test_the_endpoint_answers_the_chat_completions_shape_and_its_faults():
+    cases = ((Faults(), 200, None),
+             (Faults(burst_at_pool=0.0, burst_s=60.0), 500, None),
+             (Faults(throttle_at_pool=0.0, throttle_s=60.0, throttle_share=1.0, retry_after_s=2), 429, "2"),
+             (Faults(down_at_pool=0.0), 503, None))
+    for faults, want, retry_after in cases:
+        ep = Endpoint(faults, 1, time.monotonic() + 60)
+        try:
+            status, headers, body = _post(ep.base_url)
+            assert status == want and headers.get("Retry-After") == retry_after
+            assert ep.answers == {want: 1}
+            if want == 200:
+                content = json.loads(body["choices"][0]["message"]["content"])
+                assert set(content) == {"category", "summary"} and body["choices"][0]["finish_reason"] == "stop"
+        finally:
+            ep.close()
+
+
+def test_drifted_history_keeps_the_cutoffs_step():
+    """Found by the nights run (seed 1, "history faster"): history rounded every measured overhead
+    up to a whole minute whatever the cutoff's step, so five complete runs measuring 4-5 s turned a
+    compressed night's 8 s overhead into 60 s and fired its cutoff at submit. The rounding now
+    follows the watch's step_s (a minute in production, unchanged there)."""
+    cfg = NightsConfig()
+    now = datetime.now(UTC)
+    runs = [FallbackRun(records=h["records"], rate=h["rate"], overhead_s=h["overhead_s"], drain_s=h["drain_s"],
+                        busy_s=h["busy_s"], load_s=h["load_s"], finished_at=now - timedelta(days=h["days_ago"]))
+            for h in history_rows(1, cfg, draw_faults(1, cfg).drift)]
+    assert draw_faults(1, cfg).drift == "faster"
+    fine = derive_rate_and_overhead(runs, cfg.rate, cfg.overhead_s, n=5, step_s=1)
+    minute = derive_rate_and_overhead(runs, cfg.rate, cfg.overhead_s, n=5)
+    assert minute.overhead_s == 60.0                       # what a compressed night got before
+    assert fine.overhead_s < cfg.overhead_s and fine.rate > cfg.rate
+    assert "rounded up to 1 s" in fine.source and "rounded up to the minute" in minute.source
+
+
+def test_prediction_follows_the_drawn_conditions():
+    cfg = NightsConfig()
+    clean = predict(cfg, Faults(), cfg.rate, cfg.overhead_s)
+    assert not clean["fires"] and clean["finish_s"] < cfg.deadline_s / 2
+    slow = predict(cfg, Faults(slow_at=2.0, slow_factor=8.0), cfg.rate, cfg.overhead_s)
+    assert slow["fires"] and slow["finish_s"] <= cfg.deadline_s - cfg.overhead_s / 2
+
+
+@pytest.mark.chaos
+def test_default_nights_run_meets_every_deadline():
+    report = run_nights(NightsConfig())
+    print(report.table())
+    s = report.summary()
+    assert report.passed, report.table()
+    assert s["nights"] == 3 and s["met"] == 3
+    assert (s["duplicates"], s["lost"], s["healthy_dead"]) == (0, 0, 0)
+    assert s["cost_ratio_worst"] <= 1.0
+    by_seed = {n.seed: n for n in report.nights}
+    assert by_seed[0].fired_s is not None and by_seed[0].rows.get("fallback", 0) > 0
+    assert "history" in by_seed[1].constants["source"] and by_seed[1].constants["overhead_s"] < 8.0
+    assert by_seed[2].constants["rate"] < NightsConfig().rate          # "slower" history tightened it
+    # The replay of a night by its seed, through the command: the same cutoff at submit and verdict.
+    out = subprocess.run([sys.executable, "-m", "batch_inference.cli", "nights", "--night", "1", "--json"],
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    again = json.loads(out.stdout)["nights"][0]
+    assert again["cutoff_before_deadline_s"] == by_seed[1].cutoff_before_deadline_s
+    assert again["constants"] == by_seed[1].constants
+    assert again["verdict"] == by_seed[1].verdict
+
+
+@pytest.mark.chaos
+def test_an_endpoint_down_for_the_tail_pages_early_and_says_why():
+    seed = next(s for s in range(100) if draw_faults(s, NightsConfig()).down_at_pool is not None)
+    report = run_nights(NightsConfig(night=seed))
+    night = report.nights[0]
+    print(report.table())
+    assert night.verdict == "paged", report.table()
+    assert night.page_s < night.deadline_s
+    assert "will be missed" in night.page and "fallback endpoint is failing" in night.page
+    assert (night.coverage["duplicates"], night.coverage["missing"], night.healthy_dead) == (0, 0, 0)
+    assert night.bill["total"] <= night.bill["all_synchronous_ceiling"]
+    assert nights.NightsReport(report.config, [night], 0.0).passed
