@@ -87,9 +87,9 @@ def view_rows(conn) -> list[dict[str, Any]]:
         "created_at FROM published.tickets_triage ORDER BY record_id").fetchall()
 
 
-def as_view(rows: list[dict[str, Any]]) -> list[tuple]:
+def as_view(rows: list[dict[str, Any]], schema: dict[str, Any] = SCHEMA) -> list[tuple]:
     """Rows read from the table, in the view's shape."""
-    props = list(SCHEMA["properties"])
+    props = list(schema["properties"])
     return [(r["record_id"], {p: r[p] for p in props}, r["job_version"], r["model_name"], r["model_digest"],
              r["prompt_version"], r["transport"], r["acl"], r["stored_at"]) for r in rows]
 
@@ -125,10 +125,10 @@ def duckdb_rows(tbl, s3: str | None = None) -> list[dict[str, Any]]:
     return [dict(zip(names, r, strict=True)) for r in cur.fetchall()]
 
 
-def same_rows_everywhere(conn, tbl, s3: str | None = None) -> int:
+def same_rows_everywhere(conn, tbl, s3: str | None = None, schema: dict[str, Any] = SCHEMA) -> int:
     want = from_view(view_rows(conn))
-    assert as_view(pyiceberg_rows(tbl)) == want
-    assert as_view(duckdb_rows(tbl, s3)) == want
+    assert as_view(pyiceberg_rows(tbl), schema) == want
+    assert as_view(duckdb_rows(tbl, s3), schema) == want
     return len(want)
 
 
@@ -179,6 +179,22 @@ def test_publish_and_rollback_on_a_local_warehouse(conn, db_url, tmp_path):
     # The catalog is in the ledger's database, in its own schema.
     found = conn.execute("SELECT table_name FROM iceberg_catalog.iceberg_tables").fetchall()
     assert [r["table_name"] for r in found] == ["tickets"]
+
+
+def test_a_job_runs_end_to_end_and_the_cli_publishes_it_to_both(conn, db_url, tmp_path, capsys):
+    from batch_inference.cli import main as cli_main
+    from batch_inference.data import TRIAGE_SCHEMA
+    from gpu_runner.worker import WorkerConfig, run_worker
+
+    dest = destination(str(tmp_path / "warehouse"))
+    make_source(conn, tickets(25))
+    job = submit(conn, make_spec(publish={"destinations": [dest]})).job_version
+    assert run_worker(WorkerConfig(job_version=job, db_url=db_url)) == 0
+    assert validate(conn, job).passed
+    assert cli_main(["publish", job, "--db", db_url]) == 0
+    _, tbl = table(conn, dest)
+    assert same_rows_everywhere(conn, tbl, schema=TRIAGE_SCHEMA) == 25
+    assert {r["transport"] for r in pyiceberg_rows(tbl)} == {"batch"}
 
 
 @pytest.fixture
@@ -446,3 +462,37 @@ def test_an_unreachable_warehouse_fails_at_submit(conn, moto_s3, monkeypatch):
         submit(conn, spec)
     assert "\n" not in str(err.value)
     assert conn.execute("SELECT count(*) AS n FROM bi.jobs").fetchone()["n"] == 0
+
+
+# -- Airflow -------------------------------------------------------------------
+
+def test_the_publish_operator_reports_the_table_as_asset_event_and_lineage(conn, db_url, tmp_path, monkeypatch):
+    from collections import defaultdict
+    from types import SimpleNamespace
+
+    from batch_inference.hooks.batch_inference import airflow_connection_json
+    from batch_inference.operators.publish import PublishOperator, RollbackOperator, dataset_asset, iceberg_asset
+
+    monkeypatch.setenv("AIRFLOW_CONN_BI_TEST_ICEBERG", airflow_connection_json(db_url))
+    dest = destination(str(tmp_path / "warehouse"))
+    v1 = version(conn, db_url, 10, 0, "one", dest)
+    v2 = version(conn, db_url, 12, 10, "two", dest)
+    outlets = [dataset_asset(DATASET), iceberg_asset(TABLE)]
+    events: dict[Any, Any] = defaultdict(lambda: SimpleNamespace(extra={}))
+    for job in (v1, v2):
+        op = PublishOperator(task_id="publish", job_version=job, postgres_conn_id="bi_test_iceberg", outlets=outlets)
+        op.execute({"outlet_events": events})
+    _, tbl = table(conn, dest)
+    snap = tbl.refresh().current_snapshot().snapshot_id
+    assert events[outlets[1]].extra["snapshot_id"] == snap and events[outlets[1]].extra["to_version"] == v2
+    assert events[outlets[0]].extra["destinations"] == [
+        {"destination": f"iceberg:ledger.{TABLE}", "job_version": v2, "snapshot_id": snap}]
+    _, outputs = op.lineage_datasets()
+    location = tbl.location().removeprefix("file://")
+    assert outputs[1] == ("file", location)       # OpenLineage's naming for a local file system path
+    lineage = op.get_openlineage_facets_on_complete(None)
+    assert [(d.namespace, d.name) for d in lineage.outputs] == outputs
+    back = RollbackOperator(task_id="rollback", dataset=DATASET, postgres_conn_id="bi_test_iceberg", outlets=outlets)
+    back.execute({"outlet_events": events})
+    assert events[outlets[1]].extra["to_version"] == v1
+    assert events[outlets[1]].extra["snapshot_id"] == tbl.refresh().metadata.refs[v1].snapshot_id

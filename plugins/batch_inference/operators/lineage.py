@@ -57,6 +57,18 @@ def s3_ident(url: str) -> Ident:
     return f"s3://{bucket}", key
 
 
+def iceberg_ident(metadata_location: str) -> Ident:
+    """An Iceberg table by its storage location, as OpenLineage's naming spec names files and objects
+    (``s3://bucket`` and the table's key; ``file`` and the table's path), from the metadata file a
+    commit wrote (``<table location>/metadata/<n>.metadata.json``)."""
+    location = metadata_location.rsplit("/metadata/", 1)[0]
+    scheme, _, rest = location.partition("://")
+    if scheme == "file" or not rest:
+        return "file", rest or location
+    bucket, _, key = rest.partition("/")
+    return f"{scheme}://{bucket}", key
+
+
 def operator_lineage(inputs: list[Ident], outputs: list[Ident]) -> Any:
     """An ``OperatorLineage`` of these datasets, or None when the OpenLineage provider is not installed."""
     try:

@@ -4,7 +4,8 @@ Thin shells over ``batch_inference.publish``. Downstream reads
 ``published.<dataset>``; publishing or rolling back is one guarded UPDATE of
 the dataset's pointer, so readers see the old version or the new one, never
 a mix. Both operators declare the dataset as an Airflow Asset in ``outlets``
-(``dataset_asset``): when the switch succeeds Airflow records an asset event,
+(``dataset_asset``): when the switch succeeds Airflow records an asset event (and one for each Iceberg
+destination declared as ``iceberg_asset``, its extra naming the snapshot),
 and DAGs scheduled on that asset (a dashboard refresh, an index rebuild) run
 on the new version. The event's ``extra`` (``switch_extra``) names the
 version; the dashboard's rollback records an event of the same shape. After a
@@ -21,7 +22,7 @@ from airflow.sdk import Asset, BaseOperator, Context
 from airflow.sdk.exceptions import AirflowFailException
 
 from batch_inference.hooks.batch_inference import BatchInferenceHook, LedgerTask
-from batch_inference.operators.lineage import Ident, operator_lineage, table_ident
+from batch_inference.operators.lineage import Ident, iceberg_ident, operator_lineage, table_ident
 
 ASSET_SCHEME = "batch-inference"
 
@@ -32,6 +33,19 @@ def dataset_asset(dataset: str) -> Asset:
                  group="batch-inference")
 
 
+def iceberg_asset(identifier: str, catalog: str = "ledger") -> Asset:
+    """The Asset that stands for an Iceberg destination of a spec's ``publish.destinations``
+    (its ``identifier`` and ``catalog.name``)."""
+    return Asset(name=f"batch_inference.iceberg.{catalog}.{identifier}",
+                 uri=f"{ASSET_SCHEME}://iceberg/{catalog}/{identifier}", group="batch-inference")
+
+
+def _iceberg_uri(destination: str) -> str:
+    """The ``iceberg_asset`` URI of a destination as the publish history names it (iceberg:CATALOG.TABLE)."""
+    catalog, _, identifier = destination.removeprefix("iceberg:").partition(".")
+    return iceberg_asset(identifier, catalog).uri
+
+
 def _actor(context: Context) -> str:
     dag_run = context.get("dag_run")
     return f"airflow:{getattr(dag_run, 'dag_id', '?')}/{getattr(dag_run, 'run_id', '?')}"
@@ -39,7 +53,11 @@ def _actor(context: Context) -> str:
 
 def switch_extra(out: dict[str, Any]) -> dict[str, Any]:
     """The asset event's ``extra`` for a publish or rollback (``out`` of ``batch_inference.publish``)."""
-    return {k: out.get(k) for k in ("dataset", "action", "from_version", "to_version", "changed", "view")}
+    extra = {k: out.get(k) for k in ("dataset", "action", "from_version", "to_version", "changed", "view")}
+    if out.get("destinations"):
+        extra["destinations"] = [{k: d.get(k) for k in ("destination", "job_version", "snapshot_id")}
+                                 for d in out["destinations"]]
+    return extra
 
 
 def _switch_datasets(postgres_conn_id: str, out: dict[str, Any] | None) -> tuple[list[Ident], list[Ident]] | None:
@@ -47,7 +65,8 @@ def _switch_datasets(postgres_conn_id: str, out: dict[str, Any] | None) -> tuple
     if not out or not out.get("view"):
         return None
     conninfo = BatchInferenceHook(postgres_conn_id).get_conninfo()
-    return [table_ident(conninfo, "bi.results")], [table_ident(conninfo, str(out["view"]))]
+    tables = [iceberg_ident(d["location"]) for d in out.get("destinations") or () if d.get("location")]
+    return [table_ident(conninfo, "bi.results")], [table_ident(conninfo, str(out["view"])), *tables]
 
 
 class _SwitchLineage:
@@ -72,8 +91,12 @@ def _annotate_events(op: BaseOperator, context: Context, out: dict[str, Any]) ->
     if events is None:
         return
     extra = switch_extra(out)
+    tables = {_iceberg_uri(d["destination"]): d for d in out.get("destinations") or ()}
     for outlet in op.outlets or []:
-        if isinstance(outlet, Asset):
+        if isinstance(outlet, Asset) and outlet.uri in tables:
+            events[outlet].extra.update({**switch_extra({**out, "destinations": None}),
+                                         "snapshot_id": tables[outlet.uri].get("snapshot_id")})
+        elif isinstance(outlet, Asset):
             if outlet.uri != f"{ASSET_SCHEME}://published/{out['dataset']}":
                 op.log.warning("outlet %s does not name dataset %s's view", outlet.uri, out["dataset"])
             events[outlet].extra.update(extra)
