@@ -191,17 +191,24 @@ def rollback(conn: psycopg.Connection, dataset: str, *, actor: str | None = None
     return out
 
 
-def published(conn: psycopg.Connection, dataset: str, *, history: int = 20) -> dict[str, Any]:
-    """What the dataset publishes now: the version, the view's name, the ACL default and the history."""
-    cur = conn.execute(q("published_version"), {"dataset": dataset}).fetchone()
-    view = conn.execute(q("published_view"), {"dataset": dataset}).fetchone()
-    hist = [dict(h) for h in conn.execute(q("publish_history"), {"dataset": dataset, "n": history}).fetchall()]
+def publish_history(conn: psycopg.Connection, dataset: str, n: int = 20) -> list[dict[str, Any]]:
+    """The dataset's latest publishes and rollbacks, newest first, each with ``destinations``: where
+    each destination besides the view pointed after it (snapshot id and metadata file)."""
+    hist = [dict(h) for h in conn.execute(q("publish_history"), {"dataset": dataset, "n": n}).fetchall()]
     dests: dict[int, list[dict[str, Any]]] = {}
     for d in conn.execute(q("destination_history"), {"dataset": dataset, "ids": [h["id"] for h in hist]}):
         dests.setdefault(d["history_id"], []).append({k: d[k] for k in ("destination", "job_version",
                                                                          "snapshot_id", "location")})
     for h in hist:
         h["destinations"] = dests.get(h["id"], [])
+    return hist
+
+
+def published(conn: psycopg.Connection, dataset: str, *, history: int = 20) -> dict[str, Any]:
+    """What the dataset publishes now: the version, the view's name, the ACL default and the history."""
+    cur = conn.execute(q("published_version"), {"dataset": dataset}).fetchone()
+    view = conn.execute(q("published_view"), {"dataset": dataset}).fetchone()
+    hist = publish_history(conn, dataset, history)
     null_acl = conn.execute(q("dataset_null_acl"), {"dataset": dataset}).fetchone()
     return {
         "dataset": dataset,

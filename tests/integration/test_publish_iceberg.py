@@ -496,3 +496,24 @@ def test_the_publish_operator_reports_the_table_as_asset_event_and_lineage(conn,
     back.execute({"outlet_events": events})
     assert events[outlets[1]].extra["to_version"] == v1
     assert events[outlets[1]].extra["snapshot_id"] == tbl.refresh().metadata.refs[v1].snapshot_id
+
+
+def test_the_dashboard_history_shows_each_snapshot_and_its_rollback_moves_the_table(conn, db_url, tmp_path,
+                                                                                   monkeypatch):
+    from tests.integration.test_dashboard_api import ADMIN, _client
+
+    dest = destination(str(tmp_path / "warehouse"))
+    v1 = version(conn, db_url, 10, 0, "one", dest)
+    v2 = version(conn, db_url, 12, 10, "two", dest)
+    publish(conn, v1)
+    publish(conn, v2)
+    ice, tbl = table(conn, dest)
+    with _client(db_url, monkeypatch) as client:
+        hist = client.get(f"/api/datasets/{DATASET}/history", headers=ADMIN).json()["history"]
+        assert [(h["to_version"], h["destinations"][0]["snapshot_id"]) for h in hist] == [
+            (v2, tbl.refresh().metadata.refs[v2].snapshot_id), (v1, tbl.metadata.refs[v1].snapshot_id)]
+        r = client.post(f"/api/datasets/{DATASET}/rollback", json={"expected_current": v2, "reason": "bad"},
+                        headers=ADMIN)
+        assert r.status_code == 200, r.text
+        assert ice.current() == v1
+        assert r.json()["history"][0]["destinations"][0]["job_version"] == v1

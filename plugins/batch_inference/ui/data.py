@@ -29,6 +29,7 @@ from psycopg import sql
 from batch_inference import cutoff, db
 from batch_inference.cost import Prices, job_bill
 from batch_inference.db import q
+from batch_inference.publish import publish_history
 from batch_inference.drift import category_counts as drift_counts
 from batch_inference.drift import compare, over_gate
 from batch_inference.evaluation import review_rows, review_state
@@ -428,5 +429,4 @@ def drift(conn: psycopg.Connection, job_version: str) -> dict[str, Any]:
 
 def history(conn: psycopg.Connection, dataset: str, limit: int = 50) -> dict[str, Any]:
     pointer = conn.execute(q("pointer"), {"dataset": dataset}).fetchone()
-    rows = conn.execute(q("publish_history"), {"dataset": dataset, "n": limit}).fetchall()
-    return {"dataset": dataset, "pointer": pointer, "history": rows}
+    return {"dataset": dataset, "pointer": pointer, "history": publish_history(conn, dataset, limit)}

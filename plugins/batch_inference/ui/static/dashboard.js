@@ -459,11 +459,14 @@
         : h("span", { class: "muted", id: "pointer-version" }, "never published")));
     if (hist.history.length) {
       panel.appendChild(h("div", { class: "scroll" }, h("table", { id: "history-table" },
-        h("thead", {}, h("tr", {}, ["#", "when", "action", "from", "to", "by", "reason"].map((t) => h("th", {}, t)))),
+        h("thead", {}, h("tr", {}, ["#", "when", "action", "from", "to", "by", "reason", "destinations"].map((t) => h("th", {}, t)))),
         h("tbody", {}, hist.history.map((r) => h("tr", { "data-action": r.action, class: r.to_version === jobVersion ? "current" : null },
           h("td", { class: "num" }, r.id), h("td", { class: "nowrap" }, stamp(r.at)), h("td", {}, r.action + (r.forced ? " (forced)" : "")),
           h("td", {}, r.from_version ? jobLink(r.from_version) : "–"), h("td", {}, r.to_version ? jobLink(r.to_version) : "–"),
-          h("td", {}, r.actor), h("td", {}, r.reason || "")))))));
+          h("td", {}, r.actor), h("td", {}, r.reason || ""),
+          // Where each destination besides the view pointed after this switch: an Iceberg table's snapshot.
+          h("td", { class: "destinations" }, (r.destinations || []).map((d) => h("div", { class: "mono", title: d.location || "" },
+            `${d.destination} @ snapshot ${d.snapshot_id}`)))))))));
     }
     // Rollback goes one publish back (bi.rollback_v2): to the version the
     // current one replaced. The request names the version the user saw, and the
