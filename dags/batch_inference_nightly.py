@@ -48,4 +48,16 @@ with DAG(
     deadline=deadline_alert(timedelta(hours=8), dataset=DEMO_DATASET, postgres_conn_id=DEFAULT_CONN_ID),
     **pipeline_dag_args(DEFAULT_CONN_ID),
 ) as dag:
+    # An Apache Iceberg table as well as the view (docs/publish.md): name it in the spec, where it does not
+    # join the job version; publish then commits the version to the table, tags it and moves main, and a
+    # rollback moves main back. Credentials come from the environment, never from the spec.
+    #
+    #   publish:
+    #     destinations:
+    #       - identifier: analytics.ticket_triage
+    #         warehouse: s3://lake/warehouse        # or a local path
+    #         s3_region: us-east-1
+    #         cleared_record_classes: [internal]    # the spec's record_class must be listed
+    #
+    # DAGs scheduled on the table use batch_inference.operators.publish.iceberg_asset("analytics.ticket_triage").
     batch_inference_pipeline(dataset=DEMO_DATASET, workers=local_workers(), incremental="{{ params.incremental }}")
