@@ -32,6 +32,8 @@ KEYS = {
     "scale": {"workers", "ceiling_rows_s_by_batch", "levels", "ratio_to_ceiling", "pgbouncer"},
     "vllm_engine": {"records", "records_s", "records_s_whole_run", "worker_vs_bare", "worker_vs_run_batch",
                     "startup_s", "peak_rss_mib", "outputs_identical", "prefix_cache_ratio"},
+    "lakehouse": {"records", "parquet_s", "iceberg_s", "ratio", "parquet_write_only_s", "rollback",
+                  "rollback_size_ratio"},
 }
 
 
@@ -109,6 +111,12 @@ def check_vllm_engine(out: dict) -> None:
     assert out["prefix_records"] == 0 and out["prefix_cache_ratio"] is None     # the quick run leaves those arms out
     assert all(v.endswith("/6") for v in out["outputs_identical"].values())
     assert all(v > 100 for v in out["peak_rss_mib"].values())    # each arm loaded the model
+
+
+def check_lakehouse(out: dict) -> None:
+    assert out["records"] == 5000 and out["parquet_s"] > 0 and out["iceberg_s"] > 0 and out["ratio"] > 0
+    assert set(out["rollback"]) == {"500", "5000"}
+    assert all(r["rollback_s"] > 0 and r["republish_s"] > 0 for r in out["rollback"].values())
 
 
 @pytest.mark.parametrize("name", sorted(KEYS))

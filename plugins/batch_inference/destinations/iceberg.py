@@ -33,7 +33,7 @@ import logging
 import re
 import uuid
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 from urllib.parse import urlsplit
 
@@ -174,6 +174,25 @@ def schema_problems(old: Any, new: Any, path: str = "") -> list[str]:
         elif a != b and (type(a).__name__, type(b).__name__) not in _PROMOTIONS:
             out.append(f"field {where!r} changes from {a} to {b}")
     return out
+
+
+def arrow_batches(version: Version, arrow_schema: Any, convs: dict[str, Convert]) -> Iterator[Any]:
+    """The version's rows as Arrow tables of ``arrow_schema``, one per batch the ledger reads."""
+    import pyarrow as pa
+
+    names = arrow_schema.names
+    for rows in version.rows():
+        cols: dict[str, list[Any]] = {n: [] for n in names}
+        for r in rows:
+            out = r["output"] if isinstance(r["output"], dict) else {}
+            for n in names:
+                if n in convs:
+                    cols[n].append(convs[n](out.get(n)))
+                elif n in r:
+                    cols[n].append(r[n])
+                else:
+                    cols[n].append(None)    # a column kept for earlier versions' readers
+        yield pa.Table.from_pydict(cols, schema=arrow_schema)
 
 
 # -- the adapter ---------------------------------------------------------------
@@ -398,7 +417,6 @@ class IcebergTable(Destination):
                                  f"nothing of {jv} was committed ({_first_line(exc)})") from None
 
     def _write(self, tbl: Any, version: Version, *, force: bool, reason: str | None, previous: int | None) -> Pointed:
-        import pyarrow as pa
         import pyarrow.parquet as pq
         from pyiceberg.expressions import AlwaysTrue
         from pyiceberg.table.update.snapshot import ManageSnapshots
@@ -422,20 +440,8 @@ class IcebergTable(Destination):
         paths: list[str] = []
         writer = None
         rows_in_file = 0
-        names = arrow_schema.names
         try:
-            for rows in version.rows():
-                cols: dict[str, list[Any]] = {n: [] for n in names}
-                for r in rows:
-                    out = r["output"] if isinstance(r["output"], dict) else {}
-                    for n in names:
-                        if n in convs:
-                            cols[n].append(convs[n](out.get(n)))
-                        elif n in r:
-                            cols[n].append(r[n])
-                        else:
-                            cols[n].append(None)    # a column kept for earlier versions' readers
-                batch = pa.Table.from_pydict(cols, schema=arrow_schema)
+            for batch in arrow_batches(version, arrow_schema, convs):
                 if writer is None or rows_in_file >= self.dest.target_file_rows:
                     if writer is not None:
                         writer.close()
