@@ -304,7 +304,7 @@ class IcebergCatalog(_Strict):
     ``sql``: pyiceberg's SqlCatalog on a PostgreSQL (``uri`` a SQLAlchemy URL,
     else the ledger's own database), its tables in ``db_schema``. ``rest``: a
     REST catalog at ``uri``. ``glue``: AWS Glue. Credentials never go here:
-    they come from ``conn_id`` (an Airflow connection) or the environment."""
+    they come from the environment (libpq's, pyiceberg's and AWS's variables)."""
 
     type: Literal["sql", "rest", "glue"] = "sql"
     name: str = Field(default="ledger", min_length=1, max_length=64, pattern=r"^[a-z_][a-z0-9_]*$")
@@ -312,14 +312,12 @@ class IcebergCatalog(_Strict):
                             "password (default: the ledger's database); rest: the catalog's URI")
     db_schema: str = Field(default="iceberg_catalog", pattern=r"^[a-z_][a-z0-9_]{0,62}$",
                            description="sql: the PostgreSQL schema holding the catalog's tables")
-    conn_id: str | None = Field(default=None, max_length=MAX_NAME, description="an Airflow connection with "
-                                "the catalog's or the object store's credentials")
 
     @field_validator("uri")
     @classmethod
     def _no_password(cls, v: str | None) -> str | None:
         if v is not None and re.search(r"//[^/@]*:[^/@]*@|password=", v, re.I):
-            raise ValueError("must not hold a password: credentials come from conn_id or the environment")
+            raise ValueError("must not hold a password: credentials come from the environment")
         return v
 
 
@@ -350,7 +348,7 @@ class Destination(_Strict):
     @classmethod
     def _no_credentials(cls, v: str | None) -> str | None:
         if v is not None and "@" in v.split("?")[0]:
-            raise ValueError("must not hold credentials: they come from catalog.conn_id or the environment")
+            raise ValueError("must not hold credentials: they come from the environment")
         return v
 
     @property

@@ -58,8 +58,8 @@ def output_for(tag: str):
     return out
 
 
-def destination(warehouse: str, **over: Any) -> dict[str, Any]:
-    return {"identifier": TABLE, "warehouse": warehouse, "cleared_record_classes": ["internal"], **over}
+def destination(where: str, **over: Any) -> dict[str, Any]:
+    return {"identifier": TABLE, "warehouse": where, "cleared_record_classes": ["internal"], **over}
 
 
 def version(conn, db_url: str, n: int, start: int, tag: str, dest: dict[str, Any], *,
@@ -517,3 +517,34 @@ def test_the_dashboard_history_shows_each_snapshot_and_its_rollback_moves_the_ta
         assert r.status_code == 200, r.text
         assert ice.current() == v1
         assert r.json()["history"][0]["destinations"][0]["job_version"] == v1
+
+
+# -- the spec ------------------------------------------------------------------
+
+def test_destinations_do_not_join_the_job_version_and_hold_no_credentials():
+    from batch_inference.exceptions import SpecError
+
+    plain = make_spec(output_schema=SCHEMA)
+    with_dest = make_spec(output_schema=SCHEMA, publish={"destinations": [destination("/tmp/wh")]})
+    assert plain.spec_hash == with_dest.spec_hash and plain.job_version("x") == with_dest.job_version("x")
+    for bad, field in [({"catalog": {"uri": "postgresql+psycopg://bi:secret@db/lake"}}, "catalog.uri"),
+                       ({"catalog": {"uri": "postgresql+psycopg:///lake?password=secret"}}, "catalog.uri"),
+                       ({"warehouse": "s3://AKIA:secret@bucket/wh"}, "warehouse"),
+                       ({"identifier": "tickets"}, "identifier")]:
+        with pytest.raises(SpecError, match=field.replace(".", r"\.")) as err:
+            make_spec(output_schema=SCHEMA, publish={"destinations": [destination("/tmp/wh", **bad)]})
+        assert "secret" not in str(err.value)
+    with pytest.raises(SpecError, match="each destination may be named once"):
+        make_spec(output_schema=SCHEMA, publish={"destinations": [destination("/a"), destination("/b")]})
+
+
+def test_readers_enforce_the_acl_column_with_a_row_filter(conn, db_url, tmp_path):
+    """The ACL travels as a column; a reader's engine filters on it (docs/publish.md): DuckDB here."""
+    dest = destination(str(tmp_path / "warehouse"))
+    publish(conn, version(conn, db_url, 30, 0, "one", dest))
+    _, tbl = table(conn, dest)
+    rows = duck().execute(f"SELECT record_id FROM iceberg_scan('{tbl.metadata_location}') "
+                          "WHERE list_has_any(acl, ['team1']) ORDER BY record_id").fetchall()
+    want = conn.execute("SELECT record_id FROM published.tickets_triage WHERE acl && ARRAY['team1'] "
+                        "ORDER BY record_id").fetchall()
+    assert [r[0] for r in rows] == [r["record_id"] for r in want] and len(rows) == 10
