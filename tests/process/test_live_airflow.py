@@ -21,9 +21,11 @@ from batch_inference import db
 from batch_inference.commands.demo import load_tickets
 from batch_inference.data import DEMO_SPEC
 from batch_inference.status import job_counts
+from tests.conftest import NOOP_DIGEST
 from tests.fixtures.chat_server import completion
 from tests.fixtures.hosted_openai import OpenAIBatchEmulator
 from tests.fixtures.live_airflow import LIVE_API_KEY_ENV
+from tests.integration.test_dashboard_api import reader_role
 
 pytestmark = pytest.mark.live
 
@@ -272,3 +274,80 @@ def test_backfill_of_the_nightly_over_two_dates_never_overlaps(live_airflow):
     # Each run's deadline counted from when it ran, not from its logical date weeks ago.
     assert not any(dep.xcom(NIGHTLY, r["dag_run_id"], "cutoff")["fired"] for r in runs)
 
+
+
+# -- the review step: a Required Action until the human review gate is met -------
+
+REVIEW_GATE = {"min_reviewed": 2, "min_right": 1.0}
+TEAMS = ("team:billing", "team:security", "team:support", "team:engineering", "team:product", "team:finance")
+
+
+def review_run(dep: Any, name: str) -> tuple[str, str]:
+    """A noop run of a spec with a human review gate, waiting at its review step: (run id, job version)."""
+    table = make_table(dep.ledger_url, name, 12)
+    spec = make_spec(dep, name, engine={"name": "noop"}, model={"name": "noop", "digest": NOOP_DIGEST},
+                     evaluation={"review": REVIEW_GATE}, validation={"sample_size": 4})
+    run_id = dep.trigger(BACKFILL, {"spec_path": spec, "source_table": table, "shard_size": 6, "workers": 1,
+                                    "deadline": "+20h", "review_timeout": "+30m"})
+    dep.wait_task(BACKFILL, run_id, "review", ("deferred",), timeout=300)
+    return run_id, dep.xcom(BACKFILL, run_id, "submit")["job_version"]
+
+
+def required_action(dep: Any, run_id: str) -> dict[str, Any]:
+    """The run's open Required Action, as Airflow's UI lists it (not answered, task waiting)."""
+    details = dep.api("GET", f"/api/v2/dags/{BACKFILL}/dagRuns/{run_id}/hitlDetails",
+                      params={"response_received": False, "state": ["deferred", "awaiting_input"]})["hitl_details"]
+    (action,) = [d for d in details if d["task_instance"]["task_id"] == "review"]
+    return action
+
+
+def test_the_review_step_waits_in_required_actions_until_a_dashboard_review_meets_the_gate(live_airflow):
+    dep = live_airflow
+    t0 = time.monotonic()
+    run_id, job = review_run(dep, "live_review")
+    action = required_action(dep, run_id)
+    assert action["options"] == ["Reject"] and list(action["params"]) == ["reason"]
+    assert f"{dep.base}/batch-inference/jobs/{job}/review" in action["body"], action["body"]
+    assert "review: 0 of 2 required sample rows reviewed" in action["body"]
+    assert dep.task_instances(BACKFILL, run_id)["publish"]["state"] is None
+
+    # A reviewer on the dashboard's review screen (reading as a role that may read every ticket).
+    with db.connect(dep.ledger_url) as conn:
+        role = reader_role(conn, "live_reviewers", principals=TEAMS)
+        conn.execute("SELECT bi.map_dashboard_reader_v1(%s, %s)", ("Anonymous", role))
+    auth = {"Authorization": f"Bearer {dep.token}"}
+    page = dep.http.get(f"/batch-inference/api/jobs/{job}/review", headers=auth).json()
+    assert page["may_review"] and len(page["rows"]) == 4, page
+    for row in page["rows"][:2]:
+        r = dep.http.post(f"/batch-inference/api/jobs/{job}/review", headers=auth,
+                          json={"record_id": row["record_id"], "verdict": "right", "comment": "live test"})
+        assert r.status_code == 200, r.text
+    reviewed = time.monotonic()
+
+    run = dep.wait_run(BACKFILL, run_id, timeout=180)
+    assert run["state"] == "success", dep.explain(BACKFILL, run_id)
+    tis = dep.task_instances(BACKFILL, run_id)
+    assert tis["review"]["try_number"] == 1 and tis["publish"]["state"] == "success"
+    assert dep.xcom(BACKFILL, run_id, "review")["passed"] is True
+    c = counts(dep, job)
+    assert c["status"] == "published" and published_rows(dep, "live_review") == c["stored"] > 0
+    print(f"review step: trigger to Required Action and reviewed in {reviewed - t0:.1f} s, "
+          f"review to published {time.monotonic() - reviewed:.1f} s")
+
+
+def test_a_reject_in_required_actions_fails_the_run_with_the_reason(live_airflow, webhook_sink):
+    dep = live_airflow
+    run_id, job = review_run(dep, "live_reject")
+    assert required_action(dep, run_id)["options"] == ["Reject"]
+    # What the Required Actions page sends when a reviewer picks Reject and gives a reason.
+    dep.api("PATCH", f"/api/v2/dags/{BACKFILL}/dagRuns/{run_id}/taskInstances/review/-1/hitlDetails",
+            json={"chosen_options": ["Reject"], "params_input": {"reason": "priorities are all urgent"}})
+    run = dep.wait_run(BACKFILL, run_id, timeout=180)
+    tis = dep.task_instances(BACKFILL, run_id)
+    assert run["state"] == "failed", dep.explain(BACKFILL, run_id)
+    assert tis["review"]["state"] == "failed" and tis["review"]["try_number"] == 1
+    assert tis["publish"]["state"] == "upstream_failed"
+    msg = webhook_sink.wait_for(lambda m: m.get("job_version") == job and m.get("task_id") == "review", 60)
+    assert msg["error"] == f"review: Anonymous rejected job version {job}: priorities are all urgent", msg
+    assert "priorities are all urgent" in dep.task_log(BACKFILL, run_id, "review")
+    assert counts(dep, job)["status"] != "published"

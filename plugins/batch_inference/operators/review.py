@@ -27,7 +27,10 @@ Rejecting is the only answer the Required Action offers: approval is the
 reviews themselves, so the gate ``bi.publish_v1`` checks stays the one
 authority. The body is written once, when the wait begins (Airflow keeps the
 first one); the dashboard's screen and the task log (a line at each change)
-show the progress live.
+show the progress live. A Reject sent in the seconds after the trigger found
+the gate met, before the task resumed, is stored by Airflow but not acted on
+(Airflow resumes only a waiting task, and a task process cannot read the
+response back: the supervisor answers that request only for triggers).
 """
 
 from __future__ import annotations
@@ -171,7 +174,7 @@ class ReviewGateOperator(LedgerTask, HITLOperator):
         self.validate_chosen_options(chosen)
         if self.REJECT not in chosen:
             return
-        who = (user.get("name") if isinstance(user, dict) else getattr(user, "name", None)) or "a reviewer"
+        who = (user or {}).get("name") or "a reviewer"
         reason = str((params_input or {}).get(REASON) or "").strip() or "(no reason given)"
         raise AirflowFailException(f"review: {who} rejected job version {self.job_version}: {reason}")
 
@@ -181,12 +184,6 @@ class ReviewGateOperator(LedgerTask, HITLOperator):
             self._refuse(list(event["chosen_options"]), event.get("params_input"), event.get("responded_by_user"))
         status = event.get("status")
         if status == MET:
-            from airflow.sdk.execution_time.hitl import get_hitl_detail_content_detail
-
-            # A Reject recorded after the trigger fired, before this resumed, still wins.
-            resp = get_hitl_detail_content_detail(ti_id=context["task_instance"].id)
-            if resp is not None and resp.response_received:     # None: dag.test()'s in-process supervisor
-                self._refuse(list(resp.chosen_options or []), resp.params_input, resp.responded_by_user)
             self.log.info("review gate of %s met; publish follows", self.job_version)
             return {"job_version": str(self.job_version), **event["review"]}
         if status == TIMEOUT:
