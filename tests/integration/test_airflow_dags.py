@@ -9,14 +9,18 @@ import tests.fixtures.airflow_env  # noqa: F401  (before anything imports Airflo
 
 import json
 import time
+from pathlib import Path
+from typing import Any
 
 import pytest
+import yaml
 
 from batch_inference import db
 from batch_inference.commands.demo import load_tickets
-from batch_inference.data import DEMO_DATASET
+from batch_inference.data import DEMO_DATASET, DEMO_SPEC
 from batch_inference.spec import load_spec
 from batch_inference.status import job_counts
+from tests.conftest import NOOP_DIGEST
 from tests.fixtures.airflow_env import DAGS, airflow_home  # noqa: F401  (fixture)
 
 DAG_IDS = {"batch_inference_backfill", "batch_inference_nightly", "batch_inference_gpu", "batch_inference_hosted"}
@@ -143,6 +147,18 @@ def test_the_pipeline_builder_wires_any_launcher_between_submit_and_validate():
 
 # -- running -------------------------------------------------------------------
 
+def noop_spec(directory: Path, **over: Any) -> str:
+    """The demo spec on the noop engine (a worker refuses ``engine: noop`` over a spec pinning a real
+    model), ``over`` merged in, written to ``directory``; its path, for the ``spec_path`` Param."""
+    spec = yaml.safe_load(Path(DEMO_SPEC).read_text())
+    over = {"engine": {"name": "noop"}, "model": {"name": "noop", "digest": NOOP_DIGEST}, **over}
+    for key, value in over.items():
+        spec[key] = {**spec[key], **value} if isinstance(value, dict) and isinstance(spec.get(key), dict) else value
+    path = directory / f"{spec['dataset']}.yaml"
+    path.write_text(yaml.safe_dump(spec, sort_keys=False))
+    return str(path)
+
+
 def run_backfill(conf: dict):
     dag = load_dag("batch_inference_backfill")
     t0 = time.monotonic()
@@ -161,14 +177,14 @@ def asset_events(uri: str) -> list[dict]:
     return [r[0] for r in rows]
 
 
-def test_backfill_runs_end_to_end_with_the_noop_engine(airflow_home, ledger):
+def test_backfill_runs_end_to_end_with_the_noop_engine(airflow_home, ledger, tmp_path):
     url, oncall = ledger
     with db.connect(url) as conn:
         db.migrate(conn)
         assert load_tickets(conn, 80) == 80     # includes the blank ticket and the 35 KB log
     events_before = len(asset_events(ASSET_URI))
 
-    dr, seconds = run_backfill({"engine": "noop", "workers": 2, "shard_size": 10})
+    dr, seconds = run_backfill({"spec_path": noop_spec(tmp_path), "workers": 2, "shard_size": 10})
 
     assert str(dr.state) == "success", ti_states(dr)
     with db.connect(url) as conn:
@@ -199,7 +215,7 @@ def make_ticket_table(conn, rows):
         cur.executemany("INSERT INTO public.support_tickets VALUES (%s, %s, %s)", rows)
 
 
-def test_failed_validation_pages_on_call_with_the_job_version_and_counts(airflow_home, ledger):
+def test_failed_validation_pages_on_call_with_the_job_version_and_counts(airflow_home, ledger, tmp_path):
     url, oncall = ledger
     # Four of ten records make the noop engine answer with invalid output on
     # every attempt: they end in dead letters, 40% of the snapshot, far over
@@ -210,7 +226,7 @@ def test_failed_validation_pages_on_call_with_the_job_version_and_counts(airflow
         db.migrate(conn)
         make_ticket_table(conn, rows)
 
-    dr, _ = run_backfill({"engine": "noop", "workers": 1, "shard_size": 5})
+    dr, _ = run_backfill({"spec_path": noop_spec(tmp_path), "workers": 1, "shard_size": 5})
 
     states = ti_states(dr)
     assert str(dr.state) == "failed"

@@ -18,27 +18,19 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import yaml
 
 from batch_inference import db, evaluation
 from batch_inference.commands.demo import load_tickets
-from batch_inference.data import DEMO_SPEC
-from tests.conftest import NOOP_DIGEST
 from tests.fixtures.airflow_env import airflow_home  # noqa: F401  (fixture)
-from tests.integration.test_airflow_dags import ledger, load_dag, oncall_messages, ti_states  # noqa: F401
+from tests.integration.test_airflow_dags import (  # noqa: F401  (ledger: fixture)
+    ledger, load_dag, noop_spec, oncall_messages, ti_states)
 
 GATE = {"min_reviewed": 2, "min_right": 1.0}
 
 
 def review_spec(directory: Path, dataset: str) -> str:
     """The demo spec on the noop engine under another dataset, with a human review gate over a sample of four."""
-    spec = yaml.safe_load(Path(DEMO_SPEC).read_text())
-    spec.update(dataset=dataset, evaluation={"review": GATE}, engine={"name": "noop"},
-                model={"name": "noop", "digest": NOOP_DIGEST})
-    spec["validation"] = {**(spec.get("validation") or {}), "sample_size": 4}
-    path = directory / f"{dataset}.yaml"
-    path.write_text(yaml.safe_dump(spec, sort_keys=False))
-    return str(path)
+    return noop_spec(directory, dataset=dataset, evaluation={"review": GATE}, validation={"sample_size": 4})
 
 
 def required_actions(since: datetime) -> list[Any]:
