@@ -323,6 +323,26 @@ def early_warning(
     )
 
 
+def deadline_lost(now: datetime, deadline: datetime, outstanding: int, rate: float, reserve_s: float,
+                  why: str, step_s: int = 60) -> str | None:
+    """The page for a deadline the fallback can no longer meet, or None while it still can.
+
+    With the fallback failing now (its endpoint down, say), the deadline is lost once even a
+    pool that came back at once could not re-drive ``outstanding`` rows at ``rate`` and leave
+    ``reserve_s`` for what follows (validate, publish): ``now`` past that latest start. Waiting
+    for 06:00 to say so wastes the time a person has to act; this says it the moment the
+    arithmetic knows, with ``why`` (one line).
+    """
+    if outstanding <= 0:
+        return None
+    lss = latest_safe_start(deadline, outstanding, rate, reserve_s, step_s)
+    if _utc(now) < _utc(lss):
+        return None
+    left = (_utc(deadline) - _utc(now)).total_seconds()
+    return (f"deadline {_aware(deadline):%H:%M:%S} will be missed: {outstanding:,} rows outstanding need "
+            f"{outstanding / rate:,.1f}s at {rate:g}/s + {reserve_s:g}s to publish, {left:,.1f}s left; {why}")
+
+
 # -- constants that go stale -------------------------------------------------
 
 

@@ -580,7 +580,6 @@ class _NightRun:
 
     def _watch_and_redrive(self, sup: _Supervisor) -> None:
         from batch_inference import deadline as dl
-        from batch_inference.cutoff import latest_safe_start
         from batch_inference.exceptions import FallbackIncomplete
         from batch_inference.fallback import enter_fallback, run_fallback
         from batch_inference.publish import publish
@@ -638,7 +637,7 @@ class _NightRun:
                 line = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
                 redriven["errors"].append(f"{self._s(datetime.now(UTC))}s {line[:160]}")
                 if rec.page is None:
-                    self._maybe_page(line, rate, latest_safe_start, job_counts)
+                    self._maybe_page(line, c.pool_rate)
                 if time.monotonic() > give_up:
                     rec.failures.append(f"the fallback did not finish {c.late_s:g}s past the deadline: {line[:120]}")
                     break
@@ -659,22 +658,23 @@ class _NightRun:
             else:
                 rec.failures.append(f"not finished: {counts['outstanding']} outstanding")
 
-    def _maybe_page(self, reason: str, rate: float, latest_safe_start: Any, job_counts: Any) -> None:
-        """Page once the arithmetic says the deadline is lost: with the endpoint failing now, even a
-        pool that came back at once could not re-drive what is left and publish before it."""
+    def _maybe_page(self, reason: str, rate: float) -> None:
+        """Page once the arithmetic says the deadline is lost (``cutoff.deadline_lost``) at ``rate``,
+        the pool's own limit: the fastest it could go if the endpoint came back now, so the page
+        says what is certain. (At the sustained rate the cutoff assumes, a drifted "slower"
+        history made every night lost from submit, and a 1.5 s 5xx burst paged a night that then
+        met its deadline: seed 16.)"""
+        from batch_inference.cutoff import deadline_lost
+        from batch_inference.status import job_counts
+
         with db.connect(self.url, retries=10) as conn:
             left = int(job_counts(conn, self.job)["outstanding"])
-        if left == 0:
-            return
         now = datetime.now(UTC)
-        lss = latest_safe_start(self.deadline, left, rate, self.cfg.page_reserve_s, step_s=1)
-        if now >= lss:
-            self.rec.page_s = self._s(now)
-            self.rec.page = (f"deadline {self.deadline:%H:%M:%S} will be missed: {left:,} rows outstanding need "
-                             f"{left / rate:.1f}s at {rate:g}/s + {self.cfg.page_reserve_s:g}s to publish, "
-                             f"{(self.deadline - now).total_seconds():.1f}s left; the fallback endpoint is "
-                             f"failing: {reason[:140]}")
-            log.error("nights %d: PAGE: %s", self.seed, self.rec.page)
+        page = deadline_lost(now, self.deadline, left, rate, self.cfg.page_reserve_s,
+                             f"the fallback endpoint is failing: {reason[:140]}", step_s=1)
+        if page is not None:
+            self.rec.page_s, self.rec.page = self._s(now), page
+            log.error("nights %d: PAGE: %s", self.seed, page)
 
     # -- the figures ------------------------------------------------------------------
     def _measure(self) -> None:
@@ -775,6 +775,8 @@ class NightsReport:
             "ceiling_total": round(sum(n.bill.get("all_synchronous_ceiling", 0.0) for n in ns), 2),
             "floor_total": round(sum(n.bill.get("clean_batch_floor", 0.0) for n in ns), 2),
             "failing_seeds": [n.seed for n in ns if n.verdict == "FAIL"],
+            "pages": sum(1 for n in ns if n.page),
+            "false_pages": [n.seed for n in ns if n.page and n.verdict == "met"],
             "duplicates": sum(n.coverage.get("duplicates", 0) for n in ns),
             "lost": sum(n.coverage.get("missing", 0) for n in ns),
             "healthy_dead": sum(n.healthy_dead for n in ns),
@@ -803,7 +805,8 @@ class NightsReport:
                   f"${s['floor_total']:,.2f} all-batch",
                   f"prediction error of the finish: mean {fmt(s['prediction_error_mean_s'], '.1f')}s, worst "
                   f"{fmt(s['prediction_error_worst_s'], '.1f')}s",
-                  f"duplicates {s['duplicates']}, lost {s['lost']}, healthy dead letters {s['healthy_dead']}",
+                  f"duplicates {s['duplicates']}, lost {s['lost']}, healthy dead letters {s['healthy_dead']}; "
+                  f"pages {s['pages']} (false: {s['false_pages'] or 'none'})",
                   "PASSED" if self.passed else f"FAILED: nights {s['failing_seeds']} (replay one with --night SEED)"
                   + (f"; logs kept in {self.work_dir}" if self.work_dir else "")]
         return "\n".join(lines)

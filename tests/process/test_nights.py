@@ -95,7 +95,7 @@ def test_default_nights_run_meets_every_deadline():
     print(report.table())
     s = report.summary()
     assert report.passed, report.table()
-    assert s["nights"] == 3 and s["met"] == 3
+    assert s["nights"] == 3 and s["met"] == 3 and s["false_pages"] == []
     assert (s["duplicates"], s["lost"], s["healthy_dead"]) == (0, 0, 0)
     assert s["cost_ratio_worst"] <= 1.0
     by_seed = {n.seed: n for n in report.nights}
@@ -124,3 +124,27 @@ def test_an_endpoint_down_for_the_tail_pages_early_and_says_why():
     assert (night.coverage["duplicates"], night.coverage["missing"], night.healthy_dead) == (0, 0, 0)
     assert night.bill["total"] <= night.bill["all_synchronous_ceiling"]
     assert nights.NightsReport(report.config, [night], 0.0).passed
+
+
+def test_the_page_comes_when_the_arithmetic_knows_the_deadline_is_lost():
+    """Seed 14's page: 435 rows left at 56.581/s with 2 s to publish and 9.5 s to the deadline is
+    lost (7.7 + 2 > 9.5); a second earlier it was not yet (the pool could still have made it)."""
+    from batch_inference.cutoff import deadline_lost
+
+    deadline = datetime(2026, 1, 1, 6, 0, tzinfo=UTC)
+    # Seed 16, found by the 30-night run: "slower" history (26.474/s) made the night lost from
+    # submit, so a 1.5 s 5xx burst paged it, and it met its deadline. The harness pages at the
+    # pool's own limit (80/s), the fastest it could go, at which 1,050 rows with 36.4 s left are not lost.
+    cfg = NightsConfig()
+    assert draw_faults(16, cfg).drift == "slower" and draw_faults(16, cfg).down_at_pool is None
+    at = deadline - timedelta(seconds=36.4)
+    assert deadline_lost(at, deadline, 1050, 26.474, cfg.page_reserve_s, "burst", step_s=1) is not None
+    assert deadline_lost(at, deadline, 1050, cfg.pool_rate, cfg.page_reserve_s, "burst", step_s=1) is None
+    lost = deadline_lost(deadline - timedelta(seconds=9.5), deadline, 435, 56.581, 2.0, "endpoint down", step_s=1)
+    assert lost is not None and lost.startswith("deadline 06:00:00 will be missed: 435 rows outstanding")
+    assert lost.endswith("9.5s left; endpoint down")
+    assert deadline_lost(deadline - timedelta(seconds=11), deadline, 435, 56.581, 2.0, "down", step_s=1) is None
+    assert deadline_lost(deadline, deadline, 0, 56.581, 2.0, "down") is None
+    # Production figures: 40,000 rows at 85/s with 10 minutes of load left is lost 5 minutes out.
+    assert deadline_lost(deadline - timedelta(minutes=5), deadline, 40_000, 85, 600, "down") is not None
+    assert deadline_lost(deadline - timedelta(minutes=30), deadline, 40_000, 85, 600, "down") is None
