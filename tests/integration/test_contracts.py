@@ -164,7 +164,7 @@ def test_every_command_is_registered_from_the_one_list():
     sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
     assert list(sub.choices) == ["db", "submit", "status", "dead-letters", "drop", "worker", "grant", "capacity",
                                  "cutoff", "cost", "validate", "review", "publish", "rollback", "published", "chaos",
-                                 "fallback", "demo"]
+                                 "nights", "fallback", "demo"]
     assert all(m.__name__.startswith("batch_inference.commands.") for m in COMMANDS)
 
 
