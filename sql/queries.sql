@@ -441,8 +441,8 @@ SELECT {columns} FROM {view} ORDER BY record_id LIMIT %(n)s;
 
 -- Publish destinations besides the view (batch_inference.destinations)
 
--- name: destination_rows  a job version's rows as a destination gets them, by record id
-SELECT record_id, output, job_version, model_name, model_digest, prompt_version, transport, acl,
+-- name: destination_rows  a job version's rows as a destination gets them, by record id (the output as JSON text)
+SELECT record_id, output::text AS output, job_version, model_name, model_digest, prompt_version, transport, acl,
        created_at AS stored_at
   FROM bi.results WHERE job_version = %(job)s ORDER BY record_id;
 

@@ -101,6 +101,11 @@ def _with_destinations(conn: psycopg.Connection, targets: list[Destination], mov
     return out, pointed
 
 
+def _close(targets: list[Destination]) -> None:
+    for d in targets:
+        d.close()
+
+
 def _destinations_out(pointed: list[Pointed]) -> list[dict[str, Any]]:
     return [{"destination": p.destination, "job_version": p.job_version, "snapshot_id": p.snapshot_id,
              "location": p.location, "changed": p.changed} for p in pointed]
@@ -151,9 +156,12 @@ def publish(conn: psycopg.Connection, job_version: str, *, actor: str | None = N
     targets = destinations.for_spec(conn, spec)
     if targets:
         version = Version(job_version, spec, version_rows(conn, job_version))
-        out, pointed = _with_destinations(
-            conn, targets, lambda d, _seen: d.publish(version, force=force, reason=reason), name, params, ds, spec,
-            lock_timeout, attempts, "from_version")
+        try:
+            out, pointed = _with_destinations(
+                conn, targets, lambda d, _seen: d.publish(version, force=force, reason=reason), name, params, ds,
+                spec, lock_timeout, attempts, "from_version")
+        finally:
+            _close(targets)
         out["destinations"] = _destinations_out(pointed)
     else:
         out = switch(conn, name, params, ds, spec, lock_timeout, attempts)
@@ -181,9 +189,12 @@ def rollback(conn: psycopg.Connection, dataset: str, *, actor: str | None = None
     cur = conn.execute(q("published_version"), {"dataset": dataset}).fetchone()
     targets = destinations.for_spec(conn, job_spec(conn, cur["job_version"])) if cur else []
     if targets:
-        out, pointed = _with_destinations(
-            conn, targets, lambda d, seen: d.point_back(seen["to_version"]), name, params, dataset, None,
-            lock_timeout, attempts, "from_version")
+        try:
+            out, pointed = _with_destinations(
+                conn, targets, lambda d, seen: d.point_back(seen["to_version"]), name, params, dataset, None,
+                lock_timeout, attempts, "from_version")
+        finally:
+            _close(targets)
         out["destinations"] = _destinations_out(pointed)
     else:
         out = switch(conn, name, params, dataset, None, lock_timeout, attempts)

@@ -78,6 +78,9 @@ class Destination(ABC):
     def restore(self, pointed: Pointed) -> None:
         """Undo the move that answered ``pointed`` (the view's switch did not follow it)."""
 
+    def close(self) -> None:
+        """Release what the destination holds open (a catalog's connection pool)."""
+
 
 def version_rows(conn: psycopg.Connection, job_version: str,
                  batch: int = ROWS_PER_BATCH) -> Callable[[], Iterator[list[dict[str, Any]]]]:
@@ -108,4 +111,7 @@ def for_spec(conn: psycopg.Connection, spec: JobSpec) -> list[Destination]:
 def check_spec(conn: psycopg.Connection, spec: JobSpec) -> None:
     """At submit: every destination of ``spec`` is reachable and cleared, or one line says which is not."""
     for dest in for_spec(conn, spec):
-        dest.check()
+        try:
+            dest.check()
+        finally:
+            dest.close()

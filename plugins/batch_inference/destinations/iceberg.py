@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import re
 import uuid
 import warnings
@@ -177,22 +178,66 @@ def schema_problems(old: Any, new: Any, path: str = "") -> list[str]:
 
 
 def arrow_batches(version: Version, arrow_schema: Any, convs: dict[str, Convert]) -> Iterator[Any]:
-    """The version's rows as Arrow tables of ``arrow_schema``, one per batch the ledger reads."""
+    """The version's rows as Arrow tables of ``arrow_schema``, one per batch the ledger reads.
+
+    The outputs arrive as JSON text and are parsed by pyarrow's JSON reader
+    against the output columns' types; a batch it cannot read that way (a
+    value of another type than its column's, a field kept as JSON text) is
+    converted value by value in Python instead."""
     import pyarrow as pa
 
     names = arrow_schema.names
+    out_schema = pa.schema([arrow_schema.field(n) for n in names if n in convs])
     for rows in version.rows():
-        cols: dict[str, list[Any]] = {n: [] for n in names}
-        for r in rows:
-            out = r["output"] if isinstance(r["output"], dict) else {}
-            for n in names:
-                if n in convs:
-                    cols[n].append(convs[n](out.get(n)))
-                elif n in r:
-                    cols[n].append(r[n])
-                else:
-                    cols[n].append(None)    # a column kept for earlier versions' readers
-        yield pa.Table.from_pydict(cols, schema=arrow_schema)
+        outputs = _parsed(rows, out_schema) if len(out_schema) else None
+        if outputs is None:
+            parsed = [json.loads(r["output"]) if isinstance(r["output"], str) else r["output"] for r in rows]
+            parsed = [o if isinstance(o, dict) else {} for o in parsed]
+        cols = []
+        for field in arrow_schema:
+            n = field.name
+            if n in convs:
+                cols.append(outputs.column(n) if outputs is not None
+                            else pa.array([convs[n](o.get(n)) for o in parsed], type=field.type))
+            elif rows and n in rows[0]:
+                cols.append(pa.array([r[n] for r in rows], type=field.type))
+            else:
+                cols.append(pa.nulls(len(rows), type=field.type))   # a column kept for earlier versions' readers
+        yield pa.Table.from_arrays(cols, schema=arrow_schema)
+
+
+def _parsed(rows: list[dict[str, Any]], out_schema: Any) -> Any:
+    """The outputs of ``rows`` parsed by pyarrow's JSON reader into ``out_schema``; None if it cannot."""
+    import io
+
+    import pyarrow as pa
+    from pyarrow import json as pj
+
+    texts = [r["output"] for r in rows]
+    if not all(isinstance(t, str) for t in texts):
+        return None
+    data = "\n".join(texts).encode()   # jsonb's text form is one line: strings escape their newlines
+    readable = pa.schema([pa.field(f.name, _readable(f.type)) for f in out_schema])
+    try:
+        table = pj.read_json(io.BytesIO(data), read_options=pj.ReadOptions(block_size=max(len(data) + 1, 1 << 20)),
+                             parse_options=pj.ParseOptions(explicit_schema=readable,
+                                                           unexpected_field_behavior="ignore"))
+        if table.num_rows != len(rows):
+            return None
+        return pa.Table.from_arrays([table.column(f.name).cast(f.type) for f in out_schema], schema=out_schema)
+    except (pa.ArrowInvalid, pa.ArrowNotImplementedError, pa.ArrowTypeError, KeyError):
+        return None
+
+
+def _readable(t: Any) -> Any:
+    """``t`` with its large lists as lists: the JSON reader builds no large lists (a cast makes them)."""
+    import pyarrow as pa
+
+    if pa.types.is_large_list(t) or pa.types.is_list(t):
+        return pa.list_(_readable(t.value_type))
+    if pa.types.is_struct(t):
+        return pa.struct([pa.field(f.name, _readable(f.type)) for f in t])
+    return t
 
 
 # -- the adapter ---------------------------------------------------------------
@@ -214,7 +259,7 @@ class IcebergTable(Destination):
     @property
     def warehouse(self) -> str:
         w = self.dest.warehouse
-        return w if "://" in w else "file://" + w
+        return w if "://" in w else "file://" + os.path.abspath(w)
 
     def _io_properties(self) -> dict[str, str]:
         props: dict[str, str] = {}
@@ -541,6 +586,11 @@ class IcebergTable(Destination):
             raise DestinationUnavailable(f"{self.name}: rollback to {job_version} failed: "
                                          f"{_first_line(exc, self._secret)}; nothing was changed") from None
         return self._pointed(tbl, True, previous)
+
+    def close(self) -> None:
+        if self._catalog_obj is not None:
+            self._catalog_obj.close()
+            self._catalog_obj = None
 
     def restore(self, pointed: Pointed) -> None:
         if not pointed.changed:
