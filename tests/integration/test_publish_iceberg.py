@@ -181,19 +181,25 @@ def test_publish_and_rollback_on_a_local_warehouse(conn, db_url, tmp_path):
     assert [r["table_name"] for r in found] == ["tickets"]
 
 
-def test_a_job_runs_end_to_end_and_the_cli_publishes_it_to_both(conn, db_url, tmp_path, capsys):
+@pytest.mark.parametrize("where", ["local", "s3"])
+def test_a_job_runs_end_to_end_and_the_cli_publishes_it_to_both(conn, db_url, tmp_path, request, where):
     from batch_inference.cli import main as cli_main
     from batch_inference.data import TRIAGE_SCHEMA
     from gpu_runner.worker import WorkerConfig, run_worker
 
-    dest = destination(str(tmp_path / "warehouse"))
+    s3 = None
+    if where == "local":
+        dest = destination(str(tmp_path / "warehouse"))
+    else:
+        s3, bucket = request.getfixturevalue("s3_bucket")
+        dest = destination(f"s3://{bucket}/warehouse", s3_endpoint=s3, s3_region="us-east-1")
     make_source(conn, tickets(25))
     job = submit(conn, make_spec(publish={"destinations": [dest]})).job_version
     assert run_worker(WorkerConfig(job_version=job, db_url=db_url)) == 0
     assert validate(conn, job).passed
     assert cli_main(["publish", job, "--db", db_url]) == 0
     _, tbl = table(conn, dest)
-    assert same_rows_everywhere(conn, tbl, schema=TRIAGE_SCHEMA) == 25
+    assert same_rows_everywhere(conn, tbl, s3, schema=TRIAGE_SCHEMA) == 25
     assert {r["transport"] for r in pyiceberg_rows(tbl)} == {"batch"}
 
 
