@@ -309,7 +309,8 @@ class IcebergCatalog(_Strict):
     type: Literal["sql", "rest", "glue"] = "sql"
     name: str = Field(default="ledger", min_length=1, max_length=64, pattern=r"^[a-z_][a-z0-9_]*$")
     uri: str | None = Field(default=None, max_length=2048, description="sql: a SQLAlchemy URL without a "
-                            "password (default: the ledger's database); rest: the catalog's URI")
+                            "password (default: the ledger's database); rest: the catalog's URI; glue: an "
+                            "endpoint other than AWS's")
     db_schema: str = Field(default="iceberg_catalog", pattern=r"^[a-z_][a-z0-9_]{0,62}$",
                            description="sql: the PostgreSQL schema holding the catalog's tables")
 

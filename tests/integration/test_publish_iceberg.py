@@ -225,6 +225,30 @@ def test_publish_and_rollback_on_an_s3_warehouse(conn, db_url, s3_bucket):
     assert any(k.endswith(".parquet") for k in keys) and any(k.endswith(".metadata.json") for k in keys)
 
 
+def test_publish_and_rollback_with_a_glue_catalog(conn, db_url, s3_bucket):
+    """The Glue catalog through pyiceberg's GlueCatalog and boto3, against moto's Glue (a stand-in for AWS:
+    moto implements the calls pyiceberg makes, version checks of update_table included)."""
+    endpoint, bucket = s3_bucket
+    dest = destination(f"s3://{bucket}/warehouse", s3_endpoint=endpoint, s3_region="us-east-1",
+                       catalog={"type": "glue", "name": "glue", "uri": endpoint})
+    v1 = version(conn, db_url, 20, 0, "one", dest)
+    v2 = version(conn, db_url, 25, 10, "two", dest)
+    publish(conn, v1)
+    out = publish(conn, v2)
+    assert out["destinations"][0]["destination"] == f"iceberg:glue.{TABLE}"
+    spec = make_spec(output_schema=SCHEMA, publish={"destinations": [dest]})
+    (ice,) = for_spec(conn, spec)
+    tbl = ice.catalog().load_table(TABLE)
+    assert same_rows_everywhere(conn, tbl, endpoint) == 25
+    rollback(conn, DATASET)
+    assert ice.current() == v1 and same_rows_everywhere(conn, tbl, endpoint) == 20
+    import boto3
+
+    glue = boto3.client("glue", endpoint_url=endpoint, region_name="us-east-1")
+    assert glue.get_table(DatabaseName="analytics", Name="tickets")["Table"]["Parameters"]["metadata_location"] \
+        == tbl.refresh().metadata_location
+
+
 def test_a_reader_never_sees_a_mix_through_30_switches(conn, db_url, tmp_path):
     dest = destination(str(tmp_path / "warehouse"))
     v1 = version(conn, db_url, 30, 0, "one", dest)

@@ -333,6 +333,8 @@ class IcebergTable(Destination):
 
                 if self.dest.s3_region:
                     props["glue.region"] = self.dest.s3_region
+                if c.uri:
+                    props["glue.endpoint"] = c.uri
                 self._catalog_obj = GlueCatalog(c.name, **props)
         except (DestinationUnavailable, DestinationRefused):
             raise
