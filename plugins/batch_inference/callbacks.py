@@ -380,7 +380,8 @@ async def deadline_missed(context: dict[str, Any] | None = None, *, dataset: str
                              causes=facts["causes"], error=None,
                              kind="deadline missed",
                              extra=f"the run was still going at its deadline {deadline}; the cutoff sensor should "
-                                   "have fired the fallback by now: check the cutoff and fallback tasks")
+                                   "have fired the fallback by now: check the cutoff and fallback tasks, and "
+                                   "whether the review task waits for a human review (Required Actions)")
 
     message = await asyncio.to_thread(gather)
     await asyncio.to_thread(deliver, message, webhook_url, log_file)

@@ -31,6 +31,8 @@ pytestmark = pytest.mark.live
 
 BACKFILL = "batch_inference_backfill"
 NIGHTLY = "batch_inference_nightly"
+# The noop engine runs only under a spec that names it (a worker refuses it over a real model).
+NOOP_MODEL = {"name": "noop", "digest": NOOP_DIGEST}
 
 
 def make_table(ledger_url: str, name: str, n: int) -> str:
@@ -77,7 +79,8 @@ def test_backfill_with_params_publishes_and_emits_its_asset_event(live_airflow):
     table = make_table(dep.ledger_url, "live_backfill", 30)
     dep.unpause(BACKFILL)
     t0 = time.monotonic()
-    run_id = dep.trigger(BACKFILL, {"source_table": table, "shard_size": 10, "workers": 2, "engine": "noop",
+    spec = make_spec(dep, "ticket_triage", engine={"name": "noop"}, model=NOOP_MODEL)
+    run_id = dep.trigger(BACKFILL, {"spec_path": spec, "source_table": table, "shard_size": 10, "workers": 2,
                                     "deadline": "+20h"})
     run = dep.wait_run(BACKFILL, run_id, timeout=400)
     tis = dep.task_instances(BACKFILL, run_id)
@@ -95,7 +98,7 @@ def test_backfill_with_params_publishes_and_emits_its_asset_event(live_airflow):
     # A second version of the dataset, published, then rolled back from the dashboard's API: DAGs
     # scheduled on the dataset's Asset hear of the rollback too.
     table = make_table(dep.ledger_url, "live_backfill_2", 20)
-    run_id = dep.trigger(BACKFILL, {"source_table": table, "shard_size": 10, "engine": "noop", "deadline": "+20h"})
+    run_id = dep.trigger(BACKFILL, {"spec_path": spec, "source_table": table, "shard_size": 10, "deadline": "+20h"})
     assert dep.wait_run(BACKFILL, run_id, timeout=400)["state"] == "success", dep.explain(BACKFILL, run_id)
     second = dep.xcom(BACKFILL, run_id, "submit")["job_version"]
     r = dep.http.post("/batch-inference/api/datasets/ticket_triage/rollback",
@@ -285,11 +288,17 @@ TEAMS = ("team:billing", "team:security", "team:support", "team:engineering", "t
 def review_run(dep: Any, name: str) -> tuple[str, str]:
     """A noop run of a spec with a human review gate, waiting at its review step: (run id, job version)."""
     table = make_table(dep.ledger_url, name, 12)
-    spec = make_spec(dep, name, engine={"name": "noop"}, model={"name": "noop", "digest": NOOP_DIGEST},
+    spec = make_spec(dep, name, engine={"name": "noop"}, model=NOOP_MODEL,
                      evaluation={"review": REVIEW_GATE}, validation={"sample_size": 4})
     run_id = dep.trigger(BACKFILL, {"spec_path": spec, "source_table": table, "shard_size": 6, "workers": 1,
                                     "deadline": "+20h", "review_timeout": "+30m"})
     dep.wait_task(BACKFILL, run_id, "review", ("deferred",), timeout=300)
+    # As a person would, answer after the triggerer has taken the wait: a response in the second
+    # between the deferral and that races the triggerer (the resumed try is killed; docs/airflow.md).
+    end = time.monotonic() + 60
+    while not ((dep.task_instances(BACKFILL, run_id)["review"].get("trigger") or {}).get("triggerer_id")):
+        assert time.monotonic() < end, "no triggerer took the review task's trigger"
+        time.sleep(0.5)
     return run_id, dep.xcom(BACKFILL, run_id, "submit")["job_version"]
 
 
