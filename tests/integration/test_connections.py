@@ -53,17 +53,18 @@ def iam(db_url, monkeypatch):
 
     monkeypatch.setattr(PostgresHook, "get_iam_token", get_iam_token)
     seen: list[dict] = []
-    sync_connect, async_connect = psycopg.connect, psycopg.AsyncConnection.connect
+    # Connection.connect, not psycopg.connect: db.connect opens its connection class's (the dashboard's is a subclass).
+    sync_connect, async_connect = psycopg.Connection.connect.__func__, psycopg.AsyncConnection.connect
 
-    def spy(conninfo="", *args, **kwargs):
+    def spy(cls, conninfo="", *args, **kwargs):
         seen.append(conninfo_to_dict(conninfo))
-        return sync_connect(conninfo, *args, **kwargs)
+        return sync_connect(cls, conninfo, *args, **kwargs)
 
     async def aspy(conninfo="", *args, **kwargs):
         seen.append(conninfo_to_dict(conninfo))
         return await async_connect(conninfo, *args, **kwargs)
 
-    monkeypatch.setattr(psycopg, "connect", spy)
+    monkeypatch.setattr(psycopg.Connection, "connect", classmethod(spy))
     monkeypatch.setattr(psycopg.AsyncConnection, "connect", staticmethod(aspy))
     return {"seen": seen, "asked": asked, "user": parts["user"]}
 
