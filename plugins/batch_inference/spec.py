@@ -304,7 +304,8 @@ class IcebergCatalog(_Strict):
     ``sql``: pyiceberg's SqlCatalog on a PostgreSQL (``uri`` a SQLAlchemy URL,
     else the ledger's own database), its tables in ``db_schema``. ``rest``: a
     REST catalog at ``uri``. ``glue``: AWS Glue. Credentials never go here:
-    they come from the environment (libpq's, pyiceberg's and AWS's variables)."""
+    they come from the environment (libpq's, pyiceberg's and AWS's variables)
+    or, for Glue and S3, from the Airflow connection ``Destination.aws_conn_id``."""
 
     type: Literal["sql", "rest", "glue"] = "sql"
     name: str = Field(default="ledger", min_length=1, max_length=64, pattern=r"^[a-z_][a-z0-9_]*$")
@@ -333,6 +334,10 @@ class Destination(_Strict):
     warehouse: str = Field(min_length=1, max_length=2048, description="a local path or s3://bucket/prefix")
     s3_endpoint: str | None = Field(default=None, max_length=2048, description="an S3-compatible endpoint URL")
     s3_region: str | None = Field(default=None, max_length=64)
+    aws_conn_id: str | None = Field(default=None, max_length=250, pattern=r"^[A-Za-z0-9_.-]+$",
+                                    description="an Airflow AWS connection (the amazon provider's) whose "
+                                    "credentials, region and endpoint_url Glue and S3 use; a name, not a "
+                                    "credential (without it: the environment's)")
     cleared_record_classes: list[str] = Field(default_factory=list, max_length=100, description="record classes "
                                               "that may be written here (as cleared_for_hosted does for endpoints)")
     target_file_rows: int = Field(default=1_000_000, ge=1_000, le=100_000_000,

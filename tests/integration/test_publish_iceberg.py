@@ -3,13 +3,16 @@ write: pyiceberg and DuckDB's iceberg extension (the PyPI package ``duckdb-exten
 from its file: DuckDB cannot download extensions here).
 
 Everything is real: the embedded PostgreSQL holds the ledger and pyiceberg's SQL catalog (schema
-``iceberg_catalog``), the warehouse is a local directory or an S3 bucket. The S3 server is moto on
-loopback (tests/fixtures/moto_server.py), the one stand-in: a real HTTP server speaking S3, not AWS.
+``iceberg_catalog``), the warehouse is a local directory or an S3 bucket, jobs run through the real
+worker and are published through the CLI. The S3 (and Glue) server is moto on loopback
+(tests/fixtures/moto_server.py), the one stand-in: a real HTTP server speaking S3 and Glue, not AWS.
 """
 
 from __future__ import annotations
 
 import importlib
+import json
+import logging
 import os
 import subprocess
 import sys
@@ -132,15 +135,42 @@ def same_rows_everywhere(conn, tbl, s3: str | None = None, schema: dict[str, Any
     return len(want)
 
 
-def check_round_trip(conn, db_url: str, dest: dict[str, Any], s3: str | None = None) -> None:
-    v1 = version(conn, db_url, 30, 0, "one", dest)
-    out1 = publish(conn, v1)
+def worker_version(conn, db_url: str, n: int, start: int, tag: str, dest: dict[str, Any]) -> str:
+    """A job version of ``n`` tickets (the default spec's triage schema) run by the real worker process
+    on the noop engine, then validated."""
+    from gpu_runner.worker import WorkerConfig, run_worker
+
+    make_source(conn, tickets(n, start))
+    job = submit(conn, make_spec(publish={"destinations": [dest]}, validation={"max_drift": 1.0})).job_version
+    assert run_worker(WorkerConfig(job_version=job, db_url=db_url)) == 0
+    assert validate(conn, job).passed
+    return job
+
+
+def through_the_cli(db_url: str, capsys):
+    """publish and rollback as a user runs them: ``batch-inference publish|rollback ... --json``."""
+    from batch_inference.cli import main as cli_main
+
+    def run(*argv: str) -> dict[str, Any]:
+        capsys.readouterr()
+        assert cli_main([*argv, "--db", db_url, "--json"]) == 0
+        return json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+
+    return (lambda conn, job: run("publish", job)), (lambda conn, dataset: run("rollback", dataset))
+
+
+def check_round_trip(conn, db_url: str, dest: dict[str, Any], s3: str | None = None, *, make=version,
+                     pub=publish, back=rollback, schema: dict[str, Any] = SCHEMA) -> None:
+    """Two versions published, the second again (a no-op), a rollback and a re-publish: the view and the
+    table's ``main`` move together, and pyiceberg and DuckDB read exactly the view's rows each time."""
+    v1 = make(conn, db_url, 30, 0, "one", dest)
+    out1 = pub(conn, v1)
     assert out1["changed"] and out1["destinations"][0]["changed"]
     ice, tbl = table(conn, dest)
-    assert same_rows_everywhere(conn, tbl, s3) == 30
-    v2 = version(conn, db_url, 40, 10, "two", dest)
-    out2 = publish(conn, v2)
-    assert same_rows_everywhere(conn, tbl, s3) == 40
+    assert same_rows_everywhere(conn, tbl, s3, schema) == 30
+    v2 = make(conn, db_url, 40, 10, "two", dest)
+    out2 = pub(conn, v2)
+    assert same_rows_everywhere(conn, tbl, s3, schema) == 40
     assert {"jv": v2, "main": ice.current()} == {"jv": v2, "main": v2}
     # The tag names the version's snapshot; the history records it beside the view's switch.
     snap2 = out2["destinations"][0]["snapshot_id"]
@@ -150,19 +180,21 @@ def check_round_trip(conn, db_url: str, dest: dict[str, Any], s3: str | None = N
     assert hist[0]["destinations"][0]["destination"] == f"iceberg:ledger.{TABLE}"
 
     # Idempotent: publishing it again changes nothing anywhere.
-    again = publish(conn, v2)
+    again = pub(conn, v2)
     assert not again["changed"] and not again["destinations"][0]["changed"]
     assert tbl.refresh().current_snapshot().snapshot_id == snap2
 
     # Rollback moves both pointers back; DuckDB and pyiceberg see v1's rows again.
-    back = rollback(conn, DATASET)
-    assert back["to_version"] == v1 and back["destinations"][0]["job_version"] == v1
-    assert same_rows_everywhere(conn, tbl, s3) == 30
-    assert ice.current() == v1
+    moved = back(conn, DATASET)
+    assert moved["to_version"] == v1 and moved["destinations"][0]["job_version"] == v1
+    assert published(conn, DATASET)["job_version"] == v1 and ice.current() == v1
+    assert same_rows_everywhere(conn, tbl, s3, schema) == 30
+    assert published(conn, DATASET)["history"][0]["destinations"][0]["snapshot_id"] \
+        == tbl.metadata.refs[v1].snapshot_id == tbl.current_snapshot().snapshot_id
     # Publishing v2 again only moves main to its tag: no new data files.
     files_before = len(tbl.refresh().inspect.all_files()) if hasattr(tbl.inspect, "all_files") else None
-    publish(conn, v2)
-    assert ice.current() == v2 and same_rows_everywhere(conn, tbl, s3) == 40
+    pub(conn, v2)
+    assert ice.current() == v2 and same_rows_everywhere(conn, tbl, s3, schema) == 40
     if files_before is not None:
         assert len(tbl.refresh().inspect.all_files()) == files_before
 
@@ -181,21 +213,17 @@ def test_publish_and_rollback_on_a_local_warehouse(conn, db_url, tmp_path):
     assert [r["table_name"] for r in found] == ["tickets"]
 
 
-def test_a_job_runs_end_to_end_and_the_cli_publishes_it_to_both(conn, db_url, tmp_path):
-    """The real worker (noop engine) and the CLI's publish; the S3 warehouse's round trip is the next test's."""
-    from batch_inference.cli import main as cli_main
+def test_a_job_runs_end_to_end_and_the_cli_publishes_it_to_both(conn, db_url, tmp_path, capsys):
+    """The real worker (noop engine) and the CLI's publish on a local warehouse; the S3 warehouse's
+    end-to-end round trip is the next-but-one test."""
     from batch_inference.data import TRIAGE_SCHEMA
-    from gpu_runner.worker import WorkerConfig, run_worker
 
-    s3 = None
     dest = destination(str(tmp_path / "warehouse"))
-    make_source(conn, tickets(25))
-    job = submit(conn, make_spec(publish={"destinations": [dest]})).job_version
-    assert run_worker(WorkerConfig(job_version=job, db_url=db_url)) == 0
-    assert validate(conn, job).passed
-    assert cli_main(["publish", job, "--db", db_url]) == 0
+    pub, _ = through_the_cli(db_url, capsys)
+    job = worker_version(conn, db_url, 25, 0, "one", dest)
+    assert pub(conn, job)["destinations"][0]["job_version"] == job
     _, tbl = table(conn, dest)
-    assert same_rows_everywhere(conn, tbl, s3, schema=TRIAGE_SCHEMA) == 25
+    assert same_rows_everywhere(conn, tbl, None, schema=TRIAGE_SCHEMA) == 25
     assert {r["transport"] for r in pyiceberg_rows(tbl)} == {"batch"}
 
 
@@ -211,38 +239,88 @@ def s3_bucket(moto_s3, monkeypatch):
     return moto_s3, name
 
 
-def test_publish_and_rollback_on_an_s3_warehouse(conn, db_url, s3_bucket):
+def test_a_job_runs_end_to_end_on_an_s3_warehouse_and_rolls_back(conn, db_url, s3_bucket, capsys):
+    """The issue's end to end on S3: jobs run by the real worker, the SQL catalog on the embedded
+    PostgreSQL, the warehouse on moto's S3 (on loopback: the stand-in for AWS), publish and rollback
+    through the CLI; pyiceberg and DuckDB read exactly the view's rows before and after the rollback."""
+    from batch_inference.data import TRIAGE_SCHEMA
+
     endpoint, bucket = s3_bucket
     dest = destination(f"s3://{bucket}/warehouse", s3_endpoint=endpoint, s3_region="us-east-1")
-    check_round_trip(conn, db_url, dest, s3=endpoint)
+    pub, back = through_the_cli(db_url, capsys)
+    check_round_trip(conn, db_url, dest, s3=endpoint, make=worker_version, pub=pub, back=back,
+                     schema=TRIAGE_SCHEMA)
     import boto3
 
     keys = [o["Key"] for o in boto3.client("s3", endpoint_url=endpoint).list_objects_v2(Bucket=bucket)["Contents"]]
     assert any(k.endswith(".parquet") for k in keys) and any(k.endswith(".metadata.json") for k in keys)
 
 
-def test_publish_and_rollback_with_a_glue_catalog(conn, db_url, s3_bucket):
-    """The Glue catalog through pyiceberg's GlueCatalog and boto3, against moto's Glue (a stand-in for AWS:
-    moto implements the calls pyiceberg makes, version checks of update_table included)."""
+GLUE_CONN = "bi_test_glue"
+
+
+@pytest.fixture
+def glue_connection(s3_bucket, monkeypatch):
+    """An Airflow AWS connection (``AIRFLOW_CONN_BI_TEST_GLUE``) holding keys moto accepts and, in its
+    extra, moto's endpoint and the region; the environment's AWS credentials are taken away, so Glue and S3
+    can only be reached with the connection's. Yields (endpoint, bucket, the connection's secret key)."""
     endpoint, bucket = s3_bucket
-    dest = destination(f"s3://{bucket}/warehouse", s3_endpoint=endpoint, s3_region="us-east-1",
-                       catalog={"type": "glue", "name": "glue", "uri": endpoint})
+    secret = f"bi-glue-secret-{os.urandom(8).hex()}"
+    monkeypatch.setenv("AIRFLOW_CONN_BI_TEST_GLUE", json.dumps({
+        "conn_type": "aws", "login": "AKIABITESTGLUE", "password": secret,
+        "extra": {"endpoint_url": endpoint, "region_name": "us-east-1"}}))
+    for name in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "AWS_DEFAULT_REGION",
+                 "AWS_REGION", "AWS_PROFILE"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", "/nonexistent")
+    monkeypatch.setenv("AWS_CONFIG_FILE", "/nonexistent")
+    monkeypatch.setenv("AWS_EC2_METADATA_DISABLED", "true")
+    return endpoint, bucket, secret
+
+
+def test_publish_and_rollback_with_a_glue_catalog_through_an_airflow_connection(conn, db_url, glue_connection,
+                                                                               caplog):
+    """The Glue catalog through pyiceberg's GlueCatalog against moto's Glue (a stand-in for AWS: moto
+    implements the calls pyiceberg makes, version checks of update_table included), its credentials,
+    region and endpoint from the Airflow connection named by ``aws_conn_id`` (the amazon provider's
+    hook), the S3 warehouse on the same moto server. The secret key is in no log line, the spec or the
+    publish history."""
+    import boto3
+
+    endpoint, bucket, secret = glue_connection
+    caplog.set_level(logging.DEBUG)
+    dest = destination(f"s3://{bucket}/warehouse", aws_conn_id=GLUE_CONN, catalog={"type": "glue", "name": "glue"})
     v1 = version(conn, db_url, 20, 0, "one", dest)
     v2 = version(conn, db_url, 25, 10, "two", dest)
     publish(conn, v1)
     out = publish(conn, v2)
     assert out["destinations"][0]["destination"] == f"iceberg:glue.{TABLE}"
-    spec = make_spec(output_schema=SCHEMA, publish={"destinations": [dest]})
-    (ice,) = for_spec(conn, spec)
-    tbl = ice.catalog().load_table(TABLE)
+    ice, tbl = table(conn, dest)
     assert same_rows_everywhere(conn, tbl, endpoint) == 25
     rollback(conn, DATASET)
     assert ice.current() == v1 and same_rows_everywhere(conn, tbl, endpoint) == 20
-    import boto3
-
-    glue = boto3.client("glue", endpoint_url=endpoint, region_name="us-east-1")
+    glue = boto3.client("glue", endpoint_url=endpoint, region_name="us-east-1", aws_access_key_id="x",
+                        aws_secret_access_key="x")
     assert glue.get_table(DatabaseName="analytics", Name="tickets")["Table"]["Parameters"]["metadata_location"] \
         == tbl.refresh().metadata_location
+    # Without the connection's keys there are none: the environment's are gone.
+    with pytest.raises(DestinationUnavailable) as err:
+        submit(conn, make_spec(output_schema=SCHEMA, publish={"destinations": [{**dest, "aws_conn_id": None}]}))
+    assert "\n" not in str(err.value)
+    # A connection that does not exist: one line at submit, before anything is written.
+    with pytest.raises(DestinationUnavailable, match="Airflow connection 'bi_no_such_conn': .*defined") as err:
+        submit(conn, make_spec(output_schema=SCHEMA, publish={"destinations": [
+            {**dest, "aws_conn_id": "bi_no_such_conn"}]}))
+    assert "\n" not in str(err.value)
+
+    # The secret is nowhere it could be read back: the log, the stored spec, the publish history.
+    assert ice.aws()["secret_key"] == secret      # it was used
+    stored = json.dumps([job_spec(conn, v).model_dump(mode="json") for v in (v1, v2)])
+    history = json.dumps(published(conn, DATASET), default=str)
+    dests = json.dumps(conn.execute("SELECT * FROM bi.publish_destinations").fetchall(), default=str)
+    assert caplog.text and GLUE_CONN in stored
+    for where, text in {"log": caplog.text, "spec": stored, "history": history + dests}.items():
+        assert secret not in text, where
 
 
 def test_a_reader_never_sees_a_mix_through_30_switches(conn, db_url, tmp_path):

@@ -21,9 +21,11 @@ or changes its type is refused, naming the field, unless forced with a reason.
 
 Catalogs: ``sql`` (pyiceberg's SqlCatalog on PostgreSQL: by default the
 ledger's own database, its tables in schema ``iceberg_catalog``), ``rest``
-and ``glue`` (pyiceberg's clients; credentials from the environment, never
-from the spec). The warehouse is a local path or ``s3://``; S3 credentials
-come from the environment (``AWS_ACCESS_KEY_ID``...), as pyarrow reads them.
+and ``glue`` (pyiceberg's clients). The warehouse is a local path or
+``s3://``. Credentials are never in the spec: Glue's and S3's come from the
+Airflow AWS connection the destination names (``aws_conn_id``, resolved by
+the amazon provider's hook, lazily: Airflow is imported only then), else from
+the environment (``AWS_ACCESS_KEY_ID``...), as boto3 and pyarrow read it.
 """
 
 from __future__ import annotations
@@ -55,10 +57,11 @@ FIXED = ("record_id", *FIXED_AFTER)
 TAG_PREFIX = "jv_"
 
 
-def _first_line(exc: BaseException, secret: str | None = None) -> str:
+def _first_line(exc: BaseException, *secrets: str) -> str:
     text = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
-    if secret:
-        text = text.replace(secret, "***")
+    for secret in secrets:
+        if secret:
+            text = text.replace(secret, "***")
     return re.sub(r"(//[^/@\s]*:)[^/@\s]*@", r"\1***@", text)[:300]
 
 
@@ -240,6 +243,37 @@ def _readable(t: Any) -> Any:
     return t
 
 
+# -- AWS credentials from an Airflow connection ---------------------------------
+
+def aws_connection(conn_id: str, region: str | None, name: str) -> dict[str, str]:
+    """The credentials, region and endpoints of the Airflow AWS connection ``conn_id``, resolved by the
+    amazon provider's hook (so whatever that connection does, an assumed role included, applies): keys
+    ``access_key``, ``secret_key``, ``token``, ``region``, ``glue_endpoint``, ``s3_endpoint`` (empty when
+    not set). Airflow is imported here, and only when a destination names a connection. Airflow masks the
+    secret key and token in task logs; the adapter keeps them out of its own error lines."""
+    try:
+        from airflow.providers.amazon.aws.hooks.base_aws import AwsGenericHook
+    except ImportError:
+        raise DestinationUnavailable(f"{name}: aws_conn_id {conn_id!r} needs Airflow's amazon provider "
+                                     "(pip install 'airflow-provider-batch-inference[airflow]')") from None
+    try:
+        hook = AwsGenericHook(aws_conn_id=conn_id, client_type="glue", region_name=region)
+        hook.get_connection(conn_id)   # one that is not defined is refused: the hook would use the environment's
+        if hook.get_session(region_name=region).get_credentials() is None:
+            raise DestinationUnavailable(f"{name}: Airflow connection {conn_id!r} has no AWS credentials "
+                                         "(nor does the environment)")
+        creds = hook.get_credentials(region_name=region)
+        wrapper = hook.conn_config
+        return {"access_key": creds.access_key, "secret_key": creds.secret_key, "token": creds.token or "",
+                "region": region or wrapper.region_name or "",
+                "glue_endpoint": wrapper.get_service_endpoint_url("glue") or "",
+                "s3_endpoint": wrapper.get_service_endpoint_url("s3") or ""}
+    except DestinationUnavailable:
+        raise
+    except Exception as exc:  # noqa: BLE001 - an unknown connection, an STS refusal: one line
+        raise DestinationUnavailable(f"{name}: Airflow connection {conn_id!r}: {_first_line(exc)}") from None
+
+
 # -- the adapter ---------------------------------------------------------------
 
 class IcebergTable(Destination):
@@ -252,8 +286,12 @@ class IcebergTable(Destination):
         self.spec = spec
         self.name = dest.name
         self._ledger = ledger
-        self._secret: str | None = None
+        self._secrets: list[str] = []     # what an error line must never show (a password, a secret key)
+        self._aws_settings: dict[str, str] | None = None
         self._catalog_obj: Any = None
+
+    def _line(self, exc: BaseException) -> str:
+        return _first_line(exc, *self._secrets)
 
     # -- where things are
     @property
@@ -261,26 +299,52 @@ class IcebergTable(Destination):
         w = self.dest.warehouse
         return w if "://" in w else "file://" + os.path.abspath(w)
 
+    def aws(self) -> dict[str, str]:
+        """The destination's Airflow AWS connection (``aws_conn_id``), resolved once; {} without one
+        (pyiceberg, boto3 and pyarrow then read the environment)."""
+        if self._aws_settings is None:
+            self._aws_settings = (aws_connection(self.dest.aws_conn_id, self.dest.s3_region, self.name)
+                                  if self.dest.aws_conn_id else {})
+            self._secrets += [v for k, v in self._aws_settings.items() if k in ("secret_key", "token") and v]
+        return self._aws_settings
+
+    def _s3_endpoint(self) -> str | None:
+        return self.dest.s3_endpoint or self.aws().get("s3_endpoint") or None
+
+    def _region(self) -> str | None:
+        return self.dest.s3_region or self.aws().get("region") or None
+
     def _io_properties(self) -> dict[str, str]:
         props: dict[str, str] = {}
-        if self.dest.s3_endpoint:
-            props["s3.endpoint"] = self.dest.s3_endpoint
-        if self.dest.s3_region:
-            props["s3.region"] = self.dest.s3_region
-        return props
+        if endpoint := self._s3_endpoint():
+            props["s3.endpoint"] = endpoint
+        if region := self._region():
+            props["s3.region"] = region
+        return {**props, **self._aws_keys("s3")}
+
+    def _aws_keys(self, prefix: str) -> dict[str, str]:
+        """The connection's credentials as pyiceberg's ``<prefix>.access-key-id`` ... properties."""
+        aws = self.aws()
+        names = {"access_key": "access-key-id", "secret_key": "secret-access-key", "token": "session-token"}
+        return {f"{prefix}.{p}": aws[k] for k, p in names.items() if aws.get(k)}
 
     def filesystem(self) -> Any:
-        """The pyarrow filesystem of the warehouse, and credentials from the environment."""
+        """The pyarrow filesystem of the warehouse; S3 credentials from the Airflow connection, else the
+        environment."""
         from pyarrow import fs
 
         if self.warehouse.startswith("s3://"):
             kw: dict[str, Any] = {}
-            if self.dest.s3_endpoint:
-                parts = urlsplit(self.dest.s3_endpoint)
+            if endpoint := self._s3_endpoint():
+                parts = urlsplit(endpoint)
                 kw["endpoint_override"] = parts.netloc
                 kw["scheme"] = parts.scheme or "https"
-            if self.dest.s3_region:
-                kw["region"] = self.dest.s3_region
+            if region := self._region():
+                kw["region"] = region
+            aws = self.aws()
+            if aws.get("access_key"):
+                kw.update(access_key=aws["access_key"], secret_key=aws["secret_key"],
+                          session_token=aws.get("token") or None)
             return fs.S3FileSystem(**kw)
         return fs.LocalFileSystem()
 
@@ -308,7 +372,7 @@ class IcebergTable(Destination):
         password = self._ledger.info.password
         if password:
             params["password"] = password
-            self._secret = password
+            self._secrets.append(password)
         params["options"] = f"-csearch_path={schema}"
         params.pop("sslcertmode", None)
         return URL.create("postgresql+psycopg", query=params).render_as_string(hide_password=False)
@@ -331,15 +395,15 @@ class IcebergTable(Destination):
             else:
                 from pyiceberg.catalog.glue import GlueCatalog
 
-                if self.dest.s3_region:
-                    props["glue.region"] = self.dest.s3_region
-                if c.uri:
-                    props["glue.endpoint"] = c.uri
-                self._catalog_obj = GlueCatalog(c.name, **props)
+                if region := self._region():
+                    props["glue.region"] = region
+                if endpoint := c.uri or self.aws().get("glue_endpoint"):
+                    props["glue.endpoint"] = endpoint
+                self._catalog_obj = GlueCatalog(c.name, **props, **self._aws_keys("glue"))
         except (DestinationUnavailable, DestinationRefused):
             raise
         except Exception as exc:  # noqa: BLE001 - every client's own errors: one line, retryable
-            raise DestinationUnavailable(f"{self.name}: catalog unreachable: {_first_line(exc, self._secret)}"
+            raise DestinationUnavailable(f"{self.name}: catalog unreachable: {self._line(exc)}"
                                          ) from None
         return self._catalog_obj
 
@@ -365,7 +429,7 @@ class IcebergTable(Destination):
         except (DestinationUnavailable, DestinationRefused):
             raise
         except Exception as exc:  # noqa: BLE001
-            raise DestinationUnavailable(f"{self.name}: catalog unreachable: {_first_line(exc, self._secret)}"
+            raise DestinationUnavailable(f"{self.name}: catalog unreachable: {self._line(exc)}"
                                          ) from None
 
     # -- the interface
@@ -379,7 +443,7 @@ class IcebergTable(Destination):
         except DestinationUnavailable:
             raise
         except Exception as exc:  # noqa: BLE001
-            raise DestinationUnavailable(f"{self.name}: catalog unreachable: {_first_line(exc, self._secret)}"
+            raise DestinationUnavailable(f"{self.name}: catalog unreachable: {self._line(exc)}"
                                          ) from None
         where = self.fs_path(self.warehouse)
         if self.warehouse.startswith("s3://"):
@@ -388,7 +452,7 @@ class IcebergTable(Destination):
             info = self.filesystem().get_file_info(where)
         except Exception as exc:  # noqa: BLE001
             raise DestinationUnavailable(f"{self.name}: warehouse {self.dest.warehouse} unreachable: "
-                                         f"{_first_line(exc)}") from None
+                                         f"{self._line(exc)}") from None
         if self.warehouse.startswith("s3://") and info.type.name == "NotFound":
             raise DestinationUnavailable(f"{self.name}: warehouse {self.dest.warehouse}: no such bucket")
 
@@ -450,7 +514,7 @@ class IcebergTable(Destination):
             raise
         except Exception as exc:  # noqa: BLE001 - a catalog or store down: nothing committed, retryable
             raise DestinationUnavailable(f"{self.name}: publish of {jv} failed before its commit: "
-                                         f"{_first_line(exc, self._secret)}; nothing was committed") from None
+                                         f"{self._line(exc)}; nothing was committed") from None
 
     def _lost_race(self, jv: str, previous: int | None, exc: Exception) -> Pointed:
         """Another publisher's commit came first: this version is live already, or the caller is told."""
@@ -461,7 +525,7 @@ class IcebergTable(Destination):
             return self._pointed(tbl, False, previous)
         raise DestinationRefused(f"{self.name}: another publisher committed first "
                                  f"(main is at {self.tag_of(tbl, self.main_snapshot(tbl)) if tbl else None}); "
-                                 f"nothing of {jv} was committed ({_first_line(exc)})") from None
+                                 f"nothing of {jv} was committed ({self._line(exc)})") from None
 
     def _write(self, tbl: Any, version: Version, *, force: bool, reason: str | None, previous: int | None) -> Pointed:
         import pyarrow.parquet as pq
@@ -550,7 +614,7 @@ class IcebergTable(Destination):
                 if fs.get_file_info(self.fs_path(d)).type != FileType.NotFound:
                     fs.delete_dir(self.fs_path(d))
             except Exception as exc:  # noqa: BLE001 - best effort: the next publish of the version retries
-                log.warning("%s: could not remove %s: %s", self.name, d, _first_line(exc))
+                log.warning("%s: could not remove %s: %s", self.name, d, self._line(exc))
 
     def _remove_orphans(self, fs: Any, base: str, *, keep: str) -> None:
         from pyarrow.fs import FileSelector, FileType
@@ -558,7 +622,7 @@ class IcebergTable(Destination):
         try:
             found = fs.get_file_info(FileSelector(self.fs_path(base), allow_not_found=True))
         except Exception as exc:  # noqa: BLE001
-            log.warning("%s: could not list %s for orphans: %s", self.name, base, _first_line(exc))
+            log.warning("%s: could not list %s for orphans: %s", self.name, base, self._line(exc))
             return
         stale = [i.path for i in found if i.type == FileType.Directory and i.base_name != keep]
         for path in stale:
@@ -566,7 +630,7 @@ class IcebergTable(Destination):
                 fs.delete_dir(path)
                 log.info("%s: removed orphaned files of an uncommitted attempt: %s", self.name, path)
             except Exception as exc:  # noqa: BLE001
-                log.warning("%s: could not remove orphans %s: %s", self.name, path, _first_line(exc))
+                log.warning("%s: could not remove orphans %s: %s", self.name, path, self._line(exc))
 
     def point_back(self, job_version: str) -> Pointed:
         from pyiceberg.exceptions import CommitFailedException
@@ -583,10 +647,10 @@ class IcebergTable(Destination):
             tbl = self._move_main(tbl, tag.snapshot_id)
         except CommitFailedException as exc:
             raise DestinationRefused(f"{self.name}: another publisher moved main first; rollback to {job_version} "
-                                     f"not made ({_first_line(exc)})") from None
+                                     f"not made ({self._line(exc)})") from None
         except Exception as exc:  # noqa: BLE001
             raise DestinationUnavailable(f"{self.name}: rollback to {job_version} failed: "
-                                         f"{_first_line(exc, self._secret)}; nothing was changed") from None
+                                         f"{self._line(exc)}; nothing was changed") from None
         return self._pointed(tbl, True, previous)
 
     def close(self) -> None:
