@@ -314,7 +314,8 @@ def test_publish_and_rollback_with_a_glue_catalog_through_an_airflow_connection(
     assert "\n" not in str(err.value)
 
     # The secret is nowhere it could be read back: the log, the stored spec, the publish history.
-    assert ice.aws()["secret_key"] == secret      # it was used
+    assert ice.aws()["secret_key"] == secret      # it was used, and an error line that held it would not show it
+    assert secret not in ice._line(RuntimeError(f"signature mismatch for {secret}"))
     stored = json.dumps([job_spec(conn, v).model_dump(mode="json") for v in (v1, v2)])
     history = json.dumps(published(conn, DATASET), default=str)
     dests = json.dumps(conn.execute("SELECT * FROM bi.publish_destinations").fetchall(), default=str)
@@ -638,6 +639,19 @@ def test_destinations_do_not_join_the_job_version_and_hold_no_credentials():
         with pytest.raises(SpecError, match=field.replace(".", r"\.")) as err:
             make_spec(output_schema=SCHEMA, publish={"destinations": [destination("/tmp/wh", **bad)]})
         assert "secret" not in str(err.value)
+    # aws_conn_id names a connection: a setting, not part of the job version; without it Airflow is not loaded.
+    with_conn = make_spec(output_schema=SCHEMA, publish={"destinations": [destination("/tmp/wh", aws_conn_id="lake")]})
+    assert with_conn.spec_hash == plain.spec_hash
+    with pytest.raises(SpecError, match="aws_conn_id"):
+        make_spec(output_schema=SCHEMA, publish={"destinations": [destination("/tmp/wh", aws_conn_id="a b")]})
+    no_airflow = ("import sys; from batch_inference.destinations.iceberg import IcebergTable; "
+                  "from tests.conftest import make_spec; s = make_spec(publish={'destinations': [{'identifier': "
+                  "'a.b', 'warehouse': 's3://b/w', 's3_endpoint': 'http://127.0.0.1:1'}]}); "
+                  "t = IcebergTable(s.publish.destinations[0], s); t._io_properties(); t.filesystem(); "
+                  "assert not [m for m in sys.modules if m.startswith('airflow')], 'airflow imported'")
+    proc = subprocess.run([sys.executable, "-c", no_airflow], capture_output=True, text=True, timeout=60,
+                          env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
+    assert proc.returncode == 0, proc.stderr[-2000:]
     with pytest.raises(SpecError, match="each destination may be named once"):
         make_spec(output_schema=SCHEMA, publish={"destinations": [destination("/a"), destination("/b")]})
 
