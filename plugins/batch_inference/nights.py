@@ -97,7 +97,8 @@ class NightsConfig:
         for name, low in (("nights", 1), ("records", 10), ("shard_size", 1), ("workers", 1),
                           ("concurrency", 1), ("parallel_shards", 1), ("lease_seconds", 1)):
             if getattr(self, name) < low:
-                raise InvalidValue(f"nights: {name.replace('_', ' ')} must be at least {low}, got {getattr(self, name)}")
+                raise InvalidValue(f"nights: {name.replace('_', ' ')} must be at least {low}, "
+                                   f"got {getattr(self, name)}")
         for name in ("deadline_s", "rate", "pool_rate", "batch_delay_s", "renew_seconds", "poll_s"):
             if not getattr(self, name) > 0:
                 raise InvalidValue(f"nights: {name.replace('_', ' ')} must be positive, got {getattr(self, name)}")
@@ -170,7 +171,9 @@ def draw_faults(seed: int, cfg: NightsConfig) -> Faults:
         throttle_s=round(r.uniform(0.5, 3.0), 2),
         throttle_share=round(r.uniform(0.2, 0.6), 2),
         retry_after_s=r.choice((1, 1, 2)),
-        slow_cancel_s=round(cfg.lease_seconds + r.uniform(0.0, 3.0), 2) if r.random() < 0.3 else None,
+        # Mostly on slowed nights: a slow cancel only bites when the cutoff fires with leases held.
+        slow_cancel_s=(round(cfg.lease_seconds + r.uniform(0.0, 3.0), 2)
+                       if r.random() < (0.6 if slow else 0.1) else None),
         db_restart_at=round(r.uniform(2.0, 0.6 * d), 2) if r.random() < 0.25 else None,
         drift=r.choice(DRIFTS) if r.random() < 0.35 else None,
         down_at_pool=round(r.uniform(0.5, 2.0), 2) if r.random() < 0.12 else None,

@@ -29,7 +29,8 @@ def register(sub: Any) -> None:
         ),
     )
     p.add_argument("--nights", type=int, default=3, help="how many nights (default 3)")
-    p.add_argument("--seed", type=int, default=0, help="the first night's seed; nights are SEED, SEED+1, ... (default 0)")
+    p.add_argument("--seed", type=int, default=0,
+                   help="the first night's seed; nights are SEED, SEED+1, ... (default 0)")
     p.add_argument("--night", type=int, metavar="SEED", help="replay the night of this seed alone")
     p.add_argument("--records", type=int, default=1200, help="records per night (default 1200)")
     p.add_argument("--workers", type=int, default=2, help="batch worker processes (default 2)")
