@@ -134,8 +134,8 @@ def arm_bare(records: int, max_tokens: int, system: str, prefix_caching: bool) -
 
 
 def stored_spec(spec):
-    """The spec as a worker reads it back from bi.jobs (jsonb reorders the schema's properties, and the
-    grammar makes the model write them in that order): every arm runs that one."""
+    """The spec as the worker arm's worker read it back (``status.job_spec``; the schema's property order
+    decides the order the grammar makes the model write them in): the other arms run that one."""
     from batch_inference.spec import JobSpec
 
     return JobSpec.model_validate(json.loads(os.environ["BENCH_STORED_SPEC"])) if "BENCH_STORED_SPEC" in os.environ \
@@ -147,6 +147,7 @@ def arm_worker(records: int, max_tokens: int) -> dict[str, Any]:
 
     from batch_inference import db
     from batch_inference.plan import submit
+    from batch_inference.status import job_spec
     from benchmarks.common import fresh_server
     from gpu_runner.worker import WorkerConfig, run_worker
 
@@ -165,7 +166,7 @@ def arm_worker(records: int, max_tokens: int) -> dict[str, Any]:
         with conn.cursor() as cur:
             cur.executemany("INSERT INTO public.tickets VALUES (%s, %s)", rows(records))
         job = submit(conn, spec).job_version
-        stored = conn.execute("SELECT spec FROM bi.jobs WHERE job_version = %s", (job,)).fetchone()["spec"]
+        stored = job_spec(conn, job).model_dump(mode="json")     # what the worker runs
         t0 = time.perf_counter()
         rc = run_worker(WorkerConfig(job_version=job, db_url=url, wait_for_leases=False))
         done = time.perf_counter()
