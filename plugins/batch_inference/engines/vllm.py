@@ -202,6 +202,29 @@ class PrefixCacheStats:
         return self.cached_tokens / self.prompt_tokens if self.prompt_tokens else None
 
 
+def _hasattr_or_false(obj: Any, name: str) -> bool:
+    try:
+        return hasattr(obj, name)
+    except Exception:  # noqa: BLE001 - an object whose attribute lookup raises has none to offer
+        return False
+
+
+def tolerate_proxies_in_kernel_scan() -> None:
+    """Let vLLM start in a process that imported Flask.
+
+    vLLM's CPU build (no triton) registers its kernel overrides by scanning every module's globals with
+    ``hasattr(value, "__dict__")`` (``vllm.triton_utils.dispatcher._rebind_kernels``, 0.32). A werkzeug
+    ``LocalProxy`` (``flask.current_app``, ``flask.request``: imported by moto's server or an Airflow web
+    component) raises ``RuntimeError`` there outside an application context, and ``vllm.LLM()`` fails.
+    The dispatcher module's own ``hasattr`` becomes one that answers False for such an object; nothing
+    else in the process changes."""
+    try:
+        from vllm.triton_utils import dispatcher
+    except ImportError:
+        return
+    dispatcher.hasattr = _hasattr_or_false
+
+
 class VllmEngine(Engine):
     name = "vllm"
     option_names = frozenset({*LLM_OPTIONS, "llm_kwargs"})
@@ -237,6 +260,7 @@ class VllmEngine(Engine):
             raise InvalidValue(f"engine 'vllm' needs the vllm package ({one_line(exc)}): {INSTALL_HINT}") from None
         # What vLLM raises for one request it will not take (a prompt over max_model_len, say).
         self._request_errors = (ValueError, TypeError, vllm.exceptions.VLLMClientError)
+        tolerate_proxies_in_kernel_scan()
         self._llm = vllm.LLM(**build_llm_kwargs(self.spec, self.options))
         self._sampling = make_sampling_params(sampling_module, self.spec)
 
