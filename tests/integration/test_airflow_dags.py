@@ -13,14 +13,12 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import yaml
 
 from batch_inference import db
 from batch_inference.commands.demo import load_tickets
-from batch_inference.data import DEMO_DATASET, DEMO_SPEC
+from batch_inference.data import DEMO_DATASET, write_noop_spec
 from batch_inference.spec import load_spec
 from batch_inference.status import job_counts
-from tests.conftest import NOOP_DIGEST
 from tests.fixtures.airflow_env import DAGS, airflow_home  # noqa: F401  (fixture)
 
 DAG_IDS = {"batch_inference_backfill", "batch_inference_nightly", "batch_inference_gpu", "batch_inference_hosted"}
@@ -148,15 +146,8 @@ def test_the_pipeline_builder_wires_any_launcher_between_submit_and_validate():
 # -- running -------------------------------------------------------------------
 
 def noop_spec(directory: Path, **over: Any) -> str:
-    """The demo spec on the noop engine (a worker refuses ``engine: noop`` over a spec pinning a real
-    model), ``over`` merged in, written to ``directory``; its path, for the ``spec_path`` Param."""
-    spec = yaml.safe_load(Path(DEMO_SPEC).read_text())
-    over = {"engine": {"name": "noop"}, "model": {"name": "noop", "digest": NOOP_DIGEST}, **over}
-    for key, value in over.items():
-        spec[key] = {**spec[key], **value} if isinstance(value, dict) and isinstance(spec.get(key), dict) else value
-    path = directory / f"{spec['dataset']}.yaml"
-    path.write_text(yaml.safe_dump(spec, sort_keys=False))
-    return str(path)
+    """The demo spec on the noop engine (``data.write_noop_spec``); its path, for the ``spec_path`` Param."""
+    return str(write_noop_spec(directory, **over))
 
 
 def run_backfill(conf: dict):

@@ -161,7 +161,7 @@ def run(args: argparse.Namespace) -> int:
     from psycopg import sql
 
     from batch_inference import db, embedded
-    from batch_inference.data import DEMO_DATASET, DEMO_SOURCE_TABLE, DEMO_SPEC
+    from batch_inference.data import DEMO_DATASET, DEMO_SOURCE_TABLE, DEMO_SPEC, write_noop_spec
     from batch_inference.db import normalize_url
 
     if not 1 <= args.records <= 320:
@@ -198,7 +198,9 @@ def run(args: argparse.Namespace) -> int:
             print(f"batch-inference demo: error: airflow db migrate failed; see {log_path}", file=sys.stderr)
             return 1
         stamp.touch()
-    conf = {"spec_path": str(DEMO_SPEC), "source_table": DEMO_SOURCE_TABLE, "shard_size": args.shard_size,
+    # The noop engine runs only a spec whose engine is noop (batch_inference.provenance): the demo spec on it.
+    spec_path = DEMO_SPEC if args.engine == "llama-cpp" else write_noop_spec(home)
+    conf = {"spec_path": str(spec_path), "source_table": DEMO_SOURCE_TABLE, "shard_size": args.shard_size,
             "workers": args.workers, "engine": args.engine}
     _step(f"airflow dags test {DAG_ID} with {json.dumps(conf)}; full output in {log_path}")
     t_dag = time.monotonic()

@@ -57,3 +57,23 @@ def expected_labels() -> dict[str, dict[str, str]]:
     """Each labelled sample ticket's id -> its true {category, priority}."""
     with TICKETS_EXPECTED.open(encoding="utf-8") as f:
         return {row["id"]: row["expected"] for row in map(json.loads, f)}
+
+
+# The model a noop-engine spec pins: the noop engine loads no weights.
+NOOP_MODEL: dict[str, str] = {"name": "noop", "digest": "0" * 64}
+
+
+def write_noop_spec(directory: Path, **over: Any) -> Path:
+    """The demo spec on the noop engine, ``over`` merged in (a dict one level deep), written to
+    ``directory/<dataset>.yaml``: a worker refuses ``engine: noop`` over a spec that pins a real model,
+    so a run without a model (``demo --engine noop``, the DAG tests) needs a spec of its own."""
+    import yaml
+
+    spec = yaml.safe_load(DEMO_SPEC.read_text())
+    over = {"engine": {"name": "noop"}, "model": dict(NOOP_MODEL), **over}
+    for key, value in over.items():
+        spec[key] = {**spec[key], **value} if isinstance(value, dict) and isinstance(spec.get(key), dict) else value
+    path = Path(directory) / f"{spec['dataset']}.yaml"
+    path.write_text(yaml.safe_dump(spec, sort_keys=False))
+    return path
+
