@@ -74,9 +74,9 @@ def test_structured_output_on_every_record_and_identical_on_a_rerun(vllm_engine,
     again = {o.record_id: o.text for o in engine.generate(reqs, threading.Event())}
     assert again == {k: o.text for k, o in first.items()}    # temperature 0: the same outputs
     # vLLM's own count of prompt tokens served from its prefix cache was read from every output.
-    assert engine.prefix_cache_total.prompt_tokens > 0 and engine.prefix_cache_total.hit_rate is not None
+    assert engine.prefix_cache.prompt_tokens > 0 and engine.prefix_cache.hit_rate is not None
     print(f"vllm: {len(reqs) / elapsed:.1f} records/s; prefix cache hit rate "
-          f"{engine.prefix_cache_total.hit_rate:.0%}")
+          f"{engine.prefix_cache.hit_rate:.0%}")
 
 
 def test_an_output_cut_at_max_tokens_is_a_failed_attempt_that_keeps_its_raw_text(vllm_engine, vllm_model):

@@ -238,8 +238,7 @@ class VllmEngine(Engine):
         self._llm: Any = None
         self._sampling: Any = None
         self._request_errors: tuple[type[BaseException], ...] = (ValueError, TypeError)
-        self.prefix_cache = PrefixCacheStats()     # this shard's (begin_shard resets it)
-        self.prefix_cache_total = PrefixCacheStats()
+        self.prefix_cache = PrefixCacheStats()     # since the last begin_shard
 
     def weights_files(self) -> list[Path]:
         """The model directory, hashed whole (it must hold safetensors: the only format loaded)."""
@@ -314,7 +313,6 @@ class VllmEngine(Engine):
                     if record_id is None:
                         continue
                     self.prefix_cache.add(output)
-                    self.prefix_cache_total.add(output)
                     yield parse_request_output(record_id, output)
         finally:
             # Stopped, or the consumer went away: nothing left of this call may keep generating.
