@@ -11,8 +11,10 @@ completes the shard. Now and then one stalls past its lease (the shard moves
 on; its next write is refused) or dies without a release (its connections
 close; a replacement starts, as a new pod would).
 
-At each level (``--workers 50,200,500``) all workers start at once; after
-``--warmup`` seconds the window of ``--seconds`` opens, and the line reports
+At each level (``--workers 50,200,500``) all workers start at once and, as
+the pod operator's workers do, each waits a random part of ``--start-jitter``
+seconds before its first claim; ``--warmup`` seconds after the last could
+have claimed, the window of ``--seconds`` opens, and the line reports
 for that window: sustained rows/s (the job's stored counter), renewals/s,
 p50/p99 of each ledger call, PostgreSQL CPU (and PgBouncer's) per 1,000 rows,
 client and server connections, backends seen waiting on a lock, and the
@@ -43,6 +45,7 @@ from psycopg.rows import dict_row
 
 from batch_inference import db
 from batch_inference.engines.noop import minimal_instance
+from batch_inference.ledger import FLEET_START_JITTER_SECONDS
 from batch_inference.plan import submit
 from batch_inference.status import job_counts
 from benchmarks.common import (BENCH_SCHEMA, PYTHON, REPO, ServerCpu, bench_spec, emit, fresh_server, machine,
@@ -69,6 +72,13 @@ def pct(xs: list[float], p: float) -> float:
     return xs[min(len(xs) - 1, int(p * (len(xs) - 1) + 0.5))]
 
 
+def window(a: argparse.Namespace) -> tuple[float, float]:
+    """The measured window: it opens --warmup seconds after the last worker's
+    start (--start-jitter after the fleet's), and lasts --seconds."""
+    opens = a.start + a.start_jitter + a.warmup
+    return opens, opens + a.seconds
+
+
 # -- one simulated worker ------------------------------------------------------------
 
 class Sim:
@@ -77,7 +87,7 @@ class Sim:
     def __init__(self, a: argparse.Namespace):
         self.a = a
         self.rng = random.Random(a.seed)
-        self.window = (a.start + a.warmup, a.start + a.warmup + a.seconds)
+        self.window = window(a)
         self.lat: dict[str, list[float]] = {c: [] for c in (*CALLS, *START)}
         self.count = {"renewals": 0, "rows_put": 0, "stale": 0, "stalls": 0, "kills": 0, "claims": 0,
                       "no_shard": 0, "errors": 0}
@@ -127,6 +137,8 @@ class Sim:
         end = self.window[1]
         main, renew_conn = await self.connect(), await self.connect()
         try:
+            # the worker's start: a random part of --start-jitter before its first claim
+            await asyncio.sleep(min(self.rng.uniform(0.0, a.start_jitter), max(0.0, end - time.time())))
             while time.time() < end:
                 claimed = await self.call(main, "claim_shard", "claim",
                                           {"job": a.job, "owner": name, "transport": "batch", "lease_s": None})
@@ -319,27 +331,27 @@ def level(a: argparse.Namespace, url: str, conn: psycopg.Connection, pooled_url:
 
     table = f"public.tickets_{workers}"
     # a first shard for each worker, and the shards that replace those finished in the run
-    need = workers * a.shard_size + int(workers * a.rate * (a.warmup + a.seconds + 5) * 1.1) \
+    need = workers * a.shard_size + int(workers * a.rate * (a.start_jitter + a.warmup + a.seconds + 5) * 1.1) \
         + workers * a.shard_size // 3
     make_tickets(conn, need, table=table)
     spec = bench_spec(table=table, shard_size=a.shard_size, lease_seconds=a.lease, renew_seconds=a.renew,
                       prompt={"version": f"scale_{workers}", "system": "Classify the support ticket."})
     job = submit(conn, spec).job_version
     prestore(conn, job, workers, a.seed)
-    start = time.time() + 2.0 + workers / 200   # time for the processes to start and import
-    window = (start + a.warmup, start + a.warmup + a.seconds)
+    a.start = time.time() + 2.0 + workers / 200   # time for the processes to start and import
+    win = window(a)
     per = [workers // a.processes + (1 if i < workers % a.processes else 0) for i in range(a.processes)]
     procs = [subprocess.Popen([PYTHON, "-m", "benchmarks.scale", "--child", "--url", pooled_url, "--job", job,
-                               "--workers", str(n), "--seconds", str(a.seconds), "--start", repr(start), "--name", f"p{i}",
+                               "--workers", str(n), "--seconds", str(a.seconds), "--start", repr(a.start), "--name", f"p{i}",
                                "--seed", str(i),
                                *a.passthrough], cwd=REPO, env=worker_env(url), stdout=subprocess.PIPE,
                               stderr=subprocess.PIPE, text=True)
              for i, n in enumerate(per) if n]
-    sampler = Sampler(url, pooled_url, job, window)
+    sampler = Sampler(url, pooled_url, job, win)
     sampler.start()
     server = ServerCpu(conn)
     bouncer = psutil.Process(bouncer_pid)
-    time.sleep(max(0.0, window[0] - time.time()))
+    time.sleep(max(0.0, win[0] - time.time()))
     clients = [psutil.Process(p.pid) for p in procs]
 
     def client_cpu() -> float:
@@ -348,7 +360,7 @@ def level(a: argparse.Namespace, url: str, conn: psycopg.Connection, pooled_url:
     w0 = conn.execute(WAL_LSN).fetchone()["lsn"]
     s0, b0, k0, c0, st0 = server(), sum(bouncer.cpu_times()[:2]), client_cpu(), job_counts(conn, job), \
         bouncer_stats(pooled_url)
-    time.sleep(max(0.0, window[1] - time.time()))
+    time.sleep(max(0.0, win[1] - time.time()))
     s1, b1, k1, c1, st1 = server(), sum(bouncer.cpu_times()[:2]), client_cpu(), job_counts(conn, job), \
         bouncer_stats(pooled_url)
     wal = conn.execute(WAL_SINCE, {"lsn": w0}).fetchone()["bytes"]
@@ -371,7 +383,7 @@ def level(a: argparse.Namespace, url: str, conn: psycopg.Connection, pooled_url:
     conn.execute(db.q("drop_job_version"), {"job": job})
     conn.execute(f"DROP TABLE {table}")
     rows = c1["stored"] - c0["stored"]
-    secs = window[1] - window[0]
+    secs = win[1] - win[0]
     return {
         "workers": workers, "offered_rows_s": rnd(workers * a.rate), "rows_s": rnd(rows / secs),
         "renewals_s": rnd(count["renewals"] / secs),
@@ -428,6 +440,7 @@ def run(a: argparse.Namespace) -> dict[str, Any]:
     return {"benchmark": "scale", "workers": a.workers, "seconds": a.seconds, "rate_per_worker": a.rate,
             "shard_size": a.shard_size, "renew_seconds": a.renew, "lease_seconds": a.lease,
             "flush_seconds": a.flush_seconds, "put_batch": put_batch, "processes": a.processes,
+            "start_jitter_seconds": a.start_jitter,
             "pg_settings": a.pg_setting,
             "pgbouncer": {"pool_mode": "transaction", "default_pool_size": a.pool_size},
             "ceiling_rows_s_by_batch": ceiling,
@@ -449,7 +462,9 @@ def main(argv: list[str] | None = None) -> int:
                     help="a server setting for the run (repeatable), e.g. wal_compression=lz4")
     # what each simulated worker does (passed on to the child processes)
     sim = argparse.ArgumentParser(add_help=False)
-    sim.add_argument("--warmup", type=float, default=10.0)
+    sim.add_argument("--warmup", type=float, default=10.0, help="after the fleet's start")
+    sim.add_argument("--start-jitter", type=float, default=FLEET_START_JITTER_SECONDS,
+                     help="each worker waits a random 0..S seconds before its first claim (the pod operator's)")
     sim.add_argument("--rate", type=float, default=18.7, help="records/s per worker (the seed's)")
     sim.add_argument("--renew", type=float, default=30.0, help="renew_seconds")
     sim.add_argument("--lease", type=int, default=90, help="lease_seconds")
