@@ -351,6 +351,8 @@ def level(a: argparse.Namespace, url: str, conn: psycopg.Connection, pooled_url:
     sampler.start()
     server = ServerCpu(conn)
     bouncer = psutil.Process(bouncer_pid)
+    time.sleep(max(0.0, a.start - time.time()))
+    st_start = bouncer_stats(pooled_url)
     time.sleep(max(0.0, win[0] - time.time()))
     clients = [psutil.Process(p.pid) for p in procs]
 
@@ -366,6 +368,8 @@ def level(a: argparse.Namespace, url: str, conn: psycopg.Connection, pooled_url:
     wal = conn.execute(WAL_SINCE, {"lsn": w0}).fetchone()["bytes"]
     d = {k: st1[k] - st0.get(k, 0.0) for k in st1}
     queries = max(d.get("total_query_count", 0.0), 1.0)
+    d_start = {k: st0[k] - st_start.get(k, 0.0) for k in st0}
+    queries_start = max(d_start.get("total_query_count", 0.0), 1.0)
     outs = []
     for p in procs:
         out, err = p.communicate(timeout=a.lease + a.seconds + 120)
@@ -399,6 +403,9 @@ def level(a: argparse.Namespace, url: str, conn: psycopg.Connection, pooled_url:
         "pgbouncer_mean_query_ms": rnd(d.get("total_query_time", 0.0) / queries / 1e3),
         "pgbouncer_mean_wait_ms": rnd(d.get("total_wait_time", 0.0) / queries / 1e3),
         "pgbouncer_queries_s": rnd(queries / secs),
+        # the same from the fleet's start to the window (the first claims and shard reads)
+        "start_pgbouncer_mean_query_ms": rnd(d_start.get("total_query_time", 0.0) / queries_start / 1e3),
+        "start_pgbouncer_mean_wait_ms": rnd(d_start.get("total_wait_time", 0.0) / queries_start / 1e3),
         # disk: what the window's results wrote to the WAL, and what a stored
         # result and a snapshot row take in their partitions (indexes included)
         "wal_bytes_per_row": rnd(float(wal) / max(rows, 1)),
@@ -433,8 +440,8 @@ def run(a: argparse.Namespace) -> dict[str, Any]:
             bouncer.close()
         version = pg_version(conn)
     top = levels[-1]
-    p99s = {c: v["p99"] for c, v in top["latency_ms"].items()
-            if c not in ("cutoff_poll", "claim_at_start_server") and v["n"]}
+    # the window's ledger calls (steady state); the fleet's first claims are reported beside
+    p99s = {c: top["latency_ms"][c]["p99"] for c in CALLS if c != "cutoff_poll" and top["latency_ms"][c]["n"]}
     met = (top["rows_s"] >= SEED_ROWS_S and top["renewals_per_30s"] >= SEED_RENEWALS_PER_30S
            and all(v < P99_TARGET_MS for v in p99s.values()))
     return {"benchmark": "scale", "workers": a.workers, "seconds": a.seconds, "rate_per_worker": a.rate,
@@ -446,8 +453,9 @@ def run(a: argparse.Namespace) -> dict[str, Any]:
             "ceiling_rows_s_by_batch": ceiling,
             "levels": levels,
             "ratio_to_ceiling": round(top["rows_s"] / ceiling["1000"], 3),
+            "first_claims_p99_ms": top["latency_ms"]["claim_at_start"]["p99"],
             "target": (f">= {SEED_ROWS_S} rows/s, >= {SEED_RENEWALS_PER_30S} renewals per 30 s and every ledger "
-                       f"call's p99 < {P99_TARGET_MS:.0f} ms at {top['workers']} workers"),
+                       f"call's p99 < {P99_TARGET_MS:.0f} ms in the window (steady state) at {top['workers']} workers"),
             "met": met, "postgres": version, "machine": machine()}
 
 
