@@ -113,8 +113,7 @@ class WorkerConfig:
     poll_seconds: float = _flag(5.0, "while others hold the last shards, look for an expired one this often")
     # The pod operator passes batch_inference.ledger.FLEET_START_JITTER_SECONDS.
     start_jitter_seconds: float = _flag(0.0, "before the first claim, wait a random 0..S seconds (a fleet "
-                                        "started at once spreads its first claims)",
-                                        env="BATCH_INFERENCE_START_JITTER_SECONDS")
+                                        "started at once spreads its first claims)")
     db_retries: int = _flag(8, "reconnect attempts on a lost database")
     progress_seconds: float = 30.0
     progress_every: int = 500
