@@ -111,6 +111,9 @@ class WorkerConfig:
     wait_for_leases: bool = _flag(True, "exit when nothing is claimable now", shown=False, flag="--no-wait",
                                   action="store_false")
     poll_seconds: float = _flag(5.0, "while others hold the last shards, look for an expired one this often")
+    # The pod operator passes batch_inference.ledger.FLEET_START_JITTER_SECONDS.
+    start_jitter_seconds: float = _flag(0.0, "before the first claim, wait a random 0..S seconds (a fleet "
+                                        "started at once spreads its first claims)")
     db_retries: int = _flag(8, "reconnect attempts on a lost database")
     progress_seconds: float = 30.0
     progress_every: int = 500
@@ -129,7 +132,7 @@ class WorkerConfig:
              f"between 1 and {MAX_LEASE_SECONDS:,}")
         # 0 starts, loads the engine and exits without claiming (the memory benchmark's baseline).
         need("max_shards", self.max_shards is None or self.max_shards >= 0, "at least 0")
-        for name in ("grace_seconds", "flush_seconds", "poll_seconds"):
+        for name in ("grace_seconds", "flush_seconds", "poll_seconds", "start_jitter_seconds"):
             value = getattr(self, name)
             need(name, math.isfinite(value) and 0 <= value <= 86_400, "between 0 and 86,400 seconds")
 
@@ -252,6 +255,8 @@ class Worker:
         self.transport = cfg.transport if cfg.transport == "fallback" else self.engine.transport
         self.ledger = Ledger(self.conn, cfg.job_version, self.owner, self.transport, cfg.lease_seconds, *made_by)
         self._install_signals()
+        if cfg.start_jitter_seconds:
+            self.stop.wait(random.uniform(0.0, cfg.start_jitter_seconds))   # a preemption notice ends it
 
         while not self.stop.is_set():
             if cfg.max_shards is not None and self.stats["shards"] >= cfg.max_shards:

@@ -25,6 +25,13 @@ from batch_inference.exceptions import BatchInferenceError
 from batch_inference.outputs import storable_text
 
 
+# A fleet started at once (the pod operator's worker slots) spreads its first
+# claims over this many seconds: each worker waits a random part of it before
+# its first claim (gpu_runner.worker, --start-jitter-seconds), so the claims and
+# first shard reads do not all queue for the ledger's connections together.
+FLEET_START_JITTER_SECONDS = 10.0
+
+
 class StaleLease(BatchInferenceError, RuntimeError):
     """The shard was re-leased (our epoch is stale): our write was refused."""
 

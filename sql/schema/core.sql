@@ -10,6 +10,8 @@
 -- Everything lives in schema bi. Per-record tables (snapshot rows, results,
 -- dead letters, attempts) are LIST-partitioned by job_version, so a whole job
 -- version is dropped with DROP TABLE on its partitions, never a row-by-row DELETE.
+-- A job's results partition is HASH-partitioned by record_id under that
+-- (bi.create_job_partitions_v1, ledger.sql).
 
 CREATE SCHEMA IF NOT EXISTS bi;
 

@@ -198,6 +198,60 @@ def test_drop_job_version_drops_partitions(conn, job):
     assert conn.execute("SELECT count(*) AS n FROM bi.shards").fetchone()["n"] == 0
 
 
+RESULT_LEAVES = """
+SELECT t.relid::regclass::text AS leaf, (SELECT count(*) FROM bi.results r
+                                          WHERE r.job_version = %(job)s AND r.tableoid = t.relid) AS n
+  FROM pg_partition_tree(format('bi.%%I', 'results_' || substr(md5(%(job)s), 1, 16))::regclass) t
+ WHERE t.isleaf ORDER BY 1"""
+
+
+def left_of(conn, job: str) -> int:
+    """Relations of the job's results partition still there: its tables and their indexes."""
+    return conn.execute("SELECT count(*) AS n FROM pg_class WHERE relname LIKE 'results_' || substr(md5(%s), 1, 16) "
+                        "|| '%%'", (job,)).fetchone()["n"]
+
+
+def put_the_whole_job(conn, job: str) -> int:
+    """Every shard claimed, put twice (the second put stores nothing) and completed; the rows stored."""
+    lg = Ledger(conn, job, "w", engine="noop", endpoint="local")
+    stored = 0
+    while (lease := lg.claim()) is not None:
+        ids = [r["record_id"] for r in lg.records(lease)]
+        stored += lg.put_results(lease, ids, [OUT] * len(ids), ["billing"] * len(ids))
+        assert lg.put_results(lease, ids, [OUT] * len(ids), ["billing"] * len(ids)) == 0
+        assert lg.complete(lease) == "done"
+    return stored
+
+
+def test_a_jobs_results_are_hash_partitioned_by_record_id_and_stored_once(conn, job):
+    assert left_of(conn, job) == 18       # the partition, its 8 leaves, and the primary key of each
+    assert put_the_whole_job(conn, job) == 25
+    leaves = conn.execute(RESULT_LEAVES, {"job": job}).fetchall()
+    # eight tables, each with its own extension lock, the job's rows spread over them
+    assert len(leaves) == 8 and sum(x["n"] for x in leaves) == 25
+    assert sum(1 for x in leaves if x["n"]) > 1
+    r = conn.execute("SELECT count(*) AS n, count(DISTINCT record_id) AS d FROM bi.results WHERE job_version = %s",
+                     (job,)).fetchone()
+    assert r["n"] == r["d"] == 25
+    assert job_counts(conn, job)["stored"] == 25
+    assert drop_job_version(conn, job)
+    assert left_of(conn, job) == 0
+
+
+def test_a_flat_results_partition_from_before_0018_still_takes_puts_and_drops(conn, job):
+    # the shape create_job_partitions_v1 made before migration 0018: one table
+    part = conn.execute("SELECT 'results_' || substr(md5(%s), 1, 16) AS p", (job,)).fetchone()["p"]
+    conn.execute(f"ALTER TABLE bi.results DETACH PARTITION bi.{part}")
+    conn.execute(f"DROP TABLE bi.{part}")
+    conn.execute(f"CREATE TABLE bi.{part} (LIKE bi.results INCLUDING DEFAULTS INCLUDING CONSTRAINTS)")
+    conn.execute(f"ALTER TABLE bi.results ATTACH PARTITION bi.{part} FOR VALUES IN ('{job}')")
+    assert [x["leaf"] for x in conn.execute(RESULT_LEAVES, {"job": job})] == [f"bi.{part}"]
+    assert put_the_whole_job(conn, job) == 25
+    assert conn.execute(RESULT_LEAVES, {"job": job}).fetchone()["n"] == 25
+    assert drop_job_version(conn, job)
+    assert left_of(conn, job) == 0
+
+
 # -- crash poison (sql/schema/ledger.sql) -----------------------------------
 
 def attempts_row(conn, job: str, rid: str):

@@ -48,6 +48,30 @@ def test_worker_runs_a_job_to_the_end_in_process(conn, db_url):
     assert row["acl"] is not None and row["output"]["category"] == "billing"
 
 
+def test_the_worker_waits_a_random_part_of_its_start_jitter_before_the_first_claim(monkeypatch, conn, db_url):
+    import gpu_runner.worker as worker
+
+    make_source(conn, tickets(35))
+    job = submit(conn, make_spec()).job_version
+    drawn: list[tuple[float, float]] = []
+    uniform = worker.random.uniform
+
+    def draw(a: float, b: float) -> float:
+        if (a, b) == (0.0, 0.6):
+            drawn.append((a, b))
+            return 0.5
+        return uniform(a, b)
+
+    monkeypatch.setattr(worker.random, "uniform", draw)
+    t0 = conn.execute("SELECT clock_timestamp() AS t").fetchone()["t"]
+    assert run_worker(WorkerConfig(job_version=job, db_url=db_url, start_jitter_seconds=0.6)) == 0
+    assert drawn == [(0.0, 0.6)]                              # once, before the first claim only
+    first = conn.execute("SELECT min(first_claim_at) AS t FROM bi.shards WHERE job_version = %s",
+                         (job,)).fetchone()["t"]
+    assert (first - t0).total_seconds() >= 0.5                # no claim before the drawn wait was over
+    assert job_counts(conn, job)["stored"] == 35
+
+
 def _wait_for_stored(conn, job: str, at_least: int, timeout_s: float = 30) -> None:
     """Return once the job has ``at_least`` stored rows (an event in the ledger, not a guess at timing)."""
     deadline = time.monotonic() + timeout_s

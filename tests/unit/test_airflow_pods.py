@@ -12,6 +12,8 @@ import tests.fixtures.airflow_env  # noqa: F401  (before anything imports Airflo
 
 import pytest
 
+from batch_inference.ledger import FLEET_START_JITTER_SECONDS
+
 kubernetes_validate = pytest.importorskip("kubernetes_validate")
 
 JOB = "jv_0123456789abcdef"
@@ -42,6 +44,8 @@ def test_the_pod_spec_is_valid_kubernetes_and_carries_the_gpu_settings():
     (c,) = spec["containers"]
     assert c["command"] == ["batch-inference"]
     assert c["args"][:2] == ["worker", JOB] and "--grace-seconds" in c["args"]
+    # the slots' pods start together: each worker waits a random part of this before its first claim
+    assert c["args"][c["args"].index("--start-jitter-seconds") + 1] == str(FLEET_START_JITTER_SECONDS)
     assert c["resources"]["limits"]["nvidia.com/gpu"] == "2"
     keys = {(t["key"], t.get("value"), t["effect"]) for t in spec["tolerations"]}
     assert ("nvidia.com/gpu", None, "NoSchedule") in keys

@@ -20,6 +20,7 @@ from airflow.sdk import Context
 from airflow.sdk.exceptions import AirflowFailException
 
 from batch_inference.hooks.batch_inference import BatchInferenceHook
+from batch_inference.ledger import FLEET_START_JITTER_SECONDS
 from batch_inference.operators.grants import grant_worker_role
 
 DEFAULT_IMAGE = "batch-inference-gpu:0.1.0"
@@ -68,6 +69,8 @@ class GpuWorkerPodOperator(KubernetesPodOperator):
     :param engine: engine name overriding the spec's (e.g. ``vllm``).
     :param kueue_queue: Kueue LocalQueue name; sets ``kueue.x-k8s.io/queue-name``.
     :param model_pvc: a PersistentVolumeClaim with the weights, mounted read-only at ``model_mount_path``.
+    :param start_jitter_seconds: the worker waits a random 0..S seconds before its first claim, so the
+        slots' pods, started together, spread their first claims.
     :param grant_role: the worker login role (or a group of them, ``bi_worker`` for all) the job
         version is granted to before the pod starts; None skips the grant.
     :param postgres_conn_id: Airflow's connection to the ledger, used only for that grant.
@@ -81,6 +84,7 @@ class GpuWorkerPodOperator(KubernetesPodOperator):
                  kueue_priority_class: str | None = None, node_selector: Mapping[str, str] | None = None,
                  tolerations: list[Any] | None = None, extra_tolerations: list[Any] | None = None,
                  grace_seconds: int = 90, grace_margin_seconds: int = 15,
+                 start_jitter_seconds: float = FLEET_START_JITTER_SECONDS,
                  worker_db_secret: str = "batch-inference-worker-db", worker_db_secret_key: str = "url",
                  service_account_name: str = "batch-inference-worker", model_pvc: str | None = None,
                  model_mount_path: str = "/models", shm_size: str | None = "16Gi",
@@ -91,7 +95,8 @@ class GpuWorkerPodOperator(KubernetesPodOperator):
         from kubernetes.client import models as k8s
 
         self.worker_slot = worker_slot
-        arguments: list[Any] = ["worker", job_version, "--grace-seconds", str(grace_seconds)]
+        arguments: list[Any] = ["worker", job_version, "--grace-seconds", str(grace_seconds),
+                                "--start-jitter-seconds", str(start_jitter_seconds)]
         if engine:
             arguments += ["--engine", engine]
         env_vars = [
