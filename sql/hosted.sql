@@ -22,8 +22,8 @@ SELECT shard_no, intent_no, idem_key, provider, epoch, provider_batch_id, input_
        cardinality(record_ids) AS requests, created_at, confirmed_at, cancel_requested_at, ended_at, reconciled_at
   FROM bi.hosted_batches WHERE job_version = %(job)s ORDER BY shard_no, intent_no;
 
--- name: hosted_cost_rows  rows a job stored through hosted batch, and the provider's reported usage of its batches
-SELECT (SELECT count(*) FROM bi.results r WHERE r.job_version = %(job)s AND r.transport = 'hosted_batch') AS rows,
+-- name: hosted_cost_rows  rows a job stored through hosted batch (the stripes' stored_hosted counters, never a scan of results), and the provider's reported usage of its batches
+SELECT (SELECT coalesce(sum(c.stored_hosted), 0) FROM bi.shard_stripes c WHERE c.job_version = %(job)s) AS rows,
        (SELECT sum(h.input_tokens) FROM bi.hosted_batches h WHERE h.job_version = %(job)s) AS input_tokens,
        (SELECT sum(h.output_tokens) FROM bi.hosted_batches h WHERE h.job_version = %(job)s) AS output_tokens,
        (SELECT count(*) FROM bi.hosted_batches h

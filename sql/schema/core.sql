@@ -102,6 +102,7 @@ CREATE TABLE IF NOT EXISTS bi.shards (
     records          integer NOT NULL,
     stored           integer NOT NULL DEFAULT 0,  -- results written under this shard (any transport)
     stored_fallback  integer NOT NULL DEFAULT 0,  -- of which by the synchronous fallback pool
+    stored_hosted    integer NOT NULL DEFAULT 0,  -- of which through a hosted batch API
     dead             integer NOT NULL DEFAULT 0,
     first_claim_at   timestamptz,
     done_at          timestamptz,

@@ -2,7 +2,7 @@
 -- same at ten shards or a hundred thousand, and the ledger's autovacuum
 -- settings.
 --
--- bi.shards holds each shard's counters (stored, stored_fallback, dead) and
+-- bi.shards holds each shard's counters (stored, stored_fallback, stored_hosted, dead) and
 -- state; the cutoff polls their totals. Summing the shard table grows with
 -- the shards, and one job-wide row that every write updates would serialize
 -- every worker's put on it. So the totals live in bi.shard_stripes, one row
@@ -20,6 +20,7 @@ CREATE TABLE IF NOT EXISTS bi.shard_stripes (
     done            bigint NOT NULL DEFAULT 0,
     stored          bigint NOT NULL DEFAULT 0,   -- the sums of the shards' counters
     stored_fallback bigint NOT NULL DEFAULT 0,
+    stored_hosted   bigint NOT NULL DEFAULT 0,
     dead            bigint NOT NULL DEFAULT 0,
     first_claim_at  timestamptz,                 -- the earliest first claim of the stripe's shards
     PRIMARY KEY (job_version, stripe)
@@ -33,18 +34,19 @@ LANGUAGE sql IMMUTABLE AS $$ SELECT 1024 $$;
 CREATE OR REPLACE FUNCTION bi.stripes_add_shards_v1() RETURNS trigger
 LANGUAGE plpgsql SET search_path = pg_catalog, pg_temp AS $$
 BEGIN
-    INSERT INTO bi.shard_stripes AS t (job_version, stripe, pending, leased, done, stored, stored_fallback, dead,
-                                       first_claim_at)
+    INSERT INTO bi.shard_stripes AS t (job_version, stripe, pending, leased, done, stored, stored_fallback,
+                                       stored_hosted, dead, first_claim_at)
     SELECT n.job_version, n.shard_no % bi.shard_stripe_count_v1(),
            count(*) FILTER (WHERE n.state = 'pending'), count(*) FILTER (WHERE n.state = 'leased'),
            count(*) FILTER (WHERE n.state = 'done'),
-           sum(n.stored), sum(n.stored_fallback), sum(n.dead), min(n.first_claim_at)
+           sum(n.stored), sum(n.stored_fallback), sum(n.stored_hosted), sum(n.dead), min(n.first_claim_at)
       FROM added n
      GROUP BY 1, 2
     ON CONFLICT (job_version, stripe) DO UPDATE
        SET pending = t.pending + excluded.pending, leased = t.leased + excluded.leased,
            done = t.done + excluded.done, stored = t.stored + excluded.stored,
-           stored_fallback = t.stored_fallback + excluded.stored_fallback, dead = t.dead + excluded.dead,
+           stored_fallback = t.stored_fallback + excluded.stored_fallback,
+           stored_hosted = t.stored_hosted + excluded.stored_hosted, dead = t.dead + excluded.dead,
            first_claim_at = least(t.first_claim_at, excluded.first_claim_at);
     RETURN NULL;
 END $$;
@@ -56,12 +58,13 @@ BEGIN
     UPDATE bi.shard_stripes t
        SET pending = t.pending - o.pending, leased = t.leased - o.leased, done = t.done - o.done,
            stored = t.stored - o.stored, stored_fallback = t.stored_fallback - o.stored_fallback,
-           dead = t.dead - o.dead
+           stored_hosted = t.stored_hosted - o.stored_hosted, dead = t.dead - o.dead
       FROM (SELECT r.job_version, r.shard_no % bi.shard_stripe_count_v1() AS stripe,
                    count(*) FILTER (WHERE r.state = 'pending') AS pending,
                    count(*) FILTER (WHERE r.state = 'leased') AS leased,
                    count(*) FILTER (WHERE r.state = 'done') AS done,
-                   sum(r.stored) AS stored, sum(r.stored_fallback) AS stored_fallback, sum(r.dead) AS dead
+                   sum(r.stored) AS stored, sum(r.stored_fallback) AS stored_fallback,
+                   sum(r.stored_hosted) AS stored_hosted, sum(r.dead) AS dead
               FROM removed r GROUP BY 1, 2) o
      WHERE t.job_version = o.job_version AND t.stripe = o.stripe;
     RETURN NULL;
@@ -78,6 +81,7 @@ BEGIN
            done = t.done + (NEW.state = 'done')::integer - (OLD.state = 'done')::integer,
            stored = t.stored + NEW.stored - OLD.stored,
            stored_fallback = t.stored_fallback + NEW.stored_fallback - OLD.stored_fallback,
+           stored_hosted = t.stored_hosted + NEW.stored_hosted - OLD.stored_hosted,
            dead = t.dead + NEW.dead - OLD.dead,
            first_claim_at = least(t.first_claim_at, NEW.first_claim_at)
      WHERE t.job_version = NEW.job_version AND t.stripe = NEW.shard_no % bi.shard_stripe_count_v1();
@@ -91,10 +95,11 @@ DROP TRIGGER IF EXISTS shards_stripes_delete ON bi.shards;
 CREATE TRIGGER shards_stripes_delete AFTER DELETE ON bi.shards
     REFERENCING OLD TABLE AS removed FOR EACH STATEMENT EXECUTE FUNCTION bi.stripes_remove_shards_v1();
 DROP TRIGGER IF EXISTS shards_stripes_update ON bi.shards;
-CREATE TRIGGER shards_stripes_update AFTER UPDATE OF state, stored, stored_fallback, dead, first_claim_at
-    ON bi.shards FOR EACH ROW
+CREATE TRIGGER shards_stripes_update AFTER UPDATE OF state, stored, stored_fallback, stored_hosted, dead,
+    first_claim_at ON bi.shards FOR EACH ROW
     WHEN (OLD.state IS DISTINCT FROM NEW.state OR OLD.stored IS DISTINCT FROM NEW.stored
-          OR OLD.stored_fallback IS DISTINCT FROM NEW.stored_fallback OR OLD.dead IS DISTINCT FROM NEW.dead
+          OR OLD.stored_fallback IS DISTINCT FROM NEW.stored_fallback
+          OR OLD.stored_hosted IS DISTINCT FROM NEW.stored_hosted OR OLD.dead IS DISTINCT FROM NEW.dead
           OR OLD.first_claim_at IS DISTINCT FROM NEW.first_claim_at)
     EXECUTE FUNCTION bi.stripes_change_shard_v1();
 

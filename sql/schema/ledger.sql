@@ -446,7 +446,8 @@ BEGIN
     GET DIAGNOSTICS n = ROW_COUNT;
     UPDATE bi.shards s
        SET stored = s.stored + n,
-           stored_fallback = s.stored_fallback + CASE WHEN p_transport = 'fallback' THEN n ELSE 0 END
+           stored_fallback = s.stored_fallback + CASE WHEN p_transport = 'fallback' THEN n ELSE 0 END,
+           stored_hosted = s.stored_hosted + CASE WHEN p_transport = 'hosted_batch' THEN n ELSE 0 END
      WHERE s.job_version = p_job AND s.shard_no = p_shard;
     stale := false;
 END $$;

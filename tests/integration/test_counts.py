@@ -119,3 +119,55 @@ def test_the_poll_reads_at_most_one_row_per_stripe(conn, shards):
     cap = conn.execute("SELECT bi.shard_stripe_count_v1() AS n").fetchone()["n"]
     assert n == min(shards, cap)
     assert same_as_shards(conn, job)["shards"]["pending"] == shards
+
+
+HOSTED_FROM_RESULTS = "SELECT count(*) AS n FROM bi.results WHERE job_version = %s AND transport = 'hosted_batch'"
+
+
+def _hosted_rows(conn: psycopg.Connection, job: str) -> int:
+    return int(conn.execute(db.q("hosted_cost_rows"), {"job": job}).fetchone()["rows"])
+
+
+def _put_some(db_url: str, job: str, transport: str, n: int) -> None:
+    w = Ledger(db.connect(db_url), job, f"w-{transport}", transport=transport)
+    lease = w.claim()
+    ids = sorted(r["record_id"] for r in w.records(lease))[:n]
+    assert w.put_results(lease, ids, [OUT] * n, ["billing"] * n) == n
+    assert w.put_results(lease, ids, [OUT] * n, ["billing"] * n) == 0     # nothing new: no count
+    w.release(lease)
+
+
+def test_hosted_rows_are_counted_on_the_shard_and_its_stripe(conn, db_url):
+    make_source(conn, tickets(30))
+    job = submit(conn, make_spec(shard_size=10)).job_version
+    _put_some(db_url, job, "hosted_batch", 4)
+    _put_some(db_url, job, "fallback", 3)
+    _put_some(db_url, job, "batch", 2)
+    assert _hosted_rows(conn, job) == conn.execute(HOSTED_FROM_RESULTS, (job,)).fetchone()["n"] == 4
+    by_shards = conn.execute("SELECT sum(stored_hosted) AS n FROM bi.shards WHERE job_version = %s",
+                             (job,)).fetchone()["n"]
+    assert by_shards == 4
+    c = same_as_shards(conn, job)
+    assert (c["stored"], c["stored_fallback"], c["stored_batch"]) == (9, 3, 6)   # stored_batch holds the hosted rows
+
+
+def test_the_migration_counts_the_hosted_rows_of_existing_jobs(empty_db):
+    url = empty_db()
+    with db.connect(url) as conn:
+        with conn.transaction():     # every migration before 0017, recorded as db.migrate records them
+            conn.execute(db.q("migrations_table"))
+            for path in db.migrations():
+                if path.name >= "0017":
+                    break
+                conn.execute(path.read_text())
+                conn.execute(db.q("migration_record"), {"name": path.name, "checksum": _checksum(path)})
+        make_source(conn, tickets(30))
+        job = submit(conn, make_spec(shard_size=10)).job_version
+        for transport, n in (("hosted_batch", 5), ("hosted_batch", 2), ("fallback", 1)):
+            w = Ledger(db.connect(url), job, f"w-{transport}-{n}", transport=transport)
+            lease = w.claim()
+            ids = sorted(r["record_id"] for r in w.records(lease))[:n]
+            w.put_results(lease, ids, [OUT] * n, ["billing"] * n)
+        assert "0017_stored_hosted.sql" in db.migrate(conn)
+        assert _hosted_rows(conn, job) == conn.execute(HOSTED_FROM_RESULTS, (job,)).fetchone()["n"] == 7
+        same_as_shards(conn, job)
