@@ -34,6 +34,7 @@ KEYS = {
                     "startup_s", "peak_rss_mib", "outputs_identical", "prefix_cache_ratio"},
     "lakehouse": {"records", "parquet_s", "iceberg_s", "ratio", "parquet_write_only_s", "rollback",
                   "rollback_size_ratio"},
+    "reads": {"sizes", "shard_size", "round_trip_ms", "queries", "over_target", "max_ratio"},
 }
 
 
@@ -118,6 +119,19 @@ def check_lakehouse(out: dict) -> None:
     assert out["records"] == 5000 and out["parquet_s"] > 0 and out["iceberg_s"] > 0 and out["ratio"] > 0
     assert set(out["rollback"]) == {"500", "5000"}
     assert all(r["rollback_s"] > 0 and r["republish_s"] > 0 for r in out["rollback"].values())
+
+
+def check_reads(out: dict) -> None:
+    small, large = out["sizes"]
+    assert large == 10 * small
+    # every dashboard and status read the benchmark names, each timed at both sizes
+    assert {"job_counts", "hosted_cost_rows", "shard_states", "dead_letter_reasons", "category_counts"} <= \
+        out["queries"].keys()
+    for row in out["queries"].values():
+        assert set(row["ms"]) == {str(small), str(large)} and all(v > 0 for v in row["ms"].values())
+        assert row["ratio"] > 0
+    assert out["met"] == (not out["over_target"]) and out["max_ratio"] == max(
+        r["ratio"] for r in out["queries"].values())
 
 
 @pytest.mark.parametrize("name", sorted(KEYS))
