@@ -1,11 +1,16 @@
 -- 0017_stored_hosted: a stored_hosted counter beside stored_fallback, kept by
 -- bi.put_results_v3 on the shard row and summed into the job's stripes by
--- the same triggers, so the cost report's hosted rows (hosted_cost_rows)
--- read counters instead of counting the job's results. Existing shards are
--- filled in from their results. Never edited.
+-- the same triggers, and the providers' reported usage summed into the
+-- stripes by a trigger on bi.hosted_batches, so the cost report
+-- (hosted_cost_rows) reads counters instead of counting the job's results
+-- and batches. Existing shards and stripes are filled in from their results
+-- and batches. Never edited.
 
 ALTER TABLE bi.shards ADD COLUMN IF NOT EXISTS stored_hosted integer NOT NULL DEFAULT 0;
 ALTER TABLE bi.shard_stripes ADD COLUMN IF NOT EXISTS stored_hosted bigint NOT NULL DEFAULT 0;
+ALTER TABLE bi.shard_stripes ADD COLUMN IF NOT EXISTS hosted_input_tokens bigint NOT NULL DEFAULT 0;
+ALTER TABLE bi.shard_stripes ADD COLUMN IF NOT EXISTS hosted_output_tokens bigint NOT NULL DEFAULT 0;
+ALTER TABLE bi.shard_stripes ADD COLUMN IF NOT EXISTS hosted_unpriced bigint NOT NULL DEFAULT 0;
 
 -- New shards (submit inserts a job's shards in one statement): their totals, per stripe.
 CREATE OR REPLACE FUNCTION bi.stripes_add_shards_v1() RETURNS trigger
@@ -142,3 +147,48 @@ UPDATE bi.shards s SET stored_hosted = h.n
          WHERE r.transport = 'hosted_batch' AND sr.shard_no IS NOT NULL
          GROUP BY r.job_version, sr.shard_no) h
  WHERE s.job_version = h.job_version AND s.shard_no = h.shard_no;
+
+-- The cost report's hosted usage in the job's stripes (sql/schema/counts.sql):
+-- a batch row's reported tokens, and whether it is a batch not abandoned
+-- without them, added to its shard's stripe as they change, so the report
+-- reads at most 1,024 rows a job instead of every batch.
+CREATE OR REPLACE FUNCTION bi.stripes_change_hosted_batch_v1() RETURNS trigger
+LANGUAGE plpgsql SET search_path = pg_catalog, pg_temp AS $$
+BEGIN
+    IF TG_OP IN ('UPDATE', 'DELETE') THEN
+        UPDATE bi.shard_stripes t
+           SET hosted_input_tokens = t.hosted_input_tokens - coalesce(OLD.input_tokens, 0),
+               hosted_output_tokens = t.hosted_output_tokens - coalesce(OLD.output_tokens, 0),
+               hosted_unpriced = t.hosted_unpriced
+                                 - (OLD.input_tokens IS NULL AND OLD.state <> 'abandoned')::integer
+         WHERE t.job_version = OLD.job_version AND t.stripe = OLD.shard_no % bi.shard_stripe_count_v1();
+    END IF;
+    IF TG_OP IN ('INSERT', 'UPDATE') THEN
+        UPDATE bi.shard_stripes t
+           SET hosted_input_tokens = t.hosted_input_tokens + coalesce(NEW.input_tokens, 0),
+               hosted_output_tokens = t.hosted_output_tokens + coalesce(NEW.output_tokens, 0),
+               hosted_unpriced = t.hosted_unpriced
+                                 + (NEW.input_tokens IS NULL AND NEW.state <> 'abandoned')::integer
+         WHERE t.job_version = NEW.job_version AND t.stripe = NEW.shard_no % bi.shard_stripe_count_v1();
+    END IF;
+    RETURN NULL;
+END $$;
+
+DROP TRIGGER IF EXISTS hosted_batches_stripes ON bi.hosted_batches;
+CREATE TRIGGER hosted_batches_stripes AFTER INSERT OR DELETE ON bi.hosted_batches
+    FOR EACH ROW EXECUTE FUNCTION bi.stripes_change_hosted_batch_v1();
+DROP TRIGGER IF EXISTS hosted_batches_stripes_update ON bi.hosted_batches;
+CREATE TRIGGER hosted_batches_stripes_update AFTER UPDATE OF input_tokens, output_tokens, state
+    ON bi.hosted_batches FOR EACH ROW
+    WHEN (OLD.input_tokens IS DISTINCT FROM NEW.input_tokens OR OLD.output_tokens IS DISTINCT FROM NEW.output_tokens
+          OR OLD.state IS DISTINCT FROM NEW.state)
+    EXECUTE FUNCTION bi.stripes_change_hosted_batch_v1();
+
+-- The usage of the provider batches already there, per stripe.
+UPDATE bi.shard_stripes t
+   SET hosted_input_tokens = h.input_tokens, hosted_output_tokens = h.output_tokens, hosted_unpriced = h.unpriced
+  FROM (SELECT b.job_version, b.shard_no % bi.shard_stripe_count_v1() AS stripe,
+               coalesce(sum(b.input_tokens), 0) AS input_tokens, coalesce(sum(b.output_tokens), 0) AS output_tokens,
+               count(*) FILTER (WHERE b.input_tokens IS NULL AND b.state <> 'abandoned') AS unpriced
+          FROM bi.hosted_batches b GROUP BY 1, 2) h
+ WHERE t.job_version = h.job_version AND t.stripe = h.stripe;

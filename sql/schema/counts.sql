@@ -22,6 +22,11 @@ CREATE TABLE IF NOT EXISTS bi.shard_stripes (
     stored_fallback bigint NOT NULL DEFAULT 0,
     stored_hosted   bigint NOT NULL DEFAULT 0,
     dead            bigint NOT NULL DEFAULT 0,
+    -- the sums over the stripe's shards' provider batches (sql/schema/hosted.sql keeps them): the
+    -- providers' reported usage, and the batches not abandoned that have not reported it
+    hosted_input_tokens  bigint NOT NULL DEFAULT 0,
+    hosted_output_tokens bigint NOT NULL DEFAULT 0,
+    hosted_unpriced      bigint NOT NULL DEFAULT 0,
     first_claim_at  timestamptz,                 -- the earliest first claim of the stripe's shards
     PRIMARY KEY (job_version, stripe)
 ) WITH (fillfactor = 50, autovacuum_vacuum_scale_factor = 0, autovacuum_vacuum_threshold = 5000,

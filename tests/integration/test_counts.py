@@ -122,6 +122,24 @@ def test_the_poll_reads_at_most_one_row_per_stripe(conn, shards):
 
 
 HOSTED_FROM_RESULTS = "SELECT count(*) AS n FROM bi.results WHERE job_version = %s AND transport = 'hosted_batch'"
+# What hosted_cost_rows summed before the stripes kept the usage: the job's provider batches.
+USAGE_FROM_BATCHES = """
+    SELECT sum(input_tokens) AS input_tokens, sum(output_tokens) AS output_tokens,
+           count(*) FILTER (WHERE input_tokens IS NULL AND state <> 'abandoned') AS unpriced_batches
+      FROM bi.hosted_batches WHERE job_version = %s"""
+
+
+def _usage(conn: psycopg.Connection, job: str) -> dict:
+    r = conn.execute(db.q("hosted_cost_rows"), {"job": job}).fetchone()
+    return {k: r[k] for k in ("input_tokens", "output_tokens", "unpriced_batches")}
+
+
+def _batch(conn: psycopg.Connection, job: str, shard: int, no: int, tokens: tuple[int, int] | None,
+           state: str = "ended") -> None:
+    conn.execute("""INSERT INTO bi.hosted_batches (job_version, shard_no, intent_no, idem_key, provider, epoch,
+                                                   record_ids, state, input_tokens, output_tokens)
+                    VALUES (%s, %s, %s, %s, 'openai', 1, ARRAY['x'], %s, %s, %s)""",
+                 (job, shard, no, f"{job}-{shard}-{no}", state, *(tokens or (None, None))))
 
 
 def _hosted_rows(conn: psycopg.Connection, job: str) -> int:
@@ -151,6 +169,25 @@ def test_hosted_rows_are_counted_on_the_shard_and_its_stripe(conn, db_url):
     assert (c["stored"], c["stored_fallback"], c["stored_batch"]) == (9, 3, 6)   # stored_batch holds the hosted rows
 
 
+def test_the_stripes_follow_every_change_of_the_provider_batches_usage(conn):
+    make_source(conn, tickets(30))
+    job = submit(conn, make_spec(shard_size=10)).job_version
+    _batch(conn, job, 0, 1, (100, 40))
+    _batch(conn, job, 1, 1, None, state="submitted")       # not reported yet: unpriced
+    _batch(conn, job, 2, 1, None, state="intent")
+    want = lambda: {k: (int(v) if v is not None else None)  # noqa: E731
+                    for k, v in conn.execute(USAGE_FROM_BATCHES, (job,)).fetchone().items()}
+    assert _usage(conn, job) == want() == {"input_tokens": 100, "output_tokens": 40, "unpriced_batches": 2}
+    conn.execute("UPDATE bi.hosted_batches SET input_tokens = 7, output_tokens = 3, state = 'ended' "
+                 "WHERE job_version = %s AND shard_no = 1", (job,))
+    conn.execute("UPDATE bi.hosted_batches SET state = 'abandoned' WHERE job_version = %s AND shard_no = 2", (job,))
+    conn.execute("UPDATE bi.hosted_batches SET state = 'reconciled', total = 9 WHERE job_version = %s "
+                 "AND shard_no = 0", (job,))
+    assert _usage(conn, job) == want() == {"input_tokens": 107, "output_tokens": 43, "unpriced_batches": 0}
+    conn.execute("DELETE FROM bi.hosted_batches WHERE job_version = %s AND shard_no = 0", (job,))
+    assert _usage(conn, job) == want() == {"input_tokens": 7, "output_tokens": 3, "unpriced_batches": 0}
+
+
 def test_the_migration_counts_the_hosted_rows_of_existing_jobs(empty_db):
     url = empty_db()
     with db.connect(url) as conn:
@@ -168,6 +205,9 @@ def test_the_migration_counts_the_hosted_rows_of_existing_jobs(empty_db):
             lease = w.claim()
             ids = sorted(r["record_id"] for r in w.records(lease))[:n]
             w.put_results(lease, ids, [OUT] * n, ["billing"] * n)
+        _batch(conn, job, 0, 1, (50, 20))
+        _batch(conn, job, 1, 1, None, state="submitted")
         assert "0017_stored_hosted.sql" in db.migrate(conn)
         assert _hosted_rows(conn, job) == conn.execute(HOSTED_FROM_RESULTS, (job,)).fetchone()["n"] == 7
+        assert _usage(conn, job) == {"input_tokens": 50, "output_tokens": 20, "unpriced_batches": 1}
         same_as_shards(conn, job)
