@@ -88,13 +88,7 @@ def test_concurrently_held_shards_fall_in_different_stripes(conn, db_url):
 
 def test_the_migration_fills_the_stripes_of_existing_jobs(empty_db):
     with db.connect(empty_db()) as conn:
-        with conn.transaction():     # every migration before 0005, recorded as db.migrate records them
-            conn.execute(db.q("migrations_table"))
-            for path in db.migrations():
-                if path.name >= "0005":
-                    break
-                conn.execute(path.read_text())
-                conn.execute(db.q("migration_record"), {"name": path.name, "checksum": _checksum(path)})
+        _migrate_before(conn, "0005")
         make_source(conn, tickets(25))
         job = submit(conn, make_spec()).job_version
         conn.execute("UPDATE bi.shards SET stored = 3, state = 'done' WHERE job_version = %s AND shard_no = 1",
@@ -102,6 +96,17 @@ def test_the_migration_fills_the_stripes_of_existing_jobs(empty_db):
         assert "0005_scale.sql" in db.migrate(conn)
         c = same_as_shards(conn, job)
         assert (c["stored"], c["shards"]["done"], c["shards"]["pending"]) == (3, 1, 2)
+
+
+def _migrate_before(conn: psycopg.Connection, first_left_out: str) -> None:
+    """Every migration before ``first_left_out``, recorded as db.migrate records them."""
+    with conn.transaction():
+        conn.execute(db.q("migrations_table"))
+        for path in db.migrations():
+            if path.name >= first_left_out:
+                break
+            conn.execute(path.read_text())
+            conn.execute(db.q("migration_record"), {"name": path.name, "checksum": _checksum(path)})
 
 
 def _checksum(path) -> str:
@@ -191,13 +196,7 @@ def test_the_stripes_follow_every_change_of_the_provider_batches_usage(conn):
 def test_the_migration_counts_the_hosted_rows_of_existing_jobs(empty_db):
     url = empty_db()
     with db.connect(url) as conn:
-        with conn.transaction():     # every migration before 0017, recorded as db.migrate records them
-            conn.execute(db.q("migrations_table"))
-            for path in db.migrations():
-                if path.name >= "0017":
-                    break
-                conn.execute(path.read_text())
-                conn.execute(db.q("migration_record"), {"name": path.name, "checksum": _checksum(path)})
+        _migrate_before(conn, "0017")
         make_source(conn, tickets(30))
         job = submit(conn, make_spec(shard_size=10)).job_version
         for transport, n in (("hosted_batch", 5), ("hosted_batch", 2), ("fallback", 1)):
