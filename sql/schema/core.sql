@@ -112,6 +112,10 @@ CREATE TABLE IF NOT EXISTS bi.shards (
     PRIMARY KEY (job_version, shard_no)
 );
 CREATE INDEX IF NOT EXISTS shards_claimable ON bi.shards (job_version, shard_no) WHERE state <> 'done';
+-- The done shards in completion order (the progress panel's burn-down without
+-- samples, and the job's finish time): done_at and shard_no change at most once
+-- per shard, so the row's other updates stay HOT.
+CREATE INDEX IF NOT EXISTS shards_done_at ON bi.shards (job_version, done_at, shard_no) WHERE done_at IS NOT NULL;
 
 -- Stamp the end of a batch lease: the row was leased by a batch or hosted
 -- batch worker and is now not (released, completed, abandoned, swept, taken

@@ -135,6 +135,37 @@ BEGIN
      GROUP BY j.job_version;
 END $$;
 
+-- A job's dead letters counted per (ACL, reason, stage), so that the dashboard
+-- counts and groups what a reader may see without reading the dead letters:
+-- the table has the dead letters' row-level security rule (publish.sql),
+-- which reads only the job version and the ACL. A statement trigger on
+-- bi.dead_letters adds each insert's rows (dead letters are never deleted but
+-- with their job version, whose jobs row takes these with it).
+CREATE TABLE IF NOT EXISTS bi.dead_letter_counts (
+    job_version text NOT NULL REFERENCES bi.jobs (job_version) ON DELETE CASCADE,
+    acl         text[],
+    reason      text NOT NULL,
+    stage       text NOT NULL,
+    n           bigint NOT NULL,
+    CONSTRAINT dead_letter_counts_key UNIQUE NULLS NOT DISTINCT (job_version, acl, reason, stage)
+);
+
+CREATE OR REPLACE FUNCTION bi.dead_letter_counts_add_v1() RETURNS trigger
+LANGUAGE plpgsql SET search_path = pg_catalog, pg_temp AS $$
+BEGIN
+    INSERT INTO bi.dead_letter_counts AS t (job_version, acl, reason, stage, n)
+    SELECT a.job_version, a.acl, a.reason, a.stage, count(*)
+      FROM added a
+     GROUP BY 1, 2, 3, 4
+     ORDER BY 1, 2, 3, 4
+    ON CONFLICT ON CONSTRAINT dead_letter_counts_key DO UPDATE SET n = t.n + excluded.n;
+    RETURN NULL;
+END $$;
+
+DROP TRIGGER IF EXISTS dead_letters_counts_insert ON bi.dead_letters;
+CREATE TRIGGER dead_letters_counts_insert AFTER INSERT ON bi.dead_letters
+    REFERENCING NEW TABLE AS added FOR EACH STATEMENT EXECUTE FUNCTION bi.dead_letter_counts_add_v1();
+
 -- The shard table takes an update for every claim, renewal, put and
 -- completion: every renewal leaves a dead tuple, so autovacuum visits it
 -- after a fixed number of them rather than a fraction of a table that grows
