@@ -210,3 +210,44 @@ def test_the_migration_counts_the_hosted_rows_of_existing_jobs(empty_db):
         assert _hosted_rows(conn, job) == conn.execute(HOSTED_FROM_RESULTS, (job,)).fetchone()["n"] == 7
         assert _usage(conn, job) == {"input_tokens": 50, "output_tokens": 20, "unpriced_batches": 1}
         same_as_shards(conn, job)
+
+
+# What dead_letter_reasons grouped before bi.dead_letter_counts: the dead letters themselves.
+DEAD_FROM_ROWS = """SELECT acl, reason, stage, count(*) AS n FROM bi.dead_letters WHERE job_version = %s
+                     GROUP BY acl, reason, stage ORDER BY 1, 2, 3"""
+DEAD_COUNTS = """SELECT acl, reason, stage, n FROM bi.dead_letter_counts WHERE job_version = %s ORDER BY 1, 2, 3"""
+
+
+def _dead_letter_some(url: str, job: str, reasons: list[str]) -> None:
+    w = Ledger(db.connect(url), job, f"w-dead-{len(reasons)}")
+    lease = w.claim()
+    ids = sorted(r["record_id"] for r in w.records(lease))[:len(reasons)]
+    for _ in range(3):    # max_attempts: dead at the third
+        w.fail(lease, [Failure(i, reason, "{") for i, reason in zip(ids, reasons)])
+
+
+def test_dead_letters_are_counted_per_acl_reason_and_stage(conn, db_url):
+    make_source(conn, tickets(30))
+    job = submit(conn, make_spec(shard_size=10)).job_version
+    _dead_letter_some(db_url, job, ["bad output", "bad output", "HTTP 400"])
+    _dead_letter_some(db_url, job, ["bad output"])
+    got = conn.execute(DEAD_COUNTS, (job,)).fetchall()
+    assert got == conn.execute(DEAD_FROM_ROWS, (job,)).fetchall()
+    assert sum(r["n"] for r in got) == job_counts(conn, job)["dead_letters"] == 4
+    by_reason: dict[str, int] = {}
+    for r in got:
+        by_reason[r["reason"].rsplit(": ", 1)[-1]] = by_reason.get(r["reason"].rsplit(": ", 1)[-1], 0) + r["n"]
+    assert by_reason == {"bad output": 3, "HTTP 400": 1}
+
+
+def test_the_migration_counts_the_dead_letters_of_existing_jobs(empty_db):
+    url = empty_db()
+    with db.connect(url) as conn:
+        _migrate_before(conn, "0020")
+        make_source(conn, tickets(30))
+        job = submit(conn, make_spec(shard_size=10)).job_version
+        _dead_letter_some(url, job, ["bad output", "HTTP 400", "bad output"])
+        assert "0020_bounded_reads.sql" in db.migrate(conn)
+        assert conn.execute(DEAD_COUNTS, (job,)).fetchall() == conn.execute(DEAD_FROM_ROWS, (job,)).fetchall()
+        _dead_letter_some(url, job, ["HTTP 400"])
+        assert conn.execute(DEAD_COUNTS, (job,)).fetchall() == conn.execute(DEAD_FROM_ROWS, (job,)).fetchall()
