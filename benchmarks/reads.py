@@ -14,7 +14,8 @@ history.
 
 Each query runs ``--repeats`` times at each size on one connection, the two
 sizes taking turns, after three warm-up runs of each; the line gives each
-query's median at both sizes and their ratio. At 2,000 records a shard the
+query's median at both sizes and their ratio, and the shared buffers one
+run touches at each (EXPLAIN ANALYZE, BUFFERS) and theirs. At 2,000 records a shard the
 small job's 500 shards already fill the shard table's page of 500.
 Baseline in the same run: ``SELECT 1`` (the round trip). ``met``: every ratio
 <= 1.5.
@@ -148,9 +149,9 @@ def make_job(conn: psycopg.Connection, job: str, dataset: str, records: int, sha
 
 
 def time_query(conn: psycopg.Connection, name: str, params: dict[int, dict[str, Any]],
-               repeats: int) -> dict[int, float]:
+               repeats: int) -> tuple[dict[int, float], dict[int, int]]:
     """Median ms of one query at each size; the sizes take turns run by run, after three warm-up runs of
-    each, so a slow moment of the machine falls on both. A query the dashboard runs as the signed-in
+    each, so a slow moment of the machine falls on both; and the shared buffers one run touches at each. A query the dashboard runs as the signed-in
     user's reader role (AS_READER) runs as READER, under row-level security."""
     sql = db.q(name)
     if name in AS_READER:
@@ -164,9 +165,18 @@ def time_query(conn: psycopg.Connection, name: str, params: dict[int, dict[str, 
             t0 = time.perf_counter()
             conn.execute(sql, p).fetchall()
             times[n].append(time.perf_counter() - t0)
+    buffers = {n: plan_buffers(conn, sql, p) for n, p in params.items()}
     if name in AS_READER:
         conn.execute("RESET ROLE")
-    return {n: median(t) * 1e3 for n, t in times.items()}
+    return {n: median(t) * 1e3 for n, t in times.items()}, buffers
+
+
+def plan_buffers(conn: psycopg.Connection, sql: str, params: dict[str, Any]) -> int:
+    """The shared buffers one run of the statement touches (hit or read, functions it calls included):
+    its work, which the machine's load does not move."""
+    plan = conn.execute("EXPLAIN (ANALYZE, BUFFERS, FORMAT JSON) " + sql, params).fetchone()
+    top = next(iter(plan.values()))[0]["Plan"]
+    return int(top.get("Shared Hit Blocks", 0)) + int(top.get("Shared Read Blocks", 0))
 
 
 def run(sizes: list[int], shard_size: int, repeats: int) -> dict[str, Any]:
@@ -195,9 +205,11 @@ def run(sizes: list[int], shard_size: int, repeats: int) -> dict[str, Any]:
         small, large = sizes
         queries = {}
         for name, (reader, params) in READS.items():
-            ms = time_query(conn, name, {n: params(*jobs[n]) for n in (small, large)}, repeats)
+            ms, buffers = time_query(conn, name, {n: params(*jobs[n]) for n in (small, large)}, repeats)
             queries[name] = {"reader": reader, "ms": {str(n): rnd(v) for n, v in ms.items()},
-                             "ratio": rnd(ms[large] / max(ms[small], 1e-6), 2)}
+                             "ratio": rnd(ms[large] / max(ms[small], 1e-6), 2),
+                             "buffers": {str(n): v for n, v in buffers.items()},
+                             "buffers_ratio": rnd(buffers[large] / max(buffers[small], 1), 2)}
         version = pg_version(conn)
     over = sorted(name for name, r in queries.items() if r["ratio"] > TARGET_RATIO)
     return {"benchmark": "reads", "target": f"every refresh read <= {TARGET_RATIO}x between the two sizes",
