@@ -7,6 +7,12 @@
 -- version and the ACL, so a reader sees exactly the counts of the dead
 -- letters it may read); existing dead letters are counted in.
 --
+-- bi.category_stripes: a job's stored rows per category, per stripe of its
+-- shards (shard_no % 64; reused rows in stripe 0), kept by bi.put_results_v3
+-- (same signature: its insert now also counts the categories it stored) and
+-- plan_reuse, so the drift panel reads at most 64 rows a category; existing
+-- results are counted in.
+--
 -- shards_done_at: the done shards of a job in completion order (the
 -- progress panel's burn-down without samples, and the job's finish time).
 -- done_at and shard_no change at most once per shard, so the shard row's
@@ -55,3 +61,74 @@ USING (
 GRANT SELECT ON bi.dead_letter_counts TO bi_reader;
 
 CREATE INDEX IF NOT EXISTS shards_done_at ON bi.shards (job_version, done_at, shard_no) WHERE done_at IS NOT NULL;
+
+CREATE TABLE IF NOT EXISTS bi.category_stripes (
+    job_version text NOT NULL REFERENCES bi.jobs (job_version) ON DELETE CASCADE,
+    stripe      integer NOT NULL,    -- shard_no % bi.category_stripe_count_v1(); 0 for reused rows
+    category    text,
+    n           bigint NOT NULL,
+    CONSTRAINT category_stripes_key UNIQUE NULLS NOT DISTINCT (job_version, stripe, category)
+) WITH (fillfactor = 50);
+REVOKE ALL ON bi.category_stripes FROM PUBLIC;
+
+CREATE OR REPLACE FUNCTION bi.category_stripe_count_v1() RETURNS integer
+LANGUAGE sql IMMUTABLE AS $$ SELECT 64 $$;
+
+CREATE OR REPLACE FUNCTION bi.put_results_v3(p_job text, p_shard integer, p_epoch bigint, p_worker text,
+                                            p_transport text, p_engine text, p_endpoint text, p_ids text[],
+                                            p_outputs jsonb[], p_categories text[],
+                                            OUT stale boolean, OUT n integer)
+LANGUAGE plpgsql SECURITY DEFINER SET search_path = pg_catalog, pg_temp SET enable_nestloop = off
+    SET enable_seqscan = off SET plan_cache_mode = force_generic_plan AS $$
+DECLARE
+    v_dead bigint;
+    v_model text;
+    v_digest text;
+    v_prompt text;
+BEGIN
+    PERFORM bi.assert_may_work_on_v1(p_job);
+    SELECT s.dead INTO v_dead FROM bi.shards s
+     WHERE s.job_version = p_job AND s.shard_no = p_shard AND bi.holds_lease_v1(s, p_epoch)
+       FOR UPDATE;
+    IF NOT FOUND THEN
+        PERFORM bi.record_fence_v1(p_job, p_shard, 'put_results', p_epoch, p_worker);
+        stale := true;
+        RETURN;
+    END IF;
+    SELECT j.model_name, j.model_digest, j.prompt_version INTO v_model, v_digest, v_prompt
+      FROM bi.jobs j WHERE j.job_version = p_job;
+    -- The stored rows, and their categories counted into the shard's category stripe.
+    WITH stored AS (
+        INSERT INTO bi.results (job_version, record_id, output, category, model_name, model_digest,
+                                prompt_version, transport, engine, endpoint, worker_id, epoch, acl, content_hash)
+        SELECT p_job, u.id, u.output, u.category, v_model, v_digest, v_prompt,
+               p_transport, p_engine, p_endpoint, p_worker, p_epoch, sr.acl, sr.content_hash
+          FROM unnest(p_ids, p_outputs, p_categories) AS u(id, output, category)
+          JOIN bi.snapshot_rows sr ON sr.record_id = u.id
+         WHERE sr.job_version = p_job AND sr.record_id = ANY (p_ids) AND sr.shard_no IS NOT DISTINCT FROM p_shard
+           AND (v_dead = 0 OR NOT EXISTS (SELECT 1 FROM bi.dead_letters d
+                                           WHERE d.job_version = p_job AND d.record_id = u.id))
+        ON CONFLICT (job_version, record_id) DO NOTHING
+        RETURNING category
+    ), counted AS (
+        INSERT INTO bi.category_stripes AS t (job_version, stripe, category, n)
+        SELECT p_job, p_shard % bi.category_stripe_count_v1(), c.category, count(*)
+          FROM stored c GROUP BY c.category ORDER BY c.category
+        ON CONFLICT ON CONSTRAINT category_stripes_key DO UPDATE SET n = t.n + excluded.n
+    )
+    SELECT count(*) INTO n FROM stored;
+    UPDATE bi.shards s
+       SET stored = s.stored + n,
+           stored_fallback = s.stored_fallback + CASE WHEN p_transport = 'fallback' THEN n ELSE 0 END,
+           stored_hosted = s.stored_hosted + CASE WHEN p_transport = 'hosted_batch' THEN n ELSE 0 END
+     WHERE s.job_version = p_job AND s.shard_no = p_shard;
+    stale := false;
+END $$;
+
+INSERT INTO bi.category_stripes (job_version, stripe, category, n)
+SELECT r.job_version, coalesce(sr.shard_no % bi.category_stripe_count_v1(), 0), r.category, count(*)
+  FROM bi.results r
+  JOIN bi.jobs j ON j.job_version = r.job_version
+  LEFT JOIN bi.snapshot_rows sr ON sr.job_version = r.job_version AND sr.record_id = r.record_id
+ GROUP BY 1, 2, 3
+ON CONFLICT ON CONSTRAINT category_stripes_key DO NOTHING;

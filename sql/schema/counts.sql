@@ -135,6 +135,23 @@ BEGIN
      GROUP BY j.job_version;
 END $$;
 
+-- A job's stored rows per output category (the drift panel before the
+-- validation report holds them): bi.put_results_v3 adds each call's rows to
+-- the stripe of its shard (shard_no % 64), plan_reuse the reused rows to
+-- stripe 0, so a read sums at most 64 rows a category. 64, not the shard
+-- stripes' 1,024: the read is per category, and workers claim consecutive
+-- shards, so up to 64 concurrent holders never share a row.
+CREATE TABLE IF NOT EXISTS bi.category_stripes (
+    job_version text NOT NULL REFERENCES bi.jobs (job_version) ON DELETE CASCADE,
+    stripe      integer NOT NULL,    -- shard_no % bi.category_stripe_count_v1(); 0 for reused rows
+    category    text,
+    n           bigint NOT NULL,
+    CONSTRAINT category_stripes_key UNIQUE NULLS NOT DISTINCT (job_version, stripe, category)
+) WITH (fillfactor = 50);
+
+CREATE OR REPLACE FUNCTION bi.category_stripe_count_v1() RETURNS integer
+LANGUAGE sql IMMUTABLE AS $$ SELECT 64 $$;
+
 -- A job's dead letters counted per (ACL, reason, stage), so that the dashboard
 -- counts and groups what a reader may see without reading the dead letters:
 -- the table has the dead letters' row-level security rule (publish.sql),

@@ -251,3 +251,53 @@ def test_the_migration_counts_the_dead_letters_of_existing_jobs(empty_db):
         assert conn.execute(DEAD_COUNTS, (job,)).fetchall() == conn.execute(DEAD_FROM_ROWS, (job,)).fetchall()
         _dead_letter_some(url, job, ["HTTP 400"])
         assert conn.execute(DEAD_COUNTS, (job,)).fetchall() == conn.execute(DEAD_FROM_ROWS, (job,)).fetchall()
+
+
+# What category_counts grouped before bi.category_stripes: the results themselves.
+CATEGORIES_FROM_RESULTS = "SELECT category, count(*) AS n FROM bi.results WHERE job_version = %s GROUP BY category"
+
+
+def _categories(conn: psycopg.Connection, job: str) -> dict:
+    from batch_inference.drift import category_counts
+
+    return category_counts(conn, job)[0]
+
+
+def test_the_categories_of_every_stored_row_are_counted(conn, db_url):
+    from batch_inference.drift import category_key
+
+    make_source(conn, tickets(30))
+    job = submit(conn, make_spec(shard_size=10)).job_version
+    for transport, cats in (("batch", ["billing", "bug", None]), ("fallback", ["billing", "billing"]),
+                            ("hosted_batch", ["account"])):
+        w = Ledger(db.connect(db_url), job, f"w-{transport}", transport=transport)
+        lease = w.claim()
+        ids = sorted(r["record_id"] for r in w.records(lease))[:len(cats)]
+        assert w.put_results(lease, ids, [OUT] * len(ids), cats) == len(ids)
+        assert w.put_results(lease, ids, [OUT] * len(ids), cats) == 0      # stored already: not counted again
+    want = {category_key(r["category"]): r["n"] for r in conn.execute(CATEGORIES_FROM_RESULTS, (job,))}
+    assert _categories(conn, job) == want == {"billing": 3, "bug": 1, "(none)": 1, "account": 1}
+    stripes = conn.execute("SELECT count(DISTINCT stripe) AS n FROM bi.category_stripes WHERE job_version = %s",
+                           (job,)).fetchone()["n"]
+    assert stripes == 3                 # a stripe per shard written
+
+
+def test_the_migration_counts_the_categories_of_existing_jobs(empty_db):
+    from batch_inference.drift import category_key
+
+    url = empty_db()
+    with db.connect(url) as conn:
+        _migrate_before(conn, "0020")
+        make_source(conn, tickets(30))
+        job = submit(conn, make_spec(shard_size=10)).job_version
+        w = Ledger(db.connect(url), job, "w")
+        lease = w.claim()
+        ids = sorted(r["record_id"] for r in w.records(lease))[:4]
+        w.put_results(lease, ids, [OUT] * 4, ["billing", "bug", "bug", None])
+        assert "0020_bounded_reads.sql" in db.migrate(conn)
+        want = {category_key(r["category"]): r["n"] for r in conn.execute(CATEGORIES_FROM_RESULTS, (job,))}
+        assert _categories(conn, job) == want == {"billing": 1, "bug": 2, "(none)": 1}
+        lease2 = w.claim()
+        more = sorted(r["record_id"] for r in w.records(lease2))[:2]
+        w.put_results(lease2, more, [OUT] * 2, ["bug", "account"])      # the migrated put counts too
+        assert _categories(conn, job) == {"billing": 1, "bug": 3, "(none)": 1, "account": 1}
