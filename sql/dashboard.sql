@@ -56,10 +56,14 @@ SELECT shard_no, done_at, stored, dead
 -- name: shards_finished_at  when the job's last shard finished (one probe of shards_done_at)
 SELECT max(done_at) AS done_at FROM bi.shards WHERE job_version = %(job)s AND done_at IS NOT NULL;
 
--- name: shard_states  shard and record counts by shard state
-SELECT state, count(*) AS shards, coalesce(sum(records), 0) AS records, coalesce(sum(stored), 0) AS stored,
-       coalesce(sum(dead), 0) AS dead
-  FROM bi.shards WHERE job_version = %(job)s GROUP BY state;
+-- name: shard_states  shard and record counts by shard state, from the job's stripes
+SELECT s.state, s.shards, s.records
+  FROM (SELECT coalesce(sum(pending), 0) AS pending, coalesce(sum(leased), 0) AS leased,
+               coalesce(sum(done), 0) AS done, coalesce(sum(pending_records), 0) AS pending_records,
+               coalesce(sum(leased_records), 0) AS leased_records, coalesce(sum(done_records), 0) AS done_records
+          FROM bi.shard_stripes WHERE job_version = %(job)s) t
+ CROSS JOIN LATERAL (VALUES ('pending', t.pending, t.pending_records), ('leased', t.leased, t.leased_records),
+                            ('done', t.done, t.done_records)) AS s(state, shards, records);
 
 -- name: shard_page  the shard table of one job, a page at a time
 SELECT shard_no, state, epoch, lease_owner, lease_transport, lease_expires_at, claims, records, stored,

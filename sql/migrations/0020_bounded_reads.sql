@@ -13,6 +13,11 @@
 -- plan_reuse, so the drift panel reads at most 64 rows a category; existing
 -- results are counted in.
 --
+-- pending_records, leased_records, done_records: the records of each
+-- state's shards, in the stripes beside their counts (the same triggers keep
+-- them), so the shard panel's totals by state read the stripes; existing
+-- stripes are filled from their shards.
+--
 -- shards_done_at: the done shards of a job in completion order (the
 -- progress panel's burn-down without samples, and the job's finish time).
 -- done_at and shard_no change at most once per shard, so the shard row's
@@ -132,3 +137,88 @@ SELECT r.job_version, coalesce(sr.shard_no % bi.category_stripe_count_v1(), 0), 
   LEFT JOIN bi.snapshot_rows sr ON sr.job_version = r.job_version AND sr.record_id = r.record_id
  GROUP BY 1, 2, 3
 ON CONFLICT ON CONSTRAINT category_stripes_key DO NOTHING;
+
+ALTER TABLE bi.shard_stripes ADD COLUMN IF NOT EXISTS pending_records bigint NOT NULL DEFAULT 0;
+ALTER TABLE bi.shard_stripes ADD COLUMN IF NOT EXISTS leased_records bigint NOT NULL DEFAULT 0;
+ALTER TABLE bi.shard_stripes ADD COLUMN IF NOT EXISTS done_records bigint NOT NULL DEFAULT 0;
+
+CREATE OR REPLACE FUNCTION bi.stripes_add_shards_v1() RETURNS trigger
+LANGUAGE plpgsql SET search_path = pg_catalog, pg_temp AS $$
+BEGIN
+    INSERT INTO bi.shard_stripes AS t (job_version, stripe, pending, leased, done, stored, stored_fallback,
+                                       stored_hosted, dead, pending_records, leased_records, done_records,
+                                       first_claim_at)
+    SELECT n.job_version, n.shard_no % bi.shard_stripe_count_v1(),
+           count(*) FILTER (WHERE n.state = 'pending'), count(*) FILTER (WHERE n.state = 'leased'),
+           count(*) FILTER (WHERE n.state = 'done'),
+           sum(n.stored), sum(n.stored_fallback), sum(n.stored_hosted), sum(n.dead),
+           coalesce(sum(n.records) FILTER (WHERE n.state = 'pending'), 0),
+           coalesce(sum(n.records) FILTER (WHERE n.state = 'leased'), 0),
+           coalesce(sum(n.records) FILTER (WHERE n.state = 'done'), 0), min(n.first_claim_at)
+      FROM added n
+     GROUP BY 1, 2
+    ON CONFLICT (job_version, stripe) DO UPDATE
+       SET pending = t.pending + excluded.pending, leased = t.leased + excluded.leased,
+           done = t.done + excluded.done, stored = t.stored + excluded.stored,
+           stored_fallback = t.stored_fallback + excluded.stored_fallback,
+           stored_hosted = t.stored_hosted + excluded.stored_hosted, dead = t.dead + excluded.dead,
+           pending_records = t.pending_records + excluded.pending_records,
+           leased_records = t.leased_records + excluded.leased_records,
+           done_records = t.done_records + excluded.done_records,
+           first_claim_at = least(t.first_claim_at, excluded.first_claim_at);
+    RETURN NULL;
+END $$;
+
+CREATE OR REPLACE FUNCTION bi.stripes_remove_shards_v1() RETURNS trigger
+LANGUAGE plpgsql SET search_path = pg_catalog, pg_temp AS $$
+BEGIN
+    UPDATE bi.shard_stripes t
+       SET pending = t.pending - o.pending, leased = t.leased - o.leased, done = t.done - o.done,
+           stored = t.stored - o.stored, stored_fallback = t.stored_fallback - o.stored_fallback,
+           stored_hosted = t.stored_hosted - o.stored_hosted, dead = t.dead - o.dead,
+           pending_records = t.pending_records - o.pending_records,
+           leased_records = t.leased_records - o.leased_records, done_records = t.done_records - o.done_records
+      FROM (SELECT r.job_version, r.shard_no % bi.shard_stripe_count_v1() AS stripe,
+                   count(*) FILTER (WHERE r.state = 'pending') AS pending,
+                   count(*) FILTER (WHERE r.state = 'leased') AS leased,
+                   count(*) FILTER (WHERE r.state = 'done') AS done,
+                   sum(r.stored) AS stored, sum(r.stored_fallback) AS stored_fallback,
+                   sum(r.stored_hosted) AS stored_hosted, sum(r.dead) AS dead,
+                   coalesce(sum(r.records) FILTER (WHERE r.state = 'pending'), 0) AS pending_records,
+                   coalesce(sum(r.records) FILTER (WHERE r.state = 'leased'), 0) AS leased_records,
+                   coalesce(sum(r.records) FILTER (WHERE r.state = 'done'), 0) AS done_records
+              FROM removed r GROUP BY 1, 2) o
+     WHERE t.job_version = o.job_version AND t.stripe = o.stripe;
+    RETURN NULL;
+END $$;
+
+CREATE OR REPLACE FUNCTION bi.stripes_change_shard_v1() RETURNS trigger
+LANGUAGE plpgsql SET search_path = pg_catalog, pg_temp AS $$
+BEGIN
+    UPDATE bi.shard_stripes t
+       SET pending = t.pending + (NEW.state = 'pending')::integer - (OLD.state = 'pending')::integer,
+           leased = t.leased + (NEW.state = 'leased')::integer - (OLD.state = 'leased')::integer,
+           done = t.done + (NEW.state = 'done')::integer - (OLD.state = 'done')::integer,
+           stored = t.stored + NEW.stored - OLD.stored,
+           stored_fallback = t.stored_fallback + NEW.stored_fallback - OLD.stored_fallback,
+           stored_hosted = t.stored_hosted + NEW.stored_hosted - OLD.stored_hosted,
+           dead = t.dead + NEW.dead - OLD.dead,
+           pending_records = t.pending_records + CASE WHEN NEW.state = 'pending' THEN NEW.records ELSE 0 END
+                                               - CASE WHEN OLD.state = 'pending' THEN OLD.records ELSE 0 END,
+           leased_records = t.leased_records + CASE WHEN NEW.state = 'leased' THEN NEW.records ELSE 0 END
+                                             - CASE WHEN OLD.state = 'leased' THEN OLD.records ELSE 0 END,
+           done_records = t.done_records + CASE WHEN NEW.state = 'done' THEN NEW.records ELSE 0 END
+                                         - CASE WHEN OLD.state = 'done' THEN OLD.records ELSE 0 END,
+           first_claim_at = least(t.first_claim_at, NEW.first_claim_at)
+     WHERE t.job_version = NEW.job_version AND t.stripe = NEW.shard_no % bi.shard_stripe_count_v1();
+    RETURN NULL;
+END $$;
+
+UPDATE bi.shard_stripes t
+   SET pending_records = o.pending_records, leased_records = o.leased_records, done_records = o.done_records
+  FROM (SELECT s.job_version, s.shard_no % bi.shard_stripe_count_v1() AS stripe,
+               coalesce(sum(s.records) FILTER (WHERE s.state = 'pending'), 0) AS pending_records,
+               coalesce(sum(s.records) FILTER (WHERE s.state = 'leased'), 0) AS leased_records,
+               coalesce(sum(s.records) FILTER (WHERE s.state = 'done'), 0) AS done_records
+          FROM bi.shards s GROUP BY 1, 2) o
+ WHERE t.job_version = o.job_version AND t.stripe = o.stripe;

@@ -22,6 +22,9 @@ CREATE TABLE IF NOT EXISTS bi.shard_stripes (
     stored_fallback bigint NOT NULL DEFAULT 0,
     stored_hosted   bigint NOT NULL DEFAULT 0,
     dead            bigint NOT NULL DEFAULT 0,
+    pending_records bigint NOT NULL DEFAULT 0,   -- the records of the shards in each state
+    leased_records  bigint NOT NULL DEFAULT 0,
+    done_records    bigint NOT NULL DEFAULT 0,
     -- the sums over the stripe's shards' provider batches (sql/schema/hosted.sql keeps them): the
     -- providers' reported usage, and the batches not abandoned that have not reported it
     hosted_input_tokens  bigint NOT NULL DEFAULT 0,
@@ -40,11 +43,15 @@ CREATE OR REPLACE FUNCTION bi.stripes_add_shards_v1() RETURNS trigger
 LANGUAGE plpgsql SET search_path = pg_catalog, pg_temp AS $$
 BEGIN
     INSERT INTO bi.shard_stripes AS t (job_version, stripe, pending, leased, done, stored, stored_fallback,
-                                       stored_hosted, dead, first_claim_at)
+                                       stored_hosted, dead, pending_records, leased_records, done_records,
+                                       first_claim_at)
     SELECT n.job_version, n.shard_no % bi.shard_stripe_count_v1(),
            count(*) FILTER (WHERE n.state = 'pending'), count(*) FILTER (WHERE n.state = 'leased'),
            count(*) FILTER (WHERE n.state = 'done'),
-           sum(n.stored), sum(n.stored_fallback), sum(n.stored_hosted), sum(n.dead), min(n.first_claim_at)
+           sum(n.stored), sum(n.stored_fallback), sum(n.stored_hosted), sum(n.dead),
+           coalesce(sum(n.records) FILTER (WHERE n.state = 'pending'), 0),
+           coalesce(sum(n.records) FILTER (WHERE n.state = 'leased'), 0),
+           coalesce(sum(n.records) FILTER (WHERE n.state = 'done'), 0), min(n.first_claim_at)
       FROM added n
      GROUP BY 1, 2
     ON CONFLICT (job_version, stripe) DO UPDATE
@@ -52,6 +59,9 @@ BEGIN
            done = t.done + excluded.done, stored = t.stored + excluded.stored,
            stored_fallback = t.stored_fallback + excluded.stored_fallback,
            stored_hosted = t.stored_hosted + excluded.stored_hosted, dead = t.dead + excluded.dead,
+           pending_records = t.pending_records + excluded.pending_records,
+           leased_records = t.leased_records + excluded.leased_records,
+           done_records = t.done_records + excluded.done_records,
            first_claim_at = least(t.first_claim_at, excluded.first_claim_at);
     RETURN NULL;
 END $$;
@@ -63,13 +73,18 @@ BEGIN
     UPDATE bi.shard_stripes t
        SET pending = t.pending - o.pending, leased = t.leased - o.leased, done = t.done - o.done,
            stored = t.stored - o.stored, stored_fallback = t.stored_fallback - o.stored_fallback,
-           stored_hosted = t.stored_hosted - o.stored_hosted, dead = t.dead - o.dead
+           stored_hosted = t.stored_hosted - o.stored_hosted, dead = t.dead - o.dead,
+           pending_records = t.pending_records - o.pending_records,
+           leased_records = t.leased_records - o.leased_records, done_records = t.done_records - o.done_records
       FROM (SELECT r.job_version, r.shard_no % bi.shard_stripe_count_v1() AS stripe,
                    count(*) FILTER (WHERE r.state = 'pending') AS pending,
                    count(*) FILTER (WHERE r.state = 'leased') AS leased,
                    count(*) FILTER (WHERE r.state = 'done') AS done,
                    sum(r.stored) AS stored, sum(r.stored_fallback) AS stored_fallback,
-                   sum(r.stored_hosted) AS stored_hosted, sum(r.dead) AS dead
+                   sum(r.stored_hosted) AS stored_hosted, sum(r.dead) AS dead,
+                   coalesce(sum(r.records) FILTER (WHERE r.state = 'pending'), 0) AS pending_records,
+                   coalesce(sum(r.records) FILTER (WHERE r.state = 'leased'), 0) AS leased_records,
+                   coalesce(sum(r.records) FILTER (WHERE r.state = 'done'), 0) AS done_records
               FROM removed r GROUP BY 1, 2) o
      WHERE t.job_version = o.job_version AND t.stripe = o.stripe;
     RETURN NULL;
@@ -88,6 +103,12 @@ BEGIN
            stored_fallback = t.stored_fallback + NEW.stored_fallback - OLD.stored_fallback,
            stored_hosted = t.stored_hosted + NEW.stored_hosted - OLD.stored_hosted,
            dead = t.dead + NEW.dead - OLD.dead,
+           pending_records = t.pending_records + CASE WHEN NEW.state = 'pending' THEN NEW.records ELSE 0 END
+                                               - CASE WHEN OLD.state = 'pending' THEN OLD.records ELSE 0 END,
+           leased_records = t.leased_records + CASE WHEN NEW.state = 'leased' THEN NEW.records ELSE 0 END
+                                             - CASE WHEN OLD.state = 'leased' THEN OLD.records ELSE 0 END,
+           done_records = t.done_records + CASE WHEN NEW.state = 'done' THEN NEW.records ELSE 0 END
+                                         - CASE WHEN OLD.state = 'done' THEN OLD.records ELSE 0 END,
            first_claim_at = least(t.first_claim_at, NEW.first_claim_at)
      WHERE t.job_version = NEW.job_version AND t.stripe = NEW.shard_no % bi.shard_stripe_count_v1();
     RETURN NULL;

@@ -32,6 +32,12 @@ def same_as_shards(conn: psycopg.Connection, job: str) -> dict:
     got = {"stored": c["stored"], "stored_fallback": c["stored_fallback"], "dead_letters": c["dead_letters"],
            "outstanding": c["outstanding"], **c["shards"], "first_claim_at": c["first_claim_at"]}
     assert got == dict(want)
+    # the dashboard's shard and record counts by state, from the stripes
+    states = {r["state"]: (r["shards"], r["records"]) for r in conn.execute(db.q("shard_states"), {"job": job})}
+    grouped = {r["state"]: (r["n"], r["records"]) for r in conn.execute(
+        "SELECT state, count(*) AS n, sum(records) AS records FROM bi.shards WHERE job_version = %s GROUP BY state",
+        (job,))}
+    assert states == {st: grouped.get(st, (0, 0)) for st in ("pending", "leased", "done")}
     return c
 
 
