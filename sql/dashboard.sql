@@ -49,23 +49,30 @@ SELECT dataset, job_version, switched_at, switched_by FROM bi.publish_pointer WH
 SELECT at, stored, dead_letters, outstanding, latest_safe_start, deadline
   FROM bi.progress WHERE job_version = %(job)s ORDER BY at;
 
--- name: shard_times  when each shard was first claimed and finished (burn-down without samples)
-SELECT shard_no, state, first_claim_at, done_at, stored, stored_fallback, dead, records
-  FROM bi.shards WHERE job_version = %(job)s ORDER BY done_at NULLS LAST, shard_no;
+-- name: shard_times  the first %(n)s shards to finish, in completion order (burn-down without samples; index shards_done_at)
+SELECT shard_no, done_at, stored, dead
+  FROM bi.shards WHERE job_version = %(job)s AND done_at IS NOT NULL ORDER BY done_at, shard_no LIMIT %(n)s;
 
--- name: shard_states  shard and record counts by shard state
-SELECT state, count(*) AS shards, coalesce(sum(records), 0) AS records, coalesce(sum(stored), 0) AS stored,
-       coalesce(sum(dead), 0) AS dead
-  FROM bi.shards WHERE job_version = %(job)s GROUP BY state;
+-- name: shards_finished_at  when the job's last shard finished (one probe of shards_done_at)
+SELECT max(done_at) AS done_at FROM bi.shards WHERE job_version = %(job)s AND done_at IS NOT NULL;
+
+-- name: shard_states  shard and record counts by shard state, from the job's stripes
+SELECT s.state, s.shards, s.records
+  FROM (SELECT coalesce(sum(pending), 0) AS pending, coalesce(sum(leased), 0) AS leased,
+               coalesce(sum(done), 0) AS done, coalesce(sum(pending_records), 0) AS pending_records,
+               coalesce(sum(leased_records), 0) AS leased_records, coalesce(sum(done_records), 0) AS done_records
+          FROM bi.shard_stripes WHERE job_version = %(job)s) t
+ CROSS JOIN LATERAL (VALUES ('pending', t.pending, t.pending_records), ('leased', t.leased, t.leased_records),
+                            ('done', t.done, t.done_records)) AS s(state, shards, records);
 
 -- name: shard_page  the shard table of one job, a page at a time
 SELECT shard_no, state, epoch, lease_owner, lease_transport, lease_expires_at, claims, records, stored,
        stored_fallback, dead, first_claim_at, done_at
   FROM bi.shards WHERE job_version = %(job)s ORDER BY shard_no LIMIT %(limit)s OFFSET %(offset)s;
 
--- name: dead_letter_reasons  dead letters grouped by reason, most frequent first
-SELECT reason, stage, count(*) AS n
-  FROM bi.dead_letters WHERE job_version = %(job)s
+-- name: dead_letter_reasons  dead letters grouped by reason, most frequent first, from their counts (run as the reader: RLS counts)
+SELECT reason, stage, sum(n)::bigint AS n
+  FROM bi.dead_letter_counts WHERE job_version = %(job)s
  GROUP BY reason, stage ORDER BY n DESC, reason LIMIT 50;
 
 -- name: dead_letter_page  one page of dead letters; error and raw output cut to what a table can show
@@ -93,8 +100,8 @@ SELECT DISTINCT r.dag_id FROM bi.job_runs r JOIN bi.jobs j ON j.job_version = r.
 SELECT role_name, bi.dashboard_role_problem_v1(role_name) AS problem
   FROM bi.dashboard_readers WHERE airflow_user = %(user)s;
 
--- name: dead_letter_visible  how many of a job's dead letters the current role sees (run as the reader: RLS counts)
-SELECT count(*) AS n FROM bi.dead_letters WHERE job_version = %(job)s;
+-- name: dead_letter_visible  how many of a job's dead letters the current role sees, from their counts (run as the reader: RLS counts)
+SELECT coalesce(sum(n), 0)::bigint AS n FROM bi.dead_letter_counts WHERE job_version = %(job)s;
 
 -- name: visible_records  which of these records of a job the current role sees, as a result or a dead letter (run as the reader)
 SELECT record_id FROM bi.results WHERE job_version = %(job)s AND record_id = ANY(%(ids)s)

@@ -22,12 +22,10 @@ SELECT shard_no, intent_no, idem_key, provider, epoch, provider_batch_id, input_
        cardinality(record_ids) AS requests, created_at, confirmed_at, cancel_requested_at, ended_at, reconciled_at
   FROM bi.hosted_batches WHERE job_version = %(job)s ORDER BY shard_no, intent_no;
 
--- name: hosted_cost_rows  rows a job stored through hosted batch, and the provider's reported usage of its batches
-SELECT (SELECT count(*) FROM bi.results r WHERE r.job_version = %(job)s AND r.transport = 'hosted_batch') AS rows,
-       (SELECT sum(h.input_tokens) FROM bi.hosted_batches h WHERE h.job_version = %(job)s) AS input_tokens,
-       (SELECT sum(h.output_tokens) FROM bi.hosted_batches h WHERE h.job_version = %(job)s) AS output_tokens,
-       (SELECT count(*) FROM bi.hosted_batches h
-         WHERE h.job_version = %(job)s AND h.input_tokens IS NULL AND h.state <> 'abandoned') AS unpriced_batches;
+-- name: hosted_cost_rows  rows a job stored through hosted batch and the providers' reported usage, from the job's stripes (counters, never a scan of its results or batches)
+SELECT coalesce(sum(c.stored_hosted), 0) AS rows, sum(c.hosted_input_tokens) AS input_tokens,
+       sum(c.hosted_output_tokens) AS output_tokens, coalesce(sum(c.hosted_unpriced), 0) AS unpriced_batches
+  FROM bi.shard_stripes c WHERE c.job_version = %(job)s;
 
 -- name: hosted_drain  measured cancel drains of one job's provider batches: cancel request to settled, in seconds
 SELECT shard_no, intent_no, extract(epoch FROM ended_at - cancel_requested_at)::float8 AS drain_s

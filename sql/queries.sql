@@ -157,14 +157,20 @@ SELECT %(job)s, p.record_id, p.reject, p.reject, NULL, 0,
   FROM bi.snapshot_rows p JOIN bi.jobs j ON j.job_version = p.job_version
  WHERE p.job_version = %(job)s AND p.shard_no IS NULL AND p.reject IS NOT NULL;
 
--- name: plan_reuse  carry over results of unchanged records from the base version (incremental)
-INSERT INTO bi.results (job_version, record_id, output, category, model_name, model_digest, prompt_version,
-                        transport, engine, endpoint, worker_id, epoch, acl, content_hash, created_at)
-SELECT %(job)s, r.record_id, r.output, r.category, r.model_name, r.model_digest, r.prompt_version,
-       'reused', r.engine, r.endpoint, r.worker_id, r.epoch, p.acl, p.content_hash, r.created_at
-  FROM bi.snapshot_rows p
-  JOIN bi.results r ON r.job_version = %(base)s AND r.record_id = p.record_id
- WHERE p.job_version = %(job)s AND p.shard_no IS NULL AND p.reject IS NULL;
+-- name: plan_reuse  carry over results of unchanged records from the base version (incremental), counted per category in stripe 0
+WITH reused AS (
+    INSERT INTO bi.results (job_version, record_id, output, category, model_name, model_digest, prompt_version,
+                            transport, engine, endpoint, worker_id, epoch, acl, content_hash, created_at)
+    SELECT %(job)s, r.record_id, r.output, r.category, r.model_name, r.model_digest, r.prompt_version,
+           'reused', r.engine, r.endpoint, r.worker_id, r.epoch, p.acl, p.content_hash, r.created_at
+      FROM bi.snapshot_rows p
+      JOIN bi.results r ON r.job_version = %(base)s AND r.record_id = p.record_id
+     WHERE p.job_version = %(job)s AND p.shard_no IS NULL AND p.reject IS NULL
+    RETURNING category
+)
+INSERT INTO bi.category_stripes AS t (job_version, stripe, category, n)
+SELECT %(job)s, 0, c.category, count(*) FROM reused c GROUP BY c.category
+ON CONFLICT ON CONSTRAINT category_stripes_key DO UPDATE SET n = t.n + excluded.n;
 
 -- name: plan_finish  the shard rows and the job's fixed counts: shard i holds shard_size records, the last one the rest
 WITH n AS (SELECT %(records)s::bigint - %(dead)s - %(reused)s AS eligible),
@@ -374,8 +380,8 @@ SELECT r.category, r.engine, r.endpoint, r.transport, count(*) AS n, count(*) FI
 SELECT r.record_id, r.output::text AS output
   FROM bi.results r WHERE r.job_version = %(job)s AND NOT {valid};
 
--- name: category_counts  rows per category of one version (drift, when its report lacks them)
-SELECT category, count(*) AS n FROM bi.results WHERE job_version = %(job)s GROUP BY category;
+-- name: category_counts  rows per category of one version (drift, when its report lacks them), from its category stripes
+SELECT category, sum(n)::bigint AS n FROM bi.category_stripes WHERE job_version = %(job)s GROUP BY category HAVING sum(n) > 0;
 
 -- name: validate_sample  the stored review sample (review_sample_store picks it) with its input text
 SELECT record_id, text, output::text AS output FROM bi.review_sample WHERE job_version = %(job)s

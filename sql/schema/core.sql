@@ -104,6 +104,7 @@ CREATE TABLE IF NOT EXISTS bi.shards (
     records          integer NOT NULL,
     stored           integer NOT NULL DEFAULT 0,  -- results written under this shard (any transport)
     stored_fallback  integer NOT NULL DEFAULT 0,  -- of which by the synchronous fallback pool
+    stored_hosted    integer NOT NULL DEFAULT 0,  -- of which through a hosted batch API
     dead             integer NOT NULL DEFAULT 0,
     first_claim_at   timestamptz,
     done_at          timestamptz,
@@ -113,6 +114,10 @@ CREATE TABLE IF NOT EXISTS bi.shards (
     PRIMARY KEY (job_version, shard_no)
 );
 CREATE INDEX IF NOT EXISTS shards_claimable ON bi.shards (job_version, shard_no) WHERE state <> 'done';
+-- The done shards in completion order (the progress panel's burn-down without
+-- samples, and the job's finish time): done_at and shard_no change at most once
+-- per shard, so the row's other updates stay HOT.
+CREATE INDEX IF NOT EXISTS shards_done_at ON bi.shards (job_version, done_at, shard_no) WHERE done_at IS NOT NULL;
 
 -- Stamp the end of a batch lease: the row was leased by a batch or hosted
 -- batch worker and is now not (released, completed, abandoned, swept, taken

@@ -2,7 +2,7 @@
 -- same at ten shards or a hundred thousand, and the ledger's autovacuum
 -- settings.
 --
--- bi.shards holds each shard's counters (stored, stored_fallback, dead) and
+-- bi.shards holds each shard's counters (stored, stored_fallback, stored_hosted, dead) and
 -- state; the cutoff polls their totals. Summing the shard table grows with
 -- the shards, and one job-wide row that every write updates would serialize
 -- every worker's put on it. So the totals live in bi.shard_stripes, one row
@@ -20,7 +20,16 @@ CREATE TABLE IF NOT EXISTS bi.shard_stripes (
     done            bigint NOT NULL DEFAULT 0,
     stored          bigint NOT NULL DEFAULT 0,   -- the sums of the shards' counters
     stored_fallback bigint NOT NULL DEFAULT 0,
+    stored_hosted   bigint NOT NULL DEFAULT 0,
     dead            bigint NOT NULL DEFAULT 0,
+    pending_records bigint NOT NULL DEFAULT 0,   -- the records of the shards in each state
+    leased_records  bigint NOT NULL DEFAULT 0,
+    done_records    bigint NOT NULL DEFAULT 0,
+    -- the sums over the stripe's shards' provider batches (sql/schema/hosted.sql keeps them): the
+    -- providers' reported usage, and the batches not abandoned that have not reported it
+    hosted_input_tokens  bigint NOT NULL DEFAULT 0,
+    hosted_output_tokens bigint NOT NULL DEFAULT 0,
+    hosted_unpriced      bigint NOT NULL DEFAULT 0,
     first_claim_at  timestamptz,                 -- the earliest first claim of the stripe's shards
     PRIMARY KEY (job_version, stripe)
 ) WITH (fillfactor = 50, autovacuum_vacuum_scale_factor = 0, autovacuum_vacuum_threshold = 5000,
@@ -33,18 +42,26 @@ LANGUAGE sql IMMUTABLE AS $$ SELECT 1024 $$;
 CREATE OR REPLACE FUNCTION bi.stripes_add_shards_v1() RETURNS trigger
 LANGUAGE plpgsql SET search_path = pg_catalog, pg_temp AS $$
 BEGIN
-    INSERT INTO bi.shard_stripes AS t (job_version, stripe, pending, leased, done, stored, stored_fallback, dead,
+    INSERT INTO bi.shard_stripes AS t (job_version, stripe, pending, leased, done, stored, stored_fallback,
+                                       stored_hosted, dead, pending_records, leased_records, done_records,
                                        first_claim_at)
     SELECT n.job_version, n.shard_no % bi.shard_stripe_count_v1(),
            count(*) FILTER (WHERE n.state = 'pending'), count(*) FILTER (WHERE n.state = 'leased'),
            count(*) FILTER (WHERE n.state = 'done'),
-           sum(n.stored), sum(n.stored_fallback), sum(n.dead), min(n.first_claim_at)
+           sum(n.stored), sum(n.stored_fallback), sum(n.stored_hosted), sum(n.dead),
+           coalesce(sum(n.records) FILTER (WHERE n.state = 'pending'), 0),
+           coalesce(sum(n.records) FILTER (WHERE n.state = 'leased'), 0),
+           coalesce(sum(n.records) FILTER (WHERE n.state = 'done'), 0), min(n.first_claim_at)
       FROM added n
      GROUP BY 1, 2
     ON CONFLICT (job_version, stripe) DO UPDATE
        SET pending = t.pending + excluded.pending, leased = t.leased + excluded.leased,
            done = t.done + excluded.done, stored = t.stored + excluded.stored,
-           stored_fallback = t.stored_fallback + excluded.stored_fallback, dead = t.dead + excluded.dead,
+           stored_fallback = t.stored_fallback + excluded.stored_fallback,
+           stored_hosted = t.stored_hosted + excluded.stored_hosted, dead = t.dead + excluded.dead,
+           pending_records = t.pending_records + excluded.pending_records,
+           leased_records = t.leased_records + excluded.leased_records,
+           done_records = t.done_records + excluded.done_records,
            first_claim_at = least(t.first_claim_at, excluded.first_claim_at);
     RETURN NULL;
 END $$;
@@ -56,12 +73,18 @@ BEGIN
     UPDATE bi.shard_stripes t
        SET pending = t.pending - o.pending, leased = t.leased - o.leased, done = t.done - o.done,
            stored = t.stored - o.stored, stored_fallback = t.stored_fallback - o.stored_fallback,
-           dead = t.dead - o.dead
+           stored_hosted = t.stored_hosted - o.stored_hosted, dead = t.dead - o.dead,
+           pending_records = t.pending_records - o.pending_records,
+           leased_records = t.leased_records - o.leased_records, done_records = t.done_records - o.done_records
       FROM (SELECT r.job_version, r.shard_no % bi.shard_stripe_count_v1() AS stripe,
                    count(*) FILTER (WHERE r.state = 'pending') AS pending,
                    count(*) FILTER (WHERE r.state = 'leased') AS leased,
                    count(*) FILTER (WHERE r.state = 'done') AS done,
-                   sum(r.stored) AS stored, sum(r.stored_fallback) AS stored_fallback, sum(r.dead) AS dead
+                   sum(r.stored) AS stored, sum(r.stored_fallback) AS stored_fallback,
+                   sum(r.stored_hosted) AS stored_hosted, sum(r.dead) AS dead,
+                   coalesce(sum(r.records) FILTER (WHERE r.state = 'pending'), 0) AS pending_records,
+                   coalesce(sum(r.records) FILTER (WHERE r.state = 'leased'), 0) AS leased_records,
+                   coalesce(sum(r.records) FILTER (WHERE r.state = 'done'), 0) AS done_records
               FROM removed r GROUP BY 1, 2) o
      WHERE t.job_version = o.job_version AND t.stripe = o.stripe;
     RETURN NULL;
@@ -78,7 +101,14 @@ BEGIN
            done = t.done + (NEW.state = 'done')::integer - (OLD.state = 'done')::integer,
            stored = t.stored + NEW.stored - OLD.stored,
            stored_fallback = t.stored_fallback + NEW.stored_fallback - OLD.stored_fallback,
+           stored_hosted = t.stored_hosted + NEW.stored_hosted - OLD.stored_hosted,
            dead = t.dead + NEW.dead - OLD.dead,
+           pending_records = t.pending_records + CASE WHEN NEW.state = 'pending' THEN NEW.records ELSE 0 END
+                                               - CASE WHEN OLD.state = 'pending' THEN OLD.records ELSE 0 END,
+           leased_records = t.leased_records + CASE WHEN NEW.state = 'leased' THEN NEW.records ELSE 0 END
+                                             - CASE WHEN OLD.state = 'leased' THEN OLD.records ELSE 0 END,
+           done_records = t.done_records + CASE WHEN NEW.state = 'done' THEN NEW.records ELSE 0 END
+                                         - CASE WHEN OLD.state = 'done' THEN OLD.records ELSE 0 END,
            first_claim_at = least(t.first_claim_at, NEW.first_claim_at)
      WHERE t.job_version = NEW.job_version AND t.stripe = NEW.shard_no % bi.shard_stripe_count_v1();
     RETURN NULL;
@@ -91,10 +121,11 @@ DROP TRIGGER IF EXISTS shards_stripes_delete ON bi.shards;
 CREATE TRIGGER shards_stripes_delete AFTER DELETE ON bi.shards
     REFERENCING OLD TABLE AS removed FOR EACH STATEMENT EXECUTE FUNCTION bi.stripes_remove_shards_v1();
 DROP TRIGGER IF EXISTS shards_stripes_update ON bi.shards;
-CREATE TRIGGER shards_stripes_update AFTER UPDATE OF state, stored, stored_fallback, dead, first_claim_at
-    ON bi.shards FOR EACH ROW
+CREATE TRIGGER shards_stripes_update AFTER UPDATE OF state, stored, stored_fallback, stored_hosted, dead,
+    first_claim_at ON bi.shards FOR EACH ROW
     WHEN (OLD.state IS DISTINCT FROM NEW.state OR OLD.stored IS DISTINCT FROM NEW.stored
-          OR OLD.stored_fallback IS DISTINCT FROM NEW.stored_fallback OR OLD.dead IS DISTINCT FROM NEW.dead
+          OR OLD.stored_fallback IS DISTINCT FROM NEW.stored_fallback
+          OR OLD.stored_hosted IS DISTINCT FROM NEW.stored_hosted OR OLD.dead IS DISTINCT FROM NEW.dead
           OR OLD.first_claim_at IS DISTINCT FROM NEW.first_claim_at)
     EXECUTE FUNCTION bi.stripes_change_shard_v1();
 
@@ -124,6 +155,54 @@ BEGIN
      WHERE j.job_version = p_job
      GROUP BY j.job_version;
 END $$;
+
+-- A job's stored rows per output category (the drift panel before the
+-- validation report holds them): bi.put_results_v3 adds each call's rows to
+-- the stripe of its shard (shard_no % 64), plan_reuse the reused rows to
+-- stripe 0, so a read sums at most 64 rows a category. 64, not the shard
+-- stripes' 1,024: the read is per category, and workers claim consecutive
+-- shards, so up to 64 concurrent holders never share a row.
+CREATE TABLE IF NOT EXISTS bi.category_stripes (
+    job_version text NOT NULL REFERENCES bi.jobs (job_version) ON DELETE CASCADE,
+    stripe      integer NOT NULL,    -- shard_no % bi.category_stripe_count_v1(); 0 for reused rows
+    category    text,
+    n           bigint NOT NULL,
+    CONSTRAINT category_stripes_key UNIQUE NULLS NOT DISTINCT (job_version, stripe, category)
+) WITH (fillfactor = 50);
+
+CREATE OR REPLACE FUNCTION bi.category_stripe_count_v1() RETURNS integer
+LANGUAGE sql IMMUTABLE AS $$ SELECT 64 $$;
+
+-- A job's dead letters counted per (ACL, reason, stage), so that the dashboard
+-- counts and groups what a reader may see without reading the dead letters:
+-- the table has the dead letters' row-level security rule (publish.sql),
+-- which reads only the job version and the ACL. A statement trigger on
+-- bi.dead_letters adds each insert's rows (dead letters are never deleted but
+-- with their job version, whose jobs row takes these with it).
+CREATE TABLE IF NOT EXISTS bi.dead_letter_counts (
+    job_version text NOT NULL REFERENCES bi.jobs (job_version) ON DELETE CASCADE,
+    acl         text[],
+    reason      text NOT NULL,
+    stage       text NOT NULL,
+    n           bigint NOT NULL,
+    CONSTRAINT dead_letter_counts_key UNIQUE NULLS NOT DISTINCT (job_version, acl, reason, stage)
+);
+
+CREATE OR REPLACE FUNCTION bi.dead_letter_counts_add_v1() RETURNS trigger
+LANGUAGE plpgsql SET search_path = pg_catalog, pg_temp AS $$
+BEGIN
+    INSERT INTO bi.dead_letter_counts AS t (job_version, acl, reason, stage, n)
+    SELECT a.job_version, a.acl, a.reason, a.stage, count(*)
+      FROM added a
+     GROUP BY 1, 2, 3, 4
+     ORDER BY 1, 2, 3, 4
+    ON CONFLICT ON CONSTRAINT dead_letter_counts_key DO UPDATE SET n = t.n + excluded.n;
+    RETURN NULL;
+END $$;
+
+DROP TRIGGER IF EXISTS dead_letters_counts_insert ON bi.dead_letters;
+CREATE TRIGGER dead_letters_counts_insert AFTER INSERT ON bi.dead_letters
+    REFERENCING NEW TABLE AS added FOR EACH STATEMENT EXECUTE FUNCTION bi.dead_letter_counts_add_v1();
 
 -- The shard table takes an update for every claim, renewal, put and
 -- completion: every renewal leaves a dead tuple, so autovacuum visits it

@@ -447,20 +447,30 @@ BEGIN
     END IF;
     SELECT j.model_name, j.model_digest, j.prompt_version INTO v_model, v_digest, v_prompt
       FROM bi.jobs j WHERE j.job_version = p_job;
-    INSERT INTO bi.results (job_version, record_id, output, category, model_name, model_digest,
-                            prompt_version, transport, engine, endpoint, worker_id, epoch, acl, content_hash)
-    SELECT p_job, u.id, u.output, u.category, v_model, v_digest, v_prompt,
-           p_transport, p_engine, p_endpoint, p_worker, p_epoch, sr.acl, sr.content_hash
-      FROM unnest(p_ids, p_outputs, p_categories) AS u(id, output, category)
-      JOIN bi.snapshot_rows sr ON sr.record_id = u.id
-     WHERE sr.job_version = p_job AND sr.record_id = ANY (p_ids) AND sr.shard_no IS NOT DISTINCT FROM p_shard
-       AND (v_dead = 0 OR NOT EXISTS (SELECT 1 FROM bi.dead_letters d
-                                       WHERE d.job_version = p_job AND d.record_id = u.id))
-    ON CONFLICT (job_version, record_id) DO NOTHING;
-    GET DIAGNOSTICS n = ROW_COUNT;
+    -- The stored rows, and their categories counted into the shard's category stripe.
+    WITH stored AS (
+        INSERT INTO bi.results (job_version, record_id, output, category, model_name, model_digest,
+                                prompt_version, transport, engine, endpoint, worker_id, epoch, acl, content_hash)
+        SELECT p_job, u.id, u.output, u.category, v_model, v_digest, v_prompt,
+               p_transport, p_engine, p_endpoint, p_worker, p_epoch, sr.acl, sr.content_hash
+          FROM unnest(p_ids, p_outputs, p_categories) AS u(id, output, category)
+          JOIN bi.snapshot_rows sr ON sr.record_id = u.id
+         WHERE sr.job_version = p_job AND sr.record_id = ANY (p_ids) AND sr.shard_no IS NOT DISTINCT FROM p_shard
+           AND (v_dead = 0 OR NOT EXISTS (SELECT 1 FROM bi.dead_letters d
+                                           WHERE d.job_version = p_job AND d.record_id = u.id))
+        ON CONFLICT (job_version, record_id) DO NOTHING
+        RETURNING category
+    ), counted AS (
+        INSERT INTO bi.category_stripes AS t (job_version, stripe, category, n)
+        SELECT p_job, p_shard % bi.category_stripe_count_v1(), c.category, count(*)
+          FROM stored c GROUP BY c.category ORDER BY c.category
+        ON CONFLICT ON CONSTRAINT category_stripes_key DO UPDATE SET n = t.n + excluded.n
+    )
+    SELECT count(*) INTO n FROM stored;
     UPDATE bi.shards s
        SET stored = s.stored + n,
-           stored_fallback = s.stored_fallback + CASE WHEN p_transport = 'fallback' THEN n ELSE 0 END
+           stored_fallback = s.stored_fallback + CASE WHEN p_transport = 'fallback' THEN n ELSE 0 END,
+           stored_hosted = s.stored_hosted + CASE WHEN p_transport = 'hosted_batch' THEN n ELSE 0 END
      WHERE s.job_version = p_job AND s.shard_no = p_shard;
     stale := false;
 END $$;

@@ -133,6 +133,19 @@ USING (
     END
 );
 
+-- The dead letters' counts per ACL (counts.sql) follow the same rule, so a
+-- reader counts exactly the dead letters it may read.
+ALTER TABLE bi.dead_letter_counts ENABLE ROW LEVEL SECURITY;
+DROP POLICY IF EXISTS dead_letter_counts_acl ON bi.dead_letter_counts;
+CREATE POLICY dead_letter_counts_acl ON bi.dead_letter_counts FOR SELECT TO bi_reader
+USING (
+    CASE WHEN acl IS NULL
+         THEN job_version = ANY ((SELECT bi.null_acl_readable_jobs_v1())::text[])
+         ELSE acl && (SELECT bi.current_principals())
+    END
+);
+GRANT SELECT ON bi.dead_letter_counts TO bi_reader;
+
 -- The views are security_invoker, so the reader needs the base privileges;
 -- RLS above narrows them to the rows it may see.
 GRANT USAGE ON SCHEMA bi TO bi_reader;

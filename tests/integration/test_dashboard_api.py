@@ -303,6 +303,24 @@ def test_progress_without_samples_is_derived_from_shard_times(seeded):
     assert p["cutoff"] is None and p["projected_finish"] is None
 
 
+def test_progress_without_samples_draws_at_most_the_first_shards_to_finish(seeded, monkeypatch):
+    from batch_inference import db
+    from batch_inference.ui import data
+
+    client, info, url = seeded
+    whole = client.get(f"/api/jobs/{info['v1']}/progress", headers=VIEWER).json()["samples"]
+    assert len(whole) > 4                   # more shards finished than the two drawn below
+    monkeypatch.setattr(data, "DERIVED_SHARDS", 2)
+    p = client.get(f"/api/jobs/{info['v1']}/progress", headers=VIEWER).json()
+    with db.connect(url) as conn:
+        first = conn.execute("SELECT done_at, stored, dead FROM bi.shards WHERE job_version = %s "
+                             "AND done_at IS NOT NULL ORDER BY done_at, shard_no LIMIT 2", (info["v1"],)).fetchall()
+    # the first claim, the first two shards to finish (what the whole burn-down has there), then the live point
+    assert p["samples"][:3] == whole[:3] and len(p["samples"]) == 4 and p["samples"][-1]["live"]
+    assert [datetime.fromisoformat(s["at"]) for s in p["samples"][1:3]] == [r["done_at"] for r in first]
+    assert p["samples"][-1]["outstanding"] == 0 and p["finished_at"] is not None
+
+
 def test_shards_dead_letters_and_cost(seeded):
     client, info, url = seeded
     from batch_inference import db

@@ -5,6 +5,7 @@ ones disappear, and a spec change starts from nothing."""
 
 from __future__ import annotations
 
+from batch_inference.drift import category_counts, category_key
 from batch_inference.plan import submit
 from batch_inference.publish import publish, view_name
 from batch_inference.validate import validate
@@ -66,6 +67,10 @@ def test_a_nightly_run_computes_only_changed_and_added_records(conn, db_url):
     computed = {r["record_id"] for r in conn.execute(
         "SELECT record_id FROM bi.results WHERE job_version = %s AND transport = 'batch'", (job,))}
     assert computed == changed | added
+    # The category counts count the reused rows as well as the computed ones.
+    grouped = {category_key(r["category"]): r["n"] for r in conn.execute(
+        "SELECT category, count(*) AS n FROM bi.results WHERE job_version = %s GROUP BY category", (job,))}
+    assert category_counts(conn, job) == (grouped, "results") and sum(grouped.values()) == N - D + A
 
     report = validate(conn, job)
     assert report.passed and report["reused"] == N - D - K and report["coverage"]["stored"] == N - D + A

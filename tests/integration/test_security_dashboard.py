@@ -254,6 +254,13 @@ def _sql_dead_letters(url: str, role: str, jv: str) -> list[tuple]:
             "FROM bi.dead_letters WHERE job_version = %s ORDER BY record_id", (jv,))]
 
 
+def _sql_dead_letter_counts(url: str, role: str, jv: str) -> int:
+    """How many dead letters ``role``, logged in itself, counts in bi.dead_letter_counts."""
+    with db.connect(url_as(url, role)) as c:
+        return int(c.execute("SELECT coalesce(sum(n), 0) AS n FROM bi.dead_letter_counts WHERE job_version = %s",
+                             (jv,)).fetchone()["n"])
+
+
 def _sql_published(url: str, role: str, dataset: str) -> set[str]:
     with db.connect(url_as(url, role)) as c:
         return {r["record_id"] for r in c.execute(f"SELECT record_id FROM published.{dataset}")}
@@ -273,6 +280,7 @@ def test_a_reader_sees_through_the_dashboard_exactly_what_its_role_sees_through_
         assert shown == _sql_dead_letters(url, role, jv), (user, dataset)
         assert {d[0] for d in shown} == ids, (user, dataset)
         assert (dl["visible"], dl["hidden"]) == (len(ids), 4 - len(ids))
+        assert _sql_dead_letter_counts(url, role, jv) == len(ids)     # the counts follow the same rule
         assert sum(r["n"] for r in dl["reasons"]) == len(ids)
         assert all(CANARY in d[2] for d in shown)
         # Validation examples: those of records the role reads (only A is published: results of

@@ -27,13 +27,14 @@ KEYS = {
     "memory": {"baseline_peak_rss_mib", "peak_rss_mib", "growth_mib"},
     "pipeline_overhead": {"records", "direct_s", "pipeline_s", "overhead", "outputs_matching"},
     "evaluation": {"records", "golden", "validate_s", "evaluation_s", "ratio", "graded", "engine_first_s"},
-    "hosted_drain": {"records", "batches", "reconcile_s", "direct_put_s", "reconcile_ratio", "settle_s", "drain_s",
-                     "drain_overhead_s", "cutoff_to_released_s"},
+    "hosted_drain": {"records", "batches", "reconcile_s", "direct_s", "reconcile_ratio", "reconcile_met", "settle_s",
+                     "drain_s", "drain_overhead_s", "cutoff_to_released_s"},
     "scale": {"workers", "ceiling_rows_s_by_batch", "levels", "ratio_to_ceiling", "pgbouncer"},
     "vllm_engine": {"records", "records_s", "records_s_whole_run", "worker_vs_bare", "worker_vs_run_batch",
                     "startup_s", "peak_rss_mib", "outputs_identical", "prefix_cache_ratio"},
     "lakehouse": {"records", "parquet_s", "iceberg_s", "ratio", "parquet_write_only_s", "rollback",
                   "rollback_size_ratio"},
+    "reads": {"sizes", "shard_size", "round_trip_ms", "queries", "over_target", "max_ratio"},
 }
 
 
@@ -89,7 +90,8 @@ def check_evaluation(out: dict) -> None:
 
 
 def check_hosted_drain(out: dict) -> None:
-    assert out["batches"] == out["records"] // 500 and out["reconcile_s"] > 0 and out["direct_put_s"] > 0
+    assert out["batches"] == 1 and out["reconcile_s"] > 0 and out["direct_s"] > 0     # one batch a repeat
+    assert out["reconcile_ratio"] > 0 and isinstance(out["reconcile_met"], bool)
     assert out["drain_s"] > 0 and out["settle_s"] > 0      # figures, not a timing test: each side measured the settle
 
 
@@ -117,6 +119,19 @@ def check_lakehouse(out: dict) -> None:
     assert out["records"] == 5000 and out["parquet_s"] > 0 and out["iceberg_s"] > 0 and out["ratio"] > 0
     assert set(out["rollback"]) == {"500", "5000"}
     assert all(r["rollback_s"] > 0 and r["republish_s"] > 0 for r in out["rollback"].values())
+
+
+def check_reads(out: dict) -> None:
+    small, large = out["sizes"]
+    assert large == 10 * small
+    # every dashboard and status read the benchmark names, each timed at both sizes
+    assert {"job_counts", "hosted_cost_rows", "shard_states", "dead_letter_reasons", "category_counts"} <= \
+        out["queries"].keys()
+    for row in out["queries"].values():
+        assert set(row["ms"]) == {str(small), str(large)} and all(v > 0 for v in row["ms"].values())
+        assert row["ratio"] > 0
+    assert out["met"] == (not out["over_target"]) and out["max_ratio"] == max(
+        r["ratio"] for r in out["queries"].values())
 
 
 @pytest.mark.parametrize("name", sorted(KEYS))

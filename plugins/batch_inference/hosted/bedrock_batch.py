@@ -38,7 +38,7 @@ from batch_inference.engines.base import TRUNCATED, Request
 from batch_inference.exceptions import InvalidValue
 from batch_inference.hosted.anthropic_batch import custom_id, message_params
 from batch_inference.hosted.core import (
-    CLOCK_SKEW_S, ERRORED, SUCCEEDED, TRANSPORT, BatchStatus, HostedBatchEngine, Item, Provider,
+    CLOCK_SKEW_S, ERRORED, SUCCEEDED, TRANSPORT, BatchStatus, HostedBatchEngine, Item, Provider, jsonl_objects,
 )
 from batch_inference.sources import parse_s3_url, s3_client
 from batch_inference.spec import ENGINE_RESULT_OPTIONS
@@ -137,9 +137,8 @@ class BedrockJobs(Provider):
         for k in keys:
             if k.endswith(".jsonl.out"):
                 data = self.s3.get_object(Bucket=bucket, Key=k)["Body"].read().decode()
-                for raw in data.splitlines():
-                    if raw.strip():
-                        yield parse_record(json.loads(raw))
+                for rec in jsonl_objects(data):
+                    yield parse_record(rec)
 
     def cleanup(self, batch_id: str, input_ref: str | None) -> None:
         bucket, keys = self._outputs(batch_id)

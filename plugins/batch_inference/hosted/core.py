@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import abc
 import dataclasses
+import json
 import logging
 import os
 import threading
@@ -58,6 +59,16 @@ SUCCEEDED, ERRORED, TRANSPORT, CANCELED, EXPIRED = "succeeded", "errored", "tran
 MAX_POLL_FAILURES = 10
 # How far before an intent a provider batch may be dated and still be the one it created (clock skew).
 CLOCK_SKEW_S = 300.0
+
+
+_DECODE = json.JSONDecoder().decode
+
+
+def jsonl_objects(text: str) -> Iterator[Any]:
+    """The values of a JSONL result file, one per non-blank line, as they are read."""
+    for raw in text.splitlines():
+        if raw and not raw.isspace():
+            yield _DECODE(raw)
 
 
 class HostedBatchError(BatchInferenceError, RuntimeError):

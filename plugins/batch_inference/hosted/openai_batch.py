@@ -28,7 +28,7 @@ from batch_inference.engines.openai import STYLES, chat_body, error_text, extra_
 from batch_inference.exceptions import InvalidValue
 from batch_inference.hosted.core import (
     CANCELED, CLOCK_SKEW_S, ERRORED, EXPIRED, SUCCEEDED, TRANSPORT, BatchStatus, HostedBatchEngine, HostedBatchError,
-    Item, Provider,
+    Item, Provider, jsonl_objects,
 )
 from batch_inference.spec import ENGINE_RESULT_OPTIONS
 
@@ -47,6 +47,9 @@ class OpenAIBatches(Provider):
         key, base_url = e.credentials()
         self.client = openai.OpenAI(api_key=key or "unused", base_url=base_url, timeout=e.timeout_s,
                                     max_retries=5)
+        # batch id -> (input, output, error file ids) of a batch the last poll saw ended: final from
+        # then on, so the collection and the clean-up need not read the batch again.
+        self._ended_files: dict[str, tuple[str | None, str | None, str | None]] = {}
 
     def line(self, req: Request) -> dict[str, Any]:
         e = self.engine
@@ -78,6 +81,8 @@ class OpenAIBatches(Provider):
         c = b.request_counts
         total, done, failed = (c.total, c.completed, c.failed) if c else (0, 0, 0)
         ended = b.status in ENDED
+        if ended:
+            self._ended_files[batch_id] = (b.input_file_id, b.output_file_id, b.error_file_id)
         usage = getattr(b, "usage", None)
         return BatchStatus(
             status=b.status, ended=ended, total=total, processing=0 if ended else max(0, total - done - failed),
@@ -89,24 +94,26 @@ class OpenAIBatches(Provider):
     def cancel(self, batch_id: str) -> None:
         self.client.batches.cancel(batch_id)
 
-    def _lines(self, file_id: str | None) -> Iterator[dict[str, Any]]:
-        if not file_id:
-            return
-        text = self.client.files.content(file_id).text
-        for raw in text.splitlines():
-            if raw.strip():
-                yield json.loads(raw)
+    def _files(self, batch_id: str) -> tuple[str | None, str | None, str | None]:
+        files = self._ended_files.get(batch_id)
+        if files is None:
+            b = self.client.batches.retrieve(batch_id)
+            files = (b.input_file_id, b.output_file_id, b.error_file_id)
+        return files
 
     def results(self, batch_id: str) -> Iterator[Item]:
-        b = self.client.batches.retrieve(batch_id)
-        for line in list(self._lines(b.output_file_id)) + list(self._lines(b.error_file_id)):
-            yield parse_line(line)
+        _, output, error = self._files(batch_id)
+        for file_id in (output, error):
+            if file_id:
+                for line in jsonl_objects(self.client.files.content(file_id).text):
+                    yield parse_line(line)
 
     def cleanup(self, batch_id: str, input_ref: str | None) -> None:
-        b = self.client.batches.retrieve(batch_id)
-        for fid in (input_ref or b.input_file_id, b.output_file_id, b.error_file_id):
+        input_file, output, error = self._files(batch_id)
+        for fid in (input_ref or input_file, output, error):
             if fid:
                 self.client.files.delete(fid)
+        self._ended_files.pop(batch_id, None)
 
 
 class _Resp:
