@@ -78,8 +78,12 @@ SET TRANSACTION READ ONLY;
 -- name: job_partitions_create  the job version's snapshot and result partitions; returns the snapshot partition's name
 SELECT bi.create_job_partitions_v1(%(job)s) AS p;
 
--- name: snapshot_attach  add the job_version column and the constraints, attach the filled snapshot partition (builds its primary key: a duplicate id fails here)
-SELECT bi.attach_snapshot_v2(%(job)s);
+-- name: snapshot_job_version  the snapshot partition's job_version column, added once it is written: a constant default, stored once in the catalog, not in every row (no rewrite, no scan)
+ALTER TABLE bi.{partition} ADD COLUMN job_version text NOT NULL DEFAULT {job};
+
+-- name: snapshot_attach  attach the filled snapshot partition (builds its primary key: a duplicate id fails here)
+-- Columns are matched by name: the partition's job_version is its last column, the parent's first.
+SELECT bi.attach_snapshot_v1(%(job)s);
 
 -- name: shard_numbers_create  the sequence snapshot_insert numbers the eligible records from (0, 1, 2, ...), dropped by shard_numbers_drop in the same transaction
 -- Cached in the backend: nextval touches the sequence's page once every 10,000 numbers.
@@ -95,8 +99,7 @@ VALUES (%(job)s, %(dataset)s, %(spec_hash)s, %(snapshot_id)s, %(spec_text)s::tex
         %(model_digest)s, %(prompt_version)s, %(records)s, %(base)s);
 
 -- name: snapshot_insert  write the snapshot partition with CREATE TABLE AS (the bulk path) and plan it in the same pass
--- The job version is not a column here: snapshot_attach adds it as the
--- partition's constant default, which costs no bytes per row.
+-- The job version is not a column here: snapshot_job_version adds it after.
 -- Each record is rejected (why), reused (an unchanged record of the base
 -- version, incremental runs: the reuse placeholder is snapshot_reuse, else
 -- snapshot_no_reuse)

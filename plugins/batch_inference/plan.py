@@ -94,6 +94,7 @@ def submit(conn: psycopg.Connection, spec: JobSpec,
                                                           reuse=reuse, numbers=sql.Literal(f"bi.{numbers}")),
                      params)
         conn.execute(sql.SQL(q("shard_numbers_drop")).format(numbers=sql.Identifier("bi", numbers)))
+        conn.execute(sql.SQL(q("snapshot_job_version")).format(partition=sql.Identifier(part), job=sql.Literal(job)))
         try:
             with conn.transaction():
                 conn.execute(q("snapshot_attach"), {"job": job})

@@ -17,10 +17,8 @@
 -- EXCLUSIVE lock on the parent and queue behind readers of a published view,
 -- ATTACH PARTITION takes only SHARE UPDATE EXCLUSIVE. The snapshot partition
 -- is written by submit itself with CREATE TABLE AS (the bulk path, no index
--- maintenance per row), without its job_version column; bi.attach_snapshot_v2
--- then adds that column and the constraints in one scan and attaches it,
--- which builds its indexes in one sort each. (bi.attach_snapshot_v1 attaches
--- a partition written with the column, as submits before 0016 wrote it.)
+-- maintenance per row); bi.attach_snapshot_v1 then adds its constraints in one
+-- scan and attaches it, which builds its indexes in one sort each.
 CREATE OR REPLACE FUNCTION bi.create_job_partitions_v1(p_job text) RETURNS text
 LANGUAGE plpgsql SET search_path = pg_catalog, pg_temp AS $$
 DECLARE
@@ -47,24 +45,6 @@ BEGIN
     EXECUTE format('ALTER TABLE bi.%I ALTER COLUMN job_version SET NOT NULL, ALTER COLUMN record_id SET NOT NULL, '
                    'ALTER COLUMN text SET NOT NULL, ALTER COLUMN content_hash SET NOT NULL, '
                    'ADD CONSTRAINT %I CHECK (job_version = %L)', part, part || '_jv', p_job);
-    EXECUTE format('ALTER TABLE bi.snapshot_rows ATTACH PARTITION bi.%I FOR VALUES IN (%L)', part, p_job);
-END $$;
-
--- The job version is a constant of the partition, so it is not written into
--- every row: ADD COLUMN with a constant default stores the value once, in the
--- catalog, and each row reads it from there (no rewrite). The same ALTER
--- checks the NOT NULL columns and the CHECK that lets ATTACH skip its own
--- validation scan, in one scan. The partition's job_version column is then its
--- last, where the parent has it first; columns are matched by name.
-CREATE OR REPLACE FUNCTION bi.attach_snapshot_v2(p_job text) RETURNS void
-LANGUAGE plpgsql SET search_path = pg_catalog, pg_temp AS $$
-DECLARE
-    part text := 'snapshot_rows_' || substr(md5(p_job), 1, 16);
-BEGIN
-    EXECUTE format('ALTER TABLE bi.%I ADD COLUMN job_version text NOT NULL DEFAULT %L '
-                   'CONSTRAINT %I CHECK (job_version = %L), ALTER COLUMN record_id SET NOT NULL, '
-                   'ALTER COLUMN text SET NOT NULL, ALTER COLUMN content_hash SET NOT NULL',
-                   part, p_job, part || '_jv', p_job);
     EXECUTE format('ALTER TABLE bi.snapshot_rows ATTACH PARTITION bi.%I FOR VALUES IN (%L)', part, p_job);
 END $$;
 

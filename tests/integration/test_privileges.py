@@ -135,8 +135,7 @@ def test_worker_cannot_call_owner_functions(db_url, conn, worker_role, two_jobs)
                            ("SELECT bi.dead_letter_records_v1(%s, 0, 'batch', ARRAY['s000'], ARRAY[9], "
                             "ARRAY['x'], ARRAY['x'], ARRAY['x'])", (theirs,)),
                            ("SELECT bi.drop_job_version_v1(%s)", (theirs,)),
-                           ("SELECT bi.attach_snapshot_v1(%s)", (theirs,)),
-                           ("SELECT bi.attach_snapshot_v2(%s)", (theirs,))):
+                           ("SELECT bi.attach_snapshot_v1(%s)", (theirs,))):
             with pytest.raises(errors.InsufficientPrivilege):
                 w.execute(stmt, args)
     assert conn.execute("SELECT count(*) AS n FROM bi.worker_grants").fetchone()["n"] == 0
