@@ -38,12 +38,15 @@ SELECT left(record_id, 40) AS head, octet_length(record_id) AS bytes FROM {relat
 (SELECT ({id})::text AS record_id, ({text})::text AS text, {acl} AS acl, NULL::text AS reject FROM {source} AS src)
 
 -- name: snapshot_scan  one pass over the source: size, NULL ids and an order-independent content identity
+-- sum(bigint) is exact (a numeric result, added up in 128-bit integers), so
+-- each sum is the one a numeric sum of the same hashes gives, without a
+-- numeric per row.
 SELECT count(*) AS n,
        count(*) FILTER (WHERE s.record_id IS NULL) AS null_ids,
-       coalesce(sum((hashtextextended(s.record_id, 17) # hashtextextended(coalesce(s.text, ''), 19)
-                     # coalesce(hash_array_extended(s.acl, 23), 0))::numeric), 0)::text AS a,
-       coalesce(sum((hashtextextended(s.record_id, 29) # hashtextextended(coalesce(s.text, ''), 31)
-                     # coalesce(hash_array_extended(s.acl, 37), 0))::numeric), 0)::text AS b
+       coalesce(sum(hashtextextended(s.record_id, 17) # hashtextextended(coalesce(s.text, ''), 19)
+                    # coalesce(hash_array_extended(s.acl, 23), 0)), 0)::text AS a,
+       coalesce(sum(hashtextextended(s.record_id, 29) # hashtextextended(coalesce(s.text, ''), 31)
+                    # coalesce(hash_array_extended(s.acl, 37), 0)), 0)::text AS b
   FROM {relation} AS s;
 
 -- name: source_duplicates  a few duplicate record ids, worst first (only run after a unique violation)
@@ -75,8 +78,19 @@ SET TRANSACTION READ ONLY;
 -- name: job_partitions_create  the job version's snapshot and result partitions; returns the snapshot partition's name
 SELECT bi.create_job_partitions_v1(%(job)s) AS p;
 
+-- name: snapshot_job_version  the snapshot partition's job_version column, added once it is written: a constant default, stored once in the catalog, not in every row (no rewrite, no scan)
+ALTER TABLE bi.{partition} ADD COLUMN job_version text NOT NULL DEFAULT {job};
+
 -- name: snapshot_attach  attach the filled snapshot partition (builds its primary key: a duplicate id fails here)
+-- Columns are matched by name: the partition's job_version is its last column, the parent's first.
 SELECT bi.attach_snapshot_v1(%(job)s);
+
+-- name: shard_numbers_create  the sequence snapshot_insert numbers the eligible records from (0, 1, 2, ...), dropped by shard_numbers_drop in the same transaction
+-- Cached in the backend: nextval touches the sequence's page once every 10,000 numbers.
+CREATE SEQUENCE {numbers} MINVALUE 0 START 0 CACHE 10000;
+
+-- name: shard_numbers_drop  the submit's shard-number sequence, once snapshot_insert has used it
+DROP SEQUENCE {numbers};
 
 -- name: job_insert  register a job version (counts are filled in by plan_finish)
 INSERT INTO bi.jobs (job_version, dataset, spec_hash, snapshot_id, spec, spec_text, model_name, model_digest,
@@ -85,12 +99,16 @@ VALUES (%(job)s, %(dataset)s, %(spec_hash)s, %(snapshot_id)s, %(spec_text)s::tex
         %(model_digest)s, %(prompt_version)s, %(records)s, %(base)s);
 
 -- name: snapshot_insert  write the snapshot partition with CREATE TABLE AS (the bulk path) and plan it in the same pass
+-- The job version is not a column here: snapshot_job_version adds it after.
 -- Each record is rejected (why), reused (an unchanged record of the base
 -- version, incremental runs: the reuse placeholder is snapshot_reuse, else
 -- snapshot_no_reuse)
--- or given a shard: a running count over the eligible rows in scan order, so
--- no sort of the whole snapshot is needed, and shards are numbered 0..n-1 with
--- shard_size records each but the last (plan_finish relies on it).
+-- or given a shard: a running count over the eligible rows in the order they
+-- are written, so no sort of the whole snapshot is needed, and shards are
+-- numbered 0..n-1 with shard_size records each but the last (plan_finish
+-- relies on it). The count is the submit's own sequence (shard_numbers_create),
+-- called only for an eligible row: a window count would copy every row, text
+-- included, through a tuple store first.
 -- The reject tests are written to read as little of each text as they can
 -- (a long text is stored compressed, and every function call decompresses it
 -- again; the content hash is the one full read):
@@ -100,11 +118,8 @@ VALUES (%(job)s, %(dataset)s, %(spec_hash)s, %(snapshot_id)s, %(spec_text)s::tex
 --   too long = over cap characters; a text of at most cap bytes has at most cap
 --     characters, and octet_length reads only the header.
 CREATE TABLE bi.{partition} AS
-SELECT %(job)s::text AS job_version, c.record_id,
-       CASE WHEN c.reject IS NULL AND NOT c.reused
-            THEN ((count(*) FILTER (WHERE c.reject IS NULL AND NOT c.reused) OVER (ROWS UNBOUNDED PRECEDING) - 1)
-                  / %(shard_size)s)::integer
-       END AS shard_no,
+SELECT c.record_id,
+       CASE WHEN c.reject IS NULL AND NOT c.reused THEN (nextval({numbers}) / %(shard_size)s)::integer END AS shard_no,
        c.text, c.acl, c.content_hash, c.reject
   FROM (SELECT r.*, coalesce(base.reused, false) AS reused
           FROM (SELECT s.record_id, coalesce(s.text, '') AS text, s.acl,

@@ -88,8 +88,13 @@ def submit(conn: psycopg.Connection, spec: JobSpec,
                                   "shard_size": spec.shard_size}
         # A non-incremental run joins nothing: the reuse test folds to false.
         reuse = sql.SQL(q("snapshot_reuse" if base else "snapshot_no_reuse"))
+        numbers = part + "_shard_no"   # the shard-number sequence, this transaction only
+        conn.execute(sql.SQL(q("shard_numbers_create")).format(numbers=sql.Identifier("bi", numbers)))
         conn.execute(sql.SQL(q("snapshot_insert")).format(partition=sql.Identifier(part), relation=relation,
-                                                          reuse=reuse), params)
+                                                          reuse=reuse, numbers=sql.Literal(f"bi.{numbers}")),
+                     params)
+        conn.execute(sql.SQL(q("shard_numbers_drop")).format(numbers=sql.Identifier("bi", numbers)))
+        conn.execute(sql.SQL(q("snapshot_job_version")).format(partition=sql.Identifier(part), job=sql.Literal(job)))
         try:
             with conn.transaction():
                 conn.execute(q("snapshot_attach"), {"job": job})
