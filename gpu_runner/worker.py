@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import gc
 import json
 import logging
 import math
@@ -61,7 +62,7 @@ from batch_inference.exits import HALTING, ExitCode
 from batch_inference.ledger import FailedAttempt, Failure, Lease, Ledger, StaleLease, new_owner_id
 from batch_inference.outputs import check_for_storage
 from batch_inference.pinning import verify_weights
-from batch_inference.prompting import build_messages
+from batch_inference.prompting import build_request
 from batch_inference.spec import MAX_LEASE_SECONDS, JobSpec
 from batch_inference.status import job_counts, job_mode, job_spec
 
@@ -147,8 +148,14 @@ class _Shard:
 
 
 class Worker:
-    def __init__(self, cfg: WorkerConfig):
+    """``own_process``: this worker is the whole process (``python -m gpu_runner``,
+    ``batch-inference worker``), so what is alive once the engine has loaded
+    lives as long as the process (see ``_run``)."""
+
+    def __init__(self, cfg: WorkerConfig, own_process: bool = False):
         self.cfg = cfg
+        self.own_process = own_process
+        self.job_counts_at = -math.inf         # when _Progress last read the job's counts
         self.owner = cfg.worker_id or new_owner_id("fallback" if cfg.transport == "fallback" else "worker")
         self.stop = threading.Event()          # the preemption notice
         self.conn: psycopg.Connection | None = None
@@ -251,6 +258,12 @@ class Worker:
             raise Fatal(f"fatal: engine {name!r} could not load: {exc}", ExitCode.CONFIG) from None
         log.info("%s: engine %s loaded in %.2fs for %s (model %s, prompt %s)", self.owner, name,
                  time.perf_counter() - t0, cfg.job_version, spec.model.name, spec.prompt.version)
+        if self.own_process:
+            # Modules, the spec, the engine and its model stay until exit:
+            # frozen out of the cyclic collector, so each full collection
+            # walks what the shards allocate, not the whole heap again.
+            gc.collect()
+            gc.freeze()
         # A batch worker's transport is its engine's ('hosted_batch' for the hosted batch engines).
         self.transport = cfg.transport if cfg.transport == "fallback" else self.engine.transport
         self.ledger = Ledger(self.conn, cfg.job_version, self.owner, self.transport, cfg.lease_seconds, *made_by)
@@ -419,12 +432,12 @@ class Worker:
         """Drive the shard's records to stored or dead. Returns 'finished' or 'halted'."""
         assert self.ledger is not None and self.spec is not None and self.engine is not None
         spec, lease, ledger = self.spec, shard.lease, self.ledger
-        rows = self._db(ledger.records, lease)
+        ids, record_texts, attempts, crashes = self._db(ledger.record_columns, lease)
         log.info("%s: shard %d epoch %d: %d of %d records done already, %d to do", self.owner, lease.shard_no,
-                 lease.epoch, lease.records - len(rows), lease.records, len(rows))
-        texts = {r["record_id"]: r["text"] for r in rows}
-        shard.attempts = {r["record_id"]: r["attempts"] for r in rows}
-        suspects = {r["record_id"] for r in rows if r["crashes"]}
+                 lease.epoch, lease.records - len(ids), lease.records, len(ids))
+        texts = dict(zip(ids, record_texts))
+        shard.attempts = dict(zip(ids, attempts))
+        suspects = {rid for rid, n in zip(ids, crashes) if n}
         if lease.careful:
             log.warning("%s: shard %d lost its lease %d time(s) before: careful mode (batches of %d marked in "
                         "flight; %d record(s) in flight at an earlier death run alone)", self.owner,
@@ -449,7 +462,7 @@ class Worker:
                     return "halted"
                 if lease.careful:
                     self._db(ledger.mark_in_flight, lease, batch)
-                requests = [Request(rid, build_messages(spec, texts[rid])) for rid in batch]
+                requests = [build_request(spec, rid, texts[rid]) for rid in batch]
                 retry += self._generate(shard, requests, progress)
             todo = [rid for rid in retry if rid in texts]
         return "halted" if shard.stale.is_set() else "finished"
@@ -499,6 +512,9 @@ class Worker:
                 failures.clear()
             last_flush = time.monotonic()
 
+        # Read once: the loop below runs per record.
+        category_field, flush_every, flush_seconds = spec.category_field, self.cfg.flush_every, self.cfg.flush_seconds
+        stale, monotonic = shard.stale.is_set, time.monotonic
         try:
             for outcome in self.engine.generate(requests, shard.halt):
                 if outcome.error is None:
@@ -506,17 +522,16 @@ class Worker:
                 else:
                     obj, text, err = None, None, outcome.error
                 if obj is not None:
-                    cat = obj.get(spec.category_field) if spec.category_field else None
+                    cat = obj.get(category_field) if category_field else None
                     ok_ids.append(outcome.record_id)
                     ok_out.append(text)
                     ok_cat.append(cat if isinstance(cat, str) else None if cat is None else str(cat))
                 else:
                     failures[outcome.record_id] = Failure(outcome.record_id, err or "unknown error", outcome.text,
                                                           shard.attempts.get(outcome.record_id, 0) + 1)
-                if len(ok_ids) + len(failures) >= self.cfg.flush_every or \
-                        time.monotonic() - last_flush >= self.cfg.flush_seconds:
+                if len(ok_ids) + len(failures) >= flush_every or monotonic() - last_flush >= flush_seconds:
                     flush()
-                if shard.stale.is_set():
+                if stale():
                     raise StaleLease(f"lease on shard {lease.shard_no} epoch {lease.epoch} went stale")
         except EndpointUnavailable:
             flush()   # what the endpoint did answer before it went down is kept
@@ -572,7 +587,8 @@ _DATA_ERRORS = (psycopg.DataError, UnicodeEncodeError)
 
 
 class _Progress:
-    """A log line every N records or every few seconds: shard and job progress, rate, ETA."""
+    """A log line every N records or every few seconds: shard progress, rate, ETA, and the job's
+    progress when its counts were read (at most every few seconds, and at the shard's end)."""
 
     def __init__(self, worker: Worker, lease: Lease, total: int):
         self.w, self.lease, self.total = worker, lease, total
@@ -589,14 +605,17 @@ class _Progress:
         rate = self.done / max(now - self.t0, 1e-9)
         eta = (self.total - self.done) / rate if rate > 0 else float("inf")
         job = ""
-        try:
-            assert self.w.conn is not None
-            c = job_counts(self.w.conn, self.lease.job_version)
-            job_eta = c["outstanding"] / rate if rate > 0 else float("inf")
-            job = (f"; job {c['stored']}/{c['records']} stored, {c['dead_letters']} dead, "
-                   f"{c['outstanding']} outstanding (ETA {_fmt(job_eta)} at this worker's rate)")
-        except psycopg.Error:
-            pass
+        # The job's counts (a query) at most every progress_seconds, and at the shard's end.
+        if self.done >= self.total or now - self.w.job_counts_at >= self.w.cfg.progress_seconds:
+            self.w.job_counts_at = now
+            try:
+                assert self.w.conn is not None
+                c = job_counts(self.w.conn, self.lease.job_version)
+                job_eta = c["outstanding"] / rate if rate > 0 else float("inf")
+                job = (f"; job {c['stored']}/{c['records']} stored, {c['dead_letters']} dead, "
+                       f"{c['outstanding']} outstanding (ETA {_fmt(job_eta)} at this worker's rate)")
+            except psycopg.Error:
+                pass
         log.info("%s: shard %d: %d/%d (%.0f%%), %.1f records/s, ETA %s%s", self.w.owner, self.lease.shard_no,
                  self.done, self.total, 100 * self.done / max(self.total, 1), rate, _fmt(eta), job)
         self.last, self.last_done = now, self.done
@@ -609,8 +628,8 @@ def _fmt(seconds: float) -> str:
     return f"{s // 3600}h{s % 3600 // 60:02d}m" if s >= 3600 else f"{s // 60}m{s % 60:02d}s"
 
 
-def run_worker(cfg: WorkerConfig) -> int:
-    return Worker(cfg).run()
+def run_worker(cfg: WorkerConfig, own_process: bool = False) -> int:
+    return Worker(cfg, own_process).run()
 
 
 def _flags() -> list[tuple[dataclasses.Field, dict[str, Any]]]:
@@ -685,4 +704,4 @@ def main(argv: list[str] | None = None) -> int:
     except InvalidValue as exc:
         print(f"gpu_runner: error: {exc}", file=sys.stderr)
         return ExitCode.CONFIG
-    return run_worker(cfg)
+    return run_worker(cfg, own_process=True)

@@ -19,6 +19,7 @@ from datetime import datetime
 from typing import Any
 
 import psycopg
+from psycopg.rows import tuple_row
 
 from batch_inference.db import q
 from batch_inference.exceptions import BatchInferenceError
@@ -132,9 +133,20 @@ class Ledger:
 
     def records(self, lease: Lease) -> list[dict[str, Any]]:
         """The shard's records not yet stored or dead-lettered, with failed
-        attempts and crashes (deaths with the record in flight) so far. Empty
-        for a stale epoch: a stale holder reads nothing."""
-        return self.conn.execute(q("shard_records"), self._args(lease)).fetchall()
+        attempts and crashes (deaths with the record in flight) so far, in
+        record id order. Empty for a stale epoch: a stale holder reads nothing."""
+        return [{"record_id": i, "text": t, "attempts": a, "crashes": c}
+                for i, t, a, c in zip(*self.record_columns(lease))]
+
+    def record_columns(self, lease: Lease) -> tuple[list[str], list[str], list[int], list[int]]:
+        """``records`` as four parallel lists (ids, texts, attempts, crashes),
+        without a dict per record: what the worker reads at every claim."""
+        with self.conn.cursor(row_factory=tuple_row) as cur:
+            rows = cur.execute(q("shard_records"), self._args(lease)).fetchall()
+        if not rows:
+            return [], [], [], []
+        ids, texts, attempts, crashes = (list(col) for col in zip(*rows))
+        return ids, texts, attempts, crashes
 
     def mark_in_flight(self, lease: Lease, ids: Sequence[str]) -> None:
         """Careful mode: ``ids`` are the engine batch about to be generated. If

@@ -159,9 +159,25 @@ def _unstorable_char(value: Any) -> str | None:
 
 # Built once: json.loads(raw, **options) builds a decoder per call, which
 # costs as much as the parse of a short output.
-_DECODE = json.JSONDecoder(parse_constant=_no_constant, parse_float=_finite_float, parse_int=_bounded_int).decode
+_DECODER = json.JSONDecoder(parse_constant=_no_constant, parse_float=_finite_float, parse_int=_bounded_int)
+_DECODE = _DECODER.decode
+_SCAN = _DECODER.scan_once
 _DECODE_LAX = json.JSONDecoder(strict=False, parse_constant=_no_constant, parse_float=_finite_float,
                                parse_int=_bounded_int).decode
+
+
+def _decode(raw: str) -> Any:
+    """``_DECODE(raw)``. Text that is one JSON value with nothing around it
+    (nearly every output) is scanned alone, without decode's two whitespace
+    matches; anything else, an error included, goes through ``_DECODE``, which
+    raises as it always does."""
+    try:
+        obj, end = _SCAN(raw, 0)
+        if end == len(raw):
+            return obj
+    except (StopIteration, ValueError, RecursionError):
+        pass
+    return _DECODE(raw)
 
 
 def _message(error: Any) -> str:
@@ -198,7 +214,7 @@ def check_for_storage(spec: JobSpec, raw: str | None) -> tuple[dict[str, Any] | 
     text: str | None = raw
     try:
         try:
-            obj = _DECODE(raw)
+            obj = _decode(raw)
         except json.JSONDecodeError as exc:
             if not exc.msg.startswith("Invalid control character"):
                 raise

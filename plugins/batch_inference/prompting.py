@@ -79,4 +79,5 @@ def build_messages(spec: JobSpec, text: str) -> list[dict[str, str]]:
 
 
 def build_request(spec: JobSpec, record_id: str, text: str) -> Request:
-    return Request(record_id=record_id, messages=build_messages(spec, text))
+    """The request for one record; its messages are rendered when an engine first reads them."""
+    return Request(record_id, spec=spec, text=text)

@@ -340,18 +340,28 @@ END $$;
 -- Every result and dead letter of a shard's record is written with the shard
 -- row locked and counted in shards.stored / shards.dead, so a shard with
 -- nothing stored (or nothing dead) skips that anti-join; the OR
--- short-circuits per row.
+-- short-circuits per row. A job with no attempts row at all (no failure, no
+-- crash yet: nearly every read) skips the probe of bi.attempts per record:
+-- the probe's gate (v_tried, a one-time filter in the generic plan as well)
+-- sits inside the LATERAL subquery, which OFFSET 0 keeps from being pulled up
+-- into a join filter tested after the probe. Both queries read one snapshot
+-- (STABLE), so an attempt cannot appear between them.
 CREATE OR REPLACE FUNCTION bi.shard_records_v2(p_job text, p_shard integer, p_epoch bigint)
 RETURNS TABLE (record_id text, text text, attempts integer, crashes integer)
 LANGUAGE plpgsql STABLE SECURITY DEFINER SET search_path = pg_catalog, pg_temp AS $$
 #variable_conflict use_column
+DECLARE
+    v_tried boolean;
 BEGIN
     PERFORM bi.assert_may_work_on_v1(p_job);
+    v_tried := EXISTS (SELECT 1 FROM bi.attempts a WHERE a.job_version = p_job);
     RETURN QUERY
     SELECT sr.record_id, sr.text, coalesce(a.attempts, 0), coalesce(a.crashes, 0)
       FROM bi.shards s
       JOIN bi.snapshot_rows sr ON sr.job_version = s.job_version AND sr.shard_no = s.shard_no
-      LEFT JOIN bi.attempts a ON a.job_version = sr.job_version AND a.record_id = sr.record_id
+      LEFT JOIN LATERAL (SELECT x.attempts, x.crashes FROM bi.attempts x
+                          WHERE v_tried AND x.job_version = sr.job_version AND x.record_id = sr.record_id
+                         OFFSET 0) a ON true
      WHERE s.job_version = p_job AND s.shard_no = p_shard AND bi.holds_lease_v1(s, p_epoch)
        AND (s.stored = 0 OR NOT EXISTS (SELECT 1 FROM bi.results r
                                          WHERE r.job_version = sr.job_version AND r.record_id = sr.record_id))

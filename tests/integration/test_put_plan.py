@@ -1,20 +1,32 @@
-"""The plan of bi.put_results_v3's insert (the real embedded PostgreSQL, auto_explain).
+"""The plans of the put and the claim's shard read (the real embedded PostgreSQL, auto_explain).
 
 Whatever the statistics say, the snapshot rows of a call's results are read
 in one scan of the primary key for all of the call's ids and hash-joined to
 its arrays: no nested loop (one probe, or one scan, per result) and no scan
-of the whole shard or job (sql/schema/ledger.sql).
+of the whole shard or job. The shard read probes bi.attempts per record only
+once the job has an attempts row (sql/schema/ledger.sql).
 """
 
 from __future__ import annotations
 
 import pytest
 
-from batch_inference.ledger import Ledger
+from batch_inference.ledger import Failure, Ledger
 from batch_inference.plan import submit
 from tests.conftest import make_source, make_spec, tickets
 
 OUT = '{"category": "billing", "summary": "charged twice"}'
+
+
+def _explained(conn, analyze: bool = False) -> list[str]:
+    """The plans of every statement from now on (auto_explain, as notices)."""
+    plans: list[str] = []
+    conn.add_notice_handler(lambda d: plans.append(d.message_primary or ""))
+    conn.execute("LOAD 'auto_explain'")
+    for setting, value in (("log_min_duration", "0"), ("log_nested_statements", "on"), ("log_level", "notice"),
+                           ("log_analyze", "on" if analyze else "off")):
+        conn.execute(f"SET auto_explain.{setting} = {value}")
+    return plans
 
 
 @pytest.mark.parametrize("analyzed", [False, True], ids=["no statistics", "analyzed"])
@@ -23,11 +35,7 @@ def test_put_reads_the_snapshot_in_one_key_scan(conn, analyzed):
     job = submit(conn, make_spec(shard_size=1000)).job_version
     if analyzed:
         conn.execute("ANALYZE bi.snapshot_rows")
-    plans: list[str] = []
-    conn.add_notice_handler(lambda d: plans.append(d.message_primary or ""))
-    conn.execute("LOAD 'auto_explain'")
-    for setting, value in (("log_min_duration", "0"), ("log_nested_statements", "on"), ("log_level", "notice")):
-        conn.execute(f"SET auto_explain.{setting} = {value}")
+    plans = _explained(conn)
     lg = Ledger(conn, job, "w", engine="noop", endpoint="local")
     lease = lg.claim()
     ids = [r["record_id"] for r in lg.records(lease)]
@@ -40,3 +48,30 @@ def test_put_reads_the_snapshot_in_one_key_scan(conn, analyzed):
     for plan in inserts:
         assert "Hash Join" in plan and "Nested Loop" not in plan and "Seq Scan" not in plan, plan
         assert "snapshot_rows" in plan and "_pkey" in plan and "record_id = ANY" in plan, plan
+
+
+def test_shard_read_probes_attempts_once_the_job_has_any(conn):
+    make_source(conn, tickets(300))
+    job = submit(conn, make_spec(shard_size=100)).job_version
+    lg = Ledger(conn, job, "w", engine="noop", endpoint="local")
+    lease = lg.claim()
+    plans = _explained(conn, analyze=True)
+
+    def reads() -> list[str]:
+        return [p for p in plans if "bi.shards s" in p and "FROM bi.attempts x" in p]
+
+    for _ in range(7):                                 # past the plan cache's first five calls
+        rows = lg.records(lease)
+    assert len(rows) == 100 and not any(r["attempts"] for r in rows)
+    assert len(reads()) == 7
+    for plan in reads():   # custom plans leave the scan out, the generic one never runs it
+        assert all("never executed" in line for line in plan.splitlines() if "on attempts_" in line), plan
+    assert any("on attempts_" in line for plan in reads() for line in plan.splitlines())
+    plans.clear()
+    failed = rows[5]["record_id"]
+    lg.fail(lease, [Failure(failed, "boom", None, 1)])
+    rows = lg.records(lease)
+    assert {r["record_id"]: r["attempts"] for r in rows if r["attempts"]} == {failed: 1}
+    [plan] = reads()
+    scans = [line for line in plan.splitlines() if "on attempts_" in line]
+    assert scans and not any("never executed" in line for line in scans), plan

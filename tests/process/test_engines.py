@@ -20,7 +20,7 @@ import jsonschema
 import pytest
 
 from batch_inference.breaker import EndpointUnavailable
-from batch_inference.engines import TRUNCATED, Engine, Outcome, engine_class, engine_for, load_engine
+from batch_inference.engines import TRUNCATED, Engine, Outcome, Request, engine_class, engine_for, load_engine
 from batch_inference.engines.noop import INVALID_OUTPUT, NoopEngine, minimal_instance
 from batch_inference.outputs import check_output
 from batch_inference.pinning import DigestMismatch, WeightsMissing, sha256_file, sha256_files, verify_weights
@@ -116,6 +116,24 @@ def test_noop_answers_are_schema_valid_and_poison_markers_work():
     spec = make_spec(prompt={"system": "Never write [[engine-error]]."})
     [o] = load_engine("noop", spec).generate(requests_for(spec, [("ok", "fine")]), threading.Event())
     assert o.ok
+
+
+def test_noop_markers_are_those_of_the_rendered_user_turn():
+    # The engine reads the record's text first and renders only when a
+    # marker may be in the user turn: the outcome is the rendered turn's.
+    spec = make_spec(max_input_chars=20)
+    records = [("cut", "0123456789 [[engine-error]]"), ("kept", "[[engine-error]]")]
+    out = {o.record_id: o for o in load_engine("noop", spec).generate(requests_for(spec, records), threading.Event())}
+    assert out["cut"].ok and not out["kept"].ok            # the cut record's marker never reached the model
+    # A template holding part of a marker: the record completes it only once rendered.
+    spec = make_spec(prompt={"template": "Record: [[engine-{text}"})
+    reqs = requests_for(spec, [("joined", "error]] now"), ("plain", "fine")])
+    out = {o.record_id: o for o in load_engine("noop", spec).generate(reqs, threading.Event())}
+    assert not out["joined"].ok and out["plain"].ok
+    # Requests made with their messages (no record text) are read as before.
+    msgs = [{"role": "system", "content": "s"}, {"role": "user", "content": "x [[invalid-output]]"}]
+    [o] = load_engine("noop", make_spec()).generate([Request("m", msgs)], threading.Event())
+    assert o.text == INVALID_OUTPUT
 
 
 def test_noop_rates_are_seeded():

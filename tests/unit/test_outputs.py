@@ -6,6 +6,7 @@ import json
 
 import pytest
 
+from batch_inference.engines.base import Request
 from batch_inference.outputs import check_output, validator_for
 from batch_inference.prompting import UNTRUSTED_DATA_INSTRUCTION, build_messages, build_request
 from tests.fixtures import make_spec
@@ -61,6 +62,30 @@ def test_record_text_is_cut_to_max_input_chars():
     assert req.record_id == "r1"
     assert "abcdefghij" in req.messages[1]["content"]
     assert "K" not in req.messages[1]["content"]
+
+
+def test_requests_render_their_messages_once_when_read():
+    spec = make_spec()
+    req = build_request(spec, "r1", "hello")
+    assert req.text == "hello" and req.messages == build_messages(spec, "hello")
+    assert req.messages is req.messages
+    assert req == Request("r1", build_messages(spec, "hello")) and req != Request("r2", build_messages(spec, "hello"))
+    with pytest.raises(TypeError):
+        Request("r1")
+
+
+@pytest.mark.parametrize("raw", ['{"a": 1}', ' {"a": 1}', '{"a": 1} ', '{"a": 1}x', '{"a": 1} {"b": 2}', "", "  ",
+                                 '{"a": NaN}', '{"a": 1e999}', '{"a": "\x01"}', '[1, 2]', '"s"', '{"a": '])
+def test_the_scan_alone_decodes_as_decode_does(raw):
+    from batch_inference.outputs import _DECODE, _decode
+
+    def outcome(fn):
+        try:
+            return "ok", fn(raw)
+        except Exception as exc:  # noqa: BLE001 - the same exception, message included
+            return type(exc).__name__, str(exc)
+
+    assert outcome(_decode) == outcome(_DECODE)
 
 
 # -- check_output ----------------------------------------------------------------

@@ -26,7 +26,7 @@ def register(sub: Any) -> None:
 def run(args: argparse.Namespace) -> int:
     from gpu_runner.worker import config_from_args, run_worker
 
-    return run_worker(config_from_args(args))
+    return run_worker(config_from_args(args), own_process=True)
 
 
 def run_grant(args: argparse.Namespace) -> int:

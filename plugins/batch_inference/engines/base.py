@@ -40,15 +40,45 @@ from batch_inference.spec import JobSpec, pinned_options
 TRUNCATED = "output truncated at max_tokens"
 
 
-@dataclass(frozen=True)
 class Request:
-    """One record, already rendered to chat messages (system turn, then user turn)."""
+    """One record as chat messages (system turn, then user turn).
 
-    record_id: str
-    messages: list[dict[str, str]]
+    Made with its ``messages``, or with the job's ``spec`` and the record's
+    ``text`` (``prompting.build_request``): the messages are then rendered on
+    first read, once, so an engine that never reads them (the noop engine,
+    unless a record holds one of its markers) does not render them."""
+
+    __slots__ = ("record_id", "text", "spec", "_messages")
+
+    def __init__(self, record_id: str, messages: list[dict[str, str]] | None = None, *,
+                 spec: JobSpec | None = None, text: str | None = None):
+        if messages is None and (spec is None or text is None):
+            raise TypeError("a Request needs its messages, or the spec and the record's text")
+        self.record_id = record_id
+        self.text = text
+        self.spec = spec
+        self._messages = messages
+
+    @property
+    def messages(self) -> list[dict[str, str]]:
+        if self._messages is None:
+            from batch_inference.prompting import build_messages   # prompting imports this module
+
+            self._messages = build_messages(self.spec, self.text)
+        return self._messages
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, Request):
+            return NotImplemented
+        return self.record_id == other.record_id and self.messages == other.messages
+
+    __hash__ = None  # type: ignore[assignment]  # messages are a list
+
+    def __repr__(self) -> str:
+        return f"Request(record_id={self.record_id!r}, messages={self.messages!r})"
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class Outcome:
     """What an engine made of one record.
 

@@ -56,6 +56,14 @@ class NoopEngine(Engine):
             raise InvalidValue("engine 'noop': option 'delay_s' must not be negative")
         self._rng = random.Random(int(self.option("seed", 0)))
         self._answer = json.dumps(minimal_instance(spec.output_schema), separators=(",", ":"))
+        # Rendering cuts the record, breaks up delimiters with spaces and puts
+        # it into the template; a marker (no spaces) in the user turn is then
+        # in the record itself, unless the template holds part of one: with no
+        # bracket in the template, a record without a marker needs no
+        # rendering to tell.
+        self._markers_only_in_record = "[" not in spec.prompt.template and "]" not in spec.prompt.template
+        # Draws decide nothing at rate 0, so none are made.
+        self._draws = self.fail_rate > 0 or self.invalid_rate > 0
 
     def load(self) -> None:
         pass
@@ -72,10 +80,15 @@ class NoopEngine(Engine):
 
     def _answer_for(self, req: Request) -> Outcome:
         # Markers count in the record (user turn) only, not in the system prompt.
-        text = "\n".join(m.get("content", "") for m in req.messages if m.get("role") == "user")
+        raw = req.text
+        if raw is not None and self._markers_only_in_record and ENGINE_ERROR_MARKER not in raw \
+                and INVALID_OUTPUT_MARKER not in raw:
+            text = ""
+        else:
+            text = "\n".join(m.get("content", "") for m in req.messages if m.get("role") == "user")
         # Draw both numbers for every record so that the sequence of draws,
         # and so the faults, do not depend on which markers appear.
-        fail_draw, invalid_draw = self._rng.random(), self._rng.random()
+        fail_draw, invalid_draw = (self._rng.random(), self._rng.random()) if self._draws else (1.0, 1.0)
         if ENGINE_ERROR_MARKER in text or fail_draw < self.fail_rate:
             return Outcome(req.record_id, None, error="noop: injected engine error")
         if INVALID_OUTPUT_MARKER in text or invalid_draw < self.invalid_rate:
