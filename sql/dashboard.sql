@@ -73,7 +73,7 @@ SELECT shard_no, state, epoch, lease_owner, lease_transport, lease_expires_at, c
 -- name: dead_letter_reasons  dead letters grouped by reason, most frequent first, from their counts (run as the reader: RLS counts)
 SELECT reason, stage, sum(n)::bigint AS n
   FROM bi.dead_letter_counts WHERE job_version = %(job)s
- GROUP BY reason, stage ORDER BY n DESC, reason LIMIT 50;
+ GROUP BY reason, stage HAVING sum(n) > 0 ORDER BY n DESC, reason LIMIT 50;
 
 -- name: dead_letter_page  one page of dead letters; error and raw output cut to what a table can show
 SELECT record_id, reason, attempts, stage, transport, left(error, 500) AS error,

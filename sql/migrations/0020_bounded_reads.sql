@@ -2,7 +2,7 @@
 -- the same whatever the job's size.
 --
 -- bi.dead_letter_counts: a job's dead letters counted per (ACL, reason,
--- stage), kept by a statement trigger on bi.dead_letters, under the same
+-- stage), kept by statement triggers on bi.dead_letters (insert, update), under the same
 -- row-level security rule as the dead letters (the rule reads only the job
 -- version and the ACL, so a reader sees exactly the counts of the dead
 -- letters it may read); existing dead letters are counted in.
@@ -10,7 +10,7 @@
 -- bi.category_stripes: a job's stored rows per category, per stripe of its
 -- shards (shard_no % 64; reused rows in stripe 0), kept by bi.put_results_v3
 -- (same signature: its insert now also counts the categories it stored) and
--- plan_reuse, so the drift panel reads at most 64 rows a category; existing
+-- plan_reuse, and a statement trigger on an update of bi.results, so the drift panel reads at most 64 rows a category; existing
 -- results are counted in.
 --
 -- pending_records, leased_records, done_records: the records of each
@@ -222,3 +222,46 @@ UPDATE bi.shard_stripes t
                coalesce(sum(s.records) FILTER (WHERE s.state = 'done'), 0) AS done_records
           FROM bi.shards s GROUP BY 1, 2) o
  WHERE t.job_version = o.job_version AND t.stripe = o.stripe;
+
+-- A statement that changes stored rows' categories (no ledger function does;
+-- an operator's fix may): the difference, to the rows' stripes.
+CREATE OR REPLACE FUNCTION bi.category_stripes_change_v1() RETURNS trigger
+LANGUAGE plpgsql SET search_path = pg_catalog, pg_temp AS $$
+BEGIN
+    INSERT INTO bi.category_stripes AS t (job_version, stripe, category, n)
+    SELECT d.job_version, coalesce(sr.shard_no % bi.category_stripe_count_v1(), 0), d.category, sum(d.dn)
+      FROM (SELECT o.job_version, o.record_id, o.category, -1 AS dn FROM old_rows o
+            UNION ALL
+            SELECT w.job_version, w.record_id, w.category, 1 FROM new_rows w) d
+      LEFT JOIN bi.snapshot_rows sr ON sr.job_version = d.job_version AND sr.record_id = d.record_id
+     GROUP BY 1, 2, 3 HAVING sum(d.dn) <> 0
+     ORDER BY 1, 2, 3
+    ON CONFLICT ON CONSTRAINT category_stripes_key DO UPDATE SET n = t.n + excluded.n;
+    RETURN NULL;
+END $$;
+
+DROP TRIGGER IF EXISTS results_categories_update ON bi.results;
+CREATE TRIGGER results_categories_update AFTER UPDATE ON bi.results
+    REFERENCING OLD TABLE AS old_rows NEW TABLE AS new_rows FOR EACH STATEMENT
+    EXECUTE FUNCTION bi.category_stripes_change_v1();
+
+-- A statement that changes dead letters (no ledger function does; an
+-- operator's fix may): the difference, to their counts.
+CREATE OR REPLACE FUNCTION bi.dead_letter_counts_change_v1() RETURNS trigger
+LANGUAGE plpgsql SET search_path = pg_catalog, pg_temp AS $$
+BEGIN
+    INSERT INTO bi.dead_letter_counts AS t (job_version, acl, reason, stage, n)
+    SELECT d.job_version, d.acl, d.reason, d.stage, sum(d.dn)
+      FROM (SELECT o.job_version, o.acl, o.reason, o.stage, -1 AS dn FROM old_rows o
+            UNION ALL
+            SELECT w.job_version, w.acl, w.reason, w.stage, 1 FROM new_rows w) d
+     GROUP BY 1, 2, 3, 4 HAVING sum(d.dn) <> 0
+     ORDER BY 1, 2, 3, 4
+    ON CONFLICT ON CONSTRAINT dead_letter_counts_key DO UPDATE SET n = t.n + excluded.n;
+    RETURN NULL;
+END $$;
+
+DROP TRIGGER IF EXISTS dead_letters_counts_update ON bi.dead_letters;
+CREATE TRIGGER dead_letters_counts_update AFTER UPDATE ON bi.dead_letters
+    REFERENCING OLD TABLE AS old_rows NEW TABLE AS new_rows FOR EACH STATEMENT
+    EXECUTE FUNCTION bi.dead_letter_counts_change_v1();

@@ -159,7 +159,8 @@ END $$;
 -- A job's stored rows per output category (the drift panel before the
 -- validation report holds them): bi.put_results_v3 adds each call's rows to
 -- the stripe of its shard (shard_no % 64), plan_reuse the reused rows to
--- stripe 0, so a read sums at most 64 rows a category. 64, not the shard
+-- stripe 0, a trigger an update's difference (results are never deleted but
+-- with their job version), so a read sums at most 64 rows a category. 64, not the shard
 -- stripes' 1,024: the read is per category, and workers claim consecutive
 -- shards, so up to 64 concurrent holders never share a row.
 CREATE TABLE IF NOT EXISTS bi.category_stripes (
@@ -173,12 +174,35 @@ CREATE TABLE IF NOT EXISTS bi.category_stripes (
 CREATE OR REPLACE FUNCTION bi.category_stripe_count_v1() RETURNS integer
 LANGUAGE sql IMMUTABLE AS $$ SELECT 64 $$;
 
+-- A statement that changes stored rows' categories (no ledger function does;
+-- an operator's fix may): the difference, to the rows' stripes.
+CREATE OR REPLACE FUNCTION bi.category_stripes_change_v1() RETURNS trigger
+LANGUAGE plpgsql SET search_path = pg_catalog, pg_temp AS $$
+BEGIN
+    INSERT INTO bi.category_stripes AS t (job_version, stripe, category, n)
+    SELECT d.job_version, coalesce(sr.shard_no % bi.category_stripe_count_v1(), 0), d.category, sum(d.dn)
+      FROM (SELECT o.job_version, o.record_id, o.category, -1 AS dn FROM old_rows o
+            UNION ALL
+            SELECT w.job_version, w.record_id, w.category, 1 FROM new_rows w) d
+      LEFT JOIN bi.snapshot_rows sr ON sr.job_version = d.job_version AND sr.record_id = d.record_id
+     GROUP BY 1, 2, 3 HAVING sum(d.dn) <> 0
+     ORDER BY 1, 2, 3
+    ON CONFLICT ON CONSTRAINT category_stripes_key DO UPDATE SET n = t.n + excluded.n;
+    RETURN NULL;
+END $$;
+
+DROP TRIGGER IF EXISTS results_categories_update ON bi.results;
+CREATE TRIGGER results_categories_update AFTER UPDATE ON bi.results
+    REFERENCING OLD TABLE AS old_rows NEW TABLE AS new_rows FOR EACH STATEMENT
+    EXECUTE FUNCTION bi.category_stripes_change_v1();
+
 -- A job's dead letters counted per (ACL, reason, stage), so that the dashboard
 -- counts and groups what a reader may see without reading the dead letters:
 -- the table has the dead letters' row-level security rule (publish.sql),
 -- which reads only the job version and the ACL. A statement trigger on
--- bi.dead_letters adds each insert's rows (dead letters are never deleted but
--- with their job version, whose jobs row takes these with it).
+-- bi.dead_letters adds each insert's rows, another each update's difference
+-- (dead letters are never deleted but with their job version, whose jobs row
+-- takes these with it).
 CREATE TABLE IF NOT EXISTS bi.dead_letter_counts (
     job_version text NOT NULL REFERENCES bi.jobs (job_version) ON DELETE CASCADE,
     acl         text[],
@@ -203,6 +227,27 @@ END $$;
 DROP TRIGGER IF EXISTS dead_letters_counts_insert ON bi.dead_letters;
 CREATE TRIGGER dead_letters_counts_insert AFTER INSERT ON bi.dead_letters
     REFERENCING NEW TABLE AS added FOR EACH STATEMENT EXECUTE FUNCTION bi.dead_letter_counts_add_v1();
+
+-- A statement that changes dead letters (no ledger function does; an
+-- operator's fix may): the difference, to their counts.
+CREATE OR REPLACE FUNCTION bi.dead_letter_counts_change_v1() RETURNS trigger
+LANGUAGE plpgsql SET search_path = pg_catalog, pg_temp AS $$
+BEGIN
+    INSERT INTO bi.dead_letter_counts AS t (job_version, acl, reason, stage, n)
+    SELECT d.job_version, d.acl, d.reason, d.stage, sum(d.dn)
+      FROM (SELECT o.job_version, o.acl, o.reason, o.stage, -1 AS dn FROM old_rows o
+            UNION ALL
+            SELECT w.job_version, w.acl, w.reason, w.stage, 1 FROM new_rows w) d
+     GROUP BY 1, 2, 3, 4 HAVING sum(d.dn) <> 0
+     ORDER BY 1, 2, 3, 4
+    ON CONFLICT ON CONSTRAINT dead_letter_counts_key DO UPDATE SET n = t.n + excluded.n;
+    RETURN NULL;
+END $$;
+
+DROP TRIGGER IF EXISTS dead_letters_counts_update ON bi.dead_letters;
+CREATE TRIGGER dead_letters_counts_update AFTER UPDATE ON bi.dead_letters
+    REFERENCING OLD TABLE AS old_rows NEW TABLE AS new_rows FOR EACH STATEMENT
+    EXECUTE FUNCTION bi.dead_letter_counts_change_v1();
 
 -- The shard table takes an update for every claim, renewal, put and
 -- completion: every renewal leaves a dead tuple, so autovacuum visits it

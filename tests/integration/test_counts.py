@@ -244,6 +244,12 @@ def test_dead_letters_are_counted_per_acl_reason_and_stage(conn, db_url):
     for r in got:
         by_reason[r["reason"].rsplit(": ", 1)[-1]] = by_reason.get(r["reason"].rsplit(": ", 1)[-1], 0) + r["n"]
     assert by_reason == {"bad output": 3, "HTTP 400": 1}
+    # an update (an operator's fix): the counts follow it
+    conn.execute("UPDATE bi.dead_letters SET reason = 'relabelled', acl = '{team-z}' WHERE job_version = %s "
+                 "AND reason LIKE '%%HTTP 400'", (job,))
+    kept = [r for r in conn.execute(DEAD_COUNTS, (job,)).fetchall() if r["n"]]     # a group emptied stays at 0
+    assert kept == conn.execute(DEAD_FROM_ROWS, (job,)).fetchall()
+    assert any(r["reason"] == "relabelled" and r["acl"] == ["team-z"] for r in kept)
 
 
 def test_the_migration_counts_the_dead_letters_of_existing_jobs(empty_db):
@@ -286,6 +292,9 @@ def test_the_categories_of_every_stored_row_are_counted(conn, db_url):
     stripes = conn.execute("SELECT count(DISTINCT stripe) AS n FROM bi.category_stripes WHERE job_version = %s",
                            (job,)).fetchone()["n"]
     assert stripes == 3                 # a stripe per shard written
+    # an update (an operator's fix): the counts follow it
+    conn.execute("UPDATE bi.results SET category = 'bug' WHERE job_version = %s AND category = 'billing'", (job,))
+    assert _categories(conn, job) == {"bug": 4, "(none)": 1, "account": 1}
 
 
 def test_the_migration_counts_the_categories_of_existing_jobs(empty_db):
