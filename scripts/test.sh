@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
 # The test suite on a fresh machine: builds .venv, then runs pytest against the
-# embedded PostgreSQL and the real CPU model, on two pytest-xdist workers (the
-# tests of a file, and the users of one live Airflow or one vLLM, share a
-# worker: tests/conftest.py). Extra arguments go to pytest after these, so
-# `-n 0` runs in one process.
+# embedded PostgreSQL and the real CPU model, on two pytest-xdist workers: the
+# tests of a file run on one worker, so a module's servers start once (the
+# live Airflow deployment and the loaded vLLM each serve one file). Extra
+# arguments go to pytest after these, so `-n 0` runs in one process.
 source "$(dirname "$0")/_venv.sh"
 if [ ! -x /usr/bin/chromium ] && command -v apt-get >/dev/null && [ "$(id -u)" = 0 ]; then
   # The dashboard's browser tests drive Debian's Chromium (no browser download).
@@ -15,7 +15,7 @@ if ! command -v pgbouncer >/dev/null && [ ! -x /usr/sbin/pgbouncer ] && command 
     || echo "warning: could not install pgbouncer; the PgBouncer runs will be skipped" >&2
 fi
 set +e
-python -m pytest -n 2 --dist loadgroup "$@"
+python -m pytest -n 2 --dist loadfile "$@"
 rc=$?
 set -e
 if [ "$rc" = 5 ]; then

@@ -59,23 +59,6 @@ def template_db(pg_server) -> str:
     return name
 
 
-# Under pytest-xdist (scripts/test.sh: -n 2 --dist loadgroup) the tests of a
-# file stay on one worker, so its module fixtures start once; the tests that
-# share one of these session servers all go to one worker, so it starts once
-# (a live Airflow deployment, a loaded vLLM) and two of them never compete for
-# the two cores.
-XDIST_SHARED = {"live_airflow": "live-airflow", "vllm_engine": "vllm", "vllm_model": "vllm", "vllm_server": "vllm"}
-
-
-def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    if not config.pluginmanager.hasplugin("xdist"):
-        return
-    for item in items:
-        if item.get_closest_marker("xdist_group") is None:
-            group = next((g for f, g in XDIST_SHARED.items() if f in item.fixturenames), item.nodeid.split("::")[0])
-            item.add_marker(pytest.mark.xdist_group(group))
-
-
 def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
     """A test module that sets ``DB_ROUTES = ("direct", "pgbouncer")`` runs each of
     its tests that uses ``db_url`` (or ``conn``) once per route."""
