@@ -24,7 +24,7 @@
 -- key. The snapshot partition
 -- is written by submit itself with CREATE TABLE AS (the bulk path, no index
 -- maintenance per row); bi.attach_snapshot_v1 then adds its constraints in one
--- scan and attaches it, which builds its indexes in one sort each.
+-- scan, builds its two indexes in one sort each and attaches it.
 CREATE OR REPLACE FUNCTION bi.create_job_partitions_v1(p_job text) RETURNS text
 LANGUAGE plpgsql SET search_path = pg_catalog, pg_temp AS $$
 DECLARE
@@ -56,9 +56,12 @@ DECLARE
     part text := 'snapshot_rows_' || substr(md5(p_job), 1, 16);
 BEGIN
     -- One ALTER, one scan; the CHECK lets ATTACH skip its own validation scan.
+    -- The primary key is built in the same ALTER (a duplicate id fails it).
     EXECUTE format('ALTER TABLE bi.%I ALTER COLUMN job_version SET NOT NULL, ALTER COLUMN record_id SET NOT NULL, '
                    'ALTER COLUMN text SET NOT NULL, ALTER COLUMN content_hash SET NOT NULL, '
-                   'ADD CONSTRAINT %I CHECK (job_version = %L)', part, part || '_jv', p_job);
+                   'ADD CONSTRAINT %I CHECK (job_version = %L), ADD CONSTRAINT %I PRIMARY KEY (record_id)',
+                   part, part || '_jv', p_job, part || '_pkey');
+    EXECUTE format('CREATE INDEX %I ON bi.%I (shard_no)', part || '_shard', part);
     EXECUTE format('ALTER TABLE bi.snapshot_rows ATTACH PARTITION bi.%I FOR VALUES IN (%L)', part, p_job);
 END $$;
 

@@ -218,6 +218,31 @@ def test_the_migration_counts_the_hosted_rows_of_existing_jobs(empty_db):
         same_as_shards(conn, job)
 
 
+def test_the_migration_keys_existing_snapshots_by_their_own_partition(empty_db):
+    """0021 rebuilds an existing snapshot's keys without the job version; the
+    ledger reads and puts through them, and a duplicate put still stores nothing."""
+    url = empty_db()
+    with db.connect(url) as conn:
+        _migrate_before(conn, "0021")
+        make_source(conn, tickets(30))
+        job = submit(conn, make_spec(shard_size=10)).job_version
+        assert "0021_snapshot_local_keys.sql" in db.migrate(conn)
+        part = conn.execute("SELECT 'snapshot_rows_' || substr(md5(%s), 1, 16) AS p", (job,)).fetchone()["p"]
+        idx = {r["indexname"]: r["indexdef"].split(" USING ", 1)[1] for r in conn.execute(
+            "SELECT indexname, indexdef FROM pg_indexes WHERE schemaname = 'bi' AND tablename = %s", (part,))}
+        assert idx == {f"{part}_pkey": "btree (record_id)", f"{part}_shard": "btree (shard_no)"}
+        assert not conn.execute("SELECT 1 FROM pg_indexes WHERE schemaname = 'bi' AND tablename = 'snapshot_rows'"
+                                ).fetchall()
+        w = Ledger(db.connect(url), job, "w-0021")
+        lease = w.claim()
+        ids = sorted(r["record_id"] for r in w.records(lease))
+        assert len(ids) == 10
+        assert w.put_results(lease, ids, [OUT] * 10, ["billing"] * 10) == 10
+        assert w.put_results(lease, ids, [OUT] * 10, ["billing"] * 10) == 0
+        assert w.records(lease) == []
+        same_as_shards(conn, job)
+
+
 # What dead_letter_reasons grouped before bi.dead_letter_counts: the dead letters themselves.
 DEAD_FROM_ROWS = """SELECT acl, reason, stage, count(*) AS n FROM bi.dead_letters WHERE job_version = %s
                      GROUP BY acl, reason, stage ORDER BY 1, 2, 3"""
