@@ -3,7 +3,7 @@
 Simulated workers, many per process (asyncio, a few processes), behave like
 ``gpu_runner.worker`` on the wire: each holds two connections to PgBouncer in
 transaction mode (its main one and its renewal thread's), claims a shard,
-reads its records, produces results at ``--rate`` records/s (the seed's 18.7
+reads its records (a page of ``SHARD_READ_PAGE`` a call), produces results at ``--rate`` records/s (the seed's 18.7
 per worker), puts them through the ledger's named statements every
 ``--flush-seconds`` (or ``--flush-every`` records), renews its lease every
 ``renew_seconds`` (jittered down by up to a fifth, as the worker does) and
@@ -45,7 +45,7 @@ from psycopg.rows import dict_row
 
 from batch_inference import db
 from batch_inference.engines.noop import minimal_instance
-from batch_inference.ledger import FLEET_START_JITTER_SECONDS
+from batch_inference.ledger import FLEET_START_JITTER_SECONDS, SHARD_READ_PAGE
 from batch_inference.plan import submit
 from batch_inference.status import job_counts
 from benchmarks.common import (BENCH_SCHEMA, PYTHON, REPO, ServerCpu, bench_spec, emit, fresh_server, machine,
@@ -54,12 +54,14 @@ from benchmarks.control_plane import raw_ceiling
 from gpu_runner.worker import RENEW_JITTER, WorkerConfig
 
 SEED_ROWS_S = 9000          # the seed's 10x result rate
-SEED_RENEWALS_PER_30S = 500  # hundreds of workers renewing every 30 s
+RENEWALS_PER_30S = 480  # 500 workers renewing every 24-30 s, less those between two shards (issue 22)
 P99_TARGET_MS = 100.0
 CALLS = ("claim", "records", "renew", "put", "complete", "cutoff_poll")
 # The fleet's first claims (before the window): as the worker saw them, and the
 # part the server spent on them (the rest: PgBouncer's queue and the client's loop)
 START = ("claim_at_start", "claim_at_start_server")
+# Printed beside the calls, not a call: a claimed shard's whole read, its pages together
+WHOLE = ("shard_read",)
 # claim_shard, with the time from the server's receipt of the statement to its end
 CLAIM_TIMED = ("SELECT c.*, extract(epoch FROM clock_timestamp() - statement_timestamp())::float8 AS server_s"
                f" FROM ({db.q('claim_shard').strip().rstrip(';')}) c")
@@ -88,7 +90,7 @@ class Sim:
         self.a = a
         self.rng = random.Random(a.seed)
         self.window = window(a)
-        self.lat: dict[str, list[float]] = {c: [] for c in (*CALLS, *START)}
+        self.lat: dict[str, list[float]] = {c: [] for c in (*CALLS, *START, *WHOLE)}
         self.count = {"renewals": 0, "rows_put": 0, "stale": 0, "stalls": 0, "kills": 0, "claims": 0,
                       "no_shard": 0, "errors": 0}
         self.payload = json.dumps(minimal_instance(BENCH_SCHEMA), ensure_ascii=False)
@@ -150,7 +152,7 @@ class Sim:
                 lease = claimed[0]
                 args = {"job": a.job, "shard": lease["shard_no"], "epoch": lease["epoch"], "owner": name,
                         "transport": "batch", "engine": "noop", "endpoint": "local"}
-                ids = [r["record_id"] for r in await self.call(main, "shard_records", "records", args)]
+                ids = await self.read_shard(main, args)
                 stop = asyncio.Event()
                 renewer = asyncio.create_task(self.renew_loop(renew_conn, args, stop))
                 try:
@@ -164,6 +166,20 @@ class Sim:
         finally:
             await main.close()
             await renew_conn.close()
+
+    async def read_shard(self, main: psycopg.AsyncConnection, args: dict[str, Any]) -> list[str]:
+        """The shard's records to do, a page a call, as Ledger.record_columns reads them."""
+        ids: list[str] = []
+        t0 = time.time()
+        while True:
+            rows = await self.call(main, "shard_records", "records", {**args, "after": ids[-1] if ids else None,
+                                                                      "limit": SHARD_READ_PAGE})
+            ids += [r["record_id"] for r in rows]
+            if len(rows) < SHARD_READ_PAGE:
+                break
+        if self.in_window(t0):
+            self.lat["shard_read"].append(time.time() - t0)
+        return ids
 
     async def run_shard(self, main: psycopg.AsyncConnection, args: dict[str, Any], ids: list[str],
                         end: float) -> str:
@@ -384,7 +400,7 @@ def level(a: argparse.Namespace, url: str, conn: psycopg.Connection, pooled_url:
             raise RuntimeError(f"simulated workers failed (exit {p.returncode}): {err.strip()[-800:]}")
         outs.append(json.loads(lines[-1]))
     sampler.join(10)
-    lat = {c: [x for o in outs for x in o["lat"][c]] for c in (*CALLS, *START)}
+    lat = {c: [x for o in outs for x in o["lat"][c]] for c in (*CALLS, *START, *WHOLE)}
     lat["cutoff_poll"] = sampler.poll
     count = {k: sum(o["count"][k] for o in outs) for k in outs[0]["count"]}
     stats = conn.execute("SELECT n_tup_upd, n_tup_hot_upd, n_dead_tup, n_live_tup, autovacuum_count"
@@ -448,7 +464,7 @@ def run(a: argparse.Namespace) -> dict[str, Any]:
     top = levels[-1]
     # the window's ledger calls (steady state); the fleet's first claims are reported beside
     p99s = {c: top["latency_ms"][c]["p99"] for c in CALLS if c != "cutoff_poll" and top["latency_ms"][c]["n"]}
-    met = (top["rows_s"] >= SEED_ROWS_S and top["renewals_per_30s"] >= SEED_RENEWALS_PER_30S
+    met = (top["rows_s"] >= SEED_ROWS_S and top["renewals_per_30s"] >= RENEWALS_PER_30S
            and all(v < P99_TARGET_MS for v in p99s.values()))
     return {"benchmark": "scale", "workers": a.workers, "seconds": a.seconds, "rate_per_worker": a.rate,
             "shard_size": a.shard_size, "renew_seconds": a.renew, "lease_seconds": a.lease,
@@ -460,7 +476,7 @@ def run(a: argparse.Namespace) -> dict[str, Any]:
             "levels": levels,
             "ratio_to_ceiling": round(top["rows_s"] / ceiling["1000"], 3),
             "first_claims_p99_ms": top["latency_ms"]["claim_at_start"]["p99"],
-            "target": (f">= {SEED_ROWS_S} rows/s, >= {SEED_RENEWALS_PER_30S} renewals per 30 s and every ledger "
+            "target": (f">= {SEED_ROWS_S} rows/s, >= {RENEWALS_PER_30S} renewals per 30 s and every ledger "
                        f"call's p99 < {P99_TARGET_MS:.0f} ms in the window (steady state) at {top['workers']} workers"),
             "met": met, "postgres": version, "machine": machine()}
 

@@ -254,8 +254,8 @@ SELECT * FROM bi.release_shard_v2(%(job)s, %(shard)s, %(epoch)s, %(owner)s);
 -- name: complete_shard
 SELECT * FROM bi.complete_shard_v2(%(job)s, %(shard)s, %(epoch)s, %(owner)s);
 
--- name: shard_records  records still to do, with failed attempts and crashes so far
-SELECT * FROM bi.shard_records_v2(%(job)s, %(shard)s, %(epoch)s);
+-- name: shard_records  one page of the records still to do (the first %(limit)s after %(after)s, in record_id order), with failed attempts and crashes so far
+SELECT * FROM bi.shard_records_v3(%(job)s, %(shard)s, %(epoch)s, %(after)s, %(limit)s);
 
 -- name: mark_in_flight  careful mode: the engine batch about to be generated
 SELECT * FROM bi.mark_in_flight_v2(%(job)s, %(shard)s, %(epoch)s, %(owner)s, %(ids)s::text[]);

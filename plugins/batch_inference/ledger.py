@@ -32,6 +32,11 @@ from batch_inference.outputs import storable_text
 # first shard reads do not all queue for the ledger's connections together.
 FLEET_START_JITTER_SECONDS = 10.0
 
+# A shard is read this many records per call (bi.shard_records_v3): one call
+# never carries a whole shard's text, so it holds a pooled server connection
+# for a page's time whatever the shard size.
+SHARD_READ_PAGE = 1000
+
 
 class StaleLease(BatchInferenceError, RuntimeError):
     """The shard was re-leased (our epoch is stale): our write was refused."""
@@ -138,15 +143,28 @@ class Ledger:
         return [{"record_id": i, "text": t, "attempts": a, "crashes": c}
                 for i, t, a, c in zip(*self.record_columns(lease))]
 
-    def record_columns(self, lease: Lease) -> tuple[list[str], list[str], list[int], list[int]]:
+    def record_columns(self, lease: Lease, page: int = SHARD_READ_PAGE
+                       ) -> tuple[list[str], list[str], list[int], list[int]]:
         """``records`` as four parallel lists (ids, texts, attempts, crashes),
-        without a dict per record: what the worker reads at every claim."""
+        without a dict per record: what the worker reads at every claim. Read
+        ``page`` records a call, each page after the last id of the one before."""
+        ids: list[str] = []
+        texts: list[str] = []
+        attempts: list[int] = []
+        crashes: list[int] = []
         with self.conn.cursor(row_factory=tuple_row) as cur:
-            rows = cur.execute(q("shard_records"), self._args(lease)).fetchall()
-        if not rows:
-            return [], [], [], []
-        ids, texts, attempts, crashes = (list(col) for col in zip(*rows))
-        return ids, texts, attempts, crashes
+            after = None
+            while True:
+                rows = cur.execute(q("shard_records"), self._args(lease, after=after, limit=page)).fetchall()
+                if rows:
+                    i, t, a, c = zip(*rows)
+                    ids += i
+                    texts += t
+                    attempts += a
+                    crashes += c
+                if len(rows) < page:
+                    return ids, texts, attempts, crashes
+                after = ids[-1]
 
     def mark_in_flight(self, lease: Lease, ids: Sequence[str]) -> None:
         """Careful mode: ``ids`` are the engine batch about to be generated. If

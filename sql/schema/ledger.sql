@@ -349,7 +349,16 @@ END $$;
 -- sits inside the LATERAL subquery, which OFFSET 0 keeps from being pulled up
 -- into a join filter tested after the probe. Both queries read one snapshot
 -- (STABLE), so an attempt cannot appear between them.
-CREATE OR REPLACE FUNCTION bi.shard_records_v2(p_job text, p_shard integer, p_epoch bigint)
+-- One page at a time, in record_id order: the first p_limit records after
+-- p_after (NULL: from the start; a NULL p_limit: all the rest). A worker
+-- reads its shard page by page (Ledger.record_columns), so no call carries
+-- the whole shard's text and holds a pooled server connection that long.
+-- The shard's rows are read through the shard index and then sorted (a top-N
+-- sort of at most a shard): OFFSET 0 keeps the planner from walking the
+-- primary key in record_id order instead to skip the sort, which reads the
+-- partition from its first record to the shard's.
+CREATE OR REPLACE FUNCTION bi.shard_records_v3(p_job text, p_shard integer, p_epoch bigint, p_after text,
+                                              p_limit integer)
 RETURNS TABLE (record_id text, text text, attempts integer, crashes integer)
 LANGUAGE plpgsql STABLE SECURITY DEFINER SET search_path = pg_catalog, pg_temp AS $$
 #variable_conflict use_column
@@ -361,7 +370,9 @@ BEGIN
     RETURN QUERY
     SELECT sr.record_id, sr.text, coalesce(a.attempts, 0), coalesce(a.crashes, 0)
       FROM bi.shards s
-      JOIN bi.snapshot_rows sr ON sr.job_version = s.job_version AND sr.shard_no = s.shard_no
+      JOIN (SELECT x.job_version, x.record_id, x.text FROM bi.snapshot_rows x
+             WHERE x.job_version = p_job AND x.shard_no = p_shard AND (p_after IS NULL OR x.record_id > p_after)
+            OFFSET 0) sr ON true
       LEFT JOIN LATERAL (SELECT x.attempts, x.crashes FROM bi.attempts x
                           WHERE v_tried AND x.job_version = sr.job_version AND x.record_id = sr.record_id
                          OFFSET 0) a ON true
@@ -370,7 +381,8 @@ BEGIN
                                          WHERE r.job_version = sr.job_version AND r.record_id = sr.record_id))
        AND (s.dead = 0 OR NOT EXISTS (SELECT 1 FROM bi.dead_letters d
                                        WHERE d.job_version = sr.job_version AND d.record_id = sr.record_id))
-     ORDER BY sr.record_id;
+     ORDER BY sr.record_id
+     LIMIT p_limit;
 END $$;
 
 -- Careful mode: the ids of the engine batch about to be generated. One

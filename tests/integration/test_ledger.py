@@ -124,6 +124,27 @@ def test_results_are_put_if_absent_and_done_keys_resume(db_url, conn, job):
     assert conn.execute("SELECT count(*) AS n FROM bi.results").fetchone()["n"] == 10
 
 
+@pytest.mark.parametrize("page", [1, 3, 4, 10])
+def test_a_shard_is_read_in_pages_that_add_up_to_the_one_read(db_url, conn, job, page):
+    """Each page starts after the last id of the page before: every record to
+    do once, in id order, whatever the page size (3 does not divide the 6 left,
+    4 leaves a short last page, 10 is the whole shard in one call)."""
+    a = ledger(db_url, job, "a")
+    la = a.claim()
+    assert a.claim() and a.claim()                   # the other two shards held: b can take only la's
+    ids = a.record_columns(la, page=1000)[0]
+    assert len(ids) == 10 and ids == sorted(ids)
+    assert a.put_results(la, ids[1:5], [OUT] * 4, ["billing"] * 4) == 4   # stored ones drop out of the pages
+    todo = [ids[0], *ids[5:]]
+    got = a.record_columns(la, page=page)
+    assert got[0] == todo and len(got[1]) == len(todo) and got[2] == [0] * 6 == got[3]
+    expire(conn, job, la.shard_no)
+    b = ledger(db_url, job, "b")
+    lb = b.claim()
+    assert lb.shard_no == la.shard_no and a.record_columns(la, page=page) == ([], [], [], [])   # stale: nothing
+    assert b.record_columns(lb, page=page)[0] == todo
+
+
 def test_a_record_outside_the_shard_is_not_written(db_url, conn, job):
     a = ledger(db_url, job, "a")
     la = a.claim()                                   # shard 0: t00000..t00009

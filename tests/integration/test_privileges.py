@@ -29,7 +29,7 @@ OUT = {"category": "billing", "summary": "charged twice"}
 # batch_inference/ledger.py, status.job_spec/job_mode/job_counts), plus the
 # read-only "may I?" check.
 WORKER_FUNCTIONS = {
-    "claim_shard_v2", "renew_lease_v2", "release_shard_v2", "complete_shard_v2", "shard_records_v2",
+    "claim_shard_v2", "renew_lease_v2", "release_shard_v2", "complete_shard_v2", "shard_records_v3",
     "mark_in_flight_v2", "abandon_shard_v2", "put_results_v3", "fail_records_v3", "halt_job_v1",
     "job_spec_v2", "job_counts_v1", "may_work_on_v1",
     # the hosted batch transports' provider batches (batch_inference/hosted/core.py)
