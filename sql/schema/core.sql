@@ -87,10 +87,10 @@ CREATE TABLE IF NOT EXISTS bi.snapshot_rows (
     reject       text            -- why the record never reaches a worker (it is dead-lettered), else NULL
 ) PARTITION BY LIST (job_version);
 -- Keyed per partition, not on this parent: each partition holds one job
--- version, so its primary key (record_id) and shard index (shard_no) are the
--- key (job_version, record_id) and (job_version, shard_no) without a constant
--- first column, a third the size, and built in half the time at submit
--- (bi.attach_snapshot_v1, ledger.sql).
+-- version, so its primary key (record_id) is the key (job_version,
+-- record_id) without a constant first column, and its shard index
+-- (shard_no, record_id) reads a shard in pages in record_id order
+-- (bi.attach_snapshot_v1 and bi.shard_records_v3, ledger.sql).
 
 -- The shard table: leases, fencing epochs and live counts (the cutoff reads
 -- these, never COUNT(*) over results).

@@ -61,7 +61,7 @@ BEGIN
                    'ALTER COLUMN text SET NOT NULL, ALTER COLUMN content_hash SET NOT NULL, '
                    'ADD CONSTRAINT %I CHECK (job_version = %L), ADD CONSTRAINT %I PRIMARY KEY (record_id)',
                    part, part || '_jv', p_job, part || '_pkey');
-    EXECUTE format('CREATE INDEX %I ON bi.%I (shard_no)', part || '_shard', part);
+    EXECUTE format('CREATE INDEX %I ON bi.%I (shard_no, record_id)', part || '_shard', part);
     EXECUTE format('ALTER TABLE bi.snapshot_rows ATTACH PARTITION bi.%I FOR VALUES IN (%L)', part, p_job);
 END $$;
 
@@ -340,6 +340,14 @@ END $$;
 -- The records of a leased shard still to do, with each one's failed attempts
 -- and crashes (> 0: a suspect, run it alone), readable only by the current
 -- epoch's holder: a worker never reads rows of a shard it does not hold.
+-- One page at a time, in record_id order: the first p_limit records after
+-- p_after (NULL: from the start; a NULL p_limit: all the rest). A worker
+-- reads its shard page by page (Ledger.record_columns), so no call carries
+-- the whole shard's text and holds a pooled server connection that long; a
+-- page is one range of the snapshot's shard index (shard_no, record_id),
+-- read in its order and stopped at the limit: neither sorted nor read again
+-- by the pages after it ('' is the least text, so the range starts at the
+-- shard's first record when p_after is NULL, and p_after itself is left out).
 -- Every result and dead letter of a shard's record is written with the shard
 -- row locked and counted in shards.stored / shards.dead, so a shard with
 -- nothing stored (or nothing dead) skips that anti-join; the OR
@@ -347,16 +355,8 @@ END $$;
 -- crash yet: nearly every read) skips the probe of bi.attempts per record:
 -- the probe's gate (v_tried, a one-time filter in the generic plan as well)
 -- sits inside the LATERAL subquery, which OFFSET 0 keeps from being pulled up
--- into a join filter tested after the probe. Both queries read one snapshot
--- (STABLE), so an attempt cannot appear between them.
--- One page at a time, in record_id order: the first p_limit records after
--- p_after (NULL: from the start; a NULL p_limit: all the rest). A worker
--- reads its shard page by page (Ledger.record_columns), so no call carries
--- the whole shard's text and holds a pooled server connection that long.
--- The shard's rows are read through the shard index and then sorted (a top-N
--- sort of at most a shard): OFFSET 0 keeps the planner from walking the
--- primary key in record_id order instead to skip the sort, which reads the
--- partition from its first record to the shard's.
+-- into a join filter tested after the probe. The queries read one snapshot
+-- (STABLE), so neither the lease nor an attempt can change between them.
 CREATE OR REPLACE FUNCTION bi.shard_records_v3(p_job text, p_shard integer, p_epoch bigint, p_after text,
                                               p_limit integer)
 RETURNS TABLE (record_id text, text text, attempts integer, crashes integer)
@@ -364,22 +364,27 @@ LANGUAGE plpgsql STABLE SECURITY DEFINER SET search_path = pg_catalog, pg_temp A
 #variable_conflict use_column
 DECLARE
     v_tried boolean;
+    v_stored integer;
+    v_dead integer;
 BEGIN
     PERFORM bi.assert_may_work_on_v1(p_job);
+    SELECT s.stored, s.dead INTO v_stored, v_dead
+      FROM bi.shards s WHERE s.job_version = p_job AND s.shard_no = p_shard AND bi.holds_lease_v1(s, p_epoch);
+    IF NOT FOUND THEN
+        RETURN;
+    END IF;
     v_tried := EXISTS (SELECT 1 FROM bi.attempts a WHERE a.job_version = p_job);
     RETURN QUERY
     SELECT sr.record_id, sr.text, coalesce(a.attempts, 0), coalesce(a.crashes, 0)
-      FROM bi.shards s
-      JOIN (SELECT x.job_version, x.record_id, x.text FROM bi.snapshot_rows x
-             WHERE x.job_version = p_job AND x.shard_no = p_shard AND (p_after IS NULL OR x.record_id > p_after)
-            OFFSET 0) sr ON true
+      FROM bi.snapshot_rows sr
       LEFT JOIN LATERAL (SELECT x.attempts, x.crashes FROM bi.attempts x
                           WHERE v_tried AND x.job_version = sr.job_version AND x.record_id = sr.record_id
                          OFFSET 0) a ON true
-     WHERE s.job_version = p_job AND s.shard_no = p_shard AND bi.holds_lease_v1(s, p_epoch)
-       AND (s.stored = 0 OR NOT EXISTS (SELECT 1 FROM bi.results r
+     WHERE sr.job_version = p_job AND sr.shard_no = p_shard
+       AND sr.record_id >= coalesce(p_after, '') AND (p_after IS NULL OR sr.record_id <> p_after)
+       AND (v_stored = 0 OR NOT EXISTS (SELECT 1 FROM bi.results r
                                          WHERE r.job_version = sr.job_version AND r.record_id = sr.record_id))
-       AND (s.dead = 0 OR NOT EXISTS (SELECT 1 FROM bi.dead_letters d
+       AND (v_dead = 0 OR NOT EXISTS (SELECT 1 FROM bi.dead_letters d
                                        WHERE d.job_version = sr.job_version AND d.record_id = sr.record_id))
      ORDER BY sr.record_id
      LIMIT p_limit;

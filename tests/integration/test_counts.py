@@ -239,7 +239,7 @@ def test_the_migration_keys_existing_snapshots_by_their_own_partition(empty_db):
         part = conn.execute("SELECT 'snapshot_rows_' || substr(md5(%s), 1, 16) AS p", (job,)).fetchone()["p"]
         idx = {r["indexname"]: r["indexdef"].split(" USING ", 1)[1] for r in conn.execute(
             "SELECT indexname, indexdef FROM pg_indexes WHERE schemaname = 'bi' AND tablename = %s", (part,))}
-        assert idx == {f"{part}_pkey": "btree (record_id)", f"{part}_shard": "btree (shard_no)"}
+        assert idx == {f"{part}_pkey": "btree (record_id)", f"{part}_shard": "btree (shard_no, record_id)"}
         assert not conn.execute("SELECT 1 FROM pg_indexes WHERE schemaname = 'bi' AND tablename = 'snapshot_rows'"
                                 ).fetchall()
         w = Ledger(db.connect(url), job, "w-0021")
