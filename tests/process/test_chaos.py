@@ -21,6 +21,7 @@ import pytest
 from batch_inference import chaos, db
 from batch_inference.chaos import ChaosConfig, CountingEngine, run_chaos
 from batch_inference.engines.base import Request
+from batch_inference.harness.database import WORKER_ROLE, Admin, EmbeddedServer
 from batch_inference.ledger import Ledger
 from batch_inference.plan import submit
 from tests.conftest import make_source, make_spec, tickets
@@ -60,7 +61,7 @@ def test_default_chaos_run_passes():
     assert comp["records"] == f["records"] - f["poison"]       # every healthy record was computed
     assert comp["extra"] <= comp["bound"] == f["handoffs"]["handoffs"] * cfg.flush_every
     # workers ran with worker credentials, not the owner's
-    assert f["worker_role"] == chaos.WORKER_ROLE
+    assert f["worker_role"] == WORKER_ROLE
     assert f["job_s"] < cfg.duration
 
 
@@ -73,7 +74,7 @@ def test_default_chaos_run_through_pgbouncer_with_database_restarts(tmp_path):
 
     if pgbouncer_binary() is None:
         pytest.skip("no PgBouncer on this machine (scripts/test.sh installs Debian's pgbouncer)")
-    server = chaos._EmbeddedServer(Path(tempfile.mkdtemp(prefix="bi-chp-", dir="/tmp")))
+    server = EmbeddedServer(Path(tempfile.mkdtemp(prefix="bi-chp-", dir="/tmp")))
     bouncer = PgBouncer(server.url)
     try:
         with psycopg.connect(server.url, autocommit=True) as c:
@@ -149,7 +150,7 @@ def test_stale_write_check_counts_a_write_after_the_epoch_ended(conn, db_url, au
     time.sleep(1.2)
     lb = Ledger(conn, job, "b").claim()
     assert lb.shard_no == la.shard_no and lb.epoch == 2
-    admin = chaos._Admin(db_url)
+    admin = Admin(db_url)
     assert admin.one("chaos_stale_writes", {"job": job}) == {"never_held": 0, "after_epoch_ended": 0}
     _forge_result(conn, job, "t00001", "a", 1)                          # a's epoch ended before this
     _forge_result(conn, job, "t00002", "mallory", 2)                    # epoch 2 belongs to b
@@ -163,7 +164,7 @@ def test_stale_write_check_counts_a_write_after_release_or_completion(conn, db_u
     la = a.claim()
     assert a.release(la)
     _forge_result(conn, job, "t00003", "a", la.epoch)
-    admin = chaos._Admin(db_url)
+    admin = Admin(db_url)
     assert admin.one("chaos_stale_writes", {"job": job})["after_epoch_ended"] == 1
     h = admin.one("chaos_handoffs", {"job": job})
     assert (h["claims"], h["handoffs"]) == (1, 0)
@@ -176,7 +177,7 @@ def test_stale_write_check_counts_a_write_after_release_or_completion(conn, db_u
 
 def test_coverage_and_counter_checks_see_missing_and_uncounted_rows(conn, db_url, audited_job):
     job = audited_job
-    admin = chaos._Admin(db_url)
+    admin = Admin(db_url)
     cov = admin.one("chaos_coverage", {"job": job})
     assert (cov["snapshot"], cov["stored"], cov["missing"]) == (20, 0, 20)
     _forge_result(conn, job, "t00004", "a", 1)            # a row the shard counter never saw
@@ -343,7 +344,7 @@ def test_a_lease_that_lapses_over_a_database_restart_charges_its_records_no_deat
     now; one without a restart still does, and the chaos report fails a run whose healthy
     records were dead-lettered for deaths, whatever the engine."""
     work = Path(tempfile.mkdtemp(prefix="bi-rst-", dir="/tmp"))    # short: the socket lives in it
-    server = chaos._EmbeddedServer(work / "pg")
+    server = EmbeddedServer(work / "pg")
     try:
         url = server.url
         with db.connect(url) as c:
@@ -375,7 +376,7 @@ def test_a_lease_that_lapses_over_a_database_restart_charges_its_records_no_deat
         assert state() == ([1] * 4, 0)
         hold("w4")                       # and another: dead-lettered at max_attempts
         assert state() == ([2] * 4, 4)
-        admin = chaos._Admin(url)
+        admin = Admin(url)
         died = {r["record_id"] for r in admin.rows("chaos_death_dead_letters", {"job": job})}
         admin.close()
         assert died == set(ids)

@@ -1,0 +1,12 @@
+"""What the harnesses share: the pieces the chaos run (``batch_inference.chaos``), the nights
+(``batch_inference.nights``) and the tests build their runs from, under public names.
+
+* ``database``: a restartable embedded PostgreSQL (``EmbeddedServer``), the harness's own
+  connection that reconnects across restarts (``Admin``), and worker credentials for one job
+  (``worker_credentials``);
+* ``source``: the seeded source table with poison records (``make_source``);
+* ``loopback``: a server on 127.0.0.1 speaking OpenAI's chat-completions wire shape
+  (``ChatServer``), the fallback endpoint of the nights and the tests.
+
+A harness imports from here, never another harness's private names.
+"""
