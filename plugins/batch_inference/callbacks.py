@@ -98,6 +98,11 @@ def next_steps(task_id: str | None, job_version: str | None, dataset: str | None
         steps.append("the job was never submitted: fix the spec or the source named in the error, then clear "
                      "the submit task (a submit is one transaction; nothing was written)")
         return steps
+    if "will be missed" in err:
+        steps.append("the deadline will be missed whatever happens now (the arithmetic above): tell the readers "
+                     f"of {dataset or 'the dataset'} that tonight's data will be late")
+        steps.append("bring the fallback endpoint back (or point the spec's fallback.base_url at one that answers): "
+                     "the fallback task keeps re-driving what it can and publish follows")
     if "digest" in err or "weights" in err:
         steps.append("the worker refused the model weights: mount the weights the spec pins "
                      "(or submit a new spec with the new digest), then clear the workers task")
@@ -296,6 +301,43 @@ def job_version_from_context(context: Any, submit_task_id: str = "submit") -> st
     return value or None
 
 
+def task_message(context: Any, postgres_conn_id: str, job_version: str | None, error: str | None,
+                 kind: str = "task failed") -> dict[str, Any]:
+    """The on-call message about the task of ``context``, with what the ledger says of the job."""
+    ti = context.get("ti") or context.get("task_instance")
+    dag_run = context.get("dag_run")
+    dag_id = getattr(dag_run, "dag_id", None) or getattr(ti, "dag_id", None)
+    run_id = getattr(dag_run, "run_id", None) or getattr(ti, "run_id", None)
+    facts = _ledger_facts(postgres_conn_id, job_version, (dag_id, run_id))
+    return build_message(dag_id=dag_id, run_id=run_id,
+                         task_id=getattr(ti, "task_id", None), try_number=getattr(ti, "try_number", None),
+                         job_version=facts["job_version"], dataset=facts["dataset"], counts=facts["counts"],
+                         causes=facts["causes"], error=error, kind=kind)
+
+
+def page_if_deadline_lost(context: Any, postgres_conn_id: str, job_version: str, deadline: datetime, why: str, *,
+                          rate: float | None = None, reserve_s: float | None = None,
+                          step_s: int = 60) -> str | None:
+    """Page on-call now if the arithmetic knows the deadline is lost (``fallback.deadline_page``, the nights'
+    one message), with the same delivery as a failed task's, kind ``deadline will be missed``, the page as
+    its error line. Returns the page, or None (not lost; or the ledger could not say, which is logged:
+    the caller's work goes on)."""
+    from batch_inference import db
+    from batch_inference.fallback import deadline_page
+    from batch_inference.hooks.connection import ledger_conninfo
+
+    try:
+        with db.connect(ledger_conninfo(postgres_conn_id)) as conn:
+            page = deadline_page(conn, job_version, deadline, why, rate=rate, reserve_s=reserve_s, step_s=step_s)
+    except Exception as exc:  # noqa: BLE001 - never in the way of the re-drive
+        log.warning("could not work out whether the deadline of %s is lost: %s", job_version,
+                    str(exc).strip().splitlines()[0] if str(exc).strip() else exc.__class__.__name__)
+        return None
+    if page is not None:
+        deliver(task_message(context, postgres_conn_id, job_version, page, kind="deadline will be missed"))
+    return page
+
+
 class OnCallNotifier(BaseNotifier):
     """``on_failure_callback`` for batch-inference DAGs.
 
@@ -316,18 +358,10 @@ class OnCallNotifier(BaseNotifier):
         self.log_file = log_file
 
     def message(self, context: Any) -> dict[str, Any]:
-        ti = context.get("ti") or context.get("task_instance")
-        dag_run = context.get("dag_run")
-        dag_id = getattr(dag_run, "dag_id", None) or getattr(ti, "dag_id", None)
-        run_id = getattr(dag_run, "run_id", None) or getattr(ti, "run_id", None)
-        facts = _ledger_facts(self.postgres_conn_id, job_version_from_context(context, self.submit_task_id),
-                              (dag_id, run_id))
         exc = context.get("exception")
         error = (str(exc) or exc.__class__.__name__) if exc is not None else context.get("reason")
-        return build_message(dag_id=dag_id, run_id=run_id,
-                             task_id=getattr(ti, "task_id", None), try_number=getattr(ti, "try_number", None),
-                             job_version=facts["job_version"], dataset=facts["dataset"], counts=facts["counts"],
-                             causes=facts["causes"], error=str(error) if error else None)
+        return task_message(context, self.postgres_conn_id, job_version_from_context(context, self.submit_task_id),
+                            str(error) if error else None)
 
     def notify(self, context: Any) -> None:
         deliver(self.message(context), self.webhook_url, self.log_file)

@@ -39,6 +39,9 @@ UTC = timezone.utc
 # slower warehouse load), which is why derive_rate_and_overhead() exists.
 DEFAULT_RATE = 85.0  # synchronous rows/s the pool sustains, not its peak
 DEFAULT_OVERHEAD_S = 1800.0  # 15 min cancel drain + 3 min reconcile + 10 min load, rounded up
+# What the publish needs once the re-drive is done, as a share of the fallback overhead (the seed's
+# 10 min load of its 30 min): the margin of an early page (fallback.deadline_page).
+PAGE_RESERVE_SHARE = 1 / 3
 
 
 # -- time helpers -----------------------------------------------------------

@@ -53,7 +53,7 @@ import math
 import threading
 import time
 from dataclasses import asdict, dataclass, field
-from datetime import datetime
+from datetime import datetime, timezone
 from typing import Any
 
 import psycopg
@@ -61,11 +61,12 @@ import psycopg
 from batch_inference import db
 from batch_inference.breaker import Breaker, public_url
 from batch_inference.clearance import NotCleared, check_clearance
+from batch_inference.cutoff import PAGE_RESERVE_SHARE, deadline_lost
 from batch_inference.engines.openai import STYLES
 from batch_inference.exceptions import FallbackEndpointUnavailable, FallbackIncomplete, FallbackRefused
 from batch_inference.ratelimit import TokenBucket
 from batch_inference.spec import JobSpec
-from batch_inference.status import UnknownJob, job_counts
+from batch_inference.status import UnknownJob, job_counts, job_spec
 
 log = logging.getLogger("batch_inference.fallback")
 
@@ -98,6 +99,24 @@ def enter_fallback(conn: psycopg.Connection, job_version: str) -> bool:
     """
     r = conn.execute(db.q("enter_fallback"), {"job": job_version}).fetchone()
     return bool(r and r["ok"])
+
+
+def deadline_page(conn: psycopg.Connection, job_version: str, deadline: datetime, why: str, *,
+                  rate: float | None = None, reserve_s: float | None = None, step_s: int = 60,
+                  now: datetime | None = None) -> str | None:
+    """The page for a deadline the fallback can no longer meet, or None while it still can:
+    ``cutoff.deadline_lost`` on the job's outstanding rows now. ``rate`` defaults to the spec's
+    ``fallback.rate``, the pool's own limit: the fastest it could go if its endpoint came back now,
+    so the page says what is certain. ``reserve_s`` is what the publish needs after the re-drive (default
+    ``cutoff.PAGE_RESERVE_SHARE`` of the spec's ``fallback.overhead_s``: 600 s of the default 1,800 s).
+    The nights, ``CutoffSensor`` and ``FallbackPoolOperator`` page with this one message."""
+    outstanding = int(job_counts(conn, job_version)["outstanding"])
+    if rate is None or reserve_s is None:
+        fb = job_spec(conn, job_version).fallback
+        rate = fb.rate if rate is None else rate
+        reserve_s = fb.overhead_s * PAGE_RESERVE_SHARE if reserve_s is None else reserve_s
+    return deadline_lost(now or datetime.now(timezone.utc), deadline, outstanding, float(rate), float(reserve_s),
+                         why, step_s=step_s)
 
 
 def add_load_time(conn: psycopg.Connection, job_version: str, load_s: float | None = None) -> float | None:

@@ -665,14 +665,12 @@ class _NightRun:
         says what is certain. (At the sustained rate the cutoff assumes, a drifted "slower"
         history made every night lost from submit, and a 1.5 s 5xx burst paged a night that then
         met its deadline: seed 16.)"""
-        from batch_inference.cutoff import deadline_lost
-        from batch_inference.status import job_counts
+        from batch_inference.fallback import deadline_page
 
-        with db.connect(self.url, retries=10) as conn:
-            left = int(job_counts(conn, self.job)["outstanding"])
         now = datetime.now(UTC)
-        page = deadline_lost(now, self.deadline, left, rate, self.cfg.page_reserve_s,
-                             f"the fallback endpoint is failing: {reason[:140]}", step_s=1)
+        with db.connect(self.url, retries=10) as conn:
+            page = deadline_page(conn, self.job, self.deadline, f"the fallback endpoint is failing: {reason[:140]}",
+                                 rate=rate, reserve_s=self.cfg.page_reserve_s, step_s=1, now=now)
         if page is not None:
             self.rec.page_s, self.rec.page = self._s(now), page
             log.error("nights %d: PAGE: %s", self.seed, page)

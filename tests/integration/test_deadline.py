@@ -556,3 +556,33 @@ def test_watch_ends_on_a_halt_after_its_run_began_and_ignores_older_ones(conn, d
     out = asyncio.run(watchlib.watch(lambda: watchlib.connect_async(db_url), earlier, max_polls=1))
     assert out["status"] == "halted" and "bad option" in out["message"]
 
+
+
+def test_sensor_pages_at_once_when_the_deadline_is_already_lost_as_the_cutoff_fires(conn, db_url, monkeypatch,
+                                                                                       tmp_path):
+    """A cutoff that fires late (a late submit, a triggerer that was down) with the deadline already lost
+    pages on-call then, with the nights' one message, not at the deadline; one that fires in time does not."""
+    import json
+
+    from batch_inference.sensors.cutoff import CutoffSensor
+
+    pages = tmp_path / "oncall.jsonl"
+    monkeypatch.setenv("BATCH_INFERENCE_ONCALL_FILE", str(pages))
+    default_connection(monkeypatch, db_url)
+    # Default constants: 85 rows/s, 1,800 s overhead, of which a third (600 s) is the publish's reserve.
+    job = new_job(conn)
+    in_time = CutoffSensor(task_id="cutoff", job_version=job, deadline=(now() + timedelta(minutes=20)).isoformat())
+    summary = in_time.execute(sensor_context(now()))
+    assert summary["fired"] is True and summary["page"] is None and not pages.exists()
+
+    late = new_job(conn, dataset="late_night")
+    deadline = now() + timedelta(minutes=1)
+    s = CutoffSensor(task_id="cutoff", job_version=late, deadline=deadline.isoformat())
+    summary = s.execute(sensor_context(now()))
+    assert summary["fired"] is True and summary["entered_fallback"] is True
+    assert summary["page"].startswith(f"deadline {deadline:%H:%M:%S} will be missed: 40 rows outstanding need 0.5s "
+                                      "at 85/s + 600s to publish"), summary["page"]
+    assert "; the cutoff fired at " in summary["page"] and "latest safe start" in summary["page"]
+    (msg,) = [json.loads(line) for line in pages.read_text().splitlines()]
+    assert msg["kind"] == "deadline will be missed" and msg["job_version"] == late
+    assert msg["error"] == summary["page"] and msg["counts"]["outstanding"] == 40

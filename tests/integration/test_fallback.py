@@ -548,3 +548,52 @@ def test_the_operator_killed_from_outside_releases_its_shards_and_fails_the_try(
     assert "stopped from outside" in str(outcome["error"])
     c = job_counts(conn, job)
     assert c["shards"]["leased"] == 0 and 0 < c["outstanding"] < 40, c
+
+
+def test_with_a_deadline_the_operator_pages_when_it_is_lost_and_redrives_once_the_endpoint_is_back(
+        conn, db_url, endpoint, monkeypatch, tmp_path):
+    """The Airflow fallback pages early: with the endpoint down, the try does not fail for a retry that
+    comes after the deadline; it pages on-call the moment the rows left at the pool's limit plus the
+    publish's reserve no longer fit before the deadline (the nights' one message), and re-drives once the
+    endpoint answers again, here after the deadline."""
+    from datetime import datetime, timedelta, timezone
+
+    from batch_inference.operators import fallback as op_module
+    from batch_inference.operators.fallback import FallbackPoolOperator
+
+    make_source(conn, tickets(30))
+    # overhead 30 s: the page's reserve is a third of it, 10 s
+    job = submit(conn, make_spec(shard_size=10, fallback={"overhead_s": 30})).job_version
+    endpoint.status, endpoint.error = 503, {"error": {"message": "down for the night"}}
+    pages = tmp_path / "oncall.jsonl"
+    monkeypatch.setenv("AIRFLOW_CONN_BATCH_INFERENCE_DEFAULT", db.airflow_connection_json(db_url))
+    monkeypatch.setenv("BATCH_INFERENCE_ONCALL_FILE", str(pages))
+    monkeypatch.setattr(op_module, "PAGE_CHECK_S", 0.5)
+    t0 = datetime.now(timezone.utc)
+    deadline = t0 + timedelta(seconds=16)
+    lost_at = deadline - timedelta(seconds=30 / 50 + 10)          # 30 rows at the pool's 50/s, then 10 s to publish
+    op = FallbackPoolOperator(task_id="fallback", job_version=job, base_url=endpoint.base_url, rate=50,
+                              engine_options=QUICK, deadline=deadline.isoformat(), retry_wait_s=2, step_s=1)
+    runner, outcome = execute_in_thread(op)
+    end = time.monotonic() + 60
+    while not pages.exists():
+        assert time.monotonic() < end and runner.is_alive(), outcome
+        time.sleep(0.1)
+    paged_at = datetime.now(timezone.utc)
+    (msg,) = [json.loads(line) for line in pages.read_text().splitlines()]
+    assert msg["kind"] == "deadline will be missed" and msg["job_version"] == job, msg
+    assert msg["error"].startswith(f"deadline {deadline:%H:%M:%S} will be missed: 30 rows outstanding need 0.6s "
+                                   "at 50/s + 10s to publish"), msg["error"]
+    assert "; the fallback endpoint is failing: fallback endpoint " in msg["error"], msg["error"]
+    assert lost_at.replace(microsecond=0) <= paged_at < deadline, (lost_at, paged_at, deadline)
+    assert "tonight's data will be late" in msg["text"]
+    assert_untouched(conn, job, 30)
+    assert runner.is_alive()                                   # still re-driving, not failed for a retry
+    # Down for the tail: it answers again only after the deadline.
+    while datetime.now(timezone.utc) < deadline + timedelta(seconds=1):
+        time.sleep(0.1)
+    endpoint.status = 200
+    runner.join(timeout=60)
+    assert "error" not in outcome, outcome
+    assert outcome["result"]["stored"] == 30 and job_counts(conn, job)["outstanding"] == 0
+    assert len(pages.read_text().splitlines()) == 1            # one page, not one per failed re-drive

@@ -146,6 +146,62 @@ def test_cutoff_firing_at_once_is_redriven_by_the_fallback_through_llama_cpp(liv
           f"{fallback['wall_s']} s; {by}")
 
 
+def test_a_fallback_endpoint_down_for_the_tail_pages_before_the_deadline_and_the_run_publishes_late(
+        live_airflow, webhook_sink):
+    """The Airflow fallback pages early: the cutoff fires in time (the deadline not yet lost: no page
+    from the sensor), the fallback endpoint answers 503 from then until past the deadline. The fallback
+    task pages on-call once the rows left at the pool's limit plus the publish's reserve no longer fit
+    before the deadline (the nights' one message), keeps re-driving in the same try, and once the
+    endpoint is back the run publishes, late but announced."""
+    from datetime import datetime, timezone
+
+    from batch_inference.deadline import parse_iso
+    from tests.fixtures.chat_server import ChatServer
+
+    answer = completion('{"category": "billing", "priority": "normal", "summary": "charged twice"}')
+    up = {"now": False}
+    endpoint = ChatServer(lambda body: (200, {}, answer) if up["now"] else
+                          (503, {}, {"error": {"message": "down for the night", "type": "server_error"}}))
+    try:
+        dep = live_airflow
+        table = make_table(dep.ledger_url, "live_down", 12)
+        # 2 rows/s, 150 s overhead: the cutoff fires at once (the deadline is 3 minutes out), and the
+        # page's reserve is a third of the overhead (50 s), so the deadline is not lost when it fires.
+        spec = make_spec(dep, "live_down", engine={"name": "noop", "options": {"delay_s": 5.0}}, renew_seconds=2,
+                         fallback={"base_url": endpoint.base_url, "rate": 2, "overhead_s": 150, "concurrency": 2})
+        run_id = dep.trigger(BACKFILL, {"spec_path": spec, "source_table": table, "shard_size": 3, "workers": 1,
+                                        "deadline": "+3m"})
+        dep.wait_task(BACKFILL, run_id, "cutoff", ("success",), timeout=300)
+        cutoff = dep.xcom(BACKFILL, run_id, "cutoff")
+        assert cutoff["fired"] is True and cutoff["page"] is None, cutoff
+        deadline = parse_iso(cutoff["deadline"])
+        job = cutoff["job_version"]
+        left = (deadline - datetime.now(timezone.utc)).total_seconds()
+        msg = webhook_sink.wait_for(lambda m: m.get("job_version") == job and m.get("kind") ==
+                                    "deadline will be missed", max(1.0, left))
+        assert msg["task_id"] == "fallback" and parse_iso(msg["at"]) < deadline, msg
+        assert msg["error"].startswith(f"deadline {deadline:%H:%M:%S} will be missed: "), msg["error"]
+        assert "at 2/s + 50s to publish" in msg["error"] and "the fallback endpoint is failing" in msg["error"]
+        assert counts(dep, job)["outstanding"] > 0
+        while datetime.now(timezone.utc) < deadline:
+            time.sleep(0.5)
+        up["now"] = True                                      # back only after the deadline
+        run = dep.wait_run(BACKFILL, run_id, timeout=300)
+        tis = dep.task_instances(BACKFILL, run_id)
+        assert run["state"] == "success", dep.explain(BACKFILL, run_id)
+        assert tis["fallback"]["try_number"] == 1              # re-driven in the same try, no retry needed
+        c = counts(dep, job)
+        assert c["status"] == "published" and c["outstanding"] == 0 and c["dead_letters"] == 0
+        assert c["stored_fallback"] > 0 and published_rows(dep, "live_down") == 12
+        assert parse_iso(tis["publish"]["end_date"]) > deadline          # late, and paged before it
+        pages = [m for m in webhook_sink.received if m.get("job_version") == job]
+        assert [m["task_id"] for m in pages] == ["fallback"], pages      # one page, no task failed
+        print(f"endpoint down for the tail: paged {(deadline - parse_iso(msg['at'])).total_seconds():.0f} s "
+              f"before the deadline; published {(parse_iso(tis['publish']['end_date']) - deadline).total_seconds():.0f}"
+              " s after it")
+    finally:
+        endpoint.close()
+
 
 def test_a_job_on_a_hosted_batch_api_runs_through_the_deployment(live_airflow):
     """The spec's engine is openai-batch against a loopback Batch API emulator (the one boundary

@@ -7,17 +7,30 @@ drives their records through an OpenAI-compatible endpoint at a sustained,
 rate-limited pace. If the batch completed, nothing is outstanding and it
 returns at once. Its return value (an XCom) is the run's measurements: rows
 re-driven, sustained rate, overhead, and the ``bi.fallback_runs`` id.
+
+Given the night's ``deadline`` (the cutoff sensor's, in the pipeline), an
+endpoint that fails does not end the try: the operator pages on-call the
+moment the arithmetic knows the deadline is lost (``fallback.deadline_page``,
+the nights' one message), and keeps re-driving what it can every
+``retry_wait_s`` until nothing is outstanding or ``give_up_after_s`` past the
+deadline. Without a deadline a failing endpoint fails the try, for Airflow's
+retry.
 """
 
 from __future__ import annotations
 
+import threading
+import time
 from collections.abc import Sequence
+from datetime import datetime, timedelta, timezone
 from typing import Any
 
 from airflow.sdk import BaseOperator
 from airflow.sdk.exceptions import AirflowException, AirflowFailException
 
 from batch_inference.hooks.connection import DEFAULT_CONN_ID, ledger_conninfo
+
+PAGE_CHECK_S = 5.0   # while the endpoint fails: how often the rows left are checked against the deadline
 
 
 class FallbackPoolOperator(BaseOperator):
@@ -41,16 +54,25 @@ class FallbackPoolOperator(BaseOperator):
     :param api_key_env: name of the environment variable holding the API key (never the key).
     :param record_run: write the run's measured rate and overhead to ``bi.fallback_runs``.
     :param engine_options: extra options for the ``openai`` engine (``max_retries``, ``timeout_s``, ...).
+    :param deadline: when the rows must be in the table, an ISO datetime (templated; the pipeline passes
+        the cutoff sensor's). None: a failing endpoint fails the try, as before.
+    :param page_reserve_s: what the publish needs after the re-drive, the early page's margin (default
+        ``cutoff.PAGE_RESERVE_SHARE`` of the spec's ``fallback.overhead_s``).
+    :param retry_wait_s: with a deadline, seconds between re-drives while the endpoint fails.
+    :param give_up_after_s: with a deadline, how long past it the try keeps re-driving before it fails.
+    :param step_s: the page's latest start is floored to this many seconds, as the cutoff's is.
     """
 
-    template_fields: Sequence[str] = ("job_version", "base_url", "model")
+    template_fields: Sequence[str] = ("job_version", "base_url", "model", "deadline")
     ui_color = "#f6b3a6"
 
     def __init__(self, *, job_version: str, base_url: str | None = None, postgres_conn_id: str = DEFAULT_CONN_ID,
                  rate: float | None = None, concurrency: int | None = None, parallel_shards: int = 4,
                  model: str | None = None, style: str | None = None, hosted: bool | None = None,
                  api_key_env: str | None = None, record_run: bool = True,
-                 engine_options: dict[str, Any] | None = None, **kwargs: Any):
+                 engine_options: dict[str, Any] | None = None, deadline: str | None = None,
+                 page_reserve_s: float | None = None, retry_wait_s: float = 30.0, give_up_after_s: float = 3600.0,
+                 step_s: int = 60, **kwargs: Any):
         super().__init__(**kwargs)
         self.job_version = job_version
         self.base_url = base_url
@@ -64,28 +86,47 @@ class FallbackPoolOperator(BaseOperator):
         self.api_key_env = api_key_env
         self.record_run = record_run
         self.engine_options = engine_options
+        self.deadline = deadline
+        self.page_reserve_s = page_reserve_s
+        self.retry_wait_s = retry_wait_s
+        self.give_up_after_s = give_up_after_s
+        self.step_s = step_s
         self._pool: Any = None
         self._killed = False
+        self._kill = threading.Event()
 
     def execute(self, context: Any) -> dict[str, Any]:
-        from batch_inference.fallback import FallbackIncomplete, FallbackRefused, run_fallback
+        from batch_inference.deadline import parse_iso
+        from batch_inference.fallback import FallbackEndpointUnavailable, FallbackIncomplete, FallbackRefused, \
+            run_fallback
         from batch_inference.status import UnknownJob
 
         def keep(pool: Any) -> None:
             self._pool = pool
 
-        try:
-            result = run_fallback(
-                ledger_conninfo(self.postgres_conn_id), self.job_version, self.base_url or None, rate=self.rate,
-                concurrency=self.concurrency, model=self.model or None, style=self.style or None, hosted=self.hosted,
-                api_key_env=self.api_key_env, parallel_shards=self.parallel_shards, record_run=self.record_run,
-                extra_engine_options=self.engine_options, pool_ready=keep)
-        except (FallbackRefused, UnknownJob) as exc:
-            raise AirflowFailException(str(exc)) from None  # configuration: retrying cannot help
-        except FallbackIncomplete as exc:
-            # Also FallbackEndpointUnavailable: the endpoint may be back by the
-            # retry, and no record spent an attempt on the outage.
-            raise AirflowException(str(exc)) from None  # a retry claims what is left
+        deadline = parse_iso(str(self.deadline)) if self.deadline not in (None, "", "None") else None
+        paged = False
+        while True:
+            if self._killed:
+                raise AirflowException("fallback pool stopped from outside (the task was marked failed, cleared or "
+                                       "timed out) while its endpoint was failing")
+            try:
+                result = run_fallback(
+                    ledger_conninfo(self.postgres_conn_id), self.job_version, self.base_url or None, rate=self.rate,
+                    concurrency=self.concurrency, model=self.model or None, style=self.style or None,
+                    hosted=self.hosted, api_key_env=self.api_key_env, parallel_shards=self.parallel_shards,
+                    record_run=self.record_run, extra_engine_options=self.engine_options, pool_ready=keep)
+                break
+            except (FallbackRefused, UnknownJob) as exc:
+                raise AirflowFailException(str(exc)) from None  # configuration: retrying cannot help
+            except FallbackEndpointUnavailable as exc:
+                # No record spent an attempt on the outage: what is left waits for the endpoint.
+                if deadline is None or self._killed:
+                    raise AirflowException(str(exc)) from None  # Airflow's retry claims what is left
+                self.log.warning("%s; re-driving again in %g s", exc, self.retry_wait_s)
+                paged = self._wait_for_endpoint(context, deadline, str(exc), paged)
+            except FallbackIncomplete as exc:
+                raise AirflowException(str(exc)) from None  # a retry claims what is left
         if self._killed:
             raise AirflowException(f"fallback pool stopped from outside (the task was marked failed, cleared or "
                                    f"timed out) with {result.outstanding} record(s) outstanding; its shards "
@@ -94,10 +135,37 @@ class FallbackPoolOperator(BaseOperator):
             raise AirflowException(f"fallback pool stopped with {result.outstanding} record(s) outstanding")
         return result.to_dict()
 
+    def _wait_for_endpoint(self, context: Any, deadline: datetime, error: str, paged: bool) -> bool:
+        """Wait ``retry_wait_s`` for the next re-drive, paging on-call (once, before the deadline) the moment
+        the deadline is lost: the rows left are checked every ``PAGE_CHECK_S``. Returns whether it paged."""
+        until = time.monotonic() + self.retry_wait_s
+        while not self._killed:
+            now = datetime.now(timezone.utc)
+            if not paged and now < deadline:
+                paged = self._page_if_lost(context, deadline, error)
+            if now > deadline + timedelta(seconds=self.give_up_after_s):
+                raise AirflowException(f"{error} (re-driven until {self.give_up_after_s:g} s past the deadline "
+                                       f"{deadline.isoformat()})")
+            left = until - time.monotonic()
+            if left <= 0:
+                break
+            self._kill.wait(min(left, PAGE_CHECK_S))
+        return paged
+
+    def _page_if_lost(self, context: Any, deadline: datetime, error: str) -> bool:
+        """Page on-call if the deadline is lost with the endpoint failing; True once paged."""
+        from batch_inference.callbacks import page_if_deadline_lost
+
+        first = error.strip().splitlines()[0] if error.strip() else "no answer"
+        return page_if_deadline_lost(context, self.postgres_conn_id, self.job_version, deadline,
+                                     f"the fallback endpoint is failing: {first[:140]}", rate=self.rate,
+                                     reserve_s=self.page_reserve_s, step_s=self.step_s) is not None
+
     def on_kill(self) -> None:
         # Stop taking records, write what is in flight, release the leases,
         # so a retry (or the next try) claims the shards at once. Airflow then
         # returns into execute(), which fails the try.
         self._killed = True
+        self._kill.set()
         if self._pool is not None:
             self._pool.stop()

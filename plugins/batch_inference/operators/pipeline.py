@@ -77,7 +77,8 @@ def resolve_deadline(deadline: str, run_after: str, run_type: str = "") -> str:
 def batch_inference_pipeline(*, dataset: str, workers: WorkerLauncher, spec: str = "{{ params.spec_path }}",
                              incremental: bool | str | None = None, cutoff_poll_interval: float = 60,
                              review_poll_interval: float = 15, postgres_conn_id: str = DEFAULT_CONN_ID,
-                             fallback_kwargs: dict[str, Any] | None = None) -> Pipeline:
+                             fallback_kwargs: dict[str, Any] | None = None,
+                             page_reserve_s: float | None = None) -> Pipeline:
     """Add submit → workers / deadline → cutoff → fallback → validate → review → publish to the current DAG.
 
     Call it inside ``with DAG(...)``. The DAG's Params must include those of
@@ -94,6 +95,9 @@ def batch_inference_pipeline(*, dataset: str, workers: WorkerLauncher, spec: str
     :param review_poll_interval: seconds between the review trigger's reads of the review gate.
     :param postgres_conn_id: the ledger's Airflow connection, for every task.
     :param fallback_kwargs: more arguments of the ``FallbackPoolOperator`` (``api_key_env``, ``base_url``...).
+    :param page_reserve_s: what the publish needs after the re-drive, the margin by which the cutoff and the
+        fallback know the deadline is lost and page on-call early (default
+        ``cutoff.PAGE_RESERVE_SHARE`` of the spec's ``fallback.overhead_s``).
     """
     submit = SubmitJobOperator(
         task_id="submit",
@@ -109,8 +113,12 @@ def batch_inference_pipeline(*, dataset: str, workers: WorkerLauncher, spec: str
 
     deadline = resolve_deadline("{{ params.deadline }}", "{{ dag_run.run_after.isoformat() }}", "{{ dag_run.run_type }}")
     cutoff = CutoffSensor(task_id="cutoff", job_version=job_version, deadline=deadline,
-                          poll_interval=cutoff_poll_interval, postgres_conn_id=postgres_conn_id)
+                          poll_interval=cutoff_poll_interval, postgres_conn_id=postgres_conn_id,
+                          page_reserve_s=page_reserve_s)
+    # The sensor's resolved deadline: with it a failing endpoint pages early and is re-driven in the try.
+    resolved = f"{{{{ (ti.xcom_pull(task_ids='{cutoff.task_id}') or {{}}).get('deadline') }}}}"
     fallback = FallbackPoolOperator(task_id="fallback", job_version=job_version, postgres_conn_id=postgres_conn_id,
+                                    deadline=resolved, page_reserve_s=page_reserve_s,
                                     **(fallback_kwargs or {}))
     validate = ValidateOperator(task_id="validate", job_version=job_version, postgres_conn_id=postgres_conn_id)
     # Holds publish while the spec's human review gate is open (a Required Action in Airflow's UI).

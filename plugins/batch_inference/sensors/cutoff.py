@@ -6,8 +6,11 @@ does not decide anything itself. When the trigger's event comes back:
 
 * ``cutoff``: it calls ``bi.enter_fallback_v1``. Batch workers are refused
   new claims at once and, at their next lease renewal, stop taking records,
-  write what is in flight and release their shards. The sensor returns
-  ``{"fired": true, ...}``.
+  write what is in flight and release their shards. If the deadline is
+  already lost then (the cutoff fired late: a late submit, a triggerer that
+  was down), it pages on-call at once with the nights' one message
+  (``fallback.deadline_page``). The sensor returns ``{"fired": true, ...}``
+  (``page``: the page sent, if any).
 * ``complete``: returns ``{"fired": false, ...}``. The batch finished in time.
 * ``early_warning``: sends the notification (``on_early_warning``), then
   defers again to the same trigger with ``warned=True``. A trigger can
@@ -73,6 +76,10 @@ class CutoffSensor(BaseOperator):
         Checked before deferring, so a record class not cleared for hosted APIs fails the DAG at submit
         time and not at the cutoff, when there is no time left to fix it.
     :param step_s: the latest safe start is floored to this many seconds (60: whole minutes).
+    :param page_reserve_s: what the publish needs after the re-drive: when the cutoff fires, the deadline
+        is lost (and on-call paged) if the outstanding rows at the pool's limit (``spec.fallback.rate``)
+        plus this no longer fit before it (default ``cutoff.PAGE_RESERVE_SHARE`` of the spec's
+        ``fallback.overhead_s``).
     """
 
     template_fields: Sequence[str] = ("job_version", "deadline", "relabel_at")
@@ -82,7 +89,8 @@ class CutoffSensor(BaseOperator):
                  postgres_conn_id: str = DEFAULT_CONN_ID, rate: float | None = None, overhead_s: float | None = None,
                  relabel_at: str | None = None,
                  on_early_warning: EarlyWarningCallback | list[EarlyWarningCallback] | None = None,
-                 fallback_hosted: bool | None = None, step_s: int = 60, **kwargs: Any):
+                 fallback_hosted: bool | None = None, step_s: int = 60, page_reserve_s: float | None = None,
+                 **kwargs: Any):
         super().__init__(**kwargs)
         self.job_version = job_version
         self.deadline = deadline
@@ -95,6 +103,7 @@ class CutoffSensor(BaseOperator):
         self.on_early_warning = on_early_warning
         self.fallback_hosted = fallback_hosted
         self.step_s = step_s
+        self.page_reserve_s = page_reserve_s
         self._killed = False
 
     # -- before waiting ---------------------------------------------------
@@ -189,6 +198,17 @@ class CutoffSensor(BaseOperator):
             except Exception:  # noqa: BLE001 - a broken notifier must not stop the cutoff
                 self.log.exception("early-warning notification failed; the cutoff still fires by itself")
 
+    def _page_if_lost(self, context: Any, summary: dict[str, Any], reason: str | None) -> str | None:
+        """Page on-call if the deadline is already lost as the cutoff fires; the page, or None."""
+        from batch_inference.callbacks import page_if_deadline_lost
+
+        deadline = watchlib.parse_iso(summary.get("deadline"))
+        if deadline is None:
+            return None
+        return page_if_deadline_lost(context, self.postgres_conn_id, summary["job_version"], deadline,
+                                     f"the cutoff fired at {datetime.now(UTC):%H:%M:%S} ({reason or 'cutoff'})",
+                                     reserve_s=self.page_reserve_s, step_s=self.step_s)
+
     def execute_complete(self, context: Any, event: dict[str, Any] | None = None) -> dict[str, Any]:
         if not event:
             raise AirflowException("cutoff trigger ended without an event")
@@ -219,6 +239,7 @@ class CutoffSensor(BaseOperator):
                 summary["entered_fallback"] = enter_fallback(conn, summary["job_version"])
             self.log.warning("CUTOFF for %s (%s): job in fallback mode, batch workers drain; %s",
                              summary["job_version"], event.get("reason"), event.get("message"))
+            summary["page"] = self._page_if_lost(context, summary, event.get("reason"))
         elif status == "complete":
             self.log.info("%s complete before the cutoff: %s", summary["job_version"], event.get("message"))
         else:
