@@ -25,6 +25,15 @@ them), and, rarely, a fallback endpoint that stays down for the whole tail of th
 design absorbs that, so the night must page early, when the arithmetic knows the deadline is
 lost, and say why.
 
+Some nights send their (cleared) records to a hosted batch API instead: the workers run the
+``openai-batch`` transport against a loopback emulator of OpenAI's Batch API
+(``harness.hosted_openai``, ``HostedProvider``) at the same throughput, and the night draws one
+of the provider's faults (``HOSTED_FAULTS``): a batch whose completion window expires with part
+of it done, a batch stuck in ``validating`` until the cutoff cancels it, or a cancel that settles
+slowly at the provider while requests still complete and bill. ``NightsConfig.hosted_nights``
+adds a night for each of them that the drawn nights lack, so the default run has all three.
+A hosted night also fails if the provider billed a request twice.
+
 Each night has a dataset of its own (``nights-<seed>``), so a night replayed alone
 (``--night SEED``) draws the same faults, the same history and so the same constants and the
 same cutoff at submit. Process timing is not reproducible; the verdict should be.
@@ -68,6 +77,11 @@ from batch_inference.harness.source import SOURCE, make_source
 log = logging.getLogger("batch_inference.nights")
 UTC = timezone.utc
 DRIFTS = ("slower", "longer", "faster")
+# The hosted batch provider's faults: a batch that expires with partial results, one stuck validating,
+# a cancel that settles slowly.
+HOSTED_FAULTS = ("expire", "validating", "slow_cancel")
+HOSTED_SHARE = 0.15                  # of nights that send their records to a hosted batch API
+HOSTED_KEY_ENV = "BI_NIGHTS_HOSTED_KEY"
 
 
 @dataclass
@@ -92,6 +106,7 @@ class NightsConfig:
     poll_s: float = 0.5               # the watch's poll interval
     page_reserve_s: float = 2.0       # what the publish needs after the re-drive (the early page's margin)
     late_s: float = 15.0              # how long past its deadline a paged night may finish
+    hosted_nights: int = len(HOSTED_FAULTS)   # add a night for each of the first N hosted faults the nights lack
     keep: bool = False
 
     def __post_init__(self) -> None:
@@ -107,7 +122,20 @@ class NightsConfig:
             raise InvalidValue("nights: renew seconds must be below the lease")
 
     def seeds(self) -> list[int]:
-        return [self.night] if self.night is not None else list(range(self.seed, self.seed + self.nights))
+        """The nights' seeds: ``seed`` on, then the first seeds after them that draw each hosted fault
+        none of them drew (``hosted_nights``); or the replayed one."""
+        if self.night is not None:
+            return [self.night]
+        seeds = list(range(self.seed, self.seed + self.nights))
+        drawn = {draw_faults(s, self).hosted for s in seeds}
+        nxt = self.seed + self.nights
+        for kind in HOSTED_FAULTS[:self.hosted_nights]:
+            if kind not in drawn:
+                while draw_faults(nxt, self).hosted != kind:
+                    nxt += 1
+                seeds.append(nxt)
+                nxt += 1
+        return seeds
 
 
 # -- the faults ---------------------------------------------------------------------
@@ -132,6 +160,9 @@ class Faults:
     db_restart_at: float | None = None
     drift: str | None = None                  # slower | longer | faster: the night's fallback history
     down_at_pool: float | None = None         # the endpoint down from here to past the deadline
+    hosted: str | None = None                 # the records go to a hosted batch API with this fault (HOSTED_FAULTS)
+    hosted_batch: int = 0                     # expire, validating: the provider batch (1st, 2nd, ...) it hits
+    hosted_cancel_s: float | None = None      # slow_cancel: a cancelled batch settles this long after the cancel
 
     def names(self) -> list[str]:
         out = []
@@ -153,6 +184,12 @@ class Faults:
             out.append(f"history {self.drift}")
         if self.down_at_pool is not None:
             out.append("endpoint down for the tail")
+        if self.hosted == "expire":
+            out.append(f"hosted batch {self.hosted_batch} expires with partial results")
+        elif self.hosted == "validating":
+            out.append(f"hosted batch {self.hosted_batch} stuck validating")
+        elif self.hosted == "slow_cancel":
+            out.append(f"hosted cancel settles in {self.hosted_cancel_s:.1f}s")
         return out
 
 
@@ -183,6 +220,20 @@ def draw_faults(seed: int, cfg: NightsConfig) -> Faults:
         f = replace(f, burst_s=0.0)
     if f.throttle_at_pool is None:
         f = replace(f, throttle_s=0.0, throttle_share=0.0)
+    # Drawn apart, so a night's other draws are the same whether or not it goes hosted.
+    h = random.Random(f"nights-hosted-{seed}")
+    if h.random() < HOSTED_SHARE:
+        kind = h.choice(HOSTED_FAULTS)
+        # The provider's faults replace the worker processes' (kills, stalls, their slow cancel), and an
+        # expiry or a stuck batch is the night's only slow-down, so that the cutoff does not cancel it first.
+        f = replace(f, hosted=kind, kills=(), stalls=(), slow_cancel_s=None, hosted_batch=h.randint(1, 3))
+        if kind != "slow_cancel":
+            f = replace(f, slow_at=None, slow_factor=1.0)
+        else:
+            # A slow cancel bites only when the cutoff fires with batches running: the batch is slowed.
+            f = replace(f, hosted_batch=0, hosted_cancel_s=round(cfg.lease_seconds + h.uniform(1.0, 3.0), 2),
+                        slow_at=f.slow_at if f.slow_at is not None else round(h.uniform(1.0, 0.25 * d), 2),
+                        slow_factor=max(f.slow_factor, round(h.uniform(3.0, 8.0), 2)))
     return f
 
 
@@ -307,6 +358,60 @@ class Endpoint:
         self.server.close()
 
 
+class HostedProvider:
+    """A hosted night's batch API: ``harness.hosted_openai.OpenAIBatchEmulator`` (OpenAI's Files and
+    Batches on 127.0.0.1) answering a schema-valid triage object to each request, each batch at the
+    night's batch throughput (``1 / batch_delay_s`` requests/s, as one paced worker), with the night's
+    provider fault: the ``hosted_batch``-th batch created expires with about 40% of a shard done
+    (``expire``) or never leaves ``validating`` (``validating``); or every cancel settles
+    ``hosted_cancel_s`` after it while requests still complete (``slow_cancel``)."""
+
+    def __init__(self, faults: Faults, cfg: NightsConfig) -> None:
+        from batch_inference.harness.hosted_openai import OpenAIBatchEmulator
+        from batch_inference.harness.loopback import completion
+
+        answer = completion(json.dumps({"category": "other", "summary": "answered by the hosted batch API"}),
+                            tokens=12)
+        self.faults, self.cfg = faults, cfg
+        self.rate = 1.0 / cfg.batch_delay_s
+        self.emulator = OpenAIBatchEmulator(respond=lambda body: (200, answer), rate=self.rate, validate_s=0.2,
+                                            cancel_delay_s=faults.hosted_cancel_s or 0.3)
+        self.emulator.on_create = self._on_create
+
+    @property
+    def base_url(self) -> str:
+        return self.emulator.base_url
+
+    def _on_create(self, batch: dict[str, Any]) -> None:
+        f, em = self.faults, self.emulator
+        if em.created != f.hosted_batch:
+            return
+        if f.hosted == "validating":
+            batch["_validate_s"] = float("inf")
+        elif f.hosted == "expire":
+            batch["_expire_s"] = em.validate_s + 0.4 * self.cfg.shard_size / em.rate
+
+    def slow(self, factor: float) -> None:
+        """The batch's slow-down: every batch completes ``factor`` times slower from now."""
+        with self.emulator.lock:
+            self.emulator.rate = self.rate / factor
+
+    def figures(self) -> dict[str, Any]:
+        em = self.emulator
+        with em.lock:
+            states = Counter(b["status"] for b in em.batches.values())
+            billed = dict(em.billed)
+            never_ran = sum(1 for w in em.work.values() if not w["ran"])
+            settle = [w["ended_at"] - w["cancel_at"] for w in em.work.values()
+                      if w["cancel_at"] is not None and "ended_at" in w]
+        return {"batches": em.created, "states": dict(sorted(states.items())), "never_ran": never_ran,
+                "cancel_settled_s": round(max(settle), 2) if settle else None, "billed": sum(billed.values()),
+                "billed_twice": sum(n - 1 for n in billed.values() if n > 1)}
+
+    def close(self) -> None:
+        self.emulator.close()
+
+
 # -- the prediction -------------------------------------------------------------------------
 
 
@@ -376,6 +481,7 @@ class Night:
     coverage: dict[str, int] = field(default_factory=dict)
     fallback: dict[str, Any] = field(default_factory=dict)
     endpoint: dict[str, int] = field(default_factory=dict)
+    hosted: dict[str, Any] = field(default_factory=dict)   # a hosted night's provider: batches, states, billing
     predicted: dict[str, Any] = field(default_factory=dict)
     prediction_error_s: float | None = None
     page: str | None = None
@@ -395,6 +501,11 @@ class Night:
                 f"{slack}, {ratio}, {rows}, {pe}")
         tail = f"  [{'; '.join(self.faults) or 'no faults'}]"
         out = head + tail
+        if self.hosted:
+            h = self.hosted
+            settled = f", cancels settled in {h['cancel_settled_s']:.1f}s" if h["cancel_settled_s"] is not None else ""
+            out += (f"\n      hosted: {h['batches']} provider batch(es) {h['states']}, {h['never_ran']} never ran"
+                    f"{settled}; {h['billed']} request(s) billed, {h['billed_twice']} twice")
         if self.page:
             out += f"\n      page at {self.page_s:.1f}s: {self.page}"
         for f in self.failures:
@@ -460,6 +571,8 @@ class _Supervisor(threading.Thread):
         t = now - n.t0
         if kind == "slow":
             n.pace.write_text(str(n.faults.slow_factor))
+            if n.provider is not None:
+                n.provider.slow(n.faults.slow_factor)
             self.events.append(f"{t:.1f}s batch slowed x{n.faults.slow_factor:.1f}")
         elif kind == "db_restart":
             t1 = time.monotonic()
@@ -490,6 +603,7 @@ class _NightRun:
         self.admin = Admin(self.url)
         self.rec = Night(seed=seed, faults=self.faults.names())
         self.dataset = f"nights_{seed}"
+        self.provider: HostedProvider | None = None
         self.job = ""
         self.t0 = 0.0
 
@@ -510,12 +624,18 @@ class _NightRun:
             "lease_seconds": c.lease_seconds, "renew_seconds": c.renew_seconds,
             "validation": {"sample_size": 0, "max_dead_letter_rate": 0.05},
             "fallback": {"rate": c.rate, "overhead_s": c.overhead_s, "concurrency": c.concurrency},
+            # A hosted night: the records are cleared for hosted APIs and go to the provider's batches.
+            **({"cleared_for_hosted": True, "engine": {"name": "openai-batch", "options": {
+                "base_url": self.provider.base_url, "api_key_env": HOSTED_KEY_ENV, "poll_seconds": 0.2}}}
+               if self.provider is not None else {}),
         })
 
     def _setup(self) -> None:
         from batch_inference.plan import submit
 
         c = self.cfg
+        if self.faults.hosted is not None:
+            self.provider = HostedProvider(self.faults, c)
         with db.connect(self.url, retries=10) as conn:
             # The chaos source with one oversized record: a dead letter at planning, by design.
             make_source(conn, c.records, random.Random(f"nights-source-{self.seed}"))
@@ -531,6 +651,8 @@ class _NightRun:
             self.worker_url, _ = worker_credentials(conn, self.url, self.job)
 
     def _argv(self, owner: str) -> list[str]:
+        if self.provider is not None:     # the spec's engine: openai-batch
+            return [self.job, "--worker-id", owner, "--flush-every", "20", "--grace-seconds", "1"]
         opts = {"inner": "noop", "delay_s": self.cfg.batch_delay_s, "pace_file": str(self.pace)}
         argv = [self.job, "--engine", "batch_inference.nights:PacedEngine", "--worker-id", owner,
                 "--flush-every", "20", "--grace-seconds", "1"]
@@ -546,7 +668,8 @@ class _NightRun:
         t_wall = time.monotonic()
         self._setup()
         log.info("nights %d: %s, faults: %s", self.seed, self.job, "; ".join(rec.faults) or "none")
-        self.fleet = Fleet(self._argv, {**os.environ, "BATCH_INFERENCE_DB": self.worker_url}, c.workers,
+        env = {**os.environ, "BATCH_INFERENCE_DB": self.worker_url, HOSTED_KEY_ENV: f"sk-nights-{self.seed}"}
+        self.fleet = Fleet(self._argv, env, c.workers,
                            name=lambda slot, gen: f"n{self.seed}-w{slot}-g{gen}", log=log, echo=False,
                            log_dir=self.work / "logs", tail_lines=20, backoff_s=0.5, backoff_max_s=4.0,
                            new_session=True)
@@ -569,6 +692,9 @@ class _NightRun:
             self.fleet.stop(3.0)
             self.fleet.kill()
             self.endpoint.close()
+            if self.provider is not None:
+                rec.hosted = self.provider.figures()
+                self.provider.close()
         self._measure()
         rec.fallback["supervisor"] = sup.events
         rec.endpoint = {str(k): v for k, v in sorted(self.endpoint.answers.items())}
@@ -688,11 +814,12 @@ class _NightRun:
             last = conn.execute(db.q("nights_last_rows"), {"job": self.job}).fetchall()
             dead = conn.execute(db.q("dead_letters"), {"job": self.job}).fetchall()
             runs = conn.execute(db.q("nights_fallback_runs"), {"job": self.job}).fetchall()
+            hosted = conn.execute(db.q("hosted_cost_rows"), {"job": self.job}).fetchone()
         rec.coverage = {k: int(v) for k, v in cov.items()}
         rec.rows = {r["transport"]: int(r["n"]) for r in last}
         lasts = [r["last_at"] for r in last if r["last_at"] is not None]
         rec.last_row_s = self._s(max(lasts)) if lasts else None
-        bill, _ = job_bill(counts, Prices.from_spec(spec))
+        bill, _ = job_bill(counts, Prices.from_spec(spec), hosted)
         b = bill.to_dict()
         rec.bill = {k: b[k] for k in ("batch_rows", "fallback_rows", "batch_cost", "fallback_cost", "total",
                                       "all_synchronous_ceiling", "clean_batch_floor")}
@@ -723,6 +850,8 @@ class _NightRun:
         if rec.healthy_dead:
             why = Counter(d["reason"][:60] for d in rec.dead_letters if d["stage"] != "plan")
             rec.failures.append(f"{rec.healthy_dead} healthy record(s) dead-lettered: {dict(why)}")
+        if rec.hosted.get("billed_twice"):
+            rec.failures.append(f"the hosted provider billed {rec.hosted['billed_twice']} request(s) twice")
         if rec.bill and rec.bill["total"] > rec.bill["all_synchronous_ceiling"]:
             rec.failures.append(f"bill ${rec.bill['total']} over the ceiling ${rec.bill['all_synchronous_ceiling']}")
         late = rec.published_s is None or rec.slack_s is None or rec.slack_s < 0
@@ -779,6 +908,8 @@ class NightsReport:
             "duplicates": sum(n.coverage.get("duplicates", 0) for n in ns),
             "lost": sum(n.coverage.get("missing", 0) for n in ns),
             "healthy_dead": sum(n.healthy_dead for n in ns),
+            "hosted_nights": sum(1 for n in ns if n.hosted),
+            "hosted_billed_twice": sum(n.hosted.get("billed_twice", 0) for n in ns),
         }
 
     def as_dict(self) -> dict[str, Any]:

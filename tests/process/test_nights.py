@@ -1,8 +1,10 @@
 """The nights harness: compressed nights end to end under drawn faults (batch_inference.nights).
 
 The default run (three nights: a slowed batch with kills and a 5xx burst, a night of drifted
-"faster" history with a database restart and 429s, a slow cancel with "slower" history) must
-meet every deadline with no duplicate, no loss, no healthy dead letter and every bill under its
+"faster" history with a database restart and 429s, a slow cancel with "slower" history; and three
+nights whose records go to a hosted batch API: a batch that expires with partial results, one
+stuck validating, a cancel that settles slowly at the provider) must meet every deadline with no
+duplicate, no loss, no healthy dead letter, no request billed twice and every bill under its
 ceiling; a replay of one night by its seed must reproduce its cutoff and verdict; and a night
 whose fallback endpoint is down for the whole tail must page early, saying why."""
 
@@ -41,8 +43,13 @@ def test_faults_and_history_are_drawn_from_the_seed_alone():
     # Over a month of seeds every kind of fault comes up, the unabsorbable one included.
     names = " ".join(n for s in range(30) for n in draw_faults(s, cfg).names())
     for kind in ("slower from", "kill", "stall", "5xx burst", "429", "cancel settles", "db restart",
-                 "history slower", "history longer", "history faster", "endpoint down"):
+                 "history slower", "history longer", "history faster", "endpoint down",
+                 "hosted batch 1 expires with partial results", "hosted cancel settles"):
         assert kind in names, kind
+    # The default run adds a night for each hosted fault the first three lack, found by its seed.
+    extra = NightsConfig().seeds()[3:]
+    assert {draw_faults(s, cfg).hosted for s in extra} == set(nights.HOSTED_FAULTS)
+    assert [draw_faults(s, cfg).hosted for s in range(3)] == [None] * 3
 
 
 def test_the_endpoint_answers_the_chat_completions_shape_and_its_faults():
@@ -95,10 +102,19 @@ def test_default_nights_run_meets_every_deadline():
     print(report.table())
     s = report.summary()
     assert report.passed, report.table()
-    assert s["nights"] == 3 and s["met"] == 3 and s["false_pages"] == []
+    assert s["nights"] == 6 and s["met"] == 6 and s["false_pages"] == []
     assert (s["duplicates"], s["lost"], s["healthy_dead"]) == (0, 0, 0)
     assert s["cost_ratio_worst"] <= 1.0
     by_seed = {n.seed: n for n in report.nights}
+    # The hosted nights: each provider fault bit, and no request was bought twice.
+    hosted = {draw_faults(n.seed, NightsConfig()).hosted: n for n in report.nights if n.hosted}
+    assert set(hosted) == set(nights.HOSTED_FAULTS) and s["hosted_nights"] == 3 and s["hosted_billed_twice"] == 0
+    assert all(n.rows.get("hosted_batch", 0) > 0 and "batch" not in n.rows for n in hosted.values())
+    assert hosted["expire"].hosted["states"].get("expired") == 1
+    assert hosted["validating"].hosted["never_ran"] == 1 and hosted["validating"].fired_s is not None
+    slow = hosted["slow_cancel"]
+    assert slow.fired_s is not None and slow.hosted["cancel_settled_s"] >= draw_faults(slow.seed,
+                                                                                       NightsConfig()).hosted_cancel_s
     assert by_seed[0].fired_s is not None and by_seed[0].rows.get("fallback", 0) > 0
     assert "history" in by_seed[1].constants["source"] and by_seed[1].constants["overhead_s"] < 8.0
     assert by_seed[2].constants["rate"] < NightsConfig().rate          # "slower" history tightened it

@@ -24,7 +24,8 @@ def register(sub: Any) -> None:
             "Starts an embedded PostgreSQL and a loopback chat-completions endpoint of its own, then runs each "
             "night as a whole job: batch worker processes, the real cutoff watch, the fallback pool, validate "
             "and publish, with faults drawn from the night's seed (batch slow-down, kills, stalls, 5xx bursts, "
-            "429s, a slow cancel, a database restart, drifted history, an endpoint down for the tail). Prints "
+            "429s, a slow cancel, a database restart, drifted history, an endpoint down for the tail; on nights "
+            "sent to a hosted batch API, a batch that expires, one stuck validating, a slow cancel). Prints "
             "one line per night and the totals; exit 1 if a night failed."
         ),
     )

@@ -6,7 +6,10 @@
   (``worker_credentials``);
 * ``source``: the seeded source table with poison records (``make_source``);
 * ``loopback``: a server on 127.0.0.1 speaking OpenAI's chat-completions wire shape
-  (``ChatServer``), the fallback endpoint of the nights and the tests.
+  (``ChatServer``), the fallback endpoint of the nights and the tests;
+* ``hosted_sim`` and ``hosted_openai``: a hosted batch provider's clock (``BatchProvider``) and a
+  loopback emulator of OpenAI's Batch API on it (``OpenAIBatchEmulator``), the hosted nights'
+  provider and the hosted transport tests'.
 
 A harness imports from here, never another harness's private names.
 """
