@@ -112,10 +112,12 @@ def test_backfill_with_params_publishes_and_emits_its_asset_event(live_airflow):
     assert published_rows(dep, "ticket_triage") == c["stored"]
 
 
-def test_cutoff_firing_at_once_is_redriven_by_the_fallback_through_llama_cpp(live_airflow):
+def test_cutoff_firing_at_once_is_redriven_by_the_fallback_through_llama_cpp(live_airflow, webhook_sink):
     """The deadline is a minute away, the overhead 30 minutes: the cutoff is already past when the
     sensor starts. The slow batch worker drains; the fallback pool re-drives the rest through the
-    real llama.cpp server (the spec's default response format), and the run publishes."""
+    real llama.cpp server (the spec's default response format), and the run publishes. By the
+    arithmetic (10 minutes to publish, a third of the overhead) the deadline is already lost as the
+    cutoff fires, so the sensor pages on-call then."""
     dep = live_airflow
     table = make_table(dep.ledger_url, "live_cutoff", 12)
     spec = make_spec(dep, "live_cutoff", engine={"name": "noop", "options": {"delay_s": 2.0}},
@@ -130,6 +132,10 @@ def test_cutoff_firing_at_once_is_redriven_by_the_fallback_through_llama_cpp(liv
     assert tis["cutoff"]["try_number"] == 1
     cutoff = dep.xcom(BACKFILL, run_id, "cutoff")
     assert cutoff["fired"] is True
+    assert cutoff["page"].startswith("deadline ") and "at 5/s + 600s to publish" in cutoff["page"], cutoff
+    msg = webhook_sink.wait_for(lambda m: m.get("job_version") == cutoff["job_version"]
+                                and m.get("task_id") == "cutoff", 30)
+    assert msg["kind"] == "deadline will be missed" and msg["error"] == cutoff["page"]
     fallback = dep.xcom(BACKFILL, run_id, "fallback")
     job = fallback["job_version"]
     c = counts(dep, job)
