@@ -111,7 +111,7 @@ class NightsConfig:
 
     def __post_init__(self) -> None:
         for name, low in (("nights", 1), ("records", 10), ("shard_size", 1), ("workers", 1),
-                          ("concurrency", 1), ("parallel_shards", 1), ("lease_seconds", 1)):
+                          ("concurrency", 1), ("parallel_shards", 1), ("lease_seconds", 1), ("hosted_nights", 0)):
             if getattr(self, name) < low:
                 raise InvalidValue(f"nights: {name.replace('_', ' ')} must be at least {low}, "
                                    f"got {getattr(self, name)}")

