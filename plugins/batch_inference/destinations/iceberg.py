@@ -43,7 +43,7 @@ from urllib.parse import urlsplit
 import psycopg
 
 from batch_inference.db import q
-from batch_inference.destinations import Destination, Pointed, Version
+from batch_inference.destinations.base import Destination, Pointed, Version
 from batch_inference.exceptions import DestinationRefused, DestinationUnavailable, NotCleared
 from batch_inference.spec import Destination as DestinationSpec
 from batch_inference.spec import JobSpec
