@@ -107,12 +107,6 @@ DROP POLICY IF EXISTS reader_principals_own ON bi.reader_principals;
 CREATE POLICY reader_principals_own ON bi.reader_principals FOR SELECT TO bi_reader
 USING (role IN (SELECT r.rolname FROM pg_roles r WHERE pg_has_role(current_user, r.oid, 'USAGE')));
 
--- Dead letters follow the results' ACL rule, except that a dead letter is
--- visible whether or not its version is published: it is what on-call reads
--- while the night runs. The dashboard reads them as the signed-in user's
--- reader role (bi.dashboard_readers, roles.sql).
-ALTER TABLE bi.dead_letters ENABLE ROW LEVEL SECURITY;
-
 -- The job versions whose records without an ACL every reader may see. SECURITY
 -- DEFINER: the policy runs as the reader, who has no privilege on bi.jobs.
 -- Called once per statement (an uncorrelated sub-select in the policy).
@@ -124,26 +118,31 @@ LANGUAGE sql STABLE SECURITY DEFINER SET search_path = pg_catalog, pg_temp AS $$
      WHERE coalesce(a.null_acl, 'all_readers') = 'all_readers';
 $$;
 
-DROP POLICY IF EXISTS dead_letters_acl ON bi.dead_letters;
-CREATE POLICY dead_letters_acl ON bi.dead_letters FOR SELECT TO bi_reader
-USING (
-    CASE WHEN acl IS NULL
-         THEN job_version = ANY ((SELECT bi.null_acl_readable_jobs_v1())::text[])
-         ELSE acl && (SELECT bi.current_principals())
-    END
-);
-
--- The dead letters' counts per ACL (counts.sql) follow the same rule, so a
--- reader counts exactly the dead letters it may read.
-ALTER TABLE bi.dead_letter_counts ENABLE ROW LEVEL SECURITY;
-DROP POLICY IF EXISTS dead_letter_counts_acl ON bi.dead_letter_counts;
-CREATE POLICY dead_letter_counts_acl ON bi.dead_letter_counts FOR SELECT TO bi_reader
-USING (
-    CASE WHEN acl IS NULL
-         THEN job_version = ANY ((SELECT bi.null_acl_readable_jobs_v1())::text[])
-         ELSE acl && (SELECT bi.current_principals())
-    END
-);
+-- One rule for what is read before a version is published: dead letters (what
+-- on-call reads while the night runs), their counts per ACL (counts.sql, so a
+-- reader counts exactly the dead letters it may read) and the review sample
+-- (evaluation.sql, which a reviewer reads before publish). It is the results'
+-- ACL rule without "published somewhere": a row with an ACL is visible to a
+-- reader holding one of its principals, a row without one as its dataset's
+-- null_acl says. The dashboard reads them as the signed-in user's reader role
+-- (bi.dashboard_readers, roles.sql). Policy <table>_acl on each table.
+DO $rule$
+DECLARE
+    t text;
+BEGIN
+    FOREACH t IN ARRAY ARRAY['dead_letters', 'dead_letter_counts', 'review_sample'] LOOP
+        EXECUTE format('ALTER TABLE bi.%I ENABLE ROW LEVEL SECURITY', t);
+        EXECUTE format('DROP POLICY IF EXISTS %I ON bi.%I', t || '_acl', t);
+        EXECUTE format($policy$
+            CREATE POLICY %I ON bi.%I FOR SELECT TO bi_reader
+            USING (
+                CASE WHEN acl IS NULL
+                     THEN job_version = ANY ((SELECT bi.null_acl_readable_jobs_v1())::text[])
+                     ELSE acl && (SELECT bi.current_principals())
+                END
+            )$policy$, t || '_acl', t);
+    END LOOP;
+END $rule$;
 GRANT SELECT ON bi.dead_letter_counts TO bi_reader;
 
 -- The views are security_invoker, so the reader needs the base privileges;
@@ -154,17 +153,6 @@ GRANT SELECT ON bi.results, bi.dead_letters, bi.publish_pointer, bi.dataset_acl,
     bi.published_views TO bi_reader;
 GRANT EXECUTE ON FUNCTION bi.current_principals(), bi.null_acl_readable_jobs_v1() TO bi_reader;
 
--- The review sample (evaluation.sql) follows the dead letters' rule: a
--- reviewer reads it before the version is published, as its reader role.
-ALTER TABLE bi.review_sample ENABLE ROW LEVEL SECURITY;
-DROP POLICY IF EXISTS review_sample_acl ON bi.review_sample;
-CREATE POLICY review_sample_acl ON bi.review_sample FOR SELECT TO bi_reader
-USING (
-    CASE WHEN acl IS NULL
-         THEN job_version = ANY ((SELECT bi.null_acl_readable_jobs_v1())::text[])
-         ELSE acl && (SELECT bi.current_principals())
-    END
-);
 -- A verdict's comment may quote the record: readable with the row it is on.
 ALTER TABLE bi.reviews ENABLE ROW LEVEL SECURITY;
 DROP POLICY IF EXISTS reviews_of_visible_rows ON bi.reviews;
