@@ -265,6 +265,7 @@ DECLARE
     v_actor text := coalesce(nullif(btrim(p_actor), ''), current_user);
     v_reason text := nullif(btrim(p_reason), '');
     v_review text;
+    v_rejected text;
     v_forced boolean;
 BEGIN
     -- One publisher per dataset at a time, including the very first publish
@@ -286,6 +287,15 @@ BEGIN
     END IF;
     IF j.status = 'dropped' THEN
         RAISE EXCEPTION 'job version % was dropped and cannot be published', p_job
+            USING ERRCODE = 'object_not_in_prerequisite_state';
+    END IF;
+    -- A reviewer's standing rejection (evaluation.sql) is never forcible: it is
+    -- withdrawn, with who and why, or the version stays unpublished. Read after
+    -- the FOR UPDATE above, which a rejection's key-share lock waits on.
+    v_rejected := bi.standing_rejection_v1(p_job);
+    IF v_rejected IS NOT NULL THEN
+        RAISE EXCEPTION 'job version % was %; refused, even forced (withdraw it: batch-inference review % --withdraw-rejection --reason TEXT)',
+            p_job, v_rejected, p_job
             USING ERRCODE = 'object_not_in_prerequisite_state';
     END IF;
     SELECT count(*) INTO v_open FROM bi.shards s WHERE s.job_version = p_job AND s.state <> 'done';

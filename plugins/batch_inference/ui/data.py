@@ -29,7 +29,7 @@ from psycopg import sql
 from batch_inference import cutoff, db
 from batch_inference.cost import Prices, job_bill
 from batch_inference.db import q
-from batch_inference.publish import publish_history
+from batch_inference.publish import publish_history, rejections
 from batch_inference.drift import category_counts as drift_counts
 from batch_inference.drift import compare, over_gate
 from batch_inference.evaluation import review_rows, review_state
@@ -349,6 +349,7 @@ def review(conn: psycopg.Connection, job_version: str, role: str | None = None,
     return {
         "job_version": job_version, "dataset": row["dataset"], "status": row["status"],
         "review": state, "rows": rows, "visible": len(rows),
+        "rejections": rejections(conn, job_version=job_version),
         "hidden": max(state["sampled"] - len(rows), 0) if len(rows) < limit else None,
         "accuracy": ev.get("accuracy") or {}, "graded": ev.get("graded") or 0,
         "confusion": ev.get("confusion") or {},
@@ -431,4 +432,5 @@ def drift(conn: psycopg.Connection, job_version: str) -> dict[str, Any]:
 
 def history(conn: psycopg.Connection, dataset: str, limit: int = 50) -> dict[str, Any]:
     pointer = conn.execute(q("pointer"), {"dataset": dataset}).fetchone()
-    return {"dataset": dataset, "pointer": pointer, "history": publish_history(conn, dataset, limit)}
+    return {"dataset": dataset, "pointer": pointer, "history": publish_history(conn, dataset, limit),
+            "rejections": rejections(conn, dataset=dataset, limit=limit)}
