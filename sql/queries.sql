@@ -479,3 +479,10 @@ SELECT d.history_id, d.destination, d.job_version, d.snapshot_id, d.location
 
 -- name: schema_exists  whether a schema exists in the connected database
 SELECT EXISTS (SELECT 1 FROM pg_namespace WHERE nspname = %(schema)s) AS present;
+
+-- name: redrive_dead_letters  put chosen dead letters of a version back to pending with a fresh attempt budget, recorded (guarded: not published or dropped, something matches, no matching shard leased)
+SELECT * FROM bi.redrive_dead_letters_v1(%(job)s, %(actor)s, %(reason)s, %(stage)s, %(reason_like)s);
+
+-- name: redrives  a version's re-drives of dead letters, newest first
+SELECT id, job_version, actor, reason, stage, reason_like, records, shards, left_out, at
+  FROM bi.redrives WHERE job_version = %(job)s ORDER BY id DESC LIMIT %(n)s;

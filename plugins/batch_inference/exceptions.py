@@ -90,6 +90,11 @@ class ReviewRefused(BatchInferenceError, ValueError):
     """A review could not be recorded: a bad verdict, or a record outside the version's review sample."""
 
 
+class RedriveRefused(BatchInferenceError, ValueError):
+    """A re-drive of dead letters the ledger refused (a published version, nothing matching, a leased
+    shard); one line, nothing changed."""
+
+
 class PointerMoved(PublishRefused):
     """The dataset's pointer is not at the version the caller expected; nothing was changed.
 

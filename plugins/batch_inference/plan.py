@@ -19,7 +19,7 @@ from psycopg import errors, sql
 
 from batch_inference import destinations, snapshot
 from batch_inference.db import q
-from batch_inference.exceptions import GrantRefused
+from batch_inference.exceptions import GrantRefused, RedriveRefused
 from batch_inference.spec import JobSpec
 
 log = logging.getLogger(__name__)
@@ -144,6 +144,38 @@ def drop_job_version(conn: psycopg.Connection, job_version: str) -> bool:
     except errors.ObjectInUse as exc:
         raise PublishRefused(exc.diag.message_primary or str(exc).splitlines()[0]) from None
     return bool(r and r["dropped"])
+
+
+def redrive_dead_letters(conn: psycopg.Connection, job_version: str, *, actor: str, reason: str,
+                         stage: str | None = None, reason_like: str | None = None) -> dict[str, Any]:
+    """Put the version's dead letters (of ``stage``, whose reason contains ``reason_like``, any
+    case) back to pending with a fresh attempt budget, after their cause was fixed; recorded with
+    who, when and why (``bi.redrive_dead_letters_v1``, ``bi.redrives``). Workers started on the
+    version afterwards pick them up; only this call does it (I4: never automatic).
+
+    :returns: id, job_version, records, shards, left_out (matched but refused before any worker), at.
+    :raises RedriveRefused: no who or why, a published or dropped version, nothing matching, a
+        matching shard leased now; nothing changed.
+    :raises UnknownJob: no such version."""
+    from batch_inference.status import UnknownJob
+
+    try:
+        with conn.transaction():
+            row = conn.execute(q("redrive_dead_letters"), {"job": job_version, "actor": actor, "reason": reason,
+                                                           "stage": stage, "reason_like": reason_like}).fetchone()
+    except errors.NoDataFound as exc:
+        msg = exc.diag.message_primary or str(exc).splitlines()[0]
+        raise (UnknownJob if msg.startswith("no job version") else RedriveRefused)(msg) from None
+    except (errors.ObjectNotInPrerequisiteState, errors.InvalidParameterValue) as exc:
+        raise RedriveRefused(exc.diag.message_primary or str(exc).splitlines()[0]) from None
+    log.warning("%s re-drove %d dead letter(s) of %s in %d shard(s): %s", actor, row["records"], job_version,
+                row["shards"], reason)
+    return dict(row)
+
+
+def redrives(conn: psycopg.Connection, job_version: str, limit: int = 50) -> list[dict[str, Any]]:
+    """The version's re-drives of dead letters, newest first."""
+    return [dict(r) for r in conn.execute(q("redrives"), {"job": job_version, "n": limit})]
 
 
 def grant_job(conn: psycopg.Connection, role: str, job_version: str, *, revoke: bool = False) -> bool:

@@ -1,4 +1,4 @@
-"""``submit``, ``status``, ``dead-letters`` and ``drop``: a job version in the ledger."""
+"""``submit``, ``status``, ``dead-letters``, ``redrive`` and ``drop``: a job version in the ledger."""
 
 from __future__ import annotations
 
@@ -25,6 +25,18 @@ def register(sub: Any) -> None:
     dl.add_argument("job_version")
     dl.add_argument("--json", action="store_true")
     dl.set_defaults(func=run_dead_letters)
+
+    rd = sub.add_parser("redrive", help="put chosen dead letters back to pending, attempts reset, after their "
+                                        "cause was fixed (recorded with who, when and why)")
+    rd.add_argument("job_version")
+    rd.add_argument("--dead-letters", action="store_true", required=True,
+                    help="what is re-driven: the version's dead letters (the only kind)")
+    rd.add_argument("--stage", choices=("snapshot", "plan", "worker"), help="only dead letters of this stage")
+    rd.add_argument("--reason-like", metavar="TEXT", help="only dead letters whose reason contains TEXT (any case)")
+    rd.add_argument("--reason", required=True, metavar="WHY", help="why (recorded with the re-drive)")
+    rd.add_argument("--actor", help="who (default: cli:<login name>)")
+    rd.add_argument("--json", action="store_true")
+    rd.set_defaults(func=run_redrive)
 
     dr = sub.add_parser("drop", help="drop a whole job version (its partitions, and its golden and judge runs "
                                      "unless shared)")
@@ -82,6 +94,24 @@ def run_dead_letters(args: argparse.Namespace) -> int:
             raw = printable((r["raw_output"] or "")[:80])
             print(f"{printable(r['record_id'])}\t{r['attempts']}\t{printable(r['reason'])}\t{raw}")
         print(f"{len(rows)} dead letter(s)", file=sys.stderr)
+    return 0
+
+
+def run_redrive(args: argparse.Namespace) -> int:
+    import getpass
+
+    from batch_inference.plan import redrive_dead_letters
+
+    with connect(args) as conn:
+        out = redrive_dead_letters(conn, args.job_version, actor=args.actor or f"cli:{getpass.getuser()}",
+                                   reason=args.reason, stage=args.stage, reason_like=args.reason_like)
+    if args.json:
+        print_json(out)
+    else:
+        left = f"; {out['left_out']} matching left dead (refused before any worker)" if out["left_out"] else ""
+        print(f"{out['job_version']}: {out['records']} dead letter(s) back to pending in {out['shards']} shard(s), "
+              f"attempts reset{left}; start workers on it (`batch-inference worker {out['job_version']}`), "
+              "then validate")
     return 0
 
 

@@ -33,6 +33,7 @@ from batch_inference.publish import publish_history, rejections
 from batch_inference.drift import category_counts as drift_counts
 from batch_inference.drift import compare, over_gate
 from batch_inference.evaluation import review_rows, review_state
+from batch_inference.plan import redrives
 from batch_inference.spec import Fallback, Validation
 from batch_inference.status import UnknownJob, job_counts
 
@@ -310,7 +311,8 @@ def dead_letters(conn: psycopg.Connection, job_version: str, limit: int = 100, o
 
     ``total`` is every dead letter (the shard counters); ``visible`` those the
     role may read, whose reasons and rows are returned; ``hidden`` the rest.
-    Without a role nothing but the total.
+    Without a role nothing but the total (and ``redrives``, the operators'
+    re-drives of dead letters: who, when, why, filters and counts).
     """
     counts = job_counts(conn, job_version)
     total = int(counts["dead_letters"])
@@ -324,7 +326,8 @@ def dead_letters(conn: psycopg.Connection, job_version: str, limit: int = 100, o
             rows = conn.execute(q("dead_letter_page"),
                                 {"job": job_version, "limit": limit, "offset": offset}).fetchall()
     return {"job_version": job_version, "total": total, "visible": visible, "hidden": max(total - visible, 0),
-            "reasons": reasons, "dead_letters": rows, "limit": limit, "offset": offset}
+            "reasons": reasons, "dead_letters": rows, "limit": limit, "offset": offset,
+            "redrives": redrives(conn, job_version)}
 
 
 # -- review -------------------------------------------------------------------

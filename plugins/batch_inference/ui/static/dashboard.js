@@ -427,6 +427,15 @@
   function deadLettersPanel(dl) {
     const panel = h("section", { class: "panel", id: "panel-dead-letters" },
       h("h2", {}, "Dead letters ", h("span", { class: "muted", id: "dead-total" }, fmtInt(dl.total))));
+    // An operator's re-drives (batch-inference redrive): dead letters put back to pending on purpose.
+    if ((dl.redrives || []).length) {
+      panel.appendChild(h("table", { id: "redrives" },
+        h("thead", {}, h("tr", {}, ["re-driven", "by", "why", "filter", "records", "shards"].map((t) => h("th", {}, t)))),
+        h("tbody", {}, dl.redrives.map((r) => h("tr", {},
+          h("td", { class: "nowrap" }, stamp(r.at)), h("td", {}, r.actor), h("td", {}, r.reason),
+          h("td", {}, [r.stage ? "stage " + r.stage : "", r.reason_like ? `reason ~ "${r.reason_like}"` : ""].filter(Boolean).join(", ") || "all"),
+          h("td", { class: "num" }, fmtInt(r.records)), h("td", { class: "num" }, fmtInt(r.shards)))))));
+    }
     if (!dl.total) {
       panel.appendChild(h("p", { class: "muted" }, "None: every settled record produced a result."));
       return panel;
