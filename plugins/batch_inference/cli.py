@@ -42,13 +42,15 @@ def main(argv: list[str] | None = None) -> int:
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     import psycopg
 
-    from batch_inference.exceptions import BatchInferenceError
+    from batch_inference.exceptions import BatchInferenceError, SpecError
 
     try:
         return int(args.func(args) or 0)
     except BatchInferenceError as exc:
-        print(f"batch-inference {args.command}: error: {one_line(exc.args[0] if exc.args else exc)}",
-              file=sys.stderr)
+        message = str(exc.args[0] if exc.args else exc)
+        # A spec's problems, one line each (every one, not the first); any other error is one line.
+        for line in (message.splitlines() or [message]) if isinstance(exc, SpecError) else [message]:
+            print(f"batch-inference {args.command}: error: {one_line(line)}", file=sys.stderr)
         return 2
     except psycopg.Error as exc:
         # The database refused: its first message line, not a traceback (each command's

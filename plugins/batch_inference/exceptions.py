@@ -43,7 +43,7 @@ class UnknownJob(BatchInferenceError, LookupError):
 # -- inputs: the spec and its source ------------------------------------------
 
 class SpecError(BatchInferenceError, ValueError):
-    """A spec that cannot be used; the message is one line naming the field."""
+    """A spec that cannot be used; the message is one line per problem, each naming its field."""
 
 
 class SnapshotError(BatchInferenceError, ValueError):

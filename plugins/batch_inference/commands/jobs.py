@@ -64,18 +64,22 @@ def run_submit(args: argparse.Namespace) -> int:
 
 
 def run_status(args: argparse.Namespace) -> int:
-    from batch_inference.status import job_counts
+    from batch_inference.status import job_counts, job_halt
 
     with connect(args) as conn:
         c = job_counts(conn, args.job_version)
+        halt = job_halt(conn, args.job_version)
     if args.json:
-        print_json(c)
+        print_json({**c, **halt})
     else:
         s = c["shards"]
+        # The workers' halt (weights that do not match, an engine that cannot start): why nothing moves.
+        halted = (f"; HALTED by its workers at {halt['halted_at']:%Y-%m-%d %H:%M:%S %Z}: "
+                  f"{printable(halt['halt_reason'])}" if halt["halted_at"] else "")
         print(f"{c['job_version']}: {c['stored']}/{c['records']} stored ({c['stored_fallback']} by fallback, "
               f"{c['reused']} reused), {c['dead_letters']} dead letters, {c['outstanding']} outstanding; "
               f"shards pending {s['pending']}, leased {s['leased']}, done {s['done']}; "
-              f"mode {c['mode']}, status {c['status']}")
+              f"mode {c['mode']}, status {c['status']}{halted}")
     return 0
 
 
