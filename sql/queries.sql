@@ -63,6 +63,11 @@ SELECT halted_at, halt_reason FROM bi.jobs WHERE job_version = %(job)s;
 SELECT job_version, dataset, records, shards, planned_dead AS dead_letters, reused, status, mode
   FROM bi.jobs WHERE job_version = %(job)s;
 
+-- name: job_settings_update  a resubmit's settings outside the job version (guarded: same spec hash, not published or dropped)
+UPDATE bi.jobs SET spec = %(spec_text)s::jsonb, spec_text = %(spec_text)s
+ WHERE job_version = %(job)s AND spec_hash = %(spec_hash)s AND status NOT IN ('published', 'dropped')
+RETURNING job_version;
+
 -- name: base_for_reuse  the newest validated version of the same dataset and spec (incremental runs)
 SELECT job_version FROM bi.jobs
  WHERE dataset = %(dataset)s AND spec_hash = %(spec_hash)s AND status IN ('validated', 'published')

@@ -507,6 +507,29 @@ def _sha(text: str) -> str:
     return hashlib.sha256(text.encode()).hexdigest()
 
 
+# Settings outside the job version that a resubmit may change under it: workers, the validator, the
+# review gate and publish read them from the ledger's copy of the spec each time they start. Any other
+# difference (shard size, attempts, source, clearance, ...) was planned or checked at the first submit.
+SETTINGS_UNDER_A_VERSION = ("engine", "validation", "evaluation", "category_field", "cost", "fallback",
+                            "lease_seconds", "renew_seconds", "publish")
+
+
+def settings_diff(old: JobSpec, new: JobSpec) -> list[tuple[str, Any, Any]]:
+    """Every setting of ``new`` that differs from ``old``: (dotted path, old value, new value), in the
+    spec's field order (a list is one value)."""
+    out: list[tuple[str, Any, Any]] = []
+
+    def walk(a: Any, b: Any, path: str) -> None:
+        if isinstance(a, dict) and isinstance(b, dict):
+            for key in list(a) + [k for k in b if k not in a]:
+                walk(a.get(key), b.get(key), f"{path}.{key}" if path else key)
+        elif a != b:
+            out.append((path, a, b))
+
+    walk(old.model_dump(mode="json"), new.model_dump(mode="json"), "")
+    return out
+
+
 def _problems(exc: ValidationError) -> list[str]:
     """Every problem pydantic found, one line each, in the spec's field order. An unknown field
     beside a missing required one names it as the likely misspelling."""

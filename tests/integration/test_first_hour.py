@@ -78,3 +78,59 @@ def test_status_shows_the_workers_halt_and_its_reason(conn, db_url, tmp_path, ca
     shown = json.loads(capsys.readouterr().out)
     assert shown["status"] == "running" and shown["halt_reason"] == "weights digest mismatch: sha256 abc != def"
     assert shown["halted_at"]
+
+
+def test_a_resubmit_applies_settings_that_may_change_under_a_version_and_refuses_the_others(conn, db_url, tmp_path,
+                                                                                            capsys):
+    from batch_inference.status import job_spec
+
+    make_source(conn, tickets(5))
+    assert cli_main(["--db", db_url, "submit", write_spec(tmp_path)]) == 0
+    first = json.loads(capsys.readouterr().out)
+    job = first["job_version"]
+    assert first["created"] and first["applied"] == []
+
+    # A loosened dead-letter gate and a longer lease: the same version, the ledger's spec updated.
+    loose = write_spec(tmp_path, validation={"max_dead_letter_rate": 0.5}, lease_seconds=120)
+    assert cli_main(["--db", db_url, "submit", loose]) == 0
+    cap = capsys.readouterr()
+    again = json.loads(cap.out)
+    assert again["job_version"] == job and not again["created"]
+    assert again["applied"] == ["lease_seconds: 60 -> 120", "validation.max_dead_letter_rate: 0.01 -> 0.5"]
+    assert cap.err == (f"job version {job} already exists; applied: lease_seconds: 60 -> 120; "
+                       "validation.max_dead_letter_rate: 0.01 -> 0.5\n")
+    stored = job_spec(conn, job)
+    assert stored.validation.max_dead_letter_rate == 0.5 and stored.lease_seconds == 120
+    assert cli_main(["--db", db_url, "submit", loose]) == 0                 # the same again: nothing to apply
+    assert json.loads(capsys.readouterr().out)["applied"] == []
+
+    # A shard size is planned already: refused in one line, nothing changed.
+    assert cli_main(["--db", db_url, "submit", write_spec(tmp_path, validation={"max_dead_letter_rate": 0.5},
+                                                          lease_seconds=120, shard_size=2)]) == 2
+    assert capsys.readouterr().err == (
+        f"batch-inference submit: error: job version {job} already exists with other settings that cannot change "
+        f"under a version (its shards are planned): shard_size: 10 -> 2; submit with the version's values, or drop "
+        f"it first (batch-inference drop {job}) to plan it again\n")
+    assert job_spec(conn, job).shard_size == 10
+
+
+def test_the_readme_links_a_starter_spec_with_the_demo_models_digest_and_a_loosened_gate(conn, db_url, capsys):
+    from pathlib import Path
+
+    from batch_inference.data import DEMO_SOURCE_TABLE
+    from batch_inference.engines.llama_cpp import SMOLLM2_GGUF_SHA256
+    from batch_inference.spec import Validation, load_spec
+
+    repo = Path(__file__).resolve().parents[2]
+    readme = (repo / "README.md").read_text()
+    assert "(docs/starter_spec.yaml)" in readme and "max_dead_letter_rate" in readme
+    starter = load_spec(repo / "docs" / "starter_spec.yaml")
+    assert starter.model.digest == SMOLLM2_GGUF_SHA256 and starter.engine.name == "llama-cpp"
+    assert starter.source.table != DEMO_SOURCE_TABLE
+    assert starter.validation.max_dead_letter_rate > Validation().max_dead_letter_rate
+    # It submits over a table of one's own with its columns as named.
+    conn.execute(f"CREATE TABLE {starter.source.table} (id text PRIMARY KEY, text text)")
+    conn.execute(f"INSERT INTO {starter.source.table} SELECT 'r' || g, 'Review ' || g || ': fine.' "
+                 "FROM generate_series(1, 40) g")
+    assert cli_main(["--db", db_url, "submit", str(repo / "docs" / "starter_spec.yaml")]) == 0
+    assert json.loads(capsys.readouterr().out)["records"] == 40

@@ -60,6 +60,9 @@ def run_submit(args: argparse.Namespace) -> int:
     with connect(args) as conn:
         m = submit(conn, spec, rows)
     print_json(m.as_dict())
+    if m.applied:
+        print(f"job version {m.job_version} already exists; applied: {printable('; '.join(m.applied))}",
+              file=sys.stderr)
     return 0
 
 
