@@ -418,8 +418,14 @@ SELECT p.dataset, p.job_version, p.switched_at, p.switched_by, j.validation
 -- name: set_lock_timeout  for DDL (the first publish creates the view): fail fast and retry, never queue readers
 SELECT set_config('lock_timeout', %(timeout)s, true);
 
--- name: ensure_published_view  the dataset's view, created at its first publish (no DDL once it exists)
-SELECT bi.ensure_published_view_v1(%(dataset)s, %(text_fields)s::text[], %(json_fields)s::text[]) AS view_name;
+-- name: ensure_published_view  the dataset's view shaped like the version it shows (DDL only when the shape changes)
+SELECT bi.ensure_published_view_v2(%(dataset)s, %(id_type)s, %(columns)s::jsonb) AS view_name;
+
+-- name: source_id_type  the view's record_id type from a source table's id column (catalog only): bigint, uuid or text
+SELECT CASE format_type(a.atttypid, NULL) WHEN 'smallint' THEN 'bigint' WHEN 'integer' THEN 'bigint'
+                                          WHEN 'bigint' THEN 'bigint' WHEN 'uuid' THEN 'uuid' ELSE 'text' END AS id_type
+  FROM pg_attribute a
+ WHERE a.attrelid = to_regclass(%(table)s) AND a.attname = %(column)s AND a.attnum > 0 AND NOT a.attisdropped;
 
 -- name: publish  switch the dataset's pointer to a version and record it (guards in bi.publish_v1)
 SELECT * FROM bi.publish_v1(%(dataset)s, %(job)s, %(actor)s, %(force)s, %(reason)s);

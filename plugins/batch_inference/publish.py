@@ -40,7 +40,7 @@ from batch_inference.destinations.view import (  # noqa: F401 - the view's names
     POINTER_MOVED,
     PUBLISHED_SCHEMA,
     switch,
-    view_fields,
+    view_columns,
     view_name,
 )
 from batch_inference.exceptions import InvalidValue, PointerMoved, PublishRefused

@@ -19,6 +19,19 @@ from batch_inference.spec import JobSpec
 ROWS_PER_BATCH = 50_000
 
 
+def json_type(sub: Any) -> str | None:
+    """The one JSON type of an output schema node (``["integer", "null"]`` is integer; a string enum is
+    string), or None when it has several or none: the view's and the Iceberg table's columns are typed
+    from it."""
+    t = sub.get("type") if isinstance(sub, dict) else None
+    if isinstance(t, list):
+        t = [x for x in t if x != "null"]
+        t = t[0] if len(t) == 1 else None
+    if t is None and isinstance(sub, dict) and "enum" in sub and all(isinstance(v, str) for v in sub["enum"]):
+        t = "string"
+    return t
+
+
 @dataclass(frozen=True)
 class Version:
     """A job version as a destination receives it: its spec and its rows, in batches by record id."""
