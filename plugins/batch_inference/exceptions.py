@@ -43,7 +43,7 @@ class UnknownJob(BatchInferenceError, LookupError):
 # -- inputs: the spec and its source ------------------------------------------
 
 class SpecError(BatchInferenceError, ValueError):
-    """A spec that cannot be used; the message is one line naming the field."""
+    """A spec that cannot be used; the message is one line per problem, each naming its field."""
 
 
 class SnapshotError(BatchInferenceError, ValueError):
@@ -88,6 +88,11 @@ class PublishRefused(BatchInferenceError, ValueError):
 
 class ReviewRefused(BatchInferenceError, ValueError):
     """A review could not be recorded: a bad verdict, or a record outside the version's review sample."""
+
+
+class RedriveRefused(BatchInferenceError, ValueError):
+    """A re-drive of dead letters the ledger refused (a published version, nothing matching, a leased
+    shard); one line, nothing changed."""
 
 
 class PointerMoved(PublishRefused):

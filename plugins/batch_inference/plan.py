@@ -11,7 +11,7 @@ import json
 import logging
 import time
 from collections.abc import Iterable, Mapping
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import psycopg
@@ -19,8 +19,8 @@ from psycopg import errors, sql
 
 from batch_inference import destinations, snapshot
 from batch_inference.db import q
-from batch_inference.exceptions import GrantRefused
-from batch_inference.spec import JobSpec
+from batch_inference.exceptions import GrantRefused, RedriveRefused, SpecError
+from batch_inference.spec import SETTINGS_UNDER_A_VERSION, JobSpec, settings_diff
 
 log = logging.getLogger(__name__)
 
@@ -36,6 +36,8 @@ class Manifest:
     dead_letters: int
     reused: int
     created: bool
+    # A resubmit of an existing version: the settings outside the version it changed ("path: old -> new").
+    applied: list[str] = field(default_factory=list)
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -68,9 +70,10 @@ def submit(conn: psycopg.Connection, spec: JobSpec,
 
         existing = conn.execute(q("job_manifest"), {"job": job}).fetchone()
         if existing:
-            log.info("job version %s already exists for this spec and snapshot; nothing written", job)
+            applied = _resubmitted(conn, job, existing["status"], spec)
             return Manifest(existing["job_version"], existing["dataset"], existing["records"],
-                            existing["shards"], existing["dead_letters"], existing["reused"], created=False)
+                            existing["shards"], existing["dead_letters"], existing["reused"], created=False,
+                            applied=applied)
 
         base = None
         if spec.incremental:
@@ -111,6 +114,35 @@ def submit(conn: psycopg.Connection, spec: JobSpec,
     return m
 
 
+def _resubmitted(conn: psycopg.Connection, job: str, status: str, spec: JobSpec) -> list[str]:
+    """A spec submitted again over the same rows: its settings outside the job version that differ
+    from the version's are applied when they may change under it (``SETTINGS_UNDER_A_VERSION``, on
+    a version not yet published), else the submit is refused in one line, nothing written.
+    Returns what was applied, ``path: old -> new`` each."""
+    from batch_inference.status import job_spec
+
+    diff = settings_diff(job_spec(conn, job), spec)
+    if not diff:
+        log.info("job version %s already exists for this spec and snapshot; nothing written", job)
+        return []
+    shown = [f"{path}: {json.dumps(a)} -> {json.dumps(b)}" for path, a, b in diff]
+    fixed = [line for line, (path, _, _) in zip(shown, diff) if path.split(".")[0] not in SETTINGS_UNDER_A_VERSION]
+    if fixed:
+        raise SpecError(f"job version {job} already exists with other settings that cannot change under a version "
+                        f"(its shards are planned): {'; '.join(fixed)}; submit with the version's values, or drop it "
+                        f"first (batch-inference drop {job}) to plan it again")
+    if status in ("published", "dropped"):
+        raise SpecError(f"job version {job} is {status}: its settings stay as they are ({'; '.join(shown)}); a new "
+                        "version needs a change that is part of it (prompt version, model, ...)")
+    text = json.dumps(spec.model_dump(mode="json"))
+    if conn.execute(q("job_settings_update"), {"job": job, "spec_hash": spec.spec_hash, "spec_text": text}
+                    ).fetchone() is None:
+        raise SpecError(f"job version {job} changed while this submit read it; submit again")
+    log.warning("job version %s already exists; applied the changed settings: %s%s", job, "; ".join(shown),
+                " (validate it again)" if status != "running" else "")
+    return shown
+
+
 def _plan(conn: psycopg.Connection, params: dict[str, Any], records: int) -> Mapping[str, Any]:
     """Dead letters, reused results, shard rows and the job's counts, from the
     snapshot's unsharded records alone (read through the shard index)."""
@@ -144,6 +176,38 @@ def drop_job_version(conn: psycopg.Connection, job_version: str) -> bool:
     except errors.ObjectInUse as exc:
         raise PublishRefused(exc.diag.message_primary or str(exc).splitlines()[0]) from None
     return bool(r and r["dropped"])
+
+
+def redrive_dead_letters(conn: psycopg.Connection, job_version: str, *, actor: str, reason: str,
+                         stage: str | None = None, reason_like: str | None = None) -> dict[str, Any]:
+    """Put the version's dead letters (of ``stage``, whose reason contains ``reason_like``, any
+    case) back to pending with a fresh attempt budget, after their cause was fixed; recorded with
+    who, when and why (``bi.redrive_dead_letters_v1``, ``bi.redrives``). Workers started on the
+    version afterwards pick them up; only this call does it (I4: never automatic).
+
+    :returns: id, job_version, records, shards, left_out (matched but refused before any worker), at.
+    :raises RedriveRefused: no who or why, a published or dropped version, nothing matching, a
+        matching shard leased now; nothing changed.
+    :raises UnknownJob: no such version."""
+    from batch_inference.status import UnknownJob
+
+    try:
+        with conn.transaction():
+            row = conn.execute(q("redrive_dead_letters"), {"job": job_version, "actor": actor, "reason": reason,
+                                                           "stage": stage, "reason_like": reason_like}).fetchone()
+    except errors.NoDataFound as exc:
+        msg = exc.diag.message_primary or str(exc).splitlines()[0]
+        raise (UnknownJob if msg.startswith("no job version") else RedriveRefused)(msg) from None
+    except (errors.ObjectNotInPrerequisiteState, errors.InvalidParameterValue) as exc:
+        raise RedriveRefused(exc.diag.message_primary or str(exc).splitlines()[0]) from None
+    log.warning("%s re-drove %d dead letter(s) of %s in %d shard(s): %s", actor, row["records"], job_version,
+                row["shards"], reason)
+    return dict(row)
+
+
+def redrives(conn: psycopg.Connection, job_version: str, limit: int = 50) -> list[dict[str, Any]]:
+    """The version's re-drives of dead letters, newest first."""
+    return [dict(r) for r in conn.execute(q("redrives"), {"job": job_version, "n": limit})]
 
 
 def grant_job(conn: psycopg.Connection, role: str, job_version: str, *, revoke: bool = False) -> bool:

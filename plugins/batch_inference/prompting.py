@@ -20,7 +20,6 @@ from __future__ import annotations
 
 from functools import lru_cache
 
-from batch_inference.engines.base import Request
 from batch_inference.spec import JobSpec
 
 UNTRUSTED_DATA_INSTRUCTION = (
@@ -77,7 +76,3 @@ def build_messages(spec: JobSpec, text: str) -> list[dict[str, str]]:
         {"role": "user", "content": render_record(spec, text)},
     ]
 
-
-def build_request(spec: JobSpec, record_id: str, text: str) -> Request:
-    """The request for one record; its messages are rendered when an engine first reads them."""
-    return Request(record_id, spec=spec, text=text)

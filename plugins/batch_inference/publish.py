@@ -40,7 +40,7 @@ from batch_inference.destinations.view import (  # noqa: F401 - the view's names
     POINTER_MOVED,
     PUBLISHED_SCHEMA,
     switch,
-    view_fields,
+    view_columns,
     view_name,
 )
 from batch_inference.exceptions import InvalidValue, PointerMoved, PublishRefused
@@ -215,8 +215,15 @@ def publish_history(conn: psycopg.Connection, dataset: str, n: int = 20) -> list
     return hist
 
 
+def rejections(conn: psycopg.Connection, *, job_version: str | None = None, dataset: str | None = None,
+               limit: int = 50) -> list[dict[str, Any]]:
+    """The rejections of one version or of a dataset's versions, newest first, withdrawn ones too."""
+    return [dict(r) for r in conn.execute(q("rejections"), {"job": job_version, "dataset": dataset, "n": limit})]
+
+
 def published(conn: psycopg.Connection, dataset: str, *, history: int = 20) -> dict[str, Any]:
-    """What the dataset publishes now: the version, the view's name, the ACL default and the history."""
+    """What the dataset publishes now: the version, the view's name, the ACL default, the history and
+    the reviewers' rejections of its versions (withdrawn ones too)."""
     cur = conn.execute(q("published_version"), {"dataset": dataset}).fetchone()
     view = conn.execute(q("published_view"), {"dataset": dataset}).fetchone()
     hist = publish_history(conn, dataset, history)
@@ -230,6 +237,7 @@ def published(conn: psycopg.Connection, dataset: str, *, history: int = 20) -> d
         "view_fields": view["fields"] if view else None,
         "null_acl": null_acl["null_acl"] if null_acl else "all_readers",
         "history": hist,
+        "rejections": rejections(conn, dataset=dataset, limit=history),
     }
 
 

@@ -54,9 +54,11 @@ def _source_errors(source_name: str, *, any_refusal: bool = False) -> Iterator[N
         raise SnapshotError(f"source {source_name}: {_first_line(exc)} (source.query runs read-only: "
                             "one SELECT)") from None
     except errors.SyntaxError as exc:
-        if "multiple commands" in str(exc):
-            raise SnapshotError(f"source {source_name}: source.query must be a single statement "
-                                "(found more than one)") from None
+        # A ';' inside the user's query ends it where the subquery wrapping it expects ')': a second
+        # statement (or a trailing ';'), refused as such rather than as a syntax error.
+        if "multiple commands" in str(exc) or (any_refusal and 'at or near ";"' in str(exc)):
+            raise SnapshotError(f"source {source_name}: source.query must be a single statement: a second "
+                                "statement is refused (leave out the ';')") from None
         raise SnapshotError(f"source {source_name}: {_first_line(exc)}") from None
     except (errors.UndefinedTable, errors.CannotCoerce, errors.DatatypeMismatch, errors.InvalidTextRepresentation,
             errors.UndefinedFunction, errors.InsufficientPrivilege, errors.FeatureNotSupported) as exc:

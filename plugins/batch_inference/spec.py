@@ -16,6 +16,7 @@ columns hold.
 
 from __future__ import annotations
 
+import difflib
 import hashlib
 import json
 import re
@@ -29,6 +30,7 @@ from batch_inference.exceptions import SpecError
 
 _IDENT = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,62}(\.[A-Za-z_][A-Za-z0-9_]{0,62})?$")
 _DIGEST = re.compile(r"^(sha256:)?[0-9a-f]{64}$")
+_ENGINE_PATH = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*[:.][A-Za-z_][A-Za-z0-9_]*$")
 
 INT4_MAX = 2**31 - 1            # integer columns and function arguments in the ledger
 MAX_SPEC_CHARS = 1_000_000      # a spec file; the system prompt is most of a large one
@@ -132,6 +134,18 @@ class Engine(_Strict):
                                   "or a dotted path module:Class")
     options: dict[str, Any] = Field(default_factory=dict, description="engine options; those that change results "
                                     "join the job version (batch_inference.spec.pinned_options)")
+
+    @field_validator("name")
+    @classmethod
+    def _known(cls, v: str) -> str:
+        # Checked at submit, not first in a worker: a built-in name, or the form of a dotted path (its
+        # module is imported only where the engine runs: batch_inference.engines.engine_class).
+        if v in ENGINE_RESULT_OPTIONS or _ENGINE_PATH.match(v):
+            return v
+        near = difflib.get_close_matches(v.lower().replace("_", "-"), list(ENGINE_RESULT_OPTIONS), n=1, cutoff=0.6)
+        hint = f"did you mean '{near[0]}'? " if near else ""
+        raise ValueError(f"unknown engine '{v}': {hint}use one of {', '.join(ENGINE_RESULT_OPTIONS)}, or a dotted "
+                         "path package.module:ClassName")
 
 
 _HOST = re.compile(r"^(\*\.)?[a-z0-9_-]+(\.[a-z0-9_-]+)*\.?$|^[0-9a-f:.]*:[0-9a-f:.]*$")
@@ -493,14 +507,48 @@ def _sha(text: str) -> str:
     return hashlib.sha256(text.encode()).hexdigest()
 
 
-def _first_error(exc: ValidationError) -> str:
-    err = exc.errors()[0]
-    where = ".".join(str(p) for p in err["loc"]) or "(top level)"
-    msg = err["msg"].removeprefix("Value error, ")
-    if err["type"] == "extra_forbidden":
-        msg = "unknown field"
-    more = len(exc.errors()) - 1
-    return f"spec field '{where}': {msg}" + (f" (and {more} more)" if more else "")
+# Settings outside the job version that a resubmit may change under it: workers, the validator, the
+# review gate and publish read them from the ledger's copy of the spec each time they start. Any other
+# difference (shard size, attempts, source, clearance, ...) was planned or checked at the first submit.
+SETTINGS_UNDER_A_VERSION = ("engine", "validation", "evaluation", "category_field", "cost", "fallback",
+                            "lease_seconds", "renew_seconds", "publish")
+
+
+def settings_diff(old: JobSpec, new: JobSpec) -> list[tuple[str, Any, Any]]:
+    """Every setting of ``new`` that differs from ``old``: (dotted path, old value, new value), in the
+    spec's field order (a list is one value)."""
+    out: list[tuple[str, Any, Any]] = []
+
+    def walk(a: Any, b: Any, path: str) -> None:
+        if isinstance(a, dict) and isinstance(b, dict):
+            for key in list(a) + [k for k in b if k not in a]:
+                walk(a.get(key), b.get(key), f"{path}.{key}" if path else key)
+        elif a != b:
+            out.append((path, a, b))
+
+    walk(old.model_dump(mode="json"), new.model_dump(mode="json"), "")
+    return out
+
+
+def _problems(exc: ValidationError) -> list[str]:
+    """Every problem pydantic found, one line each, in the spec's field order. An unknown field
+    beside a missing required one names it as the likely misspelling."""
+    errs = exc.errors()
+    missing = {tuple(e["loc"][:-1]): [str(m["loc"][-1]) for m in errs if m["type"] == "missing"
+                                      and tuple(m["loc"][:-1]) == tuple(e["loc"][:-1])] for e in errs}
+    out = []
+    for err in errs:
+        where = ".".join(str(p) for p in err["loc"]) or "(top level)"
+        msg = err["msg"].removeprefix("Value error, ")
+        if err["type"] == "extra_forbidden":
+            msg = "unknown field"
+            near = difflib.get_close_matches(str(err["loc"][-1]), missing[tuple(err["loc"][:-1])], n=1, cutoff=0.6)
+            if near:
+                msg += f" (did you mean '{near[0]}'?)"
+        line = f"spec field '{where}': {msg}"
+        if line not in out:
+            out.append(line)
+    return out
 
 
 def _check_values(data: Any) -> None:
@@ -544,7 +592,7 @@ def parse_spec(data: Any) -> JobSpec:
     try:
         return JobSpec.model_validate(data)
     except ValidationError as exc:
-        raise SpecError(_first_error(exc)) from None
+        raise SpecError("\n".join(_problems(exc))) from None
 
 
 def load_spec(path: str | Path) -> JobSpec:

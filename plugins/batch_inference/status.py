@@ -57,6 +57,12 @@ def job_counts(conn: psycopg.Connection, job_version: str) -> JobCounts:
     return counts_from_row(job_version, conn.execute(q("job_counts"), {"job": job_version}).fetchone())
 
 
+def job_halt(conn: psycopg.Connection, job_version: str) -> dict[str, Any]:
+    """When the version's workers last halted it and why (``bi.halt_job_v1``); both None if never."""
+    r = conn.execute(q("job_halt"), {"job": job_version}).fetchone()
+    return {"halted_at": r["halted_at"] if r else None, "halt_reason": r["halt_reason"] if r else None}
+
+
 def job_spec(conn: psycopg.Connection, job_version: str) -> JobSpec:
     r = conn.execute(q("job_spec"), {"job": job_version}).fetchone()
     if r is None:

@@ -199,10 +199,10 @@ CREATE TRIGGER results_categories_update AFTER UPDATE ON bi.results
 -- A job's dead letters counted per (ACL, reason, stage), so that the dashboard
 -- counts and groups what a reader may see without reading the dead letters:
 -- the table has the dead letters' row-level security rule (publish.sql),
--- which reads only the job version and the ACL. A statement trigger on
--- bi.dead_letters adds each insert's rows, another each update's difference
--- (dead letters are never deleted but with their job version, whose jobs row
--- takes these with it).
+-- which reads only the job version and the ACL. Statement triggers on
+-- bi.dead_letters add each insert's rows, each update's difference and take
+-- off each delete's (a re-drive's; a dropped job version's partitions go with
+-- no trigger, and its jobs row takes these with it).
 CREATE TABLE IF NOT EXISTS bi.dead_letter_counts (
     job_version text NOT NULL REFERENCES bi.jobs (job_version) ON DELETE CASCADE,
     acl         text[],
@@ -248,6 +248,23 @@ DROP TRIGGER IF EXISTS dead_letters_counts_update ON bi.dead_letters;
 CREATE TRIGGER dead_letters_counts_update AFTER UPDATE ON bi.dead_letters
     REFERENCING OLD TABLE AS old_rows NEW TABLE AS new_rows FOR EACH STATEMENT
     EXECUTE FUNCTION bi.dead_letter_counts_change_v1();
+
+-- A statement that deletes dead letters (a re-drive, bi.redrive_dead_letters_v1):
+-- their counts, from their groups.
+CREATE OR REPLACE FUNCTION bi.dead_letter_counts_remove_v1() RETURNS trigger
+LANGUAGE plpgsql SET search_path = pg_catalog, pg_temp AS $$
+BEGIN
+    UPDATE bi.dead_letter_counts t
+       SET n = t.n - r.n
+      FROM (SELECT o.job_version, o.acl, o.reason, o.stage, count(*) AS n FROM old_rows o GROUP BY 1, 2, 3, 4) r
+     WHERE t.job_version = r.job_version AND t.acl IS NOT DISTINCT FROM r.acl AND t.reason = r.reason
+       AND t.stage = r.stage;
+    RETURN NULL;
+END $$;
+
+DROP TRIGGER IF EXISTS dead_letters_counts_delete ON bi.dead_letters;
+CREATE TRIGGER dead_letters_counts_delete AFTER DELETE ON bi.dead_letters
+    REFERENCING OLD TABLE AS old_rows FOR EACH STATEMENT EXECUTE FUNCTION bi.dead_letter_counts_remove_v1();
 
 -- The shard table takes an update for every claim, renewal, put and
 -- completion: every renewal leaves a dead tuple, so autovacuum visits it

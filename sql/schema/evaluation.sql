@@ -5,7 +5,8 @@
 -- reviewer's verdict on a row is one row of bi.reviews, replaced when the row
 -- is reviewed again, with who said it. The review gate (the spec's
 -- evaluation.review) is computed by bi.review_gate_problem_v1 and checked by
--- bi.publish_v1 in the statement that switches the pointer. Readers see the
+-- bi.publish_v1 in the statement that switches the pointer, as is a
+-- reviewer's rejection of the whole version (bi.review_rejections). Readers see the
 -- sample through row-level security (publish.sql), as they see dead letters.
 -- Both tables go with their job version (ON DELETE CASCADE from bi.jobs).
 
@@ -28,6 +29,25 @@ CREATE TABLE IF NOT EXISTS bi.reviews (
     PRIMARY KEY (job_version, record_id),
     FOREIGN KEY (job_version, record_id) REFERENCES bi.review_sample (job_version, record_id) ON DELETE CASCADE
 );
+
+-- A reviewer's rejection of a whole version (the Required Action's Reject in
+-- Airflow, `batch-inference review --reject`), with who, why and when. It
+-- stands until withdrawn (who, when, why, beside it): while one stands,
+-- bi.publish_v1 refuses the version, forced or not, in the statement that
+-- switches the pointer, and its review gate is not met. Goes with its version.
+CREATE TABLE IF NOT EXISTS bi.review_rejections (
+    id              bigint GENERATED ALWAYS AS IDENTITY PRIMARY KEY,
+    job_version     text NOT NULL REFERENCES bi.jobs (job_version) ON DELETE CASCADE,
+    reviewer        text NOT NULL,      -- 'airflow:NAME' from a Required Action, 'cli:NAME' from the command
+    reason          text NOT NULL,
+    rejected_at     timestamptz NOT NULL DEFAULT clock_timestamp(),
+    withdrawn_by    text,
+    withdrawn_at    timestamptz,
+    withdraw_reason text,
+    CHECK ((withdrawn_by IS NULL) = (withdrawn_at IS NULL) AND (withdrawn_at IS NULL) = (withdraw_reason IS NULL))
+);
+CREATE INDEX IF NOT EXISTS review_rejections_standing ON bi.review_rejections (job_version)
+    WHERE withdrawn_at IS NULL;
 
 -- A version's companion job versions, the golden run and the judge
 -- (evaluation.run_companion): each has a version of its own, and one golden
@@ -77,6 +97,59 @@ BEGIN
     END IF;
 END $$;
 
+-- Record a rejection of a version. Guard: a reviewer and a reason; the version
+-- exists (no_data_found otherwise). The statement takes a key-share lock on the
+-- version's bi.jobs row, as bi.record_review_v1 does: a rejection either
+-- commits before bi.publish_v1 looks for one (and the publish is refused) or
+-- waits until that publish has committed (the version is then published, and
+-- the row says so: status). Owner only.
+CREATE OR REPLACE FUNCTION bi.record_rejection_v1(p_job text, p_reviewer text, p_reason text)
+RETURNS TABLE (id bigint, job_version text, reviewer text, reason text, rejected_at timestamptz, status text)
+LANGUAGE plpgsql SET search_path = pg_catalog, pg_temp AS $$
+#variable_conflict use_column
+BEGIN
+    IF nullif(btrim(p_reviewer), '') IS NULL OR nullif(btrim(p_reason), '') IS NULL THEN
+        RAISE EXCEPTION 'a rejection needs the reviewer''s name and a reason' USING ERRCODE = 'invalid_parameter_value';
+    END IF;
+    RETURN QUERY
+    WITH jb AS (SELECT j.job_version, j.status FROM bi.jobs j WHERE j.job_version = p_job FOR KEY SHARE),
+         ins AS (INSERT INTO bi.review_rejections (job_version, reviewer, reason)
+                 SELECT jb.job_version, p_reviewer, btrim(p_reason) FROM jb
+                 RETURNING review_rejections.id, review_rejections.job_version, review_rejections.reviewer,
+                           review_rejections.reason, review_rejections.rejected_at)
+    SELECT ins.id, ins.job_version, ins.reviewer, ins.reason, ins.rejected_at, jb.status FROM ins, jb;
+    IF NOT FOUND THEN
+        RAISE EXCEPTION 'no job version %', p_job USING ERRCODE = 'no_data_found';
+    END IF;
+END $$;
+
+-- Withdraw a version's standing rejections, with who and why; returns how many.
+-- Guard: an actor and a reason. Owner only.
+CREATE OR REPLACE FUNCTION bi.withdraw_rejections_v1(p_job text, p_actor text, p_reason text) RETURNS integer
+LANGUAGE plpgsql SET search_path = pg_catalog, pg_temp AS $$
+DECLARE
+    n integer;
+BEGIN
+    IF nullif(btrim(p_actor), '') IS NULL OR nullif(btrim(p_reason), '') IS NULL THEN
+        RAISE EXCEPTION 'withdrawing a rejection needs who and why' USING ERRCODE = 'invalid_parameter_value';
+    END IF;
+    UPDATE bi.review_rejections rj
+       SET withdrawn_by = p_actor, withdrawn_at = clock_timestamp(), withdraw_reason = btrim(p_reason)
+     WHERE rj.job_version = p_job AND rj.withdrawn_at IS NULL;
+    GET DIAGNOSTICS n = ROW_COUNT;
+    RETURN n;
+END $$;
+
+-- The version's latest standing rejection, one line, or NULL when none stands.
+CREATE OR REPLACE FUNCTION bi.standing_rejection_v1(p_job text) RETURNS text
+LANGUAGE sql STABLE SET search_path = pg_catalog, pg_temp AS $$
+    SELECT format('rejected by %s at %s: %s', rj.reviewer, to_char(rj.rejected_at AT TIME ZONE 'UTC',
+                  'YYYY-MM-DD HH24:MI:SS "UTC"'), rj.reason)
+      FROM bi.review_rejections rj
+     WHERE rj.job_version = p_job AND rj.withdrawn_at IS NULL
+     ORDER BY rj.id DESC LIMIT 1;
+$$;
+
 -- The review state of a version against its spec's evaluation.review gate.
 CREATE OR REPLACE FUNCTION bi.review_state_v1(p_job text)
 RETURNS TABLE (required integer, min_right double precision, sampled bigint, reviewed bigint, right_n bigint,
@@ -95,10 +168,12 @@ LANGUAGE sql STABLE SET search_path = pg_catalog, pg_temp AS $$
 $$;
 
 -- Why the version's review gate is not met, one line, or NULL when it is (or
--- the spec asks for no review). Unsure verdicts count as reviewed, not right.
+-- the spec asks for no review). A standing rejection fails it whatever the
+-- counts say. Unsure verdicts count as reviewed, not right.
 CREATE OR REPLACE FUNCTION bi.review_gate_problem_v1(p_job text) RETURNS text
 LANGUAGE sql STABLE SET search_path = pg_catalog, pg_temp AS $$
     SELECT CASE
+        WHEN bi.standing_rejection_v1(p_job) IS NOT NULL THEN 'review: ' || bi.standing_rejection_v1(p_job)
         WHEN st.required = 0 AND st.min_right = 0 THEN NULL
         WHEN st.reviewed < greatest(st.required, 1)
             THEN format('review: %s of %s required sample rows reviewed', st.reviewed, greatest(st.required, 1))

@@ -19,7 +19,7 @@
 CREATE TABLE IF NOT EXISTS bi.published_views (
     dataset     text PRIMARY KEY,
     view_name   text NOT NULL,          -- qualified and quoted, e.g. published.tickets_triage
-    fields      jsonb NOT NULL,         -- output fields exposed as columns: {"name": "text" | "jsonb"}
+    fields      jsonb NOT NULL,         -- the view's shape: {"record_id": type, "field": type, ...}
     created_at  timestamptz NOT NULL DEFAULT clock_timestamp(),
     created_by  text NOT NULL DEFAULT current_user
 );
@@ -107,12 +107,6 @@ DROP POLICY IF EXISTS reader_principals_own ON bi.reader_principals;
 CREATE POLICY reader_principals_own ON bi.reader_principals FOR SELECT TO bi_reader
 USING (role IN (SELECT r.rolname FROM pg_roles r WHERE pg_has_role(current_user, r.oid, 'USAGE')));
 
--- Dead letters follow the results' ACL rule, except that a dead letter is
--- visible whether or not its version is published: it is what on-call reads
--- while the night runs. The dashboard reads them as the signed-in user's
--- reader role (bi.dashboard_readers, roles.sql).
-ALTER TABLE bi.dead_letters ENABLE ROW LEVEL SECURITY;
-
 -- The job versions whose records without an ACL every reader may see. SECURITY
 -- DEFINER: the policy runs as the reader, who has no privilege on bi.jobs.
 -- Called once per statement (an uncorrelated sub-select in the policy).
@@ -124,26 +118,31 @@ LANGUAGE sql STABLE SECURITY DEFINER SET search_path = pg_catalog, pg_temp AS $$
      WHERE coalesce(a.null_acl, 'all_readers') = 'all_readers';
 $$;
 
-DROP POLICY IF EXISTS dead_letters_acl ON bi.dead_letters;
-CREATE POLICY dead_letters_acl ON bi.dead_letters FOR SELECT TO bi_reader
-USING (
-    CASE WHEN acl IS NULL
-         THEN job_version = ANY ((SELECT bi.null_acl_readable_jobs_v1())::text[])
-         ELSE acl && (SELECT bi.current_principals())
-    END
-);
-
--- The dead letters' counts per ACL (counts.sql) follow the same rule, so a
--- reader counts exactly the dead letters it may read.
-ALTER TABLE bi.dead_letter_counts ENABLE ROW LEVEL SECURITY;
-DROP POLICY IF EXISTS dead_letter_counts_acl ON bi.dead_letter_counts;
-CREATE POLICY dead_letter_counts_acl ON bi.dead_letter_counts FOR SELECT TO bi_reader
-USING (
-    CASE WHEN acl IS NULL
-         THEN job_version = ANY ((SELECT bi.null_acl_readable_jobs_v1())::text[])
-         ELSE acl && (SELECT bi.current_principals())
-    END
-);
+-- One rule for what is read before a version is published: dead letters (what
+-- on-call reads while the night runs), their counts per ACL (counts.sql, so a
+-- reader counts exactly the dead letters it may read) and the review sample
+-- (evaluation.sql, which a reviewer reads before publish). It is the results'
+-- ACL rule without "published somewhere": a row with an ACL is visible to a
+-- reader holding one of its principals, a row without one as its dataset's
+-- null_acl says. The dashboard reads them as the signed-in user's reader role
+-- (bi.dashboard_readers, roles.sql). Policy <table>_acl on each table.
+DO $rule$
+DECLARE
+    t text;
+BEGIN
+    FOREACH t IN ARRAY ARRAY['dead_letters', 'dead_letter_counts', 'review_sample'] LOOP
+        EXECUTE format('ALTER TABLE bi.%I ENABLE ROW LEVEL SECURITY', t);
+        EXECUTE format('DROP POLICY IF EXISTS %I ON bi.%I', t || '_acl', t);
+        EXECUTE format($policy$
+            CREATE POLICY %I ON bi.%I FOR SELECT TO bi_reader
+            USING (
+                CASE WHEN acl IS NULL
+                     THEN job_version = ANY ((SELECT bi.null_acl_readable_jobs_v1())::text[])
+                     ELSE acl && (SELECT bi.current_principals())
+                END
+            )$policy$, t || '_acl', t);
+    END LOOP;
+END $rule$;
 GRANT SELECT ON bi.dead_letter_counts TO bi_reader;
 
 -- The views are security_invoker, so the reader needs the base privileges;
@@ -154,17 +153,6 @@ GRANT SELECT ON bi.results, bi.dead_letters, bi.publish_pointer, bi.dataset_acl,
     bi.published_views TO bi_reader;
 GRANT EXECUTE ON FUNCTION bi.current_principals(), bi.null_acl_readable_jobs_v1() TO bi_reader;
 
--- The review sample (evaluation.sql) follows the dead letters' rule: a
--- reviewer reads it before the version is published, as its reader role.
-ALTER TABLE bi.review_sample ENABLE ROW LEVEL SECURITY;
-DROP POLICY IF EXISTS review_sample_acl ON bi.review_sample;
-CREATE POLICY review_sample_acl ON bi.review_sample FOR SELECT TO bi_reader
-USING (
-    CASE WHEN acl IS NULL
-         THEN job_version = ANY ((SELECT bi.null_acl_readable_jobs_v1())::text[])
-         ELSE acl && (SELECT bi.current_principals())
-    END
-);
 -- A verdict's comment may quote the record: readable with the row it is on.
 ALTER TABLE bi.reviews ENABLE ROW LEVEL SECURITY;
 DROP POLICY IF EXISTS reviews_of_visible_rows ON bi.reviews;
@@ -192,12 +180,18 @@ LANGUAGE sql SET search_path = pg_catalog, pg_temp AS $$
 $$;
 
 
--- The view of one dataset, created if absent. The column list is fixed here:
--- the output's top-level fields are taken from the first published version's
--- schema (strings as text, anything else as jsonb, so a later schema can
--- never make a cast fail at read time); every field stays in `output`.
-CREATE OR REPLACE FUNCTION bi.ensure_published_view_v1(p_dataset text, p_text_fields text[] DEFAULT '{}',
-                                                      p_json_fields text[] DEFAULT '{}')
+-- The view of one dataset, shaped like the version it shows: the output's
+-- top-level fields typed from that version's output schema (p_columns, an
+-- array of [name, type] in the schema's order; types: text, bigint, double
+-- precision, boolean, jsonb), and record_id as the source's id type (text,
+-- bigint or uuid), each cast from outputs the worker validated against that
+-- schema. Created at the first publish; when the pointer moves to a version
+-- of another shape (a field added, a type changed, by a publish or a
+-- rollback) it is dropped and created again in the same transaction as the
+-- switch, so a reader sees the old version in the old shape or the new one
+-- in the new shape. Same shape: no DDL, no lock. Every field stays in
+-- `output`. bi.published_views.fields records the shape.
+CREATE OR REPLACE FUNCTION bi.ensure_published_view_v2(p_dataset text, p_id_type text, p_columns jsonb)
 RETURNS text
 LANGUAGE plpgsql SET search_path = pg_catalog, pg_temp AS $$
 DECLARE
@@ -205,42 +199,53 @@ DECLARE
     fixed text[] := ARRAY['record_id', 'output', 'category', 'model_name', 'model_digest', 'prompt_version',
                           'transport', 'job_version', 'created_at', 'acl'];
     cols text := '';
-    fields jsonb := '{}';
+    fields jsonb := jsonb_build_object('record_id', p_id_type);
+    c jsonb;
     f text;
+    t text;
 BEGIN
-    IF to_regclass(v_name) IS NOT NULL THEN
+    IF p_id_type NOT IN ('text', 'bigint', 'uuid') THEN
+        RAISE EXCEPTION 'record_id type % is not one of text, bigint, uuid', p_id_type
+            USING ERRCODE = 'invalid_parameter_value';
+    END IF;
+    FOR c IN SELECT * FROM jsonb_array_elements(coalesce(p_columns, '[]')) LOOP
+        f := c ->> 0;
+        t := c ->> 1;
+        CONTINUE WHEN f = ANY (fixed) OR fields ? f OR length(f) > 63;
+        cols := cols || CASE t
+            WHEN 'text' THEN format(', r.output ->> %L AS %I', f, f)
+            WHEN 'bigint' THEN format(', (r.output ->> %L)::numeric::bigint AS %I', f, f)
+            WHEN 'double precision' THEN format(', (r.output ->> %L)::double precision AS %I', f, f)
+            WHEN 'boolean' THEN format(', (r.output ->> %L)::boolean AS %I', f, f)
+            WHEN 'jsonb' THEN format(', r.output -> %L AS %I', f, f)
+        END;
+        IF cols IS NULL THEN
+            RAISE EXCEPTION 'output field %: type % is not one of text, bigint, double precision, boolean, jsonb',
+                f, t USING ERRCODE = 'invalid_parameter_value';
+        END IF;
+        fields := fields || jsonb_build_object(f, t);
+    END LOOP;
+    IF to_regclass(v_name) IS NOT NULL
+       AND (SELECT pv.fields FROM bi.published_views pv WHERE pv.dataset = p_dataset) = fields THEN
         RETURN v_name;
     END IF;
-    FOREACH f IN ARRAY coalesce(p_text_fields, '{}') LOOP
-        CONTINUE WHEN f = ANY (fixed) OR fields ? f OR length(f) > 63;
-        cols := cols || format(', r.output ->> %L AS %I', f, f);
-        fields := fields || jsonb_build_object(f, 'text');
-    END LOOP;
-    FOREACH f IN ARRAY coalesce(p_json_fields, '{}') LOOP
-        CONTINUE WHEN f = ANY (fixed) OR fields ? f OR length(f) > 63;
-        cols := cols || format(', r.output -> %L AS %I', f, f);
-        fields := fields || jsonb_build_object(f, 'jsonb');
-    END LOOP;
-    BEGIN
-        -- security_invoker: the policy on bi.results is checked against the
-        -- reader, not the view's owner (who bypasses RLS).
-        EXECUTE format(
-            'CREATE VIEW published.%I WITH (security_invoker = true) AS '
-            'SELECT r.record_id, r.output, r.category%s, r.model_name, r.model_digest, r.prompt_version, '
-            'r.transport, r.job_version, r.created_at, r.acl '
-            'FROM bi.results r '
-            'WHERE r.job_version = (SELECT p.job_version FROM bi.publish_pointer p WHERE p.dataset = %L)',
-            p_dataset, cols, p_dataset);
-    EXCEPTION WHEN duplicate_table THEN
-        RETURN v_name;  -- a concurrent first publish created it
-    END;
+    EXECUTE format('DROP VIEW IF EXISTS %s', v_name);
+    -- security_invoker: the policy on bi.results is checked against the
+    -- reader, not the view's owner (who bypasses RLS).
+    EXECUTE format(
+        'CREATE VIEW published.%I WITH (security_invoker = true) AS '
+        'SELECT r.record_id%s AS record_id, r.output, r.category%s, r.model_name, r.model_digest, '
+        'r.prompt_version, r.transport, r.job_version, r.created_at, r.acl '
+        'FROM bi.results r '
+        'WHERE r.job_version = (SELECT p.job_version FROM bi.publish_pointer p WHERE p.dataset = %L)',
+        p_dataset, CASE p_id_type WHEN 'text' THEN '' ELSE '::' || p_id_type END, cols, p_dataset);
     EXECUTE format('REVOKE ALL ON %s FROM PUBLIC', v_name);
     EXECUTE format('GRANT SELECT ON %s TO bi_reader', v_name);
     EXECUTE format('COMMENT ON VIEW %s IS %L', v_name,
                    format('Published results of dataset %s: the version named in bi.publish_pointer. '
                           'Rows are filtered by ACL for bi_reader members.', p_dataset));
-    INSERT INTO bi.published_views (dataset, view_name, fields) VALUES (p_dataset, v_name, fields)
-    ON CONFLICT (dataset) DO NOTHING;
+    INSERT INTO bi.published_views AS pv (dataset, view_name, fields) VALUES (p_dataset, v_name, fields)
+    ON CONFLICT (dataset) DO UPDATE SET fields = excluded.fields;
     RETURN v_name;
 END $$;
 
@@ -277,6 +282,7 @@ DECLARE
     v_actor text := coalesce(nullif(btrim(p_actor), ''), current_user);
     v_reason text := nullif(btrim(p_reason), '');
     v_review text;
+    v_rejected text;
     v_forced boolean;
 BEGIN
     -- One publisher per dataset at a time, including the very first publish
@@ -298,6 +304,15 @@ BEGIN
     END IF;
     IF j.status = 'dropped' THEN
         RAISE EXCEPTION 'job version % was dropped and cannot be published', p_job
+            USING ERRCODE = 'object_not_in_prerequisite_state';
+    END IF;
+    -- A reviewer's standing rejection (evaluation.sql) is never forcible: it is
+    -- withdrawn, with who and why, or the version stays unpublished. Read after
+    -- the FOR UPDATE above, which a rejection's key-share lock waits on.
+    v_rejected := bi.standing_rejection_v1(p_job);
+    IF v_rejected IS NOT NULL THEN
+        RAISE EXCEPTION 'job version % was %; refused, even forced (withdraw it: batch-inference review % --withdraw-rejection --reason TEXT)',
+            p_job, v_rejected, p_job
             USING ERRCODE = 'object_not_in_prerequisite_state';
     END IF;
     SELECT count(*) INTO v_open FROM bi.shards s WHERE s.job_version = p_job AND s.state <> 'done';

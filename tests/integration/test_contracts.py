@@ -54,26 +54,93 @@ def test_every_exception_the_package_defines_derives_from_the_base():
 CONTRACTS = ("batch_inference.exceptions", "batch_inference.exits", "batch_inference.spec")
 
 
-def _project_imports(module_name: str) -> set[str]:
-    """The project modules a module's source imports, at the top or inside a function."""
-    origin = importlib.util.find_spec(module_name).origin
-    found: set[str] = set()
-    for node in ast.walk(ast.parse(Path(origin).read_text())):
-        if isinstance(node, ast.Import):
-            found |= {a.name for a in node.names}
-        elif isinstance(node, ast.ImportFrom):
-            if node.level:
-                found.add("." * node.level + (node.module or ""))
-            elif node.module == "batch_inference":
-                found |= {f"batch_inference.{a.name}" for a in node.names}
-            elif node.module:
-                found.add(node.module)
-    return {n for n in found if n.startswith((".", "batch_inference", "gpu_runner"))}
+PACKAGES = {"batch_inference": Path(batch_inference.__file__).parent, "gpu_runner": Path(worker.__file__).parent}
+
+
+def import_graph(packages: dict[str, Path]) -> dict[str, set[str]]:
+    """Module -> the modules of ``packages`` its source imports, at the top or inside a function, read
+    from the files (nothing is imported). ``from P import N`` is an edge to ``P.N`` when that is a module,
+    else to ``P``."""
+    files: dict[str, Path] = {}
+    for top, root in packages.items():
+        for path in root.rglob("*.py"):
+            parts = [top, *path.relative_to(root).with_suffix("").parts]
+            files[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
+    graph: dict[str, set[str]] = {}
+    for name, path in files.items():
+        package = name.split(".") if path.name == "__init__.py" else name.split(".")[:-1]
+        edges: set[str] = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                edges |= {a.name for a in node.names if a.name in files}
+            elif isinstance(node, ast.ImportFrom):
+                base = node.module or ""
+                if node.level:
+                    base = ".".join(package[:len(package) - node.level + 1] + ([base] if base else []))
+                for alias in node.names:
+                    if f"{base}.{alias.name}" in files:
+                        edges.add(f"{base}.{alias.name}")
+                    elif base in files:
+                        edges.add(base)
+        graph[name] = edges - {name}
+    return graph
+
+
+def import_circles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Every import circle: the strongly connected components of more than one module (Tarjan), each
+    sorted, the list sorted."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    circles: list[list[str]] = []
+
+    def visit(node: str) -> None:
+        index[node] = low[node] = len(index)
+        stack.append(node)
+        for nxt in sorted(graph.get(node, ())):
+            if nxt not in index:
+                visit(nxt)
+                low[node] = min(low[node], low[nxt])
+            elif nxt in stack:
+                low[node] = min(low[node], index[nxt])
+        if low[node] == index[node]:
+            component = []
+            while True:
+                member = stack.pop()
+                component.append(member)
+                if member == node:
+                    break
+            if len(component) > 1:
+                circles.append(sorted(component))
+
+    for node in sorted(graph):
+        if node not in index:
+            visit(node)
+    return sorted(circles)
 
 
 @pytest.mark.parametrize("module", CONTRACTS)
 def test_the_contracts_layer_imports_nothing_above_it(module):
-    assert _project_imports(module) - set(CONTRACTS) == set()
+    assert import_graph(PACKAGES)[module] - set(CONTRACTS) == set()
+
+
+def test_no_module_of_the_package_or_the_worker_is_in_an_import_circle():
+    assert import_circles(import_graph(PACKAGES)) == []
+
+
+def test_the_circle_finder_sees_a_circle_through_a_function_level_or_relative_import(tmp_path):
+    pkg = tmp_path / "pkg"
+    (pkg / "sub").mkdir(parents=True)
+    (pkg / "__init__.py").write_text("")
+    (pkg / "sub" / "__init__.py").write_text("from pkg.sub.b import B\n")
+    (pkg / "a.py").write_text("def f():\n    from pkg.sub import b\n    return b\n")
+    (pkg / "sub" / "b.py").write_text("from ..a import f\nB = 1\n")
+    (pkg / "c.py").write_text("import pkg.a\n")
+    graph = import_graph({"pkg": pkg})
+    assert graph["pkg.sub.b"] == {"pkg.a"} and graph["pkg.a"] == {"pkg.sub.b"}
+    assert import_circles(graph) == [["pkg.a", "pkg.sub.b"]]
+    (pkg / "sub" / "b.py").write_text("B = 1\n")
+    assert import_circles(import_graph({"pkg": pkg})) == []
 
 
 def test_each_builtin_engine_reads_its_result_options_from_the_spec():
@@ -162,9 +229,9 @@ def test_the_worker_entrypoint_and_the_cli_worker_have_the_same_flags():
 def test_every_command_is_registered_from_the_one_list():
     parser = cli.build_parser()
     sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
-    assert list(sub.choices) == ["db", "submit", "status", "dead-letters", "drop", "worker", "grant", "capacity",
-                                 "cutoff", "cost", "validate", "review", "publish", "rollback", "published", "chaos",
-                                 "nights", "fallback", "demo"]
+    assert list(sub.choices) == ["db", "submit", "status", "dead-letters", "redrive", "drop", "worker", "grant",
+                                 "capacity", "cutoff", "cost", "validate", "review", "publish", "rollback", "published",
+                                 "chaos", "nights", "fallback", "demo"]
     assert all(m.__name__.startswith("batch_inference.commands.") for m in COMMANDS)
 
 

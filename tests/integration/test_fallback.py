@@ -364,7 +364,8 @@ def airflow_env(home: Path, db_url: str) -> dict[str, str]:
         # The ledger through an Airflow connection: the sensor, the trigger
         # (async getter) and the operator all resolve it; BATCH_INFERENCE_DB is unset.
         "AIRFLOW_CONN_BI_LEDGER": db.airflow_connection_json(db_url),
-        "PYTHONPATH": str(REPO),
+        # The checkout's own package and worker, whatever the environment has installed.
+        "PYTHONPATH": f"{REPO / 'plugins'}{os.pathsep}{REPO}",
     }
 
 

@@ -8,6 +8,7 @@ import threading
 import pytest
 
 from batch_inference import db
+from batch_inference.exceptions import SpecError
 from batch_inference.ledger import Failure, Ledger, StaleLease
 from batch_inference.plan import drop_job_version, submit
 from batch_inference.status import dead_letters, fence_counts, job_counts
@@ -200,8 +201,12 @@ def test_changed_prompt_params_schema_or_model_is_a_new_version(conn):
     ]
     versions = {submit(conn, s).job_version for s in changed}
     assert base not in versions and len(versions) == len(changed)
-    # sharding and leases do not change results, so they do not change the version
-    assert submit(conn, make_spec(shard_size=3, lease_seconds=120)).job_version == base
+    # sharding and leases do not change results, so they do not change the version: a lease is applied
+    # to it, a shard size (planned already) is refused in one line
+    again = submit(conn, make_spec(lease_seconds=120))
+    assert again.job_version == base and again.applied == ["lease_seconds: 60 -> 120"]
+    with pytest.raises(SpecError, match=f"^job version {base} already exists with other settings .*shard_size: 10 -> 3"):
+        submit(conn, make_spec(shard_size=3, lease_seconds=120))
 
 
 def test_changed_input_is_a_new_version(conn):

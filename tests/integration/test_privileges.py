@@ -258,7 +258,8 @@ def test_worker_cannot_read_published_views(db_url, conn, worker_role, two_jobs)
     conn.execute("SELECT bi.grant_job_v1(%s, %s)", (worker_role, mine))
     assert run_worker(WorkerConfig(job_version=mine, db_url=url_as(db_url, worker_role))) == 0
     # publish through the SQL functions of sql/schema/publish.sql (the owner's credentials)
-    view = conn.execute("SELECT bi.ensure_published_view_v1('tickets_triage', ARRAY['summary']) AS v").fetchone()["v"]
+    view = conn.execute("SELECT bi.ensure_published_view_v2('tickets_triage', 'text', '[[\"summary\", \"text\"]]') AS v"
+                        ).fetchone()["v"]
     conn.execute("SELECT * FROM bi.publish_v1('tickets_triage', %s, 'test', true, 'privilege test')", (mine,))
     rels = _published_relations(conn)
     assert view in rels

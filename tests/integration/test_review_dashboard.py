@@ -127,3 +127,30 @@ def test_a_full_page_of_the_sample_does_not_call_the_rest_hidden(ledger):
         page = data.review(conn, job, role=role, limit=2)
         assert [r["record_id"] for r in page["rows"]] == ["r0", "r1"] and page["hidden"] is None
         assert data.review(conn, job, role=role)["hidden"] == 2        # team1's two rows
+
+
+def test_a_reject_on_the_review_screen_is_in_the_ledger_and_refuses_publish_until_withdrawn(client, ledger):
+    from batch_inference import evaluation
+
+    url, job = ledger
+    reject = lambda user, body, **h: client.post(f"/api/jobs/{job}/reject", json=body,  # noqa: E731
+                                                 headers={**auth(user), **h})
+    assert reject("vera", {"reason": "wrong labels"}).status_code == 403           # a viewer may not
+    assert reject("rita", {"reason": "x"}, Origin="https://evil.example").status_code == 403
+    assert reject("rita", {"reason": "  "}).status_code == 422
+    r = reject("rita", {"reason": "priorities are all urgent"})
+    assert r.status_code == 200, r.text
+    assert r.json()["rejected"]["reviewer"] == "airflow:rita" and not r.json()["review"]["passed"]
+    page = client.get(f"/api/jobs/{job}/review", headers=auth("rita")).json()
+    assert not page["publishable"] and page["review"]["problem"].startswith("review: rejected by airflow:rita at ")
+    assert [(x["reviewer"], x["reason"], x["standing"]) for x in page["rejections"]] == \
+        [("airflow:rita", "priorities are all urgent", True)]
+    hist = client.get("/api/datasets/review_dash/history", headers=auth("rita")).json()
+    assert [(x["job_version"], x["reason"]) for x in hist["rejections"]] == [(job, "priorities are all urgent")]
+    with db.connect(url) as conn:
+        with pytest.raises(PublishRefused, match=f"^job version {job} was rejected by airflow:rita at .*: priorities "
+                                                 "are all urgent; refused, even forced"):
+            publish(conn, job, force=True, reason="ship it")
+        assert evaluation.withdraw_rejections(conn, job, actor="cli:ana", reason="labels fixed upstream") == 1
+    page = client.get(f"/api/jobs/{job}/review", headers=auth("rita")).json()
+    assert page["rejections"][0]["withdrawn_by"] == "cli:ana" and page["review"]["rejection"] is None

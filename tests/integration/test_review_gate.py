@@ -131,6 +131,47 @@ def test_a_reject_in_required_actions_fails_the_task_with_the_reviewers_reason()
         op.execute_complete({}, answer.as_resume_event_payload())
 
 
+def test_a_reject_in_required_actions_is_recorded_in_the_ledger_and_a_standing_one_fails_the_review_step(
+        airflow_home, ledger, tmp_path):
+    from airflow.models.hitl import HITLDetail
+    from airflow.sdk.exceptions import AirflowFailException
+
+    from batch_inference.operators.review import ReviewGateOperator
+    from batch_inference.plan import submit
+    from batch_inference.spec import load_spec
+    from batch_inference.triggers.review import REJECTED, ReviewGateTrigger
+
+    url, _oncall = ledger
+    with db.connect(url) as conn:
+        db.migrate(conn)
+        load_tickets(conn, 20)
+        job = submit(conn, load_spec(review_spec(tmp_path, "review_rejected"))).job_version
+    op = ReviewGateOperator(task_id="review", job_version=job)
+    answer = HITLDetail(options=["Reject"], subject="s", chosen_options=["Reject"],
+                        params_input={"reason": "all billing"}, responded_by={"id": "7", "name": "rita"},
+                        responded_at=datetime.now(timezone.utc))
+    with pytest.raises(AirflowFailException, match=f"^review: rita rejected job version {job}: all billing$"):
+        op.execute_complete({}, answer.as_resume_event_payload())
+    with db.connect(url) as conn:
+        state = evaluation.review_state(conn, job)
+    assert state["rejection"].startswith("rejected by airflow:rita at ") and state["rejection"].endswith(": all billing")
+    # A later run of the step (a cleared task) fails at once, and a waiting trigger ends with it.
+    with pytest.raises(AirflowFailException, match=f"^review: job version {job} was rejected by airflow:rita at "):
+        ReviewGateOperator(task_id="review", job_version=job).execute({})
+    trigger = ReviewGateTrigger(job, None, 0.1)
+
+    async def first_event():
+        async for event in trigger.run():
+            return event.payload
+
+    import asyncio
+
+    event = asyncio.run(first_event())
+    assert event["status"] == REJECTED and event["review"]["rejection"] == state["rejection"]
+    with pytest.raises(AirflowFailException, match="was rejected by airflow:rita"):
+        op.execute_complete({}, event)
+
+
 def test_the_review_timeout_reads_as_the_deadline_param_does():
     from batch_inference.operators.review import ReviewGateOperator
 

@@ -10,6 +10,8 @@ edit without its migration) fails here, naming the object.
 from __future__ import annotations
 
 import hashlib
+import re
+from collections import Counter
 
 import pytest
 
@@ -91,6 +93,28 @@ def test_migrations_build_the_schema(empty_db):
         assert not only_migrated and not only_schema, (
             f"{probe} differ between sql/migrations/ and sql/schema/:\n"
             f"  migrations only: {only_migrated}\n  schema only: {only_schema}")
+
+
+def _policy_rules(text: str) -> list[str]:
+    """The USING expression of each CREATE POLICY in ``text``, its whitespace collapsed."""
+    rules = []
+    for start in re.finditer(r"CREATE POLICY\b.*?\bUSING\s*\(", text, re.S):
+        depth, i = 1, start.end()
+        while depth:
+            depth += {"(": 1, ")": -1}.get(text[i], 0)
+            i += 1
+        rules.append(" ".join(text[start.end():i - 1].split()))
+    return rules
+
+
+def test_the_schema_states_each_function_and_each_row_level_security_rule_once():
+    texts = [p.read_text() for p in sorted((db.sql_dir() / "schema").glob("*.sql"))]
+    functions = Counter(name.lower() for t in texts
+                        for name in re.findall(r"CREATE\s+(?:OR\s+REPLACE\s+)?FUNCTION\s+([\w.]+)\s*\(", t, re.I))
+    rules = Counter(rule for t in texts for rule in _policy_rules(t))
+    assert "bi.put_results_v3" in functions and len(rules) >= 3
+    assert {f: n for f, n in functions.items() if n > 1} == {}
+    assert {r: n for r, n in rules.items() if n > 1} == {}
 
 
 def test_migrate_is_idempotent(empty_db):

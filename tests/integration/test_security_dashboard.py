@@ -198,6 +198,7 @@ def _requests(jobs: dict[str, str]) -> dict[tuple[str, str], list[tuple[str, dic
         ("GET", "/api/jobs/{job_version}/review"): jv("/api/jobs/{job_version}/review"),
         ("POST", "/api/jobs/{job_version}/review"): [(f"/api/jobs/{a}/review",
                                                       {"json": {"record_id": "a0", "verdict": "right"}})],
+        ("POST", "/api/jobs/{job_version}/reject"): [(f"/api/jobs/{a}/reject", {"json": {"reason": "try"}})],
         ("GET", "/api/datasets/{dataset}/history"): [(f"/api/datasets/{d}/history", {}) for d in (A, B, C)],
         ("POST", "/api/datasets/{dataset}/rollback"): [(f"/api/datasets/{A}/rollback", body)],
         ("GET", "/api/runs/job"): [(f"/api/runs/job?dag_id={DAG_A}&run_id=run_{A}", {})],

@@ -460,6 +460,18 @@ def test_a_review_recorded_in_the_dashboard_moves_the_gate(open_server, reviewed
     assert stored[second]["verdict"] == "wrong"
     assert all(r["reviewer"].startswith("airflow:") for r in stored.values())
 
+    # A Reject after the gate is met: in the ledger, on the screen, and publish is refused even forced.
+    page.fill("#reject-reason", "priorities are all urgent")
+    page.click("#reject-button")
+    page.locator("#review-publish", has_text="even forced").wait_for(timeout=30000)
+    assert page.text_content("#review-problem").endswith(": priorities are all urgent")
+    assert page.get_attribute("#review-rejections tbody tr", "data-standing") == "true"
+    from batch_inference import evaluation
+
+    with db.connect(url) as conn:
+        assert evaluation.review_state(conn, job)["rejection"].startswith("rejected by airflow:")
+        assert evaluation.withdraw_rejections(conn, job, actor="test", reason="checked") == 1
+
 
 def test_a_viewer_cannot_record_a_review(auth_server, reviewed):
     url, job = reviewed

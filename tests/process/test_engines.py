@@ -24,7 +24,7 @@ from batch_inference.engines import TRUNCATED, Engine, Outcome, Request, engine_
 from batch_inference.engines.noop import INVALID_OUTPUT, NoopEngine, minimal_instance
 from batch_inference.outputs import check_output
 from batch_inference.pinning import DigestMismatch, WeightsMissing, sha256_file, sha256_files, verify_weights
-from batch_inference.prompting import build_request
+from batch_inference.engines.base import build_request
 from batch_inference.ratelimit import TokenBucket
 from tests.fixtures import make_spec
 from tests.fixtures.chat_server import ChatServer

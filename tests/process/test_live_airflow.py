@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 import yaml
 
-from batch_inference import db
+from batch_inference import db, evaluation
 from batch_inference.commands.demo import load_tickets
 from batch_inference.data import DEMO_SPEC
 from batch_inference.status import job_counts
@@ -423,3 +423,6 @@ def test_a_reject_in_required_actions_fails_the_run_with_the_reason(live_airflow
     assert msg["error"] == f"review: Anonymous rejected job version {job}: priorities are all urgent", msg
     assert "priorities are all urgent" in dep.task_log(BACKFILL, run_id, "review")
     assert counts(dep, job)["status"] != "published"
+    # The rejection is in the ledger too: publish refuses the version until it is withdrawn.
+    with db.connect(dep.ledger_url) as conn:
+        assert evaluation.review_state(conn, job)["rejection"].endswith(": priorities are all urgent")

@@ -23,7 +23,7 @@ import pytest
 from batch_inference.engines import TRUNCATED, load_engine
 from batch_inference.exceptions import DigestMismatch
 from batch_inference.pinning import MANIFEST_NAME, sha256_tree, verify_weights
-from batch_inference.prompting import build_request
+from batch_inference.engines.base import build_request
 from tests.fixtures.vllm import CPU_OPTIONS, RESULT_OPTIONS, vllm_spec
 
 pytestmark = pytest.mark.slow
@@ -181,7 +181,7 @@ def rss_mib():
 if __name__ == "__main__":
     from tests.fixtures.vllm import vllm_spec
     from batch_inference.engines import load_engine
-    from batch_inference.prompting import build_request
+    from batch_inference.engines.base import build_request
     spec = vllm_spec((Path(sys.argv[2]), sys.argv[3]), params={"max_tokens": 8})
     import vllm  # noqa: F401  (the import's own memory is not the model's)
     before = rss_mib()

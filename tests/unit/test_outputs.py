@@ -6,9 +6,9 @@ import json
 
 import pytest
 
-from batch_inference.engines.base import Request
+from batch_inference.engines.base import Request, build_request
 from batch_inference.outputs import check_output, validator_for
-from batch_inference.prompting import UNTRUSTED_DATA_INSTRUCTION, build_messages, build_request
+from batch_inference.prompting import UNTRUSTED_DATA_INSTRUCTION, build_messages
 from tests.fixtures import make_spec
 
 

@@ -1,4 +1,4 @@
-"""``submit``, ``status``, ``dead-letters`` and ``drop``: a job version in the ledger."""
+"""``submit``, ``status``, ``dead-letters``, ``redrive`` and ``drop``: a job version in the ledger."""
 
 from __future__ import annotations
 
@@ -26,6 +26,18 @@ def register(sub: Any) -> None:
     dl.add_argument("--json", action="store_true")
     dl.set_defaults(func=run_dead_letters)
 
+    rd = sub.add_parser("redrive", help="put chosen dead letters back to pending, attempts reset, after their "
+                                        "cause was fixed (recorded with who, when and why)")
+    rd.add_argument("job_version")
+    rd.add_argument("--dead-letters", action="store_true", required=True,
+                    help="what is re-driven: the version's dead letters (the only kind)")
+    rd.add_argument("--stage", choices=("snapshot", "plan", "worker"), help="only dead letters of this stage")
+    rd.add_argument("--reason-like", metavar="TEXT", help="only dead letters whose reason contains TEXT (any case)")
+    rd.add_argument("--reason", required=True, metavar="WHY", help="why (recorded with the re-drive)")
+    rd.add_argument("--actor", help="who (default: cli:<login name>)")
+    rd.add_argument("--json", action="store_true")
+    rd.set_defaults(func=run_redrive)
+
     dr = sub.add_parser("drop", help="drop a whole job version (its partitions, and its golden and judge runs "
                                      "unless shared)")
     dr.add_argument("job_version")
@@ -48,22 +60,29 @@ def run_submit(args: argparse.Namespace) -> int:
     with connect(args) as conn:
         m = submit(conn, spec, rows)
     print_json(m.as_dict())
+    if m.applied:
+        print(f"job version {m.job_version} already exists; applied: {printable('; '.join(m.applied))}",
+              file=sys.stderr)
     return 0
 
 
 def run_status(args: argparse.Namespace) -> int:
-    from batch_inference.status import job_counts
+    from batch_inference.status import job_counts, job_halt
 
     with connect(args) as conn:
         c = job_counts(conn, args.job_version)
+        halt = job_halt(conn, args.job_version)
     if args.json:
-        print_json(c)
+        print_json({**c, **halt})
     else:
         s = c["shards"]
+        # The workers' halt (weights that do not match, an engine that cannot start): why nothing moves.
+        halted = (f"; HALTED by its workers at {halt['halted_at']:%Y-%m-%d %H:%M:%S %Z}: "
+                  f"{printable(halt['halt_reason'])}" if halt["halted_at"] else "")
         print(f"{c['job_version']}: {c['stored']}/{c['records']} stored ({c['stored_fallback']} by fallback, "
               f"{c['reused']} reused), {c['dead_letters']} dead letters, {c['outstanding']} outstanding; "
               f"shards pending {s['pending']}, leased {s['leased']}, done {s['done']}; "
-              f"mode {c['mode']}, status {c['status']}")
+              f"mode {c['mode']}, status {c['status']}{halted}")
     return 0
 
 
@@ -82,6 +101,24 @@ def run_dead_letters(args: argparse.Namespace) -> int:
             raw = printable((r["raw_output"] or "")[:80])
             print(f"{printable(r['record_id'])}\t{r['attempts']}\t{printable(r['reason'])}\t{raw}")
         print(f"{len(rows)} dead letter(s)", file=sys.stderr)
+    return 0
+
+
+def run_redrive(args: argparse.Namespace) -> int:
+    import getpass
+
+    from batch_inference.plan import redrive_dead_letters
+
+    with connect(args) as conn:
+        out = redrive_dead_letters(conn, args.job_version, actor=args.actor or f"cli:{getpass.getuser()}",
+                                   reason=args.reason, stage=args.stage, reason_like=args.reason_like)
+    if args.json:
+        print_json(out)
+    else:
+        left = f"; {out['left_out']} matching left dead (refused before any worker)" if out["left_out"] else ""
+        print(f"{out['job_version']}: {out['records']} dead letter(s) back to pending in {out['shards']} shard(s), "
+              f"attempts reset{left}; start workers on it (`batch-inference worker {out['job_version']}`), "
+              "then validate")
     return 0
 
 

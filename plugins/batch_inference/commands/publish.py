@@ -8,7 +8,7 @@ import json
 import sys
 from typing import Any
 
-from batch_inference.commands.common import connect, db_arg
+from batch_inference.commands.common import connect, db_arg, printable
 
 
 def register(sub: Any) -> None:
@@ -93,4 +93,8 @@ def run_published(args: argparse.Namespace) -> int:
         why = f": {h['reason']}" if h["reason"] else ""
         print(f"  {h['at']}  {h['action']}{forced}  {h['from_version'] or '-'} -> {h['to_version']}  "
               f"by {h['actor']}{why}")
+    for r in out["rejections"]:
+        state = "standing" if r["standing"] else f"withdrawn by {r['withdrawn_by']}: {r['withdraw_reason']}"
+        print(printable(f"  {r['rejected_at']}  rejected  {r['job_version']}  by {r['reviewer']}: {r['reason']} "
+                        f"({state})"))
     return 0

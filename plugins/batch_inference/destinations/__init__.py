@@ -22,79 +22,12 @@ version; ``check_spec`` runs at submit, before anything is written.
 
 from __future__ import annotations
 
-from abc import ABC, abstractmethod
-from collections.abc import Callable, Iterator
-from dataclasses import dataclass
-from typing import Any
-
 import psycopg
 
-from batch_inference.db import q
+from batch_inference.destinations.base import ROWS_PER_BATCH, Destination, Pointed, Version, version_rows
 from batch_inference.spec import JobSpec
 
-ROWS_PER_BATCH = 50_000
-
-
-@dataclass(frozen=True)
-class Version:
-    """A job version as a destination receives it: its spec and its rows, in batches by record id."""
-
-    job_version: str
-    spec: JobSpec
-    rows: Callable[[], Iterator[list[dict[str, Any]]]]
-
-
-@dataclass(frozen=True)
-class Pointed:
-    """Where a destination points after a move, and where it pointed before (for ``restore``)."""
-
-    destination: str
-    job_version: str | None
-    snapshot_id: int | None
-    location: str | None
-    changed: bool
-    previous_snapshot_id: int | None = None
-
-
-class Destination(ABC):
-    """A place readers find the published version."""
-
-    name: str
-
-    @abstractmethod
-    def check(self) -> None:
-        """Refuse now (one line) what ``publish`` would refuse for every version: an unreachable
-        catalog or store (``DestinationUnavailable``), a record class not cleared for it (``NotCleared``)."""
-
-    @abstractmethod
-    def publish(self, version: Version, *, force: bool = False, reason: str | None = None) -> Pointed:
-        """Write ``version`` (unless it is there already) and point readers at it."""
-
-    @abstractmethod
-    def point_back(self, job_version: str) -> Pointed:
-        """Point readers at ``job_version``, written by an earlier publish."""
-
-    @abstractmethod
-    def restore(self, pointed: Pointed) -> None:
-        """Undo the move that answered ``pointed`` (the view's switch did not follow it)."""
-
-    def close(self) -> None:
-        """Release what the destination holds open (a catalog's connection pool)."""
-
-
-def version_rows(conn: psycopg.Connection, job_version: str,
-                 batch: int = ROWS_PER_BATCH) -> Callable[[], Iterator[list[dict[str, Any]]]]:
-    """The version's rows (``destination_rows``) in batches, read through a server-side cursor in
-    one read-only snapshot, so a destination sees exactly the rows the view shows."""
-
-    def read() -> Iterator[list[dict[str, Any]]]:
-        with conn.transaction(), conn.cursor(name="bi_destination_rows") as cur:
-            cur.itersize = batch
-            cur.execute(q("destination_rows"), {"job": job_version})
-            while rows := cur.fetchmany(batch):
-                yield rows
-
-    return read
+__all__ = ["ROWS_PER_BATCH", "Destination", "Pointed", "Version", "check_spec", "for_spec", "version_rows"]
 
 
 def for_spec(conn: psycopg.Connection, spec: JobSpec) -> list[Destination]:

@@ -43,7 +43,7 @@ from urllib.parse import urlsplit
 import psycopg
 
 from batch_inference.db import q
-from batch_inference.destinations import Destination, Pointed, Version
+from batch_inference.destinations.base import Destination, Pointed, Version, json_type
 from batch_inference.exceptions import DestinationRefused, DestinationUnavailable, NotCleared
 from batch_inference.spec import Destination as DestinationSpec
 from batch_inference.spec import JobSpec
@@ -70,16 +70,6 @@ def _first_line(exc: BaseException, *secrets: str) -> str:
 Convert = Callable[[Any], Any]
 
 
-def _json_type(sub: Any) -> str | None:
-    t = sub.get("type") if isinstance(sub, dict) else None
-    if isinstance(t, list):
-        t = [x for x in t if x != "null"]
-        t = t[0] if len(t) == 1 else None
-    if t is None and isinstance(sub, dict) and "enum" in sub and all(isinstance(v, str) for v in sub["enum"]):
-        t = "string"
-    return t
-
-
 class _Ids:
     def __init__(self) -> None:
         self.n = 0
@@ -94,7 +84,7 @@ def _field_type(sub: Any, ids: _Ids) -> tuple[Any, Convert]:
     from pyiceberg.types import (BooleanType, DoubleType, ListType, LongType, NestedField, StringType,
                                  StructType)
 
-    t = _json_type(sub)
+    t = json_type(sub)
     if t == "string":
         return StringType(), lambda v: v if v is None or isinstance(v, str) else json.dumps(v)
     if t == "integer":

@@ -9,13 +9,17 @@ view is the pointer of record: the other destinations
 (``batch_inference.destinations``) move before it and are restored if it
 does not follow.
 
-The view is created once, at the dataset's first publish. That is DDL, so it
-runs with a short lock_timeout and is retried rather than allowed to queue
-behind (and in front of) other sessions.
+The view is created at the dataset's first publish, and created again when
+the pointer moves to a version of another shape (its columns are typed from
+the version's output schema, record_id from the source's id column). That is
+DDL, so it runs with a short lock_timeout and is retried rather than allowed
+to queue behind (and in front of) other sessions; a publish of the same shape
+runs none.
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import time
 from collections.abc import Callable
@@ -25,8 +29,10 @@ import psycopg
 from psycopg import errors
 
 from batch_inference.db import q
+from batch_inference.destinations.base import json_type
 from batch_inference.exceptions import PointerMoved, PublishRefused, UnknownJob
 from batch_inference.spec import JobSpec
+from batch_inference.status import job_spec
 
 log = logging.getLogger(__name__)
 
@@ -44,19 +50,34 @@ def view_name(dataset: str) -> str:
     return f"{PUBLISHED_SCHEMA}.{dataset}"
 
 
-def view_fields(spec: JobSpec) -> tuple[list[str], list[str]]:
-    """Top-level output fields exposed as view columns: (text fields, jsonb fields).
+# An output field's JSON type as the view's column type, as the Iceberg table types it (long, double,
+# boolean, string); anything else (objects, arrays, unions) is jsonb.
+VIEW_TYPES = {"string": "text", "integer": "bigint", "number": "double precision", "boolean": "boolean"}
 
-    Strings come out as text and everything else as jsonb: extracting never
-    casts, so no later version's output can make a read of the view fail."""
-    text: list[str] = []
-    other: list[str] = []
-    for name, sub in (spec.output_schema.get("properties") or {}).items():
-        if isinstance(sub, dict) and sub.get("type") == "string":
-            text.append(name)
-        else:
-            other.append(name)
-    return text, other
+
+def view_columns(spec: JobSpec) -> list[list[str]]:
+    """The output's top-level fields as the view's columns: ``[name, type]`` in the schema's order."""
+    return [[name, VIEW_TYPES.get(json_type(sub) or "", "jsonb")]
+            for name, sub in (spec.output_schema.get("properties") or {}).items()]
+
+
+def id_type(conn: psycopg.Connection, spec: JobSpec) -> str:
+    """The view's record_id type: the source id column's, when the source is a table of this database
+    with an integer or uuid id (bigint or uuid), else text (a query, another database, an object
+    store, a table gone since). Read from the catalog, never from the rows."""
+    src = spec.source
+    if src.kind != "postgres" or not src.table or getattr(src, "conn_id", None):
+        return "text"
+    r = conn.execute(q("source_id_type"), {"table": src.table, "column": src.id_column}).fetchone()
+    return r["id_type"] if r else "text"
+
+
+def ensure_view(conn: psycopg.Connection, dataset: str, spec: JobSpec) -> str:
+    """The dataset's view shaped like ``spec``'s version (``bi.ensure_published_view_v2``): no DDL when
+    it is already, else dropped and created again in the caller's transaction."""
+    return conn.execute(q("ensure_published_view"), {"dataset": dataset, "id_type": id_type(conn, spec),
+                                                     "columns": json.dumps(view_columns(spec))}
+                        ).fetchone()["view_name"]
 
 
 def _refused(exc: psycopg.Error) -> PublishRefused:
@@ -76,16 +97,18 @@ def switch(conn: psycopg.Connection, name: str, params: dict[str, Any], dataset:
         try:
             with conn.transaction(force_rollback=dry_run):
                 conn.execute(q("set_lock_timeout"), {"timeout": lock_timeout})
-                if spec is not None:
-                    text, other = view_fields(spec)
-                    view = conn.execute(q("ensure_published_view"), {
-                        "dataset": dataset, "text_fields": text, "json_fields": other}).fetchone()["view_name"]
-                else:
-                    known = conn.execute(q("published_view"), {"dataset": dataset}).fetchone()
-                    view = known["view_name"] if known else view_name(dataset)
                 row = conn.execute(q(name), params).fetchone()
                 assert row is not None
                 out = dict(row)
+                # The view follows the version the pointer now names, in this transaction (DDL only when
+                # its shape changes); a dry run leaves it alone.
+                target = out.get("to_version")
+                if dry_run or target is None:
+                    known = conn.execute(q("published_view"), {"dataset": dataset}).fetchone()
+                    view = known["view_name"] if known else view_name(dataset)
+                else:
+                    view = ensure_view(conn, dataset, spec if spec is not None and params.get("job") == target
+                                       else job_spec(conn, target))
                 out["view"] = view      # as SQL writes it: quoted if the dataset name is a keyword
                 if after is not None and not dry_run:
                     after(conn, out)

@@ -22,23 +22,12 @@ import re
 import sys
 from typing import Any
 
-from batch_inference.engines.base import TRUNCATED, Engine, Outcome, Request, one_line
+from batch_inference.engines.base import BUILTIN_ENGINES, TRUNCATED, Engine, Outcome, Request, one_line
 from batch_inference.exceptions import InvalidValue
 from batch_inference.spec import JobSpec, pinned_options  # noqa: F401 - re-exported: the spec owns it
 
 __all__ = ["BUILTIN_ENGINES", "TRUNCATED", "Engine", "Outcome", "Request", "allowed_engine_modules", "engine_class",
            "engine_for", "load_engine", "one_line", "pinned_options"]
-
-BUILTIN_ENGINES: dict[str, str] = {
-    "llama-cpp": "batch_inference.engines.llama_cpp:LlamaCppEngine",
-    "vllm": "batch_inference.engines.vllm:VllmEngine",
-    "openai": "batch_inference.engines.openai:OpenAIEngine",
-    "noop": "batch_inference.engines.noop:NoopEngine",
-    "openai-batch": "batch_inference.hosted.openai_batch:OpenAIBatchEngine",
-    "anthropic-batch": "batch_inference.hosted.anthropic_batch:AnthropicBatchEngine",
-    "bedrock-batch": "batch_inference.hosted.bedrock_batch:BedrockBatchEngine",
-}
-
 
 # The deployment's setting: comma-separated modules or packages whose engines may
 # be loaded by dotted path. The Airflow option [batch_inference]

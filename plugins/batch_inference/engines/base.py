@@ -35,16 +35,28 @@ from pathlib import Path
 from typing import Any, ClassVar
 
 from batch_inference.exceptions import InvalidValue
+from batch_inference.prompting import build_messages
 from batch_inference.spec import JobSpec, pinned_options
 
 TRUNCATED = "output truncated at max_tokens"
+
+# Each built-in engine's name in a spec and the class it loads (``engines.engine_class``).
+BUILTIN_ENGINES: dict[str, str] = {
+    "llama-cpp": "batch_inference.engines.llama_cpp:LlamaCppEngine",
+    "vllm": "batch_inference.engines.vllm:VllmEngine",
+    "openai": "batch_inference.engines.openai:OpenAIEngine",
+    "noop": "batch_inference.engines.noop:NoopEngine",
+    "openai-batch": "batch_inference.hosted.openai_batch:OpenAIBatchEngine",
+    "anthropic-batch": "batch_inference.hosted.anthropic_batch:AnthropicBatchEngine",
+    "bedrock-batch": "batch_inference.hosted.bedrock_batch:BedrockBatchEngine",
+}
 
 
 class Request:
     """One record as chat messages (system turn, then user turn).
 
     Made with its ``messages``, or with the job's ``spec`` and the record's
-    ``text`` (``prompting.build_request``): the messages are then rendered on
+    ``text`` (``build_request``): the messages are then rendered on
     first read, once, so an engine that never reads them (the noop engine,
     unless a record holds one of its markers) does not render them."""
 
@@ -62,8 +74,6 @@ class Request:
     @property
     def messages(self) -> list[dict[str, str]]:
         if self._messages is None:
-            from batch_inference.prompting import build_messages   # prompting imports this module
-
             self._messages = build_messages(self.spec, self.text)
         return self._messages
 
@@ -76,6 +86,11 @@ class Request:
 
     def __repr__(self) -> str:
         return f"Request(record_id={self.record_id!r}, messages={self.messages!r})"
+
+
+def build_request(spec: JobSpec, record_id: str, text: str) -> Request:
+    """The request for one record; its messages are rendered when an engine first reads them."""
+    return Request(record_id, spec=spec, text=text)
 
 
 @dataclass(frozen=True, slots=True)
@@ -131,8 +146,6 @@ class Engine(abc.ABC):
     def _pin(self, given: dict[str, Any]) -> dict[str, Any]:
         """``given`` with every result option equal to the spec's: a left-out one
         takes the spec's value, a different one is refused."""
-        from batch_inference.engines import BUILTIN_ENGINES
-
         spec_name = self.spec.engine.name
         target = BUILTIN_ENGINES.get(spec_name, spec_name).replace(":", ".")
         mine = f"{type(self).__module__}.{type(self).__qualname__}"

@@ -27,12 +27,13 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import datetime, timedelta
+from pathlib import Path
 from typing import Any
 
 from airflow.sdk import Param, task
 
 from batch_inference.callbacks import OnCallNotifier
-from batch_inference.data import DEMO_SOURCE_TABLE, DEMO_SPEC
+from batch_inference.data import DEMO_SPEC
 from batch_inference.hooks.connection import DEFAULT_CONN_ID
 from batch_inference.operators.fallback import FallbackPoolOperator
 from batch_inference.operators.publish import PublishOperator, dataset_asset
@@ -41,7 +42,9 @@ from batch_inference.operators.submit import SubmitJobOperator
 from batch_inference.operators.validate import ValidateOperator
 from batch_inference.sensors.cutoff import CutoffSensor
 
-ENGINES = ("llama-cpp", "noop", "openai", "vllm", "openai-batch", "anthropic-batch", "bedrock-batch")
+# The engines the trigger form offers beside the spec's own: noop is left out, since workers run it
+# only under a spec whose engine is noop (batch_inference.provenance), where the empty choice gives it.
+ENGINES = ("llama-cpp", "openai", "vllm", "openai-batch", "anthropic-batch", "bedrock-batch")
 
 # A launcher gets the job version (an XComArg of submit) and the ledger's
 # connection id, and adds the worker task(s): it returns one task, or
@@ -147,22 +150,26 @@ def local_workers(*, workers: Any = "{{ params.workers }}", engine: Any = "{{ pa
     return launch
 
 
-def pipeline_params(*, shard_size: int = 25, workers: int = 2, max_workers: int = 64, engine: str = "",
-                    deadline: str = "+20h", review_timeout: str = "+12h", workers_title: str = "Workers",
+def pipeline_params(*, spec_path: str | Path = DEMO_SPEC, source_table: str = "", shard_size: int = 25,
+                    workers: int = 2, max_workers: int = 64, engine: str = "", deadline: str = "+20h",
+                    review_timeout: str = "+12h", workers_title: str = "Workers",
                     workers_description: str = "Local worker processes") -> dict[str, Param]:
     """The trigger form: spec, source table, shard size, workers, engine, deadline and review timeout,
     with these defaults.
 
-    ``engine=""`` means the spec's engine and is offered first; any other
-    default leaves the empty choice out (the DAG insists on an engine).
+    ``spec_path`` defaults to the packaged demo spec: a DAG of your own passes its spec. ``source_table``
+    empty (the default) snapshots the spec's own source; a ``schema.table`` replaces it for a run.
+    ``engine=""`` means the spec's engine and is offered first; any other default leaves the empty
+    choice out (the DAG insists on an engine); ``noop`` is offered only as the default (``ENGINES``).
     Add DAG-specific Params with ``{**pipeline_params(...), "name": Param(...)}``.
     """
     engines = ["", *ENGINES] if engine == "" else [engine, *(e for e in ENGINES if e != engine)]
     return {
-        "spec_path": Param(str(DEMO_SPEC), type="string", title="Job spec",
+        "spec_path": Param(str(spec_path), type="string", title="Job spec",
                            description="Path to the job spec YAML (relative paths: next to this DAG file)"),
-        "source_table": Param(DEMO_SOURCE_TABLE, type="string", title="Snapshot source table",
-                              description="schema.table to snapshot; empty keeps the spec's source"),
+        "source_table": Param(source_table, type="string", title="Snapshot source table",
+                              description="schema.table to snapshot instead of the spec's source; empty: the "
+                                          "spec's own source"),
         "shard_size": Param(shard_size, type="integer", minimum=1, title="Shard size",
                             description="Records per shard (5,000: about 4.5 minutes of work on one GPU; "
                                         "small for the demo)"),
@@ -170,7 +177,7 @@ def pipeline_params(*, shard_size: int = 25, workers: int = 2, max_workers: int 
                          description=workers_description),
         "engine": Param(engine, type="string", enum=engines, title="Engine",
                         description=("Empty: the spec's engine. " if engine == "" else "")
-                        + "noop answers instantly (plumbing tests)"),
+                        + "Another engine runs the same pinned model and prompt"),
         "deadline": Param(deadline, type="string", title="Deadline",
                           description="'+20h' / '+90m' after the run starts, 'HH:MM' (next such time, UTC), "
                                       "or an ISO datetime"),

@@ -17,8 +17,12 @@ and publish and waits for that gate, so publish runs once, when it can pass:
   they meet the gate the task succeeds and publish follows;
 * a reviewer answers the Required Action with **Reject** and a reason:
   Airflow resumes the deferred task with that response (its own
-  human-in-the-loop response handler) and the task fails without retries,
-  the reason as the run's failure message;
+  human-in-the-loop response handler); the task records the rejection in
+  the ledger (``bi.review_rejections``, reviewer ``airflow:NAME``) and fails
+  without retries, the reason as the run's failure message;
+* a rejection already stands in the ledger (``batch-inference review
+  --reject``, the dashboard's review screen), at the first read or while
+  waiting: the task fails without retries, naming who rejected and why;
 * ``timeout`` passes with the gate still open: the task fails without
   retries and the DAG's ``on_failure_callback`` (``OnCallNotifier``) pages
   on-call with the gate's progress.
@@ -27,10 +31,16 @@ Rejecting is the only answer the Required Action offers: approval is the
 reviews themselves, so the gate ``bi.publish_v1`` checks stays the one
 authority. The body is written once, when the wait begins (Airflow keeps the
 first one); the dashboard's screen and the task log (a line at each change)
-show the progress live. A Reject sent in the seconds after the trigger found
-the gate met, before the task resumed, is stored by Airflow but not acted on
-(Airflow resumes only a waiting task, and a task process cannot read the
-response back: the supervisor answers that request only for triggers).
+show the progress live. The ledger's rejection is what publish obeys:
+``bi.publish_v1`` refuses a version with a standing rejection in the
+statement that switches the pointer, so a rejection recorded any time before
+that statement commits (the dashboard's Reject, the command's ``--reject``)
+stops the publish even after this task succeeded. A Required Action answered
+in the seconds after the trigger found the gate met, before the task
+resumed, is stored by Airflow only (Airflow resumes only a waiting task, and a
+task process cannot read the response back: the supervisor answers that
+request only for triggers); the body therefore points at the dashboard's
+Reject too.
 """
 
 from __future__ import annotations
@@ -45,7 +55,7 @@ from airflow.sdk.definitions.param import ParamsDict
 from airflow.sdk.exceptions import AirflowException, AirflowFailException
 
 from batch_inference.hooks.batch_inference import BatchInferenceHook, LedgerTask
-from batch_inference.triggers.review import MET, TIMEOUT, ReviewGateTrigger
+from batch_inference.triggers.review import MET, REJECTED, TIMEOUT, ReviewGateTrigger
 
 REASON = "reason"
 
@@ -79,8 +89,9 @@ def review_body(job_version: str, dataset: str, state: dict[str, Any], url: str,
         f"[Review the sample on the dashboard]({url}): its screen shows the progress live. The run goes on to "
         f"publish by itself within {poll_interval:.0f} s of the gate being met; nothing needs answering here.",
         "",
-        "**Reject**, with a reason, to fail the run instead: the version stays unpublished and the reason is the "
-        "run's failure message.",
+        "**Reject**, with a reason, to fail the run instead: the rejection is recorded in the ledger, the version "
+        "stays unpublished and the reason is the run's failure message. After the gate is met, reject on the "
+        "dashboard's review screen: publish refuses a version whose rejection stands.",
     ]
     if timeout_at is not None:
         lines += ["", f"If the gate is still open at {timeout_at.isoformat()}, the task fails and pages on-call."]
@@ -149,6 +160,8 @@ class ReviewGateOperator(LedgerTask, HITLOperator):
                 state = review_state(conn, job)
         except UnknownJob as exc:
             raise AirflowFailException(str(exc)) from None
+        if state["rejection"]:
+            raise AirflowFailException(f"review: job version {job} was {state['rejection']}")
         if state["passed"]:
             self.log.info("review gate of %s %s", job, "met" if state["required"] or state["min_right"]
                           else "not asked for by its spec")
@@ -174,8 +187,16 @@ class ReviewGateOperator(LedgerTask, HITLOperator):
         self.validate_chosen_options(chosen)
         if self.REJECT not in chosen:
             return
+        from batch_inference.evaluation import record_rejection
+
         who = (user or {}).get("name") or "a reviewer"
         reason = str((params_input or {}).get(REASON) or "").strip() or "(no reason given)"
+        try:
+            with self.ledger_hook(self.postgres_conn_id).get_conn() as conn:
+                record_rejection(conn, str(self.job_version), reviewer=f"airflow:{who}", reason=reason)
+        except Exception as exc:  # noqa: BLE001 - the run fails either way; the log says the ledger missed it
+            self.log.error("the rejection of %s was not recorded in the ledger: %s", self.job_version,
+                           str(exc).splitlines()[0] if str(exc) else type(exc).__name__)
         raise AirflowFailException(f"review: {who} rejected job version {self.job_version}: {reason}")
 
     def execute_complete(self, context: Any, event: dict[str, Any] | None = None) -> dict[str, Any]:
@@ -186,6 +207,8 @@ class ReviewGateOperator(LedgerTask, HITLOperator):
         if status == MET:
             self.log.info("review gate of %s met; publish follows", self.job_version)
             return {"job_version": str(self.job_version), **event["review"]}
+        if status == REJECTED:
+            raise AirflowFailException(f"review: job version {self.job_version} was {event['review']['rejection']}")
         if status == TIMEOUT:
             state = event.get("review") or {}
             problem = state.get("problem") or "the ledger could not be read"

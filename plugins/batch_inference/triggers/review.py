@@ -11,13 +11,16 @@ ledger; the Airflow connection is resolved on the loop with
 The trigger yields one event and ends; its ``status`` is
 
 * ``met``: the gate is met (``review`` holds the state);
+* ``rejected``: a reviewer's rejection of the version stands in the ledger
+  (``bi.review_rejections``: ``review.rejection`` says who and why);
 * ``timeout``: ``timeout_at`` passed with the gate still open (``review`` says
   how far it got).
 
 A ledger that cannot be read is logged and polled again until ``timeout_at``:
 a review takes hours, a database restart seconds. A reviewer's rejection does
 not come through here: Airflow resumes the deferred task itself with the
-Required Action's response (``ReviewGateOperator``).
+Required Action's response (``ReviewGateOperator``), and the operator
+records it in the ledger.
 
 ``serialize()`` carries the job version, the times, the poll interval, the
 connection *id* and the count of reviews already seen: no secret.
@@ -35,6 +38,7 @@ from airflow.triggers.base import BaseTrigger, TriggerEvent
 from batch_inference.hooks.connection import DEFAULT_CONN_ID
 
 MET = "met"
+REJECTED = "rejected"
 TIMEOUT = "timeout"
 
 
@@ -83,6 +87,10 @@ class ReviewGateTrigger(BaseTrigger):
             except Exception as exc:  # noqa: BLE001 - a restart or a blip: read again at the next poll
                 self.log.warning("cannot read the review state of %s (will retry): %s", self.job_version, exc)
             if state is not None:
+                if state.get("rejection"):
+                    self.log.info("review of %s: %s", self.job_version, state["rejection"])
+                    yield TriggerEvent({"status": REJECTED, "job_version": self.job_version, "review": state})
+                    return
                 if state["passed"]:
                     self.log.info("review gate of %s met: %s of %s reviewed, %s right", self.job_version,
                                   state["reviewed"], state["required"], state["right"])

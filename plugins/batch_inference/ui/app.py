@@ -496,6 +496,22 @@ def api_record_review(job_version: str, conn: Ledger, who: Annotated[Reader, Dep
     return {"recorded": recorded, "review": evaluation.review_state(conn, job_version)}
 
 
+@api.post("/jobs/{job_version}/reject", dependencies=[Depends(same_origin)])
+def api_reject(job_version: str, conn: Ledger, who: Annotated[Reader, Depends(authorize_review)],
+               body: Annotated[dict[str, Any], Body()]) -> dict[str, Any]:
+    """Reject the whole version, ``reason`` required, with the user's Airflow identity: publish
+    refuses it, forced or not, while the rejection stands (``bi.publish_v1``)."""
+    reason = body.get("reason")
+    if not isinstance(reason, str) or not reason.strip():
+        raise HTTPException(422, "reason is required")
+    try:
+        rejected = evaluation.record_rejection(conn, job_version, reviewer=f"airflow:{who.user.get_name()}",
+                                               reason=reason)
+    except ReviewRefused as exc:
+        raise HTTPException(422, str(exc)) from None
+    return {"rejected": rejected, "review": evaluation.review_state(conn, job_version)}
+
+
 def _review_body(body: dict[str, Any]) -> tuple[str, str, str | None]:
     out: list[str | None] = []
     for key, most, required in (("record_id", 1000, True), ("verdict", 20, True),

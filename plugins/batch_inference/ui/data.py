@@ -29,10 +29,11 @@ from psycopg import sql
 from batch_inference import cutoff, db
 from batch_inference.cost import Prices, job_bill
 from batch_inference.db import q
-from batch_inference.publish import publish_history
+from batch_inference.publish import publish_history, rejections
 from batch_inference.drift import category_counts as drift_counts
 from batch_inference.drift import compare, over_gate
 from batch_inference.evaluation import review_rows, review_state
+from batch_inference.plan import redrives
 from batch_inference.spec import Fallback, Validation
 from batch_inference.status import UnknownJob, job_counts
 
@@ -310,7 +311,8 @@ def dead_letters(conn: psycopg.Connection, job_version: str, limit: int = 100, o
 
     ``total`` is every dead letter (the shard counters); ``visible`` those the
     role may read, whose reasons and rows are returned; ``hidden`` the rest.
-    Without a role nothing but the total.
+    Without a role nothing but the total (and ``redrives``, the operators'
+    re-drives of dead letters: who, when, why, filters and counts).
     """
     counts = job_counts(conn, job_version)
     total = int(counts["dead_letters"])
@@ -324,7 +326,8 @@ def dead_letters(conn: psycopg.Connection, job_version: str, limit: int = 100, o
             rows = conn.execute(q("dead_letter_page"),
                                 {"job": job_version, "limit": limit, "offset": offset}).fetchall()
     return {"job_version": job_version, "total": total, "visible": visible, "hidden": max(total - visible, 0),
-            "reasons": reasons, "dead_letters": rows, "limit": limit, "offset": offset}
+            "reasons": reasons, "dead_letters": rows, "limit": limit, "offset": offset,
+            "redrives": redrives(conn, job_version)}
 
 
 # -- review -------------------------------------------------------------------
@@ -349,6 +352,7 @@ def review(conn: psycopg.Connection, job_version: str, role: str | None = None,
     return {
         "job_version": job_version, "dataset": row["dataset"], "status": row["status"],
         "review": state, "rows": rows, "visible": len(rows),
+        "rejections": rejections(conn, job_version=job_version),
         "hidden": max(state["sampled"] - len(rows), 0) if len(rows) < limit else None,
         "accuracy": ev.get("accuracy") or {}, "graded": ev.get("graded") or 0,
         "confusion": ev.get("confusion") or {},
@@ -431,4 +435,5 @@ def drift(conn: psycopg.Connection, job_version: str) -> dict[str, Any]:
 
 def history(conn: psycopg.Connection, dataset: str, limit: int = 50) -> dict[str, Any]:
     pointer = conn.execute(q("pointer"), {"dataset": dataset}).fetchone()
-    return {"dataset": dataset, "pointer": pointer, "history": publish_history(conn, dataset, limit)}
+    return {"dataset": dataset, "pointer": pointer, "history": publish_history(conn, dataset, limit),
+            "rejections": rejections(conn, dataset=dataset, limit=limit)}

@@ -427,6 +427,15 @@
   function deadLettersPanel(dl) {
     const panel = h("section", { class: "panel", id: "panel-dead-letters" },
       h("h2", {}, "Dead letters ", h("span", { class: "muted", id: "dead-total" }, fmtInt(dl.total))));
+    // An operator's re-drives (batch-inference redrive): dead letters put back to pending on purpose.
+    if ((dl.redrives || []).length) {
+      panel.appendChild(h("table", { id: "redrives" },
+        h("thead", {}, h("tr", {}, ["re-driven", "by", "why", "filter", "records", "shards"].map((t) => h("th", {}, t)))),
+        h("tbody", {}, dl.redrives.map((r) => h("tr", {},
+          h("td", { class: "nowrap" }, stamp(r.at)), h("td", {}, r.actor), h("td", {}, r.reason),
+          h("td", {}, [r.stage ? "stage " + r.stage : "", r.reason_like ? `reason ~ "${r.reason_like}"` : ""].filter(Boolean).join(", ") || "all"),
+          h("td", { class: "num" }, fmtInt(r.records)), h("td", { class: "num" }, fmtInt(r.shards)))))));
+    }
     if (!dl.total) {
       panel.appendChild(h("p", { class: "muted" }, "None: every settled record produced a result."));
       return panel;
@@ -467,6 +476,10 @@
           // Where each destination besides the view pointed after this switch: an Iceberg table's snapshot.
           h("td", { class: "destinations" }, (r.destinations || []).map((d) => h("div", { class: "mono", title: d.location || "" },
             `${d.destination} @ snapshot ${d.snapshot_id}`)))))))));
+    }
+    if ((hist.rejections || []).length) {
+      panel.appendChild(h("h3", {}, "Reviewers' rejections"));
+      panel.appendChild(rejectionsTable(hist.rejections, "history-rejections"));
     }
     // Rollback goes one publish back (bi.rollback_v2): to the version the
     // current one replaced. The request names the version the user saw, and the
@@ -533,7 +546,36 @@
 
   // -- the review sample: input and output side by side, a verdict per row ---------
 
-  function reviewGate(rv) {
+  // A reviewer's rejections of the whole version (bi.review_rejections): a standing one
+  // makes publish refuse the version, forced or not.
+  function rejectionsTable(rows, id) {
+    return h("div", { class: "scroll" }, h("table", { id: id },
+      h("thead", {}, h("tr", {}, ["when", "version", "by", "reason", "state"].map((t) => h("th", {}, t)))),
+      h("tbody", {}, rows.map((r) => h("tr", { "data-standing": String(r.standing) },
+        h("td", { class: "nowrap" }, stamp(r.rejected_at)), h("td", {}, jobLink(r.job_version)), h("td", {}, r.reviewer),
+        h("td", {}, r.reason), h("td", {}, r.standing ? "standing"
+          : `withdrawn by ${r.withdrawn_by}, ${stamp(r.withdrawn_at)}: ${r.withdraw_reason}`))))));
+  }
+
+  function rejectForm(rv, reload) {
+    const reason = h("input", { type: "text", id: "reject-reason", placeholder: "reason (required)" });
+    const status = h("span", { id: "reject-status", role: "status" });
+    return h("div", { class: "rollback-form" }, reason,
+      h("button", { class: "danger", id: "reject-button", disabled: !rv.may_review, onclick: async () => {
+        status.textContent = "rejecting…";
+        try {
+          await api("/jobs/" + encodeURIComponent(rv.job_version) + "/reject", {
+            method: "POST", headers: { "Content-Type": "application/json" },
+            body: JSON.stringify({ reason: reason.value }) });
+          await reload();
+        } catch (err) {
+          status.className = "error";
+          status.textContent = (err.status === 403 ? "not allowed: " : "") + err.message;
+        }
+      } }, "Reject this version"), status);
+  }
+
+  function reviewGate(rv, reload) {
     const g = rv.review;
     const parts = [`${fmtInt(g.reviewed)} of ${fmtInt(g.sampled)} sample rows reviewed`,
       `${fmtInt(g.right)} right, ${fmtInt(g.wrong)} wrong, ${fmtInt(g.unsure)} unsure`];
@@ -543,11 +585,14 @@
       h("p", { id: "review-progress" }, parts.join("; ")),
       h("p", { id: "review-problem", class: g.problem ? "error" : "muted" }, g.problem || "The review gate is met."),
       h("p", { id: "review-publish" }, rv.publishable ? "Publish: allowed."
+        : g.rejection ? "Publish: refused, even forced, while the rejection stands."
         : "Publish: refused without --force and a reason (" + (rv.status !== "validated" && rv.status !== "published"
           ? "the version is " + rv.status : g.problem) + ")."),
       Object.keys(rv.accuracy || {}).length ? h("p", { id: "review-accuracy" }, `golden set (${fmtInt(rv.graded)} graded): ` +
         Object.entries(rv.accuracy).map(([k, v]) => `${k} ${fmtPct(v)}`).join(", ")) : "",
-      rv.judge ? h("p", { id: "review-judge" }, `judge: ${fmtInt(rv.judge.judged)} rows, ${fmtPct(rv.judge.agreement)} right`) : "");
+      rv.judge ? h("p", { id: "review-judge" }, `judge: ${fmtInt(rv.judge.judged)} rows, ${fmtPct(rv.judge.agreement)} right`) : "",
+      (rv.rejections || []).length ? rejectionsTable(rv.rejections, "review-rejections") : "",
+      rejectForm(rv, reload));
   }
 
   function reviewRow(rv, r, reload) {
@@ -588,7 +633,7 @@
     else if (rv.hidden) notes.push(`${fmtInt(rv.hidden)} of ${fmtInt(rv.review.sampled)} sample rows are not shown: your reader role may not read them.`);
     main.replaceChildren(
       h("p", {}, h("a", { href: BASE + "/jobs/" + encodeURIComponent(jobVersion), id: "review-back" }, "← the job page")),
-      reviewGate(rv),
+      reviewGate(rv, reload),
       notes.length ? h("p", { class: "muted", id: "review-notes" }, notes.join(" ")) : "",
       rv.rows.length ? h("section", { class: "panel" }, h("div", { class: "scroll" }, h("table", { id: "review-rows" },
         h("thead", {}, h("tr", {}, ["record", "input", "output", "verdict"].map((t) => h("th", {}, t)))),
