@@ -23,7 +23,8 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import (BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator,
+                      model_validator)
 
 from batch_inference.exceptions import SpecError
 
@@ -72,6 +73,7 @@ class _Strict(BaseModel):
 
 MAX_COLUMNS = 64               # source.columns: the columns a prompt may name
 _COLUMN = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,62}$")
+_IDENT3 = re.compile(r"^[A-Za-z_][A-Za-z0-9_$-]{0,127}(\.[A-Za-z_][A-Za-z0-9_$]{0,127}){0,2}$")
 PLACEHOLDER_NAME = re.compile(r"\{([A-Za-z_][A-Za-z0-9_]{0,62})\}")   # {text}, {subject}: what a template fills
 # What each kind reads: the fields it needs (one of) and the fields it may not have
 # (batch_inference.sources has one module per kind).
@@ -129,8 +131,13 @@ class Source(_Strict):
 
     @field_validator("table")
     @classmethod
-    def _table_ident(cls, v: str | None) -> str | None:
-        if v is not None and not _IDENT.match(v):
+    def _table_ident(cls, v: str | None, info: ValidationInfo | None = None) -> str | None:
+        if v is None:
+            return v
+        if info is not None and info.data.get("kind") == "sql":   # database.schema.table, project.dataset.table
+            if not _IDENT3.match(v):
+                raise ValueError("must be a plain identifier such as schema.table or database.schema.table")
+        elif not _IDENT.match(v):
             raise ValueError("must be a plain identifier such as schema.table")
         return v
 
