@@ -54,6 +54,8 @@ def submit(conn: psycopg.Connection, spec: JobSpec,
     if rows is not None or spec.source.kind == "postgres":
         return _submit(conn, spec, rows)
     reader = reader or sources.for_spec(spec)
+    if reader.ledger is None:
+        reader.ledger = conn
     try:
         reader.check()                    # an unreachable source, an unknown table: one line, nothing written
         return _submit(conn, reader.pinned(), reader.rows())

@@ -49,6 +49,7 @@ class Reader(ABC):
         self.name = spec.source.label
         self.s3_endpoint_url = s3_endpoint_url
         self.aws_conn_id = aws_conn_id
+        self.ledger: Any = None   # the ledger's connection, set by plan.submit (an Iceberg SQL catalog lives there)
 
     def check(self) -> None:
         """Refuse now (one line, ``SnapshotError``) what ``rows`` would refuse for every record."""
@@ -222,6 +223,19 @@ def record(spec: JobSpec, record_id: Any, values: Sequence[Any], acl: Any) -> di
     if reject is None and not any(t and t.strip(" \t\n\r\f\x0b") for t in texts):
         reject = "empty text"
     return {"record_id": rid, "text": columns_text(texts), "acl": to_acl(acl), "reject": reject}
+
+
+def batch_records(reader: Reader, batch: Any, where: str = "") -> Iterator[dict[str, Any]]:
+    """The records of one Arrow record batch (a Parquet file's, an Iceberg scan's), as ``record`` makes them."""
+    src = reader.source
+    data = batch.to_pydict()
+    ids = data[src.id_column]
+    for i, rid in enumerate(ids):
+        try:
+            yield record(reader.spec, rid, [data[c][i] for c in src.record_columns],
+                         data[src.acl_column][i] if src.acl_column else None)
+        except TypeError as exc:
+            raise reader.refuse(f"{where}record {rid!r}: {exc}") from None
 
 
 # The S3 helpers other modules use (hosted batch transports, lineage), where they always were.
