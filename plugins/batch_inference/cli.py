@@ -40,6 +40,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO, stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if not args.verbose:   # Airflow, imported for a source's connection, logs its own start-up at INFO
+        logging.getLogger("airflow").setLevel(logging.WARNING)
     import psycopg
 
     from batch_inference.exceptions import BatchInferenceError

@@ -245,3 +245,31 @@ def test_lineage_names_each_engine_as_openlineage_does(monkeypatch, tmp_path, ma
                             port=mariadb["port"], login="bi", password=mariadb["password"], schema="bi_src")
     reader = for_spec(sql_spec({"conn_id": conn_id, "table": "tickets"}))
     assert reader.lineage() == [(f"mysql://{mariadb['host']}:{mariadb['port']}", "tickets")]
+
+
+@pytest.mark.parametrize("over,words", [
+    ({"table": "no_such_table"}, "no_such_table"),
+    ({"table": None, "query": "SELECT id, subject, body, acl FROM tickets; DROP TABLE tickets"}, "single statement"),
+], ids=["unknown-table", "second-statement"])
+def test_cli_submit_of_a_bad_sql_source_prints_one_line_and_writes_nothing(conn, db_url, tmp_path, over, words):
+    import os
+    import subprocess
+    import sys
+
+    import yaml
+
+    path = tmp_path / "src.db"
+    _load_sqlite(path, TICKETS)
+    spec = sql_spec({"conn_id": "bi_sqlite_cli", "table": "tickets"}).model_dump(mode="json")
+    spec["source"].update(over)
+    (tmp_path / "spec.yaml").write_text(yaml.safe_dump(spec))
+    env = {**os.environ, "AIRFLOW_CONN_BI_SQLITE_CLI": json.dumps({"conn_type": "sqlite", "host": str(path)})}
+    p = subprocess.run([sys.executable, "-m", "batch_inference.cli", "--db", db_url, "submit",
+                        str(tmp_path / "spec.yaml")], env=env, capture_output=True, text=True, timeout=120)
+    lines = [ln for ln in p.stderr.splitlines() if ln.strip()]
+    assert p.returncode == 2 and p.stdout == "", p.stderr
+    assert len(lines) == 1 and lines[0].startswith("batch-inference submit: error:") and words in lines[0], p.stderr
+    assert "bi_sqlite_cli" in lines[0]
+    assert _nothing_written(conn)
+    with sqlite3.connect(path) as db:   # the second statement never ran
+        assert db.execute("SELECT count(*) FROM tickets").fetchone()[0] == len(TICKETS)
