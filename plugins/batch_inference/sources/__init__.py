@@ -32,6 +32,7 @@ from typing import Any
 
 from batch_inference.exceptions import SnapshotError
 from batch_inference.prompting import columns_text, record_chars
+from batch_inference.snapshot import clean_text
 from batch_inference.spec import JobSpec
 
 Ident = tuple[str, str]   # an OpenLineage dataset: (namespace, name)
@@ -206,8 +207,6 @@ def record(spec: JobSpec, record_id: Any, values: Sequence[Any], acl: Any) -> di
     judged whole here as ``source_columns_relation`` judges one read in SQL:
     a NUL or a lone surrogate in any column, then over ``max_input_chars``
     characters in all, then every column blank."""
-    from batch_inference.snapshot import clean_text
-
     rid = None if record_id is None else to_text(record_id)
     if not spec.source.columns:
         return {"record_id": rid, "text": to_text(values[0]), "acl": to_acl(acl)}
