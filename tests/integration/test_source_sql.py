@@ -240,11 +240,21 @@ def test_a_connection_whose_hook_is_not_sql_is_refused(conn, monkeypatch):
     assert _nothing_written(conn)
 
 
-def test_lineage_names_each_engine_as_openlineage_does(monkeypatch, tmp_path, mariadb):
-    conn_id = _airflow_conn(monkeypatch, "bi_maria", conn_type="mysql", host=mariadb["host"],
-                            port=mariadb["port"], login="bi", password=mariadb["password"], schema="bi_src")
-    reader = for_spec(sql_spec({"conn_id": conn_id, "table": "tickets"}))
-    assert reader.lineage() == [(f"mysql://{mariadb['host']}:{mariadb['port']}", "tickets")]
+LINEAGE = {   # the namespace's scheme and the name, as each provider's OpenLineage database info gives them
+    "sqlite": ("sqlite://", "tickets"),
+    "postgres": ("postgres://", "postgres.public.tickets"),
+    "mariadb": ("mysql://127.0.0.1:", "tickets"),
+    "snowflake": ("snowflake://fakesnow", "BI_SRC.PUBLIC.TICKETS"),
+}
+
+
+@pytest.mark.parametrize("warehouse", ENGINES, indirect=True)
+def test_lineage_names_each_engine_as_its_provider_names_it_for_openlineage(warehouse):
+    engine, load = warehouse
+    fields = load(TICKETS[:1])
+    [(namespace, name)] = for_spec(sql_spec(fields)).lineage()
+    scheme, expected = LINEAGE[engine]
+    assert namespace.startswith(scheme) and name.upper() == expected.upper(), (namespace, name)
 
 
 @pytest.mark.parametrize("over,words", [
