@@ -166,6 +166,10 @@ def client_read(kind: str, paths: dict[str, Any], url: str) -> int:
 
 
 def _peak_mib() -> float:
+    """This process's peak RSS (VmHWM: ru_maxrss carries the parent's peak over exec)."""
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) / 1024
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 

@@ -57,13 +57,16 @@ def _escaped(template: str, placeholder: str, text: str) -> str:
     return text
 
 
+_COLUMNS_ENCODER = json.JSONEncoder(ensure_ascii=False)
+
+
 def columns_text(values: list[str | None]) -> str:
     """A record of several columns as the snapshot stores it: the JSON array of its values as text.
 
     Written as PostgreSQL's ``json_build_array(...)::text`` writes it (``", "``
     between values, the same escapes, non-ASCII as is), so a record read in
     SQL and the same record read in Python are the same text and hash."""
-    return json.dumps(values, ensure_ascii=False)
+    return _COLUMNS_ENCODER.encode(values)
 
 
 def column_values(spec: JobSpec, text: str) -> dict[str, str]:
@@ -80,7 +83,7 @@ def column_values(spec: JobSpec, text: str) -> dict[str, str]:
 
 def record_chars(values: list[str | None]) -> int:
     """The characters a record brings to the user turn: what ``max_input_chars`` bounds."""
-    return sum(len(v) for v in values if v)
+    return sum(len(v) for v in values if v is not None)
 
 
 def render_record(spec: JobSpec, text: str) -> str:

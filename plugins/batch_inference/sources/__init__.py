@@ -36,6 +36,7 @@ from batch_inference.snapshot import clean_text
 from batch_inference.spec import JobSpec
 
 Ident = tuple[str, str]   # an OpenLineage dataset: (namespace, name)
+_DECODER = json.JSONDecoder()
 ROWS_PER_FETCH = 10_000   # rows a reader holds at once (a fetchmany, an Arrow batch)
 
 
@@ -189,13 +190,13 @@ def to_acl(value: Any) -> list[str] | None:
     """An ACL value as the snapshot's text[]: a list, a JSON array written as text, or one value."""
     if value is None:
         return None
-    if isinstance(value, str) and value.lstrip().startswith("["):
+    if type(value) is str and value[:1] == "[" or isinstance(value, str) and value.lstrip().startswith("["):
         try:
-            value = json.loads(value)
+            value = _DECODER.decode(value)
         except ValueError:
             return [value]
     if isinstance(value, (list, tuple)):
-        return [str(to_text(v)) for v in value]
+        return [v if type(v) is str else str(to_text(v)) for v in value]
     return [str(to_text(value))]
 
 
@@ -213,6 +214,9 @@ def record(spec: JobSpec, record_id: Any, values: Sequence[Any], acl: Any) -> di
     texts: list[str | None] = []
     reject = None
     for v in values:
+        if type(v) is str and v.isascii() and "\x00" not in v:   # the common case, without the checks' calls
+            texts.append(v)
+            continue
         text, bad = clean_text(to_text(v))
         texts.append(text)
         reject = reject or bad
