@@ -40,6 +40,8 @@ if __package__ in (None, ""):
 from benchmarks.common import REPO, emit, fresh_server, machine, rnd  # noqa: E402
 
 KINDS = ("sqlite", "postgres", "parquet", "iceberg")
+TARGET = 1.3          # issue 30: submit of N records against the source's own client reading them
+MEMORY_SLACK = 1.25   # "flat": the peak at the largest size within this factor of the smallest's
 BATCH = 50_000
 TEMPLATE = "Subject:\n<<<\n{subject}\n>>>\nBody:\n<<<\n{body}\n>>>"
 
@@ -240,6 +242,12 @@ def run(sizes: list[int], kinds: list[str]) -> dict[str, Any]:
                         "submit_ratio": round(r["submit"]["s"] / base, 2),
                         "peak_rss_mib": {m: round(r[m]["peak_rss_mib"]) for m in r},
                         "growth_mib": {m: round(r[m]["growth_mib"]) for m in r}}
+    largest, smallest = max(sizes), min(sizes)
+    res = out["results"]
+    out["target"] = f"submit <= {TARGET}x the client's read; peak RSS at {largest} within {MEMORY_SLACK}x of {smallest}"
+    out["memory_flat"] = all(res[f"{k}@{largest}"]["peak_rss_mib"]["submit"]
+                             <= MEMORY_SLACK * res[f"{k}@{smallest}"]["peak_rss_mib"]["submit"] for k in kinds)
+    out["met"] = out["memory_flat"] and all(res[f"{k}@{largest}"]["submit_ratio"] <= TARGET for k in kinds)
     out["machine"] = machine()
     return out
 
