@@ -153,3 +153,16 @@ def test_bad_iceberg_input_is_one_line_and_nothing_is_written(conn, tmp_path, ic
     line = str(err.value)
     assert "\n" not in line and "iceberg lake." in line and all(w in line for w in words), line
     assert nothing_written(conn)
+
+
+def test_lineage_names_files_objects_and_tables_as_openlineage_does(conn, tmp_path, iceberg_table):
+    from batch_inference.sources import for_spec
+
+    local = for_spec(two_column_spec({"kind": "parquet", "paths": [str(tmp_path / "data"), "s3://lake/t/"]}))
+    assert local.lineage() == [("file", str(tmp_path / "data")), ("s3://lake", "t")]
+    reader = for_spec(iceberg_spec(tmp_path))
+    reader.ledger = conn
+    [(namespace, name)] = reader.lineage()
+    location = iceberg_table.metadata_location.split("://", 1)[1].rsplit("/metadata/", 1)[0]
+    assert (namespace, name) == ("file", location)
+    reader.close()

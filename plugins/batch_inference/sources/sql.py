@@ -31,7 +31,11 @@ from batch_inference.sources import ROWS_PER_FETCH, Ident, Reader, record
 
 log = logging.getLogger(__name__)
 
-# The hook's dialect name (DbApiHook.dialect_name) as SQLAlchemy's dialect registry names it.
+# An Airflow connection type (the providers' hook conn_type) as the engine it reaches.
+CONN_TYPE_DIALECTS = {"postgres": "postgresql", "mysql": "mysql", "sqlite": "sqlite", "snowflake": "snowflake",
+                      "gcpbigquery": "bigquery", "google_cloud_platform": "bigquery", "redshift": "redshift",
+                      "databricks": "databricks", "trino": "trino", "mssql": "mssql", "oracle": "oracle"}
+# The engine as SQLAlchemy's dialect registry names it.
 SQLALCHEMY_DIALECTS = {"postgres": "postgresql", "postgresql": "postgresql", "mysql": "mysql",
                        "mariadb": "mysql", "sqlite": "sqlite", "mssql": "mssql", "oracle": "oracle",
                        "snowflake": "snowflake", "redshift": "postgresql", "trino": "trino",
@@ -109,12 +113,17 @@ class SqlSource(Reader):
 
     @property
     def dialect(self) -> str:
+        """The engine: by the connection's type where this module knows it, else the hook's own
+        ``dialect_name`` (from its SQLAlchemy URL)."""
         hook = self.hook()
+        conn_type = str(getattr(hook, "conn_type", "") or "").lower()
+        if conn_type in CONN_TYPE_DIALECTS:
+            return CONN_TYPE_DIALECTS[conn_type]
         try:
             name = hook.dialect_name
         except Exception:  # noqa: BLE001 - a hook without a SQLAlchemy URL
             name = None
-        return str(name or getattr(hook, "conn_type", None) or "default").lower()
+        return str(name or conn_type or "default").lower()
 
     def quote(self, name: str) -> str:
         """An identifier as the hook's SQLAlchemy dialect quotes it (only where it must be)."""
@@ -262,7 +271,7 @@ class SqlSource(Reader):
         ``stream`` and the driver has one)."""
         dialect = self.dialect
         module = type(conn).__module__
-        if dialect in ("postgres", "postgresql", "redshift"):
+        if dialect == "postgresql" and (hasattr(conn, "set_session") or module.startswith("psycopg")):
             if hasattr(conn, "set_session"):   # psycopg2
                 conn.set_session(isolation_level="REPEATABLE READ", readonly=True, autocommit=False)
             else:                              # psycopg 3
