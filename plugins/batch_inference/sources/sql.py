@@ -26,6 +26,7 @@ import logging
 from collections.abc import Iterator
 from typing import Any
 
+from batch_inference.db import q
 from batch_inference.exceptions import SnapshotError
 from batch_inference.sources import ROWS_PER_FETCH, Ident, Reader, record
 
@@ -41,9 +42,8 @@ SQLALCHEMY_DIALECTS = {"postgres": "postgresql", "postgresql": "postgresql", "my
                        "snowflake": "snowflake", "redshift": "postgresql", "trino": "trino",
                        "bigquery": "bigquery", "databricks": "databricks"}
 BACKTICK_DIALECTS = ("bigquery", "databricks", "spark", "hive", "mysql", "mariadb")
-TIME_TRAVEL = {"snowflake": "{table} AT(TIMESTAMP => {ts}::TIMESTAMP_TZ)",
-               "bigquery": "{table} FOR SYSTEM_TIME AS OF TIMESTAMP {ts}"}
-REFUSED_KEYWORDS = ("INTO", "FOR UPDATE", "FOR SHARE", "LOCK IN SHARE MODE")
+TIME_TRAVEL = {"snowflake": "source_as_of_snowflake", "bigquery": "source_as_of_bigquery"}   # sql/sources.sql
+REFUSED_KEYWORDS = ("INTO", "FOR UPDATE", "FOR SHARE", "LOCK")
 
 
 def _first_line(exc: BaseException, *secrets: str) -> str:
@@ -156,8 +156,8 @@ class SqlSource(Reader):
             if pattern is None:
                 raise self.refuse(f"as_of reads a table in the past on Snowflake or BigQuery, not on "
                                   f"{self.dialect}")
-            table = pattern.format(table=table, ts="'" + src.as_of.replace("'", "") + "'")
-        return f"SELECT {', '.join(self.quote(c) for c in cols)} FROM {table}"
+            table = q(pattern).format(table=table, ts="'" + src.as_of.replace("'", "") + "'")
+        return q("source_select").format(columns=", ".join(self.quote(c) for c in cols), table=table)
 
     # -- the interface
     def check(self) -> None:
@@ -174,7 +174,7 @@ class SqlSource(Reader):
         with self._session() as cur:
             statement = self._select()
             if self.source.table:   # no row is read: only the names are resolved
-                self._execute(cur, f"SELECT * FROM ({statement}) bi_check WHERE 1 = 0")
+                self._execute(cur, q("source_check").format(statement=statement))
                 self._fetch(cur)
 
     def rows(self) -> Iterator[dict[str, Any]]:
@@ -285,8 +285,8 @@ class SqlSource(Reader):
             return conn.cursor()
         if dialect in ("mysql", "mariadb"):
             cur = conn.cursor()
-            cur.execute("SET TRANSACTION ISOLATION LEVEL REPEATABLE READ")
-            cur.execute("START TRANSACTION WITH CONSISTENT SNAPSHOT, READ ONLY")
+            cur.execute(q("source_mysql_repeatable_read"))
+            cur.execute(q("source_mysql_snapshot"))
             if stream and module.startswith("MySQLdb"):
                 import MySQLdb.cursors
 
@@ -296,8 +296,8 @@ class SqlSource(Reader):
         if dialect == "sqlite":
             conn.isolation_level = None   # this module's own BEGIN below, not the driver's implicit ones
             cur = conn.cursor()
-            cur.execute("PRAGMA query_only = ON")
-            cur.execute("BEGIN")
+            cur.execute(q("source_sqlite_query_only"))
+            cur.execute(q("source_sqlite_begin"))
             return cur
         return conn.cursor()   # one statement: the engine's own snapshot of it
 
