@@ -94,6 +94,8 @@ def clean_text(value: Any) -> tuple[str | None, str | None]:
     """(text safe to store, reject reason or None) for text read outside PostgreSQL."""
     if value is None:
         return None, None
+    if type(value) is str and value.isascii() and "\x00" not in value:   # most text: nothing to check further
+        return value, None
     if not isinstance(value, str):
         value = str(value)
     try:
@@ -120,8 +122,10 @@ def stage_from_rows(conn: psycopg.Connection, rows: Iterable[Mapping[str, Any]])
     (a record of several columns, judged where it was read: ``sources.record``) is kept."""
     with conn.cursor() as cur, cur.copy(q("stage_copy")) as copy:
         for row in rows:
-            text, reject = clean_text(row.get("text"))
-            reject = row.get("reject") or reject
+            if "reject" in row:   # judged where it was read (sources.record): its text is clean already
+                text, reject = row["text"], row["reject"]
+            else:
+                text, reject = clean_text(row.get("text"))
             acl = row.get("acl")
             if acl is not None and not isinstance(acl, (list, tuple)):
                 acl = [acl]
