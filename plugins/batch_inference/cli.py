@@ -50,6 +50,8 @@ def main(argv: list[str] | None = None) -> int:
         for name in EMBEDDED_LOGGERS:
             logging.getLogger(name).setLevel(logging.WARNING)
         warnings.filterwarnings("ignore", message="XDG_RUNTIME_DIR is not set")
+        # Airflow, imported for a source's connection, logs its own start-up at INFO.
+        logging.getLogger("airflow").setLevel(logging.WARNING)
     import psycopg
 
     from batch_inference.exceptions import BatchInferenceError, SpecError

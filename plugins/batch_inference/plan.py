@@ -17,10 +17,11 @@ from typing import Any
 import psycopg
 from psycopg import errors, sql
 
-from batch_inference import destinations, snapshot
+from batch_inference import destinations, snapshot, sources
 from batch_inference.db import q
 from batch_inference.exceptions import GrantRefused, RedriveRefused, SpecError
-from batch_inference.spec import SETTINGS_UNDER_A_VERSION, JobSpec, settings_diff
+from batch_inference.sources import postgres as postgres_source
+from batch_inference.spec import INT4_MAX, SETTINGS_UNDER_A_VERSION, JobSpec, settings_diff
 
 log = logging.getLogger(__name__)
 
@@ -44,12 +45,32 @@ class Manifest:
 
 
 def submit(conn: psycopg.Connection, spec: JobSpec,
-           rows: Iterable[Mapping[str, Any]] | None = None) -> Manifest:
+           rows: Iterable[Mapping[str, Any]] | None = None, *,
+           reader: sources.Reader | None = None) -> Manifest:
     """Snapshot the source and plan shards. ``rows`` overrides the source (rows
-    read elsewhere: an object store, another database)."""
-    t0 = time.perf_counter()
+    read elsewhere); otherwise ``reader`` (default: ``sources.for_spec(spec)``)
+    checks the source before anything is written, pins it (what pins it is
+    recorded in the job's stored spec) and streams its rows, or, for a
+    PostgreSQL table or query, names the relation the ledger reads in SQL."""
     destinations.check_spec(conn, spec)   # an unreachable or uncleared destination: one line, nothing written
-    source_name = spec.source.table or spec.source.s3_manifest or "query"
+    if rows is not None or spec.source.kind == "postgres":
+        return _submit(conn, spec, rows)
+    reader = reader or sources.for_spec(spec)
+    if reader.ledger is None:
+        reader.ledger = conn
+    try:
+        reader.check()                    # an unreachable source, an unknown table: one line, nothing written
+        return _submit(conn, reader.pinned(), reader.rows())
+    finally:
+        reader.close()
+
+
+def _submit(conn: psycopg.Connection, spec: JobSpec, rows: Iterable[Mapping[str, Any]] | None) -> Manifest:
+    t0 = time.perf_counter()
+    source_name = spec.source.label
+    # A record of several columns was judged against max_input_chars where it was read
+    # (sources.record, source_columns_relation): the snapshot's own cap is for one text column.
+    cap = INT4_MAX if spec.source.columns else spec.max_input_chars
     # One transaction: nothing of it (staging tables included) outlives it,
     # so it runs through a transaction pooler (docs/capacity.md).
     with conn.transaction():
@@ -58,13 +79,8 @@ def submit(conn: psycopg.Connection, spec: JobSpec,
             conn.execute(q("stage_create"))
             snapshot.stage_from_rows(conn, rows)
             relation: sql.Composable = snapshot.STAGE
-        elif spec.source.kind == "postgres" and spec.source.query:
-            relation = snapshot.materialize_query(conn, spec.source, source_name)
-        elif spec.source.kind == "postgres":
-            relation = snapshot.source_relation(spec.source)
         else:
-            raise snapshot.SnapshotError(f"source kind {spec.source.kind!r} needs its rows read first "
-                                         "(batch_inference.sources)")
+            relation = postgres_source.relation(conn, spec, source_name)
         n, identity = snapshot.scan(conn, relation, source_name, spec.source.id_column)
         job = spec.job_version(identity)
 
@@ -87,7 +103,7 @@ def submit(conn: psycopg.Connection, spec: JobSpec,
             "base": base})
         part = conn.execute(q("job_partitions_create"), {"job": job}).fetchone()["p"]
         conn.execute(q("plan_work_mem"))
-        params: dict[str, Any] = {"job": job, "base": base, "cap": spec.max_input_chars,
+        params: dict[str, Any] = {"job": job, "base": base, "cap": cap,
                                   "shard_size": spec.shard_size}
         # A non-incremental run joins nothing: the reuse test folds to false.
         reuse = sql.SQL(q("snapshot_reuse" if base else "snapshot_no_reuse"))

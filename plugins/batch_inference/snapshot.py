@@ -2,11 +2,13 @@
 
 A PostgreSQL source in the ledger's database is read server-side, twice in
 one REPEATABLE READ transaction (a scan for the checks and the identity, then
-the bulk load into the snapshot partition). A ``source.query`` is first run
-once, read-only and as a single statement, into a table of that same
-transaction (``materialize_query``), which is then read the same way. Anything else (an
-object store manifest, another database) arrives as Python rows and goes by
-COPY into a per-transaction staging table, read the same way too.
+the bulk load into the snapshot partition); ``sources.postgres`` names it. A
+``source.query`` is first run once, read-only and as a single statement,
+into a table of that same transaction, which is then read the same way.
+Anything else (an object store manifest, another database, Parquet files, an
+Iceberg snapshot: the other modules of ``batch_inference.sources``) arrives as
+Python rows and goes by COPY into a per-transaction staging table, read the
+same way too.
 Records that cannot be processed (NUL bytes, broken Unicode, empty text) are
 kept with a reject reason so they end in dead letters, never silently dropped.
 """
@@ -22,27 +24,13 @@ from psycopg import errors, sql
 
 from batch_inference.db import q
 from batch_inference.exceptions import SnapshotError
-from batch_inference.spec import Source
-
-
-def source_relation(source: Source) -> sql.Composable:
-    """A PostgreSQL table or query in the ledger's database, as (record_id, text, acl, reject)."""
-    src = (sql.SQL("({})").format(sql.SQL(source.query)) if source.query
-           else sql.Identifier(*source.table.split(".")))  # type: ignore[union-attr]
-    acl = (sql.SQL("(src.{})::text[]").format(sql.Identifier(source.acl_column)) if source.acl_column
-           else sql.SQL("NULL::text[]"))
-    return sql.SQL(q("source_relation")).format(
-        id=sql.SQL("src.{}").format(sql.Identifier(source.id_column)),
-        text=sql.SQL("src.{}").format(sql.Identifier(source.text_column)),
-        acl=acl, source=src)
 
 
 STAGE = sql.Identifier("_bi_stage")
-QUERY_STAGE = sql.Identifier("pg_temp", "_bi_query")
 
 
 @contextmanager
-def _source_errors(source_name: str, *, any_refusal: bool = False) -> Iterator[None]:
+def source_errors(source_name: str, *, any_refusal: bool = False) -> Iterator[None]:
     """The database's refusals of a source, as one-line ``SnapshotError``s; with
     ``any_refusal`` (the user's own query) every error but a lost connection."""
     try:
@@ -71,33 +59,12 @@ def _source_errors(source_name: str, *, any_refusal: bool = False) -> Iterator[N
         raise SnapshotError(f"source {source_name}: {_first_line(exc)}") from None
 
 
-def materialize_query(conn: psycopg.Connection, source: Source, source_name: str = "query") -> sql.Composable:
-    """Run ``source.query`` once, read-only, into a table of the caller's transaction and return its name.
-
-    Called inside the submit's REPEATABLE READ transaction, so the query reads
-    the submit's snapshot, and the table is dropped when that transaction ends
-    (``ON COMMIT DROP``): nothing outlives it, so a transaction pooler may
-    give the next transaction any server connection. The query runs in a
-    subtransaction set ``READ ONLY``, so it cannot write, create or drop
-    anything, whatever functions it calls (and cannot turn that off inside
-    it); the submit writes again once the subtransaction is released. It is
-    sent in pipeline mode, which uses the extended query protocol: the server
-    parses exactly one statement and refuses text that holds two
-    (``SELECT ...; DROP ...``)."""
-    conn.execute(q("query_stage_create"))
-    with _source_errors(source_name, any_refusal=True), conn.transaction():
-        conn.execute(q("read_only_transaction"))  # a temporary table may be written in a read-only transaction
-        with conn.pipeline():
-            conn.execute(sql.SQL(q("query_stage_fill")).format(relation=source_relation(source)))
-    return QUERY_STAGE
-
-
 def scan(conn: psycopg.Connection, relation: sql.Composable, source_name: str, id_column: str) -> tuple[int, str]:
     """One pass over the source: refuse an empty source and NULL ids; return
     (rows, content identity). Duplicate ids are caught when the snapshot's
     primary key is built (see ``duplicates_error``)."""
     # a savepoint, so the error below is ours, not a dead transaction
-    with _source_errors(source_name), conn.transaction():
+    with source_errors(source_name), conn.transaction():
         r = conn.execute(sql.SQL(q("snapshot_scan")).format(relation=relation)).fetchone()
     assert r is not None
     if r["n"] == 0:
@@ -129,6 +96,8 @@ def clean_text(value: Any) -> tuple[str | None, str | None]:
     """(text safe to store, reject reason or None) for text read outside PostgreSQL."""
     if value is None:
         return None, None
+    if type(value) is str and value.isascii() and "\x00" not in value:   # most text: nothing to check further
+        return value, None
     if not isinstance(value, str):
         value = str(value)
     try:
@@ -151,10 +120,14 @@ def _clean_id(value: Any) -> str | None:
 
 
 def stage_from_rows(conn: psycopg.Connection, rows: Iterable[Mapping[str, Any]]) -> None:
-    """COPY rows of {'record_id', 'text', 'acl'} into the staging table."""
+    """COPY rows of {'record_id', 'text', 'acl'} into the staging table; a row's own 'reject'
+    (a record of several columns, judged where it was read: ``sources.record``) is kept."""
     with conn.cursor() as cur, cur.copy(q("stage_copy")) as copy:
         for row in rows:
-            text, reject = clean_text(row.get("text"))
+            if "reject" in row:   # judged where it was read (sources.record): its text is clean already
+                text, reject = row["text"], row["reject"]
+            else:
+                text, reject = clean_text(row.get("text"))
             acl = row.get("acl")
             if acl is not None and not isinstance(acl, (list, tuple)):
                 acl = [acl]

@@ -24,13 +24,15 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import (BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator,
+                      model_validator)
 
 from batch_inference.exceptions import SpecError
 
 _IDENT = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,62}(\.[A-Za-z_][A-Za-z0-9_]{0,62})?$")
 _DIGEST = re.compile(r"^(sha256:)?[0-9a-f]{64}$")
 _ENGINE_PATH = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*[:.][A-Za-z_][A-Za-z0-9_]*$")
+_TABLE_IDENT = re.compile(r"^[a-z_][a-z0-9_]{0,62}(\.[a-z_][a-z0-9_]{0,62})+$")
 
 INT4_MAX = 2**31 - 1            # integer columns and function arguments in the ledger
 MAX_SPEC_CHARS = 1_000_000      # a spec file; the system prompt is most of a large one
@@ -71,44 +73,156 @@ class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
 
 
-class Source(_Strict):
-    """Where the records come from. Exactly one of ``table``, ``query``, ``s3_manifest``."""
+MAX_COLUMNS = 64               # source.columns: the columns a prompt may name
+_COLUMN = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,62}$")
+_IDENT3 = re.compile(r"^[A-Za-z_][A-Za-z0-9_$-]{0,127}(\.[A-Za-z_][A-Za-z0-9_$]{0,127}){0,2}$")
+PLACEHOLDER_NAME = re.compile(r"\{([A-Za-z_][A-Za-z0-9_]{0,62})\}")   # {text}, {subject}: what a template fills
+# What each kind reads: the fields it needs (one of) and the fields it may not have
+# (batch_inference.sources has one module per kind).
+SOURCE_KINDS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
+    "postgres": (("table", "query"), ("s3_manifest", "paths", "identifier")),
+    "s3_manifest": (("s3_manifest",), ("table", "query", "paths", "identifier")),
+    "sql": (("table", "query"), ("s3_manifest", "paths", "identifier")),
+    "parquet": (("paths",), ("table", "query", "s3_manifest", "identifier")),
+    "iceberg": (("identifier",), ("table", "query", "s3_manifest", "paths")),
+}
 
-    kind: Literal["postgres", "s3_manifest"] = "postgres"
+
+class Source(_Strict):
+    """Where the records come from (``batch_inference.sources``, one module per kind).
+
+    ``postgres``: a table or one SELECT in the ledger's database. ``s3_manifest``:
+    JSON Lines objects listed in a manifest. ``sql``: a table or one SELECT
+    through any Airflow connection whose hook is a common-sql ``DbApiHook``.
+    ``parquet``: files or prefixes, local or on S3. ``iceberg``: a table at a
+    snapshot. A record is ``text_column``, or the several ``columns`` the
+    template names. Nothing here is part of the job version: the rows are
+    (their content hash is the snapshot identity)."""
+
+    kind: Literal["postgres", "s3_manifest", "sql", "parquet", "iceberg"] = "postgres"
     table: str | None = None
     query: str | None = Field(default=None, max_length=MAX_TEXT,
-                              description="one SELECT, run read-only inside the submit's transaction "
-                              "(snapshot.materialize_query)")
+                              description="one SELECT, run read-only (postgres: inside the submit's transaction, "
+                              "snapshot.materialize_query; sql: in a read-only transaction of the connection)")
     s3_manifest: str | None = Field(default=None, max_length=2048,
                                     description="s3://bucket/key of a manifest listing JSONL object keys")
+    paths: list[Any] | None = Field(default=None, max_length=100_000, description="parquet: files or prefixes "
+                                    "(local paths or s3://bucket/key); an entry {path, etag, version_id, size} "
+                                    "pins one file, as submit records every file it read")
+    identifier: str | None = Field(default=None, max_length=200, description="iceberg: namespace.table")
+    catalog: "IcebergCatalog | None" = Field(default=None, description="iceberg: the catalog, as the Iceberg "
+                                             "destination names it (default: the SQL catalog in the ledger)")
+    warehouse: str | None = Field(default=None, max_length=2048, description="iceberg: the catalog's warehouse")
+    snapshot_id: int | None = Field(default=None, description="iceberg: the snapshot to read (default: the "
+                                    "current one, recorded with the job at submit)")
+    row_filter: str | None = Field(default=None, max_length=MAX_TEXT, description="iceberg: a pyiceberg row "
+                                   "filter expression")
+    as_of: str | None = Field(default=None, max_length=64, description="sql: a time-travel timestamp (ISO 8601) "
+                              "for Snowflake (AT) and BigQuery (FOR SYSTEM_TIME AS OF)")
+    s3_endpoint: str | None = Field(default=None, max_length=2048, description="parquet/iceberg: an "
+                                    "S3-compatible endpoint URL (else the connection's endpoint_url)")
     id_column: str = "id"
     text_column: str = "text"
+    columns: list[str] | None = Field(default=None, min_length=1, max_length=MAX_COLUMNS, description="the "
+                                      "columns a record is made of; the template names each ({subject}, {body}); "
+                                      "instead of text_column")
     acl_column: str | None = None
     conn_id: str | None = Field(default=None, max_length=250,
-                                description="Airflow connection for the source (postgres or aws)")
+                                description="Airflow connection for the source (postgres, aws, or any "
+                                "common-sql DbApiHook for kind sql); a name, never a credential")
 
     @field_validator("table")
     @classmethod
-    def _table_ident(cls, v: str | None) -> str | None:
-        if v is not None and not _IDENT.match(v):
+    def _table_ident(cls, v: str | None, info: ValidationInfo | None = None) -> str | None:
+        if v is None:
+            return v
+        if info is not None and info.data.get("kind") == "sql":   # database.schema.table, project.dataset.table
+            if not _IDENT3.match(v):
+                raise ValueError("must be a plain identifier such as schema.table or database.schema.table")
+        elif not _IDENT.match(v):
             raise ValueError("must be a plain identifier such as schema.table")
         return v
 
     @field_validator("id_column", "text_column", "acl_column")
     @classmethod
     def _col_ident(cls, v: str | None) -> str | None:
-        if v is not None and not re.match(r"^[A-Za-z_][A-Za-z0-9_]{0,62}$", v):
+        if v is not None and not _COLUMN.match(v):
             raise ValueError("must be a plain column name (at most 63 characters)")
+        return v
+
+    @field_validator("columns")
+    @classmethod
+    def _columns(cls, v: list[str] | None) -> list[str] | None:
+        for c in v or ():
+            if not _COLUMN.match(c):
+                raise ValueError(f"{c[:40]!r} must be a plain column name (at most 63 characters)")
+        if v is not None and len(set(v)) != len(v):
+            raise ValueError("each column may be named once")
+        return v
+
+    @field_validator("identifier")
+    @classmethod
+    def _identifier(cls, v: str | None) -> str | None:
+        if v is not None and not _TABLE_IDENT.match(v):
+            raise ValueError("must be namespace.table in lower-case letters, digits and underscores")
+        return v
+
+    @field_validator("paths")
+    @classmethod
+    def _paths(cls, v: list[Any] | None) -> list[Any] | None:
+        for i, p in enumerate(v or ()):
+            path = p.get("path") if isinstance(p, dict) else p
+            if not isinstance(path, str) or not path or (isinstance(p, dict) and set(p) - {
+                    "path", "etag", "version_id", "size", "mtime_ns"}):
+                raise ValueError(f"entry {i}: a path, or {{path, etag, version_id, size, mtime_ns}}")
+            if "://" in path and "@" in path.split("://", 1)[1].split("/", 1)[0]:
+                raise ValueError(f"entry {i}: must not hold credentials")
+        if v is not None and not v:
+            raise ValueError("must name at least one file or prefix")
         return v
 
     @model_validator(mode="after")
     def _one_of(self) -> "Source":
-        given = [n for n in ("table", "query", "s3_manifest") if getattr(self, n)]
-        if self.kind == "postgres" and len([g for g in given if g != "s3_manifest"]) != 1:
-            raise ValueError("a postgres source needs exactly one of 'table' or 'query'")
-        if self.kind == "s3_manifest" and given != ["s3_manifest"]:
-            raise ValueError("an s3_manifest source needs 's3_manifest' and no table or query")
+        if self.kind == "postgres":   # the messages of the first two kinds, as they always were
+            if len([n for n in ("table", "query") if getattr(self, n)]) != 1:
+                raise ValueError("a postgres source needs exactly one of 'table' or 'query'")
+        if self.kind == "s3_manifest":
+            if [n for n in ("table", "query", "s3_manifest") if getattr(self, n)] != ["s3_manifest"]:
+                raise ValueError("an s3_manifest source needs 's3_manifest' and no table or query")
+        need, refused = SOURCE_KINDS[self.kind]
+        given = [n for n in need if getattr(self, n)]
+        if len(given) != 1:
+            raise ValueError(f"a {self.kind} source needs exactly one of " + " or ".join(map(repr, need)))
+        extra = [n for n in refused if getattr(self, n)]
+        if extra:
+            raise ValueError(f"a {self.kind} source does not read {', '.join(map(repr, extra))}")
+        if self.kind == "sql" and not self.conn_id:
+            raise ValueError("a sql source needs conn_id: the Airflow connection it reads through")
+        kind_only = {"as_of": "sql", "snapshot_id": "iceberg", "row_filter": "iceberg", "catalog": "iceberg",
+                     "warehouse": "iceberg"}
+        for name, kind in kind_only.items():
+            if getattr(self, name) is not None and self.kind != kind:
+                raise ValueError(f"{name!r} is for a {kind} source")
         return self
+
+    @property
+    def label(self) -> str:
+        """The source as one line's errors name it."""
+        if self.kind in ("postgres", "s3_manifest"):
+            return self.table or self.s3_manifest or "query"
+        if self.kind == "sql":
+            return f"{self.table or 'query'} (connection {self.conn_id})"
+        if self.kind == "parquet":
+            first = self.paths[0] if self.paths else ""
+            first = first.get("path", "") if isinstance(first, dict) else first
+            return f"parquet {first}" + (f" (+{len(self.paths) - 1} more)" if self.paths and len(self.paths) > 1
+                                         else "")
+        return f"iceberg {self.identifier}" + (f"@{self.snapshot_id}" if self.snapshot_id is not None else "")
+
+    @property
+    def record_columns(self) -> list[str]:
+        """The columns a record is made of: ``columns``, else ``[text_column]``."""
+        return list(self.columns) if self.columns else [self.text_column]
 
 
 class Model(_Strict):
@@ -177,12 +291,13 @@ class Prompt(_Strict):
     version: str = Field(min_length=1, max_length=MAX_NAME)
     system: str = Field(min_length=1, max_length=MAX_TEXT)
     template: str = Field(default="Record:\n<<<\n{text}\n>>>", max_length=MAX_TEXT,
-                          description="user turn; must contain {text}")
+                          description="user turn; must contain {text}, or name each of source.columns "
+                          "({subject}, {body})")
 
     @field_validator("template")
     @classmethod
     def _has_text(cls, v: str) -> str:
-        if "{text}" not in v:
+        if "{text}" not in v and not PLACEHOLDER_NAME.search(v):
             raise ValueError("must contain the placeholder {text}")
         return v
 
@@ -309,9 +424,6 @@ class Fallback(_Strict):
                                                                "relax rate/overhead (fewer only tighten them)")
 
 
-_TABLE_IDENT = re.compile(r"^[a-z_][a-z0-9_]{0,62}(\.[a-z_][a-z0-9_]{0,62})+$")
-
-
 class IcebergCatalog(_Strict):
     """Where an Iceberg table's metadata pointer lives (batch_inference.destinations.iceberg).
 
@@ -375,6 +487,9 @@ class Destination(_Strict):
     def name(self) -> str:
         """The destination's name in the publish history: kind, catalog and table."""
         return f"{self.kind}:{self.catalog.name}.{self.identifier}"
+
+
+Source.model_rebuild()   # source.catalog names IcebergCatalog, defined after Source
 
 
 class Publish(_Strict):
@@ -443,6 +558,22 @@ class JobSpec(_Strict):
                                  f"{PG_IDENT_BYTES} bytes without control characters (it is a column of the "
                                  "published view)")
         return v
+
+    @model_validator(mode="after")
+    def _template_names_the_record(self) -> "JobSpec":
+        """Without ``source.columns`` the template holds ``{text}``; with them it names each column
+        (and any ``{name}`` that is not a column stays as written)."""
+        template, columns = self.prompt.template, self.source.columns
+        if not columns:
+            if "{text}" not in template:
+                raise ValueError("'prompt.template' must contain the placeholder {text} (or name each of "
+                                 "source.columns)")
+            return self
+        missing = [c for c in columns if "{" + c + "}" not in template]
+        if missing:
+            raise ValueError(f"'prompt.template' must name each of source.columns: "
+                             f"{', '.join('{' + c + '}' for c in missing)} missing")
+        return self
 
     @model_validator(mode="after")
     def _renew_below_lease(self) -> "JobSpec":

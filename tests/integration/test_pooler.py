@@ -12,7 +12,8 @@ import threading
 
 import pytest
 
-from batch_inference import db, deadline, plan, snapshot
+from batch_inference import db, deadline
+from batch_inference.sources import postgres as postgres_source
 from batch_inference.plan import submit
 from tests.conftest import make_source, make_spec, tickets
 from tests.fixtures.pgbouncer import PgBouncer
@@ -105,7 +106,7 @@ def test_a_source_query_submit_is_one_transaction_through_the_pooler(conn, db_ur
     between transactions: a staging table kept across two transactions is then not there."""
     make_source(conn, tickets(25))
     url = pgbouncer.url(db_url)
-    real = snapshot.materialize_query
+    real = postgres_source.materialize_query
 
     def fill_then_let_another_client_in(c, *args, **kwargs):
         out = real(c, *args, **kwargs)
@@ -114,7 +115,7 @@ def test_a_source_query_submit_is_one_transaction_through_the_pooler(conn, db_ur
 
     spec = make_spec(source={"table": None, "query": "SELECT id, body, acl FROM public.tickets WHERE id < 't00020'"})
     with db.connect(url, autocommit=False) as other, db.connect(url) as submitter:
-        monkeypatch.setattr(plan.snapshot, "materialize_query", fill_then_let_another_client_in)
+        monkeypatch.setattr(postgres_source, "materialize_query", fill_then_let_another_client_in)
         manifest = submit(submitter, spec)
         other.rollback()
     assert manifest.records == 20 and manifest.created

@@ -35,6 +35,7 @@ KEYS = {
     "lakehouse": {"records", "parquet_s", "iceberg_s", "ratio", "parquet_write_only_s", "rollback",
                   "rollback_size_ratio"},
     "reads": {"sizes", "shard_size", "round_trip_ms", "queries", "over_target", "max_ratio"},
+    "sources": {"sizes", "results", "memory_flat"},
 }
 
 
@@ -132,6 +133,14 @@ def check_reads(out: dict) -> None:
         assert row["ratio"] > 0
     assert out["met"] == (not out["over_target"]) and out["max_ratio"] == max(
         r["ratio"] for r in out["queries"].values())
+
+
+def check_sources(out: dict) -> None:
+    small, large = out["sizes"]
+    assert set(out["results"]) == {f"{k}@{n}" for k in ("sqlite", "parquet", "iceberg") for n in (small, large)}
+    for row in out["results"].values():
+        assert row["client_s"] > 0 and row["reader_s"] > 0 and row["submit_s"] > 0
+        assert set(row["peak_rss_mib"]) == {"client", "reader", "submit"} and row["peak_rss_mib"]["submit"] > 0
 
 
 @pytest.mark.parametrize("name", sorted(KEYS))

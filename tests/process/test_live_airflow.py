@@ -112,6 +112,39 @@ def test_backfill_with_params_publishes_and_emits_its_asset_event(live_airflow):
     assert published_rows(dep, "ticket_triage") == c["stored"]
 
 
+def test_a_two_column_sqlite_source_runs_through_the_deployment(live_airflow):
+    """A source outside the ledger (kind sql, a SQLite file behind an Airflow connection made through the
+    REST API) with a two-column template: the backfill DAG submits, works, validates and publishes it."""
+    import json
+    import sqlite3
+
+    dep = live_airflow
+    path = Path(dep.home) / "warehouse.db"
+    with sqlite3.connect(path) as w:
+        w.execute("DROP TABLE IF EXISTS tickets")
+        w.execute("CREATE TABLE tickets (id TEXT, subject TEXT, body TEXT, acl TEXT)")
+        w.executemany("INSERT INTO tickets VALUES (?, ?, ?, ?)",
+                      [(f"s{i:03d}", f"Subject {i}", f"Body {i}: I was charged twice.", json.dumps([f"team{i % 3}"]))
+                       for i in range(25)])
+    dep.api("POST", "/api/v2/connections", json={"connection_id": "live_sqlite", "conn_type": "sqlite",
+                                                 "host": str(path)})
+    spec = make_spec(dep, "ticket_sql", engine={"name": "noop"}, model=NOOP_MODEL, source={
+        "kind": "sql", "conn_id": "live_sqlite", "table": "tickets", "id_column": "id",
+        "columns": ["subject", "body"], "acl_column": "acl"},
+        prompt={"template": "Subject:\n<<<\n{subject}\n>>>\nBody:\n<<<\n{body}\n>>>"})
+    dep.unpause(BACKFILL)
+    run_id = dep.trigger(BACKFILL, {"spec_path": spec, "source_table": "", "shard_size": 10, "deadline": "+20h"})
+    assert dep.wait_run(BACKFILL, run_id, timeout=400)["state"] == "success", dep.explain(BACKFILL, run_id)
+    job = dep.xcom(BACKFILL, run_id, "submit")["job_version"]
+    c = counts(dep, job)
+    assert c["status"] == "published" and c["records"] == 25 and c["outstanding"] == 0
+    assert published_rows(dep, "ticket_sql") == 25
+    with db.connect(dep.ledger_url) as conn:
+        text = conn.execute("SELECT text FROM bi.snapshot_rows WHERE job_version = %s AND record_id = 's001'",
+                            (job,)).fetchone()["text"]
+    assert text == '["Subject 1", "Body 1: I was charged twice."]'
+
+
 def test_cutoff_firing_at_once_is_redriven_by_the_fallback_through_llama_cpp(live_airflow, webhook_sink):
     """The deadline is a minute away, the overhead 30 minutes: the cutoff is already past when the
     sensor starts. The slow batch worker drains; the fallback pool re-drives the rest through the

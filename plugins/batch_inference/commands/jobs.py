@@ -52,13 +52,11 @@ def run_submit(args: argparse.Namespace) -> int:
     overrides = {k: v for k, v in (("shard_size", args.shard_size),) if v is not None}
     if overrides:
         spec = spec.with_overrides(**overrides)
-    rows = None
-    if spec.source.kind == "s3_manifest":
-        from batch_inference.sources import s3_manifest_rows
+    from batch_inference.sources import for_spec
 
-        rows = s3_manifest_rows(spec.source, endpoint_url=args.s3_endpoint)
+    reader = for_spec(spec, s3_endpoint_url=args.s3_endpoint)
     with connect(args) as conn:
-        m = submit(conn, spec, rows)
+        m = submit(conn, spec, reader=reader)
     print_json(m.as_dict())
     if m.applied:
         print(f"job version {m.job_version} already exists; applied: {printable('; '.join(m.applied))}",

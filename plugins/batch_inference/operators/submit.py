@@ -96,8 +96,9 @@ class SubmitJobOperator(LedgerTask, BaseOperator):
         unchanged records from the last validated version). Templated.
     :param overrides: other spec fields to override, limited to those that do
         not change results (see ``OVERRIDABLE``). Templated.
-    :param aws_conn_id: Airflow AWS connection for ``s3_manifest`` sources
-        (default: the spec's ``source.conn_id``). Templated.
+    :param aws_conn_id: Airflow AWS connection for ``s3_manifest`` and S3 ``parquet`` sources
+        (default: the spec's ``source.conn_id``). Templated. A ``sql`` source reads through
+        ``source.conn_id``: any connection whose hook is a common-sql ``DbApiHook``.
     :param s3_endpoint_url: S3-compatible endpoint; usually the AWS
         connection's ``endpoint_url`` extra instead. Templated.
     :param wait_poll_seconds: when an earlier DAG run (of any DAG) is still working on the same job
@@ -168,17 +169,17 @@ class SubmitJobOperator(LedgerTask, BaseOperator):
         from batch_inference.plan import submit
         from batch_inference.snapshot import SnapshotError
 
-        spec = self.load_spec(context)
-        rows = None
-        if spec.source.kind == "s3_manifest":
-            from batch_inference.sources import s3_manifest_rows
+        from batch_inference.sources import for_spec
 
-            rows = s3_manifest_rows(spec.source, endpoint_url=self.s3_endpoint_url, aws_conn_id=self.aws_conn_id)
+        spec = self.load_spec(context)
+        # Any source kind: a PostgreSQL table or query, an S3 manifest, any common-sql connection
+        # (kind sql), Parquet files, an Iceberg snapshot (batch_inference.sources).
+        reader = for_spec(spec, s3_endpoint_url=self.s3_endpoint_url, aws_conn_id=self.aws_conn_id)
         hook = self.ledger_hook(self.postgres_conn_id)
         run = dag_run_ids(context)
         try:
             with hook.get_conn() as conn:
-                manifest = submit(conn, spec, rows).as_dict()
+                manifest = submit(conn, spec, reader=reader).as_dict()
                 if run:
                     record_job_run(conn, *run, manifest["job_version"], manifest["created"])
                     busy = self._earlier_active_run(conn, context, manifest["job_version"], *run)
@@ -194,7 +195,7 @@ class SubmitJobOperator(LedgerTask, BaseOperator):
 
             self.defer(trigger=TimeDeltaTrigger(timedelta(seconds=self.wait_poll_seconds)),
                        method_name="execute_after_wait")
-        self._lineage = self._datasets(spec.source, hook.get_conninfo())
+        self._lineage = self._datasets(spec.source, hook.get_conninfo(), reader)
         self.log.info("%s %s: %d records in %d shard(s), %d dead letters at planning, %d reused",
                       "submitted" if manifest["created"] else "already submitted", manifest["job_version"],
                       manifest["records"], manifest["shards"], manifest["dead_letters"], manifest["reused"])
@@ -222,8 +223,10 @@ class SubmitJobOperator(LedgerTask, BaseOperator):
         return None
 
     @staticmethod
-    def _datasets(source, conninfo: str) -> tuple[list[Ident], list[Ident]]:
-        if source.kind == "s3_manifest":
+    def _datasets(source, conninfo: str, reader: Any = None) -> tuple[list[Ident], list[Ident]]:
+        if reader is not None and source.kind != "postgres":
+            inputs = reader.lineage()   # named by the source's own module (batch_inference.sources)
+        elif source.kind == "s3_manifest":
             inputs = [s3_ident(source.s3_manifest)]
         elif source.table:
             inputs = [table_ident(conninfo, source.table)]

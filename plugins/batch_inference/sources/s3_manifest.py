@@ -1,4 +1,4 @@
-"""Object-store sources: read a manifest of JSONL objects in S3 as rows.
+"""``kind: s3_manifest``: read a manifest of JSONL objects in S3 as rows.
 
 A job whose ``source.kind`` is ``s3_manifest`` names ``s3://bucket/manifest.json``.
 The manifest lists the objects that make up the input, either as a JSON list
@@ -7,8 +7,9 @@ full ``s3://bucket/key``, or an object ``{"key": ..., "version_id": ...,
 "etag": ...}``. A ``version_id`` reads that exact version of a versioned
 bucket; an ``etag`` makes the read fail if the object changed after the
 manifest was written. Each object is JSON Lines (``.gz`` is decompressed),
-one record per line, with the spec's ``id_column``, ``text_column`` and
-``acl_column`` fields.
+one record per line, with the spec's ``id_column``, ``text_column`` (or
+``columns``) and ``acl_column`` fields. What pins the input is the manifest
+itself: its ``version_id`` and ``etag`` entries.
 
 ``s3_manifest_rows`` yields ``{"record_id", "text", "acl"}`` dicts lazily;
 ``plan.submit(conn, spec, rows=...)`` copies them into the ledger in the
@@ -31,6 +32,7 @@ from typing import Any
 from urllib.parse import urlparse
 
 from batch_inference.snapshot import SnapshotError
+from batch_inference.sources import Ident, Reader, record
 from batch_inference.spec import Source
 
 log = logging.getLogger(__name__)
@@ -95,13 +97,9 @@ def _get(client: Any, bucket: str, key: str, version_id: str | None = None, etag
     return gzip.decompress(body) if key.endswith(".gz") else body
 
 
-def s3_manifest_rows(source: Source, endpoint_url: str | None = None,
-                     aws_conn_id: str | None = None) -> Iterator[dict[str, Any]]:
-    """Yield ``{"record_id", "text", "acl"}`` for every line of every object the manifest lists.
-
-    ``aws_conn_id`` defaults to ``source.conn_id``. Objects are read one at a
-    time, so memory holds one object, not the snapshot.
-    """
+def _objects(source: Source, endpoint_url: str | None = None,
+             aws_conn_id: str | None = None) -> Iterator[dict[str, Any]]:
+    """Every JSON object of every line of every object the manifest lists, one object in memory at a time."""
     if not source.s3_manifest:
         raise SnapshotError("source has no s3_manifest")
     client = s3_client(aws_conn_id or source.conn_id, endpoint_url)
@@ -127,13 +125,50 @@ def s3_manifest_rows(source: Source, endpoint_url: str | None = None,
                 raise SnapshotError(f"s3://{obj_bucket}/{obj_key} line {lineno}: not JSON ({exc})") from None
             if not isinstance(rec, dict):
                 raise SnapshotError(f"s3://{obj_bucket}/{obj_key} line {lineno}: expected a JSON object")
-            rid = rec.get(source.id_column)
-            yield {
-                "record_id": None if rid is None else str(rid),
-                "text": rec.get(source.text_column),
-                "acl": rec.get(source.acl_column) if source.acl_column else None,
-            }
+            yield rec
             n += 1
         total += n
         log.info("read %d record(s) from s3://%s/%s", n, obj_bucket, obj_key)
     log.info("manifest %s: %d object(s), %d record(s)", source.s3_manifest, len(entries), total)
+
+
+def s3_manifest_rows(source: Source, endpoint_url: str | None = None,
+                     aws_conn_id: str | None = None) -> Iterator[dict[str, Any]]:
+    """Yield ``{"record_id", "text", "acl"}`` for every line of every object the manifest lists.
+
+    ``aws_conn_id`` defaults to ``source.conn_id``. Objects are read one at a
+    time, so memory holds one object, not the snapshot.
+    """
+    for rec in _objects(source, endpoint_url, aws_conn_id):
+        rid = rec.get(source.id_column)
+        yield {
+            "record_id": None if rid is None else str(rid),
+            "text": rec.get(source.text_column),
+            "acl": rec.get(source.acl_column) if source.acl_column else None,
+        }
+
+
+class S3Manifest(Reader):
+    """JSON Lines objects listed in a manifest; one ``text_column`` is read as it always was, several
+    ``columns`` become one record each (``sources.record``)."""
+
+    kind = "s3_manifest"
+
+    def rows(self) -> Iterator[dict[str, Any]]:
+        src = self.source
+        if not src.columns:
+            return s3_manifest_rows(src, self.s3_endpoint_url, self.aws_conn_id)
+        return self._records()
+
+    def _records(self) -> Iterator[dict[str, Any]]:
+        src = self.source
+        for rec in _objects(src, self.s3_endpoint_url, self.aws_conn_id):
+            try:
+                yield record(self.spec, rec.get(src.id_column), [rec.get(c) for c in src.record_columns],
+                             rec.get(src.acl_column) if src.acl_column else None)
+            except TypeError as exc:
+                raise self.refuse(f"record {rec.get(src.id_column)!r}: {exc}") from None
+
+    def lineage(self) -> list[Ident]:
+        bucket, key = parse_s3_url(self.source.s3_manifest or "")
+        return [(f"s3://{bucket}", key)]
