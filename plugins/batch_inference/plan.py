@@ -138,6 +138,13 @@ def _resubmitted(conn: psycopg.Connection, job: str, status: str, spec: JobSpec)
     from batch_inference.status import job_spec
 
     diff = settings_diff(job_spec(conn, job), spec)
+    # The same rows read from another source (a table here, a query or a warehouse there) are the same
+    # snapshot: its content hash is in the job version, so where they were read from is nothing to apply.
+    elsewhere = [path for path, _, _ in diff if path.split(".")[0] == "source"]
+    if elsewhere:
+        log.info("job version %s: the same rows read from another source (%s); the version keeps its own",
+                 job, ", ".join(elsewhere))
+    diff = [d for d in diff if d[0].split(".")[0] != "source"]
     if not diff:
         log.info("job version %s already exists for this spec and snapshot; nothing written", job)
         return []

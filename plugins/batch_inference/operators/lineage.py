@@ -51,7 +51,7 @@ def table_ident(conninfo: str, relation: str) -> Ident:
 
 
 def s3_ident(url: str) -> Ident:
-    from batch_inference.sources import parse_s3_url
+    from batch_inference.sources.s3_manifest import parse_s3_url
 
     bucket, key = parse_s3_url(url)
     return f"s3://{bucket}", key

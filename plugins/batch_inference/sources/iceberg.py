@@ -21,7 +21,7 @@ from collections.abc import Iterator
 from typing import Any
 
 from batch_inference.exceptions import SnapshotError
-from batch_inference.sources import Ident, Reader, batch_records
+from batch_inference.sources.base import Ident, Reader, batch_records
 
 log = logging.getLogger(__name__)
 

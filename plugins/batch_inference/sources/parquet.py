@@ -26,8 +26,8 @@ from pathlib import Path
 from typing import Any
 
 from batch_inference.exceptions import SnapshotError
-from batch_inference.sources import ROWS_PER_FETCH, Ident, Reader, batch_records
-from batch_inference.sources.s3_manifest import _client_error, parse_s3_url, s3_client
+from batch_inference.sources.base import ROWS_PER_FETCH, Ident, Reader, batch_records
+from batch_inference.sources.s3_manifest import client_error, parse_s3_url, s3_client
 
 log = logging.getLogger(__name__)
 
@@ -94,7 +94,7 @@ class ParquetFiles(Reader):
         except SnapshotError:
             raise
         except Exception as exc:  # noqa: BLE001 - botocore's errors: one line
-            raise self.refuse(f"cannot list {url}: {_client_error(exc)}") from None
+            raise self.refuse(f"cannot list {url}: {client_error(exc)}") from None
 
     def pin(self) -> dict[str, Any]:
         return {"paths": self.files()}
@@ -160,7 +160,7 @@ class ParquetFiles(Reader):
             try:
                 body = r.client().get_object(**kw)["Body"]
             except Exception as exc:  # noqa: BLE001
-                problem = _client_error(exc)
+                problem = client_error(exc)
                 if "PreconditionFailed" in problem or "412" in problem:
                     raise r.refuse(f"{f['path']} changed after it was listed ({problem})") from None
                 raise r.refuse(f"cannot read {f['path']}: {problem}") from None

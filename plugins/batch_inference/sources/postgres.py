@@ -14,7 +14,7 @@ from psycopg import sql
 
 from batch_inference.db import q
 from batch_inference.snapshot import source_errors
-from batch_inference.sources import Reader
+from batch_inference.sources.base import Reader
 from batch_inference.spec import JobSpec, Source
 
 QUERY_STAGE = sql.Identifier("pg_temp", "_bi_query")

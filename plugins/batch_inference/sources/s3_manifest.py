@@ -32,7 +32,7 @@ from typing import Any
 from urllib.parse import urlparse
 
 from batch_inference.snapshot import SnapshotError
-from batch_inference.sources import Ident, Reader, record
+from batch_inference.sources.base import Ident, Reader, record
 from batch_inference.spec import Source
 
 log = logging.getLogger(__name__)
@@ -79,7 +79,7 @@ def _entries(manifest: Any, url: str) -> list[dict[str, Any]]:
     return out
 
 
-def _client_error(exc: Exception) -> str:
+def client_error(exc: Exception) -> str:
     err = getattr(exc, "response", {}).get("Error", {}) if hasattr(exc, "response") else {}
     return f"{err.get('Code', exc.__class__.__name__)}: {err.get('Message', str(exc))}"
 
@@ -93,7 +93,7 @@ def _get(client: Any, bucket: str, key: str, version_id: str | None = None, etag
     try:
         body = client.get_object(**kwargs)["Body"].read()
     except Exception as exc:  # botocore's ClientError and friends; re-raised as one readable line
-        raise SnapshotError(f"cannot read s3://{bucket}/{key}: {_client_error(exc)}") from None
+        raise SnapshotError(f"cannot read s3://{bucket}/{key}: {client_error(exc)}") from None
     return gzip.decompress(body) if key.endswith(".gz") else body
 
 

@@ -28,7 +28,7 @@ from typing import Any
 
 from batch_inference.db import q
 from batch_inference.exceptions import SnapshotError
-from batch_inference.sources import ROWS_PER_FETCH, Ident, Reader, record
+from batch_inference.sources.base import ROWS_PER_FETCH, Ident, Reader, record
 
 log = logging.getLogger(__name__)
 

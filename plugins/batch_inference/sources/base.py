@@ -1,0 +1,206 @@
+"""The readers' interface (``Reader``) and the rule by which a source's values become a
+record's text and ACL (docs/sources.md). Each kind's module imports this one, never the package."""
+
+
+from __future__ import annotations
+
+import datetime as dt
+import decimal
+import json
+import uuid
+from abc import ABC, abstractmethod
+from collections.abc import Iterator, Mapping, Sequence
+from typing import Any
+
+from batch_inference.exceptions import SnapshotError
+from batch_inference.prompting import columns_text, record_chars
+from batch_inference.snapshot import clean_text
+from batch_inference.spec import JobSpec
+
+Ident = tuple[str, str]   # an OpenLineage dataset: (namespace, name)
+_DECODER = json.JSONDecoder()
+ROWS_PER_FETCH = 10_000   # rows a reader holds at once (a fetchmany, an Arrow batch)
+
+
+class Reader(ABC):
+    """One source of records (``spec.source``); nothing is contacted until ``check`` or ``rows``."""
+
+    kind: str
+
+    def __init__(self, spec: JobSpec, *, s3_endpoint_url: str | None = None, aws_conn_id: str | None = None):
+        self.spec = spec
+        self.source = spec.source
+        self.name = spec.source.label
+        self.s3_endpoint_url = s3_endpoint_url
+        self.aws_conn_id = aws_conn_id
+        self.ledger: Any = None   # the ledger's connection, set by plan.submit (an Iceberg SQL catalog lives there)
+
+    def check(self) -> None:
+        """Refuse now (one line, ``SnapshotError``) what ``rows`` would refuse for every record."""
+
+    @abstractmethod
+    def rows(self) -> Iterator[dict[str, Any]] | None:
+        """The records, lazily, in bounded memory; None when the ledger reads the source itself (SQL)."""
+
+    def pin(self) -> dict[str, Any]:
+        """What pins the input, as ``source`` fields: recorded with the job, and read back by a resubmit."""
+        return {}
+
+    def pinned(self) -> JobSpec:
+        """The spec with ``pin()`` written into its source (not part of the job version: the rows are)."""
+        pin = self.pin()
+        if not pin:
+            return self.spec
+        return self.spec.with_overrides(source={**self.spec.source.model_dump(mode="json"), **pin})
+
+    def lineage(self) -> list[Ident]:
+        """The OpenLineage input datasets, named as the OpenLineage naming spec names this source."""
+        return []
+
+    def close(self) -> None:
+        """Release what the reader holds open (a connection, a catalog)."""
+
+    def refuse(self, problem: str) -> SnapshotError:
+        """The one line naming this source and the problem."""
+        return SnapshotError(f"source {self.name}: {problem}")
+
+
+# -- a value becomes text -------------------------------------------------------
+
+def _float_text(x: float) -> str:
+    """A float8 as PostgreSQL 12+ writes it: the shortest digits that read back as the same number,
+    positional from 1e-4 up to 1e15, else ``d.ddde+XX``; ``NaN``, ``Infinity``, ``-Infinity``."""
+    if x != x:
+        return "NaN"
+    if x in (float("inf"), float("-inf")):
+        return "Infinity" if x > 0 else "-Infinity"
+    if x == 0:
+        return "-0" if str(x).startswith("-") else "0"
+    d = decimal.Decimal(repr(x))
+    sign, digits, _ = d.as_tuple()
+    exp10 = d.adjusted()
+    text = "".join(map(str, digits)).rstrip("0") or "0"
+    if exp10 < -4 or exp10 >= 15:
+        mant = text[0] + ("." + text[1:] if len(text) > 1 else "")
+        return f"{'-' if sign else ''}{mant}e{'-' if exp10 < 0 else '+'}{abs(exp10):02d}"
+    out = format(d, "f")
+    if "." in out:
+        out = out.rstrip("0").rstrip(".")
+    return out
+
+
+def _time_text(text: str) -> str:
+    """ISO time text without the trailing zeros of its fraction (``12:00:00.5``), as PostgreSQL writes it."""
+    head, dot, frac = text.partition(".")
+    if not dot:
+        return text
+    digits = frac.rstrip("0")
+    return head + ("." + digits if digits else "")
+
+
+def _jsonb_order(value: Any) -> Any:
+    """A JSON value with its object keys in jsonb's order (shorter first, then by bytes)."""
+    if isinstance(value, Mapping):
+        return {k: _jsonb_order(value[k]) for k in sorted(value, key=lambda k: (len(str(k).encode()),
+                                                                                  str(k).encode()))}
+    if isinstance(value, (list, tuple)):
+        return [_jsonb_order(v) for v in value]
+    return value
+
+
+def to_text(value: Any) -> str | None:
+    """A column value as the text a prompt sees, the same for every source (docs/sources.md).
+
+    Text as is; integers in digits; decimals with their scale (``1.50``);
+    floats as PostgreSQL writes a float8; booleans ``true``/``false``; dates,
+    times and timestamps in ISO 8601 with a space (``2026-01-02 03:04:05.5``,
+    an aware one in UTC with ``+00``); UUIDs in their usual form; JSON objects
+    and arrays as jsonb writes them. Bytes and anything else cannot become
+    text: ``TypeError`` (a reader turns it into one line)."""
+    if value is None or isinstance(value, str):
+        return value
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, int):
+        return str(value)
+    if isinstance(value, float):
+        return _float_text(value)
+    if isinstance(value, decimal.Decimal):
+        return "NaN" if value.is_nan() else format(value, "f")
+    if isinstance(value, dt.datetime):
+        if value.tzinfo is not None:
+            value = value.astimezone(dt.timezone.utc).replace(tzinfo=None)
+            return _time_text(value.isoformat(sep=" ")) + "+00"
+        return _time_text(value.isoformat(sep=" "))
+    if isinstance(value, dt.date):
+        return value.isoformat()
+    if isinstance(value, dt.time):
+        return _time_text(value.isoformat())
+    if isinstance(value, uuid.UUID):
+        return str(value)
+    if isinstance(value, (Mapping, list, tuple)):
+        try:
+            return json.dumps(_jsonb_order(value), ensure_ascii=False, allow_nan=False, default=_json_default)
+        except (TypeError, ValueError) as exc:
+            raise TypeError(f"a JSON value that cannot become text ({exc})") from None
+    raise TypeError(f"a value of type {type(value).__name__} cannot become text")
+
+
+def _json_default(value: Any) -> Any:
+    text = to_text(value)   # a date or a decimal inside a JSON value (a Parquet struct, a Snowflake VARIANT)
+    return text
+
+
+def to_acl(value: Any) -> list[str] | None:
+    """An ACL value as the snapshot's text[]: a list, a JSON array written as text, or one value."""
+    if value is None:
+        return None
+    if type(value) is str and value[:1] == "[" or isinstance(value, str) and value.lstrip().startswith("["):
+        try:
+            value = _DECODER.decode(value)
+        except ValueError:
+            return [value]
+    if isinstance(value, (list, tuple)):
+        return [v if type(v) is str else str(to_text(v)) for v in value]
+    return [str(to_text(value))]
+
+
+def record(spec: JobSpec, record_id: Any, values: Sequence[Any], acl: Any) -> dict[str, Any]:
+    """One row for ``snapshot.stage_from_rows`` from the values of ``spec.source.record_columns``.
+
+    One ``text_column``: its value as text (the snapshot judges it). Several
+    ``columns``: the JSON array of their texts (``prompting.columns_text``),
+    judged whole here as ``source_columns_relation`` judges one read in SQL:
+    a NUL or a lone surrogate in any column, then over ``max_input_chars``
+    characters in all, then every column blank."""
+    rid = None if record_id is None else to_text(record_id)
+    if not spec.source.columns:
+        return {"record_id": rid, "text": to_text(values[0]), "acl": to_acl(acl)}
+    texts: list[str | None] = []
+    reject = None
+    for v in values:
+        if type(v) is str and v.isascii() and "\x00" not in v:   # the common case, without the checks' calls
+            texts.append(v)
+            continue
+        text, bad = clean_text(to_text(v))
+        texts.append(text)
+        reject = reject or bad
+    chars = record_chars(texts)
+    if reject is None and chars > spec.max_input_chars:
+        reject = f"input over the length cap ({chars} characters > {spec.max_input_chars})"
+    if reject is None and not any(t and t.strip(" \t\n\r\f\x0b") for t in texts):
+        reject = "empty text"
+    return {"record_id": rid, "text": columns_text(texts), "acl": to_acl(acl), "reject": reject}
+
+
+def batch_records(reader: Reader, batch: Any, where: str = "") -> Iterator[dict[str, Any]]:
+    """The records of one Arrow record batch (a Parquet file's, an Iceberg scan's), as ``record`` makes them."""
+    src = reader.source
+    data = batch.to_pydict()
+    ids = data[src.id_column]
+    for i, rid in enumerate(ids):
+        try:
+            yield record(reader.spec, rid, [data[c][i] for c in src.record_columns],
+                         data[src.acl_column][i] if src.acl_column else None)
+        except TypeError as exc:
+            raise reader.refuse(f"{where}record {rid!r}: {exc}") from None
