@@ -13,8 +13,8 @@ of that is spent before every option's projected bill is checked against ``cost.
 Hysteresis, so it does not flap: it adds at once when behind (an added worker needs
 ``start_s`` before its first row, which the projection counts), but removes only when the
 smaller fleet would still finish a second margin early and ``cooldown_s`` have passed since
-the last change; and it measures a worker's throughput only over polls at one fleet size,
-past the start-up of its newest workers, so a worker starting up does not read as a slow one.
+the last change (or the first claim); and it counts a worker's throughput only from
+``start_s`` after it appeared, so a worker starting up does not read as a slow one.
 
 Each decision is recorded in the ledger (``bi.fleet_decisions``: time, projected finish and
 bill with and without the change, every option, the reason) and its size becomes the
@@ -41,6 +41,9 @@ from batch_inference.cost import Prices, cents
 UTC = timezone.utc
 ADD, REMOVE, HOLD = "add", "remove", "hold"
 MAX_OPTIONS = 12   # options recorded per decision (the bounds, the current size and those around the choice)
+# A removal is weighed at this share of the measured throughput: a worker is given back only if
+# the smaller fleet would still keep two margins were the measurement that much optimistic.
+REMOVE_DERATE = 0.8
 
 
 @dataclass(frozen=True)
@@ -72,31 +75,44 @@ class Policy:
 
 @dataclass
 class Throughput:
-    """One worker's rows/s, measured over the polls since the fleet last changed size.
+    """One worker's rows/s: batch rows stored over the worker-seconds of the workers producing them.
 
     ``add(t, done, running)`` takes a poll (seconds on any clock, batch rows stored so far,
-    workers running). A change of ``running`` starts a new span, whose first ``start_s`` are
-    not measured (the new workers start up; removed ones finish what they hold); the estimate
-    is the rows over the worker-seconds of the span's last ``window_s``. Until a span has
-    two polls the previous estimate stands."""
+    workers running). A worker counts as producing ``start_s`` after it appeared (the first
+    ones included), so a worker starting up does not read as a slow one; a removed worker
+    stops counting at once. The estimate is over the polls of the last ``window_s``; until
+    rows and producing worker-seconds are both seen, the previous estimate stands."""
 
     start_s: float
     window_s: float
     estimate: float | None = None
-    _running: int | None = None
-    _settle: float = 0.0
-    _span: list[tuple[float, int]] = field(default_factory=list)
+    _running: int = 0
+    _young: list[list[float]] = field(default_factory=list)     # [appeared at, how many]
+    _polls: list[tuple[float, int, int]] = field(default_factory=list)   # (t, done, producing)
+
+    def producing(self, t: float) -> int:
+        return self._running - int(sum(k for at, k in self._young if t - at < self.start_s))
 
     def add(self, t: float, done: int, running: int) -> float | None:
-        if running != self._running:
-            self._running, self._settle, self._span = running, t + self.start_s, []
-        if t >= self._settle and running > 0:
-            self._span.append((t, done))
-            while len(self._span) > 2 and self._span[-1][0] - self._span[1][0] >= self.window_s:
-                self._span.pop(0)
-            (t0, d0), (t1, d1) = self._span[0], self._span[-1]
-            if t1 > t0 and d1 > d0:
-                self.estimate = (d1 - d0) / (t1 - t0) / running
+        if running > self._running:
+            self._young.append([t, running - self._running])
+        else:
+            gone = self._running - running            # the newest go first (scale_to removes the newest)
+            while gone > 0 and self._young:
+                take = min(gone, int(self._young[-1][1]))
+                self._young[-1][1] -= take
+                gone -= take
+                if not self._young[-1][1]:
+                    self._young.pop()
+        self._running = running
+        self._young = [y for y in self._young if t - y[0] < self.start_s]
+        self._polls.append((t, done, self.producing(t)))
+        while len(self._polls) > 2 and t - self._polls[1][0] >= self.window_s:
+            self._polls.pop(0)
+        rows = self._polls[-1][1] - self._polls[0][1]
+        worker_s = sum(p * (b[0] - a[0]) for a, b in zip(self._polls, self._polls[1:]) for p in (a[2],))
+        if rows > 0 and worker_s > 0:
+            self.estimate = rows / worker_s
         return self.estimate
 
 
@@ -217,9 +233,12 @@ def _fmt(o: Option) -> str:
 
 def decide(now: datetime, deadline: datetime, outstanding: int, per_worker: float | None, current: int,
            fb_rate: float, overhead_s: float, policy: Policy, prices: Prices, spent: Decimal = Decimal(0),
-           last_change: datetime | None = None) -> Decision:
+           last_change: datetime | None = None, shards_left: int | None = None) -> Decision:
     """The fleet size for this poll (pure). ``current``: the desired size in force (the launchers'
-    target); ``last_change``: when it was set, for the cooldown; ``spent``: the bill so far."""
+    target); ``last_change``: when it was set (or the first claim), for the cooldown; ``spent``: the
+    bill so far; ``shards_left``: shards pending or leased, beyond which a worker has nothing to claim."""
+    if shards_left is not None and shards_left < policy.max_workers:
+        policy = Policy(**{**policy.__dict__, "max_workers": max(policy.min_workers, shards_left)})
     start = policy.clamp(current)
     if outstanding <= 0:
         return Decision(now, current, current, HOLD, "nothing outstanding", per_worker)
@@ -243,12 +262,16 @@ def decide(now: datetime, deadline: datetime, outstanding: int, per_worker: floa
     elif want.workers < start and cur is not None and cur.meets:
         # Remove only with a second margin to spare and past the cooldown: no flapping.
         cooled = last_change is None or (now - last_change).total_seconds() >= policy.cooldown_s
-        early = [o for o in options if o.workers < start and o.finish is not None
+        slow = [project(o.workers, current, per_worker * REMOVE_DERATE, outstanding, now, deadline, fb_rate,
+                        overhead_s, policy, prices, spent) for o in options if o.workers < start]
+        early = [o for o in slow if o.finish is not None
                  and (o.finish - now).total_seconds() <= (deadline - now).total_seconds() - overhead_s
                  - 2 * policy.margin_s]
+        early = [by_n[o.workers] for o in early]
         if cooled and early:
             desired, action = early[0].workers, REMOVE
-            why = f"ahead: {_fmt(early[0])}, a second margin of {policy.margin_s:g}s to spare"
+            why = (f"ahead: {_fmt(early[0])}, a second margin of {policy.margin_s:g}s to spare at "
+                   f"{REMOVE_DERATE:.0%} of the measured throughput")
         else:
             why = (f"ahead, holding {start} ({'within the cooldown' if not cooled else 'no smaller size keeps two margins'})"
                    f": {_fmt(cur)}")

@@ -185,12 +185,15 @@ async def load_context(aconn: psycopg.AsyncConnection, cfg: WatchConfig) -> JobC
 
 
 async def steer_fleet(aconn: psycopg.AsyncConnection, cfg: WatchConfig, ctx: JobContext, counts: dict[str, Any],
-                      d: CutoffDecision, pilot: Throughput, logger: Any = log) -> dict[str, Any]:
+                      d: CutoffDecision, pilot: Throughput, logger: Any = log) -> dict[str, Any] | None:
     """The autopilot's poll (``batch_inference.autopilot``): measure one worker's throughput,
     decide the fleet's size against the deadline and the budget, record the decision (and a
-    change of size as the desired size the launchers reconcile to). Returns the decision."""
+    change of size as the desired size the launchers reconcile to). Returns the decision; None
+    before a launcher has said what it runs (there is nothing to steer yet)."""
     state = await _one(aconn, "fleet_size", {"job": cfg.job_version})
     seen = await _one(aconn, "fleet_running", {"job": cfg.job_version})
+    if state is None and not seen["launchers"]:
+        return None
     gpu = await _one(aconn, "fleet_gpu_seconds", {"job": cfg.job_version})
     policy = autopilot.Policy.from_spec(ctx.spec)
     current = int(state["desired"]) if state else (int(seen["running"]) if seen["launchers"] else policy.min_workers)
@@ -199,7 +202,8 @@ async def steer_fleet(aconn: psycopg.AsyncConnection, cfg: WatchConfig, ctx: Job
     spent, _ = job_bill(counts, ctx.prices, gpu_hours=float(gpu["worker_seconds"]) / 3600.0)
     decision = autopilot.decide(d.now, cfg.deadline, d.outstanding, per_worker, current, ctx.constants.rate,
                                 ctx.constants.overhead_s, policy, ctx.prices, spent.total,
-                                last_change=state["decided_at"] if state else None)
+                                last_change=state["decided_at"] if state else counts.get("first_claim_at"),
+                                shards_left=int(counts["shards"].get("pending", 0)) + int(counts["shards"].get("leased", 0)))
     await aconn.execute(db.q("fleet_decide"), decision.params(cfg.job_version))
     if decision.action != autopilot.HOLD or decision.page:
         logger.warning("autopilot of %s: %s %d -> %d worker(s): %s%s", cfg.job_version, decision.action,
@@ -364,7 +368,7 @@ async def watch(connect: Callable[[], Awaitable[psycopg.AsyncConnection]], cfg: 
                     a = ctx.spec.autopilot
                     pilot = pilot or Throughput(start_s=a.start_s, window_s=a.window_s)
                     decision = await steer_fleet(conn, cfg, ctx, counts, verdict.decision, pilot, logger)
-                    if decision.get("page") and not cfg.paged and verdict.status == WAIT:
+                    if decision and decision.get("page") and not cfg.paged and verdict.status == WAIT:
                         verdict = replace(verdict, status=BUDGET, reason=decision["page"])
                 failures = 0
             except UnknownJob as exc:

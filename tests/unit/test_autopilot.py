@@ -79,14 +79,19 @@ def test_no_throughput_yet_holds_within_the_bounds():
 
 def test_throughput_is_measured_per_worker_past_the_start_up():
     tp = Throughput(start_s=10, window_s=60)
-    assert tp.add(0, 0, 2) is None                # a new span: start-up
-    assert tp.add(10, 200, 2) is None             # first measured poll
-    assert tp.add(20, 400, 2) == pytest.approx(10.0)
-    # Two workers added: their start-up is not read as slowness; the old estimate stands.
-    assert tp.add(25, 500, 4) == pytest.approx(10.0)
-    assert tp.add(30, 600, 4) == pytest.approx(10.0)
-    assert tp.add(35, 700, 4) == pytest.approx(10.0)  # first poll of the new span
-    assert tp.add(45, 1100, 4) == pytest.approx(10.0)
+    assert tp.add(0, 0, 2) is None                # two workers appear: starting up
+    assert tp.add(10, 0, 2) is None               # producing from now
+    assert tp.add(20, 200, 2) == pytest.approx(10.0)
+    # Two workers added: their start-up is not read as slowness.
+    assert tp.add(25, 300, 4) == pytest.approx(10.0)
+    assert tp.add(35, 500, 4) == pytest.approx(10.0)
+    assert tp.add(45, 900, 4) == pytest.approx(10.0)
+    # Slowed to half: the window follows it.
+    for t in range(55, 200, 10):
+        tp.add(t, 900 + (t - 45) * 20, 4)
+    assert tp.estimate == pytest.approx(5.0)
+    # Removing workers stops counting them at once.
+    assert tp.add(205, 900 + 160 * 20 + 5 * 5, 1) == pytest.approx(5.0, rel=0.05)
 
 
 def test_the_decision_records_its_options_and_the_finish_with_and_without():

@@ -27,6 +27,7 @@ import psycopg
 from psycopg import sql
 
 from batch_inference import cutoff, db
+from batch_inference.autopilot import gpu_hours
 from batch_inference.cost import Prices, job_bill
 from batch_inference.db import q
 from batch_inference.publish import publish_history
@@ -371,7 +372,8 @@ def cost(conn: psycopg.Connection, job_version: str) -> dict[str, Any]:
     counts = job_counts(conn, job_version)
     prices = Prices.from_spec(row["spec"] or {})
     outstanding = int(counts["outstanding"])
-    so_far, fired = job_bill(counts, prices, conn.execute(q("hosted_cost_rows"), {"job": job_version}).fetchone())
+    so_far, fired = job_bill(counts, prices, conn.execute(q("hosted_cost_rows"), {"job": job_version}).fetchone(),
+                             gpu_hours=gpu_hours(conn, job_version))
     return {
         "job_version": job_version,
         "so_far": so_far.to_dict(),
