@@ -235,8 +235,8 @@ class Fleet:
 
     # -- size ----------------------------------------------------------------
     def slots(self) -> list[int]:
-        """The slots still in use: running, or due to restart."""
-        return [s for s in range(self.size) if s not in self._finished]
+        """The slots still in use: running, or due to restart (not those ``scale_to`` removed)."""
+        return [s for s in range(self.size) if s not in self._finished and s not in self._retired]
 
     @property
     def drained(self) -> bool:

@@ -14,6 +14,8 @@ _WHERE = {
     "LocalWorkersOperator": "batch_inference.operators.local_workers",
     "GpuWorkerPodOperator": "batch_inference.operators.gpu_pods",
     "gpu_worker_pods": "batch_inference.operators.gpu_pods",
+    "GpuAutopilotOperator": "batch_inference.operators.gpu_autopilot",
+    "GpuPodLauncher": "batch_inference.operators.gpu_autopilot",
     "ValidateOperator": "batch_inference.operators.validate",
     "PublishOperator": "batch_inference.operators.publish",
     "RollbackOperator": "batch_inference.operators.publish",
