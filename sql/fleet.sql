@@ -40,3 +40,7 @@ SELECT coalesce(sum(running * extract(epoch FROM (until - at))), 0)::double prec
 SELECT id, at, current, desired, action, reason, per_worker, finish_without, finish_with, bill_without,
        bill_with, page, options
   FROM bi.fleet_decisions WHERE job_version = %(job)s ORDER BY id;
+
+-- name: fleet_changes  the decisions that changed the size or paged, oldest first (the dashboard's time axis)
+SELECT at, current, desired, action, reason, page
+  FROM bi.fleet_decisions WHERE job_version = %(job)s AND (action <> 'hold' OR page IS NOT NULL) ORDER BY id;

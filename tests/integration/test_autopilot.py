@@ -91,6 +91,12 @@ def test_the_watch_adds_workers_when_behind_and_records_every_decision(conn, db_
     size = conn.execute(db.q("fleet_size"), {"job": job}).fetchone()
     assert size["desired"] == rows[-1]["desired"] and size["desired"] >= add["desired"]
     assert payload["autopilot"]["desired"] == size["desired"]
+    # The dashboard shows each change on the progress panel's time axis, with its reason.
+    from batch_inference.ui.data import progress
+
+    fleet = progress(conn, job)["fleet"]
+    assert [f["desired"] for f in fleet] == [r["desired"] for r in rows if r["action"] != "hold"]
+    assert fleet[0]["action"] == "add" and fleet[0]["reason"] == add["reason"]
 
 
 def test_the_budget_page_ends_the_trigger_once_with_the_arithmetic(conn, db_url):

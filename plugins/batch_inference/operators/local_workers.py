@@ -100,13 +100,14 @@ class LocalWorkersOperator(BaseOperator):
         ``bi_worker``); the job version is granted to ``grant_role`` first, over
         ``postgres_conn_id``. None: the workers use ``postgres_conn_id`` (the owner). Templated.
     :param grant_role: the role granted the job version (default: the login of ``worker_conn_id``).
-    :param autopilot: reconcile the number of workers to the fleet's desired size in the ledger
-        (``bi.fleet_size``, which the autopilot in the cutoff watch sets) every ``reconcile_seconds``,
-        within the spec's ``cost.min_workers`` .. ``cost.max_workers``: ``workers`` is the size until
-        the autopilot has decided, and a restarted task resumes from the ledger's size. A removed worker
-        gets SIGTERM (it releases its lease at once). Each change of size is recorded
+    :param autopilot: when the job's spec enables the autopilot (``autopilot.enabled``), reconcile the
+        number of workers to the fleet's desired size in the ledger (``bi.fleet_size``, which the
+        autopilot in the cutoff watch sets) every ``reconcile_seconds``, within the spec's
+        ``cost.min_workers`` .. ``cost.max_workers``: ``workers`` is the size until the autopilot has
+        decided, and a restarted task resumes from the ledger's size. False: a fixed fleet whatever the spec. A removed worker
+        gets SIGTERM (it releases its lease at once). Either way each change of size is recorded
         (``bi.fleet_observed``): the batch workers' GPU-hours in the bill.
-    :param reconcile_seconds: how often the autopilot's desired size is read.
+    :param reconcile_seconds: how often the autopilot's desired size is read and the size recorded.
     """
 
     template_fields: Sequence[str] = ("job_version", "workers", "engine", "engine_options", "postgres_conn_id",
@@ -119,7 +120,7 @@ class LocalWorkersOperator(BaseOperator):
                  postgres_conn_id: str = BatchInferenceHook.default_conn_name, max_restarts: int = 3,
                  grace_seconds: float = 20.0, env: Mapping[str, str] | None = None,
                  poll_seconds: float = 0.5, worker_conn_id: str | None = None, grant_role: str | None = None,
-                 autopilot: bool = False, reconcile_seconds: float = 5.0, **kwargs: Any) -> None:
+                 autopilot: bool = True, reconcile_seconds: float = 5.0, **kwargs: Any) -> None:
         super().__init__(**kwargs)
         self.worker_conn_id = worker_conn_id
         self.grant_role = grant_role
@@ -160,6 +161,7 @@ class LocalWorkersOperator(BaseOperator):
         except UnknownJob as exc:
             raise AirflowFailException(str(exc)) from None
         self._bounds = (spec.cost.min_workers, spec.cost.max_workers)
+        self._follow = bool(self.autopilot) and spec.autopilot.enabled
         engine = (self.engine or "").strip() or spec.engine.name
         # The CLI's --engine-option replaces the spec's options, so pass the merge.
         options = {**spec.engine.options, **dict(self.engine_options or {})}
@@ -195,7 +197,7 @@ class LocalWorkersOperator(BaseOperator):
         self.log.info("starting %d local worker(s) for %s: engine %s, options %s", n, job_version, engine, options)
 
         launcher = f"local:{self.task_id}"
-        if self.autopilot:
+        if self._follow:
             n = self._resume_size(conninfo, job_version, n)
         fleet = self.fleet = Fleet(self.worker_arguments(job_version, engine, options), env, n, log=self.log,
                                    fatal=FATAL, max_restarts=self.max_restarts)
@@ -206,8 +208,12 @@ class LocalWorkersOperator(BaseOperator):
                 fleet.start_all()
             while fleet.active() and not self._killed.is_set():
                 fleet.poll(on_exit=self._on_exit)
-                if self.autopilot and time.monotonic() >= next_reconcile:
-                    self._reconcile(conninfo, job_version, launcher, n)
+                if time.monotonic() >= next_reconcile:
+                    # What runs is recorded either way: the workers' GPU-hours in the bill.
+                    if self._follow:
+                        self._reconcile(conninfo, job_version, launcher, n)
+                    else:
+                        self._observe(conninfo, job_version, launcher, len(fleet.slots()))
                     next_reconcile = time.monotonic() + self.reconcile_seconds
                 fleet.wait(self.poll_seconds)
         except AirflowFailException as exc:
@@ -218,8 +224,7 @@ class LocalWorkersOperator(BaseOperator):
             self._stop()
             raise
         finally:
-            if self.autopilot:
-                self._observe(conninfo, job_version, launcher, 0)
+            self._observe(conninfo, job_version, launcher, 0)
         if self._killed.is_set():
             self._stop()
             raise AirflowException(f"workers of {job_version} stopped from outside (the task was marked failed, "

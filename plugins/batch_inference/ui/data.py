@@ -288,6 +288,8 @@ def progress(conn: psycopg.Connection, job_version: str, now: datetime | None = 
         "overhead_s": overhead,
         "constants": constants.to_dict(),
         "lanes": lanes,
+        # The autopilot's changes of the batch fleet's size (and its pages), on the same time axis.
+        "fleet": conn.execute(q("fleet_changes"), {"job": job_version}).fetchall(),
     }
 
 
