@@ -16,6 +16,7 @@ _WHERE = {
     "gpu_worker_pods": "batch_inference.operators.gpu_pods",
     "GpuAutopilotOperator": "batch_inference.operators.gpu_autopilot",
     "GpuPodLauncher": "batch_inference.operators.gpu_autopilot",
+    "gpu_autopilot_workers": "batch_inference.operators.gpu_autopilot",
     "ValidateOperator": "batch_inference.operators.validate",
     "PublishOperator": "batch_inference.operators.publish",
     "RollbackOperator": "batch_inference.operators.publish",

@@ -185,3 +185,14 @@ class GpuAutopilotOperator(BaseOperator):
             autopilot.observe(conn, job_version, name, launcher.running())
         return {"job_version": job_version, "largest": largest, "passes": passes, "mode": counts["mode"],
                 "outstanding": int(counts["outstanding"])}
+
+
+def gpu_autopilot_workers(*, workers: Any = "{{ params.workers }}", **kwargs: Any) -> Callable[[Any, str], Any]:
+    """A worker launcher for ``batch_inference_pipeline`` (task id ``gpu_workers``): GPU pods as many as the
+    autopilot wants, ``workers`` until it has decided. ``kwargs`` go to ``GpuAutopilotOperator``."""
+
+    def launch(job_version: Any, postgres_conn_id: str) -> Any:
+        return GpuAutopilotOperator(task_id="gpu_workers", job_version=job_version, workers=workers,
+                                    postgres_conn_id=postgres_conn_id, **kwargs)
+
+    return launch
