@@ -80,8 +80,10 @@ class Throughput:
     ``add(t, done, running)`` takes a poll (seconds on any clock, batch rows stored so far,
     workers running). A worker counts as producing ``start_s`` after it appeared (the first
     ones included), so a worker starting up does not read as a slow one; a removed worker
-    stops counting at once. The estimate is over the polls of the last ``window_s``; until
-    rows and producing worker-seconds are both seen, the previous estimate stands."""
+    stops counting at once. The estimate is over the polls of the last ``window_s``, and the
+    first one waits for polls spanning half of it (a worker's results arrive in flushes: a short
+    span reads a burst as a rate); until then, and while no rows or no producing worker-seconds
+    are seen, the previous estimate stands. ``steady``: the polls span the whole window."""
 
     start_s: float
     window_s: float
@@ -111,9 +113,18 @@ class Throughput:
             self._polls.pop(0)
         rows = self._polls[-1][1] - self._polls[0][1]
         worker_s = sum(p * (b[0] - a[0]) for a, b in zip(self._polls, self._polls[1:]) for p in (a[2],))
-        if rows > 0 and worker_s > 0:
+        if rows > 0 and worker_s > 0 and self.span >= self.window_s / 2:
             self.estimate = rows / worker_s
         return self.estimate
+
+    @property
+    def span(self) -> float:
+        return self._polls[-1][0] - self._polls[0][0] if self._polls else 0.0
+
+    @property
+    def steady(self) -> bool:
+        """The estimate covers a whole window: only then may a worker be removed on it."""
+        return self.estimate is not None and self.span >= self.window_s
 
 
 # -- the projection -----------------------------------------------------------------------
@@ -233,10 +244,11 @@ def _fmt(o: Option) -> str:
 
 def decide(now: datetime, deadline: datetime, outstanding: int, per_worker: float | None, current: int,
            fb_rate: float, overhead_s: float, policy: Policy, prices: Prices, spent: Decimal = Decimal(0),
-           last_change: datetime | None = None, shards_left: int | None = None) -> Decision:
+           last_change: datetime | None = None, shards_left: int | None = None, steady: bool = True) -> Decision:
     """The fleet size for this poll (pure). ``current``: the desired size in force (the launchers'
     target); ``last_change``: when it was set (or the first claim), for the cooldown; ``spent``: the
-    bill so far; ``shards_left``: shards pending or leased, beyond which a worker has nothing to claim."""
+    bill so far; ``shards_left``: shards pending or leased, beyond which a worker has nothing to claim;
+    ``steady``: the throughput covers a whole window (``Throughput.steady``), else nothing is removed."""
     if shards_left is not None and shards_left < policy.max_workers:
         policy = Policy(**{**policy.__dict__, "max_workers": max(policy.min_workers, shards_left)})
     start = policy.clamp(current)
@@ -268,13 +280,14 @@ def decide(now: datetime, deadline: datetime, outstanding: int, per_worker: floa
                  and (o.finish - now).total_seconds() <= (deadline - now).total_seconds() - overhead_s
                  - 2 * policy.margin_s]
         early = [by_n[o.workers] for o in early]
-        if cooled and early:
+        if cooled and early and steady:
             desired, action = early[0].workers, REMOVE
             why = (f"ahead: {_fmt(early[0])}, a second margin of {policy.margin_s:g}s to spare at "
                    f"{REMOVE_DERATE:.0%} of the measured throughput")
         else:
-            why = (f"ahead, holding {start} ({'within the cooldown' if not cooled else 'no smaller size keeps two margins'})"
-                   f": {_fmt(cur)}")
+            held = ("within the cooldown" if not cooled else "no smaller size keeps two margins" if not early
+                    else "the throughput is not yet measured over a whole window")
+            why = f"ahead, holding {start} ({held}): {_fmt(cur)}"
     elif want.workers == start:
         why = f"on course: {_fmt(want)}"
     elif cur is not None:

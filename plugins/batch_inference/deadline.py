@@ -203,7 +203,8 @@ async def steer_fleet(aconn: psycopg.AsyncConnection, cfg: WatchConfig, ctx: Job
     decision = autopilot.decide(d.now, cfg.deadline, d.outstanding, per_worker, current, ctx.constants.rate,
                                 ctx.constants.overhead_s, policy, ctx.prices, spent.total,
                                 last_change=state["decided_at"] if state else counts.get("first_claim_at"),
-                                shards_left=int(counts["shards"].get("pending", 0)) + int(counts["shards"].get("leased", 0)))
+                                shards_left=int(counts["shards"].get("pending", 0)) + int(counts["shards"].get("leased", 0)),
+                                steady=pilot.steady)
     await aconn.execute(db.q("fleet_decide"), decision.params(cfg.job_version))
     if decision.action != autopilot.HOLD or decision.page:
         logger.warning("autopilot of %s: %s %d -> %d worker(s): %s%s", cfg.job_version, decision.action,

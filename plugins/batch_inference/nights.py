@@ -98,7 +98,7 @@ class NightsConfig:
     max_workers: int = 8
     pilot_margin_s: float = 3.0       # spec.autopilot, compressed as the night is
     pilot_start_s: float = 2.0        # a worker process's start-up on two loaded cores
-    pilot_cooldown_s: float = 4.0
+    pilot_cooldown_s: float = 8.0
     pilot_window_s: float = 4.0
 
     def __post_init__(self) -> None:
