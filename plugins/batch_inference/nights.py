@@ -96,7 +96,7 @@ class NightsConfig:
     autopilot: str = "off"            # off | on | both: each night with the autopilot off, on, or both (paired)
     min_workers: int = 1              # the autopilot's bounds (spec.cost)
     max_workers: int = 8
-    pilot_margin_s: float = 3.0       # spec.autopilot, compressed as the night is
+    pilot_margin_s: float = 5.0       # spec.autopilot, compressed as the night is
     pilot_start_s: float = 2.0        # a worker process's start-up on two loaded cores
     pilot_cooldown_s: float = 8.0
     pilot_window_s: float = 4.0
