@@ -32,7 +32,7 @@ from batch_inference.status import job_counts
 from tests.conftest import make_source, make_spec, tickets
 
 UTC = timezone.utc
-PILOT = {"enabled": True, "margin_s": 60, "start_s": 30, "cooldown_s": 600, "window_s": 600}
+PILOT = {"enabled": True, "margin_s": 60, "start_s": 30, "cooldown_s": 600, "window_s": 120}
 
 
 def new_job(conn, n: int, **over: Any) -> str:
