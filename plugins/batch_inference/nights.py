@@ -794,7 +794,7 @@ class _NightRun:
 
     # -- the figures ------------------------------------------------------------------
     def _measure(self) -> None:
-        from batch_inference.cost import Prices, job_bill
+        from batch_inference.cost import Prices, cents, job_bill
         from batch_inference.status import job_counts, job_spec
 
         rec, c = self.rec, self.cfg
@@ -813,6 +813,8 @@ class _NightRun:
         b = bill.to_dict()
         rec.bill = {k: b[k] for k in ("batch_rows", "fallback_rows", "batch_cost", "fallback_cost", "total",
                                       "all_synchronous_ceiling", "clean_batch_floor", "gpu_hours", "gpu_cost")}
+        # The rows' part of the bill, rounded once (total less GPU, each rounded, is off by a cent).
+        rec.bill["rows_total"] = float(cents(bill.total - bill.gpu_cost))
         rec.cost_ratio = round(float(bill.total / bill.all_synchronous_ceiling), 4) \
             if bill.all_synchronous_ceiling else None
         rec.dead_letters = [{"record_id": d["record_id"], "stage": d["stage"], "attempts": d["attempts"],
@@ -842,8 +844,8 @@ class _NightRun:
             rec.failures.append(f"{rec.healthy_dead} healthy record(s) dead-lettered: {dict(why)}")
         # The ceiling bounds what the rows cost (each billed once, at a price no higher than the
         # synchronous one); the workers' GPU time is bounded by the fleet's size and the night instead.
-        rows_bill = rec.bill.get("total", 0.0) - rec.bill.get("gpu_cost", 0.0) if rec.bill else 0.0
-        if rec.bill and rows_bill > rec.bill["all_synchronous_ceiling"] + 0.005:
+        rows_bill = rec.bill.get("rows_total", rec.bill.get("total", 0.0)) if rec.bill else 0.0
+        if rec.bill and rows_bill > rec.bill["all_synchronous_ceiling"]:
             rec.failures.append(f"rows billed ${rows_bill:.2f} over the ceiling ${rec.bill['all_synchronous_ceiling']}")
         late = rec.published_s is None or rec.slack_s is None or rec.slack_s < 0
         paged_early = rec.page is not None and rec.page_s is not None and rec.page_s < rec.deadline_s
