@@ -293,3 +293,23 @@ def test_gpu_pods_are_added_and_removed_through_the_hook(conn, db_url, monkeypat
     observed = [r["running"] for r in conn.execute(
         "SELECT running FROM bi.fleet_observed WHERE job_version = %s ORDER BY id", (job,))]
     assert observed == [2, 5, 2, 3, 2]
+
+
+def test_the_sensor_sends_the_budget_page_to_its_notifiers_and_watches_on(db_url, monkeypatch):
+    from airflow.sdk.exceptions import TaskDeferred
+
+    from batch_inference.db import airflow_connection_json
+    from batch_inference.sensors.cutoff import CutoffSensor
+
+    monkeypatch.setenv("AIRFLOW_CONN_BATCH_INFERENCE_DEFAULT", airflow_connection_json(db_url))
+    got: list[dict] = []
+    s = CutoffSensor(task_id="cutoff", job_version="jv_x", deadline="06:00",
+                     on_early_warning=lambda context, event: got.append(event))
+    watch = watchlib.watch_kwargs(watchlib.WatchConfig(job_version="jv_x",
+                                                       deadline=datetime(2026, 3, 5, 6, 0, tzinfo=UTC)))
+    page = "the deadline would cost more than the budget; keeping within it with 2 worker(s): ..."
+    with pytest.raises(TaskDeferred) as exc:
+        s.execute_complete({}, {"status": watchlib.BUDGET, "reason": page, "watch": watch})
+    assert got and got[0]["warning"]["message"] == page
+    kwargs = exc.value.trigger.serialize()[1]
+    assert kwargs["paged"] is True and kwargs["warned"] is False
