@@ -61,15 +61,29 @@ class Prices:
     hosted_batch_per_row: Decimal | None = None
     hosted_batch_per_m_input_tokens: Decimal | None = None
     hosted_batch_per_m_output_tokens: Decimal | None = None
+    # A batch worker's GPU-hour (the spec's capacity's price). Set: our own workers' rows are
+    # billed by GPU-hours and not per row (``own_row``).
+    gpu_hour: Decimal | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "batch_per_row", _money(self.batch_per_row))
+        if self.gpu_hour is not None:
+            object.__setattr__(self, "gpu_hour", _money(self.gpu_hour))
         object.__setattr__(self, "fallback_per_row", _money(self.fallback_per_row))
         hosted = self.fallback_per_row / 2 if self.hosted_batch_per_row is None else self.hosted_batch_per_row
         object.__setattr__(self, "hosted_batch_per_row", _money(hosted))
         for name in ("hosted_batch_per_m_input_tokens", "hosted_batch_per_m_output_tokens"):
             if getattr(self, name) is not None:
                 object.__setattr__(self, name, _money(getattr(self, name)))
+
+    @property
+    def own_row(self) -> Decimal:
+        """What one row of our own batch workers costs by itself: nothing when GPU-hours are billed."""
+        return Decimal(0) if self.gpu_hour is not None else self.batch_per_row
+
+    def gpu_cost(self, gpu_hours: float | Decimal) -> Decimal:
+        """GPU-hours at the GPU-hour price (0 without one)."""
+        return Decimal(0) if self.gpu_hour is None else _money(gpu_hours) * self.gpu_hour
 
     def hosted_usage_cost(self, input_tokens: int | None, output_tokens: int | None) -> Decimal | None:
         """What the provider's reported usage costs, or None without token prices or usage."""
@@ -88,17 +102,22 @@ class Prices:
         if cost is None:
             return cls()
         get = cost.get if isinstance(cost, dict) else lambda k, d: getattr(cost, k, d)
+        spot, on_demand = get("gpu_hour_spot", None), get("gpu_hour_on_demand", None)
+        gpu_hour = (spot if spot is not None else on_demand) if get("capacity", "spot") == "spot" else \
+            (on_demand if on_demand is not None else spot)
         return cls(
             batch_per_row=get("batch_per_row", DEFAULT_BATCH_PER_ROW),
             fallback_per_row=get("fallback_per_row", DEFAULT_FALLBACK_PER_ROW),
             hosted_batch_per_row=get("hosted_batch_per_row", None),
             hosted_batch_per_m_input_tokens=get("hosted_batch_per_m_input_tokens", None),
             hosted_batch_per_m_output_tokens=get("hosted_batch_per_m_output_tokens", None),
+            gpu_hour=gpu_hour,
         )
 
     def to_dict(self) -> dict[str, float]:
         return {"batch_per_row": float(self.batch_per_row), "fallback_per_row": float(self.fallback_per_row),
-                "hosted_batch_per_row": float(self.hosted_batch_per_row)}
+                "hosted_batch_per_row": float(self.hosted_batch_per_row),
+                "gpu_hour": None if self.gpu_hour is None else float(self.gpu_hour)}
 
 
 DEFAULT_PRICES = Prices()
@@ -147,6 +166,8 @@ class CostReport:
     prices: Prices
     hosted_rows: int = 0
     hosted_cost: Decimal = Decimal(0)
+    gpu_hours: Decimal = Decimal(0)       # the batch workers' GPU time (billed when prices.gpu_hour is set)
+    gpu_cost: Decimal = Decimal(0)
 
     @property
     def overage(self) -> Decimal:
@@ -173,6 +194,8 @@ class CostReport:
             "fallback_cost": float(cents(self.fallback_cost)),
             "hosted_rows": self.hosted_rows,
             "hosted_cost": float(cents(self.hosted_cost)),
+            "gpu_hours": round(float(self.gpu_hours), 6),
+            "gpu_cost": float(cents(self.gpu_cost)),
             "total": float(cents(self.total)),
             "clean_batch_floor": float(cents(self.clean_batch_floor)),
             "all_synchronous_ceiling": float(cents(self.all_synchronous_ceiling)),
@@ -185,6 +208,8 @@ class CostReport:
         return [
             f"batch     {self.batch_rows:>12,} rows  ${cents(self.batch_cost):>12,}",
             *([f"hosted    {self.hosted_rows:>12,} rows  ${cents(self.hosted_cost):>12,}"] if self.hosted_rows else []),
+            *([f"gpu       {float(self.gpu_hours):>12,.3f} h     ${cents(self.gpu_cost):>12,}"]
+              if self.prices.gpu_hour is not None else []),
             f"fallback  {self.fallback_rows:>12,} rows  ${cents(self.fallback_cost):>12,}",
             f"night     {self.batch_rows + self.hosted_rows + self.fallback_rows:>12,} rows  "
             f"${cents(self.total):>12,}",
@@ -201,6 +226,7 @@ def cost_report(
     total_rows: int | None = None,
     hosted_rows: int = 0,
     hosted_cost: Decimal | None = None,
+    gpu_hours: float | Decimal = 0,
 ) -> CostReport:
     """The night's bill split by transport.
 
@@ -215,18 +241,22 @@ def cost_report(
     if total < b + h + f:
         raise InvalidValue(f"total_rows {total:,} is fewer than the {b + h + f:,} rows billed")
     hosted = h * prices.hosted_batch_per_row if hosted_cost is None else _money(hosted_cost)
+    gpu_h = _money(gpu_hours)
+    gpu = prices.gpu_cost(gpu_h)
     return CostReport(
         batch_rows=b,
         fallback_rows=f,
         total_rows=total,
-        batch_cost=b * prices.batch_per_row,
+        batch_cost=b * prices.own_row,
         fallback_cost=f * prices.fallback_per_row,
-        total=b * prices.batch_per_row + hosted + f * prices.fallback_per_row,
+        total=b * prices.own_row + hosted + f * prices.fallback_per_row + gpu,
         all_synchronous_ceiling=all_synchronous_ceiling(total, prices),
         clean_batch_floor=clean_batch_floor(total, prices),
         prices=prices,
         hosted_rows=h,
         hosted_cost=hosted,
+        gpu_hours=gpu_h,
+        gpu_cost=gpu,
     )
 
 
@@ -321,7 +351,8 @@ def month_view(
     return out
 
 
-def job_bill(counts: Any, prices: Prices, hosted: Any = None) -> tuple[CostReport, CostReport]:
+def job_bill(counts: Any, prices: Prices, hosted: Any = None,
+             gpu_hours: float | Decimal = 0) -> tuple[CostReport, CostReport]:
     """A running job's bill so far by transport, and what it would be if the fallback fired now.
 
     ``counts`` is the job's ``JobCounts``, ``hosted`` the ``hosted_cost_rows`` row
@@ -329,7 +360,9 @@ def job_bill(counts: Any, prices: Prices, hosted: Any = None) -> tuple[CostRepor
     bill covers the rows this run produces: stored by any transport, or still to be.
     Reused rows were paid for by an earlier version and dead letters produced
     nothing, so neither is priced. Hosted batch rows are priced from the reported
-    usage when the spec prices tokens and every batch reported it, else per row.
+    usage when the spec prices tokens and every batch reported it, else per row. With a
+    GPU-hour price, our own workers' rows are billed by ``gpu_hours`` (the launchers'
+    record, ``autopilot.gpu_hours``) instead of per row.
     """
     hosted_rows = int(hosted["rows"]) if hosted else 0
     batch = int(counts["stored_batch"]) - hosted_rows
@@ -338,8 +371,8 @@ def job_bill(counts: Any, prices: Prices, hosted: Any = None) -> tuple[CostRepor
         if hosted_rows and not hosted["unpriced_batches"] else None
     billable = batch + hosted_rows + fallback + outstanding
     so_far = cost_report(batch, fallback, prices, total_rows=billable, hosted_rows=hosted_rows,
-                         hosted_cost=hosted_cost)
+                         hosted_cost=hosted_cost, gpu_hours=gpu_hours)
     # If the cutoff fired now, every outstanding row would go synchronous.
     fired = cost_report(batch, fallback + outstanding, prices, total_rows=billable, hosted_rows=hosted_rows,
-                        hosted_cost=hosted_cost)
+                        hosted_cost=hosted_cost, gpu_hours=gpu_hours)
     return so_far, fired

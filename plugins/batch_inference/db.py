@@ -47,7 +47,8 @@ def sql_dir() -> Path:
 # The named statements, one file per reader: the package's own, the dashboard's
 # reads, the chaos harness's audit, the evaluation's, the hosted batch
 # transports' and the nights harness's. Names are unique across the files.
-QUERY_FILES = ("queries.sql", "dashboard.sql", "chaos.sql", "evaluation.sql", "hosted.sql", "nights.sql", "sources.sql")
+QUERY_FILES = ("queries.sql", "dashboard.sql", "chaos.sql", "evaluation.sql", "hosted.sql", "nights.sql",
+               "sources.sql", "fleet.sql")
 
 
 def parse_queries(text: str) -> dict[str, str]:

@@ -30,6 +30,11 @@ trigger event's payload):
   caller notifies and starts watching again with ``warned=True``.
 * ``error``: the job does not exist, or the database stayed unreachable
   until the deadline passed.
+* ``budget``: the autopilot (``spec.autopilot.enabled``, which runs at every
+  poll and writes the fleet's desired size) found that meeting the deadline
+  would cost more than ``cost.budget``; the payload's ``reason`` is the page,
+  arithmetic included. Sent once per run (``paged=True`` after it), as the
+  early warning is.
 * ``halted``: the job's workers recorded a fatal failure (``bi.halt_job_v1``:
   wrong weights, an unusable engine) after ``since``, the DAG run's queued
   time; the run cannot succeed, so the watch ends at once.
@@ -53,8 +58,9 @@ from typing import Any
 import psycopg
 from psycopg.rows import dict_row
 
-from batch_inference import db
-from batch_inference.cost import Prices
+from batch_inference import autopilot, db
+from batch_inference.autopilot import Throughput
+from batch_inference.cost import Prices, job_bill
 from batch_inference.cutoff import (
     CutoffDecision,
     DerivedConstants,
@@ -76,6 +82,7 @@ log = logging.getLogger("batch_inference.deadline")
 
 UTC = timezone.utc
 COMPLETE, CUTOFF, EARLY_WARNING, ERROR, WAIT = "complete", "cutoff", "early_warning", "error", "wait"
+BUDGET = "budget"  # the autopilot's page: meeting the deadline would cost more than cost.budget
 HALTED = "halted"  # the job's workers recorded that they cannot work (bi.halt_job_v1): the run cannot succeed
 
 
@@ -96,6 +103,7 @@ class WatchConfig:
     warned: bool = False  # the early warning was already sent for this run
     step_s: int = 60  # latest_safe_start is floored to this many seconds
     since: datetime | None = None  # halts recorded before this (the DAG run's queued time) are ignored
+    paged: bool = False  # the autopilot's budget page was already sent for this run
 
     def __post_init__(self) -> None:
         if self.since is not None and self.since.tzinfo is None:
@@ -174,6 +182,35 @@ async def load_context(aconn: psycopg.AsyncConnection, cfg: WatchConfig) -> JobC
     return JobContext(job_version=cfg.job_version, dataset=job["dataset"], spec=spec,
                       constants=choose_constants(spec, history, cfg.rate, cfg.overhead_s, cfg.step_s),
                       prices=Prices.from_spec(spec))
+
+
+async def steer_fleet(aconn: psycopg.AsyncConnection, cfg: WatchConfig, ctx: JobContext, counts: dict[str, Any],
+                      d: CutoffDecision, pilot: Throughput, logger: Any = log) -> dict[str, Any] | None:
+    """The autopilot's poll (``batch_inference.autopilot``): measure one worker's throughput,
+    decide the fleet's size against the deadline and the budget, record the decision (and a
+    change of size as the desired size the launchers reconcile to). Returns the decision; None
+    before a launcher has said what it runs (there is nothing to steer yet)."""
+    state = await _one(aconn, "fleet_size", {"job": cfg.job_version})
+    seen = await _one(aconn, "fleet_running", {"job": cfg.job_version})
+    if state is None and not seen["launchers"]:
+        return None
+    gpu = await _one(aconn, "fleet_gpu_seconds", {"job": cfg.job_version})
+    policy = autopilot.Policy.from_spec(ctx.spec)
+    current = int(state["desired"]) if state else (int(seen["running"]) if seen["launchers"] else policy.min_workers)
+    running = int(seen["running"]) if seen["launchers"] else current
+    per_worker = pilot.add(d.now.timestamp(), int(counts["stored_batch"]), running)
+    spent, _ = job_bill(counts, ctx.prices, gpu_hours=float(gpu["worker_seconds"]) / 3600.0)
+    decision = autopilot.decide(d.now, cfg.deadline, d.outstanding, per_worker, current, ctx.constants.rate,
+                                ctx.constants.overhead_s, policy, ctx.prices, spent.total,
+                                last_change=state["decided_at"] if state else counts.get("first_claim_at"),
+                                shards_left=int(counts["shards"].get("pending", 0)) + int(counts["shards"].get("leased", 0)),
+                                steady=pilot.steady)
+    await aconn.execute(db.q("fleet_decide"), decision.params(cfg.job_version))
+    if decision.action != autopilot.HOLD or decision.page:
+        logger.warning("autopilot of %s: %s %d -> %d worker(s): %s%s", cfg.job_version, decision.action,
+                       decision.current, decision.desired, decision.reason,
+                       f"; PAGE: {decision.page}" if decision.page else "")
+    return decision.to_dict()
 
 
 async def record_progress(aconn: psycopg.AsyncConnection, job_version: str, counts: dict[str, Any],
@@ -273,6 +310,7 @@ def watch_kwargs(cfg: WatchConfig) -> dict[str, Any]:
         "warned": cfg.warned,
         "step_s": cfg.step_s,
         "since": cfg.since.isoformat() if cfg.since else None,
+        "paged": cfg.paged,
     }
 
 
@@ -304,6 +342,8 @@ async def watch(connect: Callable[[], Awaitable[psycopg.AsyncConnection]], cfg: 
     conn: psycopg.AsyncConnection | None = None
     ctx: JobContext | None = None
     polls = failures = 0
+    pilot: Throughput | None = None
+    decision: dict[str, Any] | None = None
     try:
         while True:
             try:
@@ -325,6 +365,12 @@ async def watch(connect: Callable[[], Awaitable[psycopg.AsyncConnection]], cfg: 
                 verdict = evaluate(cfg, ctx, counts, now())
                 polls += 1
                 await record_progress(conn, cfg.job_version, counts, verdict.decision)
+                if ctx.spec.autopilot.enabled and verdict.status in (WAIT, EARLY_WARNING):
+                    a = ctx.spec.autopilot
+                    pilot = pilot or Throughput(start_s=a.start_s, window_s=a.window_s)
+                    decision = await steer_fleet(conn, cfg, ctx, counts, verdict.decision, pilot, logger)
+                    if decision and decision.get("page") and not cfg.paged and verdict.status == WAIT:
+                        verdict = replace(verdict, status=BUDGET, reason=decision["page"])
                 failures = 0
             except UnknownJob as exc:
                 return error_payload(cfg, str(exc), polls)
@@ -354,7 +400,7 @@ async def watch(connect: Callable[[], Awaitable[psycopg.AsyncConnection]], cfg: 
                 logger.info("%s%s", line, f"; {verdict.reason}" if verdict.status == COMPLETE or cfg.relabel_at
                             else "")
             if verdict.status != WAIT or (max_polls is not None and polls >= max_polls):
-                return verdict.payload(ctx, cfg, polls)
+                return verdict.payload(ctx, cfg, polls) | {"autopilot": decision}
             await sleep(min(cfg.poll_interval_s, max(0.01, verdict.sleep_hint_s + 0.001)))
     finally:
         if conn is not None:
@@ -370,7 +416,7 @@ def parse_iso(text: str | None) -> datetime | None:
 
 def config_from_kwargs(job_version: str, deadline: str, poll_interval: float = 60.0, rate: float | None = None,
                        overhead_s: float | None = None, relabel_at: str | None = None, warned: bool = False,
-                       step_s: int = 60, since: str | None = None) -> WatchConfig:
+                       step_s: int = 60, since: str | None = None, paged: bool = False) -> WatchConfig:
     """The inverse of :func:`watch_kwargs`."""
     d = parse_iso(deadline)
     if d is None:
@@ -383,4 +429,4 @@ def config_from_kwargs(job_version: str, deadline: str, poll_interval: float = 6
                        rate=None if rate is None else float(rate),
                        overhead_s=None if overhead_s is None else float(overhead_s),
                        relabel_at=parse_iso(relabel_at), warned=bool(warned), step_s=int(step_s),
-                       since=parse_iso(since))
+                       since=parse_iso(since), paged=bool(paged))

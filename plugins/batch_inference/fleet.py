@@ -9,7 +9,10 @@ process's lines (into a log with a ``[name]`` prefix, into
 crash) restarts the slot, up to ``max_restarts`` per slot, after a backoff
 that grows with consecutive unexpected exits. ``stop`` sends SIGTERM to
 every process (a worker then releases its lease at once) and SIGKILL after
-the grace.
+the grace. ``scale_to`` changes the number of slots while it runs: new slots start at
+once; a removed slot's process gets SIGTERM (a preemption notice: it releases its lease at
+once) and is not restarted. The autopilot's launchers reconcile to the ledger with it
+(``autopilot.reconcile``).
 
 ``LocalWorkersOperator`` runs its task's workers on it and the chaos harness
 its workers under injected faults. Does not import Airflow.
@@ -125,6 +128,7 @@ class Fleet:
         self._crashes = [0] * self.size                              # consecutive unexpected exits
         self._pending: dict[int, float] = {}                         # slot -> when to start it again
         self._finished: set[int] = set()
+        self._retired: set[int] = set()                              # slots removed by scale_to
         self._stopping = threading.Event()
         self._changed = threading.Event()                           # a process exited
         self._lock = threading.RLock()
@@ -209,6 +213,9 @@ class Fleet:
     def _decide(self, w: Worker, rc: int, restart: bool, now: float) -> Action:
         slot = w.slot
         self._crashes[slot] = 0 if _expected(w, rc) else self._crashes[slot] + 1
+        if slot in self._retired:
+            self._finished.add(slot)
+            return Action.STOPPED
         if rc in self.done:
             self._finished.add(slot)
             return Action.DONE
@@ -225,6 +232,42 @@ class Fleet:
         n = self._crashes[slot]
         self._pending[slot] = now + (min(self.backoff_s * 2 ** (n - 1), self.backoff_max_s) if n else 0.0)
         return Action.RESTART
+
+    # -- size ----------------------------------------------------------------
+    def slots(self) -> list[int]:
+        """The slots still in use: running, or due to restart (not those ``scale_to`` removed)."""
+        return [s for s in range(self.size) if s not in self._finished and s not in self._retired]
+
+    @property
+    def drained(self) -> bool:
+        """A worker exited with a ``done`` code: the job had nothing left for it to claim."""
+        return any(e.action is Action.DONE for e in self.exits)
+
+    def scale_to(self, n: int) -> int:
+        """Run ``n`` slots: start new ones, or SIGTERM the newest (not restarted). Returns the slots in use."""
+        with self._lock:
+            if self._stopping.is_set():
+                return len(self.slots())
+            live = self.slots()
+            for _ in range(max(0, n - len(live))):
+                slot = self.size
+                self.size += 1
+                self.workers.append(None)
+                self.restarts.append(0)
+                self._crashes.append(0)
+                self.start(slot)
+            for slot in sorted(live, reverse=True)[:max(0, len(live) - n)]:
+                self._retired.add(slot)
+                self._pending.pop(slot, None)
+                w = self.workers[slot]
+                if w is not None and w.popen.poll() is None:
+                    if w.stopped:
+                        self.signal(w, signal.SIGCONT)
+                    self.signal(w, signal.SIGTERM)
+                    self.log.info("[%s] removed: SIGTERM sent", w.name)
+                else:
+                    self._finished.add(slot)
+            return len(self.slots())
 
     def active(self) -> bool:
         """True while a slot is running or due to restart."""

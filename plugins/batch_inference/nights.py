@@ -82,6 +82,7 @@ DRIFTS = ("slower", "longer", "faster")
 HOSTED_FAULTS = ("expire", "validating", "slow_cancel")
 HOSTED_SHARE = 0.15                  # of nights that send their records to a hosted batch API
 HOSTED_KEY_ENV = "BI_NIGHTS_HOSTED_KEY"
+SEED_GPU_HOUR, SEED_ROWS_PER_S = 3.50, 18.7   # docs/deadlines.md: a self-hosted GPU row at $3.50 an hour
 
 
 @dataclass
@@ -108,6 +109,13 @@ class NightsConfig:
     late_s: float = 15.0              # how long past its deadline a paged night may finish
     hosted_nights: int = len(HOSTED_FAULTS)   # add a night for each of the first N hosted faults the nights lack
     keep: bool = False
+    autopilot: str = "off"            # off | on | both: each night with the autopilot off, on, or both (paired)
+    min_workers: int = 1              # the autopilot's bounds (spec.cost)
+    max_workers: int = 8
+    pilot_margin_s: float = 5.0       # spec.autopilot, compressed as the night is
+    pilot_start_s: float = 2.0        # a worker process's start-up on two loaded cores
+    pilot_cooldown_s: float = 8.0
+    pilot_window_s: float = 4.0
 
     def __post_init__(self) -> None:
         for name, low in (("nights", 1), ("records", 10), ("shard_size", 1), ("workers", 1),
@@ -120,6 +128,20 @@ class NightsConfig:
                 raise InvalidValue(f"nights: {name.replace('_', ' ')} must be positive, got {getattr(self, name)}")
         if self.renew_seconds >= self.lease_seconds:
             raise InvalidValue("nights: renew seconds must be below the lease")
+        if self.autopilot not in ("off", "on", "both"):
+            raise InvalidValue(f"nights: autopilot must be off, on or both, got {self.autopilot!r}")
+        if not 0 <= self.min_workers <= self.max_workers:
+            raise InvalidValue(f"nights: workers bounds {self.min_workers}..{self.max_workers} are not a range")
+
+    def modes(self) -> list[bool]:
+        """The runs of each night: the autopilot off, on, or both (off first)."""
+        return {"off": [False], "on": [True], "both": [False, True]}[self.autopilot]
+
+    @property
+    def gpu_hour(self) -> float:
+        """A batch worker's GPU-hour, scaled so that one of the night's rows at its nominal throughput
+        (1 / batch_delay_s a worker) costs what the seed's does: 18.7 rows/s at $3.50 an hour."""
+        return round(SEED_GPU_HOUR / SEED_ROWS_PER_S / self.batch_delay_s, 4)
 
     def seeds(self) -> list[int]:
         """The nights' seeds: ``seed`` on, then the first seeds after them that draw each hosted fault
@@ -489,6 +511,10 @@ class Night:
     failures: list[str] = field(default_factory=list)
     verdict: str = ""
     wall_s: float = 0.0
+    autopilot: bool = False                   # this run had the autopilot on
+    slowed: bool = False                      # the night's batch was slowed (the comparison's nights)
+    gpu_hours: float = 0.0                    # the batch workers' (bi.fleet_observed)
+    pilot: dict[str, Any] = field(default_factory=dict)   # decisions, first add, largest fleet, pages
 
     def line(self) -> str:
         fired = f"fired {self.fired_s:.1f}s" if self.fired_s is not None else "no fire"
@@ -497,8 +523,11 @@ class Night:
         rows = " ".join(f"{k} {v}" for k, v in sorted(self.rows.items()))
         pe = f"pred {self.prediction_error_s:+.1f}s" if self.prediction_error_s is not None else "pred -"
         cut = f"{self.cutoff_before_deadline_s:.0f}" if self.cutoff_before_deadline_s is not None else "?"
+        mode = (f" [autopilot: {self.pilot.get('adds', 0)} add(s) first at {self.pilot['first_add_s']:.1f}s, "
+                f"up to {self.pilot.get('largest', '?')} workers]" if self.autopilot and self.pilot.get("first_add_s")
+                is not None else " [autopilot: no add]" if self.autopilot else "")
         head = (f"night {self.seed:>4}: {self.verdict:<6} cutoff at submit D-{cut}s, {fired}, "
-                f"{slack}, {ratio}, {rows}, {pe}")
+                f"{slack}, {ratio}, {rows}, {pe}{mode}")
         tail = f"  [{'; '.join(self.faults) or 'no faults'}]"
         out = head + tail
         if self.hosted:
@@ -524,6 +553,8 @@ class _Supervisor(threading.Thread):
         self.cutoff = threading.Event()
         self.events: list[str] = []
         self.resume: list[tuple[float, Any]] = []
+        self._conn: psycopg.Connection | None = None
+        self._next_pilot = 0.0
 
     def _holders(self) -> dict[str, int]:
         rows = self.n.admin.rows("chaos_lease_holders", {"job": self.n.job})
@@ -560,11 +591,45 @@ class _Supervisor(threading.Thread):
                     if now >= at:
                         n.fleet.signal(w, signal.SIGCONT)
                         self.resume.remove((at, w))
+                self._launch(now)
             except Exception as exc:  # noqa: BLE001 - a fault must not end the night's supervisor
                 log.warning("nights %s: supervisor: %s", n.seed, exc)
             self.stop_event.wait(0.05)
         for _, w in self.resume:
             n.fleet.signal(w, signal.SIGCONT)
+        if self._conn is not None:
+            self._conn.close()
+
+    def _launch(self, now: float) -> None:
+        """The night's launcher: with the autopilot, reconcile the fleet to the ledger's desired size
+        (``autopilot.reconcile``: no worker added after the cutoff or once one found nothing to claim);
+        either way record what runs (the GPU-hours of the bill). Every quarter second."""
+        from batch_inference import autopilot
+
+        if now < self._next_pilot:
+            return
+        self._next_pilot = now + 0.25
+        n = self.n
+        try:
+            if self._conn is None or self._conn.closed:
+                self._conn = db.connect(n.url, retries=0)
+            if not n.pilot or self.cutoff.is_set():
+                autopilot.observe(self._conn, n.job, "nights", len(n.fleet.slots()))
+                return
+
+            def scale(k: int) -> None:
+                before = len(n.fleet.slots())
+                k = min(k, before) if n.fleet.drained else k
+                if k != before:
+                    n.fleet.scale_to(k)
+                    self.events.append(f"{now - n.t0:.1f}s autopilot {before} -> {k} workers")
+
+            autopilot.reconcile(self._conn, n.job, "nights", lambda: len(n.fleet.slots()), scale, n.cfg.workers,
+                                (n.cfg.min_workers, n.cfg.max_workers))
+        except (psycopg.Error, db.DatabaseUnavailable):
+            if self._conn is not None:
+                self._conn.close()
+            self._conn = None
 
     def _inject(self, kind: str, now: float) -> None:
         n = self.n
@@ -592,17 +657,21 @@ class _Supervisor(threading.Thread):
 
 
 class _NightRun:
-    def __init__(self, cfg: NightsConfig, seed: int, server: EmbeddedServer, work: Path):
+    def __init__(self, cfg: NightsConfig, seed: int, server: EmbeddedServer, work: Path, pilot: bool = False):
         self.cfg, self.seed, self.server = cfg, seed, server
+        self.pilot = pilot
         self.url = server.url
-        self.work = work / f"night-{seed}"
+        self.work = work / f"night-{seed}{'-autopilot' if pilot else ''}"
         self.work.mkdir(parents=True, exist_ok=True)
         self.pace = self.work / "pace"
         self.faults = draw_faults(seed, cfg)
         self.rng = random.Random(f"nights-targets-{seed}")
         self.admin = Admin(self.url)
-        self.rec = Night(seed=seed, faults=self.faults.names())
-        self.dataset = f"nights_{seed}"
+        self.rec = Night(seed=seed, faults=self.faults.names(), autopilot=pilot,
+                         slowed=self.faults.slow_at is not None)
+        # Its own dataset per run: the autopilot is not part of the job version, so the paired run
+        # would otherwise resume the first run's finished job.
+        self.dataset = f"nights_{seed}{'_autopilot' if pilot else ''}"
         self.provider: HostedProvider | None = None
         self.job = ""
         self.t0 = 0.0
@@ -628,6 +697,9 @@ class _NightRun:
             **({"cleared_for_hosted": True, "engine": {"name": "openai-batch", "options": {
                 "base_url": self.provider.base_url, "api_key_env": HOSTED_KEY_ENV, "poll_seconds": 0.2}}}
                if self.provider is not None else {}),
+            "cost": {"gpu_hour_spot": c.gpu_hour, "min_workers": c.min_workers, "max_workers": c.max_workers},
+            "autopilot": {"enabled": self.pilot, "margin_s": c.pilot_margin_s, "start_s": c.pilot_start_s,
+                          "cooldown_s": c.pilot_cooldown_s, "window_s": c.pilot_window_s},
         })
 
     def _setup(self) -> None:
@@ -695,6 +767,7 @@ class _NightRun:
             if self.provider is not None:
                 rec.hosted = self.provider.figures()
                 self.provider.close()
+            self._fleet_stopped()
         self._measure()
         rec.fallback["supervisor"] = sup.events
         rec.endpoint = {str(k): v for k, v in sorted(self.endpoint.answers.items())}
@@ -734,6 +807,10 @@ class _NightRun:
             if status == dl.EARLY_WARNING:
                 rec.warned_s = self._s(datetime.now(UTC))
                 wcfg = replace(wcfg, warned=True)
+                continue
+            if status == dl.BUDGET:
+                self._budget_page(payload["reason"])
+                wcfg = replace(wcfg, paged=True)
                 continue
             break
         rate, overhead = rec.constants.get("rate", c.rate), rec.constants.get("overhead_s", c.overhead_s)
@@ -785,6 +862,42 @@ class _NightRun:
             else:
                 rec.failures.append(f"not finished: {counts['outstanding']} outstanding")
 
+    # -- the autopilot's part --------------------------------------------------------
+    def _budget_page(self, reason: str) -> None:
+        if self.rec.page is None:
+            self.rec.page_s, self.rec.page = self._s(datetime.now(UTC)), reason
+            log.error("nights %d: PAGE (budget): %s", self.seed, reason)
+
+    def _fleet_stopped(self) -> None:
+        from batch_inference import autopilot
+
+        try:
+            with db.connect(self.url, retries=10) as conn:
+                autopilot.observe(conn, self.job, "nights", 0)
+        except (psycopg.Error, db.DatabaseUnavailable) as exc:
+            log.warning("nights %d: could not record the fleet's end: %s", self.seed, exc)
+
+    def _gpu_hours(self) -> float:
+        """The batch workers' GPU-hours, and the autopilot's decisions into the night's record."""
+        from batch_inference import autopilot
+
+        with db.connect(self.url, retries=10) as conn:
+            hours = autopilot.gpu_hours(conn, self.job)
+            decisions = conn.execute(db.q("fleet_decisions"), {"job": self.job}).fetchall()
+        self.rec.gpu_hours = round(hours, 6)
+        if self.pilot:
+            adds = [d for d in decisions if d["action"] == "add"]
+            self.rec.pilot = {
+                "decisions": len(decisions), "adds": len(adds),
+                "removes": sum(1 for d in decisions if d["action"] == "remove"),
+                "first_add_s": self._s(adds[0]["at"]) if adds else None,
+                "largest": max([int(d["desired"]) for d in decisions] + [self.cfg.workers]),
+                "pages": sorted({d["page"] for d in decisions if d["page"]}),
+                "changes": [f"{self._s(d['at'])}s {d['action']} {d['current']}->{d['desired']}: {d['reason'][:120]}"
+                            for d in decisions if d["action"] != "hold"][:20],
+            }
+        return hours
+
     def _maybe_page(self, reason: str, rate: float) -> None:
         """Page once the arithmetic says the deadline is lost (``cutoff.deadline_lost``) at ``rate``,
         the pool's own limit: the fastest it could go if the endpoint came back now, so the page
@@ -803,7 +916,7 @@ class _NightRun:
 
     # -- the figures ------------------------------------------------------------------
     def _measure(self) -> None:
-        from batch_inference.cost import Prices, job_bill
+        from batch_inference.cost import Prices, cents, job_bill
         from batch_inference.status import job_counts, job_spec
 
         rec, c = self.rec, self.cfg
@@ -819,10 +932,12 @@ class _NightRun:
         rec.rows = {r["transport"]: int(r["n"]) for r in last}
         lasts = [r["last_at"] for r in last if r["last_at"] is not None]
         rec.last_row_s = self._s(max(lasts)) if lasts else None
-        bill, _ = job_bill(counts, Prices.from_spec(spec), hosted)
+        bill, _ = job_bill(counts, Prices.from_spec(spec), hosted, gpu_hours=self._gpu_hours())
         b = bill.to_dict()
         rec.bill = {k: b[k] for k in ("batch_rows", "fallback_rows", "batch_cost", "fallback_cost", "total",
-                                      "all_synchronous_ceiling", "clean_batch_floor")}
+                                      "all_synchronous_ceiling", "clean_batch_floor", "gpu_hours", "gpu_cost")}
+        # The rows' part of the bill, rounded once (total less GPU, each rounded, is off by a cent).
+        rec.bill["rows_total"] = float(cents(bill.total - bill.gpu_cost))
         rec.cost_ratio = round(float(bill.total / bill.all_synchronous_ceiling), 4) \
             if bill.all_synchronous_ceiling else None
         rec.dead_letters = [{"record_id": d["record_id"], "stage": d["stage"], "attempts": d["attempts"],
@@ -852,8 +967,11 @@ class _NightRun:
             rec.failures.append(f"{rec.healthy_dead} healthy record(s) dead-lettered: {dict(why)}")
         if rec.hosted.get("billed_twice"):
             rec.failures.append(f"the hosted provider billed {rec.hosted['billed_twice']} request(s) twice")
-        if rec.bill and rec.bill["total"] > rec.bill["all_synchronous_ceiling"]:
-            rec.failures.append(f"bill ${rec.bill['total']} over the ceiling ${rec.bill['all_synchronous_ceiling']}")
+        # The ceiling bounds what the rows cost (each billed once, at a price no higher than the
+        # synchronous one); the workers' GPU time is bounded by the fleet's size and the night instead.
+        rows_bill = rec.bill.get("rows_total", rec.bill.get("total", 0.0)) if rec.bill else 0.0
+        if rec.bill and rows_bill > rec.bill["all_synchronous_ceiling"]:
+            rec.failures.append(f"rows billed ${rows_bill:.2f} over the ceiling ${rec.bill['all_synchronous_ceiling']}")
         late = rec.published_s is None or rec.slack_s is None or rec.slack_s < 0
         paged_early = rec.page is not None and rec.page_s is not None and rec.page_s < rec.deadline_s
         if late and not paged_early:
@@ -910,7 +1028,47 @@ class NightsReport:
             "healthy_dead": sum(n.healthy_dead for n in ns),
             "hosted_nights": sum(1 for n in ns if n.hosted),
             "hosted_billed_twice": sum(n.hosted.get("billed_twice", 0) for n in ns),
+            "autopilot": self.comparison(),
         }
+
+    def comparison(self) -> dict[str, Any] | None:
+        """The autopilot off against on, over all nights and over the slowed ones: met rate, bill,
+        fallback rows, GPU-hours, and how early the controller acted (its first add, and how long
+        before the fixed fleet's cutoff fired that night). None unless both modes ran."""
+        off = {n.seed: n for n in self.nights if not n.autopilot}
+        on = {n.seed: n for n in self.nights if n.autopilot}
+        seeds = sorted(set(off) & set(on))
+        if not seeds:
+            return None
+
+        def totals(runs: list[Night]) -> dict[str, Any]:
+            return {"nights": len(runs), "met": sum(1 for n in runs if n.verdict == "met"),
+                    "paged": sum(1 for n in runs if n.verdict == "paged"),
+                    "failed": sum(1 for n in runs if n.verdict == "FAIL"),
+                    "met_rate": round(sum(1 for n in runs if n.verdict == "met") / len(runs), 4) if runs else None,
+                    "bill": round(sum(n.bill.get("total", 0.0) for n in runs), 4),
+                    "fallback_rows": sum(n.rows.get("fallback", 0) for n in runs),
+                    "gpu_hours": round(sum(n.gpu_hours for n in runs), 6),
+                    "fired": sum(1 for n in runs if n.fired_s is not None)}
+
+        out: dict[str, Any] = {}
+        for name, pick in (("all", seeds), ("slowed", [s for s in seeds if off[s].slowed])):
+            a, b = totals([off[s] for s in pick]), totals([on[s] for s in pick])
+            out[name] = {"off": a, "on": b,
+                         "bill_saved": round(1 - b["bill"] / a["bill"], 4) if a["bill"] else None}
+        leads = [round(off[s].fired_s - on[s].pilot["first_add_s"], 2) for s in seeds
+                 if off[s].fired_s is not None and on[s].pilot.get("first_add_s") is not None]
+        out["acted_before_fixed_fleet_fired_s"] = {"nights": len(leads),
+                                                   "mean": round(statistics.mean(leads), 2) if leads else None,
+                                                   "least": min(leads) if leads else None}
+        out["per_night"] = [{"seed": s, "slowed": off[s].slowed, "verdict": [off[s].verdict, on[s].verdict],
+                             "bill": [off[s].bill.get("total"), on[s].bill.get("total")],
+                             "fallback_rows": [off[s].rows.get("fallback", 0), on[s].rows.get("fallback", 0)],
+                             "gpu_hours": [off[s].gpu_hours, on[s].gpu_hours],
+                             "fired_s": [off[s].fired_s, on[s].fired_s],
+                             "first_add_s": on[s].pilot.get("first_add_s"), "largest": on[s].pilot.get("largest")}
+                            for s in seeds]
+        return out
 
     def as_dict(self) -> dict[str, Any]:
         return {"passed": self.passed, "summary": self.summary(), "config": self.config,
@@ -937,9 +1095,29 @@ class NightsReport:
                   f"{fmt(s['prediction_error_worst_s'], '.1f')}s",
                   f"duplicates {s['duplicates']}, lost {s['lost']}, healthy dead letters {s['healthy_dead']}; "
                   f"pages {s['pages']} (false: {s['false_pages'] or 'none'})",
+                  *self._comparison_lines(s["autopilot"]),
                   "PASSED" if self.passed else f"FAILED: nights {s['failing_seeds']} (replay one with --night SEED)"
                   + (f"; logs kept in {self.work_dir}" if self.work_dir else "")]
         return "\n".join(lines)
+
+
+    @staticmethod
+    def _comparison_lines(cmp: dict[str, Any] | None) -> list[str]:
+        if not cmp:
+            return []
+        out = ["", "autopilot off -> on (same seeds, same faults):"]
+        for name in ("all", "slowed"):
+            a, b, saved = cmp[name]["off"], cmp[name]["on"], cmp[name]["bill_saved"]
+            out.append(f"  {name + ' nights':<14} {a['nights']:>3}: met {a['met']} -> {b['met']}, paged {a['paged']} -> "
+                       f"{b['paged']}, failed {a['failed']} -> {b['failed']}, cutoff fired {a['fired']} -> {b['fired']}, "
+                       f"fallback rows {a['fallback_rows']:,} -> {b['fallback_rows']:,}, GPU-h {a['gpu_hours']:.4f} -> "
+                       f"{b['gpu_hours']:.4f}, bill ${a['bill']:,.2f} -> ${b['bill']:,.2f}"
+                       + (f" ({saved:+.1%} saved)" if saved is not None else ""))
+        lead = cmp["acted_before_fixed_fleet_fired_s"]
+        if lead["nights"]:
+            out.append(f"  the controller's first add came {lead['mean']:.1f}s (least {lead['least']:.1f}s) before the "
+                       f"fixed fleet's cutoff fired, on {lead['nights']} night(s)")
+        return out
 
 
 def run_nights(cfg: NightsConfig) -> NightsReport:
@@ -954,8 +1132,9 @@ def run_nights(cfg: NightsConfig) -> NightsReport:
             db.migrate(conn)
         nights: list[Night] = []
         for seed in cfg.seeds():
-            nights.append(_NightRun(cfg, seed, server, work).run())
-            log.warning("%s", nights[-1].line())
+            for pilot in cfg.modes():
+                nights.append(_NightRun(cfg, seed, server, work, pilot).run())
+                log.warning("%s", nights[-1].line())
         report = NightsReport(asdict(cfg), nights, round(time.monotonic() - t_start, 1))
         clean = report.passed and not cfg.keep
         report.work_dir = None if clean else str(work)

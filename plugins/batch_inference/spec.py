@@ -334,6 +334,43 @@ class Cost(_Strict):
     hosted_batch_per_m_input_tokens: float | None = Field(default=None, ge=0, le=1_000_000, description=(
         "with the output price: hosted batch rows priced from the provider's reported usage"))
     hosted_batch_per_m_output_tokens: float | None = Field(default=None, ge=0, le=1_000_000)
+    # Our own batch workers cost GPU time, not rows: with a GPU-hour price set, their rows are
+    # billed by the GPU-hours the launchers record (bi.fleet_observed) instead of batch_per_row.
+    gpu_hour_spot: float | None = Field(default=None, ge=0, le=100_000, description="a batch worker's GPU-hour "
+                                        "on spot capacity (the seed's $3.50); set: own rows are billed by GPU-hours")
+    gpu_hour_on_demand: float | None = Field(default=None, ge=0, le=100_000,
+                                             description="a batch worker's GPU-hour on on-demand capacity")
+    capacity: Literal["spot", "on_demand"] = Field(default="spot", description="which GPU-hour price the batch "
+                                                   "workers pay (the other is used when only it is set)")
+    min_workers: int = Field(default=1, ge=0, le=10_000, description="the autopilot never runs fewer batch workers")
+    max_workers: int = Field(default=8, ge=1, le=10_000, description="the autopilot never runs more batch workers")
+    budget: float | None = Field(default=None, gt=0, le=1_000_000_000, description="dollars: no option whose "
+                                 "projected bill is over it is chosen (batch_inference.autopilot)")
+    on_budget: Literal["page", "spend"] = Field(default="page", description="when meeting the deadline would "
+                                                "exceed the budget: page and keep within it, or spend and page")
+
+    @model_validator(mode="after")
+    def _worker_bounds(self) -> "Cost":
+        if self.min_workers > self.max_workers:
+            raise ValueError(f"min_workers ({self.min_workers}) is more than max_workers ({self.max_workers})")
+        return self
+
+
+class Autopilot(_Strict):
+    """The batch fleet's size, decided at every poll of the cutoff watch (batch_inference.autopilot).
+
+    Not part of the job version: it changes when rows are produced and what they cost, never
+    what they are."""
+
+    enabled: bool = False
+    margin_s: float = Field(default=600.0, ge=0, le=MAX_LEASE_SECONDS, description="the batch must be projected "
+                            "to finish this long before the cutoff (deadline less the fallback overhead)")
+    start_s: float = Field(default=300.0, ge=0, le=MAX_LEASE_SECONDS, description="an added worker's start-up "
+                           "before its first row (a GPU node and the model's load)")
+    cooldown_s: float = Field(default=900.0, ge=0, le=MAX_LEASE_SECONDS, description="no worker is removed this "
+                              "soon after the last change of size")
+    window_s: float = Field(default=900.0, gt=0, le=MAX_LEASE_SECONDS, description="per-worker throughput is "
+                            "measured over the polls of this last window")
 
 
 class GoldenSet(_Strict):
@@ -527,6 +564,8 @@ class JobSpec(_Strict):
     validation: Validation = Field(default_factory=Validation)
     cost: Cost = Field(default_factory=Cost)
     fallback: Fallback = Field(default_factory=Fallback)
+    autopilot: Autopilot = Field(default_factory=Autopilot, description="the batch fleet's size against the "
+                                 "deadline and the budget; not part of the job version")
     evaluation: Evaluation = Field(default_factory=Evaluation)
     publish: Publish = Field(default_factory=Publish, description="destinations besides the view; not part of "
                              "the job version")

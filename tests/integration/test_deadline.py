@@ -377,7 +377,7 @@ def test_serialize_round_trips_and_carries_no_secrets(monkeypatch):
     assert kwargs == {"job_version": "jv_0123456789abcdef", "deadline": "2026-03-05T06:00:00+01:00",
                       "poll_interval": 120.0, "rate": 85.0, "overhead_s": 1800.0,
                       "relabel_at": "2026-03-05T04:30:00+01:00", "warned": False, "step_s": 60,
-                      "since": None, "postgres_conn_id": "bi_ledger"}
+                      "since": None, "paged": False, "postgres_conn_id": "bi_ledger"}
     text = json.dumps(kwargs)
     for secret in ("s3cret-pw", "db.internal", "postgresql://", "@"):
         assert secret not in text

@@ -123,3 +123,25 @@ def test_the_gpu_dag_maps_its_pods_over_the_workers_param():
     assert pods.is_mapped
     assert pods.partial_kwargs["priority_class_name"] == "batch-low"
     assert dag.params["workers"] == 8
+
+
+def test_a_pipeline_with_autopilot_pods_parses_serializes_and_builds_valid_pods():
+    """The Kubernetes launcher of the autopilot as a pipeline's workers: the DAG round-trips through
+    serialization and each slot's pod (labelled for the launcher) is valid Kubernetes."""
+    from airflow.sdk import DAG
+    from airflow.serialization.serialized_objects import DagSerialization
+
+    from batch_inference.operators.gpu_autopilot import AUTOPILOT_LABEL, gpu_autopilot_workers, pod_name
+    from batch_inference.operators.pipeline import batch_inference_pipeline, pipeline_params
+
+    with DAG("gpu_autopilot_pipeline", schedule=None, params=pipeline_params(workers=2)) as dag:
+        batch_inference_pipeline(dataset="tickets_triage", workers=gpu_autopilot_workers(
+            pod_kwargs={"kueue_queue": "batch", "grace_seconds": 90, "grace_margin_seconds": 15}))
+    restored = DagSerialization.deserialize_dag(DagSerialization.serialize_dag(dag))
+    assert restored.get_task("gpu_workers").task_type == "GpuAutopilotOperator"
+    op = dag.get_task("gpu_workers")
+    for slot in (0, 3):
+        d = pod_dict(op.pod_operator(JOB, slot))
+        assert d["metadata"]["name"] == pod_name(JOB, slot) == f"bi-worker-jv-0123456789abcdef-{slot}"
+        assert d["metadata"]["labels"][AUTOPILOT_LABEL] == "true"
+        assert d["spec"]["terminationGracePeriodSeconds"] == 105

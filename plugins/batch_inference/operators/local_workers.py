@@ -100,6 +100,14 @@ class LocalWorkersOperator(BaseOperator):
         ``bi_worker``); the job version is granted to ``grant_role`` first, over
         ``postgres_conn_id``. None: the workers use ``postgres_conn_id`` (the owner). Templated.
     :param grant_role: the role granted the job version (default: the login of ``worker_conn_id``).
+    :param autopilot: when the job's spec enables the autopilot (``autopilot.enabled``), reconcile the
+        number of workers to the fleet's desired size in the ledger (``bi.fleet_size``, which the
+        autopilot in the cutoff watch sets) every ``reconcile_seconds``, within the spec's
+        ``cost.min_workers`` .. ``cost.max_workers``: ``workers`` is the size until the autopilot has
+        decided, and a restarted task resumes from the ledger's size. False: a fixed fleet whatever the spec. A removed worker
+        gets SIGTERM (it releases its lease at once). Either way each change of size is recorded
+        (``bi.fleet_observed``): the batch workers' GPU-hours in the bill.
+    :param reconcile_seconds: how often the autopilot's desired size is read and the size recorded.
     """
 
     template_fields: Sequence[str] = ("job_version", "workers", "engine", "engine_options", "postgres_conn_id",
@@ -112,7 +120,7 @@ class LocalWorkersOperator(BaseOperator):
                  postgres_conn_id: str = BatchInferenceHook.default_conn_name, max_restarts: int = 3,
                  grace_seconds: float = 20.0, env: Mapping[str, str] | None = None,
                  poll_seconds: float = 0.5, worker_conn_id: str | None = None, grant_role: str | None = None,
-                 **kwargs: Any) -> None:
+                 autopilot: bool = True, reconcile_seconds: float = 5.0, **kwargs: Any) -> None:
         super().__init__(**kwargs)
         self.worker_conn_id = worker_conn_id
         self.grant_role = grant_role
@@ -125,6 +133,8 @@ class LocalWorkersOperator(BaseOperator):
         self.grace_seconds = grace_seconds
         self.env = env
         self.poll_seconds = poll_seconds
+        self.autopilot = autopilot
+        self.reconcile_seconds = reconcile_seconds
         self.fleet: Fleet | None = None
         self._killed = threading.Event()
 
@@ -140,7 +150,8 @@ class LocalWorkersOperator(BaseOperator):
         return args
 
     def _plan(self, conninfo: str, job_version: str, workers: int) -> tuple[str, dict[str, Any]]:
-        """The engine and merged options, read from the job's pinned spec."""
+        """The engine and merged options, read from the job's pinned spec (and, with the autopilot,
+        the fleet's bounds into ``self._bounds``)."""
         from batch_inference import db
         from batch_inference.status import UnknownJob, job_spec
 
@@ -149,6 +160,8 @@ class LocalWorkersOperator(BaseOperator):
                 spec = job_spec(conn, job_version)
         except UnknownJob as exc:
             raise AirflowFailException(str(exc)) from None
+        self._bounds = (spec.cost.min_workers, spec.cost.max_workers)
+        self._follow = bool(self.autopilot) and spec.autopilot.enabled
         engine = (self.engine or "").strip() or spec.engine.name
         # The CLI's --engine-option replaces the spec's options, so pass the merge.
         options = {**spec.engine.options, **dict(self.engine_options or {})}
@@ -183,14 +196,25 @@ class LocalWorkersOperator(BaseOperator):
         env = worker_environment(self._worker_conninfo(job_version) or conninfo, options, self.env)
         self.log.info("starting %d local worker(s) for %s: engine %s, options %s", n, job_version, engine, options)
 
+        launcher = f"local:{self.task_id}"
+        if self._follow:
+            n = self._resume_size(conninfo, job_version, n)
         fleet = self.fleet = Fleet(self.worker_arguments(job_version, engine, options), env, n, log=self.log,
                                    fatal=FATAL, max_restarts=self.max_restarts)
         t0 = time.monotonic()
+        next_reconcile = 0.0
         try:
             if not self._killed.is_set():
                 fleet.start_all()
             while fleet.active() and not self._killed.is_set():
                 fleet.poll(on_exit=self._on_exit)
+                if time.monotonic() >= next_reconcile:
+                    # What runs is recorded either way: the workers' GPU-hours in the bill.
+                    if self._follow:
+                        self._reconcile(conninfo, job_version, launcher, n)
+                    else:
+                        self._observe(conninfo, job_version, launcher, len(fleet.slots()))
+                    next_reconcile = time.monotonic() + self.reconcile_seconds
                 fleet.wait(self.poll_seconds)
         except AirflowFailException as exc:
             self._stop()
@@ -199,6 +223,8 @@ class LocalWorkersOperator(BaseOperator):
         except BaseException:
             self._stop()
             raise
+        finally:
+            self._observe(conninfo, job_version, launcher, 0)
         if self._killed.is_set():
             self._stop()
             raise AirflowException(f"workers of {job_version} stopped from outside (the task was marked failed, "
@@ -237,6 +263,50 @@ class LocalWorkersOperator(BaseOperator):
             self.log.warning("[%s] %s (exit %s); restarting (%d/%d): its shard is pending again, "
                              "only in-flight records are redone", w.name, why, rc, self.fleet.restarts[w.slot],
                              self.max_restarts)
+
+    # -- the autopilot's launcher ---------------------------------------------
+    def _resume_size(self, conninfo: str, job_version: str, n: int) -> int:
+        """The ledger's desired size (a restarted task resumes from it), else ``workers``, within the bounds."""
+        from batch_inference import autopilot, db
+
+        with db.connect(conninfo) as conn:
+            want = autopilot.desired_size(conn, job_version)
+        lo, hi = self._bounds
+        size = max(lo, min(hi, n if want is None else want))
+        self.log.info("autopilot: starting %d worker(s) (%s)", size,
+                      "the ledger's desired size" if want is not None else "no decision yet")
+        return max(1, size)
+
+    def _reconcile(self, conninfo: str, job_version: str, launcher: str, default: int) -> None:
+        """Make the fleet run the ledger's desired size. Once a worker found nothing left to claim,
+        no worker is added: the job is draining."""
+        from batch_inference import autopilot, db
+
+        fleet = self.fleet
+        assert fleet is not None
+
+        def scale(k: int) -> None:
+            before = len(fleet.slots())
+            k = min(k, before) if fleet.drained else k
+            if k != before:
+                fleet.scale_to(k)
+                self.log.warning("autopilot: %d -> %d worker(s) (the ledger's desired size)", before, k)
+
+        try:
+            with db.connect(conninfo) as conn:
+                autopilot.reconcile(conn, job_version, launcher, lambda: len(fleet.slots()), scale, default,
+                                    self._bounds)
+        except Exception as exc:  # noqa: BLE001 - the workers go on at their size; the next pass retries
+            self.log.warning("autopilot: could not reconcile with the ledger: %s", str(exc).strip()[:200])
+
+    def _observe(self, conninfo: str, job_version: str, launcher: str, running: int) -> None:
+        from batch_inference import autopilot, db
+
+        try:
+            with db.connect(conninfo) as conn:
+                autopilot.observe(conn, job_version, launcher, running)
+        except Exception as exc:  # noqa: BLE001 - the bill then counts the last size until now
+            self.log.warning("autopilot: could not record the fleet's end: %s", str(exc).strip()[:200])
 
     def _worker_conninfo(self, job_version: str) -> str | None:
         """The workers' own credentials, granted this job version; None without ``worker_conn_id``."""

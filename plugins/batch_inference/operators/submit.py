@@ -33,7 +33,7 @@ from batch_inference.operators.lineage import Ident, operator_lineage, s3_ident,
 # declares an endpoint internal or a record class cleared.
 OVERRIDABLE = frozenset({
     "shard_size", "max_attempts", "lease_seconds", "renew_seconds", "incremental", "validation", "fallback",
-    "cost", "engine", "dataset",
+    "cost", "autopilot", "engine", "dataset",
 })
 
 

@@ -16,6 +16,9 @@ does not decide anything itself. When the trigger's event comes back:
   defers again to the same trigger with ``warned=True``. A trigger can
   only end with one event, so this is how a warning is sent mid-wait
   without stopping the watch, and it goes out once per run.
+* ``budget``: the autopilot's page (meeting the deadline would cost more than
+  ``cost.budget``) goes to the same notifiers, then the sensor defers again with
+  ``paged=True``. The autopilot itself runs inside the trigger's polls.
 * ``halted``: fails the task without retries: the job's workers recorded that
   they cannot work (wrong weights, an unusable engine), so the run cannot
   succeed and ends now rather than at the deadline.
@@ -221,6 +224,11 @@ class CutoffSensor(BaseOperator):
             self.log.warning("EARLY WARNING for %s: %s", self.job_version, event.get("reason"))
             self._notify(context, event)
             self.defer(trigger=self._trigger(**{**event["watch"], "warned": True}), method_name="execute_complete")
+        if status == watchlib.BUDGET:
+            # The autopilot's page (the budget against the deadline), sent like the early warning.
+            self.log.warning("BUDGET PAGE for %s: %s", self.job_version, event.get("reason"))
+            self._notify(context, {**event, "warning": {"message": event.get("reason")}})
+            self.defer(trigger=self._trigger(**{**event["watch"], "paged": True}), method_name="execute_complete")
         summary = {
             "fired": status == "cutoff",
             "reason": event.get("reason"),

@@ -20,7 +20,7 @@ plain text. A trigger built with ``postgres_conn_id=None`` reads
 "Serialized state"); the sensor always passes its connection id.
 
 The trigger yields exactly one event and ends. Its payload's ``status`` is
-``complete``, ``cutoff``, ``early_warning`` or ``error``, as described in
+``complete``, ``cutoff``, ``early_warning``, ``budget``, ``halted`` or ``error``, as described in
 :mod:`batch_inference.deadline`.
 """
 
@@ -51,16 +51,19 @@ class CutoffTrigger(BaseTrigger):
     :param step_s: the latest safe start is floored to this many seconds (60: whole minutes).
     :param since: ISO datetime; a worker halt (``bi.halt_job_v1``) recorded at or after it ends the watch
         with ``halted``. The sensor passes the DAG run's start, so halts of an earlier attempt are ignored.
+    :param paged: the autopilot's budget page was already sent; do not send it again. With
+        ``spec.autopilot.enabled`` every poll also decides the batch fleet's size (``batch_inference.autopilot``).
     """
 
     def __init__(self, job_version: str, deadline: str, poll_interval: float = 60.0, rate: float | None = None,
                  overhead_s: float | None = None, postgres_conn_id: str | None = None,
-                 relabel_at: str | None = None, warned: bool = False, step_s: int = 60, since: str | None = None):
+                 relabel_at: str | None = None, warned: bool = False, step_s: int = 60, since: str | None = None,
+                 paged: bool = False):
         super().__init__()
         # Validated here, so a bad deadline fails the task at defer time,
         # in the task's log, and not later in the triggerer.
         self.cfg = watchlib.config_from_kwargs(job_version, deadline, poll_interval, rate, overhead_s, relabel_at,
-                                               warned, step_s, since)
+                                               warned, step_s, since, paged)
         self.job_version = job_version
         self.postgres_conn_id = postgres_conn_id
 

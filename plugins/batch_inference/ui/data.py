@@ -27,6 +27,7 @@ import psycopg
 from psycopg import sql
 
 from batch_inference import cutoff, db
+from batch_inference.autopilot import gpu_hours
 from batch_inference.cost import Prices, job_bill
 from batch_inference.db import q
 from batch_inference.publish import publish_history, rejections
@@ -288,6 +289,8 @@ def progress(conn: psycopg.Connection, job_version: str, now: datetime | None = 
         "overhead_s": overhead,
         "constants": constants.to_dict(),
         "lanes": lanes,
+        # The autopilot's changes of the batch fleet's size (and its pages), on the same time axis.
+        "fleet": conn.execute(q("fleet_changes"), {"job": job_version}).fetchall(),
     }
 
 
@@ -375,7 +378,8 @@ def cost(conn: psycopg.Connection, job_version: str) -> dict[str, Any]:
     counts = job_counts(conn, job_version)
     prices = Prices.from_spec(row["spec"] or {})
     outstanding = int(counts["outstanding"])
-    so_far, fired = job_bill(counts, prices, conn.execute(q("hosted_cost_rows"), {"job": job_version}).fetchone())
+    so_far, fired = job_bill(counts, prices, conn.execute(q("hosted_cost_rows"), {"job": job_version}).fetchone(),
+                             gpu_hours=gpu_hours(conn, job_version))
     return {
         "job_version": job_version,
         "so_far": so_far.to_dict(),

@@ -293,6 +293,22 @@
       svg.appendChild(g);
     }
 
+    // The autopilot's decisions: a mark per change of the batch fleet's size (or page),
+    // on a rail above the cutoff's, each with its reason.
+    if (p.fleet && p.fleet.length) {
+      const g = s("g", { class: "fleet-changes", id: "fleet-changes" });
+      const fy = railY - 26;
+      g.appendChild(s("text", { x: L - 6, y: fy + 4, "text-anchor": "end", text: "fleet" }));
+      p.fleet.forEach((f) => {
+        const cx = x(toDate(f.at).getTime());
+        const mark = s("text", { class: "fleet-" + f.action, x: cx, y: fy + 4, "text-anchor": "middle",
+          text: f.page ? "!" : String(f.desired) });
+        mark.appendChild(s("title", { text: `at ${clock(toDate(f.at))}: ${f.action} ${f.current} → ${f.desired} workers: ${f.reason}` + (f.page ? ` PAGE: ${f.page}` : "") }));
+        g.appendChild(mark);
+      });
+      svg.appendChild(g);
+    }
+
     // Vertical lines for the moments that matter, labelled at the top. Labels
     // are stacked into rows so that close moments (now and the cutoff, say)
     // stay readable, and flipped to the left of their line at the right edge.

@@ -1,0 +1,198 @@
+"""GPU worker pods reconciled to the autopilot's desired size, through the Kubernetes hook.
+
+``GpuPodLauncher`` is the Kubernetes launcher of ``batch_inference.autopilot``: it reads the
+fleet's desired size from the ledger (``bi.fleet_size``, which the autopilot in the cutoff
+watch writes) and makes the job's worker pods match it, as a Kubernetes controller would:
+it lists the pods it owns (labels ``batch-inference/job-version`` and
+``batch-inference/autopilot``), creates the missing ones through the cncf-kubernetes
+provider's ``KubernetesHook`` (``core_v1_client.create_namespaced_pod``) and deletes the
+surplus, newest slot first (``delete_namespaced_pod`` with the pod's termination grace: the
+kubelet sends SIGTERM, the worker's preemption notice, and it releases its lease at once).
+Each pod is the pod ``GpuWorkerPodOperator`` builds for its slot, with the same image
+allow-list, GPU limits, tolerations, priority class, Kueue queue and worker Secret. The
+launcher keeps no state of its own: a restarted one lists its pods and goes on.
+
+``GpuAutopilotOperator`` runs it as a task: it grants the job version to the worker role,
+then reconciles every ``reconcile_seconds`` until the job has nothing left for a worker (done,
+or in fallback mode), recording what runs (``bi.fleet_observed``: the GPU-hours in the bill).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+from airflow.sdk import BaseOperator, Context
+from airflow.sdk.exceptions import AirflowFailException
+
+from batch_inference.hooks.batch_inference import BatchInferenceHook
+
+AUTOPILOT_LABEL = "batch-inference/autopilot"
+JOB_LABEL = "batch-inference/job-version"
+SLOT_LABEL = "batch-inference/worker-slot"
+ENDED = frozenset({"Succeeded", "Failed"})
+
+
+def pod_name(job_version: str, slot: int) -> str:
+    """A DNS-1123 name per job version and slot (the job version's underscore is not allowed)."""
+    return f"bi-worker-{job_version.lower().replace('_', '-')}-{slot}"[:63]
+
+
+class GpuPodLauncher:
+    """The job's GPU worker pods, counted, added and removed through ``hook.core_v1_client``.
+
+    ``build(slot)`` returns the pod (a ``V1Pod``) for a slot; ``grace_seconds`` is the deletion's
+    grace period (the pod's own termination grace)."""
+
+    def __init__(self, hook: Any, namespace: str, job_version: str, build: Callable[[int], Any],
+                 grace_seconds: int, log: Any = None) -> None:
+        self.hook, self.namespace, self.job_version = hook, namespace, job_version
+        self.build, self.grace_seconds, self.log = build, grace_seconds, log
+
+    @property
+    def selector(self) -> str:
+        return f"{JOB_LABEL}={self.job_version},{AUTOPILOT_LABEL}=true"
+
+    def pods(self) -> list[Any]:
+        return list(self.hook.core_v1_client.list_namespaced_pod(namespace=self.namespace,
+                                                                 label_selector=self.selector).items)
+
+    def live(self) -> list[Any]:
+        """Pods neither ended nor being deleted, by slot."""
+        out = [p for p in self.pods() if p.metadata.deletion_timestamp is None
+               and (p.status is None or p.status.phase not in ENDED)]
+        return sorted(out, key=lambda p: int(p.metadata.labels.get(SLOT_LABEL, 0)))
+
+    def drained(self) -> bool:
+        """A worker pod exited 0: it found nothing left to claim, so no pod is added."""
+        return any(p.status is not None and p.status.phase == "Succeeded" for p in self.pods())
+
+    def running(self) -> int:
+        return len(self.live())
+
+    def scale(self, n: int) -> None:
+        from kubernetes.client import ApiClient
+
+        live = self.live()
+        if n > len(live) and self.drained():
+            n = len(live)
+        # Every listed pod keeps its name (an ended or terminating pod still exists): new slots avoid them.
+        taken = {int(p.metadata.labels.get(SLOT_LABEL, -1)) for p in self.pods()}
+        slot = 0
+        for _ in range(n - len(live)):
+            while slot in taken:
+                slot += 1
+            taken.add(slot)
+            body = ApiClient().sanitize_for_serialization(self.build(slot))
+            self.hook.core_v1_client.create_namespaced_pod(namespace=self.namespace, body=body)
+            self._say("added pod %s (slot %d)", body["metadata"]["name"], slot)
+        for pod in reversed(live[n:] if n < len(live) else []):
+            # The kubelet sends SIGTERM and waits the grace: the worker's preemption notice.
+            self.hook.core_v1_client.delete_namespaced_pod(name=pod.metadata.name, namespace=self.namespace,
+                                                           grace_period_seconds=self.grace_seconds)
+            self._say("removed pod %s: SIGTERM, %d s grace", pod.metadata.name, self.grace_seconds)
+
+    def _say(self, msg: str, *args: Any) -> None:
+        if self.log is not None:
+            self.log.info(msg, *args)
+
+
+class GpuAutopilotOperator(BaseOperator):
+    """GPU worker pods for ``job_version``, as many as the autopilot wants (``bi.fleet_size``).
+
+    Takes ``GpuWorkerPodOperator``'s pod arguments (``pod_kwargs``: image, allowed_images, gpus,
+    kueue_queue, priority_class_name, grace_seconds, model_pvc...). ``workers`` is the size until
+    the autopilot has decided; the spec's ``cost.min_workers`` .. ``cost.max_workers`` bound it.
+
+    :param kubernetes_conn_id: the cncf-kubernetes connection the hook uses.
+    :param reconcile_seconds: how often the desired size is read and the pods listed.
+    :param drain_timeout_s: how long to wait, once the job needs no worker, for the pods to end.
+    """
+
+    template_fields: Sequence[str] = ("job_version", "workers")
+    ui_color = "#c9e4f5"
+
+    def __init__(self, *, job_version: Any, workers: int | str = 1, namespace: str = "batch-inference",
+                 kubernetes_conn_id: str = "kubernetes_default",
+                 postgres_conn_id: str = BatchInferenceHook.default_conn_name, reconcile_seconds: float = 30.0,
+                 pod_kwargs: Mapping[str, Any] | None = None, drain_timeout_s: float = 900.0,
+                 **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.job_version, self.workers, self.namespace = job_version, workers, namespace
+        self.kubernetes_conn_id, self.postgres_conn_id = kubernetes_conn_id, postgres_conn_id
+        self.reconcile_seconds = reconcile_seconds
+        self.drain_timeout_s = drain_timeout_s
+        self.pod_kwargs = dict(pod_kwargs or {})
+
+    def hook(self) -> Any:
+        from airflow.providers.cncf.kubernetes.hooks.kubernetes import KubernetesHook
+
+        return KubernetesHook(conn_id=self.kubernetes_conn_id)
+
+    def pod_operator(self, job_version: str, slot: int) -> Any:
+        from batch_inference.operators.gpu_pods import GpuWorkerPodOperator
+
+        kw = dict(self.pod_kwargs)
+        labels = {**dict(kw.pop("labels", {}) or {}), AUTOPILOT_LABEL: "true"}
+        return GpuWorkerPodOperator(task_id=f"{self.task_id}_slot_{slot}", job_version=job_version, worker_slot=slot,
+                                    namespace=self.namespace, name=pod_name(job_version, slot),
+                                    random_name_suffix=False, labels=labels, **kw)
+
+    def launcher(self, job_version: str) -> GpuPodLauncher:
+        probe = self.pod_operator(job_version, 0)
+        if probe.image not in probe.allowed_images:
+            raise AirflowFailException(f"image {str(probe.image)[:200]!r} is not one of the allowed runner images "
+                                       f"({', '.join(probe.allowed_images) or 'none'})")
+        return GpuPodLauncher(self.hook(), self.namespace, job_version,
+                              lambda slot: self.pod_operator(job_version, slot).build_pod_request_obj(dry_run=True),
+                              int(probe.termination_grace_period or 0), self.log)
+
+    def execute(self, context: Context) -> dict[str, Any]:
+        from batch_inference import autopilot, db
+        from batch_inference.status import job_counts, job_spec
+
+        job_version = str(self.job_version or "").strip()
+        if not job_version:
+            raise AirflowFailException("no job version (did the submit task push one?)")
+        conninfo = BatchInferenceHook(self.postgres_conn_id, migrate=False).get_conninfo()
+        with db.connect(conninfo) as conn:
+            spec = job_spec(conn, job_version)
+        bounds = (spec.cost.min_workers, spec.cost.max_workers)
+        launcher = self.launcher(job_version)
+        role = self.pod_kwargs.get("grant_role", "bi_worker")
+        if role:
+            from batch_inference.operators.grants import grant_worker_role
+
+            grant_worker_role(self.postgres_conn_id, role, job_version)
+        name, largest, passes = f"k8s:{self.namespace}", 0, 0
+        while True:
+            with db.connect(conninfo) as conn:
+                counts = job_counts(conn, job_version)
+                if counts["outstanding"] == 0 or counts["mode"] != "batch":
+                    autopilot.observe(conn, job_version, name, launcher.running())
+                    break
+                size = autopilot.reconcile(conn, job_version, name, launcher.running, launcher.scale,
+                                           int(self.workers), bounds)
+            largest, passes = max(largest, size), passes + 1
+            time.sleep(self.reconcile_seconds)
+        # The workers drain by themselves (nothing to claim, or refused in fallback mode); their GPU
+        # time counts until the last pod has ended.
+        end = time.monotonic() + self.drain_timeout_s
+        while launcher.running() and time.monotonic() < end:
+            time.sleep(self.reconcile_seconds)
+        with db.connect(conninfo) as conn:
+            autopilot.observe(conn, job_version, name, launcher.running())
+        return {"job_version": job_version, "largest": largest, "passes": passes, "mode": counts["mode"],
+                "outstanding": int(counts["outstanding"])}
+
+
+def gpu_autopilot_workers(*, workers: Any = "{{ params.workers }}", **kwargs: Any) -> Callable[[Any, str], Any]:
+    """A worker launcher for ``batch_inference_pipeline`` (task id ``gpu_workers``): GPU pods as many as the
+    autopilot wants, ``workers`` until it has decided. ``kwargs`` go to ``GpuAutopilotOperator``."""
+
+    def launch(job_version: Any, postgres_conn_id: str) -> Any:
+        return GpuAutopilotOperator(task_id="gpu_workers", job_version=job_version, workers=workers,
+                                    postgres_conn_id=postgres_conn_id, **kwargs)
+
+    return launch

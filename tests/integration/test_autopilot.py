@@ -1,0 +1,315 @@
+"""The autopilot against the real embedded PostgreSQL: the watch's decisions in the ledger, the
+local launcher on real worker processes, and the Kubernetes launcher through the hook.
+
+There is no Kubernetes API server here: the pods go to a stand-in ``CoreV1Api`` (the boundary
+that cannot run on these machines, as in tests/unit/test_airflow_pods.py) which validates each
+pod body against the Kubernetes 1.33 schema in strict mode and keeps the pods the launcher
+lists. Everything else is real: the ledger, the desired size, the worker processes and their
+leases.
+"""
+
+from __future__ import annotations
+
+import tests.fixtures.airflow_env  # noqa: F401  (before anything imports Airflow)
+
+import asyncio
+import json
+import os
+import sys
+import time
+from datetime import datetime, timedelta, timezone
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+
+from batch_inference import autopilot, db
+from batch_inference import deadline as watchlib
+from batch_inference.autopilot import Decision
+from batch_inference.fleet import Fleet
+from batch_inference.plan import submit
+from batch_inference.status import job_counts
+from tests.conftest import make_source, make_spec, tickets
+
+UTC = timezone.utc
+PILOT = {"enabled": True, "margin_s": 60, "start_s": 30, "cooldown_s": 600, "window_s": 120}
+
+
+def new_job(conn, n: int, **over: Any) -> str:
+    make_source(conn, tickets(n))
+    return submit(conn, make_spec(**over)).job_version
+
+
+def set_desired(conn, job: str, n: int, current: int = 0) -> None:
+    """A decision as the autopilot records it (the launchers read only the desired size)."""
+    autopilot.record(conn, job, Decision(datetime.now(UTC), current, n, "add" if n > current else "remove",
+                                         f"test: {n} workers", None))
+
+
+# -- the watch --------------------------------------------------------------------------------
+
+
+def store_rows(conn, job: str, k: int) -> None:
+    """Settle one shard of ``k`` rows through the real ledger functions (claim, put, release)."""
+    lease = conn.execute("SELECT * FROM bi.claim_shard_v2(%s, 'w', 'batch', 600)", (job,)).fetchone()
+    ids = [r["record_id"] for r in conn.execute(
+        "SELECT record_id FROM bi.snapshot_rows WHERE job_version = %s AND shard_no = %s ORDER BY record_id "
+        "LIMIT %s", (job, lease["shard_no"], k))]
+    conn.execute(db.q("put_results"), {"job": job, "shard": lease["shard_no"], "epoch": lease["epoch"],
+                                       "owner": "w", "transport": "batch", "engine": "noop", "endpoint": "local",
+                                       "ids": ids, "outputs": ['{"category": "bug", "summary": "x"}'] * len(ids),
+                                       "categories": ["bug"] * len(ids)})
+    conn.execute("SELECT bi.release_shard_v2(%s, %s, %s, 'w')", (job, lease["shard_no"], lease["epoch"]))
+
+
+def test_the_watch_adds_workers_when_behind_and_records_every_decision(conn, db_url):
+    """A fake clock and a fake sleep (which settles rows as two workers would); the database, the
+    counts and the ledger writes are real."""
+    job = new_job(conn, 400, shard_size=20, autopilot=PILOT,
+                  cost={"gpu_hour_spot": 3.5, "min_workers": 1, "max_workers": 12})
+    autopilot.observe(conn, job, "test", 2)             # a launcher runs two workers
+    t = [datetime.now(UTC)]
+    deadline = t[0] + timedelta(seconds=1800 + 600)     # the spec's overhead (1,800 s) + 10 minutes
+
+    async def sleep(s: float) -> None:
+        t[0] += timedelta(seconds=60)
+        store_rows(conn, job, 20)                                 # 20 rows a minute: 400 rows need 20 minutes
+
+    payload = asyncio.run(watchlib.watch(lambda: watchlib.connect_async(db_url),
+                                         watchlib.WatchConfig(job_version=job, deadline=deadline,
+                                                              poll_interval_s=60, warned=True),
+                                         now=lambda: t[0], sleep=sleep, max_polls=6))
+    assert payload["status"] == "wait", payload
+    rows = conn.execute(db.q("fleet_decisions"), {"job": job}).fetchall()
+    assert len(rows) == 6                               # one per poll
+    assert rows[0]["action"] == "hold" and "no throughput" in rows[0]["reason"]
+    add = next(r for r in rows if r["action"] == "add")
+    assert add["desired"] > add["current"] == 2
+    assert add["finish_with"] < add["finish_without"] and add["bill_with"] <= add["bill_without"]
+    assert {o["workers"] for o in add["options"]} >= {1, 2, add["desired"]}
+    assert all({"finish", "fire", "fallback_rows", "bill", "within_budget"} <= set(o) for o in add["options"])
+    size = conn.execute(db.q("fleet_size"), {"job": job}).fetchone()
+    assert size["desired"] == rows[-1]["desired"] and size["desired"] >= add["desired"]
+    assert payload["autopilot"]["desired"] == size["desired"]
+    # The dashboard shows each change on the progress panel's time axis, with its reason.
+    from batch_inference.ui.data import progress
+
+    fleet = progress(conn, job)["fleet"]
+    assert [f["desired"] for f in fleet] == [r["desired"] for r in rows if r["action"] != "hold"]
+    assert fleet[0]["action"] == "add" and fleet[0]["reason"] == add["reason"]
+
+
+def test_the_budget_page_ends_the_trigger_once_with_the_arithmetic(conn, db_url):
+    job = new_job(conn, 400, shard_size=20, autopilot=PILOT,
+                  cost={"gpu_hour_spot": 3.5, "min_workers": 1, "max_workers": 12, "budget": 0.5,
+                        "on_budget": "page"})
+    autopilot.observe(conn, job, "test", 2)
+    t = [datetime.now(UTC)]
+    deadline = t[0] + timedelta(seconds=1800 + 300)
+    cfg = watchlib.WatchConfig(job_version=job, deadline=deadline, poll_interval_s=60, warned=True)
+
+    async def sleep(s: float) -> None:
+        t[0] += timedelta(seconds=60)
+        store_rows(conn, job, 20)
+
+    payload = asyncio.run(watchlib.watch(lambda: watchlib.connect_async(db_url), cfg, now=lambda: t[0], sleep=sleep,
+                                         max_polls=8))
+    assert payload["status"] == watchlib.BUDGET, payload
+    assert "budget $0.50" in payload["reason"] and "fallback rows" in payload["reason"]
+    # Re-armed with paged=True (as the sensor does) the watch goes on without paging again.
+    assert payload["watch"]["paged"] is False
+    paged = watchlib.config_from_kwargs(**{**payload["watch"], "paged": True})
+    quiet = asyncio.run(watchlib.watch(lambda: watchlib.connect_async(db_url), paged, now=lambda: t[0], sleep=sleep,
+                                       max_polls=2))
+    assert quiet["status"] != watchlib.BUDGET
+
+
+# -- the local launcher: real worker processes --------------------------------------------------
+
+
+def worker_fleet(db_url: str, job: str, size: int, tag: str) -> Fleet:
+    argv = lambda name: [job, "--engine", "batch_inference.nights:PacedEngine", "--engine-option",  # noqa: E731
+                         "delay_s=0.2", "--worker-id", name, "--flush-every", "5", "--grace-seconds", "1"]
+    env = {**os.environ, "BATCH_INFERENCE_DB": db_url, "PYTHONPATH": os.pathsep.join(sys.path)}
+    return Fleet(argv, env, size, name=lambda slot, gen: f"{tag}-w{slot}-g{gen}", echo=False, new_session=True)
+
+
+def leases(conn, job: str) -> dict[str, int]:
+    rows = conn.execute("SELECT lease_owner, shard_no FROM bi.shards WHERE job_version = %s AND state = 'leased'",
+                        (job,)).fetchall()
+    return {r["lease_owner"]: r["shard_no"] for r in rows}
+
+
+def wait_for(what, timeout: float = 60.0, every: float = 0.1):
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        got = what()
+        if got:
+            return got
+        time.sleep(every)
+    raise AssertionError("timed out")
+
+
+def test_the_local_launcher_reconciles_to_the_ledger_and_a_removed_worker_releases_its_lease(conn, db_url):
+    job = new_job(conn, 300, shard_size=10, lease_seconds=120, renew_seconds=5,
+                  cost={"gpu_hour_spot": 3.5, "min_workers": 1, "max_workers": 4})
+    fleet = worker_fleet(db_url, job, 1, "a")
+    try:
+        fleet.start_all()
+        running = lambda: len(fleet.slots())  # noqa: E731
+        # No decision yet: the launcher keeps its default.
+        assert autopilot.reconcile(conn, job, "local", running, fleet.scale_to, 1, (1, 4)) == 1
+        set_desired(conn, job, 3, 1)
+        assert autopilot.reconcile(conn, job, "local", running, fleet.scale_to, 1, (1, 4)) == 3
+        assert running() == 3
+        wait_for(lambda: len(leases(conn, job)) == 3)
+        held = leases(conn, job)
+        # Down to one: the two newest get SIGTERM and give their shards back at once, far inside the
+        # 120 s lease (no expiry involved).
+        set_desired(conn, job, 1, 3)
+        t0 = time.monotonic()
+        assert autopilot.reconcile(conn, job, "local", running, fleet.scale_to, 1, (1, 4)) == 1
+        removed = {w.name for w in fleet.workers if w is not None and w.slot in (1, 2)}
+        wait_for(lambda: not (removed & set(leases(conn, job))), timeout=20)
+        assert time.monotonic() - t0 < 20 and removed & set(held)
+        wait_for(lambda: (fleet.poll(), len(fleet.exits) >= 2)[1], timeout=20)
+        assert all(e.preempted for e in fleet.exits) and running() == 1
+        # The ledger's bounds win over a desired size outside them.
+        set_desired(conn, job, 9, 1)
+        assert autopilot.reconcile(conn, job, "local", running, fleet.scale_to, 1, (1, 4)) == 4
+        set_desired(conn, job, 2, 4)
+        autopilot.reconcile(conn, job, "local", running, fleet.scale_to, 1, (1, 4))
+    finally:
+        fleet.stop(5.0)
+    autopilot.observe(conn, job, "local", 0)
+    # A restarted launcher resumes from the ledger (2), not from its default (1).
+    again = worker_fleet(db_url, job, 1, "b")
+    try:
+        again.start_all()
+        assert autopilot.reconcile(conn, job, "local", lambda: len(again.slots()), again.scale_to, 1, (1, 4)) == 2
+        assert len(again.slots()) == 2
+        wait_for(lambda: job_counts(conn, job)["outstanding"] == 0, timeout=120)
+    finally:
+        again.stop(5.0)
+    autopilot.observe(conn, job, "local", 0)
+    cov = conn.execute(db.q("chaos_coverage"), {"job": job}).fetchone()
+    assert cov["duplicates"] == 0 and cov["missing"] == 0
+    observed = [r["running"] for r in conn.execute(
+        "SELECT running FROM bi.fleet_observed WHERE job_version = %s ORDER BY id", (job,))]
+    assert observed[:3] == [1, 3, 1] and observed[-1] == 0
+    assert autopilot.gpu_hours(conn, job) > 0
+
+
+# -- the Kubernetes launcher: pods through the hook -----------------------------------------------
+
+
+class FakeCoreV1Api:
+    """The boundary: the pods API, as ``kubernetes.client.CoreV1Api`` answers it. Each created body
+    is validated against the Kubernetes 1.33 schema (strict: unknown fields fail); a deletion marks
+    the pod terminating, as the API server does while the kubelet's SIGTERM grace runs."""
+
+    def __init__(self) -> None:
+        self.pods: dict[str, dict[str, Any]] = {}
+        self.calls: list[tuple[str, str, Any]] = []
+
+    def create_namespaced_pod(self, namespace: str, body: dict[str, Any], **kw: Any) -> Any:
+        import kubernetes_validate
+
+        kubernetes_validate.validate(body, "1.33", strict=True)
+        name = body["metadata"]["name"]
+        assert name not in self.pods, f"409 Conflict: pod {name} exists"
+        self.pods[name] = json.loads(json.dumps(body))
+        self.calls.append(("create", name, body))
+        return self._pod(name)
+
+    def delete_namespaced_pod(self, name: str, namespace: str, grace_period_seconds: int | None = None, **kw: Any):
+        self.pods[name]["metadata"]["deletionTimestamp"] = datetime.now(UTC).isoformat()
+        self.calls.append(("delete", name, grace_period_seconds))
+
+    def list_namespaced_pod(self, namespace: str, label_selector: str = "", **kw: Any) -> Any:
+        want = dict(kv.split("=", 1) for kv in label_selector.split(",") if kv)
+        items = [self._pod(n) for n, p in self.pods.items()
+                 if all(p["metadata"].get("labels", {}).get(k) == v for k, v in want.items())]
+        return SimpleNamespace(items=items)
+
+    def _pod(self, name: str) -> Any:
+        from kubernetes.client import ApiClient
+
+        return ApiClient()._ApiClient__deserialize(self.pods[name], "V1Pod")
+
+    def end(self, name: str, phase: str) -> None:
+        self.pods[name]["status"] = {"phase": phase}
+
+
+def test_gpu_pods_are_added_and_removed_through_the_hook(conn, db_url, monkeypatch):
+    pytest.importorskip("kubernetes_validate")
+    from airflow.sdk import DAG
+
+    from batch_inference.operators.gpu_autopilot import GpuAutopilotOperator, pod_name
+
+    job = new_job(conn, 100, cost={"min_workers": 1, "max_workers": 6})
+    api = FakeCoreV1Api()
+    hook = SimpleNamespace(core_v1_client=api)
+    with DAG("gpu_autopilot_test", schedule=None):
+        op = GpuAutopilotOperator(task_id="gpu_autopilot", job_version=job, workers=2,
+                                  pod_kwargs={"kueue_queue": "gpu-batch", "grace_seconds": 90,
+                                              "grace_margin_seconds": 15, "gpus": 1})
+    monkeypatch.setattr(op, "hook", lambda: hook)
+    launcher = op.launcher(job)
+    size = autopilot.reconcile(conn, job, "k8s", launcher.running, launcher.scale, 2, (1, 6))
+    assert size == 2 and sorted(api.pods) == [pod_name(job, 0), pod_name(job, 1)]
+    set_desired(conn, job, 5, 2)
+    assert autopilot.reconcile(conn, job, "k8s", launcher.running, launcher.scale, 2, (1, 6)) == 5
+    body = api.pods[pod_name(job, 4)]
+    # The same pod as GpuWorkerPodOperator's: GPU limit, priority class, queue, the worker Secret.
+    (c,) = body["spec"]["containers"]
+    assert c["resources"]["limits"]["nvidia.com/gpu"] == "1" and body["spec"]["priorityClassName"] == "batch-low"
+    assert body["metadata"]["labels"]["kueue.x-k8s.io/queue-name"] == "gpu-batch"
+    assert body["metadata"]["labels"]["batch-inference/worker-slot"] == "4"
+    assert body["metadata"]["labels"]["batch-inference/autopilot"] == "true"
+    assert c["args"][:2] == ["worker", job]
+    # Down to two: the newest slots are deleted with the pod's termination grace (SIGTERM, then 105 s).
+    set_desired(conn, job, 2, 5)
+    autopilot.reconcile(conn, job, "k8s", launcher.running, launcher.scale, 2, (1, 6))
+    deletes = [(n, g) for kind, n, g in api.calls if kind == "delete"]
+    assert deletes == [(pod_name(job, 4), 105), (pod_name(job, 3), 105), (pod_name(job, 2), 105)]
+    assert launcher.running() == 2
+    # A restarted launcher lists its pods and resumes: nothing created, nothing deleted.
+    before = len(api.calls)
+    again = op.launcher(job)
+    assert autopilot.reconcile(conn, job, "k8s", again.running, again.scale, 1, (1, 6)) == 2
+    assert len(api.calls) == before
+    # Up again: a new slot, never the name of a pod that still exists (terminating or ended).
+    for s in (2, 3, 4):
+        api.end(pod_name(job, s), "Failed")
+    set_desired(conn, job, 3, 2)
+    autopilot.reconcile(conn, job, "k8s", again.running, again.scale, 2, (1, 6))
+    assert again.running() == 3 and pod_name(job, 5) in api.pods
+    # A worker that found nothing left to claim exited 0: no pod is added after that.
+    api.end(pod_name(job, 0), "Succeeded")
+    set_desired(conn, job, 6, 3)
+    autopilot.reconcile(conn, job, "k8s", again.running, again.scale, 2, (1, 6))
+    assert again.running() == 2
+    observed = [r["running"] for r in conn.execute(
+        "SELECT running FROM bi.fleet_observed WHERE job_version = %s ORDER BY id", (job,))]
+    assert observed == [2, 5, 2, 3, 2]
+
+
+def test_the_sensor_sends_the_budget_page_to_its_notifiers_and_watches_on(db_url, monkeypatch):
+    from airflow.sdk.exceptions import TaskDeferred
+
+    from batch_inference.db import airflow_connection_json
+    from batch_inference.sensors.cutoff import CutoffSensor
+
+    monkeypatch.setenv("AIRFLOW_CONN_BATCH_INFERENCE_DEFAULT", airflow_connection_json(db_url))
+    got: list[dict] = []
+    s = CutoffSensor(task_id="cutoff", job_version="jv_x", deadline="06:00",
+                     on_early_warning=lambda context, event: got.append(event))
+    watch = watchlib.watch_kwargs(watchlib.WatchConfig(job_version="jv_x",
+                                                       deadline=datetime(2026, 3, 5, 6, 0, tzinfo=UTC)))
+    page = "the deadline would cost more than the budget; keeping within it with 2 worker(s): ..."
+    with pytest.raises(TaskDeferred) as exc:
+        s.execute_complete({}, {"status": watchlib.BUDGET, "reason": page, "watch": watch})
+    assert got and got[0]["warning"]["message"] == page
+    kwargs = exc.value.trigger.serialize()[1]
+    assert kwargs["paged"] is True and kwargs["warned"] is False
