@@ -38,7 +38,8 @@ BENCHMARKS: dict[str, tuple[list[str], list[str]]] = {
     "pipeline_overhead": ([], ["--records", "2", "--chunk", "1", "--max-tokens", "32", "--repeats", "1"]),
     "evaluation": ([], ["--records", "2000", "--golden", "100", "--repeats", "1"]),
     "hosted_drain": ([], ["--records", "2000", "--shard-size", "500", "--settle", "0.3", "--repeats", "1"]),
-    "vllm_engine": ([], ["--records", "6", "--prefix-records", "0", "--max-tokens", "12", "--repeats", "1"]),
+    "vllm_engine": ([], ["--records", "6", "--prefix-records", "0", "--max-tokens", "12", "--repeats", "1",
+                         "--jobs", "12:3"]),
     "lakehouse": ([], ["--records", "5000", "--rollback-sizes", "500,5000", "--repeats", "1"]),
     "reads": ([], ["--sizes", "20000,200000", "--repeats", "3"]),
 }

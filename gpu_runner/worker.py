@@ -188,6 +188,8 @@ class Worker:
         self.held: tuple[_Shard, ...] = ()     # every shard whose lease this worker holds (replaced, never mutated)
         self.transport = cfg.transport
         self.stats = {"shards": 0, "stored": 0, "failed": 0, "dead": 0, "stale": 0}
+        self.startup: dict[str, float] = {}    # start-up phase -> seconds (_phase)
+        self._phase_at = 0.0
 
     # -- connections ------------------------------------------------------
     def _connect(self) -> psycopg.Connection:
@@ -256,13 +258,22 @@ class Worker:
         except psycopg.Error as exc:  # the exit code still says it; the operator records it too
             log.warning("could not record the halt on %s: %s", self.cfg.job_version, str(exc).strip()[:200])
 
+    def _phase(self, name: str) -> None:
+        """Close a start-up phase in ``self.startup`` (seconds since the last one closed)."""
+        now = time.perf_counter()
+        self.startup[name] = now - self._phase_at
+        self._phase_at = now
+
     def _run(self) -> int:
         cfg = self.cfg
+        self._phase_at = time.perf_counter()
         self.conn = self._connect()
+        self._phase("connect")
         try:
             self.spec = self._db(job_spec, self.conn, cfg.job_version)
         except UnknownJob as exc:
             raise Fatal(f"fatal: {exc}", ExitCode.CONFIG) from None
+        self._phase("spec")
         spec = self.spec
         name = cfg.engine or spec.engine.name
         try:
@@ -270,23 +281,28 @@ class Worker:
             made_by = provenance.made_by(spec, self.engine)   # refuses an engine that cannot serve the pinned model
         except (ValueError, ImportError) as exc:
             raise Fatal(f"fatal: engine {name!r}: {exc}", ExitCode.CONFIG) from None
+        self._phase("engine_import")
         try:
             verify_weights(self.engine, spec)   # before load, before any claim: a mismatch writes nothing
         except DigestMismatch as exc:
             raise Fatal(f"fatal: refusing to start: {exc}", ExitCode.DIGEST) from None
-        t0 = time.perf_counter()
+        self._phase("weights_digest")
         try:
             self.engine.load()
         except (ValueError, ImportError, OSError) as exc:
             raise Fatal(f"fatal: engine {name!r} could not load: {exc}", ExitCode.CONFIG) from None
+        self._phase("engine_load")
         log.info("%s: engine %s loaded in %.2fs for %s (model %s, prompt %s)", self.owner, name,
-                 time.perf_counter() - t0, cfg.job_version, spec.model.name, spec.prompt.version)
+                 self.startup["engine_load"], cfg.job_version, spec.model.name, spec.prompt.version)
         if self.own_process:
             # Modules, the spec, the engine and its model stay until exit:
             # frozen out of the cyclic collector, so each full collection
             # walks what the shards allocate, not the whole heap again.
             gc.collect()
             gc.freeze()
+            self._phase("gc_freeze")
+        log.info("%s: start-up %.2fs: %s", self.owner, sum(self.startup.values()),
+                 ", ".join(f"{k} {v:.2f}s" for k, v in self.startup.items()))
         # A batch worker's transport is its engine's ('hosted_batch' for the hosted batch engines).
         self.transport = cfg.transport if cfg.transport == "fallback" else self.engine.transport
         self.ledger = Ledger(self.conn, cfg.job_version, self.owner, self.transport, cfg.lease_seconds, *made_by)

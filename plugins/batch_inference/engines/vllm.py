@@ -46,10 +46,9 @@ go on.
 At each completed shard the engine logs vLLM's prefix-cache hit rate: the
 prompt tokens vLLM served from its cache (``RequestOutput.num_cached_tokens``)
 over all prompt tokens of the requests finished since the last such line.
-``activity`` counts engine steps, their time, the time between steps (the
-engine waiting on the worker) and the batch slots left empty (step time
-times the share of ``max_num_seqs`` not in use): what the benchmark reports
-as idle time at shard boundaries.
+``meter`` (:class:`StepMeter`) counts engine steps, their time, the time
+between steps (the engine waiting on the worker) and the batch slots left
+empty: what the benchmark reports as idle time at shard boundaries.
 """
 
 from __future__ import annotations
@@ -214,6 +213,27 @@ class PrefixCacheStats:
         return self.cached_tokens / self.prompt_tokens if self.prompt_tokens else None
 
 
+class StepMeter:
+    """Engine steps and the engine's idle time: ``gap_s``, the time between two steps (the
+    engine waits on its caller), and ``idle_slot_s``, each step's time times the share of the
+    batch (``max_num_seqs``) it left empty."""
+
+    def __init__(self) -> None:
+        self.figures = {"steps": 0, "step_s": 0.0, "gap_s": 0.0, "idle_slot_s": 0.0}
+        self._last_end: float | None = None
+
+    def step(self, step: Any, unfinished: int, depth: int) -> Any:
+        t0 = time.perf_counter()
+        if self._last_end is not None:
+            self.figures["gap_s"] += t0 - self._last_end
+        outputs = step()
+        t1 = self._last_end = time.perf_counter()
+        self.figures["steps"] += 1
+        self.figures["step_s"] += t1 - t0
+        self.figures["idle_slot_s"] += (t1 - t0) * (1 - min(unfinished, depth) / depth)
+        return outputs
+
+
 def _hasattr_or_false(obj: Any, name: str) -> bool:
     try:
         return hasattr(obj, name)
@@ -251,8 +271,7 @@ class VllmEngine(Engine):
         self._sampling: Any = None
         self._request_errors: tuple[type[BaseException], ...] = (ValueError, TypeError)
         self.prefix_cache = PrefixCacheStats()     # since the last end_shard
-        self.activity = {"steps": 0, "step_s": 0.0, "gap_s": 0.0, "idle_slot_s": 0.0}
-        self._last_step_end: float | None = None
+        self.meter = StepMeter()
 
     def weights_files(self) -> list[Path]:
         """The model directory, hashed whole (it must hold safetensors: the only format loaded)."""
@@ -304,18 +323,6 @@ class VllmEngine(Engine):
             raise RuntimeError("engine 'vllm': queue_depth() called before load()")
         return int(self._llm.llm_engine.vllm_config.scheduler_config.max_num_seqs)
 
-    def _step(self, engine: Any, unfinished: int, depth: int) -> list[Any]:
-        """One ``LLMEngine.step``, counted in ``activity``."""
-        t0 = time.perf_counter()
-        if self._last_step_end is not None:
-            self.activity["gap_s"] += t0 - self._last_step_end
-        outputs = engine.step()
-        t1 = self._last_step_end = time.perf_counter()
-        self.activity["steps"] += 1
-        self.activity["step_s"] += t1 - t0
-        self.activity["idle_slot_s"] += (t1 - t0) * (1 - min(unfinished, depth) / depth)
-        return outputs
-
     def _enqueue(self, req: Request, conversation: list[dict[str, str]]) -> str | Outcome:
         """Queue one request: vLLM's request id, or the record's failed attempt when vLLM refuses it."""
         try:
@@ -353,7 +360,7 @@ class VllmEngine(Engine):
             while waiting and engine.has_unfinished_requests():
                 if stop.is_set():
                     break
-                for output in self._step(engine, len(waiting), depth):
+                for output in self.meter.step(engine.step, len(waiting), depth):
                     outcome = self._finished(output, waiting)
                     if outcome is not None:
                         yield outcome
@@ -389,7 +396,7 @@ class VllmEngine(Engine):
                         waiting[external_id(rid)] = req.record_id
                 if not waiting:
                     continue
-                for output in self._step(engine, len(waiting), depth):
+                for output in self.meter.step(engine.step, len(waiting), depth):
                     outcome = self._finished(output, waiting)
                     if outcome is not None:
                         queued.pop(outcome.record_id, None)
