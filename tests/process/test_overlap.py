@@ -235,3 +235,25 @@ def test_failures_are_retried_and_dead_lettered_across_overlapping_shards(conn, 
     dead = conn.execute("SELECT record_id, attempts FROM bi.dead_letters WHERE job_version = %s ORDER BY 1",
                         (job,)).fetchall()
     assert [(d["record_id"], d["attempts"]) for d in dead] == [("t00003", 3), ("t00014", 3)]
+
+
+def test_a_drain_releases_every_shard_the_streaming_worker_holds(conn, db_url):
+    """The cutoff fires (the job enters fallback) while one worker holds several shards: each
+    renewal reports it, every held shard writes what it has and is released, and no new shard is
+    claimed; the worker leaves on its own (exit 0), its in-flight answers kept."""
+    from batch_inference.fallback import enter_fallback
+
+    make_source(conn, tickets(80))
+    job = submit(conn, make_spec(shard_size=10, lease_seconds=30, renew_seconds=0.2)).job_version
+    w = start_worker(db_url, job, "--engine-option", "max_num_seqs=16", "--engine-option", "delay_s=0.05")
+    deadline = time.monotonic() + 60
+    while not any(len(shards) >= 2 for shards in leased_by(conn, job).values()):
+        assert w.poll() is None and time.monotonic() < deadline, w.communicate()[0]
+        time.sleep(0.02)
+    assert enter_fallback(conn, job)
+    out, _ = w.communicate(timeout=60)
+    assert w.returncode == 0, out
+    assert out.count("cutoff fired: draining shard") >= 2 and "released shard" in out, out
+    assert leased_by(conn, job) == {}
+    c = job_counts(conn, job)
+    assert 0 < c["stored"] < 80 and c["shards"]["pending"] > 0 and duplicates(conn, job) == 0
