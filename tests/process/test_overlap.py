@@ -257,3 +257,32 @@ def test_a_drain_releases_every_shard_the_streaming_worker_holds(conn, db_url):
     assert leased_by(conn, job) == {}
     c = job_counts(conn, job)
     assert 0 < c["stored"] < 80 and c["shards"]["pending"] > 0 and duplicates(conn, job) == 0
+
+
+class BrokenStreamingNoop(NoopEngine):
+    """A streaming engine whose device fails after 12 answers, with two shards of 10 held. Loaded by
+    dotted path."""
+
+    name = "noop-broken-stream"
+    serves_models = ("noop",)
+
+    def stream(self, feed, stop):
+        for n, outcome in enumerate(super().stream(feed, stop)):
+            if n == 12:
+                raise RuntimeError("CUDA error: device lost")
+            yield outcome
+
+
+def test_an_engine_failure_gives_back_every_held_shard_counted_as_a_lost_lease(conn, db_url):
+    make_source(conn, tickets(40))
+    job = submit(conn, make_spec(shard_size=10, engine=STREAMING)).job_version
+    code = run_worker(WorkerConfig(job_version=job, db_url=db_url, engine=f"{__name__}:BrokenStreamingNoop",
+                                   flush_every=1, wait_for_leases=False))
+    assert code == ExitCode.ENGINE
+    shards = {r["shard_no"]: (r["state"], r["lost_leases"]) for r in conn.execute(
+        "SELECT shard_no, state, lost_leases FROM bi.shards WHERE job_version = %s", (job,))}
+    # Shard 0 was done; the two it held when the engine broke are pending again, each with a lost lease.
+    assert shards[0] == ("done", 0) and shards[1] == ("pending", 1) and shards[2] == ("pending", 1)
+    assert shards[3] == ("pending", 0) and leased_by(conn, job) == {}
+    assert job_counts(conn, job)["stored"] == 12 and conn.execute(
+        "SELECT coalesce(sum(attempts), 0) AS n FROM bi.attempts WHERE job_version = %s", (job,)).fetchone()["n"] == 0
