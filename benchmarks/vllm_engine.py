@@ -204,7 +204,7 @@ def arm_worker(records: int, max_tokens: int, shard_size: int = 100_000, overlap
     outputs.update({rid: None for rid in dead})
     return {"startup_s": loaded[0] - t0, "generate_s": done - loaded[0], "total_s": done - t0, "outputs": outputs,
             "truncated": len(dead), "peak_rss_mib": peak_rss_mib(), "stored_spec": stored, "shards": shards,
-            "activity": worker.engine.meter.figures, "startup": worker.startup}
+            "activity": worker.engine.meter.figures, "startup": worker.startup, "stats": worker.stats}
 
 
 def arm_run_batch(records: int, max_tokens: int, spec_json: str, workdir: Path) -> dict[str, Any]:
@@ -278,6 +278,8 @@ def run_job(records: int, shards: int, max_tokens: int) -> dict[str, Any]:
             "outputs_identical_to_bare": f"{sum(arm['outputs'].get(k) == v for k, v in bare['outputs'].items())}"
                                          f"/{records}",
             "truncated": arm["truncated"],
+            # Refills that found the lease budget spent (gpu_runner.overlap): claims the worker held back.
+            "claims_held_back": arm["stats"]["claims_held_back"],
         }
     out["bare_engine_idle_s"] = {k: rnd(bare["activity"][k]) for k in ("gap_s", "idle_slot_s")}
     out["worker_startup_s"] = {k: rnd(v) for k, v in arms["worker"]["startup"].items()}

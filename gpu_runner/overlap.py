@@ -138,6 +138,7 @@ class ShardStream:
             rate = self.answered / max(time.monotonic() - self.first_answer_at, 1e-9)
             held = sum(q.open for _, q in self.active.values())
             if held + w.spec.shard_size > rate * self.lease_s:
+                w.stats["claims_held_back"] += 1     # a refill that found the lease budget spent
                 return False
         lease = w._db(w.ledger.claim)
         if lease is None:

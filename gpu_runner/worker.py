@@ -187,7 +187,7 @@ class Worker:
         self.engine: Engine | None = None
         self.held: tuple[_Shard, ...] = ()     # every shard whose lease this worker holds (replaced, never mutated)
         self.transport = cfg.transport
-        self.stats = {"shards": 0, "stored": 0, "failed": 0, "dead": 0, "stale": 0}
+        self.stats = {"shards": 0, "stored": 0, "failed": 0, "dead": 0, "stale": 0, "claims_held_back": 0}
         self.startup: dict[str, float] = {}    # start-up phase -> seconds (_phase)
         self._phase_at = 0.0
 
