@@ -274,6 +274,7 @@ def run_job(records: int, shards: int, max_tokens: int) -> dict[str, Any]:
             "whole_run_vs_bare": round(bare["total_s"] / arm["total_s"], 3),
             "startup_s": rnd(arm["startup_s"]), "generate_s": rnd(arm["generate_s"]),
             "engine_idle_s": {k: rnd(arm["activity"][k]) for k in ("gap_s", "idle_slot_s")},
+            "engine_steps": {"steps": arm["activity"]["steps"], "step_s": rnd(arm["activity"]["step_s"])},
             "idle_per_boundary_s": rnd((idle(arm) - idle(bare)) / max(planned - 1, 1)),
             "outputs_identical_to_bare": f"{sum(arm['outputs'].get(k) == v for k, v in bare['outputs'].items())}"
                                          f"/{records}",
@@ -282,6 +283,7 @@ def run_job(records: int, shards: int, max_tokens: int) -> dict[str, Any]:
             "claims_held_back": arm["stats"]["claims_held_back"],
         }
     out["bare_engine_idle_s"] = {k: rnd(bare["activity"][k]) for k in ("gap_s", "idle_slot_s")}
+    out["bare_engine_steps"] = {"steps": bare["activity"]["steps"], "step_s": rnd(bare["activity"]["step_s"])}
     out["worker_startup_s"] = {k: rnd(v) for k, v in arms["worker"]["startup"].items()}
     out["met"] = (out["worker"]["generation_vs_bare"] >= TARGETS["multi_shard_generation"]
                   and out["worker"]["whole_run_vs_bare"] >= TARGETS["multi_shard_whole_run"])
