@@ -86,17 +86,21 @@ def fresh_server() -> Iterator[str]:
         server.cleanup()
 
 
-def make_tickets(conn: psycopg.Connection, n: int, table: str = "public.tickets", text_len: int = 0) -> None:
+def make_tickets(conn: psycopg.Connection, n: int, table: str = "public.tickets", text_len: int = 0,
+                 ids: str = "ordered") -> None:
     """A source table of ``n`` short tickets, generated server-side.
 
     ``text_len`` pads the text to about that many characters (0: ~50).
+    ``ids``: "ordered" (``t000000001``, ... written in id order) or "random"
+    (UUID text, the common case: written in no order of the ids).
     """
     conn.execute(f"DROP TABLE IF EXISTS {table}")
     conn.execute(f"CREATE TABLE {table} (id text, body text, acl text[])")
     pad = f" || repeat('x', {max(0, text_len - 50)})" if text_len > 50 else ""
+    id_sql = {"ordered": "'t' || lpad(i::text, 9, '0')", "random": "gen_random_uuid()::text"}[ids]
     conn.execute(
         f"""INSERT INTO {table}
-            SELECT 't' || lpad(i::text, 9, '0'),
+            SELECT {id_sql},
                    'Ticket ' || i || ': I was charged twice for my subscription.'{pad},
                    ARRAY['team' || (i %% 3)]
               FROM generate_series(1, %s) AS i""", (n,))

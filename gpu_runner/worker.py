@@ -1,10 +1,17 @@
 """The worker: leased shards in, keyed results out.
 
-One process, one engine, one shard at a time:
+One process, one engine; for each shard:
 
     claim -> list what is left -> submit it all -> validate each outcome ->
     put-if-absent in batches (every ``flush_every`` results or
     ``flush_seconds``) -> retry failures with backoff -> complete
+
+An engine that streams (``Engine.queue_depth() > 0``: vLLM, its batch of
+``max_num_seqs``) runs several shards at once (``gpu_runner.overlap``): the
+worker claims and reads the next shard while the current one's last records
+still generate, so the engine's batch does not drain at a shard boundary.
+Every shard keeps its own lease, renewal and epoch fence. Other engines, and
+any ``--no-overlap`` worker, run one shard at a time.
 
 A shard that lost a lease before (its holder died or stalled: maybe a record
 in it kills the process) is run carefully: engine batches of
@@ -12,14 +19,15 @@ in it kills the process) is run carefully: engine batches of
 generated, and records that were in flight at an earlier death run alone.
 The ledger counts those deaths and dead-letters a record at the job's
 ``max_attempts`` (sql/schema/ledger.sql); a shard that never lost a lease
-pays nothing for it.
+pays nothing for it. A streaming worker runs such a shard alone, after the
+shards it holds have finished.
 
-A background thread renews the lease every ``renew_seconds`` on its own
-connection; a refused renewal (stale epoch) halts the shard, and a renewal
-that reports the job in fallback mode drains it. SIGTERM (the preemption
-notice) stops taking records, lets in-flight ones finish and be written
-within the grace period, then releases the lease so the shard is pending
-again at once. When the engine's endpoint is down (the engine raises
+A background thread renews every held lease every ``renew_seconds`` on its
+own connection; a refused renewal (stale epoch) halts that shard, and a
+renewal that reports the job in fallback mode drains it. SIGTERM (the
+preemption notice) stops taking records, lets in-flight ones finish and be
+written within the grace period, then releases every lease it holds so the
+shards are pending again at once. When the engine's endpoint is down (the engine raises
 ``EndpointUnavailable``, see ``batch_inference.breaker``) the shard is
 released with its records' attempts untouched and the worker exits
 ``ExitCode.ENDPOINT``: the outage is no record's fault. Does not import
@@ -49,7 +57,7 @@ import psycopg
 from batch_inference import db, provenance
 from batch_inference.breaker import EndpointUnavailable
 from batch_inference.engines import load_engine
-from batch_inference.engines.base import Engine, Request, build_request
+from batch_inference.engines.base import Engine, Outcome, Request, build_request
 from batch_inference.exceptions import (
     BadDatabaseURL,
     BatchInferenceError,
@@ -64,6 +72,7 @@ from batch_inference.outputs import check_for_storage
 from batch_inference.pinning import verify_weights
 from batch_inference.spec import MAX_LEASE_SECONDS, JobSpec
 from batch_inference.status import job_counts, job_mode, job_spec
+from gpu_runner.overlap import ShardStream
 
 log = logging.getLogger("batch_inference.worker")
 
@@ -118,6 +127,9 @@ class WorkerConfig:
     progress_seconds: float = 30.0
     progress_every: int = 500
     careful_batch: int = _flag(32, "engine batch size on a shard whose earlier holder died")
+    # Shards overlap when the engine streams (gpu_runner.overlap); off: one shard at a time.
+    overlap: bool = _flag(True, "run one shard at a time even when the engine streams", shown=False,
+                          flag="--no-overlap", action="store_false")
 
     def __post_init__(self) -> None:
         """Refuse values no worker can run with (InvalidValue, one line), before it connects."""
@@ -137,13 +149,24 @@ class WorkerConfig:
             need(name, math.isfinite(value) and 0 <= value <= 86_400, "between 0 and 86,400 seconds")
 
 
-@dataclass
+@dataclass(eq=False)
 class _Shard:
     lease: Lease
     halt: threading.Event = field(default_factory=threading.Event)   # stop generating for this shard
     stale: threading.Event = field(default_factory=threading.Event)
     drain: threading.Event = field(default_factory=threading.Event)
     attempts: dict[str, int] = field(default_factory=dict)   # failed attempts counted so far, by record
+    progress: "_Progress | None" = None
+    # Outcomes not yet written (Worker._take, Worker._flush).
+    ok_ids: list[str] = field(default_factory=list)
+    ok_out: list[str] = field(default_factory=list)
+    ok_cat: list[str | None] = field(default_factory=list)
+    failures: dict[str, Failure] = field(default_factory=dict)
+    last_flush: float = field(default_factory=time.monotonic)
+    closed: bool = False        # completed, released or dropped: its renewals and outcomes are over
+
+    def due(self, every: int, seconds: float) -> bool:
+        return len(self.ok_ids) + len(self.failures) >= every or time.monotonic() - self.last_flush >= seconds
 
 
 class Worker:
@@ -161,9 +184,11 @@ class Worker:
         self.ledger: Ledger | None = None
         self.spec: JobSpec | None = None
         self.engine: Engine | None = None
-        self.current: _Shard | None = None
+        self.held: tuple[_Shard, ...] = ()     # every shard whose lease this worker holds (replaced, never mutated)
         self.transport = cfg.transport
-        self.stats = {"shards": 0, "stored": 0, "failed": 0, "dead": 0, "stale": 0}
+        self.stats = {"shards": 0, "stored": 0, "failed": 0, "dead": 0, "stale": 0, "claims_held_back": 0}
+        self.startup: dict[str, float] = {}    # start-up phase -> seconds (_phase)
+        self._phase_at = 0.0
 
     # -- connections ------------------------------------------------------
     def _connect(self) -> psycopg.Connection:
@@ -232,13 +257,22 @@ class Worker:
         except psycopg.Error as exc:  # the exit code still says it; the operator records it too
             log.warning("could not record the halt on %s: %s", self.cfg.job_version, str(exc).strip()[:200])
 
+    def _phase(self, name: str) -> None:
+        """Close a start-up phase in ``self.startup`` (seconds since the last one closed)."""
+        now = time.perf_counter()
+        self.startup[name] = now - self._phase_at
+        self._phase_at = now
+
     def _run(self) -> int:
         cfg = self.cfg
+        self._phase_at = time.perf_counter()
         self.conn = self._connect()
+        self._phase("connect")
         try:
             self.spec = self._db(job_spec, self.conn, cfg.job_version)
         except UnknownJob as exc:
             raise Fatal(f"fatal: {exc}", ExitCode.CONFIG) from None
+        self._phase("spec")
         spec = self.spec
         name = cfg.engine or spec.engine.name
         try:
@@ -246,27 +280,36 @@ class Worker:
             made_by = provenance.made_by(spec, self.engine)   # refuses an engine that cannot serve the pinned model
         except (ValueError, ImportError) as exc:
             raise Fatal(f"fatal: engine {name!r}: {exc}", ExitCode.CONFIG) from None
+        self._phase("engine_import")
         try:
             verify_weights(self.engine, spec)   # before load, before any claim: a mismatch writes nothing
         except DigestMismatch as exc:
             raise Fatal(f"fatal: refusing to start: {exc}", ExitCode.DIGEST) from None
-        t0 = time.perf_counter()
+        self._phase("weights_digest")
         try:
             self.engine.load()
         except (ValueError, ImportError, OSError) as exc:
             raise Fatal(f"fatal: engine {name!r} could not load: {exc}", ExitCode.CONFIG) from None
+        self._phase("engine_load")
         log.info("%s: engine %s loaded in %.2fs for %s (model %s, prompt %s)", self.owner, name,
-                 time.perf_counter() - t0, cfg.job_version, spec.model.name, spec.prompt.version)
+                 self.startup["engine_load"], cfg.job_version, spec.model.name, spec.prompt.version)
         if self.own_process:
             # Modules, the spec, the engine and its model stay until exit:
             # frozen out of the cyclic collector, so each full collection
             # walks what the shards allocate, not the whole heap again.
             gc.collect()
             gc.freeze()
+            self._phase("gc_freeze")
+        log.info("%s: start-up %.2fs: %s", self.owner, sum(self.startup.values()),
+                 ", ".join(f"{k} {v:.2f}s" for k, v in self.startup.items()))
         # A batch worker's transport is its engine's ('hosted_batch' for the hosted batch engines).
         self.transport = cfg.transport if cfg.transport == "fallback" else self.engine.transport
         self.ledger = Ledger(self.conn, cfg.job_version, self.owner, self.transport, cfg.lease_seconds, *made_by)
         self._install_signals()
+        overlap = cfg.overlap and self.engine.queue_depth() > 0
+        if overlap:
+            log.info("%s: shards overlap: the engine keeps %d requests queued across shard boundaries", self.owner,
+                     self.engine.queue_depth())
         if cfg.start_jitter_seconds:
             self.stop.wait(random.uniform(0.0, cfg.start_jitter_seconds))   # a preemption notice ends it
 
@@ -279,6 +322,10 @@ class Worker:
                     break
                 self.stop.wait(cfg.poll_seconds)
                 continue
+            if overlap and not lease.careful:
+                lease = ShardStream(self, lease).run()   # a careful shard it claimed comes back, to run alone
+                if lease is None:
+                    continue
             self._process(lease)
         log.info("%s: exiting: %d shards, %d stored, %d failed attempts, %d dead letters, %d stale refusals",
                  self.owner, self.stats["shards"], self.stats["stored"], self.stats["failed"],
@@ -307,28 +354,32 @@ class Worker:
             log.warning("%s: preemption notice (signal %d): finishing in-flight records, grace %.0fs",
                         self.owner, signum, self.cfg.grace_seconds)
             self.stop.set()
-            if self.current is not None:
-                self.current.halt.set()
+            for shard in self.held:
+                shard.halt.set()
             threading.Thread(target=self._grace_deadline, daemon=True).start()
 
         signal.signal(signal.SIGTERM, on_term)
         signal.signal(signal.SIGINT, on_term)
 
     def _grace_deadline(self) -> None:
-        """The grace period ran out: release the lease from a fresh connection and leave."""
+        """The grace period ran out: release every held lease from a fresh connection and leave."""
         time.sleep(self.cfg.grace_seconds)
-        shard = self.current
-        if shard is not None:
+        held = [shard for shard in self.held if not shard.closed]
+        if held:
             try:
                 with self._connect() as conn:
-                    Ledger(conn, self.cfg.job_version, self.owner, self.transport).release(shard.lease)
-                log.warning("%s: grace period over; released shard %d", self.owner, shard.lease.shard_no)
-            except Exception as exc:  # noqa: BLE001 - the lease will expire instead
-                log.error("%s: could not release shard on exit: %s", self.owner, exc)
+                    ledger = Ledger(conn, self.cfg.job_version, self.owner, self.transport)
+                    for shard in held:
+                        ledger.release(shard.lease)
+                        log.warning("%s: grace period over; released shard %d", self.owner, shard.lease.shard_no)
+            except Exception as exc:  # noqa: BLE001 - the leases will expire instead
+                log.error("%s: could not release shards on exit: %s", self.owner, exc)
         os._exit(ExitCode.PREEMPTED)
 
-    # -- one shard --------------------------------------------------------
-    def _renew_loop(self, shard: _Shard) -> None:
+    # -- leases -----------------------------------------------------------
+    def _renew_loop(self, held: typing.Callable[[], typing.Iterable[_Shard]], done: threading.Event) -> None:
+        """Renew each lease ``held()`` names, every ``renew_seconds``, until ``done``: one
+        fenced renewal per shard, so a stale epoch halts that shard alone."""
         assert self.spec is not None
         interval = self.spec.renew_seconds
         conn: psycopg.Connection | None = None
@@ -337,123 +388,169 @@ class Worker:
             # renew_seconds): renewals of workers that started, or came back
             # from a database restart, together spread out instead of arriving
             # at the ledger in one burst every interval.
-            while not shard.halt.wait(interval * random.uniform(RENEW_JITTER, 1.0)):
-                try:
-                    if conn is None:
-                        conn = self._connect()
-                    mode = Ledger(conn, self.cfg.job_version, self.owner, self.transport,
-                                  self.cfg.lease_seconds).renew(shard.lease)
-                except StaleLease as exc:
-                    log.warning("%s: %s; abandoning the shard", self.owner, exc)
-                    shard.stale.set()
-                    shard.halt.set()
-                    return
-                except (psycopg.OperationalError, DatabaseUnavailable) as exc:
-                    log.warning("%s: lease renewal failed (%s); will retry", self.owner, exc.__class__.__name__)
-                    if conn is not None:
-                        conn.close()
-                    conn = None
-                    continue
-                if mode == "fallback" and self.transport != "fallback" and not shard.drain.is_set():
-                    log.warning("%s: cutoff fired: draining shard %d (in-flight records, then release)",
-                                self.owner, shard.lease.shard_no)
-                    shard.drain.set()
-                    shard.halt.set()
+            while not done.wait(interval * random.uniform(RENEW_JITTER, 1.0)):
+                for shard in held():
+                    if shard.halt.is_set() or shard.closed:
+                        continue
+                    try:
+                        if conn is None:
+                            conn = self._connect()
+                        mode = Ledger(conn, self.cfg.job_version, self.owner, self.transport,
+                                      self.cfg.lease_seconds).renew(shard.lease)
+                    except StaleLease as exc:
+                        if not shard.closed:
+                            log.warning("%s: %s; abandoning the shard", self.owner, exc)
+                            shard.stale.set()
+                            shard.halt.set()
+                        continue
+                    except (psycopg.OperationalError, DatabaseUnavailable) as exc:
+                        log.warning("%s: lease renewal failed (%s); will retry", self.owner, exc.__class__.__name__)
+                        if conn is not None:
+                            conn.close()
+                        conn = None
+                        break
+                    if mode == "fallback" and self.transport != "fallback" and not shard.drain.is_set():
+                        log.warning("%s: cutoff fired: draining shard %d (in-flight records, then release)",
+                                    self.owner, shard.lease.shard_no)
+                        shard.drain.set()
+                        shard.halt.set()
         finally:
             if conn is not None:
                 conn.close()
 
+    def _renewer(self, held: typing.Callable[[], typing.Iterable[_Shard]], done: threading.Event,
+                 name: str) -> threading.Thread:
+        thread = threading.Thread(target=self._renew_loop, args=(held, done), daemon=True, name=name)
+        thread.start()
+        return thread
+
+    def _hold(self, shard: _Shard) -> None:
+        self.held = (*self.held, shard)
+        if self.stop.is_set():
+            shard.halt.set()
+
+    def _let_go(self, shard: _Shard) -> None:
+        """The shard is over for this worker (completed, released, abandoned or dropped)."""
+        shard.closed = True
+        self.held = tuple(s for s in self.held if s is not shard)
+
+    def _release(self, shard: _Shard, why: str) -> None:
+        assert self.ledger is not None
+        released = self._db(self.ledger.release, shard.lease)
+        self._let_go(shard)
+        log.info("%s: released shard %d (epoch %d, %s)%s", self.owner, shard.lease.shard_no, shard.lease.epoch,
+                 why, "" if released else " - release refused, lease was stale")
+
+    def _why_released(self, shard: _Shard, outcome: str) -> str:
+        return "drain" if shard.drain.is_set() else "preemption notice" if self.stop.is_set() else outcome
+
+    def _complete(self, shard: _Shard) -> str:
+        """Complete the shard: 'done', 'incomplete' (released: records left) or 'stale' (dropped)."""
+        assert self.ledger is not None
+        lease = shard.lease
+        try:
+            result = self._db(self.ledger.complete, lease)
+        except StaleLease as exc:   # stalled after the last write: the new holder completes it
+            self._drop_stale(shard, exc)
+            return "stale"
+        if result == "done":
+            self._let_go(shard)
+            self.stats["shards"] += 1
+            log.info("%s: shard %d complete (epoch %d)", self.owner, lease.shard_no, lease.epoch)
+        else:
+            self._release(shard, self._why_released(shard, result))
+        return result
+
+    # -- one shard at a time ----------------------------------------------
     def _process(self, lease: Lease) -> None:
         assert self.ledger is not None and self.spec is not None and self.engine is not None
         shard = _Shard(lease)
-        self.current = shard
-        if self.stop.is_set():
-            shard.halt.set()
-        renewer = threading.Thread(target=self._renew_loop, args=(shard,), daemon=True,
-                                   name=f"renew-{lease.shard_no}")
-        renewer.start()
+        self._hold(shard)
+        renewer = self._renewer(lambda: (shard,), shard.halt, f"renew-{lease.shard_no}")
         try:
             self.engine.begin_shard(self.ledger, lease, shard.drain)
             outcome = self._work(shard)
             self.engine.end_shard(lease)
         except StaleLease as exc:
-            self._drop_stale(lease, exc)
+            self._drop_stale(shard, exc)
             outcome = "stale"
         except (psycopg.OperationalError, DatabaseUnavailable):
             raise
-        except EndpointUnavailable as exc:
-            # The endpoint is down, not the engine or a record: a plain release,
-            # no lost lease, no crash and no attempt counted.
+        except Exception as exc:  # noqa: BLE001 - the endpoint is down, or the engine broke: give the shard back
             shard.halt.set()
             renewer.join(timeout=5)
-            self.current = None
-            released = self._db(self.ledger.release, lease)
-            log.info("%s: released shard %d (epoch %d, endpoint unavailable)%s", self.owner, lease.shard_no,
-                     lease.epoch, "" if released else " - release refused, lease was stale")
-            raise Fatal(f"fatal: {exc}", ExitCode.ENDPOINT) from None
-        except Exception as exc:  # noqa: BLE001 - the engine itself broke (lost GPU, OOM): give the shard back
-            shard.halt.set()
-            renewer.join(timeout=5)
-            self.current = None
-            # Abandon, not release: counted like a death, so if one record
-            # breaks the engine every time it ends dead-lettered, not looping.
-            try:
-                self._db(self.ledger.abandon, lease)
-            finally:
-                raise Fatal(f"fatal: engine failed on shard {lease.shard_no}: {exc.__class__.__name__}: {exc}; "
-                            "shard given back (counted as a lost lease)", ExitCode.ENGINE) from exc
+            self._give_back([shard], exc)
         finally:
             shard.halt.set()
             renewer.join(timeout=5)
-            self.current = None
         if outcome == "finished":
-            try:
-                result = self._db(self.ledger.complete, lease)
-            except StaleLease as exc:   # stalled after the last write: the new holder completes it
-                self._drop_stale(lease, exc)
-                return
-            if result == "done":
-                self.stats["shards"] += 1
-                log.info("%s: shard %d complete (epoch %d)", self.owner, lease.shard_no, lease.epoch)
-                return
-            outcome = result
-        if outcome in ("incomplete", "halted"):
-            released = self._db(self.ledger.release, lease)
-            log.info("%s: released shard %d (epoch %d, %s)%s", self.owner, lease.shard_no, lease.epoch,
-                     "drain" if shard.drain.is_set() else "preemption notice" if self.stop.is_set() else outcome,
-                     "" if released else " - release refused, lease was stale")
+            self._complete(shard)
+        elif outcome == "halted":
+            self._release(shard, self._why_released(shard, outcome))
 
-    def _drop_stale(self, lease: Lease, exc: StaleLease) -> None:
+    def _give_back(self, shards: list[_Shard], exc: Exception) -> typing.NoReturn:
+        """The engine raised: give every held shard back and stop (Fatal). An endpoint that
+        is down is no engine's or record's fault: a plain release, no lost lease, no crash and
+        no attempt counted. Anything else broke the engine itself (lost GPU, OOM): abandon,
+        counted like a death, so a record that breaks the engine every time ends
+        dead-lettered, not looping."""
+        assert self.ledger is not None
+        if isinstance(exc, EndpointUnavailable):
+            for shard in shards:
+                self._release(shard, "endpoint unavailable")
+            raise Fatal(f"fatal: {exc}", ExitCode.ENDPOINT) from None
+        try:
+            for shard in shards:
+                self._db(self.ledger.abandon, shard.lease)
+                self._let_go(shard)
+        finally:
+            numbers = ", ".join(str(s.lease.shard_no) for s in shards)
+            raise Fatal(f"fatal: engine failed on shard {numbers}: {exc.__class__.__name__}: {exc}; "
+                        f"shard{'s' if len(shards) > 1 else ''} given back (counted as a lost lease)",
+                        ExitCode.ENGINE) from exc
+
+    def _drop_stale(self, shard: _Shard, exc: StaleLease) -> None:
+        """Our epoch ended: what this shard has not written is dropped (the new holder finishes it)."""
+        self._let_go(shard)
+        for buffered in (shard.ok_ids, shard.ok_out, shard.ok_cat, shard.failures):
+            buffered.clear()
         self.stats["stale"] += 1
-        log.warning("%s: %s; dropping shard %d (the new holder finishes it)", self.owner, exc, lease.shard_no)
+        log.warning("%s: %s; dropping shard %d (the new holder finishes it)", self.owner, exc, shard.lease.shard_no)
+
+    def _read(self, shard: _Shard) -> tuple[dict[str, str], set[str]]:
+        """The shard's records still to do (id -> text, in id order) and the suspects among them
+        (in flight at an earlier death); sets the shard's attempts and progress."""
+        assert self.ledger is not None
+        lease = shard.lease
+        ids, record_texts, attempts, crashes = self._db(self.ledger.record_columns, lease)
+        log.info("%s: shard %d epoch %d: %d of %d records done already, %d to do", self.owner, lease.shard_no,
+                 lease.epoch, lease.records - len(ids), lease.records, len(ids))
+        shard.attempts = dict(zip(ids, attempts))
+        shard.progress = _Progress(self, lease, len(ids))
+        return dict(zip(ids, record_texts)), {rid for rid, n in zip(ids, crashes) if n}
+
+    def _backoff(self, shard: _Shard, round_no: int, n: int) -> float:
+        """The wait before retry round ``round_no`` (1, 2, ...): it grows, so a restarting server is not hammered."""
+        wait = self.cfg.backoff[min(round_no, len(self.cfg.backoff)) - 1]
+        log.info("%s: shard %d: retrying %d failed record(s) in %.0fs", self.owner, shard.lease.shard_no, n, wait)
+        return wait
 
     def _work(self, shard: _Shard) -> str:
         """Drive the shard's records to stored or dead. Returns 'finished' or 'halted'."""
         assert self.ledger is not None and self.spec is not None and self.engine is not None
         spec, lease, ledger = self.spec, shard.lease, self.ledger
-        ids, record_texts, attempts, crashes = self._db(ledger.record_columns, lease)
-        log.info("%s: shard %d epoch %d: %d of %d records done already, %d to do", self.owner, lease.shard_no,
-                 lease.epoch, lease.records - len(ids), lease.records, len(ids))
-        texts = dict(zip(ids, record_texts))
-        shard.attempts = dict(zip(ids, attempts))
-        suspects = {rid for rid, n in zip(ids, crashes) if n}
+        texts, suspects = self._read(shard)
         if lease.careful:
             log.warning("%s: shard %d lost its lease %d time(s) before: careful mode (batches of %d marked in "
                         "flight; %d record(s) in flight at an earlier death run alone)", self.owner,
                         lease.shard_no, lease.lost_leases, self.cfg.careful_batch, len(suspects))
         todo = list(texts)
-        progress = _Progress(self, lease, len(todo))
         round_no = 0
         while todo:
             if shard.halt.is_set():
                 return "halted"
-            if round_no:
-                # Retry failures with a growing wait so a restarting server is not hammered.
-                wait = self.cfg.backoff[min(round_no, len(self.cfg.backoff)) - 1]
-                log.info("%s: shard %d: retrying %d failed record(s) in %.0fs", self.owner, lease.shard_no,
-                         len(todo), wait)
-                if shard.halt.wait(wait):
-                    return "halted"
+            if round_no and shard.halt.wait(self._backoff(shard, round_no, len(todo))):
+                return "halted"
             round_no += 1
             retry: list[str] = []
             for batch in self._engine_batches(lease, todo, suspects):
@@ -462,7 +559,7 @@ class Worker:
                 if lease.careful:
                     self._db(ledger.mark_in_flight, lease, batch)
                 requests = [build_request(spec, rid, texts[rid]) for rid in batch]
-                retry += self._generate(shard, requests, progress)
+                retry += self._generate(shard, requests)
             todo = [rid for rid in retry if rid in texts]
         return "halted" if shard.stale.is_set() else "finished"
 
@@ -476,66 +573,69 @@ class Worker:
         rest = [rid for rid in todo if rid not in suspects]
         return [[rid] for rid in todo if rid in suspects] + [rest[i:i + n] for i in range(0, len(rest), n)]
 
-    def _generate(self, shard: _Shard, requests: list[Request], progress: "_Progress") -> list[str]:
+    def _generate(self, shard: _Shard, requests: list[Request]) -> list[str]:
         """One pass over ``requests``; returns the ids that failed and may be retried."""
-        assert self.ledger is not None and self.spec is not None and self.engine is not None
-        spec, lease = self.spec, shard.lease
-        ok_ids: list[str] = []
-        ok_out: list[str] = []
-        ok_cat: list[str | None] = []
-        failures: dict[str, Failure] = {}
+        assert self.engine is not None
         retry: list[str] = []
-        last_flush = time.monotonic()
-
-        def flush() -> None:
-            nonlocal last_flush
-            if ok_ids:
-                n, refused = self._put_results(lease, ok_ids, ok_out, ok_cat)
-                for rid, out, reason in refused:
-                    failures[rid] = Failure(rid, reason, out, shard.attempts.get(rid, 0) + 1)
-                self.stats["stored"] += n
-                progress.add(len(ok_ids) - len(refused))
-                ok_ids.clear(); ok_out.clear(); ok_cat.clear()
-            if failures:
-                counted = self._fail_records(lease, list(failures.values()))
-                for f in counted:
-                    shard.attempts[f.record_id] = f.attempts
-                    self.stats["failed"] += 1
-                    if f.dead:
-                        self.stats["dead"] += 1
-                        progress.add(1)
-                        log.warning("%s: record %s dead-lettered after %d attempts", self.owner, f.record_id,
-                                    f.attempts)
-                    else:
-                        retry.append(f.record_id)
-                failures.clear()
-            last_flush = time.monotonic()
-
         # Read once: the loop below runs per record.
-        category_field, flush_every, flush_seconds = spec.category_field, self.cfg.flush_every, self.cfg.flush_seconds
-        stale, monotonic = shard.stale.is_set, time.monotonic
+        take, flush_every, flush_seconds = self._take, self.cfg.flush_every, self.cfg.flush_seconds
+        stale, lease = shard.stale.is_set, shard.lease
         try:
             for outcome in self.engine.generate(requests, shard.halt):
-                if outcome.error is None:
-                    obj, text, err = check_for_storage(spec, outcome.text)
-                else:
-                    obj, text, err = None, None, outcome.error
-                if obj is not None:
-                    cat = obj.get(category_field) if category_field else None
-                    ok_ids.append(outcome.record_id)
-                    ok_out.append(text)
-                    ok_cat.append(cat if isinstance(cat, str) else None if cat is None else str(cat))
-                else:
-                    failures[outcome.record_id] = Failure(outcome.record_id, err or "unknown error", outcome.text,
-                                                          shard.attempts.get(outcome.record_id, 0) + 1)
-                if len(ok_ids) + len(failures) >= flush_every or monotonic() - last_flush >= flush_seconds:
-                    flush()
+                take(shard, outcome)
+                if shard.due(flush_every, flush_seconds):
+                    retry += self._flush(shard)
                 if stale():
                     raise StaleLease(f"lease on shard {lease.shard_no} epoch {lease.epoch} went stale")
         except EndpointUnavailable:
-            flush()   # what the endpoint did answer before it went down is kept
+            self._flush(shard)   # what the endpoint did answer before it went down is kept
             raise
-        flush()
+        return retry + self._flush(shard)
+
+    def _take(self, shard: _Shard, outcome: Outcome) -> None:
+        """Check one outcome and hold it for the shard's next write: a result, or a failed attempt."""
+        if outcome.error is None:
+            obj, text, err = check_for_storage(self.spec, outcome.text)
+        else:
+            obj, text, err = None, None, outcome.error
+        if obj is not None:
+            category_field = self.spec.category_field
+            cat = obj.get(category_field) if category_field else None
+            shard.ok_ids.append(outcome.record_id)
+            shard.ok_out.append(text)
+            shard.ok_cat.append(cat if isinstance(cat, str) else None if cat is None else str(cat))
+        else:
+            shard.failures[outcome.record_id] = Failure(outcome.record_id, err or "unknown error", outcome.text,
+                                                        shard.attempts.get(outcome.record_id, 0) + 1)
+
+    def _flush(self, shard: _Shard) -> list[str]:
+        """Write what the shard holds: put-if-absent results, then failed attempts. Returns the
+        ids that failed and may be retried (not dead). A stale epoch raises StaleLease."""
+        lease, progress = shard.lease, shard.progress
+        retry: list[str] = []
+        if shard.ok_ids:
+            n, refused = self._put_results(lease, shard.ok_ids, shard.ok_out, shard.ok_cat)
+            for rid, out, reason in refused:
+                shard.failures[rid] = Failure(rid, reason, out, shard.attempts.get(rid, 0) + 1)
+            self.stats["stored"] += n
+            if progress is not None:
+                progress.add(len(shard.ok_ids) - len(refused))
+            shard.ok_ids.clear(); shard.ok_out.clear(); shard.ok_cat.clear()
+        if shard.failures:
+            counted = self._fail_records(lease, list(shard.failures.values()))
+            for f in counted:
+                shard.attempts[f.record_id] = f.attempts
+                self.stats["failed"] += 1
+                if f.dead:
+                    self.stats["dead"] += 1
+                    if progress is not None:
+                        progress.add(1)
+                    log.warning("%s: record %s dead-lettered after %d attempts", self.owner, f.record_id,
+                                f.attempts)
+                else:
+                    retry.append(f.record_id)
+            shard.failures.clear()
+        shard.last_flush = time.monotonic()
         return retry
 
     def _put_results(self, lease: Lease, ids: list[str], outputs: list[str],

@@ -4,7 +4,7 @@
 # tests of a file run on one worker, so a module's servers start once (the
 # live Airflow deployment and the loaded vLLM each serve one file). Extra
 # arguments go to pytest after these, so `-n 0` runs in one process.
-source "$(dirname "$0")/_venv.sh"
+BI_EXTRA=dev source "$(dirname "$0")/_venv.sh"
 if [ ! -x /usr/bin/chromium ] && command -v apt-get >/dev/null && [ "$(id -u)" = 0 ]; then
   # The dashboard's browser tests drive Debian's Chromium (no browser download).
   (apt-get update -qq && apt-get install -y -qq chromium >/dev/null) || echo "warning: could not install chromium; browser tests will fail" >&2

@@ -100,9 +100,9 @@ SELECT bi.create_job_partitions_v1(%(job)s) AS p;
 -- name: snapshot_job_version  the snapshot partition's job_version column, added once it is written: a constant default, stored once in the catalog, not in every row (no rewrite, no scan)
 ALTER TABLE bi.{partition} ADD COLUMN job_version text NOT NULL DEFAULT {job};
 
--- name: snapshot_attach  attach the filled snapshot partition (builds its primary key: a duplicate id fails here)
+-- name: snapshot_attach  attach the filled snapshot partition (builds its key: a duplicate id fails here)
 -- Columns are matched by name: the partition's job_version is its last column, the parent's first.
-SELECT bi.attach_snapshot_v1(%(job)s);
+SELECT bi.attach_snapshot_v2(%(job)s);
 
 -- name: shard_numbers_create  the sequence snapshot_insert numbers the eligible records from (0, 1, 2, ...), dropped by shard_numbers_drop in the same transaction
 -- Cached in the backend: nextval touches the sequence's page once every 10,000 numbers.
@@ -274,7 +274,7 @@ SELECT * FROM bi.release_shard_v2(%(job)s, %(shard)s, %(epoch)s, %(owner)s);
 SELECT * FROM bi.complete_shard_v2(%(job)s, %(shard)s, %(epoch)s, %(owner)s);
 
 -- name: shard_records  one page of the records still to do (the first %(limit)s after %(after)s, in record_id order), with failed attempts and crashes so far
-SELECT * FROM bi.shard_records_v3(%(job)s, %(shard)s, %(epoch)s, %(after)s, %(limit)s);
+SELECT * FROM bi.shard_records_v4(%(job)s, %(shard)s, %(epoch)s, %(after)s, %(limit)s);
 
 -- name: mark_in_flight  careful mode: the engine batch about to be generated
 SELECT * FROM bi.mark_in_flight_v2(%(job)s, %(shard)s, %(epoch)s, %(owner)s, %(ids)s::text[]);

@@ -204,9 +204,18 @@ class CountingEngine(Engine):
         self._fd = os.open(self._path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
 
     def generate(self, requests: Sequence[Request], stop: threading.Event) -> Iterator[Outcome]:
+        return self._count(self.inner.generate(requests, stop))
+
+    def queue_depth(self) -> int:
+        return self.inner.queue_depth()
+
+    def stream(self, feed: Any, stop: threading.Event) -> Iterator[Outcome]:
+        return self._count(self.inner.stream(feed, stop))
+
+    def _count(self, outcomes: Iterator[Outcome]) -> Iterator[Outcome]:
         from batch_inference.outputs import check_output
 
-        for outcome in self.inner.generate(requests, stop):
+        for outcome in outcomes:
             if self._fd is not None:
                 # The worker's own check, so "valid" means "would be stored".
                 kind = ("error" if outcome.error else

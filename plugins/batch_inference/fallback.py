@@ -258,8 +258,7 @@ class FallbackPool:
     def _halt(self) -> None:
         for w in self.workers:
             w.stop.set()
-            shard = w.current
-            if shard is not None:
+            for shard in w.held:
                 shard.halt.set()
 
     def stats(self) -> dict[str, int]:

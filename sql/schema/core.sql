@@ -87,10 +87,12 @@ CREATE TABLE IF NOT EXISTS bi.snapshot_rows (
     reject       text            -- why the record never reaches a worker (it is dead-lettered), else NULL
 ) PARTITION BY LIST (job_version);
 -- Keyed per partition, not on this parent: each partition holds one job
--- version, so its primary key (record_id) is the key (job_version,
+-- version, so its unique index on record_id is the key (job_version,
 -- record_id) without a constant first column, and its shard index
--- (shard_no, record_id) reads a shard in pages in record_id order
--- (bi.attach_snapshot_v1 and bi.shard_records_v3, ledger.sql).
+-- (shard_no, record_id) reads a shard in pages in record_id order; both
+-- compare record ids as bytes (bi.attach_snapshot_v2 and
+-- bi.shard_records_v4, ledger.sql; partitions from before 0023 keep their
+-- primary key).
 
 -- The shard table: leases, fencing epochs and live counts (the cutoff reads
 -- these, never COUNT(*) over results).

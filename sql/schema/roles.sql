@@ -156,7 +156,7 @@ GRANT EXECUTE ON FUNCTION
     bi.renew_lease_v2(text, integer, bigint, text, integer),
     bi.release_shard_v2(text, integer, bigint, text),
     bi.complete_shard_v2(text, integer, bigint, text),
-    bi.shard_records_v3(text, integer, bigint, text, integer),
+    bi.shard_records_v4(text, integer, bigint, text, integer),
     bi.mark_in_flight_v2(text, integer, bigint, text, text[]),
     bi.abandon_shard_v2(text, integer, bigint, text),
     bi.put_results_v3(text, integer, bigint, text, text, text, text, text[], jsonb[], text[]),

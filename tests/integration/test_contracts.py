@@ -197,11 +197,11 @@ def test_worker_flags_come_from_worker_config(monkeypatch):
     flags = {f.name for f in dataclasses.fields(WorkerConfig) if "flag" in f.metadata}
     assert flags == {"engine", "engine_options", "worker_id", "transport", "grace_seconds", "lease_seconds",
                      "flush_every", "flush_seconds", "max_shards", "wait_for_leases", "poll_seconds",
-                     "db_retries", "careful_batch", "start_jitter_seconds"}
+                     "db_retries", "careful_batch", "start_jitter_seconds", "overlap"}
     cfg = config_from_args(p.parse_args(["jv_x", "--no-wait", "--engine-option", "delay_s=0.5", "--flush-every",
-                                         "7", "--transport", "fallback", "--lease-seconds", "30"]))
-    assert (cfg.wait_for_leases, cfg.engine_options, cfg.flush_every, cfg.transport, cfg.lease_seconds) == \
-        (False, {"delay_s": 0.5}, 7, "fallback", 30)
+                                         "7", "--transport", "fallback", "--lease-seconds", "30", "--no-overlap"]))
+    assert (cfg.wait_for_leases, cfg.engine_options, cfg.flush_every, cfg.transport, cfg.lease_seconds, cfg.overlap) \
+        == (False, {"delay_s": 0.5}, 7, "fallback", 30, False)
     monkeypatch.setenv("BATCH_INFERENCE_GRACE_SECONDS", "7")
     p = argparse.ArgumentParser()
     add_arguments(p)

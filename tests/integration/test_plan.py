@@ -12,6 +12,7 @@ rather than counted; they are checked here against the snapshot rows.
 
 from __future__ import annotations
 
+import psycopg
 import pytest
 
 from batch_inference.plan import submit
@@ -132,11 +133,20 @@ def test_the_snapshot_keeps_its_keys_and_constraints(conn):
     part = conn.execute("SELECT 'snapshot_rows_' || substr(md5(%s), 1, 16) AS p", (m.job_version,)).fetchone()["p"]
     idx = {r["indexdef"].split(" USING ", 1)[1] for r in conn.execute(
         "SELECT indexdef FROM pg_indexes WHERE schemaname = 'bi' AND tablename = %s", (part,))}
-    # Keyed by the partition itself: it holds one job version, so no index starts with it.
-    assert idx == {"btree (record_id)", "btree (shard_no, record_id)"}
+    # Keyed by the partition itself: it holds one job version, so no index starts with it; both compare
+    # record ids as bytes (0023).
+    assert idx == {"btree (record_id text_pattern_ops)", "btree (shard_no, record_id text_pattern_ops)"}
     notnull = {r["attname"] for r in conn.execute(
         "SELECT attname FROM pg_attribute WHERE attrelid = %s::regclass AND attnotnull", (f"bi.{part}",))}
     assert {"job_version", "record_id", "text", "content_hash"} <= notnull
-    # The primary key the ledger probes is the partition's primary key.
-    assert conn.execute("SELECT count(*) AS n FROM pg_constraint WHERE conrelid = %s::regclass AND contype = 'p'",
+    # The key the ledger probes is the partition's unique index on record_id, and a probe uses it.
+    assert conn.execute("SELECT count(*) AS n FROM pg_index WHERE indrelid = %s::regclass AND indisunique",
                         (f"bi.{part}",)).fetchone()["n"] == 1
+    conn.execute("SET enable_seqscan = off")     # 25 rows: make the planner show the index it can use
+    plan = "\n".join(r["QUERY PLAN"] for r in conn.execute(
+        f"EXPLAIN SELECT * FROM bi.{part} WHERE record_id = ANY (ARRAY['t00001', 't00002'])"))
+    assert f"{part}_key" in plan, plan
+    # A duplicate id is still refused by the key.
+    with pytest.raises(psycopg.errors.UniqueViolation):
+        conn.execute(f"INSERT INTO bi.{part} (record_id, shard_no, text, content_hash, job_version) "
+                     f"SELECT record_id, shard_no, text, content_hash, job_version FROM bi.{part} LIMIT 1")

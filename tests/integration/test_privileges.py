@@ -29,7 +29,7 @@ OUT = {"category": "billing", "summary": "charged twice"}
 # batch_inference/ledger.py, status.job_spec/job_mode/job_counts), plus the
 # read-only "may I?" check.
 WORKER_FUNCTIONS = {
-    "claim_shard_v2", "renew_lease_v2", "release_shard_v2", "complete_shard_v2", "shard_records_v3",
+    "claim_shard_v2", "renew_lease_v2", "release_shard_v2", "complete_shard_v2", "shard_records_v4",
     "mark_in_flight_v2", "abandon_shard_v2", "put_results_v3", "fail_records_v3", "halt_job_v1",
     "job_spec_v2", "job_counts_v1", "may_work_on_v1",
     # the hosted batch transports' provider batches (batch_inference/hosted/core.py)
@@ -135,7 +135,7 @@ def test_worker_cannot_call_owner_functions(db_url, conn, worker_role, two_jobs)
                            ("SELECT bi.dead_letter_records_v1(%s, 0, 'batch', ARRAY['s000'], ARRAY[9], "
                             "ARRAY['x'], ARRAY['x'], ARRAY['x'])", (theirs,)),
                            ("SELECT bi.drop_job_version_v1(%s)", (theirs,)),
-                           ("SELECT bi.attach_snapshot_v1(%s)", (theirs,))):
+                           ("SELECT bi.attach_snapshot_v2(%s)", (theirs,))):
             with pytest.raises(errors.InsufficientPrivilege):
                 w.execute(stmt, args)
     assert conn.execute("SELECT count(*) AS n FROM bi.worker_grants").fetchone()["n"] == 0

@@ -190,3 +190,49 @@ def test_no_migration_or_schema_comment_tells_history():
         comments = "\n".join(line.split("--", 1)[1] for line in path.read_text().splitlines() if "--" in line)
         for w in words:
             assert w not in comments.lower(), f"{path.name}: a comment says {w.strip()!r}"
+
+
+def test_a_job_version_from_before_0023_keeps_working_after_it(empty_db, monkeypatch):
+    """Migrations up to 0022, a job version submitted, run and published with that release's
+    functions (the key and shard index under the database's collation) and a second one submitted;
+    then 0023: the published view still answers, the second version's shard index is rebuilt in
+    byte order and a worker of this release finishes it, and it publishes."""
+    from batch_inference import ledger, plan
+    from batch_inference.publish import publish
+    from batch_inference.validate import validate
+    from gpu_runner.worker import WorkerConfig, run_worker
+    from tests.conftest import make_source, make_spec, tickets
+
+    url = empty_db()
+    before = [p for p in db.migrations() if p.name < "0023"]
+    old = {"snapshot_attach": "SELECT bi.attach_snapshot_v1(%(job)s);",
+           "shard_records": "SELECT * FROM bi.shard_records_v3(%(job)s, %(shard)s, %(epoch)s, %(after)s, %(limit)s);"}
+
+    def q_0022(name: str) -> str:
+        return old.get(name) or db.q(name)
+
+    with db.connect(url) as c:
+        monkeypatch.setattr(db, "migrations", lambda: before)
+        db.migrate(c)
+        monkeypatch.setattr(plan, "q", q_0022)
+        monkeypatch.setattr(ledger, "q", q_0022)
+        make_source(c, tickets(25, start=0))
+        first = plan.submit(c, make_spec()).job_version
+        assert run_worker(WorkerConfig(job_version=first, db_url=url, wait_for_leases=False)) == 0
+        assert validate(c, first)["passed"] and publish(c, first)["to_version"] == first
+        second = plan.submit(c, make_spec(prompt={"version": "v2"})).job_version
+        monkeypatch.undo()
+
+        assert db.migrate(c) == ["0023_snapshot_byte_order_keys.sql"]
+        assert c.execute("SELECT count(*) AS n FROM published.tickets_triage").fetchone()["n"] == 25
+        indexes = {r["indexname"]: r["indexdef"] for r in c.execute(
+            "SELECT indexname, indexdef FROM pg_indexes WHERE schemaname = 'bi' AND tablename LIKE 'snapshot_rows_%'")}
+        assert len(indexes) == 4 and all("text_pattern_ops" in d for n, d in indexes.items() if n.endswith("_shard"))
+        assert sum(n.endswith("_pkey") for n in indexes) == 2          # the old partitions keep their key
+        assert run_worker(WorkerConfig(job_version=second, db_url=url, wait_for_leases=False)) == 0
+        assert validate(c, second)["passed"] and publish(c, second)["to_version"] == second
+        assert c.execute("SELECT count(*) AS n FROM published.tickets_triage").fetchone()["n"] == 25
+        third = plan.submit(c, make_spec(prompt={"version": "v3"})).job_version   # this release's attach
+        names = {r["indexname"] for r in c.execute("SELECT indexname FROM pg_indexes WHERE schemaname = 'bi' "
+                                                    "AND tablename LIKE 'snapshot_rows_%'")}
+        assert len(names) == 6 and sum(n.endswith("_key") for n in names) == 1 and third

@@ -31,7 +31,7 @@ KEYS = {
                      "drain_s", "drain_overhead_s", "cutoff_to_released_s"},
     "scale": {"workers", "ceiling_rows_s_by_batch", "levels", "ratio_to_ceiling", "pgbouncer"},
     "vllm_engine": {"records", "records_s", "records_s_whole_run", "worker_vs_bare", "worker_vs_run_batch",
-                    "startup_s", "peak_rss_mib", "outputs_identical", "prefix_cache_ratio"},
+                    "startup_s", "peak_rss_mib", "outputs_identical", "prefix_cache_ratio", "multi_shard"},
     "lakehouse": {"records", "parquet_s", "iceberg_s", "ratio", "parquet_write_only_s", "rollback",
                   "rollback_size_ratio"},
     "reads": {"sizes", "shard_size", "round_trip_ms", "queries", "over_target", "max_ratio"},
@@ -114,6 +114,13 @@ def check_vllm_engine(out: dict) -> None:
     assert out["prefix_records"] == 0 and out["prefix_cache_ratio"] is None     # the quick run leaves those arms out
     assert all(v.endswith("/6") for v in out["outputs_identical"].values())
     assert all(v > 100 for v in out["peak_rss_mib"].values())    # each arm loaded the model
+    [job] = out["multi_shard"]                                     # the quick run's 12 records in 3 shards
+    assert (job["records"], job["shards"]) == (12, 3)
+    for arm in ("worker", "worker_no_overlap"):
+        assert job[arm]["generation_vs_bare"] > 0 and job[arm]["whole_run_vs_bare"] > 0
+        assert job[arm]["outputs_identical_to_bare"].endswith("/12")
+        assert set(job[arm]["engine_idle_s"]) == {"gap_s", "idle_slot_s"}
+    assert {"connect", "spec", "engine_import", "weights_digest", "engine_load"} <= job["worker_startup_s"].keys()
 
 
 def check_lakehouse(out: dict) -> None:

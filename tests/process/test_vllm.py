@@ -114,6 +114,41 @@ def test_stop_set_mid_generation_starts_nothing_new_and_aborts_the_rest(vllm_eng
     assert [o.ok for o in engine.generate(reqs[:1], threading.Event())] == [True]
 
 
+def test_stream_queues_more_while_records_generate_and_aborts_what_the_feed_cancels(vllm_engine, vllm_model):
+    """Engine.stream on real vLLM, as the worker drives it across shards: a second set of records is
+    queued as soon as the engine has room (before the first set has finished), records the feed
+    cancels are aborted with no outcome, and the stream ends when it is idle and the feed is empty."""
+    spec = spec_for(vllm_model)
+    engine = vllm_engine.with_spec(spec)
+    assert engine.queue_depth() == vllm_engine._llm.llm_engine.vllm_config.scheduler_config.max_num_seqs > 16
+    first = requests_for(spec, 8)
+    second = [build_request(spec, f"u{i}", TICKETS[i]) for i in range(8)]
+
+    class Feed:
+        def __init__(self) -> None:
+            self.sets, self.cancel, self.calls = [first, second], [], []
+
+        def refill(self, room, idle):
+            self.calls.append((room, idle, len(answered)))
+            return self.sets.pop(0) if self.sets else []
+
+        def cancelled(self):
+            out, self.cancel = self.cancel, []
+            return out
+
+    feed, answered = Feed(), []
+    for o in engine.stream(feed, threading.Event()):
+        assert o.ok, o
+        if not answered:
+            feed.cancel = [r.record_id for r in second[4:]]     # its shard went stale, say
+        answered.append(o.record_id)
+    assert feed.calls[1][2] == 0                  # the second set was queued before any of the first finished
+    assert sorted(answered) == sorted([r.record_id for r in first] + [r.record_id for r in second[:4]])
+    assert feed.calls[-1][1] is True              # idle, and the feed had nothing more: the end
+    assert not vllm_engine._llm.llm_engine.has_unfinished_requests()
+    assert engine.meter.figures["steps"] > 0
+
+
 def test_options_vllm_refuses_and_result_options_are_refused_at_construction(vllm_model):
     spec = spec_for(vllm_model)
     with pytest.raises(ValueError, match=r"^engine 'vllm': vLLM does not accept the argument 'max_num_seq' "

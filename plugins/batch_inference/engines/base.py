@@ -23,6 +23,16 @@ an engine only generates. The contract:
   flight may still finish and be yielded. Records never started get no
   outcome (they stay pending in the ledger).
 * ``close()`` frees the model; it is safe to call twice.
+
+Shard overlap (optional): an engine whose ``queue_depth()`` is above 0 also
+implements ``stream(feed, stop)``, one call for as many shards as the worker
+holds. It keeps up to ``queue_depth()`` requests unfinished, asking the
+:class:`Feed` for more whenever it has room, so the worker can claim and read
+the next shard while the current one's last records still generate; it
+aborts the requests ``feed.cancelled()`` names (a shard whose lease went
+stale, or that drains) and yields no outcome for them; it returns when it is
+idle and the feed has nothing more. ``queue_depth() == 0`` (the default):
+the worker runs one shard at a time through ``generate``.
 """
 
 from __future__ import annotations
@@ -32,7 +42,7 @@ import threading
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Protocol
 
 from batch_inference.exceptions import InvalidValue
 from batch_inference.prompting import build_messages
@@ -111,6 +121,18 @@ class Outcome:
         return self.error is None
 
 
+class Feed(Protocol):
+    """What the worker hands ``Engine.stream``: records to queue, and records to drop."""
+
+    def refill(self, room: int, idle: bool) -> list[Request]:
+        """At most ``room`` requests to queue now. ``idle``: the engine has nothing
+        unfinished; the feed may then wait for work (a retry's backoff), and an
+        empty answer ends the stream."""
+
+    def cancelled(self) -> list[str]:
+        """Record ids to abort now (their shard stopped); each is named once."""
+
+
 class Engine(abc.ABC):
     """Base class of every engine; see the module docstring for the contract.
 
@@ -181,6 +203,16 @@ class Engine(abc.ABC):
     @abc.abstractmethod
     def generate(self, requests: Sequence[Request], stop: threading.Event) -> Iterator[Outcome]:
         """Yield one outcome per started record as it completes; see the module docstring."""
+
+    def queue_depth(self) -> int:
+        """How many requests ``stream`` keeps unfinished (vLLM: its maximum number of
+        sequences); 0: no ``stream``, the worker runs one shard at a time."""
+        return 0
+
+    def stream(self, feed: Feed, stop: threading.Event) -> Iterator[Outcome]:
+        """Yield one outcome per started record of every request ``feed`` hands over;
+        see the module docstring. Only for an engine whose ``queue_depth()`` is above 0."""
+        raise NotImplementedError(f"engine '{self.name}' does not stream")
 
     def begin_shard(self, ledger: Any, lease: Any, drain: threading.Event) -> None:
         """The worker leased a shard (``ledger.Ledger``, ``ledger.Lease``); ``drain`` is set

@@ -11,6 +11,9 @@ Options:
 * ``delay_s`` (float, 0): sleep per record, to make shards slow enough to preempt.
 * ``fail_rate`` (0..1, 0): share of records answered with an engine error.
 * ``invalid_rate`` (0..1, 0): share answered with output that fails the schema.
+* ``max_num_seqs`` (int, 0): above 0, the engine streams across shards
+  (``Engine.stream``) with this many requests queued, as vLLM does with its
+  batch: the worker then overlaps shards. 0: one shard at a time.
 * ``seed`` (int, 0): seeds the draws. One generator per engine instance, drawn
   once per record in order, so a retried record fails independently (a
   fixed per-record draw would make ``fail_rate`` a dead-letter rate).
@@ -27,10 +30,11 @@ import math
 import random
 import re
 import threading
+from collections import deque
 from collections.abc import Iterator, Sequence
 from typing import Any
 
-from batch_inference.engines.base import Engine, Outcome, Request
+from batch_inference.engines.base import Engine, Feed, Outcome, Request
 from batch_inference.exceptions import InvalidValue
 
 ENGINE_ERROR_MARKER = "[[engine-error]]"
@@ -42,7 +46,7 @@ INVALID_OUTPUT = '["noop: deliberately invalid output"]'
 
 class NoopEngine(Engine):
     name = "noop"
-    option_names = frozenset({"delay_s", "fail_rate", "invalid_rate", "seed"})
+    option_names = frozenset({"delay_s", "fail_rate", "invalid_rate", "seed", "max_num_seqs"})
 
     def __init__(self, spec, options=None):
         super().__init__(spec, options)
@@ -54,6 +58,9 @@ class NoopEngine(Engine):
                 raise InvalidValue(f"engine 'noop': option '{key}' must be between 0 and 1")
         if self.delay_s < 0:
             raise InvalidValue("engine 'noop': option 'delay_s' must not be negative")
+        self.max_num_seqs = int(self.option("max_num_seqs", 0))
+        if self.max_num_seqs < 0:
+            raise InvalidValue("engine 'noop': option 'max_num_seqs' must not be negative")
         self._rng = random.Random(int(self.option("seed", 0)))
         self._answer = json.dumps(minimal_instance(spec.output_schema), separators=(",", ":"))
         # Rendering cuts the record, breaks up delimiters with spaces and puts
@@ -75,6 +82,24 @@ class NoopEngine(Engine):
             if self.delay_s:
                 # wait() rather than sleep(): a stop cuts the delay short, and
                 # the record in hand is still answered (it was in flight).
+                stop.wait(self.delay_s)
+            yield self._answer_for(req)
+
+    def queue_depth(self) -> int:
+        return self.max_num_seqs
+
+    def stream(self, feed: Feed, stop: threading.Event) -> Iterator[Outcome]:
+        queue: deque[Request] = deque()
+        while not stop.is_set():
+            cancelled = set(feed.cancelled())
+            if cancelled:
+                queue = deque(r for r in queue if r.record_id not in cancelled)
+            if len(queue) < self.max_num_seqs:
+                queue.extend(feed.refill(self.max_num_seqs - len(queue), not queue))
+            if not queue:
+                return
+            req = queue.popleft()
+            if self.delay_s:
                 stop.wait(self.delay_s)
             yield self._answer_for(req)
 

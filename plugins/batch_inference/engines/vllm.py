@@ -36,9 +36,19 @@ digest. ``llm_kwargs`` (dict) passes any other ``vllm.LLM`` argument, none
 of those; a name vLLM does not know is refused at construction, where
 vLLM is installed.
 
-Per shard the engine logs vLLM's prefix-cache hit rate: the prompt tokens
-vLLM served from its cache (``RequestOutput.num_cached_tokens``) over all
-prompt tokens of the shard's finished requests.
+Shards overlap (``stream``): the engine keeps up to vLLM's maximum number of
+sequences (``max_num_seqs``) unfinished, and asks the worker's feed for more
+records whenever fewer are, so the next shard's records join the batch while
+the current shard's last ones still decode; a shard the worker stops (a
+stale lease, a drain) has its unfinished requests aborted, and the others
+go on.
+
+At each completed shard the engine logs vLLM's prefix-cache hit rate: the
+prompt tokens vLLM served from its cache (``RequestOutput.num_cached_tokens``)
+over all prompt tokens of the requests finished since the last such line.
+``meter`` (:class:`StepMeter`) counts engine steps, their time, the time
+between steps (the engine waiting on the worker) and the batch slots left
+empty: what the benchmark reports as idle time at shard boundaries.
 """
 
 from __future__ import annotations
@@ -50,11 +60,12 @@ import inspect
 import logging
 import os
 import threading
+import time
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
-from batch_inference.engines.base import TRUNCATED, Engine, Outcome, Request, one_line
+from batch_inference.engines.base import TRUNCATED, Engine, Feed, Outcome, Request, one_line
 from batch_inference.exceptions import InvalidValue
 from batch_inference.pinning import WeightsMissing
 from batch_inference.spec import JobSpec
@@ -202,6 +213,27 @@ class PrefixCacheStats:
         return self.cached_tokens / self.prompt_tokens if self.prompt_tokens else None
 
 
+class StepMeter:
+    """Engine steps and the engine's idle time: ``gap_s``, the time between two steps (the
+    engine waits on its caller), and ``idle_slot_s``, each step's time times the share of the
+    batch (``max_num_seqs``) it left empty."""
+
+    def __init__(self) -> None:
+        self.figures = {"steps": 0, "step_s": 0.0, "gap_s": 0.0, "idle_slot_s": 0.0}
+        self._last_end: float | None = None
+
+    def step(self, step: Any, unfinished: int, depth: int) -> Any:
+        t0 = time.perf_counter()
+        if self._last_end is not None:
+            self.figures["gap_s"] += t0 - self._last_end
+        outputs = step()
+        t1 = self._last_end = time.perf_counter()
+        self.figures["steps"] += 1
+        self.figures["step_s"] += t1 - t0
+        self.figures["idle_slot_s"] += (t1 - t0) * (1 - min(unfinished, depth) / depth)
+        return outputs
+
+
 def _hasattr_or_false(obj: Any, name: str) -> bool:
     try:
         return hasattr(obj, name)
@@ -238,7 +270,8 @@ class VllmEngine(Engine):
         self._llm: Any = None
         self._sampling: Any = None
         self._request_errors: tuple[type[BaseException], ...] = (ValueError, TypeError)
-        self.prefix_cache = PrefixCacheStats()     # since the last begin_shard
+        self.prefix_cache = PrefixCacheStats()     # since the last end_shard
+        self.meter = StepMeter()
 
     def weights_files(self) -> list[Path]:
         """The model directory, hashed whole (it must hold safetensors: the only format loaded)."""
@@ -277,19 +310,39 @@ class VllmEngine(Engine):
         other._request_errors = self._request_errors
         return other
 
-    def begin_shard(self, ledger: Any, lease: Any, drain: threading.Event) -> None:
-        self.prefix_cache = PrefixCacheStats()
-
     def end_shard(self, lease: Any) -> None:
         rate = self.prefix_cache.hit_rate
         if rate is not None:
             log.info("shard %d: vLLM prefix cache hit rate %.1f%% (%d of %d prompt tokens cached)", lease.shard_no,
                      100 * rate, self.prefix_cache.cached_tokens, self.prefix_cache.prompt_tokens)
+        self.prefix_cache = PrefixCacheStats()
+
+    def queue_depth(self) -> int:
+        """vLLM's maximum number of sequences in a batch (the ``max_num_seqs`` it runs with)."""
+        if self._llm is None:
+            raise RuntimeError("engine 'vllm': queue_depth() called before load()")
+        return int(self._llm.llm_engine.vllm_config.scheduler_config.max_num_seqs)
+
+    def _enqueue(self, req: Request, conversation: list[dict[str, str]]) -> str | Outcome:
+        """Queue one request: vLLM's request id, or the record's failed attempt when vLLM refuses it."""
+        try:
+            [rid] = self._llm.enqueue_chat([conversation], self._sampling, use_tqdm=False)
+        except self._request_errors as exc:   # this prompt (too long, say), not the engine
+            return Outcome(req.record_id, None, error=f"vLLM: {one_line(exc)}")
+        return rid
+
+    def _finished(self, output: Any, waiting: dict[str, str]) -> Outcome | None:
+        record_id = waiting.pop(output.request_id, None) if output.finished else None
+        if record_id is None:
+            return None
+        self.prefix_cache.add(output)
+        return parse_request_output(record_id, output)
 
     def generate(self, requests: Sequence[Request], stop: threading.Event) -> Iterator[Outcome]:
         if self._llm is None:
             raise RuntimeError("engine 'vllm': generate() called before load()")
         engine = self._llm.llm_engine
+        depth = self.queue_depth()
         waiting: dict[str, str] = {}     # the id on vLLM's outputs -> record id
         queued: list[str] = []           # the ids vLLM handed back (abort takes these)
         refused: list[Outcome] = []
@@ -297,10 +350,9 @@ class VllmEngine(Engine):
             for req, conversation in zip(requests, build_conversations(requests)):
                 if stop.is_set():
                     break
-                try:
-                    [rid] = self._llm.enqueue_chat([conversation], self._sampling, use_tqdm=False)
-                except self._request_errors as exc:   # this prompt (too long, say), not the engine
-                    refused.append(Outcome(req.record_id, None, error=f"vLLM: {one_line(exc)}"))
+                rid = self._enqueue(req, conversation)
+                if isinstance(rid, Outcome):
+                    refused.append(rid)
                     continue
                 queued.append(rid)
                 waiting[external_id(rid)] = req.record_id
@@ -308,16 +360,51 @@ class VllmEngine(Engine):
             while waiting and engine.has_unfinished_requests():
                 if stop.is_set():
                     break
-                for output in engine.step():
-                    record_id = waiting.pop(output.request_id, None) if output.finished else None
-                    if record_id is None:
-                        continue
-                    self.prefix_cache.add(output)
-                    yield parse_request_output(record_id, output)
+                for output in self.meter.step(engine.step, len(waiting), depth):
+                    outcome = self._finished(output, waiting)
+                    if outcome is not None:
+                        yield outcome
         finally:
             # Stopped, or the consumer went away: nothing left of this call may keep generating.
             if waiting:
                 engine.abort_request([rid for rid in queued if external_id(rid) in waiting], internal=True)
+
+    def stream(self, feed: Feed, stop: threading.Event) -> Iterator[Outcome]:
+        if self._llm is None:
+            raise RuntimeError("engine 'vllm': stream() called before load()")
+        engine = self._llm.llm_engine
+        depth = self.queue_depth()
+        waiting: dict[str, str] = {}     # the id on vLLM's outputs -> record id
+        queued: dict[str, str] = {}      # record id -> the id vLLM handed back (abort takes these)
+        try:
+            while not stop.is_set():
+                cancelled = [queued.pop(r) for r in feed.cancelled() if r in queued]
+                if cancelled:
+                    engine.abort_request(cancelled, internal=True)
+                    for rid in cancelled:
+                        waiting.pop(external_id(rid), None)
+                if len(waiting) < depth:
+                    requests = feed.refill(depth - len(waiting), not waiting)
+                    if not requests and not waiting:
+                        return
+                    for req, conversation in zip(requests, build_conversations(requests)):
+                        rid = self._enqueue(req, conversation)
+                        if isinstance(rid, Outcome):
+                            yield rid
+                            continue
+                        queued[req.record_id] = rid
+                        waiting[external_id(rid)] = req.record_id
+                if not waiting:
+                    continue
+                for output in self.meter.step(engine.step, len(waiting), depth):
+                    outcome = self._finished(output, waiting)
+                    if outcome is not None:
+                        queued.pop(outcome.record_id, None)
+                        yield outcome
+        finally:
+            # Stopped, or the consumer went away: nothing left of this call may keep generating.
+            if queued:
+                engine.abort_request(list(queued.values()), internal=True)
 
     def close(self) -> None:
         """Shut vLLM's engine down and drop the model: its memory (weights, KV cache) is freed here."""

@@ -1,0 +1,273 @@
+"""Shard overlap: one engine stream over every shard the worker holds.
+
+An engine that streams (``Engine.queue_depth() > 0``) keeps that many
+requests unfinished and asks this feed for more whenever it has room. The
+feed hands over the held shards' records, oldest shard first; when all of
+them are queued and the engine still has room, it claims the next shard and
+reads it, so the next shard's records join the batch while the current
+shard's last ones still generate. It claims only while:
+
+* the worker may take more shards (``max_shards`` counts completed and held);
+* no shard has drained (the job is in fallback) and no preemption notice came;
+* the last claim found a shard (a worker that found none goes back to the
+  worker's loop, which waits for leases that may expire);
+* the records held would still finish within a lease at the rate this stream
+  has reached so far (before it has a rate: only to fill the engine's batch).
+
+A claimed shard whose last holder died (careful mode) is not mixed into the
+stream: it is parked, renewed with the others, and run alone once the held
+shards are done (``Worker._process``).
+
+Each shard has its own lease, renewal (one renewer thread, one fenced call
+per shard), outcome buffer and epoch fence. A shard that halts (its lease
+went stale, or it drains) has its queued records aborted in the engine
+(``Feed.cancelled``); a stale one drops what it had not written, a drained
+one writes what it had and is released; the others go on. A shard whose
+records are all answered is written, and its failures retried after the
+backoff, or it is completed. When the engine raises, every held shard is
+given back (``Worker._give_back``). The feed runs in the worker's thread
+(the engine calls it between steps), on the worker's connection.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+import psycopg
+
+from batch_inference.engines.base import Request, build_request
+from batch_inference.exceptions import DatabaseUnavailable
+from batch_inference.ledger import Lease, StaleLease
+
+if TYPE_CHECKING:
+    from gpu_runner.worker import Worker, _Shard
+
+log = logging.getLogger("batch_inference.worker")
+
+# Outcomes the stream needs before its rate decides how many records it may hold.
+RATE_AFTER = 32
+
+
+@dataclass(eq=False)
+class _Queue:
+    """A streamed shard's records: to queue, queued, and failed ones waiting for their retry."""
+
+    texts: dict[str, str]
+    todo: deque[str]
+    in_engine: set[str] = field(default_factory=set)
+    retry: list[str] = field(default_factory=list)
+    round_no: int = 0
+    retry_at: float = 0.0
+
+    @property
+    def open(self) -> int:
+        return len(self.todo) + len(self.in_engine) + len(self.retry)
+
+
+class ShardStream:
+    """The feed (``engines.base.Feed``) and the consumer of one ``Engine.stream`` call."""
+
+    def __init__(self, worker: "Worker", first: Lease):
+        assert worker.engine is not None and worker.spec is not None
+        self.w = worker
+        self.depth = worker.engine.queue_depth()
+        self.lease_s = worker.cfg.lease_seconds or worker.spec.lease_seconds
+        self.active: dict[int, tuple[_Shard, _Queue]] = {}   # by shard number, in claim order
+        self.owner: dict[str, tuple[_Shard, _Queue]] = {}    # record id -> its shard
+        self.cancel: list[str] = []
+        self.claiming = True
+        self.parked: _Shard | None = None
+        self.answered = 0
+        self.first_answer_at: float | None = None
+        self.view: tuple[_Shard, ...] = ()                   # what the renewer renews (replaced, never mutated)
+        self.done = threading.Event()
+        self._add(first)
+
+    # -- the shards held --------------------------------------------------
+    def _set_view(self) -> None:
+        self.view = tuple(s for s, _ in self.active.values()) + ((self.parked,) if self.parked else ())
+
+    def _add(self, lease: Lease) -> None:
+        from gpu_runner.worker import _Shard
+
+        shard = _Shard(lease)
+        self.w._hold(shard)
+        if lease.careful:
+            log.info("%s: shard %d lost its lease before: parked until the held shards are done", self.w.owner,
+                     lease.shard_no)
+            self.parked, self.claiming = shard, False
+            self._set_view()
+            return
+        self.w.engine.begin_shard(self.w.ledger, lease, shard.drain)
+        texts, _ = self.w._read(shard)
+        queue = _Queue(texts, deque(texts))
+        self.active[lease.shard_no] = (shard, queue)
+        for rid in texts:
+            self.owner[rid] = (shard, queue)
+        self._set_view()
+        if not texts:
+            self._round_end(shard, queue)
+
+    def _close(self, shard: _Shard, queue: _Queue) -> None:
+        """Forget the shard here (the worker has let it go): its queued records are aborted."""
+        self.active.pop(shard.lease.shard_no, None)
+        self.cancel.extend(queue.in_engine)
+        queue.in_engine.clear()
+        queue.todo.clear()
+        for rid in queue.texts:
+            self.owner.pop(rid, None)
+        self._set_view()
+
+    def _claim_more(self) -> bool:
+        """Claim one more shard if the rules allow (module docstring); True if one was taken."""
+        w = self.w
+        if not self.claiming or w.stop.is_set():
+            return False
+        if any(s.drain.is_set() for s, _ in self.active.values()):
+            self.claiming = False
+            return False
+        if w.cfg.max_shards is not None and w.stats["shards"] + len(w.held) >= w.cfg.max_shards:
+            return False
+        if self.answered >= RATE_AFTER and self.first_answer_at is not None:
+            rate = self.answered / max(time.monotonic() - self.first_answer_at, 1e-9)
+            held = sum(q.open for _, q in self.active.values())
+            if held + w.spec.shard_size > rate * self.lease_s:
+                w.stats["claims_held_back"] += 1     # a refill that found the lease budget spent
+                return False
+        lease = w._db(w.ledger.claim)
+        if lease is None:
+            self.claiming = False
+            return False
+        self._add(lease)
+        return True
+
+    # -- the feed (called by the engine, in this thread) --------------------
+    def cancelled(self) -> list[str]:
+        for shard, queue in list(self.active.values()):
+            if shard.halt.is_set() and not self.w.stop.is_set():
+                self._stop_shard(shard, queue)
+        out, self.cancel = self.cancel, []
+        return out
+
+    def refill(self, room: int, idle: bool) -> list[Request]:
+        spec = self.w.spec
+        out: list[Request] = []
+        while True:
+            now = time.monotonic()
+            for shard, queue in list(self.active.values()):
+                if shard.halt.is_set() or queue.retry_at > now:
+                    continue
+                while queue.todo and len(out) < room:
+                    rid = queue.todo.popleft()
+                    queue.in_engine.add(rid)
+                    out.append(build_request(spec, rid, queue.texts[rid]))
+                if len(out) >= room:
+                    return out
+            if self._claim_more():
+                continue
+            if out or not idle or self.w.stop.is_set():
+                return out
+            # Idle with nothing to queue: a retry round waiting for its backoff, or the end.
+            due = [q.retry_at for s, q in self.active.values() if q.todo and not s.halt.is_set()]
+            if not due:
+                return out
+            self.w.stop.wait(min(max(min(due) - now, 0.0), 0.25))
+            self.cancel.extend(self.cancelled())
+
+    # -- the consumer -------------------------------------------------------
+    def run(self) -> Lease | None:
+        """Stream until no held shard has work; returns a parked (careful) lease to run alone."""
+        w = self.w
+        renewer = w._renewer(lambda: self.view, self.done, "renew-stream")
+        flush_every, flush_seconds = w.cfg.flush_every, w.cfg.flush_seconds
+        try:
+            for outcome in w.engine.stream(self, w.stop):
+                held = self.owner.get(outcome.record_id)
+                if held is None:        # its shard was dropped or released: not ours to write
+                    continue
+                shard, queue = held
+                queue.in_engine.discard(outcome.record_id)
+                self.answered += 1
+                if self.first_answer_at is None:
+                    self.first_answer_at = time.monotonic()
+                if shard.stale.is_set():
+                    self._drop(shard, queue, StaleLease(f"lease on shard {shard.lease.shard_no} epoch "
+                                                        f"{shard.lease.epoch} went stale"))
+                    continue
+                w._take(shard, outcome)
+                if shard.due(flush_every, flush_seconds):
+                    self._flush(shard, queue)
+                if not queue.todo and not queue.in_engine and not shard.closed:
+                    self._round_end(shard, queue)
+        except (psycopg.OperationalError, DatabaseUnavailable):
+            raise
+        except Exception as exc:  # noqa: BLE001 - the endpoint is down, or the engine broke
+            self.done.set()
+            renewer.join(timeout=5)
+            held = [s for s, _ in self.active.values()] + ([self.parked] if self.parked else [])
+            w._give_back(held, exc)
+        finally:
+            self.done.set()
+            renewer.join(timeout=5)
+        # The stream ended: a preemption notice, a drain, or nothing more to do.
+        for shard, queue in list(self.active.values()):
+            self._stop_shard(shard, queue)
+        parked, self.parked = self.parked, None
+        if parked is not None and (w.stop.is_set() or parked.drain.is_set()):
+            w._release(parked, w._why_released(parked, "halted"))
+            return None
+        if parked is not None:
+            w._let_go(parked)
+        return parked.lease if parked is not None else None
+
+    def _flush(self, shard: _Shard, queue: _Queue) -> None:
+        try:
+            queue.retry += self.w._flush(shard)
+        except StaleLease as exc:
+            self._drop(shard, queue, exc)
+
+    def _drop(self, shard: _Shard, queue: _Queue, exc: StaleLease) -> None:
+        self.w._drop_stale(shard, exc)
+        self._close(shard, queue)
+
+    def _stop_shard(self, shard: _Shard, queue: _Queue) -> None:
+        """The shard halted (stale, drain, preemption notice) or the stream ended: abort what is
+        queued, write what it has (unless stale), then complete or release it."""
+        if shard.stale.is_set():
+            self._drop(shard, queue, StaleLease(f"lease on shard {shard.lease.shard_no} epoch "
+                                                f"{shard.lease.epoch} went stale"))
+            return
+        if shard.drain.is_set():
+            self.claiming = False
+        self.cancel.extend(queue.in_engine)
+        queue.in_engine.clear()
+        self._flush(shard, queue)
+        if shard.closed:
+            return
+        self._close(shard, queue)
+        if not queue.todo and not queue.retry and not shard.halt.is_set():
+            self.w.engine.end_shard(shard.lease)
+            self.w._complete(shard)
+        else:
+            self.w._release(shard, self.w._why_released(shard, "halted"))
+
+    def _round_end(self, shard: _Shard, queue: _Queue) -> None:
+        """Every queued record of the shard is answered: write, then retry its failures or complete it."""
+        self._flush(shard, queue)
+        if shard.closed:
+            return
+        retry = [rid for rid in queue.retry if rid in queue.texts]
+        queue.retry = []
+        if retry:
+            queue.round_no += 1
+            queue.retry_at = time.monotonic() + self.w._backoff(shard, queue.round_no, len(retry))
+            queue.todo.extend(retry)
+            return
+        self._close(shard, queue)
+        self.w.engine.end_shard(shard.lease)
+        self.w._complete(shard)
