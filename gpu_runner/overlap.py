@@ -43,9 +43,10 @@ import psycopg
 from batch_inference.engines.base import Request, build_request
 from batch_inference.exceptions import DatabaseUnavailable
 from batch_inference.ledger import Lease, StaleLease
+from gpu_runner.shard import Shard
 
 if TYPE_CHECKING:
-    from gpu_runner.worker import Worker, _Shard
+    from gpu_runner.worker import Worker
 
 log = logging.getLogger("batch_inference.worker")
 
@@ -77,14 +78,14 @@ class ShardStream:
         self.w = worker
         self.depth = worker.engine.queue_depth()
         self.lease_s = worker.cfg.lease_seconds or worker.spec.lease_seconds
-        self.active: dict[int, tuple[_Shard, _Queue]] = {}   # by shard number, in claim order
-        self.owner: dict[str, tuple[_Shard, _Queue]] = {}    # record id -> its shard
+        self.active: dict[int, tuple[Shard, _Queue]] = {}   # by shard number, in claim order
+        self.owner: dict[str, tuple[Shard, _Queue]] = {}    # record id -> its shard
         self.cancel: list[str] = []
         self.claiming = True
-        self.parked: _Shard | None = None
+        self.parked: Shard | None = None
         self.answered = 0
         self.first_answer_at: float | None = None
-        self.view: tuple[_Shard, ...] = ()                   # what the renewer renews (replaced, never mutated)
+        self.view: tuple[Shard, ...] = ()                   # what the renewer renews (replaced, never mutated)
         self.done = threading.Event()
         self._add(first)
 
@@ -93,9 +94,7 @@ class ShardStream:
         self.view = tuple(s for s, _ in self.active.values()) + ((self.parked,) if self.parked else ())
 
     def _add(self, lease: Lease) -> None:
-        from gpu_runner.worker import _Shard
-
-        shard = _Shard(lease)
+        shard = Shard(lease)
         self.w._hold(shard)
         if lease.careful:
             log.info("%s: shard %d lost its lease before: parked until the held shards are done", self.w.owner,
@@ -113,7 +112,7 @@ class ShardStream:
         if not texts:
             self._round_end(shard, queue)
 
-    def _close(self, shard: _Shard, queue: _Queue) -> None:
+    def _close(self, shard: Shard, queue: _Queue) -> None:
         """Forget the shard here (the worker has let it go): its queued records are aborted."""
         self.active.pop(shard.lease.shard_no, None)
         self.cancel.extend(queue.in_engine)
@@ -225,17 +224,17 @@ class ShardStream:
             w._let_go(parked)
         return parked.lease if parked is not None else None
 
-    def _flush(self, shard: _Shard, queue: _Queue) -> None:
+    def _flush(self, shard: Shard, queue: _Queue) -> None:
         try:
             queue.retry += self.w._flush(shard)
         except StaleLease as exc:
             self._drop(shard, queue, exc)
 
-    def _drop(self, shard: _Shard, queue: _Queue, exc: StaleLease) -> None:
+    def _drop(self, shard: Shard, queue: _Queue, exc: StaleLease) -> None:
         self.w._drop_stale(shard, exc)
         self._close(shard, queue)
 
-    def _stop_shard(self, shard: _Shard, queue: _Queue) -> None:
+    def _stop_shard(self, shard: Shard, queue: _Queue) -> None:
         """The shard halted (stale, drain, preemption notice) or the stream ended: abort what is
         queued, write what it has (unless stale), then complete or release it."""
         if shard.stale.is_set():
@@ -256,7 +255,7 @@ class ShardStream:
         else:
             self.w._release(shard, self.w._why_released(shard, "halted"))
 
-    def _round_end(self, shard: _Shard, queue: _Queue) -> None:
+    def _round_end(self, shard: Shard, queue: _Queue) -> None:
         """Every queued record of the shard is answered: write, then retry its failures or complete it."""
         self._flush(shard, queue)
         if shard.closed:

@@ -73,6 +73,7 @@ from batch_inference.pinning import verify_weights
 from batch_inference.spec import MAX_LEASE_SECONDS, JobSpec
 from batch_inference.status import job_counts, job_mode, job_spec
 from gpu_runner.overlap import ShardStream
+from gpu_runner.shard import Shard
 
 log = logging.getLogger("batch_inference.worker")
 
@@ -149,26 +150,6 @@ class WorkerConfig:
             need(name, math.isfinite(value) and 0 <= value <= 86_400, "between 0 and 86,400 seconds")
 
 
-@dataclass(eq=False)
-class _Shard:
-    lease: Lease
-    halt: threading.Event = field(default_factory=threading.Event)   # stop generating for this shard
-    stale: threading.Event = field(default_factory=threading.Event)
-    drain: threading.Event = field(default_factory=threading.Event)
-    attempts: dict[str, int] = field(default_factory=dict)   # failed attempts counted so far, by record
-    progress: "_Progress | None" = None
-    # Outcomes not yet written (Worker._take, Worker._flush).
-    ok_ids: list[str] = field(default_factory=list)
-    ok_out: list[str] = field(default_factory=list)
-    ok_cat: list[str | None] = field(default_factory=list)
-    failures: dict[str, Failure] = field(default_factory=dict)
-    last_flush: float = field(default_factory=time.monotonic)
-    closed: bool = False        # completed, released or dropped: its renewals and outcomes are over
-
-    def due(self, every: int, seconds: float) -> bool:
-        return len(self.ok_ids) + len(self.failures) >= every or time.monotonic() - self.last_flush >= seconds
-
-
 class Worker:
     """``own_process``: this worker is the whole process (``python -m gpu_runner``,
     ``batch-inference worker``), so what is alive once the engine has loaded
@@ -184,7 +165,7 @@ class Worker:
         self.ledger: Ledger | None = None
         self.spec: JobSpec | None = None
         self.engine: Engine | None = None
-        self.held: tuple[_Shard, ...] = ()     # every shard whose lease this worker holds (replaced, never mutated)
+        self.held: tuple[Shard, ...] = ()     # every shard whose lease this worker holds (replaced, never mutated)
         self.transport = cfg.transport
         self.stats = {"shards": 0, "stored": 0, "failed": 0, "dead": 0, "stale": 0, "claims_held_back": 0}
         self.startup: dict[str, float] = {}    # start-up phase -> seconds (_phase)
@@ -377,7 +358,7 @@ class Worker:
         os._exit(ExitCode.PREEMPTED)
 
     # -- leases -----------------------------------------------------------
-    def _renew_loop(self, held: typing.Callable[[], typing.Iterable[_Shard]], done: threading.Event) -> None:
+    def _renew_loop(self, held: typing.Callable[[], typing.Iterable[Shard]], done: threading.Event) -> None:
         """Renew each lease ``held()`` names, every ``renew_seconds``, until ``done``: one
         fenced renewal per shard, so a stale epoch halts that shard alone."""
         assert self.spec is not None
@@ -418,33 +399,33 @@ class Worker:
             if conn is not None:
                 conn.close()
 
-    def _renewer(self, held: typing.Callable[[], typing.Iterable[_Shard]], done: threading.Event,
+    def _renewer(self, held: typing.Callable[[], typing.Iterable[Shard]], done: threading.Event,
                  name: str) -> threading.Thread:
         thread = threading.Thread(target=self._renew_loop, args=(held, done), daemon=True, name=name)
         thread.start()
         return thread
 
-    def _hold(self, shard: _Shard) -> None:
+    def _hold(self, shard: Shard) -> None:
         self.held = (*self.held, shard)
         if self.stop.is_set():
             shard.halt.set()
 
-    def _let_go(self, shard: _Shard) -> None:
+    def _let_go(self, shard: Shard) -> None:
         """The shard is over for this worker (completed, released, abandoned or dropped)."""
         shard.closed = True
         self.held = tuple(s for s in self.held if s is not shard)
 
-    def _release(self, shard: _Shard, why: str) -> None:
+    def _release(self, shard: Shard, why: str) -> None:
         assert self.ledger is not None
         released = self._db(self.ledger.release, shard.lease)
         self._let_go(shard)
         log.info("%s: released shard %d (epoch %d, %s)%s", self.owner, shard.lease.shard_no, shard.lease.epoch,
                  why, "" if released else " - release refused, lease was stale")
 
-    def _why_released(self, shard: _Shard, outcome: str) -> str:
+    def _why_released(self, shard: Shard, outcome: str) -> str:
         return "drain" if shard.drain.is_set() else "preemption notice" if self.stop.is_set() else outcome
 
-    def _complete(self, shard: _Shard) -> str:
+    def _complete(self, shard: Shard) -> str:
         """Complete the shard: 'done', 'incomplete' (released: records left) or 'stale' (dropped)."""
         assert self.ledger is not None
         lease = shard.lease
@@ -464,7 +445,7 @@ class Worker:
     # -- one shard at a time ----------------------------------------------
     def _process(self, lease: Lease) -> None:
         assert self.ledger is not None and self.spec is not None and self.engine is not None
-        shard = _Shard(lease)
+        shard = Shard(lease)
         self._hold(shard)
         renewer = self._renewer(lambda: (shard,), shard.halt, f"renew-{lease.shard_no}")
         try:
@@ -488,7 +469,7 @@ class Worker:
         elif outcome == "halted":
             self._release(shard, self._why_released(shard, outcome))
 
-    def _give_back(self, shards: list[_Shard], exc: Exception) -> typing.NoReturn:
+    def _give_back(self, shards: list[Shard], exc: Exception) -> typing.NoReturn:
         """The engine raised: give every held shard back and stop (Fatal). An endpoint that
         is down is no engine's or record's fault: a plain release, no lost lease, no crash and
         no attempt counted. Anything else broke the engine itself (lost GPU, OOM): abandon,
@@ -509,7 +490,7 @@ class Worker:
                         f"shard{'s' if len(shards) > 1 else ''} given back (counted as a lost lease)",
                         ExitCode.ENGINE) from exc
 
-    def _drop_stale(self, shard: _Shard, exc: StaleLease) -> None:
+    def _drop_stale(self, shard: Shard, exc: StaleLease) -> None:
         """Our epoch ended: what this shard has not written is dropped (the new holder finishes it)."""
         self._let_go(shard)
         for buffered in (shard.ok_ids, shard.ok_out, shard.ok_cat, shard.failures):
@@ -517,7 +498,7 @@ class Worker:
         self.stats["stale"] += 1
         log.warning("%s: %s; dropping shard %d (the new holder finishes it)", self.owner, exc, shard.lease.shard_no)
 
-    def _read(self, shard: _Shard) -> tuple[dict[str, str], set[str]]:
+    def _read(self, shard: Shard) -> tuple[dict[str, str], set[str]]:
         """The shard's records still to do (id -> text, in id order) and the suspects among them
         (in flight at an earlier death); sets the shard's attempts and progress."""
         assert self.ledger is not None
@@ -529,13 +510,13 @@ class Worker:
         shard.progress = _Progress(self, lease, len(ids))
         return dict(zip(ids, record_texts)), {rid for rid, n in zip(ids, crashes) if n}
 
-    def _backoff(self, shard: _Shard, round_no: int, n: int) -> float:
+    def _backoff(self, shard: Shard, round_no: int, n: int) -> float:
         """The wait before retry round ``round_no`` (1, 2, ...): it grows, so a restarting server is not hammered."""
         wait = self.cfg.backoff[min(round_no, len(self.cfg.backoff)) - 1]
         log.info("%s: shard %d: retrying %d failed record(s) in %.0fs", self.owner, shard.lease.shard_no, n, wait)
         return wait
 
-    def _work(self, shard: _Shard) -> str:
+    def _work(self, shard: Shard) -> str:
         """Drive the shard's records to stored or dead. Returns 'finished' or 'halted'."""
         assert self.ledger is not None and self.spec is not None and self.engine is not None
         spec, lease, ledger = self.spec, shard.lease, self.ledger
@@ -573,7 +554,7 @@ class Worker:
         rest = [rid for rid in todo if rid not in suspects]
         return [[rid] for rid in todo if rid in suspects] + [rest[i:i + n] for i in range(0, len(rest), n)]
 
-    def _generate(self, shard: _Shard, requests: list[Request]) -> list[str]:
+    def _generate(self, shard: Shard, requests: list[Request]) -> list[str]:
         """One pass over ``requests``; returns the ids that failed and may be retried."""
         assert self.engine is not None
         retry: list[str] = []
@@ -592,7 +573,7 @@ class Worker:
             raise
         return retry + self._flush(shard)
 
-    def _take(self, shard: _Shard, outcome: Outcome) -> None:
+    def _take(self, shard: Shard, outcome: Outcome) -> None:
         """Check one outcome and hold it for the shard's next write: a result, or a failed attempt."""
         if outcome.error is None:
             obj, text, err = check_for_storage(self.spec, outcome.text)
@@ -608,7 +589,7 @@ class Worker:
             shard.failures[outcome.record_id] = Failure(outcome.record_id, err or "unknown error", outcome.text,
                                                         shard.attempts.get(outcome.record_id, 0) + 1)
 
-    def _flush(self, shard: _Shard) -> list[str]:
+    def _flush(self, shard: Shard) -> list[str]:
         """Write what the shard holds: put-if-absent results, then failed attempts. Returns the
         ids that failed and may be retried (not dead). A stale epoch raises StaleLease."""
         lease, progress = shard.lease, shard.progress

@@ -204,7 +204,9 @@ def test_a_job_version_from_before_0023_keeps_working_after_it(empty_db, monkeyp
     from tests.conftest import make_source, make_spec, tickets
 
     url = empty_db()
-    before = [p for p in db.migrations() if p.name < "0023"]
+    # Every migration but 0023 (the later ones touch neither the snapshot nor its reads), so this
+    # release's validate and publish find their functions.
+    before = [p for p in db.migrations() if not p.name.startswith("0023_")]
     old = {"snapshot_attach": "SELECT bi.attach_snapshot_v1(%(job)s);",
            "shard_records": "SELECT * FROM bi.shard_records_v3(%(job)s, %(shard)s, %(epoch)s, %(after)s, %(limit)s);"}
 
