@@ -4,10 +4,12 @@ and the migration fills the stripes of jobs submitted before it."""
 
 from __future__ import annotations
 
+from unittest import mock
+
 import psycopg
 import pytest
 
-from batch_inference import db
+from batch_inference import db, plan
 from batch_inference.ledger import Failure, Ledger
 from batch_inference.plan import submit
 from batch_inference.status import job_counts
@@ -96,7 +98,7 @@ def test_the_migration_fills_the_stripes_of_existing_jobs(empty_db):
     with db.connect(empty_db()) as conn:
         _migrate_before(conn, "0005")
         make_source(conn, tickets(25))
-        job = submit(conn, make_spec()).job_version
+        job = _submit_before_0023(conn, make_spec()).job_version
         conn.execute("UPDATE bi.shards SET stored = 3, state = 'done' WHERE job_version = %s AND shard_no = 1",
                      (job,))
         assert "0005_scale.sql" in db.migrate(conn)
@@ -122,6 +124,15 @@ def _migrate_before(conn: psycopg.Connection, first_left_out: str) -> None:
                 break
             conn.execute(path.read_text())
             conn.execute(db.q("migration_record"), {"name": path.name, "checksum": _checksum(path)})
+
+
+def _submit_before_0023(conn: psycopg.Connection, spec):
+    """``submit`` on a database migrated part way, before 0023: that release attached a snapshot with
+    ``bi.attach_snapshot_v1`` (0023 replaced it with v2)."""
+    real = plan.q
+    with mock.patch.object(plan, "q", lambda name: "SELECT bi.attach_snapshot_v1(%(job)s);"
+                           if name == "snapshot_attach" else real(name)):
+        return submit(conn, spec)
 
 
 def _checksum(path) -> str:
@@ -213,7 +224,7 @@ def test_the_migration_counts_the_hosted_rows_of_existing_jobs(empty_db):
     with db.connect(url) as conn:
         _migrate_before(conn, "0017")
         make_source(conn, tickets(30))
-        job = submit(conn, make_spec(shard_size=10)).job_version
+        job = _submit_before_0023(conn, make_spec(shard_size=10)).job_version
         for transport, n in (("hosted_batch", 5), ("hosted_batch", 2), ("fallback", 1)):
             w = Ledger(db.connect(url), job, f"w-{transport}-{n}", transport=transport)
             lease = w.claim()
@@ -234,12 +245,14 @@ def test_the_migration_keys_existing_snapshots_by_their_own_partition(empty_db):
     with db.connect(url) as conn:
         _migrate_before(conn, "0021")
         make_source(conn, tickets(30))
-        job = submit(conn, make_spec(shard_size=10)).job_version
+        job = _submit_before_0023(conn, make_spec(shard_size=10)).job_version
         assert "0021_snapshot_local_keys.sql" in db.migrate(conn)
         part = conn.execute("SELECT 'snapshot_rows_' || substr(md5(%s), 1, 16) AS p", (job,)).fetchone()["p"]
         idx = {r["indexname"]: r["indexdef"].split(" USING ", 1)[1] for r in conn.execute(
             "SELECT indexname, indexdef FROM pg_indexes WHERE schemaname = 'bi' AND tablename = %s", (part,))}
-        assert idx == {f"{part}_pkey": "btree (record_id)", f"{part}_shard": "btree (shard_no, record_id)"}
+        # 0021 keyed it by record_id alone; 0023 (applied with it) rebuilds the shard index in byte order.
+        assert idx == {f"{part}_pkey": "btree (record_id)",
+                       f"{part}_shard": "btree (shard_no, record_id text_pattern_ops)"}
         assert not conn.execute("SELECT 1 FROM pg_indexes WHERE schemaname = 'bi' AND tablename = 'snapshot_rows'"
                                 ).fetchall()
         w = Ledger(db.connect(url), job, "w-0021")
@@ -291,7 +304,7 @@ def test_the_migration_counts_the_dead_letters_of_existing_jobs(empty_db):
     with db.connect(url) as conn:
         _migrate_before(conn, "0020")
         make_source(conn, tickets(30))
-        job = submit(conn, make_spec(shard_size=10)).job_version
+        job = _submit_before_0023(conn, make_spec(shard_size=10)).job_version
         _dead_letter_some(url, job, ["bad output", "HTTP 400", "bad output"])
         assert "0020_bounded_reads.sql" in db.migrate(conn)
         assert conn.execute(DEAD_COUNTS, (job,)).fetchall() == conn.execute(DEAD_FROM_ROWS, (job,)).fetchall()
@@ -338,7 +351,7 @@ def test_the_migration_counts_the_categories_of_existing_jobs(empty_db):
     with db.connect(url) as conn:
         _migrate_before(conn, "0020")
         make_source(conn, tickets(30))
-        job = submit(conn, make_spec(shard_size=10)).job_version
+        job = _submit_before_0023(conn, make_spec(shard_size=10)).job_version
         w = Ledger(db.connect(url), job, "w")
         lease = w.claim()
         ids = _shard_ids(w, lease)[:4]
