@@ -483,10 +483,15 @@ def test_a_reject_in_required_actions_fails_the_run_with_the_reason(live_airflow
     run = dep.wait_run(BACKFILL, run_id, timeout=180)
     tis = dep.task_instances(BACKFILL, run_id)
     assert run["state"] == "failed", dep.explain(BACKFILL, run_id)
-    assert tis["review"]["state"] == "failed" and tis["review"]["try_number"] == 1
+    # A loaded scheduler may lose the first try's end (apache/airflow#72716, docs/facts.md) and start a
+    # second: that try finds the rejection standing in the ledger and fails at once, naming it.
+    assert tis["review"]["state"] == "failed" and tis["review"]["try_number"] in (1, 2)
     assert tis["publish"]["state"] == "upstream_failed"
     msg = webhook_sink.wait_for(lambda m: m.get("job_version") == job and m.get("task_id") == "review", 60)
-    assert msg["error"] == f"review: Anonymous rejected job version {job}: priorities are all urgent", msg
+    err = msg["error"]
+    assert err == f"review: Anonymous rejected job version {job}: priorities are all urgent" or (
+        err.startswith(f"review: job version {job} was rejected by airflow:Anonymous at ")
+        and err.endswith(": priorities are all urgent")), msg
     assert "priorities are all urgent" in dep.task_log(BACKFILL, run_id, "review")
     assert counts(dep, job)["status"] != "published"
     # The rejection is in the ledger too: publish refuses the version until it is withdrawn.
