@@ -267,6 +267,13 @@ def redact(url: str) -> str:
     return _CONNINFO_PARAM.sub(lambda m: m.group(1) + "***", url)
 
 
+def pasteable(url: str) -> tuple[str, bool]:
+    """``url`` as printed for a person to paste (psql, ``BATCH_INFERENCE_DB``): whole when it holds no
+    password (the embedded server's), else redacted; the flag says whether it was redacted."""
+    hidden = bool(_passwords(url))
+    return (redact(url) if hidden else url), hidden
+
+
 def scrub(message: str, url: str) -> str:
     """``message`` (say, a libpq error about ``url``) with ``url`` and any of its passwords redacted."""
     message = message.replace(url, redact(url))

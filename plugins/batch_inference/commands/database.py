@@ -24,17 +24,12 @@ def run(args: argparse.Namespace) -> int:
         print(f"embedded PostgreSQL running under {db.home() / 'pg'}; migrations applied: "
               f"{', '.join(applied) or 'none new'}", file=sys.stderr)
     elif args.action == "url":
-        from psycopg.conninfo import conninfo_to_dict
-
-        # A URL to paste (psql, BATCH_INFERENCE_DB): the embedded server's holds no password. One that
-        # does is never printed with it.
-        url = db.resolve_url(args.db)
-        if conninfo_to_dict(url).get("password"):
-            print(db.redact(url))
+        # A URL to paste: the embedded server's holds no password; one that does is never printed with it.
+        url, hidden = db.pasteable(db.resolve_url(args.db))
+        print(url)
+        if hidden:
             print("the password is not printed: the URL is the one you gave (--db or $BATCH_INFERENCE_DB)",
                   file=sys.stderr)
-        else:
-            print(url)
     elif args.action == "down":
         stopped = embedded.stop_server(db.home())
         print("stopped" if stopped else "not running", file=sys.stderr)

@@ -242,7 +242,7 @@ def run(args: argparse.Namespace) -> int:
     print(f"time: {time.monotonic() - t0:.0f} s in all, {dag_s:.0f} s in airflow dags test\n")
     for r in rows:
         print("  " + json.dumps({k: r[k] for k in cols}, ensure_ascii=False, default=str))
-    print(f"\nnext: psql \"{db.redact(url)}\" -c 'SELECT * FROM {view} LIMIT 20'"
+    print(f"\nnext: psql \"{db.pasteable(url)[0]}\" -c 'SELECT * FROM {view} LIMIT 20'"
           f"\n      batch-inference dead-letters {pub['job_version']}"
           f"\n      batch-inference published {DEMO_DATASET}")
     return 0
