@@ -137,8 +137,11 @@ def test_a_crash_inside_vllm_sigterm_and_sigkill_lose_nothing_and_store_nothing_
     assert attempts_spent(conn, job) == 0
 
     # The preemption notice mid-batch: unfinished requests are aborted, what finished is written, the lease is
-    # released at once (pending, not in ten minutes), and nothing is counted against the records.
-    w = start_worker(db_url, job, "--flush-every", "1")
+    # released at once (pending, not in ten minutes), and nothing is counted against the records. Two sequences
+    # at a time here and below, so most of the shard is still to do when a signal comes (all 40 at once can
+    # finish within one poll of the ledger).
+    narrow = ("--engine-option", "max_num_seqs=2")
+    w = start_worker(db_url, job, "--flush-every", "1", *narrow)
     before = wait_for_stored(conn, job, job_counts(conn, job)["stored"] + 2, w)
     w.send_signal(signal.SIGTERM)
     t0 = time.monotonic()
@@ -152,7 +155,7 @@ def test_a_crash_inside_vllm_sigterm_and_sigkill_lose_nothing_and_store_nothing_
     assert before <= after_term < 40 and attempts_spent(conn, job) == 0
 
     # SIGKILL mid-shard: nothing is released; the lease is expired here (its holder is gone) for the next worker.
-    w = start_worker(db_url, job, "--flush-every", "1")
+    w = start_worker(db_url, job, "--flush-every", "1", *narrow)
     wait_for_stored(conn, job, after_term + 2, w)
     w.send_signal(signal.SIGKILL)
     w.wait(timeout=30)
