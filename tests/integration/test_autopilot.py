@@ -237,8 +237,21 @@ class FakeCoreV1Api:
 
         return ApiClient()._ApiClient__deserialize(self.pods[name], "V1Pod")
 
-    def end(self, name: str, phase: str) -> None:
-        self.pods[name]["status"] = {"phase": phase}
+    def end(self, name: str, phase: str, exit_code: int | None = None, reason: str | None = None) -> None:
+        """The pod ends as the kubelet reports it: the phase, the container's exit code, the pod's reason."""
+        status: dict[str, Any] = {"phase": phase}
+        if reason:
+            status["reason"] = reason
+        if exit_code is not None:
+            status["containerStatuses"] = [{
+                "name": "base", "image": "batch-inference-gpu:0.1.0", "imageID": "", "ready": False,
+                "restartCount": 0, "state": {"terminated": {"exitCode": exit_code, "reason": "Error"}}}]
+        self.pods[name]["status"] = status
+
+    def read_namespaced_pod_log(self, name: str, namespace: str, container: str | None = None,
+                                tail_lines: int | None = None, **kw: Any) -> str:
+        self.calls.append(("log", name, container))
+        return f"{name}: the last lines of its log"
 
 
 def test_gpu_pods_are_added_and_removed_through_the_hook(conn, db_url, monkeypatch):
@@ -313,3 +326,49 @@ def test_the_sensor_sends_the_budget_page_to_its_notifiers_and_watches_on(db_url
     assert got and got[0]["warning"]["message"] == page
     kwargs = exc.value.trigger.serialize()[1]
     assert kwargs["paged"] is True and kwargs["warned"] is False
+
+
+def test_the_gpu_launcher_replaces_preempted_pods_and_fails_on_a_halting_exit_or_too_many_crashes(conn, monkeypatch):
+    pytest.importorskip("kubernetes_validate")
+    from airflow.sdk import DAG
+    from airflow.sdk.exceptions import AirflowFailException
+
+    from batch_inference.operators.gpu_autopilot import GpuAutopilotOperator, pod_name
+
+    job = new_job(conn, 40, cost={"min_workers": 1, "max_workers": 4})
+    api = FakeCoreV1Api()
+    with DAG("gpu_failures_test", schedule=None):
+        op = GpuAutopilotOperator(task_id="gpu_autopilot", job_version=job, workers=2, max_pod_failures=2,
+                                  pod_kwargs={"grace_seconds": 90, "grace_margin_seconds": 15})
+    monkeypatch.setattr(op, "hook", lambda: SimpleNamespace(core_v1_client=api))
+    launcher = op.launcher(job)
+
+    def reconcile() -> None:
+        op.check_failures(launcher)
+        autopilot.reconcile(conn, job, "k8s", launcher.running, launcher.scale, 2, (1, 4))
+
+    reconcile()
+    # Preempted (the worker's SIGTERM exit, or the node shut down under it): replaced, never counted.
+    api.end(pod_name(job, 0), "Failed", exit_code=143)
+    api.end(pod_name(job, 1), "Failed", reason="Shutdown")
+    reconcile()
+    assert launcher.running() == 2 and {pod_name(job, 2), pod_name(job, 3)} <= set(api.pods)
+    assert [f.preempted for f in launcher.failures()] == [True, True]
+    # Crashes are replaced up to max_pod_failures, each one's log read once into the task log.
+    api.end(pod_name(job, 2), "Failed", exit_code=5)
+    api.end(pod_name(job, 3), "Failed", exit_code=1)
+    reconcile()
+    assert launcher.running() == 2
+    assert sorted(n for kind, n, _ in api.calls if kind == "log") == [pod_name(job, s) for s in range(4)]
+    api.end(pod_name(job, 4), "Failed", exit_code=2)
+    with pytest.raises(AirflowFailException, match=r"3 worker pods failed \(more than max_pod_failures=2\)"):
+        op.check_failures(launcher)
+    # A halting exit (the weights do not match the digest) fails at once: no pod is started again.
+    job2 = new_job(conn, 40, dataset="tickets_halting", cost={"min_workers": 1, "max_workers": 4})
+    api2 = FakeCoreV1Api()
+    monkeypatch.setattr(op, "hook", lambda: SimpleNamespace(core_v1_client=api2))
+    l2 = op.launcher(job2)
+    autopilot.reconcile(conn, job2, "k8s", l2.running, l2.scale, 1, (1, 4))
+    api2.end(pod_name(job2, 0), "Failed", exit_code=3)
+    with pytest.raises(AirflowFailException, match="exit 3: the model weights do not match the digest"):
+        op.check_failures(l2)

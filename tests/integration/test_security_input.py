@@ -466,8 +466,22 @@ def test_the_gpu_dag_offers_and_runs_only_its_allowed_images(image, db_url, monk
     op.image = image                  # as rendered from the run's params
     with pytest.raises(AirflowFailException, match="not one of the DAG's allowed runner images"):
         op.execute({})
+    # the DAG's own task (the pods it creates and removes) refuses it before the grant and any pod
+    task = dag.get_task("gpu_workers")
+    task.job_version = "jv_0123456789abcdef"
+    task.pod_kwargs = {**task.pod_kwargs, "image": image}   # as rendered from the run's params
+    monkeypatch.setattr(task, "hook", lambda: pytest.fail("the Kubernetes hook was reached"))
+    with pytest.raises(AirflowFailException, match="not one of the DAG's allowed runner images"):
+        task.execute({})
     # a templated image without an allow-list allows nothing
     bare = GpuWorkerPodOperator(task_id="w2", job_version="jv_0123456789abcdef", image="{{ params.image }}")
     bare.image = allowed[0]
     with pytest.raises(AirflowFailException, match="allowed runner images"):
         bare.execute({})
+    from batch_inference.operators.gpu_autopilot import GpuAutopilotOperator
+
+    pilot = GpuAutopilotOperator(task_id="w3", job_version="jv_0123456789abcdef",
+                                 pod_kwargs={"image": "{{ params.image }}"})
+    pilot.pod_kwargs = {**pilot.pod_kwargs, "image": allowed[0]}
+    with pytest.raises(AirflowFailException, match="allowed runner images"):
+        pilot.execute({})

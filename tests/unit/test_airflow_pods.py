@@ -113,16 +113,30 @@ def test_partial_expand_over_n_workers_parses_and_serializes():
         assert d["metadata"]["labels"]["batch-inference/worker-slot"] == str(slot)
 
 
-def test_the_gpu_dag_maps_its_pods_over_the_workers_param():
+def test_the_gpu_dag_sizes_its_pods_by_the_workers_param_and_builds_them_from_the_form():
+    """The shipped GPU DAG's workers are one GpuAutopilotOperator: ``workers`` pods (the autopilot's size when
+    the spec turns it on); its pod arguments render from the trigger form, and each slot's pod is valid
+    Kubernetes with the DAG's image, queue, priority class and grace."""
     from airflow.dag_processing.dagbag import DagBag
 
+    from batch_inference.operators.gpu_autopilot import AUTOPILOT_LABEL
     from tests.fixtures.airflow_env import DAGS
 
     dag = DagBag(dag_folder=str(DAGS / "batch_inference_gpu.py")).dags["batch_inference_gpu"]
-    pods = dag.get_task("gpu_workers")
-    assert pods.is_mapped
-    assert pods.partial_kwargs["priority_class_name"] == "batch-low"
-    assert dag.params["workers"] == 8
+    op = dag.get_task("gpu_workers")
+    assert op.task_type == "GpuAutopilotOperator" and dag.params["workers"] == 8
+    assert op.max_pod_failures == 5
+    params = {k: dag.params[k] for k in ("workers", "image", "engine", "kueue_queue")}
+    op.job_version = JOB                     # the submit task's XCom at run time
+    op.render_template_fields({"params": params})
+    assert int(op.workers) == 8
+    d = pod_dict(op.pod_operator(JOB, 2))
+    (c,) = d["spec"]["containers"]
+    assert c["image"] == params["image"] and c["args"][:2] == ["worker", JOB]
+    assert d["spec"]["priorityClassName"] == "batch-low" and d["spec"]["terminationGracePeriodSeconds"] == 105
+    assert d["metadata"]["labels"]["kueue.x-k8s.io/queue-name"] == "batch"
+    assert d["metadata"]["labels"][AUTOPILOT_LABEL] == "true"
+    assert d["metadata"]["labels"]["batch-inference/worker-slot"] == "2"
 
 
 def test_a_pipeline_with_autopilot_pods_parses_serializes_and_builds_valid_pods():

@@ -15,23 +15,55 @@ launcher keeps no state of its own: a restarted one lists its pods and goes on.
 ``GpuAutopilotOperator`` runs it as a task: it grants the job version to the worker role,
 then reconciles every ``reconcile_seconds`` until the job has nothing left for a worker (done,
 or in fallback mode), recording what runs (``bi.fleet_observed``: the GPU-hours in the bill).
+A pod that ends on a preemption (exit 143, or evicted or shut down with its node) is replaced
+at the next pass, as a mapped pod's retry would be; one that exits with a halting code (the
+weights' digest, the configuration) fails the task at once, and more than
+``max_pod_failures`` other failures fail it too, each failure's last log lines in the task log.
+With the spec's autopilot off the size is ``workers`` throughout.
 """
 
 from __future__ import annotations
 
 import time
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from airflow.sdk import BaseOperator, Context
 from airflow.sdk.exceptions import AirflowFailException
 
+from batch_inference.exits import HALTING, ExitCode, describe
 from batch_inference.hooks.batch_inference import BatchInferenceHook
 
 AUTOPILOT_LABEL = "batch-inference/autopilot"
 JOB_LABEL = "batch-inference/job-version"
 SLOT_LABEL = "batch-inference/worker-slot"
 ENDED = frozenset({"Succeeded", "Failed"})
+# What the kubelet writes in a pod's status.reason when the pod ended with its node or was evicted: a
+# preemption, as exit 143 (the worker's SIGTERM handled) is.
+PREEMPTED_REASONS = frozenset({"Evicted", "Preempting", "Shutdown", "NodeShutdown", "Terminated"})
+
+
+@dataclass(frozen=True)
+class PodFailure:
+    """A worker pod that ended Failed: its name, the worker container's exit code (None when it never
+    ran) and the pod's or the container's reason."""
+
+    name: str
+    exit_code: int | None
+    reason: str
+
+    @property
+    def preempted(self) -> bool:
+        return self.exit_code == ExitCode.PREEMPTED or self.reason in PREEMPTED_REASONS
+
+    @property
+    def halting(self) -> bool:
+        return self.exit_code in HALTING
+
+    def describe(self) -> str:
+        what = describe(self.exit_code) if self.exit_code is not None else "no exit code"
+        return f"pod {self.name} failed ({self.reason or 'no reason'}, exit {self.exit_code}: {what})"
 
 
 def pod_name(job_version: str, slot: int) -> str:
@@ -46,9 +78,10 @@ class GpuPodLauncher:
     grace period (the pod's own termination grace)."""
 
     def __init__(self, hook: Any, namespace: str, job_version: str, build: Callable[[int], Any],
-                 grace_seconds: int, log: Any = None) -> None:
+                 grace_seconds: int, log: Any = None, container: str = "base") -> None:
         self.hook, self.namespace, self.job_version = hook, namespace, job_version
         self.build, self.grace_seconds, self.log = build, grace_seconds, log
+        self.container = container  # the worker's container (KubernetesPodOperator's base container)
 
     @property
     def selector(self) -> str:
@@ -70,6 +103,28 @@ class GpuPodLauncher:
 
     def running(self) -> int:
         return len(self.live())
+
+    def failures(self) -> list[PodFailure]:
+        """The job's pods that ended Failed and were not deleted by this launcher, oldest slot first."""
+        out = []
+        for p in self.pods():
+            if p.status is None or p.status.phase != "Failed" or p.metadata.deletion_timestamp is not None:
+                continue
+            code, reason = None, p.status.reason or ""
+            for c in p.status.container_statuses or []:
+                term = c.state.terminated if c.state is not None else None
+                if c.name == self.container and term is not None:
+                    code, reason = term.exit_code, reason or term.reason or ""
+            out.append((int(p.metadata.labels.get(SLOT_LABEL, 0)), PodFailure(p.metadata.name, code, reason)))
+        return [f for _, f in sorted(out, key=lambda x: x[0])]
+
+    def log_tail(self, name: str, lines: int = 20) -> str:
+        """The last lines of a pod's worker log, or why they cannot be read."""
+        try:
+            return str(self.hook.core_v1_client.read_namespaced_pod_log(
+                name=name, namespace=self.namespace, container=self.container, tail_lines=lines))
+        except Exception as exc:  # noqa: BLE001 - the log is a courtesy; the failure is reported either way
+            return f"(log unavailable: {type(exc).__name__})"
 
     def scale(self, n: int) -> None:
         from kubernetes.client import ApiClient
@@ -108,22 +163,28 @@ class GpuAutopilotOperator(BaseOperator):
     :param kubernetes_conn_id: the cncf-kubernetes connection the hook uses.
     :param reconcile_seconds: how often the desired size is read and the pods listed.
     :param drain_timeout_s: how long to wait, once the job needs no worker, for the pods to end.
+    :param max_pod_failures: failed pods (other than preemptions) the task replaces before it fails.
     """
 
-    template_fields: Sequence[str] = ("job_version", "workers")
+    template_fields: Sequence[str] = ("job_version", "workers", "pod_kwargs")
     ui_color = "#c9e4f5"
 
     def __init__(self, *, job_version: Any, workers: int | str = 1, namespace: str = "batch-inference",
                  kubernetes_conn_id: str = "kubernetes_default",
                  postgres_conn_id: str = BatchInferenceHook.default_conn_name, reconcile_seconds: float = 30.0,
                  pod_kwargs: Mapping[str, Any] | None = None, drain_timeout_s: float = 900.0,
-                 **kwargs: Any) -> None:
+                 max_pod_failures: int = 5, **kwargs: Any) -> None:
         super().__init__(**kwargs)
         self.job_version, self.workers, self.namespace = job_version, workers, namespace
         self.kubernetes_conn_id, self.postgres_conn_id = kubernetes_conn_id, postgres_conn_id
         self.reconcile_seconds = reconcile_seconds
         self.drain_timeout_s = drain_timeout_s
         self.pod_kwargs = dict(pod_kwargs or {})
+        if "allowed_images" not in self.pod_kwargs and "{{" in str(self.pod_kwargs.get("image", "")):
+            # A templated image (a Param) needs the DAG author's list, as GpuWorkerPodOperator's does.
+            self.pod_kwargs["allowed_images"] = ()
+        self.max_pod_failures = max_pod_failures
+        self._reported: set[str] = set()
 
     def hook(self) -> Any:
         from airflow.providers.cncf.kubernetes.hooks.kubernetes import KubernetesHook
@@ -141,12 +202,10 @@ class GpuAutopilotOperator(BaseOperator):
 
     def launcher(self, job_version: str) -> GpuPodLauncher:
         probe = self.pod_operator(job_version, 0)
-        if probe.image not in probe.allowed_images:
-            raise AirflowFailException(f"image {str(probe.image)[:200]!r} is not one of the allowed runner images "
-                                       f"({', '.join(probe.allowed_images) or 'none'})")
+        probe.check_image()
         return GpuPodLauncher(self.hook(), self.namespace, job_version,
                               lambda slot: self.pod_operator(job_version, slot).build_pod_request_obj(dry_run=True),
-                              int(probe.termination_grace_period or 0), self.log)
+                              int(probe.termination_grace_period or 0), self.log, probe.base_container_name)
 
     def execute(self, context: Context) -> dict[str, Any]:
         from batch_inference import autopilot, db
@@ -155,11 +214,11 @@ class GpuAutopilotOperator(BaseOperator):
         job_version = str(self.job_version or "").strip()
         if not job_version:
             raise AirflowFailException("no job version (did the submit task push one?)")
+        launcher = self.launcher(job_version)  # refuses an image outside the allow-list before anything
         conninfo = BatchInferenceHook(self.postgres_conn_id, migrate=False).get_conninfo()
         with db.connect(conninfo) as conn:
             spec = job_spec(conn, job_version)
         bounds = (spec.cost.min_workers, spec.cost.max_workers)
-        launcher = self.launcher(job_version)
         role = self.pod_kwargs.get("grant_role", "bi_worker")
         if role:
             from batch_inference.operators.grants import grant_worker_role
@@ -167,6 +226,7 @@ class GpuAutopilotOperator(BaseOperator):
             grant_worker_role(self.postgres_conn_id, role, job_version)
         name, largest, passes = f"k8s:{self.namespace}", 0, 0
         while True:
+            self.check_failures(launcher)
             with db.connect(conninfo) as conn:
                 counts = job_counts(conn, job_version)
                 if counts["outstanding"] == 0 or counts["mode"] != "batch":
@@ -185,6 +245,25 @@ class GpuAutopilotOperator(BaseOperator):
             autopilot.observe(conn, job_version, name, launcher.running())
         return {"job_version": job_version, "largest": largest, "passes": passes, "mode": counts["mode"],
                 "outstanding": int(counts["outstanding"])}
+
+
+    def check_failures(self, launcher: GpuPodLauncher) -> None:
+        """Log each newly failed pod with its last log lines; fail the task on a halting exit or on more
+        than ``max_pod_failures`` failures that were not preemptions."""
+        failures = launcher.failures()
+        for f in failures:
+            if f.name not in self._reported:
+                self._reported.add(f.name)
+                level = self.log.info if f.preempted else self.log.error
+                level("%s%s; last log lines:\n%s", f.describe(), ": replaced" if f.preempted else "",
+                      launcher.log_tail(f.name))
+        halting = [f for f in failures if f.halting]
+        if halting:
+            raise AirflowFailException(f"{halting[0].describe()}; no pod is started again")
+        crashed = [f for f in failures if not f.preempted]
+        if len(crashed) > self.max_pod_failures:
+            raise AirflowFailException(f"{len(crashed)} worker pods failed (more than max_pod_failures="
+                                       f"{self.max_pod_failures}); the last: {crashed[-1].describe()}")
 
 
 def gpu_autopilot_workers(*, workers: Any = "{{ params.workers }}", **kwargs: Any) -> Callable[[Any, str], Any]:

@@ -174,11 +174,14 @@ class GpuWorkerPodOperator(KubernetesPodOperator):
         """Let ``grant_role`` work on this job version (idempotent; True if newly granted)."""
         return grant_worker_role(self.postgres_conn_id, self.grant_role, str(self.job_version))
 
-    def execute(self, context: Context) -> Any:
+    def check_image(self) -> None:
+        """Whoever can trigger the DAG must not choose what runs with the worker Secret."""
         if self.image not in self.allowed_images:
-            # Whoever can trigger the DAG must not choose what runs with the worker Secret.
             raise AirflowFailException(f"image {str(self.image)[:200]!r} is not one of the DAG's allowed runner "
                                        f"images ({', '.join(self.allowed_images) or 'none'})")
+
+    def execute(self, context: Context) -> Any:
+        self.check_image()
         if self.grant_role:
             new = self.grant_job()
             self.log.info("%s job version %s to worker role %s", "granted" if new else "already granted",
