@@ -823,7 +823,8 @@ class _NightRun:
         elif status != dl.COMPLETE:
             rec.failures.append(f"the watch ended {status}: {payload.get('reason')}")
         # The pool runs every night, as the DAG's fallback task does; retried like an Airflow task.
-        tries, redriven = 0, {"stored": 0, "dead": 0, "failed_attempts": 0, "tries": 0, "errors": []}
+        tries, redriven = 0, {"stored": 0, "dead": 0, "failed_attempts": 0, "tries": 0, "errors": [],
+                              "budget_stop": False}
         give_up = self.t0 + c.deadline_s + c.late_s
         while True:
             tries += 1
@@ -832,10 +833,13 @@ class _NightRun:
                                    concurrency=c.concurrency, parallel_shards=c.parallel_shards,
                                    lease_seconds=c.lease_seconds,
                                    extra_engine_options={"backoff_base_s": 0.05, "backoff_max_s": 1.0,
-                                                         "retry_after_max_s": 3.0, "timeout_s": 5.0})
+                                                         "retry_after_max_s": 3.0, "timeout_s": 5.0},
+                                   on_page=self._budget_page)
                 for k in ("stored", "dead", "failed_attempts"):
                     redriven[k] += getattr(res, k)
                 redriven["run"] = res.to_dict()
+                # Stopped at cost.budget (on_budget: page): a paged night, left unpublished, not a crash.
+                redriven["budget_stop"], redriven["budget_page"] = res.budget_stop, res.budget_page
                 break
             except (FallbackIncomplete, psycopg.OperationalError, db.DatabaseUnavailable) as exc:
                 line = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
@@ -859,7 +863,7 @@ class _NightRun:
                     rec.published_s = self._s(row["switched_at"])
                 else:
                     rec.failures.append("validation failed: " + "; ".join(report["failures"]))
-            else:
+            elif not redriven["budget_stop"]:
                 rec.failures.append(f"not finished: {counts['outstanding']} outstanding")
 
     # -- the autopilot's part --------------------------------------------------------
