@@ -124,7 +124,9 @@ def test_on_budget_spend_redrives_everything_and_pages(conn, db_url, endpoint, c
     assert cli_bill(db_url, job, capsys)["total"] == 0.50
 
 
-def test_a_budget_already_spent_sends_nothing(conn, db_url, endpoint):
+def test_a_budget_already_spent_sends_nothing(conn, db_url, endpoint, capsys):
+    from batch_inference.cli import main
+
     job = night(conn, db_url, "page", budget=0.10)
     r = run_fallback(db_url, job, endpoint.base_url, rate=200, extra_engine_options=QUICK)
     assert (r.allowance, r.budget_stop, r.outstanding) == (0, True, 40)
@@ -132,7 +134,15 @@ def test_a_budget_already_spent_sends_nothing(conn, db_url, endpoint):
     assert endpoint.hits == []
     c = job_counts(conn, job)
     assert (c["stored"], c["shards"]["leased"], c["mode"]) == (20, 0, "fallback"), c
+    assert conn.execute("SELECT sum(claims) AS n FROM bi.shards WHERE job_version = %s AND state = 'pending'",
+                        (job,)).fetchone()["n"] == 0          # nothing claimed
     assert attempts(conn, job) == 0
+    # The CLI: one line on stderr with the page, exit 1.
+    capsys.readouterr()
+    assert main(["--db", db_url, "fallback", job, "--base-url", endpoint.base_url]) == 1
+    (line,) = capsys.readouterr().err.strip().splitlines()
+    assert line.startswith("batch-inference fallback: stopped at the budget with 40 record(s) outstanding: ")
+    assert "budget $0.10: spent $0.10 so far" in line and endpoint.hits == []
 
 
 def test_within_the_budget_nothing_is_capped_and_nothing_pages(conn, db_url, endpoint):
