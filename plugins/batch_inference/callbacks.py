@@ -103,6 +103,10 @@ def next_steps(task_id: str | None, job_version: str | None, dataset: str | None
                      f"of {dataset or 'the dataset'} that tonight's data will be late")
         steps.append("bring the fallback endpoint back (or point the spec's fallback.base_url at one that answers): "
                      "the fallback task keeps re-driving what it can and publish follows")
+    if "stops at the budget" in err:
+        steps.append("the fallback stopped at cost.budget (the arithmetic above) and the rows left stay pending: "
+                     "to publish tonight, resubmit the spec with a larger cost.budget (it is not part of the job "
+                     "version) and clear the fallback task; otherwise the readers keep the current version")
     if "digest" in err or "weights" in err:
         steps.append("the worker refused the model weights: mount the weights the spec pins "
                      "(or submit a new spec with the new digest), then clear the workers task")

@@ -260,6 +260,15 @@ def cost_report(
     )
 
 
+def rows_within(budget: Any, spent: Any, per_row: Any) -> int | None:
+    """How many more rows at ``per_row`` keep the bill at or under ``budget`` after ``spent``
+    (0 once it is spent; None: a free row, no limit). Rounded down: the safe side for a budget."""
+    b, s, p = _money(budget), _money(spent), _money(per_row)
+    if p == 0:
+        return None
+    return max(0, int(((b - s) / p).to_integral_value(rounding=ROUND_FLOOR)))
+
+
 def split_at(rows: int, completed_fraction: float | Decimal) -> tuple[int, int]:
     """(batch rows, fallback rows) for a night abandoned with this fraction done.
 

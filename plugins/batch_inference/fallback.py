@@ -42,6 +42,16 @@ are released, and :func:`run_fallback` raises
 :class:`FallbackEndpointUnavailable` with one line naming the endpoint and
 the error.
 
+The budget (``cost.budget``, ``cost.on_budget``) is checked before the pool
+starts: the bill so far (``status.bill``, what ``batch-inference cost`` says)
+plus every outstanding row at ``cost.fallback_per_row``. Over it, the pool
+pages once with that arithmetic (``on_page``) and, with ``on_budget: page``,
+sends at most the requests the rest of the budget affords, retries included,
+through one :class:`batch_inference.ratelimit.RequestAllowance` shared by its
+threads; the first request refused stops the pool as ``stop()`` does, the
+records left stay pending with no attempt spent, and the result says
+``budget_stop``. With ``on_budget: spend`` it re-drives everything.
+
 No Airflow here: the same function runs from the CLI (``batch-inference
 fallback``) and from ``FallbackPoolOperator``.
 """
@@ -52,8 +62,10 @@ import logging
 import math
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from datetime import datetime, timezone
+from decimal import Decimal
 from typing import Any
 
 import psycopg
@@ -61,12 +73,13 @@ import psycopg
 from batch_inference import db
 from batch_inference.breaker import Breaker, public_url
 from batch_inference.clearance import NotCleared, check_clearance
+from batch_inference.cost import Prices, cents, rows_within
 from batch_inference.cutoff import PAGE_RESERVE_SHARE, deadline_lost
 from batch_inference.engines.openai import STYLES
 from batch_inference.exceptions import FallbackEndpointUnavailable, FallbackIncomplete, FallbackRefused
-from batch_inference.ratelimit import TokenBucket
+from batch_inference.ratelimit import RequestAllowance, TokenBucket
 from batch_inference.spec import JobSpec
-from batch_inference.status import UnknownJob, job_counts, job_spec
+from batch_inference.status import JobCounts, UnknownJob, bill, job_counts, job_spec
 
 log = logging.getLogger("batch_inference.fallback")
 
@@ -138,6 +151,58 @@ def add_load_time(conn: psycopg.Connection, job_version: str, load_s: float | No
     return float(r["overhead_s"]) + float(r["load_s"])
 
 
+@dataclass(frozen=True)
+class BudgetCheck:
+    """``cost.budget`` against re-driving every outstanding row at the fallback's price."""
+
+    budget: Decimal
+    spent: Decimal          # the bill so far (status.bill)
+    outstanding: int
+    per_row: Decimal        # cost.fallback_per_row
+    on_budget: str          # page | spend
+
+    @property
+    def projected(self) -> Decimal:
+        return self.spent + self.outstanding * self.per_row
+
+    @property
+    def over(self) -> bool:
+        return self.projected > self.budget
+
+    @property
+    def allowance(self) -> int | None:
+        """Requests the pool may send, retries included: the rows the rest of the budget affords,
+        over the budget with ``on_budget: page``; None (no cap) otherwise."""
+        if not self.over or self.on_budget != "page":
+            return None
+        return rows_within(self.budget, self.spent, self.per_row)
+
+    def page(self, job_version: str) -> str:
+        """One line: the arithmetic, and what the pool does about it."""
+        sums = (f"budget ${cents(self.budget):,}: spent ${cents(self.spent):,} so far + {self.outstanding:,} rows "
+                f"outstanding x ${self.per_row}/row = ${cents(self.projected):,} projected")
+        if self.allowance is None:
+            return (f"the fallback of {job_version} re-drives every row past the budget (on_budget: spend): {sums}, "
+                    f"${cents(self.projected - self.budget):,} over")
+        n = self.allowance
+        return (f"the fallback of {job_version} stops at the budget (on_budget: page): {sums}; it sends at most {n:,} "
+                f"request(s), retries included (${cents(n * self.per_row):,}), and leaves at least "
+                f"{self.outstanding - n:,} row(s) pending: the job cannot be validated nor published (I3) until "
+                "cost.budget is raised (resubmit the spec) and the fallback runs again")
+
+
+def budget_check(conn: psycopg.Connection, job_version: str, spec: JobSpec,
+                 counts: JobCounts) -> BudgetCheck | None:
+    """The job's budget against its outstanding rows re-driven now; None without ``cost.budget``."""
+    if spec.cost.budget is None:
+        return None
+    prices = Prices.from_spec(spec)
+    so_far, _ = bill(conn, job_version, prices, counts)
+    return BudgetCheck(budget=Decimal(str(spec.cost.budget)), spent=so_far.total,
+                       outstanding=int(counts["outstanding"]), per_row=prices.fallback_per_row,
+                       on_budget=spec.cost.on_budget)
+
+
 # -- the pool ---------------------------------------------------------------
 
 
@@ -162,6 +227,9 @@ class FallbackResult:
     skipped: str | None = None  # why nothing was done, if nothing was
     workers: int = 0
     endpoint: str | None = None
+    budget_stop: bool = False  # the budget's allowance ran out: records left pending, the job unpublishable
+    budget_page: str | None = None  # the page sent when re-driving every row is over cost.budget
+    allowance: int | None = None  # requests the budget let the pool send (None: no cap)
 
     def to_dict(self) -> dict[str, Any]:
         out = asdict(self)
@@ -198,12 +266,14 @@ class FallbackPool:
 
     def __init__(self, db_url: str | None, job_version: str, *, options: dict[str, Any], rate: float,
                  workers: int, lease_seconds: int | None = None, poll_seconds: float = 1.0,
-                 flush_every: int = 20, flush_seconds: float = 1.0):
+                 flush_every: int = 20, flush_seconds: float = 1.0, allowance: int | None = None):
         from gpu_runner.worker import Worker, WorkerConfig  # the GPU runner imports no Airflow either
 
         self.job_version = job_version
         self.bucket = TokenBucket(rate, max(1.0, min(rate, 10.0)))  # a burst of at most ~1 s of tokens
         self.breaker = Breaker.from_options(options["base_url"], options)
+        # The budget's cap on requests, shared by every thread; spent, it stops the pool.
+        self.allowance = None if allowance is None else RequestAllowance(allowance, on_spent=self.stop)
         self.busy = _Busy()
         self.stopped = threading.Event()
         pool = self
@@ -212,10 +282,12 @@ class FallbackPool:
             def _process(self, lease):  # noqa: ANN001 - Worker's signature
                 # One bucket for the whole pool: the endpoint's limit is per
                 # account, not per thread. One breaker too: the threads share
-                # the endpoint. Both swapped in before the first request.
+                # the endpoint; and one allowance, the budget's. All swapped in
+                # before the first request.
                 if getattr(self.engine, "bucket", pool.bucket) is not pool.bucket:
                     self.engine.bucket = pool.bucket
                 self.engine.breaker = pool.breaker
+                self.engine.allowance = pool.allowance
                 pool.busy.enter()
                 try:
                     return super()._process(lease)
@@ -292,7 +364,7 @@ def run_fallback(db_url: str | None, job_version: str, base_url: str | None = No
                  hosted: bool | None = None, api_key_env: str | None = None, parallel_shards: int = 4,
                  lease_seconds: int | None = None, record_run: bool = True,
                  extra_engine_options: dict[str, Any] | None = None,
-                 pool_ready: Any = None) -> FallbackResult:
+                 pool_ready: Any = None, on_page: Callable[[str], Any] | None = None) -> FallbackResult:
     """Re-drive every outstanding record of a job through the synchronous pool.
 
     ``rate`` (requests/s, retries included) and ``concurrency`` default to the
@@ -304,6 +376,15 @@ def run_fallback(db_url: str | None, job_version: str, base_url: str | None = No
     If nothing is outstanding it returns at once and records no run.
     ``pool_ready(pool)`` is called with the pool before it starts, so a caller
     (an operator's ``on_kill``) can stop it.
+
+    With ``cost.budget`` set, the bill so far plus every outstanding row at
+    ``cost.fallback_per_row`` is checked first (:func:`budget_check`). Over it,
+    ``on_page(text)`` is called once, before the pool starts, with the page (the
+    arithmetic in one line; also ``result.budget_page``); with ``on_budget:
+    page`` the pool sends at most the requests the rest of the budget affords
+    and stops: ``result.budget_stop``, records left pending with no attempt
+    spent, so validate refuses the job (``NotReady``) and it cannot be
+    published (I3). That is a result, not an exception.
 
     Raises :class:`FallbackRefused` (one line) before any request when the
     record class is not cleared for a hosted endpoint or the configuration is
@@ -349,6 +430,9 @@ def run_fallback(db_url: str | None, job_version: str, base_url: str | None = No
             load_engine("openai", spec, opts)  # a misspelt option fails here, before the mode changes
         except (ValueError, ImportError) as exc:
             raise FallbackRefused(f"engine 'openai': {exc}") from None
+        check = budget_check(conn, job_version, spec, counts)
+        if check is not None and check.over:
+            result.budget_page, result.allowance = check.page(job_version), check.allowance
 
         if job["mode"] != "fallback":
             result.entered_fallback = enter_fallback(conn, job_version)
@@ -362,7 +446,16 @@ def run_fallback(db_url: str | None, job_version: str, base_url: str | None = No
                  counts["outstanding"], open_shards, draining, workers, per_worker, workers * per_worker,
                  rate, "hosted" if is_hosted else "in-house", public_url(url), style)
 
-    pool = FallbackPool(db_url, job_version, options=opts, rate=rate, workers=workers, lease_seconds=lease_seconds)
+    if result.budget_page is not None:
+        log.error("fallback %s: PAGE (budget): %s", job_version, result.budget_page)
+        if on_page is not None:
+            on_page(result.budget_page)
+    if result.allowance == 0:
+        # The budget is spent already: not one request. The cutoff still put the job in fallback mode.
+        result.budget_stop, result.stopped, result.outstanding = True, True, int(counts["outstanding"])
+        return result
+    pool = FallbackPool(db_url, job_version, options=opts, rate=rate, workers=workers, lease_seconds=lease_seconds,
+                        allowance=result.allowance)
     if pool_ready is not None:
         pool_ready(pool)
     t0 = time.monotonic()
@@ -379,6 +472,7 @@ def run_fallback(db_url: str | None, job_version: str, base_url: str | None = No
         after = job_counts(conn, job_version)
         job = conn.execute(db.q("cutoff_job"), {"job": job_version}).fetchone()
         result.outstanding = int(after["outstanding"])
+        result.budget_stop = pool.allowance is not None and pool.allowance.spent and result.outstanding > 0
         fired_at: datetime | None = job["fallback_at"] if job else None
         finished_at: datetime = job["db_now"] if job else None
         # The database's clock on both ends, so a skewed Airflow worker
@@ -392,8 +486,10 @@ def run_fallback(db_url: str | None, job_version: str, base_url: str | None = No
             raise FallbackEndpointUnavailable(msg)
         bad = [c for c in codes if c not in (0, 143)]
         if result.outstanding > 0 or bad:
-            msg = (f"fallback {job_version}: pool stopped with {result.outstanding} record(s) outstanding"
-                   f"{' (stopped)' if result.stopped else ''}; worker exit codes {codes}")
+            why = (f" (stopped at the budget after {pool.allowance.taken} request(s))" if result.budget_stop
+                   else " (stopped)" if result.stopped else "")
+            msg = (f"fallback {job_version}: pool stopped with {result.outstanding} record(s) outstanding{why}; "
+                   f"worker exit codes {codes}")
             log.error("%s", msg)
             if not result.stopped:
                 raise FallbackIncomplete(msg)

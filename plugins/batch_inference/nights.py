@@ -116,6 +116,8 @@ class NightsConfig:
     pilot_start_s: float = 2.0        # a worker process's start-up on two loaded cores
     pilot_cooldown_s: float = 8.0
     pilot_window_s: float = 4.0
+    budget: float | None = None       # spec.cost.budget (dollars): the autopilot and the fallback pool keep to it
+    on_budget: str = "page"           # spec.cost.on_budget: page (keep within it) | spend
 
     def __post_init__(self) -> None:
         for name, low in (("nights", 1), ("records", 10), ("shard_size", 1), ("workers", 1),
@@ -130,6 +132,10 @@ class NightsConfig:
             raise InvalidValue("nights: renew seconds must be below the lease")
         if self.autopilot not in ("off", "on", "both"):
             raise InvalidValue(f"nights: autopilot must be off, on or both, got {self.autopilot!r}")
+        if self.budget is not None and not self.budget > 0:
+            raise InvalidValue(f"nights: budget must be a positive number of dollars, got {self.budget!r}")
+        if self.on_budget not in ("page", "spend"):
+            raise InvalidValue(f"nights: on_budget must be page or spend, got {self.on_budget!r}")
         if not 0 <= self.min_workers <= self.max_workers:
             raise InvalidValue(f"nights: workers bounds {self.min_workers}..{self.max_workers} are not a range")
 
@@ -697,7 +703,8 @@ class _NightRun:
             **({"cleared_for_hosted": True, "engine": {"name": "openai-batch", "options": {
                 "base_url": self.provider.base_url, "api_key_env": HOSTED_KEY_ENV, "poll_seconds": 0.2}}}
                if self.provider is not None else {}),
-            "cost": {"gpu_hour_spot": c.gpu_hour, "min_workers": c.min_workers, "max_workers": c.max_workers},
+            "cost": {"gpu_hour_spot": c.gpu_hour, "min_workers": c.min_workers, "max_workers": c.max_workers,
+                     **({"budget": c.budget, "on_budget": c.on_budget} if c.budget is not None else {})},
             "autopilot": {"enabled": self.pilot, "margin_s": c.pilot_margin_s, "start_s": c.pilot_start_s,
                           "cooldown_s": c.pilot_cooldown_s, "window_s": c.pilot_window_s},
         })
@@ -823,7 +830,8 @@ class _NightRun:
         elif status != dl.COMPLETE:
             rec.failures.append(f"the watch ended {status}: {payload.get('reason')}")
         # The pool runs every night, as the DAG's fallback task does; retried like an Airflow task.
-        tries, redriven = 0, {"stored": 0, "dead": 0, "failed_attempts": 0, "tries": 0, "errors": []}
+        tries, redriven = 0, {"stored": 0, "dead": 0, "failed_attempts": 0, "tries": 0, "errors": [],
+                              "budget_stop": False}
         give_up = self.t0 + c.deadline_s + c.late_s
         while True:
             tries += 1
@@ -832,10 +840,13 @@ class _NightRun:
                                    concurrency=c.concurrency, parallel_shards=c.parallel_shards,
                                    lease_seconds=c.lease_seconds,
                                    extra_engine_options={"backoff_base_s": 0.05, "backoff_max_s": 1.0,
-                                                         "retry_after_max_s": 3.0, "timeout_s": 5.0})
+                                                         "retry_after_max_s": 3.0, "timeout_s": 5.0},
+                                   on_page=self._budget_page)
                 for k in ("stored", "dead", "failed_attempts"):
                     redriven[k] += getattr(res, k)
                 redriven["run"] = res.to_dict()
+                # Stopped at cost.budget (on_budget: page): a paged night, left unpublished, not a crash.
+                redriven["budget_stop"], redriven["budget_page"] = res.budget_stop, res.budget_page
                 break
             except (FallbackIncomplete, psycopg.OperationalError, db.DatabaseUnavailable) as exc:
                 line = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
@@ -859,7 +870,7 @@ class _NightRun:
                     rec.published_s = self._s(row["switched_at"])
                 else:
                     rec.failures.append("validation failed: " + "; ".join(report["failures"]))
-            else:
+            elif not redriven["budget_stop"]:
                 rec.failures.append(f"not finished: {counts['outstanding']} outstanding")
 
     # -- the autopilot's part --------------------------------------------------------
@@ -958,7 +969,9 @@ class _NightRun:
         cov = rec.coverage
         if cov.get("duplicates"):
             rec.failures.append(f"{cov['duplicates']} duplicate row(s)")
-        lost = cov.get("missing", 0) + cov.get("stored_and_dead", 0)
+        # A pool stopped at the budget leaves its records pending (neither stored nor dead) on purpose.
+        missing = 0 if rec.fallback.get("budget_stop") else cov.get("missing", 0)
+        lost = missing + cov.get("stored_and_dead", 0)
         if lost:
             rec.failures.append(f"{cov.get('missing', 0)} record(s) neither stored nor dead-lettered, "
                                 f"{cov.get('stored_and_dead', 0)} both")

@@ -1,4 +1,4 @@
-"""A token bucket for calls to rate-limited endpoints.
+"""A token bucket for calls to rate-limited endpoints, and a cap on how many calls go at all.
 
 ``rate`` tokens per second refill a bucket of ``capacity`` tokens. Acquiring
 *reserves*: the bucket may go negative and the caller sleeps exactly until its
@@ -9,6 +9,9 @@ hand; ``reserve()`` is synchronous and does no sleeping at all.
 
 Safe to share between coroutines of one loop and between threads (a lock
 guards the arithmetic; nothing awaits while holding it).
+
+``RequestAllowance`` counts requests instead of pacing them: a fixed number
+may go, then none (the fallback pool's budget).
 """
 
 from __future__ import annotations
@@ -69,3 +72,37 @@ class TokenBucket:
         if wait > 0:
             await self._sleep(wait)
         return wait
+
+
+class RequestAllowance:
+    """At most ``limit`` requests, retries included, across every thread that shares it.
+
+    ``take()`` is asked before each request is sent: True uses one up; False (the allowance is
+    spent) means the request is not sent. The first refusal calls ``on_spent()`` once, from the
+    refused caller's thread. The fallback pool's budget cap (``fallback.run_fallback``).
+    """
+
+    def __init__(self, limit: int, on_spent: Callable[[], None] | None = None):
+        if limit < 0:
+            raise InvalidValue(f"a request allowance must be >= 0, got {limit}")
+        self.limit = int(limit)
+        self.taken = 0
+        self.refused = 0
+        self._on_spent = on_spent
+        self._lock = threading.Lock()
+
+    def take(self) -> bool:
+        with self._lock:
+            if self.taken < self.limit:
+                self.taken += 1
+                return True
+            self.refused += 1
+            first = self.refused == 1
+        if first and self._on_spent is not None:
+            self._on_spent()
+        return False
+
+    @property
+    def spent(self) -> bool:
+        """A request was refused: the cap, not the work, ended the run."""
+        return self.refused > 0

@@ -345,9 +345,11 @@ class Cost(_Strict):
     min_workers: int = Field(default=1, ge=0, le=10_000, description="the autopilot never runs fewer batch workers")
     max_workers: int = Field(default=8, ge=1, le=10_000, description="the autopilot never runs more batch workers")
     budget: float | None = Field(default=None, gt=0, le=1_000_000_000, description="dollars: no option whose "
-                                 "projected bill is over it is chosen (batch_inference.autopilot)")
+                                 "projected bill is over it is chosen (batch_inference.autopilot), and the "
+                                 "fallback pool checks it before it spends (batch_inference.fallback)")
     on_budget: Literal["page", "spend"] = Field(default="page", description="when meeting the deadline would "
-                                                "exceed the budget: page and keep within it, or spend and page")
+                                                "exceed the budget: page and keep within it (the fallback pool "
+                                                "stops at it), or spend and page")
 
     @model_validator(mode="after")
     def _worker_bounds(self) -> "Cost":

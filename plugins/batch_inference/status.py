@@ -11,6 +11,8 @@ from typing import Any, TypedDict
 
 import psycopg
 
+from batch_inference.autopilot import gpu_hours
+from batch_inference.cost import CostReport, Prices, job_bill
 from batch_inference.db import q
 from batch_inference.exceptions import UnknownJob
 from batch_inference.spec import JobSpec
@@ -55,6 +57,17 @@ def counts_from_row(job_version: str, row: dict[str, Any] | None) -> JobCounts:
 
 def job_counts(conn: psycopg.Connection, job_version: str) -> JobCounts:
     return counts_from_row(job_version, conn.execute(q("job_counts"), {"job": job_version}).fetchone())
+
+
+def bill(conn: psycopg.Connection, job_version: str, prices: Prices | None = None,
+         counts: JobCounts | None = None) -> tuple[CostReport, CostReport]:
+    """The job's bill so far by transport, and if the fallback fired now (``cost.job_bill`` over the
+    ledger: the counts, the hosted batches' reported usage, the launchers' GPU-hours). Prices default
+    to the job's spec. What ``batch-inference cost``, the dashboard and the fallback's budget read."""
+    counts = job_counts(conn, job_version) if counts is None else counts
+    prices = Prices.from_spec(job_spec(conn, job_version)) if prices is None else prices
+    hosted = conn.execute(q("hosted_cost_rows"), {"job": job_version}).fetchone()
+    return job_bill(counts, prices, hosted, gpu_hours=gpu_hours(conn, job_version))
 
 
 def job_halt(conn: psycopg.Connection, job_version: str) -> dict[str, Any]:

@@ -211,3 +211,27 @@ def test_the_autopilot_meets_a_slowed_night_for_less_than_the_fixed_fleet():
     assert on.pilot["largest"] > 2 and on.gpu_hours > off.gpu_hours
     for n in (off, on):
         assert (n.coverage["duplicates"], n.coverage["missing"], n.healthy_dead) == (0, 0, 0)
+
+
+@pytest.mark.chaos
+def test_a_night_whose_fallback_is_over_the_budget_stops_at_it_and_pages():
+    """Seed 15 with the fixed fleet: the cutoff hands the pool about 400 rows ($0.00725 each), far more
+    than a $1.00 budget affords after the GPU time spent. With on_budget page the pool sends what the
+    rest affords and stops (2026-12-05: budget $1.00, spent $0.12, 415 rows outstanding = $3.13
+    projected; 120 requests, 120 rows re-driven, 259 left pending, bill $1.00): a paged night left
+    unpublished, not a crash and not a loss."""
+    report = run_nights(NightsConfig(night=15, autopilot="off", budget=1.0, hosted_nights=0))
+    print(report.table())
+    (night,) = report.nights
+    assert night.verdict == "paged" and report.passed, report.table()
+    run = night.fallback["run"]
+    assert night.fallback["budget_stop"] and run["budget_stop"] and run["allowance"] > 0
+    assert night.page == night.fallback["budget_page"] and "stops at the budget (on_budget: page): budget $1.00: " \
+        "spent $" in night.page and " rows outstanding x $0.00725/row = $" in night.page, night.page
+    assert night.page_s < night.deadline_s and night.published_s is None
+    # No more requests than the allowance reached the endpoint; only what they stored is billed.
+    assert sum(night.endpoint.values()) <= run["allowance"]
+    assert night.rows["fallback"] == run["stored"] <= run["allowance"]
+    assert night.bill["fallback_cost"] <= 1.0 - float(night.page.split("spent $")[1].split(" ")[0])
+    assert (night.coverage["duplicates"], night.coverage["stored_and_dead"], night.healthy_dead) == (0, 0, 0)
+    assert night.coverage["missing"] == run["outstanding"] > 0      # pending, for a larger budget's re-run

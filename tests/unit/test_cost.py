@@ -19,8 +19,10 @@ from batch_inference.cost import (
     fallback_table,
     month_view,
     night_cost,
+    rows_within,
     split_at,
 )
+from batch_inference.ratelimit import RequestAllowance
 
 ROWS = 300_000
 
@@ -171,3 +173,44 @@ def test_cli_errors(capsys):
     assert rc == 2
     rc, out = _run(["cost", "--rows", "10", "--batch-price", "cheap"], capsys)
     assert rc == 2 and "price" in out.err
+
+
+# -- the budget's allowance (the fallback pool's cap) ---------------------------------
+
+
+@settings(max_examples=200, deadline=None)
+@given(budget=st.decimals(min_value=0, max_value=10_000, places=2),
+       spent=st.decimals(min_value=0, max_value=10_000, places=2),
+       per_row=st.decimals(min_value=Decimal("0.00001"), max_value=10, places=5))
+def test_rows_within_is_the_most_rows_that_keep_within_the_budget(budget, spent, per_row):
+    n = rows_within(budget, spent, per_row)
+    assert n >= 0
+    if spent <= budget:
+        assert spent + n * per_row <= budget < spent + (n + 1) * per_row
+    else:
+        assert n == 0
+
+
+def test_rows_within_a_free_row_is_no_limit():
+    assert rows_within("1", "0.5", 0) is None
+    assert rows_within("0.30", "0.10", "0.01") == 20
+
+
+def test_the_allowance_lets_exactly_its_limit_through_across_threads_and_calls_on_spent_once():
+    import threading
+
+    spent: list[int] = []
+    allowance = RequestAllowance(250, on_spent=lambda: spent.append(1))
+    took: list[int] = []
+
+    def take() -> None:
+        took.append(sum(allowance.take() for _ in range(100)))
+
+    threads = [threading.Thread(target=take) for _ in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert sum(took) == allowance.taken == 250 and allowance.refused == 550
+    assert spent == [1] and allowance.spent
+    assert not RequestAllowance(3).spent

@@ -20,7 +20,6 @@ from batch_inference.cost import (
     cents,
     cost_report,
     fallback_table,
-    job_bill,
     month_view,
 )
 
@@ -60,22 +59,18 @@ def _prices(args: argparse.Namespace, base: Prices = DEFAULT_PRICES) -> Prices:
 
 def _job(args: argparse.Namespace) -> dict[str, Any]:
     from batch_inference import db, status  # lazily: the calculator forms need no database
-    from batch_inference.autopilot import gpu_hours
 
     conn = db.connect(getattr(args, "db", None))
     try:
         counts = status.job_counts(conn, args.job_version)
-        spec = status.job_spec(conn, args.job_version)
-        hosted = conn.execute(db.q("hosted_cost_rows"), {"job": args.job_version}).fetchone()
-        gpu_h = gpu_hours(conn, args.job_version)
+        prices = _prices(args, Prices.from_spec(status.job_spec(conn, args.job_version)))
+        so_far, fired = status.bill(conn, args.job_version, prices, counts)
     finally:
         close = getattr(conn, "close", None)
         if close:
             close()
-    prices = _prices(args, Prices.from_spec(spec))
     records = int(counts["records"])
     outstanding = int(counts["outstanding"])
-    so_far, fired = job_bill(counts, prices, hosted, gpu_hours=gpu_h)
     return {
         "job_version": args.job_version,
         "records": records,

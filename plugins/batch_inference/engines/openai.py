@@ -49,7 +49,8 @@ thread and yields outcomes as they complete. ``agenerate()`` is the same as
 an async iterator, for callers that have a loop (the fallback pool).
 After ``stop`` is set no new request is sent: requests on the wire finish
 and are yielded; records not started, and those waiting to retry, get no
-outcome.
+outcome. The same holds for a record whose request, first or retry, finds
+the engine's ``allowance`` (a ``ratelimit.RequestAllowance``) spent.
 """
 
 from __future__ import annotations
@@ -216,6 +217,9 @@ class OpenAIEngine(Engine):
         self.bucket = TokenBucket(float(self.rate_limit), self.rate_burst) if self.rate_limit else None
         # One breaker per endpoint; the fallback pool swaps in one for all its threads.
         self.breaker = Breaker.from_options(self.base_url, self.options)
+        # How many requests may go at all (ratelimit.RequestAllowance); None: no cap. The fallback
+        # pool swaps in one for all its threads when the budget affords fewer rows than are left.
+        self.allowance: Any = None
 
     def result_default(self, key: str) -> Any:
         return self.spec.model.name if key == "model" else None
@@ -278,6 +282,8 @@ class OpenAIEngine(Engine):
             if attempt == 0 and stop is not None and stop.is_set():
                 return None
             self.breaker.check()
+            if self.allowance is not None and not self.allowance.take():
+                return None   # the allowance is spent: not sent, no attempt counted (as after stop)
             try:
                 outcome = await self._attempt(client, req)
             except _Retryable as exc:

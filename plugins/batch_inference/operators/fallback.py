@@ -15,6 +15,13 @@ the nights' one message), and keeps re-driving what it can every
 ``retry_wait_s`` until nothing is outstanding or ``give_up_after_s`` past the
 deadline. Without a deadline a failing endpoint fails the try, for Airflow's
 retry.
+
+When re-driving every outstanding row would take the bill past the spec's
+``cost.budget``, the pool's page (the arithmetic in one line) goes to on-call
+once, kind ``over the budget``, before the pool starts. With ``on_budget:
+spend`` the task goes on and succeeds; with ``on_budget: page`` the pool stops
+at the budget and the task fails without a retry: the records left are pending,
+the job cannot be published, and a retry would find the budget spent.
 """
 
 from __future__ import annotations
@@ -106,6 +113,13 @@ class FallbackPoolOperator(BaseOperator):
 
         deadline = parse_iso(str(self.deadline)) if self.deadline not in (None, "", "None") else None
         paged = False
+        budget_paged: list[str] = []
+
+        def page_budget(text: str) -> None:
+            if not budget_paged:          # once per try, however often the endpoint makes it re-drive
+                budget_paged.append(text)
+                self._page_budget(context, text)
+
         while True:
             if self._killed:
                 raise AirflowException("fallback pool stopped from outside (the task was marked failed, cleared or "
@@ -115,7 +129,8 @@ class FallbackPoolOperator(BaseOperator):
                     ledger_conninfo(self.postgres_conn_id), self.job_version, self.base_url or None, rate=self.rate,
                     concurrency=self.concurrency, model=self.model or None, style=self.style or None,
                     hosted=self.hosted, api_key_env=self.api_key_env, parallel_shards=self.parallel_shards,
-                    record_run=self.record_run, extra_engine_options=self.engine_options, pool_ready=keep)
+                    record_run=self.record_run, extra_engine_options=self.engine_options, pool_ready=keep,
+                    on_page=page_budget)
                 break
             except (FallbackRefused, UnknownJob) as exc:
                 raise AirflowFailException(str(exc)) from None  # configuration: retrying cannot help
@@ -131,9 +146,18 @@ class FallbackPoolOperator(BaseOperator):
             raise AirflowException(f"fallback pool stopped from outside (the task was marked failed, cleared or "
                                    f"timed out) with {result.outstanding} record(s) outstanding; its shards "
                                    "were released")
+        if result.budget_stop:
+            raise AirflowFailException(f"fallback stopped at the budget with {result.outstanding} record(s) "
+                                       f"outstanding, the job cannot be published: {result.budget_page}")
         if result.stopped and result.outstanding:
             raise AirflowException(f"fallback pool stopped with {result.outstanding} record(s) outstanding")
         return result.to_dict()
+
+    def _page_budget(self, context: Any, text: str) -> None:
+        """The pool's budget page to on-call, with the same delivery as a failed task's."""
+        from batch_inference.callbacks import deliver, task_message
+
+        deliver(task_message(context, self.postgres_conn_id, self.job_version, text, kind="over the budget"))
 
     def _wait_for_endpoint(self, context: Any, deadline: datetime, error: str, paged: bool) -> bool:
         """Wait ``retry_wait_s`` for the next re-drive, paging on-call (once, before the deadline) the moment

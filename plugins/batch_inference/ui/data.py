@@ -27,8 +27,7 @@ import psycopg
 from psycopg import sql
 
 from batch_inference import cutoff, db
-from batch_inference.autopilot import gpu_hours
-from batch_inference.cost import Prices, job_bill
+from batch_inference.cost import Prices
 from batch_inference.db import q
 from batch_inference.publish import publish_history, rejections
 from batch_inference.drift import category_counts as drift_counts
@@ -36,7 +35,7 @@ from batch_inference.drift import compare, over_gate
 from batch_inference.evaluation import review_rows, review_state
 from batch_inference.plan import redrives
 from batch_inference.spec import Fallback, Validation
-from batch_inference.status import UnknownJob, job_counts
+from batch_inference.status import UnknownJob, bill, job_counts
 
 UTC = timezone.utc
 
@@ -371,15 +370,13 @@ def review(conn: psycopg.Connection, job_version: str, role: str | None = None,
 def cost(conn: psycopg.Connection, job_version: str) -> dict[str, Any]:
     """The bill so far by transport, and what it would be if the fallback fired now.
 
-    The same arithmetic as ``batch-inference cost JOB_VERSION`` (``cost.job_bill``),
+    The same reader as ``batch-inference cost JOB_VERSION`` (``status.bill``),
     hosted batch rows in their own column.
     """
     row = _job_row(conn, job_version)
     counts = job_counts(conn, job_version)
-    prices = Prices.from_spec(row["spec"] or {})
     outstanding = int(counts["outstanding"])
-    so_far, fired = job_bill(counts, prices, conn.execute(q("hosted_cost_rows"), {"job": job_version}).fetchone(),
-                             gpu_hours=gpu_hours(conn, job_version))
+    so_far, fired = bill(conn, job_version, Prices.from_spec(row["spec"] or {}), counts)
     return {
         "job_version": job_version,
         "so_far": so_far.to_dict(),
