@@ -181,7 +181,10 @@ class Worker:
         a stalled worker waking into one, can break the new connection too.
         Every ledger write is safe to repeat: results are put-if-absent, and a
         failed-attempt count carries the attempt number it records, which the
-        ledger counts once. Still failing: DatabaseUnavailable."""
+        ledger counts once. Still failing: DatabaseUnavailable. From the second
+        loss on it backs off first (``db.backoff``): through PgBouncer the
+        reconnect succeeds at once while the server behind it is still down
+        ("server login has been failing"), and only time helps."""
         for attempt in range(self.cfg.db_retries + 1):
             try:
                 return fn(*args)
@@ -191,6 +194,8 @@ class Worker:
                     raise DatabaseUnavailable(f"database connection lost {attempt + 1} times in a row: "
                                                  f"{reason}") from None
                 log.warning("database connection lost (%s); reconnecting", reason)
+                if attempt > 0:
+                    self.stop.wait(db.backoff(attempt))
             old = self.conn
             try:
                 if self.conn is not None:

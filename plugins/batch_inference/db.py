@@ -133,6 +133,13 @@ def first_line(exc: BaseException) -> str:
 PREPARE_THRESHOLD: int | None = None
 
 
+def backoff(attempt: int, base: float = 1.0) -> float:
+    """Seconds to wait before retry ``attempt`` (1, 2, ...) on a lost database: doubling from ``base``
+    up to 10 s, jittered, so clients cut off by the same restart come back spread over the interval
+    instead of all at once."""
+    return min(base * 2 ** (attempt - 1), 10.0) * random.uniform(0.5, 1.0)
+
+
 def connect(url: str | None = None, *, autocommit: bool = True, retries: int = 0,
             retry_wait: float = 1.0, application_name: str = "batch-inference",
             connection_class: type[psycopg.Connection] = psycopg.Connection) -> psycopg.Connection:
@@ -154,9 +161,7 @@ def connect(url: str | None = None, *, autocommit: bool = True, retries: int = 0
             if attempt > retries:
                 raise DatabaseUnavailable(f"database unreachable after {attempt} attempt(s): "
                                           f"{scrub(first_line(exc), dsn)}") from None
-            # Jittered: clients cut off by the same restart come back spread
-            # over the interval instead of all at once.
-            wait = min(retry_wait * 2 ** (attempt - 1), 10.0) * random.uniform(0.5, 1.0)
+            wait = backoff(attempt, retry_wait)
             log.warning("database unreachable (%s); retry %d/%d in %.1fs", exc.__class__.__name__,
                         attempt, retries, wait)
             time.sleep(wait)
