@@ -175,6 +175,13 @@ class CostReport:
         return self.total - self.clean_batch_floor
 
     @property
+    def overage_text(self) -> str:
+        """The overage in words: "+$X over a clean batch night", or "$X under" it (GPU-hour prices can make
+        our own rows cheaper than the batch price the floor is taken at)."""
+        o = cents(self.overage)
+        return f"+${o:,} over a clean batch night" if o >= 0 else f"${-o:,} under a clean batch night"
+
+    @property
     def savings(self) -> Decimal:
         """What batch still saved against sending everything synchronously."""
         return self.all_synchronous_ceiling - self.total

@@ -259,7 +259,7 @@ class EarlyWarning:
             f"batch projected to finish {self.projected_finish:%H:%M}, after the cutoff, "
             f"which is projected to fire at {self.fire_at:%H:%M} (cutoff now {self.cutoff_now:%H:%M}); "
             f"expect the fallback to re-drive about {self.fallback_rows:,} rows, "
-            f"night ${cents(c.total):,} (+${cents(c.overage):,} over a clean batch night, "
+            f"night ${cents(c.total):,} ({c.overage_text}, "
             f"ceiling ${cents(c.all_synchronous_ceiling):,})"
         )
 

@@ -214,3 +214,11 @@ def test_the_allowance_lets_exactly_its_limit_through_across_threads_and_calls_o
     assert sum(took) == allowance.taken == 250 and allowance.refused == 550
     assert spent == [1] and allowance.spent
     assert not RequestAllowance(3).spent
+
+
+def test_the_overage_says_over_or_under_a_clean_batch_night():
+    assert cost_report(270_000, 30_000).overage_text == "+$108.75 over a clean batch night"
+    # GPU-hour prices bill our own rows by the hour: cheap hours put the night under the batch-price floor.
+    cheap = Prices(gpu_hour=Decimal("3.50"))
+    r = cost_report(1_000, 0, cheap, gpu_hours=Decimal("0.1"))
+    assert r.total == Decimal("0.35") and r.overage_text == "$3.28 under a clean batch night"
