@@ -207,6 +207,7 @@ class CostReport:
             "clean_batch_floor": float(cents(self.clean_batch_floor)),
             "all_synchronous_ceiling": float(cents(self.all_synchronous_ceiling)),
             "overage": float(cents(self.overage)),
+            "overage_text": self.overage_text,
             "savings_vs_all_synchronous": float(cents(self.savings)),
             "prices": self.prices.to_dict(),
         }

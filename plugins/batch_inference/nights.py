@@ -973,7 +973,7 @@ class _NightRun:
         missing = 0 if rec.fallback.get("budget_stop") else cov.get("missing", 0)
         lost = missing + cov.get("stored_and_dead", 0)
         if lost:
-            rec.failures.append(f"{cov.get('missing', 0)} record(s) neither stored nor dead-lettered, "
+            rec.failures.append(f"{missing} record(s) neither stored nor dead-lettered, "
                                 f"{cov.get('stored_and_dead', 0)} both")
         if rec.healthy_dead:
             why = Counter(d["reason"][:60] for d in rec.dead_letters if d["stage"] != "plan")

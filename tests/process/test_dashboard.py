@@ -275,6 +275,13 @@ def test_job_page_numbers_are_the_ledgers_and_the_chart_has_the_cutoff(open_serv
     assert page.locator("svg#drift-chart .drift-row").count() == 3
     assert "schema" in page.text_content("#dead-reasons")
     assert _num(page.text_content("#cost-batch td:nth-child(2)")) == c["stored_batch"]
+    # The seeded night has rows outstanding: the panel says what firing now would cost, in the API's words.
+    from batch_inference.ui.data import cost as cost_view
+
+    with db.connect(url) as conn:
+        fired = cost_view(conn, job)["if_fallback_now"]
+    assert c["outstanding"] > 0
+    assert f"If the fallback fired now: ${fired['total']:,.2f} ({fired['overage_text']})." in page.text_content("body")
 
     ARTIFACTS.mkdir(exist_ok=True)
     page.screenshot(path=str(ARTIFACTS / "dashboard.png"), full_page=True)

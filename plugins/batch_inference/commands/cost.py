@@ -99,8 +99,7 @@ def run(args: argparse.Namespace) -> int:
                     if s["prices"]["gpu_hour"] is not None else ""
                 print(f"so far: batch {s['batch_rows']:,} rows ${s['batch_cost']:,.2f}, {gpu}{hosted}"
                       f"fallback {s['fallback_rows']:,} rows ${s['fallback_cost']:,.2f}, total ${s['total']:,.2f}")
-                over = (f"+${f['overage']:,.2f} over" if f["overage"] >= 0 else f"${-f['overage']:,.2f} under")
-                print(f"if the fallback fired now: ${f['total']:,.2f} ({over} a clean batch night, "
+                print(f"if the fallback fired now: ${f['total']:,.2f} ({f['overage_text']}, "
                       f"ceiling ${f['all_synchronous_ceiling']:,.2f})")
             return 0
 

@@ -374,7 +374,7 @@
           h("tr", { id: "cost-total" }, h("td", {}, h("b", {}, "total so far")), h("td", { class: "num" }, fmtInt(so.batch_rows + so.hosted_rows + so.fallback_rows)), h("td", { class: "num" }, h("b", {}, fmtUsd(so.total)))))),
       h("p", { class: "muted" },
         `Tonight's ${fmtInt(so.total_rows)} billable rows: ${fmtUsd(so.clean_batch_floor)} if all on batch, ${fmtUsd(so.all_synchronous_ceiling)} if all synchronous (the ceiling). `,
-        c.outstanding > 0 ? `If the fallback fired now: ${fmtUsd(fired.total)} (${fired.overage >= 0 ? `+${fmtUsd(fired.overage)} over` : `${fmtUsd(-fired.overage)} under`} a clean batch night).` : "",
+        c.outstanding > 0 ? `If the fallback fired now: ${fmtUsd(fired.total)} (${fired.overage_text}).` : "",
         c.reused ? ` ${fmtInt(c.reused)} reused rows were paid for by an earlier version.` : ""));
   }
 
