@@ -211,6 +211,7 @@ class FakeCoreV1Api:
     def __init__(self) -> None:
         self.pods: dict[str, dict[str, Any]] = {}
         self.calls: list[tuple[str, str, Any]] = []
+        self.lists = 0
 
     def create_namespaced_pod(self, namespace: str, body: dict[str, Any], **kw: Any) -> Any:
         import kubernetes_validate
@@ -227,6 +228,7 @@ class FakeCoreV1Api:
         self.calls.append(("delete", name, grace_period_seconds))
 
     def list_namespaced_pod(self, namespace: str, label_selector: str = "", **kw: Any) -> Any:
+        self.lists += 1
         want = dict(kv.split("=", 1) for kv in label_selector.split(",") if kv)
         items = [self._pod(n) for n, p in self.pods.items()
                  if all(p["metadata"].get("labels", {}).get(k) == v for k, v in want.items())]
@@ -372,3 +374,36 @@ def test_the_gpu_launcher_replaces_preempted_pods_and_fails_on_a_halting_exit_or
     api2.end(pod_name(job2, 0), "Failed", exit_code=3)
     with pytest.raises(AirflowFailException, match="exit 3: the model weights do not match the digest"):
         op.check_failures(l2)
+
+
+def test_a_reconcile_pass_lists_the_pods_once_and_again_only_after_adding_or_removing_one(conn, monkeypatch):
+    pytest.importorskip("kubernetes_validate")
+    from airflow.sdk import DAG
+
+    from batch_inference.operators.gpu_autopilot import GpuAutopilotOperator, pod_name
+
+    job = new_job(conn, 40, dataset="tickets_one_pass", cost={"min_workers": 1, "max_workers": 4})
+    api = FakeCoreV1Api()
+    with DAG("gpu_one_pass_test", schedule=None):
+        op = GpuAutopilotOperator(task_id="gpu_autopilot", job_version=job, workers=2,
+                                  pod_kwargs={"grace_seconds": 90, "grace_margin_seconds": 15})
+    monkeypatch.setattr(op, "hook", lambda: SimpleNamespace(core_v1_client=api))
+    launcher = op.launcher(job)
+
+    def one_pass() -> int:
+        """A pass as the operator runs it; returns how many times it listed the pods."""
+        before = api.lists
+        with launcher.one_pass():
+            op.check_failures(launcher)
+            autopilot.reconcile(conn, job, "k8s", launcher.running, launcher.scale, 2, (1, 4))
+        return api.lists - before
+
+    assert one_pass() == 2 and launcher.running() == 2       # none -> two: listed, then again after adding
+    assert one_pass() == 1                                   # nothing to change
+    api.end(pod_name(job, 0), "Failed", exit_code=143)       # preempted: replaced in the next pass
+    assert one_pass() == 2 and pod_name(job, 2) in api.pods
+    set_desired(conn, job, 1, 2)
+    assert one_pass() == 2 and launcher.running() == 1       # removed: listed again to record what runs
+    # Outside a pass nothing is kept: a pod ended since is seen at once.
+    api.end(pod_name(job, 1), "Failed", exit_code=143)
+    assert launcher.running() == 0

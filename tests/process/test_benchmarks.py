@@ -163,6 +163,13 @@ def test_benchmark_prints_one_json_line_of_the_documented_shape(name):
     assert isinstance(out["met"], bool)
     assert out["machine"]["cpus"] >= 1
     globals()[f"check_{name}"](out)
+    # benchmarks.compare finds every headline figure in the line (the quick vLLM run has no prefix arms).
+    sys.path.insert(0, str(REPO))
+    from benchmarks import compare
+
+    figures = dict(compare.headlines(name, out))
+    assert figures and not [f for f, v in figures.items() if v is None and not f.startswith("prefix")], figures
+    assert f"| {name} |" in compare.table({name: out}, {name: out})
 
 
 def test_a_failing_benchmark_is_reported_and_the_run_goes_on():

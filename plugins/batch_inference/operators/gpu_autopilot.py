@@ -25,7 +25,8 @@ With the spec's autopilot off the size is ``workers`` throughout.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -82,14 +83,31 @@ class GpuPodLauncher:
         self.hook, self.namespace, self.job_version = hook, namespace, job_version
         self.build, self.grace_seconds, self.log = build, grace_seconds, log
         self.container = container  # the worker's container (KubernetesPodOperator's base container)
+        self._pass: list[Any] | None = None   # the pods listed in this pass (``one_pass``)
+        self._in_pass = False
 
     @property
     def selector(self) -> str:
         return f"{JOB_LABEL}={self.job_version},{AUTOPILOT_LABEL}=true"
 
+    @contextmanager
+    def one_pass(self) -> Iterator[None]:
+        """One reconcile pass: the pods are listed once, and again only after ``scale`` added or
+        removed one. Outside a pass every call lists them."""
+        self._in_pass, self._pass = True, None
+        try:
+            yield
+        finally:
+            self._in_pass, self._pass = False, None
+
     def pods(self) -> list[Any]:
-        return list(self.hook.core_v1_client.list_namespaced_pod(namespace=self.namespace,
-                                                                 label_selector=self.selector).items)
+        if self._pass is not None:
+            return self._pass
+        listed = list(self.hook.core_v1_client.list_namespaced_pod(namespace=self.namespace,
+                                                                   label_selector=self.selector).items)
+        if self._in_pass:
+            self._pass = listed
+        return listed
 
     def live(self) -> list[Any]:
         """Pods neither ended nor being deleted, by slot."""
@@ -134,6 +152,8 @@ class GpuPodLauncher:
             n = len(live)
         # Every listed pod keeps its name (an ended or terminating pod still exists): new slots avoid them.
         taken = {int(p.metadata.labels.get(SLOT_LABEL, -1)) for p in self.pods()}
+        if n != len(live):
+            self._pass = None   # what was listed no longer holds once a pod is added or removed
         slot = 0
         for _ in range(n - len(live)):
             while slot in taken:
@@ -226,8 +246,8 @@ class GpuAutopilotOperator(BaseOperator):
             grant_worker_role(self.postgres_conn_id, role, job_version)
         name, largest, passes = f"k8s:{self.namespace}", 0, 0
         while True:
-            self.check_failures(launcher)
-            with db.connect(conninfo) as conn:
+            with launcher.one_pass(), db.connect(conninfo) as conn:
+                self.check_failures(launcher)
                 counts = job_counts(conn, job_version)
                 if counts["outstanding"] == 0 or counts["mode"] != "batch":
                     autopilot.observe(conn, job_version, name, launcher.running())
