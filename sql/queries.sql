@@ -89,6 +89,7 @@ SELECT job_version FROM bi.jobs
  ORDER BY (status = 'published') DESC, created_at DESC LIMIT 1;
 
 -- name: repeatable_read  one snapshot of the database for the whole transaction (a submit reads its source twice: scan, then load)
+-- MySQL / MariaDB take the same statement for the next transaction (sources.sql, source_mysql_snapshot starts it).
 SET TRANSACTION ISOLATION LEVEL REPEATABLE READ;
 
 -- name: read_only_transaction  the rest of this (sub)transaction may not write (a source.query's fill)

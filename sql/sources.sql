@@ -15,9 +15,6 @@ SELECT * FROM ({statement}) bi_check WHERE 1 = 0
 -- name: source_as_of_bigquery  a BigQuery table as it was at a time (time travel)
 {table} FOR SYSTEM_TIME AS OF TIMESTAMP {ts}
 
--- name: source_mysql_repeatable_read  MySQL / MariaDB: the next transaction reads one snapshot
-SET TRANSACTION ISOLATION LEVEL REPEATABLE READ
-
 -- name: source_mysql_snapshot  MySQL / MariaDB: start it now, consistent and read-only
 START TRANSACTION WITH CONSISTENT SNAPSHOT, READ ONLY
 

@@ -285,7 +285,7 @@ class SqlSource(Reader):
             return conn.cursor()
         if dialect in ("mysql", "mariadb"):
             cur = conn.cursor()
-            cur.execute(q("source_mysql_repeatable_read"))
+            cur.execute(q("repeatable_read"))
             cur.execute(q("source_mysql_snapshot"))
             if stream and module.startswith("MySQLdb"):
                 import MySQLdb.cursors
