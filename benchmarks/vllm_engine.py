@@ -217,7 +217,7 @@ def arm_worker(records: int, max_tokens: int, shard_size: int = 100_000, overlap
         ended = time.perf_counter()
         # The clock stops where bare's does: its last shard complete and its last claim answered, before
         # the engine's teardown (bare's LLM is never shut down inside its clock either).
-        done = closing[0] if closing else ended
+        done = closing[-1] if closing else ended
         shards = conn.execute("SELECT count(*) AS n FROM bi.shards WHERE job_version = %s", (job,)).fetchone()["n"]
         assert rc == 0, rc
         outputs: dict[str, str | None] = {r["record_id"]: json.dumps(r["output"], sort_keys=True) for r in conn.execute(
