@@ -1,10 +1,10 @@
 #!/usr/bin/env bash
 # The test suite on a fresh machine: builds .venv, then runs pytest against the
-# embedded PostgreSQL and the real CPU model, on three pytest-xdist workers (on
-# two cores: most tests wait on servers, workers and deadlines, and two workers
-# kept the cores busy less than half the time): the tests of a file run on one
-# worker, so a module's servers start once (the live Airflow deployment and the
-# loaded vLLM each serve one file). Extra
+# embedded PostgreSQL and the real CPU model, on three pytest-xdist workers
+# (more than the two cores: most tests wait on servers, workers and deadlines;
+# docs/facts.md has the timings): the tests of a file run on one worker, so a
+# module's servers start once (the live Airflow deployment and the loaded vLLM
+# each serve one file). Extra
 # arguments go to pytest after these, so `-n 0` runs in one process.
 BI_EXTRA=dev source "$(dirname "$0")/_venv.sh"
 if [ ! -x /usr/bin/chromium ] && command -v apt-get >/dev/null && [ "$(id -u)" = 0 ]; then
