@@ -1,0 +1,3 @@
+-- Embedding jobs (batch_inference.embed, sql/schema/embed.sql).
+-- Not a migration: named statements loaded by batch_inference.db.queries();
+-- every name starts with embed_.

@@ -1,0 +1,3 @@
+-- The model ladder and the preview (batch_inference.ladder, batch_inference.estimate).
+-- Not a migration: named statements loaded by batch_inference.db.queries();
+-- every name starts with ladder_ or estimate_.
