@@ -25,8 +25,12 @@ went stale, or it drains) has its queued records aborted in the engine
 one writes what it had and is released; the others go on. A shard whose
 records are all answered is written, and its failures retried after the
 backoff, or it is completed. When the engine raises, every held shard is
-given back (``Worker._give_back``). The feed runs in the worker's thread
-(the engine calls it between steps), on the worker's connection.
+given back (``ShardHost.give_back``). The feed runs in the worker's thread
+(the engine calls it between steps), on the worker's connection; between
+steps it also writes each shard's finished outcomes once they are
+``flush_seconds`` old, so results reach the ledger as records finish, not
+when a shard ends. The stream talks to the worker only through
+``gpu_runner.shard.ShardHost``.
 """
 
 from __future__ import annotations
@@ -36,17 +40,13 @@ import threading
 import time
 from collections import deque
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 import psycopg
 
-from batch_inference.engines.base import Request, build_request
+from batch_inference.engines.base import Request
 from batch_inference.exceptions import DatabaseUnavailable
 from batch_inference.ledger import Lease, StaleLease
-from gpu_runner.shard import Shard
-
-if TYPE_CHECKING:
-    from gpu_runner.worker import Worker
+from gpu_runner.shard import Shard, ShardHost
 
 log = logging.getLogger("batch_inference.worker")
 
@@ -73,11 +73,12 @@ class _Queue:
 class ShardStream:
     """The feed (``engines.base.Feed``) and the consumer of one ``Engine.stream`` call."""
 
-    def __init__(self, worker: "Worker", first: Lease):
-        assert worker.engine is not None and worker.spec is not None
-        self.w = worker
-        self.depth = worker.engine.queue_depth()
-        self.lease_s = worker.cfg.lease_seconds or worker.spec.lease_seconds
+    def __init__(self, host: ShardHost, first: Lease):
+        assert host.engine is not None and host.spec is not None
+        self.w = host
+        self.engine, self.spec = host.engine, host.spec
+        self.depth = self.engine.queue_depth()
+        self.lease_s, self.flush_every, self.flush_seconds = host.settings()
         self.active: dict[int, tuple[Shard, _Queue]] = {}   # by shard number, in claim order
         self.owner: dict[str, tuple[Shard, _Queue]] = {}    # record id -> its shard
         self.cancel: list[str] = []
@@ -94,16 +95,13 @@ class ShardStream:
         self.view = tuple(s for s, _ in self.active.values()) + ((self.parked,) if self.parked else ())
 
     def _add(self, lease: Lease) -> None:
-        shard = Shard(lease)
-        self.w._hold(shard)
+        shard, texts = self.w.open_shard(lease)
         if lease.careful:
             log.info("%s: shard %d lost its lease before: parked until the held shards are done", self.w.owner,
                      lease.shard_no)
             self.parked, self.claiming = shard, False
             self._set_view()
             return
-        self.w.engine.begin_shard(self.w.ledger, lease, shard.drain)
-        texts, _ = self.w._read(shard)
         queue = _Queue(texts, deque(texts))
         self.active[lease.shard_no] = (shard, queue)
         for rid in texts:
@@ -130,15 +128,13 @@ class ShardStream:
         if any(s.drain.is_set() for s, _ in self.active.values()):
             self.claiming = False
             return False
-        if w.cfg.max_shards is not None and w.stats["shards"] + len(w.held) >= w.cfg.max_shards:
-            return False
         if self.answered >= RATE_AFTER and self.first_answer_at is not None:
             rate = self.answered / max(time.monotonic() - self.first_answer_at, 1e-9)
             held = sum(q.open for _, q in self.active.values())
-            if held + w.spec.shard_size > rate * self.lease_s:
+            if held + self.spec.shard_size > rate * self.lease_s:
                 w.stats["claims_held_back"] += 1     # a refill that found the lease budget spent
                 return False
-        lease = w._db(w.ledger.claim)
+        lease = w.claim_next()
         if lease is None:
             self.claiming = False
             return False
@@ -150,11 +146,13 @@ class ShardStream:
         for shard, queue in list(self.active.values()):
             if shard.halt.is_set() and not self.w.stop.is_set():
                 self._stop_shard(shard, queue)
+            elif shard.buffered and shard.due(self.flush_every, self.flush_seconds):
+                self._flush(shard, queue)    # finished records reach the ledger while the shard runs
         out, self.cancel = self.cancel, []
         return out
 
     def refill(self, room: int, idle: bool) -> list[Request]:
-        spec = self.w.spec
+        spec = self.spec
         out: list[Request] = []
         while True:
             now = time.monotonic()
@@ -164,7 +162,7 @@ class ShardStream:
                 while queue.todo and len(out) < room:
                     rid = queue.todo.popleft()
                     queue.in_engine.add(rid)
-                    out.append(build_request(spec, rid, queue.texts[rid]))
+                    out.append(shard.request(spec, rid, queue.texts[rid]))
                 if len(out) >= room:
                     return out
             if self._claim_more():
@@ -182,12 +180,12 @@ class ShardStream:
     def run(self) -> Lease | None:
         """Stream until no held shard has work; returns a parked (careful) lease to run alone."""
         w = self.w
-        renewer = w._renewer(lambda: self.view, self.done, "renew-stream")
-        flush_every, flush_seconds = w.cfg.flush_every, w.cfg.flush_seconds
+        renewer = w.renewer(lambda: self.view, self.done, "renew-stream")
+        flush_every, flush_seconds = self.flush_every, self.flush_seconds
         try:
-            for outcome in w.engine.stream(self, w.stop):
+            for outcome in self.engine.stream(self, w.stop):
                 held = self.owner.get(outcome.record_id)
-                if held is None:        # its shard was dropped or released: not ours to write
+                if held is None or held[0].closed:   # its shard was dropped or released: not ours to write
                     continue
                 shard, queue = held
                 queue.in_engine.discard(outcome.record_id)
@@ -198,7 +196,7 @@ class ShardStream:
                     self._drop(shard, queue, StaleLease(f"lease on shard {shard.lease.shard_no} epoch "
                                                         f"{shard.lease.epoch} went stale"))
                     continue
-                w._take(shard, outcome)
+                w.take(shard, outcome)
                 if shard.due(flush_every, flush_seconds):
                     self._flush(shard, queue)
                 if not queue.todo and not queue.in_engine and not shard.closed:
@@ -209,7 +207,7 @@ class ShardStream:
             self.done.set()
             renewer.join(timeout=5)
             held = [s for s, _ in self.active.values()] + ([self.parked] if self.parked else [])
-            w._give_back(held, exc)
+            w.give_back(held, exc)
         finally:
             self.done.set()
             renewer.join(timeout=5)
@@ -218,20 +216,20 @@ class ShardStream:
             self._stop_shard(shard, queue)
         parked, self.parked = self.parked, None
         if parked is not None and (w.stop.is_set() or parked.drain.is_set()):
-            w._release(parked, w._why_released(parked, "halted"))
+            w.hand_back(parked)
             return None
         if parked is not None:
-            w._let_go(parked)
+            w.let_go(parked)
         return parked.lease if parked is not None else None
 
     def _flush(self, shard: Shard, queue: _Queue) -> None:
         try:
-            queue.retry += self.w._flush(shard)
+            queue.retry += self.w.write(shard)
         except StaleLease as exc:
             self._drop(shard, queue, exc)
 
     def _drop(self, shard: Shard, queue: _Queue, exc: StaleLease) -> None:
-        self.w._drop_stale(shard, exc)
+        self.w.drop(shard, exc)
         self._close(shard, queue)
 
     def _stop_shard(self, shard: Shard, queue: _Queue) -> None:
@@ -250,10 +248,9 @@ class ShardStream:
             return
         self._close(shard, queue)
         if not queue.todo and not queue.retry and not shard.halt.is_set():
-            self.w.engine.end_shard(shard.lease)
-            self.w._complete(shard)
+            self.w.finish(shard)
         else:
-            self.w._release(shard, self.w._why_released(shard, "halted"))
+            self.w.hand_back(shard)
 
     def _round_end(self, shard: Shard, queue: _Queue) -> None:
         """Every queued record of the shard is answered: write, then retry its failures or complete it."""
@@ -264,9 +261,8 @@ class ShardStream:
         queue.retry = []
         if retry:
             queue.round_no += 1
-            queue.retry_at = time.monotonic() + self.w._backoff(shard, queue.round_no, len(retry))
+            queue.retry_at = time.monotonic() + self.w.retry_wait(shard, queue.round_no, len(retry))
             queue.todo.extend(retry)
             return
         self._close(shard, queue)
-        self.w.engine.end_shard(shard.lease)
-        self.w._complete(shard)
+        self.w.finish(shard)

@@ -1,13 +1,21 @@
-"""A shard a worker holds (``gpu_runner.worker`` one at a time, ``gpu_runner.overlap`` several)."""
+"""A shard a worker holds, and the seam between the worker and its shard stream.
+
+``gpu_runner.worker`` runs shards one at a time; ``gpu_runner.overlap`` runs
+several in one engine stream. The stream talks to the worker only through
+``ShardHost`` (the worker implements it): it never reaches into the worker.
+"""
 
 from __future__ import annotations
 
 import threading
 import time
+import typing
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
-from batch_inference.ledger import Failure, Lease
+from batch_inference.engines.base import Engine, Outcome, Request, Retry, build_request
+from batch_inference.ledger import Failure, Lease, StaleLease
+from batch_inference.spec import JobSpec
 
 
 @dataclass(eq=False)
@@ -20,13 +28,93 @@ class Shard:
     drain: threading.Event = field(default_factory=threading.Event)
     attempts: dict[str, int] = field(default_factory=dict)   # failed attempts counted so far, by record
     progress: Any = None    # the worker's progress line for it (gpu_runner.worker)
-    # Outcomes not yet written (Worker._take, Worker._flush).
+    # Outcomes not yet written (ShardHost.take, ShardHost.write).
     ok_ids: list[str] = field(default_factory=list)
     ok_out: list[str] = field(default_factory=list)
     ok_cat: list[str | None] = field(default_factory=list)
+    ok_vec: list[bytes] = field(default_factory=list)   # task embed: each result's float32 vector
     failures: dict[str, Failure] = field(default_factory=dict)
     last_flush: float = field(default_factory=time.monotonic)
     closed: bool = False        # completed, released or dropped: its renewals and outcomes are over
+    # Retries (``request``, ``failed``): how each record's attempt in flight was asked, and the last
+    # failed answer this worker saw of each record.
+    retries: dict[str, Retry] = field(default_factory=dict)
+    last_failed: dict[str, Failure] = field(default_factory=dict)
+
+    def request(self, spec: JobSpec, record_id: str, text: str) -> Request:
+        """The record's next request: its first, or a retry (``Retry``: the next attempt number, so
+        another seed, and the last failed answer with its error, for a repair turn, when this worker
+        saw it), never the request that failed again."""
+        done = self.attempts.get(record_id, 0)
+        if not done:
+            self.retries.pop(record_id, None)
+            return build_request(spec, record_id, text)
+        last = self.last_failed.get(record_id)
+        retry = Retry(done + 1, last.error if last else None, last.raw_output if last else None)
+        self.retries[record_id] = retry
+        return build_request(spec, record_id, text, retry)
+
+    def failed(self, record_id: str, error: str, output: str | None) -> Failure:
+        """Hold a failed attempt of the record for the next write. A retry's error gains a second
+        line saying how it was asked (``Retry.describe``): the attempt's record in the ledger
+        (``bi.attempts.last_error``, the dead letter's ``error``; its ``reason`` is the first line)."""
+        retry = self.retries.get(record_id)
+        failure = Failure(record_id, error if retry is None else f"{error}\n{retry.describe()}", output,
+                          self.attempts.get(record_id, 0) + 1)
+        self.failures[record_id] = self.last_failed[record_id] = failure
+        return failure
+
+    @property
+    def buffered(self) -> int:
+        return len(self.ok_ids) + len(self.failures)
 
     def due(self, every: int, seconds: float) -> bool:
-        return len(self.ok_ids) + len(self.failures) >= every or time.monotonic() - self.last_flush >= seconds
+        return self.buffered >= every or time.monotonic() - self.last_flush >= seconds
+
+
+class ShardHost(Protocol):
+    """What a shard stream (``gpu_runner.overlap``) may ask of the worker that runs it."""
+
+    owner: str
+    stop: threading.Event                 # the preemption notice
+    engine: Engine | None
+    spec: JobSpec | None
+    stats: dict[str, int]
+
+    def claim_next(self) -> Lease | None:
+        """One more shard, or None (nothing claimable, a preemption notice, or ``max_shards`` reached)."""
+
+    def open_shard(self, lease: Lease) -> tuple[Shard, dict[str, str]]:
+        """Hold the claimed shard; unless it is careful, begin it in the engine and read its records
+        still to do (id -> text, in id order)."""
+
+    def take(self, shard: Shard, outcome: Outcome) -> None:
+        """Check one outcome and hold it for the shard's next write."""
+
+    def write(self, shard: Shard) -> list[str]:
+        """Write what the shard holds; the ids that failed and may be retried. Stale: StaleLease."""
+
+    def drop(self, shard: Shard, exc: StaleLease) -> None:
+        """Our epoch ended: forget what the shard has not written."""
+
+    def finish(self, shard: Shard) -> None:
+        """Every record is answered and written: end it in the engine and complete it."""
+
+    def hand_back(self, shard: Shard) -> None:
+        """Release the shard (halted, drained or preempted) so it is pending again at once."""
+
+    def let_go(self, shard: Shard) -> None:
+        """The shard is over for this worker (its lease was not given back here)."""
+
+    def give_back(self, shards: list[Shard], exc: Exception) -> typing.NoReturn:
+        """The engine raised: give every shard back and stop the worker."""
+
+    def retry_wait(self, shard: Shard, round_no: int, n: int) -> float:
+        """Seconds to wait before retry round ``round_no`` of ``n`` failed records."""
+
+    def renewer(self, held: typing.Callable[[], typing.Iterable[Shard]], done: threading.Event,
+                name: str) -> threading.Thread:
+        """A started thread renewing each lease ``held()`` names until ``done``."""
+
+    def settings(self) -> tuple[float, int, float]:
+        """(lease seconds, flush every N outcomes, flush every S seconds)."""

@@ -25,9 +25,15 @@ shards it holds have finished.
 A background thread renews every held lease every ``renew_seconds`` on its
 own connection; a refused renewal (stale epoch) halts that shard, and a
 renewal that reports the job in fallback mode drains it. SIGTERM (the
-preemption notice) stops taking records, lets in-flight ones finish and be
-written within the grace period, then releases every lease it holds so the
-shards are pending again at once. When the engine's endpoint is down (the engine raises
+preemption notice) stops taking records and, at once, from a thread of its
+own on a connection of its own (``release_all``: an engine step may be
+running for seconds in the main thread), writes every outcome already
+finished and releases every lease it holds, each fenced by its epoch, so
+the shards are pending again at once; only the records still generating
+are lost. The step then ends, and the process exits within the grace
+period. Outcomes reach the ledger as records finish (every ``flush_every``
+results or ``flush_seconds``, also while a streaming engine keeps the
+shard's other records generating). When the engine's endpoint is down (the engine raises
 ``EndpointUnavailable``, see ``batch_inference.breaker``) the shard is
 released with its records' attempts untouched and the worker exits
 ``ExitCode.ENDPOINT``: the outage is no record's fault. Does not import
@@ -45,6 +51,7 @@ import math
 import os
 import random
 import signal
+import socket
 import sys
 import threading
 import time
@@ -57,7 +64,8 @@ import psycopg
 from batch_inference import db, provenance
 from batch_inference.breaker import EndpointUnavailable
 from batch_inference.engines import load_engine
-from batch_inference.engines.base import Engine, Outcome, Request, build_request
+from batch_inference.embed.vectors import to_storage
+from batch_inference.engines.base import Engine, Outcome, Request
 from batch_inference.exceptions import (
     BadDatabaseURL,
     BatchInferenceError,
@@ -170,6 +178,11 @@ class Worker:
         self.stats = {"shards": 0, "stored": 0, "failed": 0, "dead": 0, "stale": 0, "claims_held_back": 0}
         self.startup: dict[str, float] = {}    # start-up phase -> seconds (_phase)
         self._phase_at = 0.0
+        self.made_by: tuple[Any, ...] = ()
+        # Held while outcomes are taken or written, and while a preemption notice writes and releases
+        # (from its own thread): a shard's buffer is never written twice or after its release.
+        self.writing = threading.Lock()
+        self._released_on_notice = False
 
     # -- connections ------------------------------------------------------
     def _connect(self) -> psycopg.Connection:
@@ -231,6 +244,7 @@ class Worker:
                       str(exc).strip().splitlines()[0], self.cfg.job_version)
             return ExitCode.CONFIG
         finally:
+            self._restore_signals()
             if self.engine is not None:
                 self.engine.close()
             if self.conn is not None:
@@ -290,6 +304,7 @@ class Worker:
                  ", ".join(f"{k} {v:.2f}s" for k, v in self.startup.items()))
         # A batch worker's transport is its engine's ('hosted_batch' for the hosted batch engines).
         self.transport = cfg.transport if cfg.transport == "fallback" else self.engine.transport
+        self.made_by = tuple(made_by)
         self.ledger = Ledger(self.conn, cfg.job_version, self.owner, self.transport, cfg.lease_seconds, *made_by)
         self._install_signals()
         overlap = cfg.overlap and self.engine.queue_depth() > 0
@@ -302,8 +317,10 @@ class Worker:
         while not self.stop.is_set():
             if cfg.max_shards is not None and self.stats["shards"] >= cfg.max_shards:
                 break
-            lease = self._db(self.ledger.claim)
+            lease = self.claim_next()
             if lease is None:
+                if self.stop.is_set():
+                    break
                 if not self._should_wait():
                     break
                 self.stop.wait(cfg.poll_seconds)
@@ -331,21 +348,92 @@ class Worker:
         return self.cfg.wait_for_leases
 
     def _install_signals(self) -> None:
+        """SIGTERM / SIGINT (the preemption notice). Python runs a signal handler in the main thread only
+        between bytecodes, which an engine step (a model forward in C) may hold off for seconds; the
+        C-level handler also writes the signal's number to a socket at once, and a thread of its own
+        (``_watch_signals``) writes what has finished and releases every lease from there."""
+        self._signals: tuple[Any, ...] | None = None
         if threading.current_thread() is not threading.main_thread():
             return
 
         def on_term(signum, _frame):
-            if self.stop.is_set():
-                return
-            log.warning("%s: preemption notice (signal %d): finishing in-flight records, grace %.0fs",
-                        self.owner, signum, self.cfg.grace_seconds)
-            self.stop.set()
-            for shard in self.held:
-                shard.halt.set()
-            threading.Thread(target=self._grace_deadline, daemon=True).start()
+            self._notice(signum)
 
-        signal.signal(signal.SIGTERM, on_term)
-        signal.signal(signal.SIGINT, on_term)
+        before = (signal.signal(signal.SIGTERM, on_term), signal.signal(signal.SIGINT, on_term))
+        reader, writer = socket.socketpair()
+        writer.setblocking(False)
+        old_fd = signal.set_wakeup_fd(writer.fileno(), warn_on_full_buffer=False)
+        self._signals = (before, old_fd, reader, writer)
+        threading.Thread(target=self._watch_signals, args=(reader,), daemon=True, name="preemption").start()
+
+    def _restore_signals(self) -> None:
+        """Put back what ``_install_signals`` replaced (an in-process worker leaves its caller's handlers)."""
+        installed, self._signals = getattr(self, "_signals", None), None
+        if installed is None:
+            return
+        (term, intr), old_fd, reader, writer = installed
+        signal.set_wakeup_fd(old_fd)
+        signal.signal(signal.SIGTERM, term)
+        signal.signal(signal.SIGINT, intr)
+        writer.close()
+        reader.close()    # ends _watch_signals
+
+    def _watch_signals(self, reader: socket.socket) -> None:
+        notices = {int(signal.SIGTERM), int(signal.SIGINT)}
+        while True:
+            try:
+                data = reader.recv(64)
+            except OSError:
+                return
+            if not data:
+                return
+            signum = next((b for b in data if b in notices), None)
+            if signum is not None:
+                self._notice(signum)
+                self.release_all("preemption notice")
+                return
+
+    def _notice(self, signum: int) -> None:
+        """The preemption notice: take no more records, stop every held shard, and leave within the grace."""
+        if self.stop.is_set():
+            return
+        self.stop.set()
+        for shard in self.held:
+            shard.halt.set()
+        log.warning("%s: preemption notice (signal %d): writing finished records and releasing every lease now;"
+                    " exiting within %.0fs", self.owner, signum, self.cfg.grace_seconds)
+        threading.Thread(target=self._grace_deadline, daemon=True).start()
+
+    def release_all(self, why: str) -> int:
+        """Write every held shard's finished outcomes and release its lease, on a connection of this
+        call's own (the worker's may be inside a write or the engine inside a step); each write and
+        release fenced by the shard's epoch. Returns the shards released."""
+        with self.writing:
+            if self._released_on_notice:
+                return 0
+            self._released_on_notice = True
+            held = [shard for shard in self.held if not shard.closed]
+            if not held or self.spec is None:
+                return 0
+            released = 0
+            try:
+                with self._connect() as conn:
+                    ledger = Ledger(conn, self.cfg.job_version, self.owner, self.transport, self.cfg.lease_seconds,
+                                    *self.made_by)
+                    for shard in held:
+                        try:
+                            self._write(shard, ledger, _direct)
+                        except StaleLease as exc:
+                            self.drop(shard, exc)
+                            continue
+                        ok = ledger.release(shard.lease)
+                        self.let_go(shard)
+                        released += ok
+                        log.info("%s: released shard %d (epoch %d, %s)%s", self.owner, shard.lease.shard_no,
+                                 shard.lease.epoch, why, "" if ok else " - release refused, lease was stale")
+            except Exception as exc:  # noqa: BLE001 - the main thread releases what is left, or the leases expire
+                log.error("%s: could not release shards at once: %s", self.owner, db.first_line(exc))
+            return released
 
     def _grace_deadline(self) -> None:
         """The grace period ran out: release every held lease from a fresh connection and leave."""
@@ -404,7 +492,7 @@ class Worker:
             if conn is not None:
                 conn.close()
 
-    def _renewer(self, held: typing.Callable[[], typing.Iterable[Shard]], done: threading.Event,
+    def renewer(self, held: typing.Callable[[], typing.Iterable[Shard]], done: threading.Event,
                  name: str) -> threading.Thread:
         thread = threading.Thread(target=self._renew_loop, args=(held, done), daemon=True, name=name)
         thread.start()
@@ -415,15 +503,49 @@ class Worker:
         if self.stop.is_set():
             shard.halt.set()
 
-    def _let_go(self, shard: Shard) -> None:
+    def let_go(self, shard: Shard) -> None:
         """The shard is over for this worker (completed, released, abandoned or dropped)."""
         shard.closed = True
         self.held = tuple(s for s in self.held if s is not shard)
 
+    # -- the seam a shard stream uses (gpu_runner.shard.ShardHost) ----------
+    def settings(self) -> tuple[float, int, float]:
+        assert self.spec is not None
+        return self.cfg.lease_seconds or self.spec.lease_seconds, self.cfg.flush_every, self.cfg.flush_seconds
+
+    def claim_next(self) -> Lease | None:
+        """The next shard, unless a preemption notice came or ``max_shards`` (completed and held) is reached."""
+        assert self.ledger is not None
+        if self.stop.is_set():
+            return None
+        if self.cfg.max_shards is not None and self.stats["shards"] + len(self.held) >= self.cfg.max_shards:
+            return None
+        return self._db(self.ledger.claim)
+
+    def open_shard(self, lease: Lease) -> tuple[Shard, dict[str, str]]:
+        assert self.engine is not None
+        shard = Shard(lease)
+        self._hold(shard)
+        if lease.careful:     # run alone later (_process), which reads it then
+            return shard, {}
+        self.engine.begin_shard(self.ledger, lease, shard.drain)
+        texts, _ = self._read(shard)
+        return shard, texts
+
+    def finish(self, shard: Shard) -> None:
+        assert self.engine is not None
+        self.engine.end_shard(shard.lease)
+        self._complete(shard)
+
+    def hand_back(self, shard: Shard) -> None:
+        self._release(shard, self._why_released(shard, "halted"))
+
     def _release(self, shard: Shard, why: str) -> None:
         assert self.ledger is not None
+        if shard.closed:      # released already (a preemption notice, release_all)
+            return
         released = self._db(self.ledger.release, shard.lease)
-        self._let_go(shard)
+        self.let_go(shard)
         log.info("%s: released shard %d (epoch %d, %s)%s", self.owner, shard.lease.shard_no, shard.lease.epoch,
                  why, "" if released else " - release refused, lease was stale")
 
@@ -434,13 +556,15 @@ class Worker:
         """Complete the shard: 'done', 'incomplete' (released: records left) or 'stale' (dropped)."""
         assert self.ledger is not None
         lease = shard.lease
+        if shard.closed:      # released already (a preemption notice, release_all)
+            return "released"
         try:
             result = self._db(self.ledger.complete, lease)
         except StaleLease as exc:   # stalled after the last write: the new holder completes it
-            self._drop_stale(shard, exc)
+            self.drop(shard, exc)
             return "stale"
         if result == "done":
-            self._let_go(shard)
+            self.let_go(shard)
             self.stats["shards"] += 1
             log.info("%s: shard %d complete (epoch %d)", self.owner, lease.shard_no, lease.epoch)
         else:
@@ -452,20 +576,20 @@ class Worker:
         assert self.ledger is not None and self.spec is not None and self.engine is not None
         shard = Shard(lease)
         self._hold(shard)
-        renewer = self._renewer(lambda: (shard,), shard.halt, f"renew-{lease.shard_no}")
+        renewer = self.renewer(lambda: (shard,), shard.halt, f"renew-{lease.shard_no}")
         try:
             self.engine.begin_shard(self.ledger, lease, shard.drain)
             outcome = self._work(shard)
             self.engine.end_shard(lease)
         except StaleLease as exc:
-            self._drop_stale(shard, exc)
+            self.drop(shard, exc)
             outcome = "stale"
         except (psycopg.OperationalError, DatabaseUnavailable):
             raise
         except Exception as exc:  # noqa: BLE001 - the endpoint is down, or the engine broke: give the shard back
             shard.halt.set()
             renewer.join(timeout=5)
-            self._give_back([shard], exc)
+            self.give_back([shard], exc)
         finally:
             shard.halt.set()
             renewer.join(timeout=5)
@@ -474,7 +598,7 @@ class Worker:
         elif outcome == "halted":
             self._release(shard, self._why_released(shard, outcome))
 
-    def _give_back(self, shards: list[Shard], exc: Exception) -> typing.NoReturn:
+    def give_back(self, shards: list[Shard], exc: Exception) -> typing.NoReturn:
         """The engine raised: give every held shard back and stop (Fatal). An endpoint that
         is down is no engine's or record's fault: a plain release, no lost lease, no crash and
         no attempt counted. Anything else broke the engine itself (lost GPU, OOM): abandon,
@@ -488,17 +612,17 @@ class Worker:
         try:
             for shard in shards:
                 self._db(self.ledger.abandon, shard.lease)
-                self._let_go(shard)
+                self.let_go(shard)
         finally:
             numbers = ", ".join(str(s.lease.shard_no) for s in shards)
             raise Fatal(f"fatal: engine failed on shard {numbers}: {exc.__class__.__name__}: {exc}; "
                         f"shard{'s' if len(shards) > 1 else ''} given back (counted as a lost lease)",
                         ExitCode.ENGINE) from exc
 
-    def _drop_stale(self, shard: Shard, exc: StaleLease) -> None:
+    def drop(self, shard: Shard, exc: StaleLease) -> None:
         """Our epoch ended: what this shard has not written is dropped (the new holder finishes it)."""
-        self._let_go(shard)
-        for buffered in (shard.ok_ids, shard.ok_out, shard.ok_cat, shard.failures):
+        self.let_go(shard)
+        for buffered in (shard.ok_ids, shard.ok_out, shard.ok_cat, shard.ok_vec, shard.failures):
             buffered.clear()
         self.stats["stale"] += 1
         log.warning("%s: %s; dropping shard %d (the new holder finishes it)", self.owner, exc, shard.lease.shard_no)
@@ -515,7 +639,7 @@ class Worker:
         shard.progress = _Progress(self, lease, len(ids))
         return dict(zip(ids, record_texts)), {rid for rid, n in zip(ids, crashes) if n}
 
-    def _backoff(self, shard: Shard, round_no: int, n: int) -> float:
+    def retry_wait(self, shard: Shard, round_no: int, n: int) -> float:
         """The wait before retry round ``round_no`` (1, 2, ...): it grows, so a restarting server is not hammered."""
         wait = self.cfg.backoff[min(round_no, len(self.cfg.backoff)) - 1]
         log.info("%s: shard %d: retrying %d failed record(s) in %.0fs", self.owner, shard.lease.shard_no, n, wait)
@@ -535,7 +659,7 @@ class Worker:
         while todo:
             if shard.halt.is_set():
                 return "halted"
-            if round_no and shard.halt.wait(self._backoff(shard, round_no, len(todo))):
+            if round_no and shard.halt.wait(self.retry_wait(shard, round_no, len(todo))):
                 return "halted"
             round_no += 1
             retry: list[str] = []
@@ -544,7 +668,7 @@ class Worker:
                     return "halted"
                 if lease.careful:
                     self._db(ledger.mark_in_flight, lease, batch)
-                requests = [build_request(spec, rid, texts[rid]) for rid in batch]
+                requests = [shard.request(spec, rid, texts[rid]) for rid in batch]
                 retry += self._generate(shard, requests)
             todo = [rid for rid in retry if rid in texts]
         return "halted" if shard.stale.is_set() else "finished"
@@ -564,51 +688,69 @@ class Worker:
         assert self.engine is not None
         retry: list[str] = []
         # Read once: the loop below runs per record.
-        take, flush_every, flush_seconds = self._take, self.cfg.flush_every, self.cfg.flush_seconds
+        take, flush_every, flush_seconds = self.take, self.cfg.flush_every, self.cfg.flush_seconds
         stale, lease = shard.stale.is_set, shard.lease
         try:
             for outcome in self.engine.generate(requests, shard.halt):
                 take(shard, outcome)
                 if shard.due(flush_every, flush_seconds):
-                    retry += self._flush(shard)
+                    retry += self.write(shard)
                 if stale():
                     raise StaleLease(f"lease on shard {lease.shard_no} epoch {lease.epoch} went stale")
         except EndpointUnavailable:
-            self._flush(shard)   # what the endpoint did answer before it went down is kept
+            self.write(shard)   # what the endpoint did answer before it went down is kept
             raise
-        return retry + self._flush(shard)
+        return retry + self.write(shard)
 
-    def _take(self, shard: Shard, outcome: Outcome) -> None:
+    def take(self, shard: Shard, outcome: Outcome) -> None:
         """Check one outcome and hold it for the shard's next write: a result, or a failed attempt."""
-        if outcome.error is None:
-            obj, text, err = check_for_storage(self.spec, outcome.text)
-        else:
+        with self.writing:
+            if not shard.closed:   # a released or dropped shard's outcome is not ours to write
+                self._hold_outcome(shard, outcome)
+
+    def _hold_outcome(self, shard: Shard, outcome: Outcome) -> None:
+        vector = None
+        if outcome.error is not None:
             obj, text, err = None, None, outcome.error
+        elif self.spec.task == "embed":   # a vector, checked and kept as float32 bytes (batch_inference.embed)
+            vector, text, err = to_storage(self.spec, outcome.vector)
+            obj = {} if vector is not None else None
+        else:
+            obj, text, err = check_for_storage(self.spec, outcome.text)
         if obj is not None:
             category_field = self.spec.category_field
             cat = obj.get(category_field) if category_field else None
             shard.ok_ids.append(outcome.record_id)
             shard.ok_out.append(text)
             shard.ok_cat.append(cat if isinstance(cat, str) else None if cat is None else str(cat))
+            if vector is not None:
+                shard.ok_vec.append(vector)
         else:
-            shard.failures[outcome.record_id] = Failure(outcome.record_id, err or "unknown error", outcome.text,
-                                                        shard.attempts.get(outcome.record_id, 0) + 1)
+            shard.failed(outcome.record_id, err or "unknown error", outcome.text)
 
-    def _flush(self, shard: Shard) -> list[str]:
+    def write(self, shard: Shard) -> list[str]:
         """Write what the shard holds: put-if-absent results, then failed attempts. Returns the
         ids that failed and may be retried (not dead). A stale epoch raises StaleLease."""
+        with self.writing:
+            if shard.closed:       # released with what it had (release_all), or dropped
+                return []
+            return self._write(shard, self.ledger, self._db)
+
+    def _write(self, shard: Shard, ledger: Ledger, call: typing.Callable[..., Any]) -> list[str]:
+        """``write`` through ``ledger``, each ledger call made by ``call`` (``_db``: reconnect and retry)."""
         lease, progress = shard.lease, shard.progress
         retry: list[str] = []
         if shard.ok_ids:
-            n, refused = self._put_results(lease, shard.ok_ids, shard.ok_out, shard.ok_cat)
+            n, refused = self._put_results(ledger, call, lease, shard.ok_ids, shard.ok_out, shard.ok_cat,
+                                           shard.ok_vec or None)
             for rid, out, reason in refused:
-                shard.failures[rid] = Failure(rid, reason, out, shard.attempts.get(rid, 0) + 1)
+                shard.failed(rid, reason, out)
             self.stats["stored"] += n
             if progress is not None:
                 progress.add(len(shard.ok_ids) - len(refused))
-            shard.ok_ids.clear(); shard.ok_out.clear(); shard.ok_cat.clear()
+            shard.ok_ids.clear(); shard.ok_out.clear(); shard.ok_cat.clear(); shard.ok_vec.clear()
         if shard.failures:
-            counted = self._fail_records(lease, list(shard.failures.values()))
+            counted = self._fail_records(ledger, call, lease, list(shard.failures.values()))
             for f in counted:
                 shard.attempts[f.record_id] = f.attempts
                 self.stats["failed"] += 1
@@ -624,47 +766,52 @@ class Worker:
         shard.last_flush = time.monotonic()
         return retry
 
-    def _put_results(self, lease: Lease, ids: list[str], outputs: list[str],
-                     categories: list[str | None]) -> tuple[int, list[tuple[str, str, str]]]:
+    def _put_results(self, ledger: Ledger, call: typing.Callable[..., Any], lease: Lease, ids: list[str],
+                     outputs: list[str], categories: list[str | None], vectors: list[bytes] | None = None
+                     ) -> tuple[int, list[tuple[str, str, str]]]:
         """Write a batch of results: (rows new, [(record_id, output, reason)] the database refused).
 
         A batch PostgreSQL refuses as data (an output jsonb will not take that
         ``check_for_storage`` let through) is written again one result at a
         time: the results it takes are kept, each it refuses becomes a failed
         attempt of its record, and the worker carries on."""
-        assert self.ledger is not None
         try:
-            return self._db(self.ledger.put_results, lease, ids, outputs, categories), []
+            return call(ledger.put_results, lease, ids, outputs, categories, vectors), []
         except _DATA_ERRORS as exc:
             log.warning("%s: shard %d: the database refused a batch of %d results (%s); writing them one by one",
                         self.owner, lease.shard_no, len(ids), db.first_line(exc))
         n, refused = 0, []
-        for rid, out, cat in zip(ids, outputs, categories):
+        for i, (rid, out, cat) in enumerate(zip(ids, outputs, categories)):
             try:
-                n += self._db(self.ledger.put_results, lease, [rid], [out], [cat])
+                n += call(ledger.put_results, lease, [rid], [out], [cat], vectors[i:i + 1] if vectors else None)
             except _DATA_ERRORS as exc:
                 refused.append((rid, out, f"output cannot be stored: {db.first_line(exc)}"[:300]))
         return n, refused
 
-    def _fail_records(self, lease: Lease, failures: list[Failure]) -> list[FailedAttempt]:
+    def _fail_records(self, ledger: Ledger, call: typing.Callable[..., Any], lease: Lease,
+                      failures: list[Failure]) -> list[FailedAttempt]:
         """Count failed attempts; a batch the database refuses as data is sent
         one by one, and a failure it still refuses is counted without its raw
         output and error text."""
-        assert self.ledger is not None
         try:
-            return self._db(self.ledger.fail, lease, failures)
+            return call(ledger.fail, lease, failures)
         except _DATA_ERRORS as exc:
             log.warning("%s: shard %d: the database refused %d failed attempts (%s); sending them one by one",
                         self.owner, lease.shard_no, len(failures), db.first_line(exc))
         counted: list[FailedAttempt] = []
         for f in failures:
             try:
-                counted += self._db(self.ledger.fail, lease, [f])
+                counted += call(ledger.fail, lease, [f])
             except _DATA_ERRORS as exc:
                 bare = Failure(f.record_id, f"failure details could not be stored: {db.first_line(exc)}"[:300],
                                None, f.attempt)
-                counted += self._db(self.ledger.fail, lease, [bare])
+                counted += call(ledger.fail, lease, [bare])
         return counted
+
+
+def _direct(fn: typing.Callable[..., Any], *args: Any) -> Any:
+    """A ledger call made once (``Worker._db`` retries on the worker's own connection)."""
+    return fn(*args)
 
 
 # What PostgreSQL (DataError) or the client's encoder (UnicodeEncodeError) refuses as data.

@@ -2,8 +2,10 @@
 -- Not a migration: named statements loaded by batch_inference.db.queries();
 -- every name starts with fleet_.
 
--- name: fleet_size  a job version's desired batch fleet (no row: the autopilot has not decided)
-SELECT desired, reason, decided_at, decision_id FROM bi.fleet_size WHERE job_version = %(job)s;
+-- name: fleet_size  a job version's desired batch fleet and the action that set it (no row: the autopilot has not decided)
+SELECT s.desired, s.reason, s.decided_at, s.decision_id, d.action
+  FROM bi.fleet_size s LEFT JOIN bi.fleet_decisions d ON d.id = s.decision_id
+ WHERE s.job_version = %(job)s;
 
 -- name: fleet_decide  record one decision; a change of size becomes the desired size (decided_at: when it changed)
 WITH d AS (
@@ -44,3 +46,10 @@ SELECT id, at, current, desired, action, reason, per_worker, finish_without, fin
 -- name: fleet_changes  the decisions that changed the size or paged, oldest first (the dashboard's time axis)
 SELECT at, current, desired, action, reason, page
   FROM bi.fleet_decisions WHERE job_version = %(job)s AND (action <> 'hold' OR page IS NOT NULL) ORDER BY id;
+
+-- name: fleet_release_owner  every lease one ended worker still holds, released (the launcher ended it by force); each release fenced by the epoch it held (bi.release_shard_v2)
+WITH held AS MATERIALIZED (
+    SELECT job_version, shard_no, epoch FROM bi.shards
+     WHERE job_version = %(job)s AND lease_owner = %(owner)s AND state = 'leased')
+SELECT shard_no, epoch, bi.release_shard_v2(job_version, shard_no, epoch, %(owner)s) AS stale
+  FROM held ORDER BY shard_no;

@@ -9,7 +9,10 @@ process's lines (into a log with a ``[name]`` prefix, into
 crash) restarts the slot, up to ``max_restarts`` per slot, after a backoff
 that grows with consecutive unexpected exits. ``stop`` sends SIGTERM to
 every process (a worker then releases its lease at once) and SIGKILL after
-the grace. ``scale_to`` changes the number of slots while it runs: new slots start at
+the grace; with ``worker_ids`` each process is started with a ``--worker-id``
+of the fleet's choosing, and ``on_killed`` sees each process the fleet ended
+by SIGKILL (``release_leases``: a launcher gives back what that worker still
+held, so a kill under load costs no lease time). ``scale_to`` changes the number of slots while it runs: new slots start at
 once; a removed slot's process gets SIGTERM (a preemption notice: it releases its lease at
 once) and is not restarted. The autopilot's launchers reconcile to the ledger with it
 (``autopilot.reconcile``).
@@ -32,6 +35,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from enum import Enum
 from pathlib import Path
+from typing import Any
 
 from batch_inference.exits import ExitCode
 
@@ -65,6 +69,7 @@ class Worker:
     sent: int | None = None          # the last signal the fleet sent it
     stopped: bool = False            # SIGSTOPped by the fleet and not yet SIGCONTinued
     code: int | None = None          # its exit code, once collected
+    owner: str | None = None         # the --worker-id it was started with (Fleet.worker_ids)
 
     @property
     def pid(self) -> int:
@@ -119,6 +124,8 @@ class Fleet:
     backoff_s: float = 0.0            # after n consecutive unexpected exits: backoff_s * 2**(n-1) ...
     backoff_max_s: float = 10.0       # ... at most this
     new_session: bool = False         # a session of their own: a Ctrl-C on the caller does not reach them
+    worker_ids: Callable[[str], str] | None = None   # name -> the --worker-id (lease owner) of each new process
+    on_killed: Callable[[Worker], None] | None = None  # after the fleet ended a process by SIGKILL
 
     def __post_init__(self) -> None:
         self.workers: list[Worker | None] = [None] * self.size     # each slot's current process
@@ -152,10 +159,13 @@ class Fleet:
             old = self.workers[slot]
             gen = old.gen + 1 if old is not None else 0
             name = self.name(slot, gen)
-            popen = subprocess.Popen(self.command(name), env={**self.env, "PYTHONUNBUFFERED": "1"},
+            owner = self.worker_ids(name) if self.worker_ids is not None else None
+            command = self.command(name) + (["--worker-id", owner] if owner is not None else [])
+            popen = subprocess.Popen(command, env={**self.env, "PYTHONUNBUFFERED": "1"},
                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, errors="replace",
                                      bufsize=1, start_new_session=self.new_session)
-            w = Worker(slot, gen, name, popen, time.monotonic(), collections.deque(maxlen=self.tail_lines))
+            w = Worker(slot, gen, name, popen, time.monotonic(), collections.deque(maxlen=self.tail_lines),
+                       owner=owner)
             w.reader = threading.Thread(target=self._read, args=(w,), daemon=True, name=f"bi-{name}-log")
             w.reader.start()
             self.workers[slot] = w
@@ -316,6 +326,7 @@ class Fleet:
             except subprocess.TimeoutExpired:
                 self.signal(w, signal.SIGKILL)
                 w.popen.wait()
+                self._killed(w)
         for w in self.workers:
             if w is not None and w.reader is not None:
                 w.reader.join(timeout=2)
@@ -325,6 +336,29 @@ class Fleet:
         """SIGKILL to every process still running (SIGCONT first, so a stopped one dies now)."""
         with self._lock:
             self._stopping.set()
-            for w in self.alive():
+            killed = self.alive()
+            for w in killed:
                 self.signal(w, signal.SIGCONT)
                 self.signal(w, signal.SIGKILL)
+        for w in killed:
+            w.popen.wait()
+            self._killed(w)
+
+    def _killed(self, w: Worker) -> None:
+        if self.on_killed is None:
+            return
+        try:
+            self.on_killed(w)
+        except Exception as exc:  # noqa: BLE001 - its leases expire instead
+            self.log.warning("[%s] ended by force; could not give back what it held: %s", w.name,
+                             str(exc).strip()[:200])
+
+
+def release_leases(conn: Any, job_version: str, owner: str) -> list[int]:
+    """Release every lease ``owner`` (a worker that was ended by force) still holds on the job
+    version, each fenced by the epoch it held: a shard re-claimed since by another worker is
+    left alone. Returns the shard numbers released."""
+    from batch_inference import db
+
+    rows = conn.execute(db.q("fleet_release_owner"), {"job": job_version, "owner": owner}).fetchall()
+    return [r["shard_no"] for r in rows if not r["stale"]]

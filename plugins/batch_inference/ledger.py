@@ -124,6 +124,10 @@ class Ledger:
             raise StaleLease(f"{what} refused: shard {lease.shard_no} epoch {lease.epoch} is stale")
         return r
 
+    # One fenced transition that must find our epoch current (StaleLease otherwise), by statement name:
+    # the public name other modules call (hosted.core's provider-batch calls).
+    transition = _held
+
     def renew(self, lease: Lease) -> str:
         """Extend the lease; returns the job's mode ('batch' or 'fallback')."""
         return self._held("renew", "renew_lease", lease, lease_s=self.lease_seconds)["mode"]
@@ -178,11 +182,16 @@ class Ledger:
         return self._fenced("abandon_shard", lease) is not None
 
     def put_results(self, lease: Lease, ids: Sequence[str], outputs: Sequence[dict[str, Any] | str],
-                    categories: Sequence[str | None]) -> int:
+                    categories: Sequence[str | None], vectors: Sequence[bytes] | None = None) -> int:
         """Put-if-absent; returns how many rows were new. An output is an
-        object, or JSON text jsonb accepts (``outputs.check_for_storage``)."""
+        object, or JSON text jsonb accepts (``outputs.check_for_storage``).
+        ``vectors``: an embedding job's float32 vectors, one per id, stored
+        with their rows in the same call (``embed.vectors``)."""
         if not ids:
             return 0
+        if vectors is not None:
+            return self._held("results", "embed_put_results", lease, engine=self.engine, endpoint=self.endpoint,
+                              ids=list(ids), outputs=list(outputs), vectors=list(vectors))["n"]
         return self._held("results", "put_results", lease, engine=self.engine, endpoint=self.endpoint,
                           ids=list(ids),
                           outputs=[o if isinstance(o, str) else json.dumps(o, ensure_ascii=False) for o in outputs],

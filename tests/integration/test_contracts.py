@@ -147,6 +147,61 @@ def test_the_circle_finder_sees_a_circle_through_a_function_level_or_relative_im
     assert import_circles(import_graph({"pkg": pkg})) == []        # an annotation's import never runs
 
 
+def _private(name: str) -> bool:
+    return name.startswith("_") and not name.endswith("__")
+
+
+def private_reaches(packages: dict[str, Path]) -> list[str]:
+    """Each place a module uses another module's private function or method (``obj._name`` where
+    ``_name`` is defined by ``def`` in another module of ``packages`` and nowhere in this one, or
+    ``from M import _name``): ``path:line: text``. ``self._name``, ``cls._name`` and ``super()._name``
+    are a class's own (inherited) business and not counted."""
+    trees = {path: ast.parse(path.read_text()) for root in packages.values() for path in sorted(root.rglob("*.py"))}
+    defined = {path: {n.name for n in ast.walk(tree) if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))
+                      and _private(n.name)} for path, tree in trees.items()}
+    found = []
+    for path, tree in trees.items():
+        own = set(defined[path])
+        for node in ast.walk(tree):     # names this module binds itself (attributes and variables)
+            if isinstance(node, (ast.Assign, ast.AnnAssign)):
+                for target in node.targets if isinstance(node, ast.Assign) else [node.target]:
+                    own |= {t.attr if isinstance(t, ast.Attribute) else t.id for t in ast.walk(target)
+                            if isinstance(t, (ast.Attribute, ast.Name))}
+        elsewhere = set().union(*(names for other, names in defined.items() if other != path)) - own
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Attribute) and node.attr in elsewhere and _private(node.attr):
+                base = node.value
+                if (isinstance(base, ast.Name) and base.id in ("self", "cls")) or (
+                        isinstance(base, ast.Call) and ast.unparse(base.func) == "super"):
+                    continue
+                found.append(f"{path}:{node.lineno}: {ast.unparse(node)}")
+            elif isinstance(node, ast.ImportFrom):
+                found += [f"{path}:{node.lineno}: from {node.module} import {a.name}" for a in node.names
+                          if _private(a.name) and a.name in elsewhere]
+    return found
+
+
+def test_no_module_calls_another_modules_private_methods():
+    assert private_reaches(PACKAGES) == []
+
+
+def test_the_private_reach_finder_sees_a_call_an_import_and_a_passed_method(tmp_path):
+    pkg = tmp_path / "pkg"
+    pkg.mkdir()
+    (pkg / "worker.py").write_text("class W:\n    def _flush(self):\n        return self._take()\n"
+                                   "    def _take(self):\n        return 1\n")
+    (pkg / "stream.py").write_text("class S:\n    def __init__(self, w):\n        self.w = w\n"
+                                   "    def run(self):\n        return self.w._flush()\n")
+    assert private_reaches({"pkg": pkg}) == [f"{pkg / 'stream.py'}:5: self.w._flush"]
+    (pkg / "stream.py").write_text("from pkg.worker import _helper\ndef run(w, go):\n    return go(w._take)\n")
+    (pkg / "worker.py").write_text("def _helper():\n    pass\nclass W:\n    def _take(self):\n        return 1\n")
+    assert private_reaches({"pkg": pkg}) == [f"{pkg / 'stream.py'}:1: from pkg.worker import _helper",
+                                             f"{pkg / 'stream.py'}:3: w._take"]
+    (pkg / "stream.py").write_text("class S:\n    def _take(self):\n        return 2\n"
+                                   "    def run(self, other):\n        return other._take()\n")
+    assert private_reaches({"pkg": pkg}) == []      # a method of its own name: its own business
+
+
 def test_each_builtin_engine_reads_its_result_options_from_the_spec():
     from batch_inference.engines import BUILTIN_ENGINES, engine_class
     from batch_inference.spec import ENGINE_RESULT_OPTIONS

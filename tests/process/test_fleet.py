@@ -137,3 +137,46 @@ def test_the_fleet_and_the_chaos_harness_do_not_import_airflow():
             "print(sorted(m for m in sys.modules if m.split('.')[0] == 'airflow'))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True)
     assert out.stdout.strip() == "[]", out.stdout[:500]
+
+
+def test_a_worker_ended_by_force_has_its_leases_released_by_the_fleet_under_load(conn, db_url):
+    """A worker that does not leave on SIGTERM in time (a loaded machine: here it ignores SIGTERM) is
+    killed at the end of the grace; the launcher's ``on_killed`` then releases what it still held, in
+    one statement fenced by owner and epoch: its two shards are pending at once, and a shard that
+    another worker re-claimed after its lease expired is left to that worker."""
+    import subprocess
+
+    from batch_inference.fleet import release_leases
+    from batch_inference.ledger import Ledger, new_owner_id
+    from batch_inference.plan import submit
+    from tests.conftest import make_source, make_spec, tickets
+
+    make_source(conn, tickets(30))
+    job = submit(conn, make_spec(shard_size=10, lease_seconds=600)).job_version
+    owners: dict[str, str] = {}
+    fleet = ScriptFleet(["deaf"], {}, 1, worker_ids=lambda name: owners.setdefault(name, new_owner_id("local-w")),
+                        on_killed=lambda w: released.extend(release_leases(conn, job, w.owner)))
+    released: list[int] = []
+    busy = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(2)]   # the load
+    try:
+        fleet.start_all()
+        wait_for_line(fleet, 0, "ready")
+        assert fleet.workers[0].owner == owners["w0"]
+        mine = Ledger(conn, job, owners["w0"], "batch", 600)
+        held = [mine.claim(), mine.claim(), mine.claim()]
+        # The third lease expired and another worker claimed that shard: a new epoch, not ours to release.
+        conn.execute("UPDATE bi.shards SET lease_expires_at = clock_timestamp() - interval '1 second' "
+                     "WHERE job_version = %s AND shard_no = %s", (job, held[2].shard_no))
+        other = Ledger(conn, job, "other-worker", "batch", 600).claim()
+        assert other.shard_no == held[2].shard_no and other.epoch == held[2].epoch + 1
+        (e,) = fleet.stop(grace=0.5)
+    finally:
+        for p in busy:
+            p.kill()
+            p.wait()
+    assert e.code == -signal.SIGKILL
+    assert released == sorted(lease.shard_no for lease in held[:2])
+    states = {r["shard_no"]: (r["state"], r["lease_owner"]) for r in conn.execute(
+        "SELECT shard_no, state, lease_owner FROM bi.shards WHERE job_version = %s", (job,))}
+    assert states[held[0].shard_no] == states[held[1].shard_no] == ("pending", None)
+    assert states[held[2].shard_no] == ("leased", "other-worker")

@@ -50,9 +50,9 @@ def watch(monkeypatch, db_url):
     side = db.connect(db_url)
     real_put, real_renew = Ledger.put_results, Ledger.renew
 
-    def put_results(self, lease, ids, outputs, categories):
+    def put_results(self, lease, ids, outputs, categories, *more):
         seen["puts"].append((lease.shard_no, lease.epoch, leased_by(side, lease.job_version).get(self.owner, [])))
-        return real_put(self, lease, ids, outputs, categories)
+        return real_put(self, lease, ids, outputs, categories, *more)
 
     def renew(self, lease):
         seen["renewed"].add(lease.shard_no)
@@ -121,14 +121,14 @@ def test_a_stale_lease_drops_only_its_own_shards_results(conn, db_url, monkeypat
     in_hand: set[int] = set()
     OutOfOrderNoop.answered = []
 
-    def put_results(self, lease, ids, outputs, categories):
+    def put_results(self, lease, ids, outputs, categories, *more):
         if lease.shard_no == 0 and not taken:
             assert leased_by(conn, job).get(self.owner, [])[:2] == [0, 1]   # two leases (or more) held at once
             assert sum(stored_by_shard(conn, job).values()) == 0           # nothing written yet
             in_hand.update(shard_of[rid] for rid in OutOfOrderNoop.answered)
             expire(conn, job, 0)
             taken.append(thief.claim())
-        return real_put(self, lease, ids, outputs, categories)
+        return real_put(self, lease, ids, outputs, categories, *more)
 
     monkeypatch.setattr(Ledger, "put_results", put_results)
     # flush_every above the shard size: each shard writes once, when all its records are answered.
@@ -156,7 +156,8 @@ def test_sigterm_releases_every_lease_the_worker_holds(conn, db_url):
     job = submit(conn, make_spec(shard_size=10, lease_seconds=600)).job_version
     w = start_worker(db_url, job, "--engine-option", "max_num_seqs=16", "--engine-option", "delay_s=0.05")
     deadline = time.monotonic() + 60
-    while not any(len(shards) >= 2 for shards in leased_by(conn, job).values()):   # two leases held at once
+    # Two leases held at once, and answers written (what the engine had finished is kept; the rest is lost).
+    while not any(len(shards) >= 2 for shards in leased_by(conn, job).values()) or not job_counts(conn, job)["stored"]:
         assert w.poll() is None and time.monotonic() < deadline, w.communicate()[0]
         time.sleep(0.02)
     w.send_signal(signal.SIGTERM)
@@ -286,3 +287,35 @@ def test_an_engine_failure_gives_back_every_held_shard_counted_as_a_lost_lease(c
     assert shards[3] == ("pending", 0) and leased_by(conn, job) == {}
     assert job_counts(conn, job)["stored"] == 12 and conn.execute(
         "SELECT coalesce(sum(attempts), 0) AS n FROM bi.attempts WHERE job_version = %s", (job,)).fetchone()["n"] == 0
+
+
+def test_results_show_in_status_while_shards_run_and_sigterm_releases_during_a_long_engine_step(conn, db_url):
+    """vLLM's way, slowed down: all 60 records of three shards in one batch, each engine step 4 s long
+    (a model forward no signal cuts short) answering 10. The first step's answers are in the ledger
+    while every shard is still leased; a SIGTERM in the second step releases every lease while that
+    step still runs, having written each record the engine had finished, and loses only the ones it
+    had not (the second step's, which come back to a worker whose leases are gone)."""
+    make_source(conn, tickets(60))
+    job = submit(conn, make_spec(shard_size=20, lease_seconds=600)).job_version
+    w = start_worker(db_url, job, "--grace-seconds", "60", *(x for o in ("max_num_seqs=64", "step_s=4", "per_step=10")
+                                                             for x in ("--engine-option", o)))
+    deadline = time.monotonic() + 60
+    while job_counts(conn, job)["stored"] == 0:
+        assert w.poll() is None and time.monotonic() < deadline, w.communicate()[0]
+        time.sleep(0.05)
+    c = job_counts(conn, job)
+    assert c["shards"]["leased"] == 3 and 0 < c["stored"] <= 10       # stored while all three shards run
+    w.send_signal(signal.SIGTERM)
+    while leased_by(conn, job):
+        assert w.poll() is None and time.monotonic() < deadline, w.communicate()[0]
+        time.sleep(0.05)
+    alive = w.poll() is None                                           # the second step is still running
+    stored = job_counts(conn, job)["stored"]
+    out, _ = w.communicate(timeout=60)
+    assert alive and w.returncode == ExitCode.PREEMPTED, out
+    assert out.count("released shard") == 3 and "preemption notice" in out, out
+    # Every answer of the first step was written before the release; the second step's are lost.
+    assert stored == 10 and job_counts(conn, job)["stored"] == 10
+    w2 = start_worker(db_url, job, "--engine-option", "max_num_seqs=64")
+    assert w2.wait(timeout=60) == 0
+    assert job_counts(conn, job)["stored"] == 60 and duplicates(conn, job) == 0

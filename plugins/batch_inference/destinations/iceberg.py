@@ -280,7 +280,7 @@ class IcebergTable(Destination):
         self._aws_settings: dict[str, str] | None = None
         self._catalog_obj: Any = None
 
-    def _line(self, exc: BaseException) -> str:
+    def error_line(self, exc: BaseException) -> str:
         return _first_line(exc, *self._secrets)
 
     # -- where things are
@@ -393,7 +393,7 @@ class IcebergTable(Destination):
         except (DestinationUnavailable, DestinationRefused):
             raise
         except Exception as exc:  # noqa: BLE001 - every client's own errors: one line, retryable
-            raise DestinationUnavailable(f"{self.name}: catalog unreachable: {self._line(exc)}"
+            raise DestinationUnavailable(f"{self.name}: catalog unreachable: {self.error_line(exc)}"
                                          ) from None
         return self._catalog_obj
 
@@ -419,7 +419,7 @@ class IcebergTable(Destination):
         except (DestinationUnavailable, DestinationRefused):
             raise
         except Exception as exc:  # noqa: BLE001
-            raise DestinationUnavailable(f"{self.name}: catalog unreachable: {self._line(exc)}"
+            raise DestinationUnavailable(f"{self.name}: catalog unreachable: {self.error_line(exc)}"
                                          ) from None
 
     # -- the interface
@@ -433,7 +433,7 @@ class IcebergTable(Destination):
         except DestinationUnavailable:
             raise
         except Exception as exc:  # noqa: BLE001
-            raise DestinationUnavailable(f"{self.name}: catalog unreachable: {self._line(exc)}"
+            raise DestinationUnavailable(f"{self.name}: catalog unreachable: {self.error_line(exc)}"
                                          ) from None
         where = self.fs_path(self.warehouse)
         if self.warehouse.startswith("s3://"):
@@ -442,7 +442,7 @@ class IcebergTable(Destination):
             info = self.filesystem().get_file_info(where)
         except Exception as exc:  # noqa: BLE001
             raise DestinationUnavailable(f"{self.name}: warehouse {self.dest.warehouse} unreachable: "
-                                         f"{self._line(exc)}") from None
+                                         f"{self.error_line(exc)}") from None
         if self.warehouse.startswith("s3://") and info.type.name == "NotFound":
             raise DestinationUnavailable(f"{self.name}: warehouse {self.dest.warehouse}: no such bucket")
 
@@ -504,7 +504,7 @@ class IcebergTable(Destination):
             raise
         except Exception as exc:  # noqa: BLE001 - a catalog or store down: nothing committed, retryable
             raise DestinationUnavailable(f"{self.name}: publish of {jv} failed before its commit: "
-                                         f"{self._line(exc)}; nothing was committed") from None
+                                         f"{self.error_line(exc)}; nothing was committed") from None
 
     def _lost_race(self, jv: str, previous: int | None, exc: Exception) -> Pointed:
         """Another publisher's commit came first: this version is live already, or the caller is told."""
@@ -515,7 +515,7 @@ class IcebergTable(Destination):
             return self._pointed(tbl, False, previous)
         raise DestinationRefused(f"{self.name}: another publisher committed first "
                                  f"(main is at {self.tag_of(tbl, self.main_snapshot(tbl)) if tbl else None}); "
-                                 f"nothing of {jv} was committed ({self._line(exc)})") from None
+                                 f"nothing of {jv} was committed ({self.error_line(exc)})") from None
 
     def _write(self, tbl: Any, version: Version, *, force: bool, reason: str | None, previous: int | None) -> Pointed:
         import pyarrow.parquet as pq
@@ -604,7 +604,7 @@ class IcebergTable(Destination):
                 if fs.get_file_info(self.fs_path(d)).type != FileType.NotFound:
                     fs.delete_dir(self.fs_path(d))
             except Exception as exc:  # noqa: BLE001 - best effort: the next publish of the version retries
-                log.warning("%s: could not remove %s: %s", self.name, d, self._line(exc))
+                log.warning("%s: could not remove %s: %s", self.name, d, self.error_line(exc))
 
     def _remove_orphans(self, fs: Any, base: str, *, keep: str) -> None:
         from pyarrow.fs import FileSelector, FileType
@@ -612,7 +612,7 @@ class IcebergTable(Destination):
         try:
             found = fs.get_file_info(FileSelector(self.fs_path(base), allow_not_found=True))
         except Exception as exc:  # noqa: BLE001
-            log.warning("%s: could not list %s for orphans: %s", self.name, base, self._line(exc))
+            log.warning("%s: could not list %s for orphans: %s", self.name, base, self.error_line(exc))
             return
         stale = [i.path for i in found if i.type == FileType.Directory and i.base_name != keep]
         for path in stale:
@@ -620,7 +620,7 @@ class IcebergTable(Destination):
                 fs.delete_dir(path)
                 log.info("%s: removed orphaned files of an uncommitted attempt: %s", self.name, path)
             except Exception as exc:  # noqa: BLE001
-                log.warning("%s: could not remove orphans %s: %s", self.name, path, self._line(exc))
+                log.warning("%s: could not remove orphans %s: %s", self.name, path, self.error_line(exc))
 
     def point_back(self, job_version: str) -> Pointed:
         from pyiceberg.exceptions import CommitFailedException
@@ -637,10 +637,10 @@ class IcebergTable(Destination):
             tbl = self._move_main(tbl, tag.snapshot_id)
         except CommitFailedException as exc:
             raise DestinationRefused(f"{self.name}: another publisher moved main first; rollback to {job_version} "
-                                     f"not made ({self._line(exc)})") from None
+                                     f"not made ({self.error_line(exc)})") from None
         except Exception as exc:  # noqa: BLE001
             raise DestinationUnavailable(f"{self.name}: rollback to {job_version} failed: "
-                                         f"{self._line(exc)}; nothing was changed") from None
+                                         f"{self.error_line(exc)}; nothing was changed") from None
         return self._pointed(tbl, True, previous)
 
     def close(self) -> None:

@@ -14,6 +14,10 @@ Options:
 * ``max_num_seqs`` (int, 0): above 0, the engine streams across shards
   (``Engine.stream``) with this many requests queued, as vLLM does with its
   batch: the worker then overlaps shards. 0: one shard at a time.
+* ``step_s`` (float, 0): when streaming, answer in engine steps as vLLM does:
+  each step takes ``step_s`` whatever happens meanwhile (a model forward is
+  not cut short by a stop or a signal) and answers the ``per_step`` oldest
+  queued requests (int, 0: all of them).
 * ``seed`` (int, 0): seeds the draws. One generator per engine instance, drawn
   once per record in order, so a retried record fails independently (a
   fixed per-record draw would make ``fail_rate`` a dead-letter rate).
@@ -30,6 +34,7 @@ import math
 import random
 import re
 import threading
+import time
 from collections import deque
 from collections.abc import Iterator, Sequence
 from typing import Any
@@ -46,7 +51,7 @@ INVALID_OUTPUT = '["noop: deliberately invalid output"]'
 
 class NoopEngine(Engine):
     name = "noop"
-    option_names = frozenset({"delay_s", "fail_rate", "invalid_rate", "seed", "max_num_seqs"})
+    option_names = frozenset({"delay_s", "fail_rate", "invalid_rate", "seed", "max_num_seqs", "step_s", "per_step"})
 
     def __init__(self, spec, options=None):
         super().__init__(spec, options)
@@ -58,6 +63,10 @@ class NoopEngine(Engine):
                 raise InvalidValue(f"engine 'noop': option '{key}' must be between 0 and 1")
         if self.delay_s < 0:
             raise InvalidValue("engine 'noop': option 'delay_s' must not be negative")
+        self.step_s = float(self.option("step_s", 0.0))
+        self.per_step = int(self.option("per_step", 0))
+        if self.step_s < 0 or self.per_step < 0:
+            raise InvalidValue("engine 'noop': options 'step_s' and 'per_step' must not be negative")
         self.max_num_seqs = int(self.option("max_num_seqs", 0))
         if self.max_num_seqs < 0:
             raise InvalidValue("engine 'noop': option 'max_num_seqs' must not be negative")
@@ -98,6 +107,11 @@ class NoopEngine(Engine):
                 queue.extend(feed.refill(self.max_num_seqs - len(queue), not queue))
             if not queue:
                 return
+            if self.step_s:
+                time.sleep(self.step_s)   # a signal runs its handler, then the step goes on
+                for _ in range(min(self.per_step or len(queue), len(queue))):
+                    yield self._answer_for(queue.popleft())
+                continue
             req = queue.popleft()
             if self.delay_s:
                 stop.wait(self.delay_s)

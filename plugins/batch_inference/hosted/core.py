@@ -169,8 +169,8 @@ class HostedLedger:
         self.ledger = ledger
 
     def _call(self, name: str, lease: Lease, **params: Any) -> dict[str, Any]:
-        """One fenced call: the ledger's own fence check (``Ledger._held``: StaleLease when stale)."""
-        return self.ledger._held(name, name, lease, **params)
+        """One fenced call: the ledger's own fence check (``Ledger.transition``: StaleLease when stale)."""
+        return self.ledger.transition(name, name, lease, **params)
 
     def open(self, lease: Lease, provider: str, ids: Sequence[str]) -> Intent:
         r = self._call("hosted_open", lease, provider=provider, ids=list(ids))

@@ -23,6 +23,7 @@ from airflow.sdk.exceptions import AirflowException, AirflowFailException
 from batch_inference.exits import FATAL, ExitCode, describe
 from batch_inference.fleet import Action, Exit, Fleet
 from batch_inference.hooks.batch_inference import BatchInferenceHook
+from batch_inference.ledger import new_owner_id
 from batch_inference.operators.grants import grant_worker_role
 
 # What each fatal exit (``exits.FATAL``) means for the task: it fails without
@@ -152,7 +153,7 @@ class LocalWorkersOperator(BaseOperator):
     def _plan(self, conninfo: str, job_version: str, workers: int) -> tuple[str, dict[str, Any]]:
         """The engine and merged options, read from the job's pinned spec (and, with the autopilot,
         the fleet's bounds into ``self._bounds``)."""
-        from batch_inference import db
+        from batch_inference import autopilot, db
         from batch_inference.status import UnknownJob, job_spec
 
         try:
@@ -161,7 +162,7 @@ class LocalWorkersOperator(BaseOperator):
         except UnknownJob as exc:
             raise AirflowFailException(str(exc)) from None
         self._bounds = (spec.cost.min_workers, spec.cost.max_workers)
-        self._follow = bool(self.autopilot) and spec.autopilot.enabled
+        self._follow = bool(self.autopilot) and autopilot.steers(spec)   # not a hosted batch transport's workers
         engine = (self.engine or "").strip() or spec.engine.name
         # The CLI's --engine-option replaces the spec's options, so pass the merge.
         options = {**spec.engine.options, **dict(self.engine_options or {})}
@@ -200,7 +201,9 @@ class LocalWorkersOperator(BaseOperator):
         if self._follow:
             n = self._resume_size(conninfo, job_version, n)
         fleet = self.fleet = Fleet(self.worker_arguments(job_version, engine, options), env, n, log=self.log,
-                                   fatal=FATAL, max_restarts=self.max_restarts)
+                                   fatal=FATAL, max_restarts=self.max_restarts,
+                                   worker_ids=lambda name: new_owner_id(f"local-{name}"),
+                                   on_killed=lambda w: self._give_back_leases(conninfo, job_version, w))
         t0 = time.monotonic()
         next_reconcile = 0.0
         try:
@@ -322,6 +325,21 @@ class LocalWorkersOperator(BaseOperator):
         self.log.info("%s job version %s to worker role %s; workers log in with connection %s",
                       "granted" if new else "already granted", job_version, role, self.worker_conn_id)
         return info
+
+    def _give_back_leases(self, conninfo: str, job_version: str, w: Any) -> None:
+        """The stop ended worker ``w`` by force before it released its leases (a loaded machine):
+        release them here, each fenced by the owner and epoch it held, so no shard waits for its
+        lease to expire."""
+        from batch_inference import db
+        from batch_inference.fleet import release_leases
+
+        if w.owner is None:
+            return
+        with db.connect(conninfo) as conn:
+            shards = release_leases(conn, job_version, w.owner)
+        if shards:
+            self.log.warning("[%s] ended by force: released its shard(s) %s", w.name,
+                             ", ".join(map(str, shards)))
 
     def _halt(self, conninfo: str, job_version: str, reason: str) -> None:
         """Record the fatal failure on the job: the cutoff watch then fails the run at its next poll."""

@@ -62,7 +62,7 @@ class IcebergSnapshot(Reader):
             except SnapshotError:
                 raise
             except Exception as exc:  # noqa: BLE001 - the catalog's own errors, DestinationUnavailable: one line
-                raise self.refuse(f"catalog unreachable: {adapter._line(exc)}") from None
+                raise self.refuse(f"catalog unreachable: {adapter.error_line(exc)}") from None
         return self._table
 
     def snapshot_id(self) -> int:
