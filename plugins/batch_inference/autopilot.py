@@ -36,7 +36,7 @@ from datetime import datetime, timedelta, timezone
 from decimal import Decimal
 from typing import Any
 
-from batch_inference.cost import Prices, cents
+from batch_inference.cost import Prices, cents, rows_within
 
 UTC = timezone.utc
 ADD, REMOVE, HOLD = "add", "remove", "hold"
@@ -58,16 +58,47 @@ class Policy:
     window_s: float = 900.0
     budget: Decimal | None = None
     on_budget: str = "page"
+    # How long a batch worker may run once the cutoff fires: it learns fallback mode at its next
+    # renewal and holds nothing once its lease runs out, when the launchers end it (``drain_s``).
+    drain_s: float = 0.0
 
     @classmethod
     def from_spec(cls, spec: Any) -> "Policy":
         c, a = spec.cost, spec.autopilot
         return cls(min_workers=c.min_workers, max_workers=c.max_workers, margin_s=a.margin_s, start_s=a.start_s,
                    cooldown_s=a.cooldown_s, window_s=a.window_s,
-                   budget=None if c.budget is None else Decimal(str(c.budget)), on_budget=c.on_budget)
+                   budget=None if c.budget is None else Decimal(str(c.budget)), on_budget=c.on_budget,
+                   drain_s=drain_s(spec))
+
+    @property
+    def keeps_budget(self) -> bool:
+        """``on_budget: page`` with a budget: no option over it is taken."""
+        return self.budget is not None and self.on_budget == "page"
 
     def clamp(self, n: int) -> int:
         return max(self.min_workers, min(self.max_workers, int(n)))
+
+
+def drain_s(spec: Any) -> float:
+    """The longest a batch worker runs after the cutoff fires: until its next renewal refuses it, then
+    its lease's length at most (the launchers end a worker whose lease has run out)."""
+    return float(spec.lease_seconds) + float(spec.renew_seconds)
+
+
+def hosted(spec: Any) -> bool:
+    """The job's engine is a hosted batch transport: its records go to a provider's batch API, so its
+    workers are no GPU workers. The autopilot does not steer them and the bill has no GPU-hours."""
+    from batch_inference.engines import engine_class
+
+    try:
+        return getattr(engine_class(spec.engine.name), "transport", "batch") == "hosted_batch"
+    except (ValueError, ImportError):   # an engine that cannot be loaded here is none of the hosted ones
+        return False
+
+
+def steers(spec: Any) -> bool:
+    """The autopilot steers this job's fleet: it is enabled and the workers are GPU workers."""
+    return bool(spec.autopilot.enabled) and not hosted(spec)
 
 
 # -- throughput ---------------------------------------------------------------------------
@@ -138,16 +169,19 @@ class Option:
     finish: datetime | None        # the batch's last row; None: the cutoff fires first
     fire: datetime | None          # when the moving cutoff fires; None: it does not
     meets: bool                    # finishes by the target (the cutoff's last moment less the margin)
-    fallback_rows: int
-    gpu_hours: float               # still to run
+    fallback_rows: int             # rows the fallback pool re-drives
+    gpu_hours: float               # still to run, the drain after the cutoff included
     bill: Decimal                  # the night's projected bill
     within_budget: bool = True
+    pending_rows: int = 0          # with on_budget page: rows the pool leaves pending at the budget
+    batch_rows: int = 0            # rows our own workers store
 
     def to_dict(self) -> dict[str, Any]:
         return {"workers": self.workers, "finish": self.finish.isoformat() if self.finish else None,
                 "fire": self.fire.isoformat() if self.fire else None, "meets": self.meets,
-                "fallback_rows": self.fallback_rows, "gpu_hours": round(self.gpu_hours, 6),
-                "bill": float(cents(self.bill)), "within_budget": self.within_budget}
+                "fallback_rows": self.fallback_rows, "pending_rows": self.pending_rows,
+                "gpu_hours": round(self.gpu_hours, 6), "bill": float(cents(self.bill)),
+                "within_budget": self.within_budget}
 
 
 def _segment(t0: float, t1: float, left: float, per_s: float, cut: float, fb_rate: float) -> tuple[str, float, float]:
@@ -171,7 +205,9 @@ def _segment(t0: float, t1: float, left: float, per_s: float, cut: float, fb_rat
 def project(workers: int, current: int, per_worker: float, outstanding: int, now: datetime, deadline: datetime,
             fb_rate: float, overhead_s: float, policy: Policy, prices: Prices, spent: Decimal) -> Option:
     """Run ``workers`` from now (the ones beyond ``current`` after ``start_s``) until the batch finishes or
-    the moving cutoff fires; the bill is ``spent`` plus the GPU-hours, the batch's rows and the fallback's."""
+    the moving cutoff fires (and then ``drain_s`` more); the bill is ``spent`` plus the GPU-hours, the
+    batch's rows and the fallback's. With ``on_budget: page`` the fallback is priced as the pool spends:
+    only the rows the rest of the budget affords, the others left pending."""
     cut = (deadline - now).total_seconds() - overhead_s          # the cutoff's last moment, from now
     first = min(current, workers) if workers > current else workers
     how, t, left = _segment(0.0, policy.start_s if workers > current else math.inf, float(outstanding),
@@ -179,14 +215,21 @@ def project(workers: int, current: int, per_worker: float, outstanding: int, now
     if how == "open":
         how, t, left = _segment(t, math.inf, left, workers * per_worker, cut, fb_rate)
     fb_rows = math.ceil(left) if how == "fire" else 0
-    gpu_h = workers * t / 3600.0 if math.isfinite(t) else 0.0
+    run_s = t + (policy.drain_s if how == "fire" else 0.0)
+    gpu_h = workers * run_s / 3600.0 if math.isfinite(run_s) else 0.0
     batch_rows = outstanding - fb_rows
-    bill = spent + prices.gpu_cost(Decimal(str(gpu_h))) + batch_rows * prices.own_row \
-        + fb_rows * prices.fallback_per_row
+    before_fb = spent + prices.gpu_cost(Decimal(str(gpu_h))) + batch_rows * prices.own_row
+    pending = 0
+    if policy.keeps_budget and fb_rows:
+        paid = rows_within(policy.budget, before_fb, prices.fallback_per_row)
+        pending = 0 if paid is None else max(0, fb_rows - paid)
+    fb_rows -= pending
+    bill = before_fb + fb_rows * prices.fallback_per_row
     finish = now + timedelta(seconds=t) if how == "finish" else None
     return Option(workers=workers, finish=finish, fire=now + timedelta(seconds=t) if how == "fire" else None,
                   meets=how == "finish" and t <= cut - policy.margin_s, fallback_rows=fb_rows, gpu_hours=gpu_h,
-                  bill=bill, within_budget=policy.budget is None or bill <= policy.budget)
+                  bill=bill, within_budget=policy.budget is None or bill <= policy.budget, pending_rows=pending,
+                  batch_rows=batch_rows)
 
 
 # -- the decision -------------------------------------------------------------------------
@@ -238,48 +281,107 @@ class Decision:
 
 
 def _fmt(o: Option) -> str:
-    end = f"finish {o.finish:%H:%M:%S}" if o.finish else f"cutoff fires {o.fire:%H:%M:%S}, {o.fallback_rows:,} rows re-driven"
+    if o.finish:
+        end = f"finish {o.finish:%H:%M:%S}"
+    else:
+        end = f"cutoff fires {o.fire:%H:%M:%S}, {o.fallback_rows:,} rows re-driven" + \
+            (f", {o.pending_rows:,} left pending at the budget" if o.pending_rows else "")
     return f"{o.workers} worker(s): {end}, bill ${cents(o.bill):,}"
+
+
+def arithmetic(o: Option, policy: Policy, prices: Prices, spent: Decimal) -> str:
+    """The sum behind ``o.bill``, term by term: what the page says of the option it names."""
+    own = f" + {o.batch_rows:,} batch rows at ${prices.own_row}/row" if prices.own_row else ""
+    pending = f"; {o.pending_rows:,} rows left pending" if o.pending_rows else ""
+    return (f"budget ${cents(policy.budget or Decimal(0)):,}: {_fmt(o)} (spent ${cents(spent):,} + "
+            f"{o.gpu_hours:.4f} GPU-h at ${prices.gpu_hour or 0}/h{own} + {o.fallback_rows:,} fallback rows at "
+            f"${prices.fallback_per_row}/row{pending})")
 
 
 def decide(now: datetime, deadline: datetime, outstanding: int, per_worker: float | None, current: int,
            fb_rate: float, overhead_s: float, policy: Policy, prices: Prices, spent: Decimal = Decimal(0),
-           last_change: datetime | None = None, shards_left: int | None = None, steady: bool = True) -> Decision:
+           last_change: datetime | None = None, shards_left: int | None = None, steady: bool = True,
+           last_action: str | None = None) -> Decision:
     """The fleet size for this poll (pure). ``current``: the desired size in force (the launchers'
-    target); ``last_change``: when it was set (or the first claim), for the cooldown; ``spent``: the
-    bill so far; ``shards_left``: shards pending or leased, beyond which a worker has nothing to claim;
-    ``steady``: the throughput covers a whole window (``Throughput.steady``), else nothing is removed."""
+    target); ``last_change``: when it was set (or the first claim), for the cooldown, and ``last_action``
+    what that change was; ``spent``: the bill so far; ``shards_left``: shards pending or leased, beyond
+    which a worker has nothing to claim; ``steady``: the throughput covers a whole window
+    (``Throughput.steady``), else nothing is removed.
+
+    With ``on_budget: page`` no size over the budget is taken: the options are priced as the pool
+    would spend (``project``), a worker is added only if the budget pays for it even at
+    ``REMOVE_DERATE`` of the measured throughput (its start-up and its drain included), a size that
+    went over is left at once for the largest within it (0 when none is: the budget beats the
+    bounds), and within the cooldown a removal is not followed by an add."""
     if shards_left is not None and shards_left < policy.max_workers:
         policy = Policy(**{**policy.__dict__, "max_workers": max(policy.min_workers, shards_left)})
-    start = policy.clamp(current)
+    keep = policy.keeps_budget
+    start = 0 if keep and current == 0 else policy.clamp(current)     # a fleet the budget stopped stays stopped
     if outstanding <= 0:
         return Decision(now, current, current, HOLD, "nothing outstanding", per_worker)
+    if keep and start and spent + prices.gpu_cost(Decimal(str(start * policy.drain_s / 3600))) > policy.budget:
+        # Not even the drain of the fleet in force is within the budget: it stops, measured or not.
+        why = (f"no fleet size keeps within the budget; the fleet stops: spent ${cents(spent):,} + {start} "
+               f"worker(s)' drain of {policy.drain_s:g}s is over the budget ${cents(policy.budget):,}")
+        return Decision(now, current, 0, REMOVE, why, per_worker, (), why)
     if per_worker is None or per_worker <= 0:
         action = HOLD if start == current else (ADD if start > current else REMOVE)
         return Decision(now, current, start, action, "no throughput measured yet: the bounds' size", per_worker)
-    options = tuple(project(n, current, per_worker, outstanding, now, deadline, fb_rate, overhead_s, policy, prices,
-                            spent) for n in range(policy.min_workers, policy.max_workers + 1))
+
+    def at(n: int, rate: float = per_worker) -> Option:
+        return project(n, current, rate, outstanding, now, deadline, fb_rate, overhead_s, policy, prices, spent)
+
+    options = tuple(at(n) for n in range(policy.min_workers, policy.max_workers + 1))
     by_n = {o.workers: o for o in options}
-    meeting = [o for o in options if o.meets]
+    affordable = [o for o in options if o.within_budget] if keep else list(options)
+    meeting = [o for o in affordable if o.meets]
+    want: Option | None
     if meeting:
         want = meeting[0]
         why = f"fewest workers finishing {policy.margin_s:g}s before the cutoff's last moment: {_fmt(want)}"
+    elif keep and affordable:
+        want = min(affordable, key=lambda o: (o.pending_rows, o.bill, o.workers))
+        why = f"no size within the budget finishes before the cutoff; the fewest rows left pending: {_fmt(want)}"
+    elif keep:
+        want = None
+        why = "no size keeps within the budget"
     else:
         want = min(options, key=lambda o: (o.bill, -o.workers))
         why = f"no size finishes before the cutoff; the cheapest night: {_fmt(want)}"
     cur = by_n.get(start)
+    cooled = last_change is None or (now - last_change).total_seconds() >= policy.cooldown_s
     desired, action = start, HOLD
-    if want.workers > start:
-        desired, action = want.workers, ADD
+    if want is None:
+        pass   # left below: the fleet stops
+    elif want.workers > start:
+        if not keep:
+            desired, action = want.workers, ADD
+        elif last_action == REMOVE and not cooled:
+            why = f"behind, holding {start} (a removal within the cooldown is not followed by an add): {_fmt(cur)}"
+        else:
+            # Paid for before it starts: within the budget as the next poll will see it (the added workers
+            # producing), were the measured throughput off by REMOVE_DERATE either way (slower, it runs
+            # longer to finish; faster, the cutoff fires later).
+            def paid_for(n: int) -> bool:
+                return all(project(n, n, rate, outstanding, now, deadline, fb_rate, overhead_s, policy, prices,
+                                   spent).within_budget
+                           for rate in (per_worker, per_worker * REMOVE_DERATE, per_worker / REMOVE_DERATE))
+
+            paid = [n for n in range(want.workers, start, -1) if by_n[n].within_budget and paid_for(n)]
+            if paid:
+                desired, action = paid[0], ADD
+                if paid[0] != want.workers:
+                    why = (f"{why}; the budget pays for {paid[0]} at {REMOVE_DERATE:.0%} of the measured "
+                           f"throughput: {_fmt(by_n[paid[0]])}")
+            else:
+                why = f"behind, holding {start} (no added worker is paid for within the budget): {_fmt(cur)}"
     elif want.workers < start and cur is not None and cur.meets:
         # Remove only with a second margin to spare and past the cooldown: no flapping.
-        cooled = last_change is None or (now - last_change).total_seconds() >= policy.cooldown_s
-        slow = [project(o.workers, current, per_worker * REMOVE_DERATE, outstanding, now, deadline, fb_rate,
-                        overhead_s, policy, prices, spent) for o in options if o.workers < start]
+        slow = [at(o.workers, per_worker * REMOVE_DERATE) for o in options if o.workers < start]
         early = [o for o in slow if o.finish is not None
                  and (o.finish - now).total_seconds() <= (deadline - now).total_seconds() - overhead_s
                  - 2 * policy.margin_s]
-        early = [by_n[o.workers] for o in early]
+        early = [by_n[o.workers] for o in early if by_n[o.workers] in affordable]
         if cooled and early and steady:
             desired, action = early[0].workers, REMOVE
             why = (f"ahead: {_fmt(early[0])}, a second margin of {policy.margin_s:g}s to spare at "
@@ -292,27 +394,32 @@ def decide(now: datetime, deadline: datetime, outstanding: int, per_worker: floa
         why = f"on course: {_fmt(want)}"
     elif cur is not None:
         why = f"holding {start}: {_fmt(cur)}"
+    if keep and (desired not in by_n or not by_n[desired].within_budget):
+        # The size in force went over the budget: the largest size within it, at once (the budget is
+        # hard, the cooldown is not); none within it: the fleet stops.
+        below = [o for o in affordable if o.workers < desired]
+        if below:
+            desired = below[-1].workers
+            why = f"over the budget with {start}; the largest size within it: {_fmt(below[-1])}"
+        else:
+            desired = 0
+            stop = at(0)
+            options = (stop, *options)
+            by_n[0] = stop
+            why = f"no fleet size keeps within the budget; the fleet stops: {_fmt(stop)}"
+        action = REMOVE if desired < current else HOLD
     page = None
     chosen = by_n[desired]
-    if policy.budget is not None and chosen.bill > policy.budget:
-        within = [o for o in options if o.within_budget]
-        arithmetic = (f"budget ${cents(policy.budget):,}: {_fmt(chosen)} (spent ${cents(spent):,} + "
-                      f"{chosen.gpu_hours:.3f} GPU-h at ${prices.gpu_hour or 0}/h + {chosen.fallback_rows:,} fallback "
-                      f"rows at ${prices.fallback_per_row}/row)")
+    if policy.budget is not None:
+        sums = arithmetic(chosen, policy, prices, spent)
         if policy.on_budget == "spend":
-            page = f"spending past the budget to meet the deadline: {arithmetic}"
-        elif within:
-            keep = max(within, key=lambda o: o.workers)
-            page = f"the deadline would cost more than the budget; keeping within it with {_fmt(keep)}. {arithmetic}"
-            desired = keep.workers
-            action = ADD if desired > current else REMOVE if desired < current else HOLD
-            why = f"within the budget: {_fmt(keep)}"
-        else:
-            cheapest = min(options, key=lambda o: o.bill)
-            page = f"no fleet size keeps within the budget; the cheapest is {_fmt(cheapest)}. {arithmetic}"
-            desired = cheapest.workers
-            action = ADD if desired > current else REMOVE if desired < current else HOLD
-            why = f"over the budget whatever the size; the cheapest: {_fmt(cheapest)}"
+            if chosen.bill > policy.budget:
+                page = f"spending past the budget to meet the deadline: {sums}"
+        elif (not meeting and any(o.meets for o in options)) or chosen.pending_rows:
+            head = ("no fleet size keeps within the budget; the fleet stops" if desired == 0 else
+                    f"the deadline cannot be met within the budget; keeping within it with {chosen.workers} "
+                    "worker(s)")
+            page = f"{head}. {sums}"
     return Decision(now, current, desired, action if desired != current else HOLD, why, per_worker, options, page)
 
 
@@ -340,10 +447,18 @@ def observe(conn: Any, job_version: str, launcher: str, running: int) -> None:
     conn.execute(db.q("fleet_observe"), {"job": job_version, "launcher": launcher, "running": int(running)})
 
 
-def gpu_hours(conn: Any, job_version: str) -> float:
-    """The batch workers' GPU-hours so far, from every launcher's record."""
+def gpu_hours(conn: Any, job_version: str, spec: Any = None) -> float:
+    """The batch workers' GPU-hours so far, from every launcher's record; 0 for a job whose engine is a
+    hosted batch transport (``spec``, read from the ledger when not given): its workers hand the records
+    to a provider, no GPU."""
     from batch_inference import db
+    from batch_inference.spec import JobSpec
 
+    if spec is None:
+        row = conn.execute(db.q("job_spec"), {"job": job_version}).fetchone()
+        spec = None if row is None else JobSpec.model_validate(row["spec"])
+    if spec is not None and hosted(spec):
+        return 0.0
     return float(conn.execute(db.q("fleet_gpu_seconds"), {"job": job_version}).fetchone()["worker_seconds"]) / 3600.0
 
 
@@ -354,7 +469,7 @@ def reconcile(conn: Any, job_version: str, launcher: str, running: Callable[[], 
     size it reconciled to. A restarted launcher calls this first and resumes from the ledger."""
     want = desired_size(conn, job_version)
     want = default if want is None else want
-    if bounds is not None:
+    if bounds is not None and want != 0:      # 0 comes only from the budget (on_budget: page): it beats the bounds
         want = max(bounds[0], min(bounds[1], want))
     if running() != want:
         scale(want)

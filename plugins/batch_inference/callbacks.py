@@ -47,6 +47,9 @@ WEBHOOK_ENV = "BATCH_INFERENCE_ONCALL_WEBHOOK"
 FILE_ENV = "BATCH_INFERENCE_ONCALL_FILE"
 NO_DEADLINE_ALERT_ENV = "BATCH_INFERENCE_NO_DEADLINE_ALERT"
 WEBHOOK_TIMEOUT_S = 10.0
+# An exception with this attribute true was already told to on-call by the task that raised it (the
+# fallback's budget stop pages before it fails): the failure callback sends nothing more.
+ONCALL_SENT = "oncall_sent"
 
 # Dead-letter reasons (PostgreSQL regular expressions, matched case-blind by
 # the query dead_letter_causes) that say the model endpoint failed, not the
@@ -368,6 +371,10 @@ class OnCallNotifier(BaseNotifier):
                             str(error) if error else None)
 
     def notify(self, context: Any) -> None:
+        exc = context.get("exception")
+        if getattr(exc, ONCALL_SENT, False):
+            log.info("on-call already has this failure (%s): not sent again", type(exc).__name__)
+            return
         deliver(self.message(context), self.webhook_url, self.log_file)
 
 

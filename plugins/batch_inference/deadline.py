@@ -204,7 +204,7 @@ async def steer_fleet(aconn: psycopg.AsyncConnection, cfg: WatchConfig, ctx: Job
                                 ctx.constants.overhead_s, policy, ctx.prices, spent.total,
                                 last_change=state["decided_at"] if state else counts.get("first_claim_at"),
                                 shards_left=int(counts["shards"].get("pending", 0)) + int(counts["shards"].get("leased", 0)),
-                                steady=pilot.steady)
+                                steady=pilot.steady, last_action=state["action"] if state else None)
     await aconn.execute(db.q("fleet_decide"), decision.params(cfg.job_version))
     if decision.action != autopilot.HOLD or decision.page:
         logger.warning("autopilot of %s: %s %d -> %d worker(s): %s%s", cfg.job_version, decision.action,
@@ -365,7 +365,7 @@ async def watch(connect: Callable[[], Awaitable[psycopg.AsyncConnection]], cfg: 
                 verdict = evaluate(cfg, ctx, counts, now())
                 polls += 1
                 await record_progress(conn, cfg.job_version, counts, verdict.decision)
-                if ctx.spec.autopilot.enabled and verdict.status in (WAIT, EARLY_WARNING):
+                if autopilot.steers(ctx.spec) and verdict.status in (WAIT, EARLY_WARNING):
                     a = ctx.spec.autopilot
                     pilot = pilot or Throughput(start_s=a.start_s, window_s=a.window_s)
                     decision = await steer_fleet(conn, cfg, ctx, counts, verdict.decision, pilot, logger)

@@ -44,11 +44,13 @@ the error.
 
 The budget (``cost.budget``, ``cost.on_budget``) is checked before the pool
 starts: the bill so far (``status.bill``, what ``batch-inference cost`` says)
-plus every outstanding row at ``cost.fallback_per_row``. Over it, the pool
-pages once with that arithmetic (``on_page``) and, with ``on_budget: page``,
-sends at most the requests the rest of the budget affords, retries included,
-through one :class:`batch_inference.ratelimit.RequestAllowance` shared by its
-threads; the first request refused stops the pool as ``stop()`` does, the
+plus the GPU time the batch workers still running may spend draining
+(``autopilot.drain_s`` each, reserved first) plus every outstanding row at
+``cost.fallback_per_row``. Over it, the pool pages once with that arithmetic
+(``on_page``) and, with ``on_budget: page``, re-drives at most the rows the rest
+of the budget affords (a retried request spends nothing twice), through one
+:class:`batch_inference.ratelimit.RequestAllowance` shared by its threads and
+keyed by record; the first record refused stops the pool as ``stop()`` does, the
 records left stay pending with no attempt spent, and the result says
 ``budget_stop``. With ``on_budget: spend`` it re-drives everything.
 
@@ -153,17 +155,21 @@ def add_load_time(conn: psycopg.Connection, job_version: str, load_s: float | No
 
 @dataclass(frozen=True)
 class BudgetCheck:
-    """``cost.budget`` against re-driving every outstanding row at the fallback's price."""
+    """``cost.budget`` against re-driving every outstanding row at the fallback's price, the batch
+    workers' drain (GPU time still to run) reserved first."""
 
     budget: Decimal
     spent: Decimal          # the bill so far (status.bill)
     outstanding: int
     per_row: Decimal        # cost.fallback_per_row
     on_budget: str          # page | spend
+    draining: int = 0       # batch workers the launchers still run
+    drain_s: float = 0.0    # the longest one of them runs from now (autopilot.drain_s)
+    reserve: Decimal = Decimal(0)   # their GPU time at the GPU-hour price
 
     @property
     def projected(self) -> Decimal:
-        return self.spent + self.outstanding * self.per_row
+        return self.spent + self.reserve + self.outstanding * self.per_row
 
     @property
     def over(self) -> bool:
@@ -171,36 +177,46 @@ class BudgetCheck:
 
     @property
     def allowance(self) -> int | None:
-        """Requests the pool may send, retries included: the rows the rest of the budget affords,
-        over the budget with ``on_budget: page``; None (no cap) otherwise."""
+        """Rows the pool may re-drive (a retried request spends nothing twice): the rows the rest of the
+        budget affords, the drain reserved first, over the budget with ``on_budget: page``; None (no cap)
+        otherwise."""
         if not self.over or self.on_budget != "page":
             return None
-        return rows_within(self.budget, self.spent, self.per_row)
+        return rows_within(self.budget, self.spent + self.reserve, self.per_row)
 
     def page(self, job_version: str) -> str:
         """One line: the arithmetic, and what the pool does about it."""
-        sums = (f"budget ${cents(self.budget):,}: spent ${cents(self.spent):,} so far + {self.outstanding:,} rows "
+        drain = (f" + ${cents(self.reserve):,} for {self.draining:,} draining batch worker(s) ({self.drain_s:g} s at "
+                 "the GPU-hour price)" if self.reserve else "")
+        sums = (f"budget ${cents(self.budget):,}: spent ${cents(self.spent):,} so far{drain} + {self.outstanding:,} rows "
                 f"outstanding x ${self.per_row}/row = ${cents(self.projected):,} projected")
         if self.allowance is None:
             return (f"the fallback of {job_version} re-drives every row past the budget (on_budget: spend): {sums}, "
                     f"${cents(self.projected - self.budget):,} over")
         n = self.allowance
-        return (f"the fallback of {job_version} stops at the budget (on_budget: page): {sums}; it sends at most {n:,} "
-                f"request(s), retries included (${cents(n * self.per_row):,}), and leaves at least "
-                f"{self.outstanding - n:,} row(s) pending: the job cannot be validated nor published (I3) until "
+        return (f"the fallback of {job_version} stops at the budget (on_budget: page): {sums}; it re-drives at most "
+                f"{n:,} row(s) (${cents(n * self.per_row):,}; a retried request spends nothing twice), and leaves at "
+                f"least {self.outstanding - n:,} row(s) pending: the job cannot be validated nor published (I3) until "
                 "cost.budget is raised (resubmit the spec) and the fallback runs again")
 
 
 def budget_check(conn: psycopg.Connection, job_version: str, spec: JobSpec,
                  counts: JobCounts) -> BudgetCheck | None:
-    """The job's budget against its outstanding rows re-driven now; None without ``cost.budget``."""
+    """The job's budget against its outstanding rows re-driven now, with the GPU time of the batch
+    workers still running reserved for their drain; None without ``cost.budget``."""
+    from batch_inference import autopilot
+
     if spec.cost.budget is None:
         return None
     prices = Prices.from_spec(spec)
     so_far, _ = bill(conn, job_version, prices, counts)
+    draining = 0 if autopilot.hosted(spec) else \
+        int(conn.execute(db.q("fleet_running"), {"job": job_version}).fetchone()["running"])
+    drain_s = autopilot.drain_s(spec)
     return BudgetCheck(budget=Decimal(str(spec.cost.budget)), spent=so_far.total,
                        outstanding=int(counts["outstanding"]), per_row=prices.fallback_per_row,
-                       on_budget=spec.cost.on_budget)
+                       on_budget=spec.cost.on_budget, draining=draining, drain_s=drain_s,
+                       reserve=prices.gpu_cost(Decimal(draining) * Decimal(str(drain_s)) / 3600))
 
 
 # -- the pool ---------------------------------------------------------------
@@ -229,7 +245,7 @@ class FallbackResult:
     endpoint: str | None = None
     budget_stop: bool = False  # the budget's allowance ran out: records left pending, the job unpublishable
     budget_page: str | None = None  # the page sent when re-driving every row is over cost.budget
-    allowance: int | None = None  # requests the budget let the pool send (None: no cap)
+    allowance: int | None = None  # rows the budget let the pool re-drive (None: no cap)
 
     def to_dict(self) -> dict[str, Any]:
         out = asdict(self)
@@ -381,7 +397,7 @@ def run_fallback(db_url: str | None, job_version: str, base_url: str | None = No
     ``cost.fallback_per_row`` is checked first (:func:`budget_check`). Over it,
     ``on_page(text)`` is called once, before the pool starts, with the page (the
     arithmetic in one line; also ``result.budget_page``); with ``on_budget:
-    page`` the pool sends at most the requests the rest of the budget affords
+    page`` the pool re-drives at most the rows the rest of the budget affords
     and stops: ``result.budget_stop``, records left pending with no attempt
     spent, so validate refuses the job (``NotReady``) and it cannot be
     published (I3). That is a result, not an exception.
@@ -486,7 +502,7 @@ def run_fallback(db_url: str | None, job_version: str, base_url: str | None = No
             raise FallbackEndpointUnavailable(msg)
         bad = [c for c in codes if c not in (0, 143)]
         if result.outstanding > 0 or bad:
-            why = (f" (stopped at the budget after {pool.allowance.taken} request(s))" if result.budget_stop
+            why = (f" (stopped at the budget after {pool.allowance.taken} row(s))" if result.budget_stop
                    else " (stopped)" if result.stopped else "")
             msg = (f"fallback {job_version}: pool stopped with {result.outstanding} record(s) outstanding{why}; "
                    f"worker exit codes {codes}")

@@ -82,6 +82,9 @@ DRIFTS = ("slower", "longer", "faster")
 HOSTED_FAULTS = ("expire", "validating", "slow_cancel")
 HOSTED_SHARE = 0.15                  # of nights that send their records to a hosted batch API
 HOSTED_KEY_ENV = "BI_NIGHTS_HOSTED_KEY"
+# The supervisor ends the workers still running this long before the drain is over (autopilot.drain_s
+# after the cutoff), so that its own pass (every 0.25 s) and the record of their end land inside it.
+DRAIN_SLACK_S = 0.5
 SEED_GPU_HOUR, SEED_ROWS_PER_S = 3.50, 18.7   # docs/deadlines.md: a self-hosted GPU row at $3.50 an hour
 
 
@@ -522,6 +525,12 @@ class Night:
     gpu_hours: float = 0.0                    # the batch workers' (bi.fleet_observed)
     pilot: dict[str, Any] = field(default_factory=dict)   # decisions, first add, largest fleet, pages
 
+    @property
+    def lost(self) -> int:
+        """Records neither stored nor dead-lettered; those a pool stopped at the budget left pending are not
+        lost (they wait for a larger budget's re-run)."""
+        return 0 if self.fallback.get("budget_stop") else int(self.coverage.get("missing", 0))
+
     def line(self) -> str:
         fired = f"fired {self.fired_s:.1f}s" if self.fired_s is not None else "no fire"
         slack = f"slack {self.slack_s:+.1f}s" if self.slack_s is not None else "unpublished"
@@ -561,6 +570,7 @@ class _Supervisor(threading.Thread):
         self.resume: list[tuple[float, Any]] = []
         self._conn: psycopg.Connection | None = None
         self._next_pilot = 0.0
+        self.cutoff_at: float | None = None     # monotonic: when the cutoff was seen
 
     def _holders(self) -> dict[str, int]:
         rows = self.n.admin.rows("chaos_lease_holders", {"job": self.n.job})
@@ -587,6 +597,7 @@ class _Supervisor(threading.Thread):
                     self._inject(kind, now)
                 if self.cutoff.is_set() and not cancel_done:
                     cancel_done = True
+                    self.cutoff_at = now
                     if f.slow_cancel_s is not None:
                         for name in self._holders():
                             w = next((w for w in n.fleet.alive() if w.name == name and not w.stopped), None)
@@ -619,7 +630,19 @@ class _Supervisor(threading.Thread):
         try:
             if self._conn is None or self._conn.closed:
                 self._conn = db.connect(n.url, retries=0)
-            if not n.pilot or self.cutoff.is_set():
+            if self.cutoff.is_set():
+                # Draining: what still runs is billed; past the drain (autopilot.drain_s: its lease is
+                # gone, it holds nothing) a worker is ended, as the budget's drain reserve counts on.
+                if self.cutoff_at is not None and now - self.cutoff_at >= n.drain_s - DRAIN_SLACK_S \
+                        and n.fleet.alive():
+                    self.events.append(f"{now - n.t0:.1f}s drain over: {len(n.fleet.alive())} worker(s) ended")
+                    n.fleet.kill()
+                    end = time.monotonic() + 1.0
+                    while n.fleet.alive() and time.monotonic() < end:
+                        time.sleep(0.01)
+                autopilot.observe(self._conn, n.job, "nights", len(n.fleet.alive()))
+                return
+            if not n.steered:
                 autopilot.observe(self._conn, n.job, "nights", len(n.fleet.slots()))
                 return
 
@@ -681,6 +704,8 @@ class _NightRun:
         self.provider: HostedProvider | None = None
         self.job = ""
         self.t0 = 0.0
+        self.drain_s = float(cfg.lease_seconds + cfg.renew_seconds)
+        self.steered = pilot          # the autopilot steers this run's fleet (not a hosted night's)
 
     # -- set-up -----------------------------------------------------------------
     def spec(self):
@@ -710,6 +735,7 @@ class _NightRun:
         })
 
     def _setup(self) -> None:
+        from batch_inference import autopilot
         from batch_inference.plan import submit
 
         c = self.cfg
@@ -725,8 +751,10 @@ class _NightRun:
                     "finished_at": now - timedelta(days=h["days_ago"]), "records": h["records"],
                     "rate": h["rate"], "overhead_s": h["overhead_s"], "drain_s": h["drain_s"],
                     "busy_s": h["busy_s"], "load_s": h["load_s"]})
-            manifest = submit(conn, self.spec())
+            spec = self.spec()
+            manifest = submit(conn, spec)
             self.job = self.rec.job_version = manifest.job_version
+            self.drain_s, self.steered = autopilot.drain_s(spec), self.pilot and autopilot.steers(spec)
             self.worker_url, _ = worker_credentials(conn, self.url, self.job)
 
     def _argv(self, owner: str) -> list[str]:
@@ -888,12 +916,13 @@ class _NightRun:
         except (psycopg.Error, db.DatabaseUnavailable) as exc:
             log.warning("nights %d: could not record the fleet's end: %s", self.seed, exc)
 
-    def _gpu_hours(self) -> float:
-        """The batch workers' GPU-hours, and the autopilot's decisions into the night's record."""
+    def _gpu_hours(self, spec: Any) -> float:
+        """The batch workers' GPU-hours (none on a hosted night), and the autopilot's decisions into the
+        night's record."""
         from batch_inference import autopilot
 
         with db.connect(self.url, retries=10) as conn:
-            hours = autopilot.gpu_hours(conn, self.job)
+            hours = autopilot.gpu_hours(conn, self.job, spec)
             decisions = conn.execute(db.q("fleet_decisions"), {"job": self.job}).fetchall()
         self.rec.gpu_hours = round(hours, 6)
         if self.pilot:
@@ -927,8 +956,8 @@ class _NightRun:
 
     # -- the figures ------------------------------------------------------------------
     def _measure(self) -> None:
-        from batch_inference.cost import Prices, cents, job_bill
-        from batch_inference.status import job_counts, job_spec
+        from batch_inference.cost import cents
+        from batch_inference.status import bill as status_bill, job_counts, job_spec
 
         rec, c = self.rec, self.cfg
         with db.connect(self.url, retries=10) as conn:
@@ -938,12 +967,12 @@ class _NightRun:
             last = conn.execute(db.q("nights_last_rows"), {"job": self.job}).fetchall()
             dead = conn.execute(db.q("dead_letters"), {"job": self.job}).fetchall()
             runs = conn.execute(db.q("nights_fallback_runs"), {"job": self.job}).fetchall()
-            hosted = conn.execute(db.q("hosted_cost_rows"), {"job": self.job}).fetchone()
+            bill, _ = status_bill(conn, self.job, counts=counts)     # what `batch-inference cost` reads
+        self._gpu_hours(spec)
         rec.coverage = {k: int(v) for k, v in cov.items()}
         rec.rows = {r["transport"]: int(r["n"]) for r in last}
         lasts = [r["last_at"] for r in last if r["last_at"] is not None]
         rec.last_row_s = self._s(max(lasts)) if lasts else None
-        bill, _ = job_bill(counts, Prices.from_spec(spec), hosted, gpu_hours=self._gpu_hours())
         b = bill.to_dict()
         rec.bill = {k: b[k] for k in ("batch_rows", "fallback_rows", "batch_cost", "fallback_cost", "total",
                                       "all_synchronous_ceiling", "clean_batch_floor", "gpu_hours", "gpu_cost")}
@@ -970,7 +999,7 @@ class _NightRun:
         if cov.get("duplicates"):
             rec.failures.append(f"{cov['duplicates']} duplicate row(s)")
         # A pool stopped at the budget leaves its records pending (neither stored nor dead) on purpose.
-        missing = 0 if rec.fallback.get("budget_stop") else cov.get("missing", 0)
+        missing = rec.lost
         lost = missing + cov.get("stored_and_dead", 0)
         if lost:
             rec.failures.append(f"{missing} record(s) neither stored nor dead-lettered, "
@@ -985,6 +1014,11 @@ class _NightRun:
         rows_bill = rec.bill.get("rows_total", rec.bill.get("total", 0.0)) if rec.bill else 0.0
         if rec.bill and rows_bill > rec.bill["all_synchronous_ceiling"]:
             rec.failures.append(f"rows billed ${rows_bill:.2f} over the ceiling ${rec.bill['all_synchronous_ceiling']}")
+        # With on_budget page and the autopilot steering, the bill keeps within the budget (hosted nights'
+        # provider batches and a fixed fleet's GPU time are not steered by it).
+        if c.budget is not None and c.on_budget == "page" and rec.autopilot and not rec.hosted and rec.bill \
+                and rec.bill["total"] > c.budget:
+            rec.failures.append(f"billed ${rec.bill['total']:.4f} over the budget ${c.budget:g} (on_budget: page)")
         late = rec.published_s is None or rec.slack_s is None or rec.slack_s < 0
         paged_early = rec.page is not None and rec.page_s is not None and rec.page_s < rec.deadline_s
         if late and not paged_early:
@@ -1037,7 +1071,7 @@ class NightsReport:
             "pages": sum(1 for n in ns if n.page),
             "false_pages": [n.seed for n in ns if n.page and n.verdict == "met"],
             "duplicates": sum(n.coverage.get("duplicates", 0) for n in ns),
-            "lost": sum(n.coverage.get("missing", 0) for n in ns),
+            "lost": sum(n.lost for n in ns),
             "healthy_dead": sum(n.healthy_dead for n in ns),
             "hosted_nights": sum(1 for n in ns if n.hosted),
             "hosted_billed_twice": sum(n.hosted.get("billed_twice", 0) for n in ns),

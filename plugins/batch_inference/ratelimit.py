@@ -20,6 +20,7 @@ import asyncio
 import threading
 import time
 from collections.abc import Awaitable, Callable
+from typing import Any
 
 from batch_inference.exceptions import InvalidValue
 
@@ -75,11 +76,13 @@ class TokenBucket:
 
 
 class RequestAllowance:
-    """At most ``limit`` requests, retries included, across every thread that shares it.
+    """At most ``limit`` requests across every thread that shares it; keyed, at most ``limit`` keys.
 
-    ``take()`` is asked before each request is sent: True uses one up; False (the allowance is
-    spent) means the request is not sent. The first refusal calls ``on_spent()`` once, from the
-    refused caller's thread. The fallback pool's budget cap (``fallback.run_fallback``).
+    ``take(key)`` is asked before each request is sent: True uses one up (nothing when ``key``,
+    a record id, already took one: a retry of that record spends nothing twice); False (the
+    allowance is spent) means the request is not sent. The first refusal calls ``on_spent()`` once,
+    from the refused caller's thread. The fallback pool's budget cap (``fallback.run_fallback``),
+    keyed by record: the budget counts rows, as the bill does.
     """
 
     def __init__(self, limit: int, on_spent: Callable[[], None] | None = None):
@@ -88,13 +91,18 @@ class RequestAllowance:
         self.limit = int(limit)
         self.taken = 0
         self.refused = 0
+        self._keys: set[Any] = set()
         self._on_spent = on_spent
         self._lock = threading.Lock()
 
-    def take(self) -> bool:
+    def take(self, key: Any = None) -> bool:
         with self._lock:
+            if key is not None and key in self._keys:
+                return True
             if self.taken < self.limit:
                 self.taken += 1
+                if key is not None:
+                    self._keys.add(key)
                 return True
             self.refused += 1
             first = self.refused == 1

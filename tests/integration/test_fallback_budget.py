@@ -3,11 +3,11 @@
 The ledger is the real embedded PostgreSQL, the batch rows are stored by a real batch worker (noop
 engine), the pool's threads and the openai engine are the real ones; the endpoint is the loopback
 chat-completions server (``batch_inference.harness.loopback``), which stands in for a hosted API and
-counts every request it receives. Every fourth answer is a 503, so the pool retries (a retry is a
-request, and the allowance counts it) without the breaker tripping.
+counts every request it receives. Every fourth answer is a 503, so the pool retries without the
+breaker tripping; the budget counts rows, as the bill does, so a retried request spends nothing twice.
 
 The job: 60 records in shards of 10; the batch stores 20 at $0.005 ($0.10 spent); the other 40 at the
-fallback's $0.01 would bring the night to $0.50, over a $0.30 budget, which affords 20 more requests.
+fallback's $0.01 would bring the night to $0.50, over a $0.30 budget, which affords 20 more rows.
 """
 
 from __future__ import annotations
@@ -77,6 +77,11 @@ def cli_bill(db_url: str, job: str, capsys) -> dict:
     return json.loads(capsys.readouterr().out)["so_far"]
 
 
+def rows_sent(endpoint) -> set[str]:
+    """The distinct records whose request reached the endpoint (a retry sends the same messages)."""
+    return {json.dumps(b["messages"], sort_keys=True) for b in endpoint.bodies}
+
+
 def attempts(conn, job: str) -> int:
     return conn.execute("SELECT count(*) AS n FROM bi.attempts WHERE job_version = %s", (job,)).fetchone()["n"]
 
@@ -89,14 +94,16 @@ def test_on_budget_page_keeps_the_pool_within_the_budget(conn, db_url, endpoint,
     # One page, before the pool started, with the arithmetic in one line.
     assert pages == [r.budget_page] and "\n" not in r.budget_page
     assert ARITHMETIC in r.budget_page, r.budget_page
-    assert "stops at the budget (on_budget: page)" in r.budget_page and "at most 20 request(s)" in r.budget_page
+    assert "stops at the budget (on_budget: page)" in r.budget_page and "at most 20 row(s)" in r.budget_page
     assert "cannot be validated nor published" in r.budget_page
-    # The allowance: 20 requests reached the endpoint, retries included, and not one more.
+    # The allowance: 20 rows reached the endpoint, and not one more; their retries spent nothing more
+    # (before: 20 requests, retries included, so a 503 wasted budget the bill never spent).
     assert (r.allowance, r.budget_stop, r.stopped) == (20, True, True)
-    assert len(endpoint.hits) == 20
+    assert len(rows_sent(endpoint)) == 20 and len(endpoint.hits) > 20
     c = job_counts(conn, job)
     stored = c["stored_fallback"]
-    assert 0 < stored < 20 and r.stored == stored      # some of the 20 were 503s, retried
+    # Rows waiting for a retry when the allowance ran out stay pending (at most one per request in flight).
+    assert 20 - 4 <= stored <= 20 and r.stored == stored
     # Stopped as pool.stop() stops: in-flight written, leases released, the rest pending, no attempt spent.
     assert (c["outstanding"], c["dead_letters"], c["shards"]["leased"]) == (40 - stored, 0, 0), c
     assert attempts(conn, job) == 0
@@ -130,7 +137,7 @@ def test_a_budget_already_spent_sends_nothing(conn, db_url, endpoint, capsys):
     job = night(conn, db_url, "page", budget=0.10)
     r = run_fallback(db_url, job, endpoint.base_url, rate=200, extra_engine_options=QUICK)
     assert (r.allowance, r.budget_stop, r.outstanding) == (0, True, 40)
-    assert "at most 0 request(s)" in r.budget_page and "budget $0.10: spent $0.10 so far" in r.budget_page
+    assert "at most 0 row(s)" in r.budget_page and "budget $0.10: spent $0.10 so far" in r.budget_page
     assert endpoint.hits == []
     c = job_counts(conn, job)
     assert (c["stored"], c["shards"]["leased"], c["mode"]) == (20, 0, "fallback"), c
@@ -157,6 +164,7 @@ def test_the_operator_pages_once_and_fails_without_a_retry_at_the_budget(conn, d
                                                                             tmp_path):
     from airflow.sdk.exceptions import AirflowFailException
 
+    from batch_inference.callbacks import OnCallNotifier
     from batch_inference.operators.fallback import FallbackPoolOperator
 
     job = night(conn, db_url, "page")
@@ -171,4 +179,51 @@ def test_the_operator_pages_once_and_fails_without_a_retry_at_the_budget(conn, d
     (msg,) = [json.loads(line) for line in oncall.read_text().splitlines()]
     assert msg["kind"] == "over the budget" and msg["job_version"] == job and ARITHMETIC in msg["error"]
     assert any("larger cost.budget" in step for step in msg["next_steps"]), msg["next_steps"]
-    assert len(endpoint.hits) == 20 and attempts(conn, job) == 0
+    assert len(rows_sent(endpoint)) == 20 and attempts(conn, job) == 0
+    # The DAG's failure callback (the pipeline's default_args) sends nothing more for it: one message per
+    # budget stop (before: a second one, kind "task failed", with the same page as its error).
+    OnCallNotifier().notify({"exception": info.value, "task": op})
+    assert len(oncall.read_text().splitlines()) == 1
+    # Any other failure still goes out.
+    OnCallNotifier().notify({"exception": RuntimeError("boom"), "task": op})
+    assert len(oncall.read_text().splitlines()) == 2
+
+
+def test_the_draining_batch_workers_gpu_time_is_reserved_before_the_pool_spends(conn, db_url, endpoint, capsys):
+    """Our own workers billed by the GPU-hour: two still run when the pool starts. Their drain (the
+    spec's lease + renewal: 630 s) is reserved first, so the pool affords fewer rows, and the bill
+    with their drain recorded stays within the budget (before: the allowance was the whole rest and
+    the drain came on top)."""
+    from batch_inference import autopilot
+
+    make_source(conn, tickets(60))
+    spec = make_spec(shard_size=10, lease_seconds=600, renew_seconds=30,
+                     cost={"gpu_hour_spot": 3.6, "fallback_per_row": 0.01, "budget": 0.90, "on_budget": "page"})
+    job = submit(conn, spec).job_version
+    autopilot.observe(conn, job, "test", 2)         # a launcher runs two workers: billed from now
+    pages: list[str] = []
+    r = run_fallback(db_url, job, endpoint.base_url, rate=200, concurrency=4, parallel_shards=2,
+                     extra_engine_options=QUICK, on_page=pages.append)
+    # Two workers x 630 s at $3.60/h = $1.26 reserved... over the budget by itself: nothing is sent.
+    assert autopilot.drain_s(spec) == 630.0
+    assert "+ $1.26 for 2 draining batch worker(s) (630 s at the GPU-hour price)" in r.budget_page, r.budget_page
+    assert (r.allowance, r.budget_stop) == (0, True) and endpoint.hits == []
+
+
+def test_a_drain_within_the_budget_leaves_the_rest_to_the_pool(conn, db_url, endpoint, capsys):
+    from batch_inference import autopilot
+
+    make_source(conn, tickets(60))
+    spec = make_spec(shard_size=10, lease_seconds=60, renew_seconds=10,
+                     cost={"gpu_hour_spot": 3.6, "fallback_per_row": 0.01, "budget": 0.40, "on_budget": "page"})
+    job = submit(conn, spec).job_version
+    autopilot.observe(conn, job, "test", 2)
+    r = run_fallback(db_url, job, endpoint.base_url, rate=200, concurrency=4, parallel_shards=2,
+                     extra_engine_options=QUICK)
+    # 2 x 70 s at $3.60/h = $0.14 reserved; (0.40 - spent - 0.14) / 0.01 rows: 25 at most (spent is the GPU
+    # time so far: a fraction of a cent, a cent on a slow machine).
+    assert "+ $0.14 for 2 draining batch worker(s) (70 s" in r.budget_page, r.budget_page
+    assert 24 <= r.allowance <= 25 and r.budget_stop
+    autopilot.observe(conn, job, "test", 0)          # the drain ends (well within its 70 s here)
+    bill = cli_bill(db_url, job, capsys)
+    assert bill["total"] <= 0.40 and bill["fallback_rows"] <= r.allowance, bill

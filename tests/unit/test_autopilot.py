@@ -18,7 +18,7 @@ import pytest
 
 from batch_inference import autopilot
 from batch_inference.autopilot import ADD, HOLD, REMOVE, Policy, Throughput, decide, project
-from batch_inference.cost import Prices
+from batch_inference.cost import Prices, rows_within
 from batch_inference.cutoff import decide as cutoff_decide
 
 UTC = timezone.utc
@@ -114,15 +114,18 @@ def night(policy: Policy, prices: Prices, *, records=300_000, per_worker=18.7, w
           slow=8.0, noise=0.0, pilot=True, poll_s=300.0, seed=0, fb_rate=85.0, overhead_s=1800.0):
     """One night: workers settle rows (an added one after policy.start_s), the moving cutoff is
     checked at each poll (cutoff.decide, as the watch does) and, with the pilot, the controller
-    decides and the fleet follows at once. Returns what happened."""
+    decides and the fleet follows at once. When the cutoff fires the fleet drains for
+    ``policy.drain_s`` and the pool re-drives the rest; with ``on_budget: page`` only the rows the
+    budget affords after that drain (``fallback.BudgetCheck``'s allowance), the others left pending.
+    Returns what happened."""
     rng = random.Random(seed)
     t, dt = 0.0, 5.0
     left = float(records)
     fleet = [-policy.start_s] * workers                 # start times: the first ones are up at 0
-    desired, last_change = workers, None
+    desired, last_change, last_action = workers, None, None
     tp = Throughput(start_s=policy.start_s, window_s=policy.window_s)
     gpu_s = 0.0
-    actions, pages, fired, fb_rows, done = [], [], None, 0, 0.0
+    actions, pages, fired, fb_rows, done, decisions = [], [], None, 0, 0.0, []
     next_poll = 0.0
     factor = 1.0
     while left > 0 and t < 10 * 3600:
@@ -138,12 +141,13 @@ def night(policy: Policy, prices: Prices, *, records=300_000, per_worker=18.7, w
                 gpu_h = gpu_s / 3600
                 spent = prices.gpu_cost(Decimal(str(gpu_h)))
                 d = decide(now, DEADLINE, int(left), per, desired, fb_rate, overhead_s, policy, prices, spent,
-                           last_change)
+                           last_change, last_action=last_action)
+                decisions.append((t, d))
                 if d.page:
                     pages.append((t, d.page))
                 if d.desired != desired:
                     actions.append((t, d.action, desired, d.desired))
-                    last_change = now
+                    last_change, last_action = now, d.action
                     if d.desired > len(fleet):
                         fleet += [t] * (d.desired - len(fleet))
                     else:
@@ -156,9 +160,16 @@ def night(policy: Policy, prices: Prices, *, records=300_000, per_worker=18.7, w
         done += step
         gpu_s += len(fleet) * dt
         t += dt
+    pending = 0
+    if fired is not None:
+        gpu_s += len(fleet) * policy.drain_s
+        if policy.keeps_budget:
+            afford = rows_within(policy.budget, prices.gpu_cost(Decimal(str(gpu_s / 3600))), prices.fallback_per_row)
+            pending = max(0, fb_rows - afford) if afford is not None else 0
+            fb_rows -= pending
     bill = prices.gpu_cost(Decimal(str(gpu_s / 3600))) + fb_rows * prices.fallback_per_row
     return {"fired": fired, "fallback_rows": fb_rows, "finish": t, "bill": bill, "actions": actions,
-            "pages": pages, "gpu_h": gpu_s / 3600}
+            "pages": pages, "gpu_h": gpu_s / 3600, "decisions": decisions, "pending": pending}
 
 
 def test_a_slowed_night_is_met_by_adding_workers_and_costs_less_than_the_fixed_fleet():
@@ -202,3 +213,166 @@ def test_the_budget_is_never_exceeded_on_a_night_where_meeting_the_deadline_woul
     t_page, page = keep["pages"][0]
     assert keep["fired"] is None or t_page < keep["fired"]
     assert "budget $50.00" in page and "GPU-h" in page and "fallback rows" in page
+
+
+# -- the budget, hard: issue 39 ----------------------------------------------------------------
+# On-demand-like prices where meeting the slowed night costs far more than the budget: no size can
+# meet it within $40, and every row the cutoff leaves costs $0.00725 at the fallback.
+TIGHT = Decimal("40")
+DRAIN = {**POLICY.__dict__, "drain_s": 630.0, "budget": TIGHT}
+
+
+def test_page_prices_what_the_pool_would_do_and_spend_every_row():
+    now = T0 + timedelta(hours=6)
+    page = Policy(**{**DRAIN, "on_budget": "page"})
+    spend = Policy(**{**DRAIN, "on_budget": "spend"})
+    a = project(2, 2, 18.7 / 8, 300_000, now, DEADLINE, 85.0, 1800.0, page, PRICES, Decimal("20"))
+    b = project(2, 2, 18.7 / 8, 300_000, now, DEADLINE, 85.0, 1800.0, spend, PRICES, Decimal("20"))
+    assert a.fire == b.fire and a.gpu_hours == b.gpu_hours
+    # spend: every row left at the cutoff at the fallback's price; page: what the rest of the budget affords.
+    assert b.fallback_rows > 0 and b.pending_rows == 0 and b.bill > TIGHT
+    assert a.fallback_rows + a.pending_rows == b.fallback_rows and a.pending_rows > 0
+    assert a.bill <= TIGHT and a.within_budget and TIGHT - a.bill < PRICES.fallback_per_row
+    # The drain after the cutoff is GPU time too.
+    no_drain = project(2, 2, 18.7 / 8, 300_000, now, DEADLINE, 85.0, 1800.0,
+                       Policy(**{**DRAIN, "drain_s": 0.0}), PRICES, Decimal("20"))
+    assert a.gpu_hours == pytest.approx(no_drain.gpu_hours + 2 * 630 / 3600)
+
+
+def test_with_page_no_option_over_the_budget_is_ever_taken_on_a_night_no_size_can_meet():
+    """The issue's night: once no size met the deadline within the budget, the controller took the
+    cheapest option over it (every row left priced at the fallback's) and kept adding workers; the
+    draining fleet came on top. Now every size it takes is within the budget and so is the night."""
+    policy = Policy(**{**DRAIN, "on_budget": "page"})
+    res = night(policy, PRICES, slow_at=0.0, poll_s=60.0)
+    assert res["pages"], "the budget is binding: it pages"
+    assert res["bill"] <= TIGHT, res["bill"]
+    for t, d in res["decisions"]:
+        if d.options:
+            chosen = d.option(d.desired)
+            assert chosen is not None and chosen.within_budget, (t, d.reason)
+    # Without a budget the same controller spends more than the budget to meet the deadline.
+    free = night(POLICY, PRICES, slow_at=0.0, poll_s=60.0)
+    assert free["fired"] is None and free["bill"] > TIGHT
+
+
+def test_with_spend_the_deadline_is_met_past_the_budget_and_paged():
+    res = night(Policy(**{**DRAIN, "on_budget": "spend"}), PRICES, slow_at=0.0, poll_s=60.0)
+    assert res["fired"] is None and res["bill"] > TIGHT
+    assert res["pages"] and all(p.startswith("spending past the budget") for _, p in res["pages"])
+
+
+def test_an_added_worker_is_paid_for_before_it_starts():
+    # Behind: four workers would meet the deadline for $26.18 of a $28 budget at the measured
+    # throughput, but not were it 20% off (a slower batch runs them longer): the add stops at the
+    # largest size the budget pays for either way.
+    now = T0 + timedelta(hours=6)
+    policy = Policy(**{**DRAIN, "on_budget": "page", "budget": Decimal("28")})
+    d = decide(now, DEADLINE, 300_000, 18.7, 2, 85.0, 1800.0, policy, PRICES, Decimal("10"))
+    assert d.option(4).meets and d.option(4).within_budget
+    assert (d.desired, d.action) == (3, ADD) and "the budget pays for 3" in d.reason
+
+    def worst(n: int) -> Decimal:
+        return max(project(n, n, rate, 300_000, now, DEADLINE, 85.0, 1800.0, policy, PRICES, Decimal("10")).bill
+                   for rate in (18.7, 18.7 * autopilot.REMOVE_DERATE, 18.7 / autopilot.REMOVE_DERATE))
+
+    assert worst(3) <= policy.budget < worst(4)
+    # With room in the budget the add goes as far as the deadline asks.
+    roomy = decide(now, DEADLINE, 300_000, 18.7, 2, 85.0, 1800.0, Policy(**{**DRAIN, "on_budget": "page"}), PRICES,
+                   Decimal("10"))
+    assert (roomy.desired, roomy.action, roomy.page) == (4, ADD, None)
+
+
+def test_under_a_budget_a_removal_is_not_followed_by_an_add_within_the_cooldown():
+    now = T0 + timedelta(hours=6)
+    policy = Policy(**{**DRAIN, "on_budget": "page", "budget": Decimal("1000")})
+    behind = dict(now=now, deadline=DEADLINE, outstanding=300_000, per_worker=18.7, current=2, fb_rate=85.0,
+                  overhead_s=1800.0, policy=policy, prices=PRICES, spent=Decimal("10"))
+    assert decide(**behind).action == ADD
+    within = decide(**behind, last_change=now - timedelta(seconds=60), last_action=REMOVE)
+    assert within.action == HOLD and "cooldown" in within.reason
+    past = decide(**behind, last_change=now - timedelta(seconds=policy.cooldown_s), last_action=REMOVE)
+    assert past.action == ADD
+
+
+@pytest.mark.parametrize("budget,kw", [(40, {"slow_at": 0.0}),
+                                       *[(30, {"noise": 0.2, "seed": s, "slow_at": 1800.0, "slow": 3.0})
+                                         for s in range(3)]])
+def test_a_night_under_a_binding_budget_does_not_flap(budget, kw):
+    """Seen before: every night over the budget, and on the slowed one sizes 3, 4, 5, 4, 5, 4, 5, 4, 3."""
+    policy = Policy(**{**DRAIN, "on_budget": "page", "budget": Decimal(budget)})
+    res = night(policy, PRICES, poll_s=60.0, **kw)
+    assert res["bill"] <= policy.budget and res["pending"] > 0        # binding: rows left at the budget
+    acts = res["actions"]
+    # Neither an add within the cooldown of a removal nor a removal within the cooldown of an add.
+    for (t1, a1, _, _), (t2, a2, _, _), in zip(acts, acts[1:]):
+        if a1 != a2:
+            assert t2 - t1 >= policy.cooldown_s, acts
+    reversals = sum(1 for a, b in zip(acts, acts[1:]) if a[1] != b[1])
+    assert reversals <= 1, acts
+
+
+def test_the_page_gives_the_arithmetic_of_the_option_it_names():
+    now = T0 + timedelta(hours=6)
+    policy = Policy(**{**DRAIN, "on_budget": "page"})
+    d = decide(now, DEADLINE, 300_000, 18.7 / 8, 2, 85.0, 1800.0, policy, PRICES, Decimal("20"))
+    assert d.page is not None
+    named = d.option(d.desired)
+    assert f"keeping within it with {d.desired} worker(s)" in d.page
+    assert autopilot.arithmetic(named, policy, PRICES, Decimal("20")) in d.page
+    # The sum it gives is the bill it names: spent + GPU-hours at the price + fallback rows at theirs.
+    total = Decimal("20") + PRICES.gpu_cost(Decimal(str(named.gpu_hours))) + named.fallback_rows * PRICES.fallback_per_row
+    assert abs(total - named.bill) < Decimal("0.01")
+    assert f"bill ${named.bill.quantize(Decimal('0.01')):,}" in d.page and f"{named.gpu_hours:.4f} GPU-h" in d.page
+    assert f"{named.fallback_rows:,} fallback rows" in d.page and f"{named.pending_rows:,} rows left pending" in d.page
+
+
+def test_a_fleet_the_budget_cannot_keep_stops_and_stays_stopped():
+    now = T0 + timedelta(hours=6)
+    policy = Policy(**{**DRAIN, "on_budget": "page"})
+    d = decide(now, DEADLINE, 300_000, 18.7, 4, 85.0, 1800.0, policy, PRICES, Decimal("39.5"))
+    assert (d.desired, d.action) == (0, REMOVE) and d.page and "the fleet stops" in d.page
+    again = decide(now, DEADLINE, 300_000, 18.7, 0, 85.0, 1800.0, policy, PRICES, Decimal("39.5"),
+                   last_change=now, last_action=REMOVE)
+    assert again.desired == 0 and again.action == HOLD
+    # The launchers take 0 from the budget, below the bounds.
+    ran: list[int] = []
+
+    class Conn:
+        def execute(self, *a, **k):
+            return self
+
+        def fetchone(self):
+            return {"desired": 0}
+
+    import batch_inference.autopilot as ap
+    orig = ap.observe
+    try:
+        ap.observe = lambda *a, **k: None
+        assert ap.reconcile(Conn(), "jv_x", "test", lambda: 2, ran.append, 2, (1, 8)) == 0 and ran == [0]
+    finally:
+        ap.observe = orig
+
+
+def test_the_budget_counts_rows_a_retried_request_spends_nothing_twice():
+    from batch_inference.ratelimit import RequestAllowance
+
+    spent: list[bool] = []
+    a = RequestAllowance(2, on_spent=lambda: spent.append(True))
+    assert a.take("r1") and a.take("r1") and a.take("r1")     # one row, retried: one of the allowance
+    assert a.take("r2") and a.take("r2")
+    assert not a.take("r3") and spent == [True] and a.taken == 2
+
+
+def test_hosted_batch_jobs_are_not_steered_and_bill_no_gpu_hours():
+    from batch_inference.spec import parse_spec
+    from tests.conftest import make_spec
+
+    base = make_spec(autopilot={"enabled": True}, cost={"gpu_hour_spot": 3.5})
+    gpu = parse_spec(base.model_dump() if hasattr(base, "model_dump") else base)
+    hosted = parse_spec({**(base.model_dump() if hasattr(base, "model_dump") else base),
+                         "cleared_for_hosted": True,
+                         "engine": {"name": "openai-batch", "options": {"base_url": "https://api.openai.com/v1"}}})
+    assert autopilot.steers(gpu) and not autopilot.hosted(gpu)
+    assert autopilot.hosted(hosted) and not autopilot.steers(hosted)
+    assert autopilot.gpu_hours(None, "jv_x", hosted) == 0.0        # not even read: no GPU worker ran

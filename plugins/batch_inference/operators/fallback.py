@@ -20,8 +20,10 @@ When re-driving every outstanding row would take the bill past the spec's
 ``cost.budget``, the pool's page (the arithmetic in one line) goes to on-call
 once, kind ``over the budget``, before the pool starts. With ``on_budget:
 spend`` the task goes on and succeeds; with ``on_budget: page`` the pool stops
-at the budget and the task fails without a retry: the records left are pending,
-the job cannot be published, and a retry would find the budget spent.
+at the budget and the task fails without a retry (``BudgetStop``): the records left
+are pending, the job cannot be published, and a retry would find the budget spent.
+That page is the one on-call message of a budget stop: the DAG's ``OnCallNotifier``
+sends nothing more for the failure.
 """
 
 from __future__ import annotations
@@ -38,6 +40,13 @@ from airflow.sdk.exceptions import AirflowException, AirflowFailException
 from batch_inference.hooks.connection import DEFAULT_CONN_ID, ledger_conninfo
 
 PAGE_CHECK_S = 5.0   # while the endpoint fails: how often the rows left are checked against the deadline
+
+
+class BudgetStop(AirflowFailException):
+    """The pool stopped at ``cost.budget``: the try fails without a retry. On-call already has the
+    budget's page, so ``OnCallNotifier`` sends nothing more for it (``callbacks.ONCALL_SENT``)."""
+
+    oncall_sent = True
 
 
 class FallbackPoolOperator(BaseOperator):
@@ -147,8 +156,8 @@ class FallbackPoolOperator(BaseOperator):
                                    f"timed out) with {result.outstanding} record(s) outstanding; its shards "
                                    "were released")
         if result.budget_stop:
-            raise AirflowFailException(f"fallback stopped at the budget with {result.outstanding} record(s) "
-                                       f"outstanding, the job cannot be published: {result.budget_page}")
+            raise BudgetStop(f"fallback stopped at the budget with {result.outstanding} record(s) "
+                             f"outstanding, the job cannot be published: {result.budget_page}")
         if result.stopped and result.outstanding:
             raise AirflowException(f"fallback pool stopped with {result.outstanding} record(s) outstanding")
         return result.to_dict()

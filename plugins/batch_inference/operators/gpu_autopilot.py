@@ -19,7 +19,10 @@ A pod that ends on a preemption (exit 143, or evicted or shut down with its node
 at the next pass, as a mapped pod's retry would be; one that exits with a halting code (the
 weights' digest, the configuration) fails the task at once, and more than
 ``max_pod_failures`` other failures fail it too, each failure's last log lines in the task log.
-With the spec's autopilot off the size is ``workers`` throughout.
+With the spec's autopilot off the size is ``workers`` throughout. In fallback mode the pods still
+running when the drain is over (``autopilot.drain_s`` after the cutoff) are deleted at once: that is
+the GPU time the fallback's budget check reserves for them. A job whose engine is a hosted batch
+transport is refused: its workers need no GPU.
 """
 
 from __future__ import annotations
@@ -144,7 +147,8 @@ class GpuPodLauncher:
         except Exception as exc:  # noqa: BLE001 - the log is a courtesy; the failure is reported either way
             return f"(log unavailable: {type(exc).__name__})"
 
-    def scale(self, n: int) -> None:
+    def scale(self, n: int, grace_seconds: int | None = None) -> None:
+        """Run ``n`` pods; the surplus is deleted with ``grace_seconds`` (default: the pod's own grace)."""
         from kubernetes.client import ApiClient
 
         live = self.live()
@@ -164,9 +168,10 @@ class GpuPodLauncher:
             self._say("added pod %s (slot %d)", body["metadata"]["name"], slot)
         for pod in reversed(live[n:] if n < len(live) else []):
             # The kubelet sends SIGTERM and waits the grace: the worker's preemption notice.
+            grace = self.grace_seconds if grace_seconds is None else grace_seconds
             self.hook.core_v1_client.delete_namespaced_pod(name=pod.metadata.name, namespace=self.namespace,
-                                                           grace_period_seconds=self.grace_seconds)
-            self._say("removed pod %s: SIGTERM, %d s grace", pod.metadata.name, self.grace_seconds)
+                                                           grace_period_seconds=grace)
+            self._say("removed pod %s: SIGTERM, %d s grace", pod.metadata.name, grace)
 
     def _say(self, msg: str, *args: Any) -> None:
         if self.log is not None:
@@ -238,6 +243,10 @@ class GpuAutopilotOperator(BaseOperator):
         conninfo = BatchInferenceHook(self.postgres_conn_id, migrate=False).get_conninfo()
         with db.connect(conninfo) as conn:
             spec = job_spec(conn, job_version)
+        if autopilot.hosted(spec):
+            raise AirflowFailException(f"{job_version}: engine {spec.engine.name!r} is a hosted batch transport: its "
+                                       "records go to the provider, so no GPU worker is started (run its workers "
+                                       "with the local workers launcher)")
         bounds = (spec.cost.min_workers, spec.cost.max_workers)
         role = self.pod_kwargs.get("grant_role", "bi_worker")
         if role:
@@ -257,15 +266,35 @@ class GpuAutopilotOperator(BaseOperator):
             largest, passes = max(largest, size), passes + 1
             time.sleep(self.reconcile_seconds)
         # The workers drain by themselves (nothing to claim, or refused in fallback mode); their GPU
-        # time counts until the last pod has ended.
+        # time counts until the last pod has ended. In fallback mode a pod still running once the drain
+        # is over (autopilot.drain_s after the cutoff: its lease is gone, it holds nothing) is deleted
+        # at once, so the GPU time the budget reserved for the drain is the most it costs.
         end = time.monotonic() + self.drain_timeout_s
+        cut = self.drain_over(conninfo, job_version, spec) if counts["mode"] == "fallback" else None
         while launcher.running() and time.monotonic() < end:
-            time.sleep(self.reconcile_seconds)
+            if cut is not None and time.monotonic() >= cut:
+                launcher.scale(0, grace_seconds=0)
+                cut = None
+            with db.connect(conninfo) as conn:
+                autopilot.observe(conn, job_version, name, launcher.running())
+            wait = self.reconcile_seconds if cut is None else min(self.reconcile_seconds, max(0.0, cut - time.monotonic()))
+            time.sleep(wait)
         with db.connect(conninfo) as conn:
             autopilot.observe(conn, job_version, name, launcher.running())
         return {"job_version": job_version, "largest": largest, "passes": passes, "mode": counts["mode"],
                 "outstanding": int(counts["outstanding"])}
 
+
+    @staticmethod
+    def drain_over(conninfo: str, job_version: str, spec: Any) -> float:
+        """When (``time.monotonic()``) the drain is over: ``autopilot.drain_s`` after the job entered
+        fallback mode, on the database's clock."""
+        from batch_inference import autopilot, db
+
+        with db.connect(conninfo) as conn:
+            job = conn.execute(db.q("cutoff_job"), {"job": job_version}).fetchone()
+        since = (job["db_now"] - job["fallback_at"]).total_seconds() if job and job["fallback_at"] else 0.0
+        return time.monotonic() + max(0.0, autopilot.drain_s(spec) - since)
 
     def check_failures(self, launcher: GpuPodLauncher) -> None:
         """Log each newly failed pod with its last log lines; fail the task on a halting exit or on more
