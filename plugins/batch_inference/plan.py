@@ -11,7 +11,7 @@ import json
 import logging
 import time
 from collections.abc import Iterable, Mapping
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 import psycopg
@@ -19,6 +19,7 @@ from psycopg import errors, sql
 
 from batch_inference import destinations, snapshot, sources
 from batch_inference.db import q
+from batch_inference.engines import unenforced_line
 from batch_inference.exceptions import GrantRefused, RedriveRefused, SpecError
 from batch_inference.sources import postgres as postgres_source
 from batch_inference.spec import INT4_MAX, SETTINGS_UNDER_A_VERSION, JobSpec, settings_diff
@@ -39,6 +40,8 @@ class Manifest:
     created: bool
     # A resubmit of an existing version: the settings outside the version it changed ("path: old -> new").
     applied: list[str] = field(default_factory=list)
+    # The output schema's limits the engine cannot enforce while generating, in one line (engines.unenforced_line).
+    not_enforced: str | None = None
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -53,14 +56,17 @@ def submit(conn: psycopg.Connection, spec: JobSpec,
     recorded in the job's stored spec) and streams its rows, or, for a
     PostgreSQL table or query, names the relation the ledger reads in SQL."""
     destinations.check_spec(conn, spec)   # an unreachable or uncleared destination: one line, nothing written
+    not_enforced = unenforced_line(spec)  # the schema's limits the engine cannot enforce: one line, a warning
+    if not_enforced:
+        log.warning("%s", not_enforced)
     if rows is not None or spec.source.kind == "postgres":
-        return _submit(conn, spec, rows)
+        return replace(_submit(conn, spec, rows), not_enforced=not_enforced)
     reader = reader or sources.for_spec(spec)
     if reader.ledger is None:
         reader.ledger = conn
     try:
         reader.check()                    # an unreachable source, an unknown table: one line, nothing written
-        return _submit(conn, reader.pinned(), reader.rows())
+        return replace(_submit(conn, reader.pinned(), reader.rows()), not_enforced=not_enforced)
     finally:
         reader.close()
 

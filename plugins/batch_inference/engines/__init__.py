@@ -106,3 +106,20 @@ def load_engine(name: str, spec: JobSpec, options: dict[str, Any] | None = None)
 def engine_for(spec: JobSpec) -> Engine:
     """The engine the spec names, with the spec's options."""
     return load_engine(spec.engine.name, spec, spec.engine.options)
+
+
+def unenforced_line(spec: JobSpec) -> str | None:
+    """One line naming the output schema's limits the spec's engine cannot enforce while generating
+    (``Engine.unenforced``), or None: every limit is enforced, the engine does not constrain decoding,
+    or it does not resolve (that is refused elsewhere). What ``submit`` reports."""
+    if getattr(spec, "task", "generate") != "generate":
+        return None
+    try:
+        cls = engine_class(spec.engine.name)
+    except ValueError:
+        return None
+    gaps = cls.unenforced(spec.output_schema)
+    if not gaps:
+        return None
+    return (f"engine {spec.engine.name!r} cannot enforce while generating: {'; '.join(gaps)}; an answer outside "
+            "them fails validation and is retried (then dead-lettered)")

