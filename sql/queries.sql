@@ -195,9 +195,9 @@ SELECT %(job)s, p.record_id, p.reject, p.reject, NULL, 0,
 -- name: plan_reuse  carry over results of unchanged records from the base version (incremental), counted per category in stripe 0
 WITH reused AS (
     INSERT INTO bi.results (job_version, record_id, output, category, model_name, model_digest, prompt_version,
-                            transport, engine, endpoint, worker_id, epoch, acl, content_hash, created_at)
+                            transport, engine, endpoint, worker_id, epoch, acl, content_hash, created_at, embedding)
     SELECT %(job)s, r.record_id, r.output, r.category, r.model_name, r.model_digest, r.prompt_version,
-           'reused', r.engine, r.endpoint, r.worker_id, r.epoch, p.acl, p.content_hash, r.created_at
+           'reused', r.engine, r.endpoint, r.worker_id, r.epoch, p.acl, p.content_hash, r.created_at, r.embedding
       FROM bi.snapshot_rows p
       JOIN bi.results r ON r.job_version = %(base)s AND r.record_id = p.record_id
      WHERE p.job_version = %(job)s AND p.shard_no IS NULL AND p.reject IS NULL

@@ -354,7 +354,7 @@ def _against_published(conn: psycopg.Connection, spec: JobSpec, dataset: str, jo
     report = pub["validation"] if isinstance(pub["validation"], dict) else {}
     theirs = ((report.get("evaluation") or {}).get("golden") or {}).get("accuracy") or {}
     ours = (golden or {}).get("accuracy") or {}
-    enums = [n for n, s in (spec.output_schema.get("properties") or {}).items() if isinstance(s, dict) and "enum" in s]
+    enums = [n for n, s in ((spec.output_schema or {}).get("properties") or {}).items() if isinstance(s, dict) and "enum" in s]
     cat = spec.category_field
     known: dict[str, Mapping[str, int] | None] = {job: None, against: None}
     if cat in enums and categories is not None:

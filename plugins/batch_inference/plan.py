@@ -17,7 +17,7 @@ from typing import Any
 import psycopg
 from psycopg import errors, sql
 
-from batch_inference import destinations, snapshot, sources
+from batch_inference import destinations, embed, snapshot, sources
 from batch_inference.db import q
 from batch_inference.engines import unenforced_line
 from batch_inference.exceptions import GrantRefused, RedriveRefused, SpecError
@@ -56,6 +56,8 @@ def submit(conn: psycopg.Connection, spec: JobSpec,
     recorded in the job's stored spec) and streams its rows, or, for a
     PostgreSQL table or query, names the relation the ledger reads in SQL."""
     destinations.check_spec(conn, spec)   # an unreachable or uncleared destination: one line, nothing written
+    if spec.task == "embed":
+        embed.check_spec(spec)            # a model of another size than embedding.dimensions: one line, nothing written
     not_enforced = unenforced_line(spec)  # the schema's limits the engine cannot enforce: one line, a warning
     if not_enforced:
         log.warning("%s", not_enforced)

@@ -37,13 +37,14 @@ from __future__ import annotations
 from typing import Any
 
 from batch_inference.clearance import endpoint_is_hosted
-from batch_inference.engines import BUILTIN_ENGINES, Engine, engine_class
+from batch_inference.engines import BUILTIN_ENGINES, EMBEDDING_ENGINES, Engine, engine_class
 from batch_inference.engines.noop import NoopEngine
 from batch_inference.exceptions import InvalidValue
 from batch_inference.spec import JobSpec
 
 ENDPOINT_CLASSES = ("local", "internal", "hosted")
-_BUILTIN_BY_TARGET = {target: name for name, target in BUILTIN_ENGINES.items()}
+# An embedding engine records its built-in name too (the same engine, in its embedding mode).
+_BUILTIN_BY_TARGET = {target: name for name, target in [*BUILTIN_ENGINES.items(), *EMBEDDING_ENGINES.items()]}
 
 
 def engine_name(cls: type[Engine]) -> str:

@@ -289,7 +289,8 @@ class Endpoint(_Strict):
 
 class Prompt(_Strict):
     version: str = Field(min_length=1, max_length=MAX_NAME)
-    system: str = Field(min_length=1, max_length=MAX_TEXT)
+    # Required; an embedding job (task: embed) has no system turn, and may leave it out (JobSpec._task_fields).
+    system: str | None = Field(min_length=1, max_length=MAX_TEXT)
     template: str = Field(default="Record:\n<<<\n{text}\n>>>", max_length=MAX_TEXT,
                           description="user turn; must contain {text}, or name each of source.columns "
                           "({subject}, {body})")
@@ -321,7 +322,10 @@ class Rule(_Strict):
 
 class Validation(_Strict):
     max_dead_letter_rate: float = Field(default=0.01, ge=0.0, le=1.0)
-    max_drift: float = Field(default=0.2, ge=0.0, le=1.0, description="total variation distance gate")
+    max_drift: float = Field(default=0.2, ge=0.0, le=1.0, description="total variation distance gate (task "
+                             "embed: the share of nearest neighbours that changed, batch_inference.embed)")
+    max_norm_error: float = Field(default=1e-3, gt=0.0, le=1.0, description="task embed with normalize: how far "
+                                  "a stored vector's norm may be from 1")
     sample_size: int = Field(default=200, ge=0, le=100_000)
     sample_seed: int = Field(default=0, ge=-INT4_MAX, le=INT4_MAX)
 
@@ -431,6 +435,8 @@ class Evaluation(_Strict):
                                            "share of golden records graded right")
     judge: Judge | None = None
     review: Review = Field(default_factory=Review)
+    pairs: "GoldenPairs | None" = Field(default=None, description="task embed: record pairs that must be near "
+                                        "each other (recall@k, batch_inference.embed)")
 
     @field_validator("min_accuracy")
     @classmethod
@@ -445,6 +451,38 @@ class Evaluation(_Strict):
         if self.min_accuracy and self.golden is None:
             raise ValueError("min_accuracy needs a golden set (evaluation.golden)")
         return self
+
+
+# The built-in engines with an embedding mode (task: embed; batch_inference.embed.engines).
+EMBEDDING_ENGINES = ("llama-cpp", "vllm", "openai", "openai-batch")
+MAX_DIMENSIONS = 16_000   # pgvector's vector type holds at most 16,000 dimensions
+
+
+class Embedding(_Strict):
+    """What an embedding job (``task: embed``) stores for each record: one vector (batch_inference.embed).
+
+    All of it joins the job version."""
+
+    dimensions: int = Field(ge=1, le=MAX_DIMENSIONS, description="the model's embedding size: every vector has "
+                            "exactly this many values (a model of another size is refused at submit)")
+    normalize: bool = Field(default=True, description="store unit vectors (cosine distance = 1 - dot product)")
+    instruction: str = Field(default="", max_length=MAX_TEXT, description="text put before every rendered "
+                             "record, such as 'passage: ' (the model's instruction prefix)")
+    pooling: Literal["mean", "cls", "last"] = Field(default="mean", description="how the model's token states "
+                                                    "become one vector (llama.cpp's and vLLM's pooling type)")
+
+
+class GoldenPairs(_Strict):
+    """Record pairs that must be near each other in an embedding job: a table of (left, right) record ids."""
+
+    table: str = Field(description="schema.table holding the pairs")
+    left_column: str = "left_id"
+    right_column: str = "right_id"
+    k: int = Field(default=10, ge=1, le=1000, description="right must be among left's k nearest neighbours")
+    min_recall: float | None = Field(default=None, ge=0.0, le=1.0, description="gate: the share of pairs found")
+
+    _table = field_validator("table")(Source._table_ident.__func__)
+    _cols = field_validator("left_column", "right_column")(Source._col_ident.__func__)
 
 
 class Fallback(_Strict):
@@ -529,6 +567,7 @@ class Destination(_Strict):
 
 
 Source.model_rebuild()   # source.catalog names IcebergCatalog, defined after Source
+Evaluation.model_rebuild()   # evaluation.pairs names GoldenPairs, defined after Evaluation
 
 
 class Publish(_Strict):
@@ -544,12 +583,15 @@ class Publish(_Strict):
 
 class JobSpec(_Strict):
     dataset: str
+    task: Literal["generate", "embed"] = Field(default="generate", description="generate: a JSON answer per "
+                                               "record; embed: a vector per record (batch_inference.embed)")
     source: Source
     model: Model
     engine: Engine = Field(default_factory=Engine)
     prompt: Prompt
     params: Params = Field(default_factory=Params)
-    output_schema: dict[str, Any]
+    output_schema: dict[str, Any] | None   # required; task embed takes none (_task_fields)
+    embedding: Embedding | None = Field(default=None, description="task embed: the vectors' size and form")
     rules: list[Rule] = Field(default_factory=list)
     category_field: str | None = Field(default="category", max_length=MAX_NAME,
                                        description="output field whose distribution is checked for drift")
@@ -581,7 +623,14 @@ class JobSpec(_Strict):
 
     @field_validator("output_schema")
     @classmethod
-    def _schema(cls, v: dict[str, Any]) -> dict[str, Any]:
+    def _schema(cls, v: dict[str, Any] | None, info: ValidationInfo) -> dict[str, Any] | None:
+        if info.data.get("task") == "embed":
+            if v is not None:
+                raise ValueError("task: embed stores a vector per record and takes no output schema: remove "
+                                 "output_schema (or use task: generate)")
+            return v
+        if v is None:
+            raise ValueError("must be a JSON schema object (task generate)")
         from jsonschema import Draft202012Validator
         from jsonschema.exceptions import SchemaError
 
@@ -624,7 +673,7 @@ class JobSpec(_Strict):
 
     @model_validator(mode="after")
     def _evaluation_fields(self) -> "JobSpec":
-        props = self.output_schema.get("properties") or {}
+        props = (self.output_schema or {}).get("properties") or {}
         ev = self.evaluation
         for name in [*ev.min_accuracy, *ev.graders]:
             if name not in props:
@@ -635,6 +684,34 @@ class JobSpec(_Strict):
         if ev.review.min_reviewed > self.validation.sample_size:
             raise ValueError(f"evaluation.review.min_reviewed ({ev.review.min_reviewed}) is more than the review "
                              f"sample holds (validation.sample_size {self.validation.sample_size})")
+        return self
+
+    @model_validator(mode="before")
+    @classmethod
+    def _embed_leaves_out(cls, data: Any) -> Any:
+        """An embedding job may leave out what only generation uses: the output schema and the system turn."""
+        if isinstance(data, dict) and data.get("task") == "embed":
+            data = {"output_schema": None, **data}
+            if isinstance(data.get("prompt"), dict):
+                data["prompt"] = {"system": None, **data["prompt"]}
+        return data
+
+    @model_validator(mode="after")
+    def _task_fields(self) -> "JobSpec":
+        if self.task == "generate":
+            if self.prompt.system is None:
+                raise ValueError("'prompt.system' is required for task generate")
+            if self.embedding is not None or self.evaluation.pairs is not None:
+                raise ValueError("'embedding' and 'evaluation.pairs' are for task: embed")
+            return self
+        if self.embedding is None:
+            raise ValueError("task: embed needs 'embedding' with the model's 'dimensions'")
+        if self.engine.name in ENGINE_RESULT_OPTIONS and self.engine.name not in EMBEDDING_ENGINES:
+            raise ValueError(f"engine '{self.engine.name}' has no embedding mode: task: embed runs on "
+                             f"{', '.join(EMBEDDING_ENGINES)}")
+        if self.rules or self.evaluation.golden is not None or self.evaluation.judge is not None:
+            raise ValueError("task: embed takes no rules, evaluation.golden or evaluation.judge (they grade JSON "
+                             "answers): use evaluation.pairs")
         return self
 
     # -- identity ---------------------------------------------------------
@@ -650,6 +727,9 @@ class JobSpec(_Strict):
             "rules": [r.model_dump() for r in self.rules],
             "max_input_chars": self.max_input_chars,
         }
+        if self.task == "embed":   # a generate spec's version stays as it always was
+            out["task"] = self.task
+            out["embedding"] = self.embedding.model_dump() if self.embedding else None
         pinned = pinned_options(self.engine.name, self.engine.options)
         if pinned:
             out["engine"] = {"name": self.engine.name, "options": pinned}

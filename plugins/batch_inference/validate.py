@@ -51,7 +51,7 @@ import psycopg
 from psycopg import sql
 from psycopg.types.json import Jsonb
 
-from batch_inference import db, provenance
+from batch_inference import db, embed, provenance
 from batch_inference import drift as drifts
 from batch_inference.db import q
 from batch_inference.evaluation import evaluate
@@ -115,7 +115,10 @@ def validate(conn: psycopg.Connection, job_version: str, *, sample_dir: str | Pa
         # The schema scan reads every result once and also yields the count
         # of stored rows per category, which coverage and drift reuse.
         t = time.perf_counter()
-        schema, categories = _schema(conn, spec, job_version, failures, notes)
+        if spec.task == "embed":   # vectors, not JSON answers (batch_inference.embed)
+            schema, categories = _vectors(conn, spec, job_version, failures, notes)
+        else:
+            schema, categories = _schema(conn, spec, job_version, failures, notes)
         timings["schema_s"] = time.perf_counter() - t
 
         t = time.perf_counter()
@@ -134,6 +137,8 @@ def validate(conn: psycopg.Connection, job_version: str, *, sample_dir: str | Pa
     # After the sample is stored: the judge grades rows of it.
     t = time.perf_counter()
     evaluation = evaluate(conn, spec, job_version, job["dataset"], failures, notes, categories)
+    if spec.task == "embed":
+        evaluation["pairs"] = embed.recall(conn, spec, job_version, failures, notes)
     timings["evaluation_s"] = time.perf_counter() - t
 
     snapshot = coverage["snapshot"]
@@ -239,6 +244,15 @@ def _schema(conn: psycopg.Connection, spec: JobSpec, job: str, failures: list[st
              "checked_in_python": unvouched, "sql_check": why is None, "engines": engines}, categories)
 
 
+def _vectors(conn: psycopg.Connection, spec: JobSpec, job: str, failures: list[str],
+             notes: list[str]) -> tuple[dict[str, Any], dict[str, int]]:
+    """An embedding job's stored vectors (``embed.scan``) in place of the schema section; its results
+    have no category, so they count as one."""
+    section, made_by = embed.scan(conn, spec, job, failures)
+    section["engines"] = _engines(spec, made_by, failures, notes)
+    return section, ({drifts.category_key(None): section["checked"]} if section["checked"] else {})
+
+
 def _engines(spec: JobSpec, made_by: Mapping[tuple[str | None, str | None, str], int], failures: list[str],
              notes: list[str]) -> list[dict[str, Any]]:
     """Rows by engine, endpoint class and transport; a failure for each engine
@@ -280,6 +294,8 @@ def _drift(conn: psycopg.Connection, spec: JobSpec, dataset: str, job: str, cate
     if against == job:
         notes.append("drift: skipped, this version is the one published")
         return out
+    if spec.task == "embed":   # nearest neighbours, not categories
+        return embed.drift(conn, spec, job, against, failures, notes)
     base, _source = drifts.category_counts(conn, against, pub["validation"])
     d = drifts.compare(categories, base)
     out.update(d, against=against)

@@ -175,3 +175,8 @@ GRANT EXECUTE ON FUNCTION
     bi.hosted_update_v1(text, integer, bigint, text, integer, text, text, text, text[], text, integer[], boolean,
                         boolean, bigint, bigint)
 TO bi_worker;
+
+-- Embedding jobs (embed.sql): a worker stores results with their vectors under its lease.
+GRANT EXECUTE ON FUNCTION
+    bi.put_embeddings_v1(text, integer, bigint, text, text, text, text, text[], jsonb[], bytea[])
+TO bi_worker;

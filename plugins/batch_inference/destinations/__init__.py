@@ -33,6 +33,10 @@ __all__ = ["ROWS_PER_BATCH", "Destination", "Pointed", "Version", "check_spec", 
 def for_spec(conn: psycopg.Connection, spec: JobSpec) -> list[Destination]:
     """The spec's destinations besides the view, as adapters (nothing is contacted yet)."""
     out: list[Destination] = []
+    if spec.task == "embed":   # the version's pgvector search table, built before the view switches
+        from batch_inference.embed import search_index
+
+        out.append(search_index(spec, conn))
     for dest in spec.publish.destinations:
         if dest.kind == "iceberg":
             from batch_inference.destinations.iceberg import IcebergTable

@@ -72,9 +72,14 @@ def id_type(conn: psycopg.Connection, spec: JobSpec) -> str:
     return r["id_type"] if r else "text"
 
 
-def ensure_view(conn: psycopg.Connection, dataset: str, spec: JobSpec) -> str:
+def ensure_view(conn: psycopg.Connection, dataset: str, spec: JobSpec, job_version: str | None = None) -> str:
     """The dataset's view shaped like ``spec``'s version (``bi.ensure_published_view_v2``): no DDL when
-    it is already, else dropped and created again in the caller's transaction."""
+    it is already, else dropped and created again in the caller's transaction. An embedding job's
+    view reads ``job_version``'s search table (``batch_inference.embed``)."""
+    if spec.task == "embed":
+        from batch_inference.embed import ensure_view as ensure_search_view
+
+        return ensure_search_view(conn, dataset, spec, job_version, id_type(conn, spec))
     return conn.execute(q("ensure_published_view"), {"dataset": dataset, "id_type": id_type(conn, spec),
                                                      "columns": json.dumps(view_columns(spec))}
                         ).fetchone()["view_name"]
@@ -108,7 +113,7 @@ def switch(conn: psycopg.Connection, name: str, params: dict[str, Any], dataset:
                     view = known["view_name"] if known else view_name(dataset)
                 else:
                     view = ensure_view(conn, dataset, spec if spec is not None and params.get("job") == target
-                                       else job_spec(conn, target))
+                                       else job_spec(conn, target), target)
                 out["view"] = view      # as SQL writes it: quoted if the dataset name is a keyword
                 if after is not None and not dry_run:
                     after(conn, out)

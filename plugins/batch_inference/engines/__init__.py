@@ -22,11 +22,12 @@ import re
 import sys
 from typing import Any
 
-from batch_inference.engines.base import BUILTIN_ENGINES, TRUNCATED, Engine, Outcome, Request, one_line
+from batch_inference.engines.base import (BUILTIN_ENGINES, EMBEDDING_ENGINES, TRUNCATED, Engine, Outcome, Request,
+                                          one_line)
 from batch_inference.exceptions import InvalidValue
 from batch_inference.spec import JobSpec, pinned_options  # noqa: F401 - re-exported: the spec owns it
 
-__all__ = ["BUILTIN_ENGINES", "TRUNCATED", "Engine", "Outcome", "Request", "allowed_engine_modules", "engine_class",
+__all__ = ["BUILTIN_ENGINES", "EMBEDDING_ENGINES", "TRUNCATED", "Engine", "Outcome", "Request", "allowed_engine_modules", "engine_class",
            "engine_for", "load_engine", "one_line", "pinned_options"]
 
 # The deployment's setting: comma-separated modules or packages whose engines may
@@ -99,7 +100,15 @@ def load_engine(name: str, spec: JobSpec, options: dict[str, Any] | None = None)
 
     ``options=None`` takes ``spec.engine.options``. The caller verifies the
     weights (``pinning.verify_weights``) and then calls ``engine.load()``.
+    An embedding job (``spec.task == "embed"``) gets the engine's embedding
+    mode (``EMBEDDING_ENGINES``); an engine without one is refused.
     """
+    if spec.task == "embed":
+        cls = engine_class(EMBEDDING_ENGINES.get(name, name))
+        if not getattr(cls, "embeds", False):
+            raise InvalidValue(f"engine {one_line(repr(name), 200)} has no embedding mode: task: embed runs on "
+                               f"{', '.join(EMBEDDING_ENGINES)} (or an engine class with embeds = True)")
+        return cls(spec, options)
     return engine_class(name)(spec, options)
 
 

@@ -60,6 +60,20 @@ BUILTIN_ENGINES: dict[str, str] = {
     "anthropic-batch": "batch_inference.hosted.anthropic_batch:AnthropicBatchEngine",
     "bedrock-batch": "batch_inference.hosted.bedrock_batch:BedrockBatchEngine",
 }
+# The class a built-in name loads for an embedding job (``spec.task == "embed"``; its names are
+# ``spec.EMBEDDING_ENGINES``): the same engine in its embedding mode (batch_inference.embed.engines).
+EMBEDDING_ENGINES: dict[str, str] = {
+    "llama-cpp": "batch_inference.embed.engines:LlamaCppEmbedder",
+    "vllm": "batch_inference.embed.engines:VllmEmbedder",
+    "openai": "batch_inference.embed.engines:OpenAIEmbedder",
+}
+
+
+def builtin_target(name: str, task: str = "generate") -> str:
+    """The ``module:Class`` a spec's engine name loads for ``task``; a dotted path is itself."""
+    if task == "embed" and name in EMBEDDING_ENGINES:
+        return EMBEDDING_ENGINES[name]
+    return BUILTIN_ENGINES.get(name, name)
 
 
 # The longest part of a failed answer a repair turn repeats back to the model.
@@ -153,13 +167,15 @@ class Outcome:
     """What an engine made of one record.
 
     ``error`` set means a failed attempt; ``text`` may then still hold the raw
-    output (a truncated generation, say) for the dead-letter record.
+    output (a truncated generation, say) for the dead-letter record. An
+    embedding engine sets ``vector`` (a sequence of floats) instead of ``text``.
     """
 
     record_id: str
     text: str | None
     error: str | None = None
     tokens_out: int = 0
+    vector: Any = None
 
     @property
     def ok(self) -> bool:
@@ -217,7 +233,7 @@ class Engine(abc.ABC):
         """``given`` with every result option equal to the spec's: a left-out one
         takes the spec's value, a different one is refused."""
         spec_name = self.spec.engine.name
-        target = BUILTIN_ENGINES.get(spec_name, spec_name).replace(":", ".")
+        target = builtin_target(spec_name, self.spec.task).replace(":", ".")
         mine = f"{type(self).__module__}.{type(self).__qualname__}"
         pinned = pinned_options(spec_name, self.spec.engine.options) if target == mine else {}
         out = dict(given)

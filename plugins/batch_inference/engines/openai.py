@@ -188,6 +188,7 @@ class OpenAIEngine(Engine):
         }
     )
     result_options = frozenset(ENGINE_RESULT_OPTIONS["openai"])
+    path = "/chat/completions"   # the API path each record is posted to, under base_url
 
     def __init__(self, spec, options=None):
         super().__init__(spec, options)
@@ -249,7 +250,7 @@ class OpenAIEngine(Engine):
         import httpx
 
         try:
-            resp = await client.post(f"{self.base_url}/chat/completions", json=self.body(req))
+            resp = await client.post(f"{self.base_url}{self.path}", json=self.body(req))
         except httpx.TransportError as exc:
             raise _Retryable(one_line(exc)) from None
         if resp.status_code in RETRY_STATUS or resp.status_code >= 500:
@@ -268,7 +269,11 @@ class OpenAIEngine(Engine):
                 data = json.loads(resp.content.decode("utf-8", "surrogateescape"))
         except ValueError:
             return Outcome(req.record_id, None, error=f"response is not JSON: {one_line(resp.text, 200)}")
-        return parse_chat_completion(req.record_id, data)
+        return self.parse(req.record_id, data)
+
+    def parse(self, record_id: str, data: Any) -> Outcome:
+        """The outcome of one answered request (``path``'s JSON)."""
+        return parse_chat_completion(record_id, data)
 
     async def _one(self, client: Any, req: Request, stop: threading.Event | None) -> Outcome | None:
         """The outcome of one record, or None when ``stop`` came before it was sent.
