@@ -349,6 +349,7 @@ def decide(now: datetime, deadline: datetime, outstanding: int, per_worker: floa
         want = min(options, key=lambda o: (o.bill, -o.workers))
         why = f"no size finishes before the cutoff; the cheapest night: {_fmt(want)}"
     cur = by_n.get(start)
+    here = _fmt(cur) if cur is not None else f"{start} worker(s)"
     cooled = last_change is None or (now - last_change).total_seconds() >= policy.cooldown_s
     desired, action = start, HOLD
     if want is None:
@@ -357,7 +358,7 @@ def decide(now: datetime, deadline: datetime, outstanding: int, per_worker: floa
         if not keep:
             desired, action = want.workers, ADD
         elif last_action == REMOVE and not cooled:
-            why = f"behind, holding {start} (a removal within the cooldown is not followed by an add): {_fmt(cur)}"
+            why = f"behind, holding {start} (a removal within the cooldown is not followed by an add): {here}"
         else:
             # Paid for before it starts: within the budget as the next poll will see it (the added workers
             # producing), were the measured throughput off by REMOVE_DERATE either way (slower, it runs
@@ -374,7 +375,7 @@ def decide(now: datetime, deadline: datetime, outstanding: int, per_worker: floa
                     why = (f"{why}; the budget pays for {paid[0]} at {REMOVE_DERATE:.0%} of the measured "
                            f"throughput: {_fmt(by_n[paid[0]])}")
             else:
-                why = f"behind, holding {start} (no added worker is paid for within the budget): {_fmt(cur)}"
+                why = f"behind, holding {start} (no added worker is paid for within the budget): {here}"
     elif want.workers < start and cur is not None and cur.meets:
         # Remove only with a second margin to spare and past the cooldown: no flapping.
         slow = [at(o.workers, per_worker * REMOVE_DERATE) for o in options if o.workers < start]
@@ -394,7 +395,7 @@ def decide(now: datetime, deadline: datetime, outstanding: int, per_worker: floa
         why = f"on course: {_fmt(want)}"
     elif cur is not None:
         why = f"holding {start}: {_fmt(cur)}"
-    if keep and (desired not in by_n or not by_n[desired].within_budget):
+    if keep and (want is None or (desired > 0 and not by_n[desired].within_budget)):
         # The size in force went over the budget: the largest size within it, at once (the budget is
         # hard, the cooldown is not); none within it: the fleet stops.
         below = [o for o in affordable if o.workers < desired]
@@ -403,11 +404,11 @@ def decide(now: datetime, deadline: datetime, outstanding: int, per_worker: floa
             why = f"over the budget with {start}; the largest size within it: {_fmt(below[-1])}"
         else:
             desired = 0
-            stop = at(0)
-            options = (stop, *options)
-            by_n[0] = stop
-            why = f"no fleet size keeps within the budget; the fleet stops: {_fmt(stop)}"
+            why = "no fleet size keeps within the budget; the fleet stops: " + _fmt(at(0))
         action = REMOVE if desired < current else HOLD
+    if desired == 0 and 0 not in by_n:
+        by_n[0] = at(0)             # the stopped fleet's projection, recorded with the others
+        options = (by_n[0], *options)
     page = None
     chosen = by_n[desired]
     if policy.budget is not None:

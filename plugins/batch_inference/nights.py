@@ -927,6 +927,7 @@ class _NightRun:
         self.rec.gpu_hours = round(hours, 6)
         if self.pilot:
             adds = [d for d in decisions if d["action"] == "add"]
+            changed = [d for d in decisions if d["action"] != "hold"]
             self.rec.pilot = {
                 "decisions": len(decisions), "adds": len(adds),
                 "removes": sum(1 for d in decisions if d["action"] == "remove"),
@@ -935,6 +936,12 @@ class _NightRun:
                 "pages": sorted({d["page"] for d in decisions if d["page"]}),
                 "changes": [f"{self._s(d['at'])}s {d['action']} {d['current']}->{d['desired']}: {d['reason'][:120]}"
                             for d in decisions if d["action"] != "hold"][:20],
+                # Sizes taken whose own projection was over the budget (none with on_budget page), and
+                # changes undoing the one before within the cooldown (flapping).
+                "over_budget": sum(1 for d in decisions for o in (d["options"] or [])
+                                   if o["workers"] == d["desired"] and not o.get("within_budget", True)),
+                "flaps": sum(1 for a, b in zip(changed, changed[1:]) if a["action"] != b["action"]
+                             and (b["at"] - a["at"]).total_seconds() < self.cfg.pilot_cooldown_s),
             }
         return hours
 
@@ -1075,6 +1082,9 @@ class NightsReport:
             "healthy_dead": sum(n.healthy_dead for n in ns),
             "hosted_nights": sum(1 for n in ns if n.hosted),
             "hosted_billed_twice": sum(n.hosted.get("billed_twice", 0) for n in ns),
+            "budget": self.config.get("budget"),
+            "over_budget": [n.seed for n in ns if self.config.get("budget") is not None
+                            and n.bill.get("total", 0.0) > self.config["budget"]],
             "autopilot": self.comparison(),
         }
 
@@ -1142,6 +1152,8 @@ class NightsReport:
                   f"{fmt(s['prediction_error_worst_s'], '.1f')}s",
                   f"duplicates {s['duplicates']}, lost {s['lost']}, healthy dead letters {s['healthy_dead']}; "
                   f"pages {s['pages']} (false: {s['false_pages'] or 'none'})",
+                  *([f"budget ${s['budget']:g} (on_budget {c.get('on_budget')}): bills over it on nights "
+                     f"{s['over_budget'] or 'none'}"] if s.get("budget") is not None else []),
                   *self._comparison_lines(s["autopilot"]),
                   "PASSED" if self.passed else f"FAILED: nights {s['failing_seeds']} (replay one with --night SEED)"
                   + (f"; logs kept in {self.work_dir}" if self.work_dir else "")]

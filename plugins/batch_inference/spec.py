@@ -53,10 +53,18 @@ ENGINE_RESULT_OPTIONS: dict[str, tuple[str, ...]] = {
              "hf_overrides", "generation_config", "override_generation_config", "seed"),
     "openai": ("model", "extra_body"),
     "noop": (),
+    "ladder": (),   # a model ladder (``models:``): each rung's engine pins its own options
     "openai-batch": ("model", "extra_body"),
     "anthropic-batch": ("model",),
     "bedrock-batch": ("model",),
 }
+
+
+# The built-in engines that return the token log-probabilities of their answer
+# (``Outcome.logprobs``): a ladder's ``confidence: logprobs`` needs one on every
+# rung below the top (batch_inference.ladder). A dotted-path engine says so with
+# its class attribute ``gives_logprobs``.
+ENGINES_WITH_LOGPROBS: frozenset[str] = frozenset({"llama-cpp", "openai"})
 
 
 def pinned_options(name: str, options: dict[str, Any]) -> dict[str, Any]:
@@ -453,6 +461,33 @@ class Evaluation(_Strict):
         return self
 
 
+class Rung(_Strict):
+    """One rung of a model ladder (``JobSpec.models``, cheapest first; batch_inference.ladder)."""
+
+    model: Model
+    engine: Engine = Field(default_factory=Engine)
+    params: Params = Field(default_factory=Params)
+    threshold: float | None = Field(default=None, ge=0.0, le=1.0, description="an answer of this rung is kept "
+                                    "when it is valid and its confidence is at least this; None (not calibrated): "
+                                    "every record goes on to the next rung. The top rung keeps every valid answer")
+    cost_per_row: float = Field(ge=0, le=1_000, description="dollars per record answered at this rung (one sample)")
+    output_schema: dict[str, Any] | None = Field(default=None, description="the rung's output schema when "
+                                                 "written out: it must equal the spec's output_schema")
+
+
+class Ladder(_Strict):
+    """How a model ladder judges its answers and what calibrate aims for (batch_inference.ladder)."""
+
+    confidence: Literal["logprobs", "agreement"] = Field(
+        default="logprobs", description="logprobs: the engine's token log-probabilities of the constrained answer "
+        "(exp of their mean); agreement: the share of `samples` answers (seeds seed..seed+k-1) that agree")
+    samples: int = Field(default=3, ge=2, le=32, description="agreement: answers per record at a rung")
+    fields: list[str] = Field(default_factory=list, max_length=64, description="agreement: the output fields "
+                              "compared (default: category_field, else the whole answer)")
+    target: float = Field(default=0.98, gt=0.0, le=1.0, description="calibrate: the least share of the top "
+                          "rung's golden accuracy the cascade keeps")
+
+
 # The built-in engines with an embedding mode (task: embed; batch_inference.embed.engines).
 EMBEDDING_ENGINES = ("llama-cpp", "vllm", "openai", "openai-batch")
 MAX_DIMENSIONS = 16_000   # pgvector's vector type holds at most 16,000 dimensions
@@ -611,6 +646,10 @@ class JobSpec(_Strict):
     autopilot: Autopilot = Field(default_factory=Autopilot, description="the batch fleet's size against the "
                                  "deadline and the budget; not part of the job version")
     evaluation: Evaluation = Field(default_factory=Evaluation)
+    models: list[Rung] | None = Field(default=None, min_length=2, max_length=8, description="a model ladder, "
+                                      "cheapest first (batch_inference.ladder); model, engine and params are then "
+                                      "the top rung's")
+    ladder: Ladder = Field(default_factory=Ladder, description="the ladder's confidence rule and calibrate target")
     publish: Publish = Field(default_factory=Publish, description="destinations besides the view; not part of "
                              "the job version")
 
@@ -658,11 +697,74 @@ class JobSpec(_Strict):
             if "{text}" not in template:
                 raise ValueError("'prompt.template' must contain the placeholder {text} (or name each of "
                                  "source.columns)")
+        else:
+            missing = [c for c in columns if "{" + c + "}" not in template]
+            if missing:
+                raise ValueError(f"'prompt.template' must name each of source.columns: "
+                                 f"{', '.join('{' + c + '}' for c in missing)} missing")
+        # A placeholder nothing fills would reach the model as the literal text "{body}".
+        filled = columns or ["text"]
+        stray = list(dict.fromkeys(n for n in PLACEHOLDER_NAME.findall(template) if n not in filled))
+        if stray:
+            names = ", ".join("{" + n + "}" for n in stray)
+            what = (f"source.columns are {', '.join(columns)}" if columns else
+                    f"the record is one column, source.text_column '{self.source.text_column}', filled in as {{text}}")
+            raise ValueError(f"'prompt.template' names {names}, which no column fills ({what}): add "
+                             f"{'it' if len(stray) == 1 else 'them'} to source.columns or take "
+                             f"{'it' if len(stray) == 1 else 'them'} out of the template")
+        return self
+
+    @model_validator(mode="before")
+    @classmethod
+    def _ladder_top(cls, data: Any) -> Any:
+        """A ladder (``models:``) gives model, engine and params: the top rung's model and params, engine ``ladder``."""
+        rungs = data.get("models") if isinstance(data, dict) else None
+        if isinstance(rungs, list) and rungs and isinstance(rungs[-1], dict):
+            top = rungs[-1]
+            data = {**data}
+            data.setdefault("model", top.get("model"))
+            data.setdefault("engine", {"name": "ladder"})
+            if "params" in top:
+                data.setdefault("params", top["params"])
+        return data
+
+    @model_validator(mode="after")
+    def _ladder_rungs(self) -> "JobSpec":
+        """One schema for every rung, a confidence every rung below the top can give, the top rung as the spec's model."""
+        rungs = self.models
+        if not rungs:
+            if self.engine.name == "ladder":
+                raise ValueError("engine 'ladder' needs models: the rungs of the ladder, cheapest first")
             return self
-        missing = [c for c in columns if "{" + c + "}" not in template]
-        if missing:
-            raise ValueError(f"'prompt.template' must name each of source.columns: "
-                             f"{', '.join('{' + c + '}' for c in missing)} missing")
+        top = rungs[-1]
+        if self.engine.name != "ladder":
+            raise ValueError(f"a spec with models: runs them as a ladder: leave engine out (or name 'ladder'), "
+                             f"not {self.engine.name!r}")
+        if self.model != top.model or self.params != top.params:
+            raise ValueError("a spec with models: takes model and params from its top rung: leave them out")
+        props = self.output_schema.get("properties") or {}
+        for name in self.ladder.fields:
+            if name not in props:
+                raise ValueError(f"ladder.fields: {name!r} is not a top-level property of output_schema")
+        for i, rung in enumerate(rungs, 1):
+            where = f"models[{i}] ({rung.model.name})"
+            if rung.engine.name == "ladder":
+                raise ValueError(f"{where}: a rung's engine cannot be a ladder")
+            if rung.output_schema is not None and rung.output_schema != self.output_schema:
+                first = next((j for j, r in enumerate(rungs, 1) if r.output_schema is not None), i)
+                raise ValueError(f"{where}: its output_schema differs from the spec's output_schema"
+                                 f"{'' if first == i else f' (and from models[{first}])'}: every rung of a ladder "
+                                 "answers one schema")
+            if rung is top:
+                continue
+            if self.ladder.confidence == "logprobs" and rung.engine.name in ENGINE_RESULT_OPTIONS \
+                    and rung.engine.name not in ENGINES_WITH_LOGPROBS:
+                raise ValueError(f"{where}: engine {rung.engine.name!r} gives no token log-probabilities, which "
+                                 f"ladder.confidence 'logprobs' needs: use confidence 'agreement', or an engine "
+                                 f"that gives them ({', '.join(sorted(ENGINES_WITH_LOGPROBS))})")
+            if self.ladder.confidence == "agreement" and rung.params.temperature == 0:
+                raise ValueError(f"{where}: ladder.confidence 'agreement' compares {self.ladder.samples} sampled "
+                                 "answers, which at temperature 0 are one answer: give the rung a temperature above 0")
         return self
 
     @model_validator(mode="after")
@@ -731,6 +833,12 @@ class JobSpec(_Strict):
             out["task"] = self.task
             out["embedding"] = self.embedding.model_dump() if self.embedding else None
         pinned = pinned_options(self.engine.name, self.engine.options)
+        if self.models:
+            out["models"] = [{"model": {"name": r.model.name, "digest": r.model.digest},
+                              "engine": {"name": r.engine.name, "options": pinned_options(r.engine.name,
+                                                                                          r.engine.options)},
+                              "params": r.params.model_dump(), "threshold": r.threshold} for r in self.models]
+            out["ladder"] = self.ladder.model_dump(exclude={"target"})
         if pinned:
             out["engine"] = {"name": self.engine.name, "options": pinned}
         return out

@@ -407,3 +407,82 @@ def test_a_reconcile_pass_lists_the_pods_once_and_again_only_after_adding_or_rem
     # Outside a pass nothing is kept: a pod ended since is seen at once.
     api.end(pod_name(job, 1), "Failed", exit_code=143)
     assert launcher.running() == 0
+
+
+# -- issue 39: hosted jobs, the drain, the budget ------------------------------------------------
+
+
+def test_a_hosted_batch_job_gets_no_gpu_workers_no_decisions_and_no_gpu_hours(conn, db_url, monkeypatch):
+    """Before: the watch steered a hosted batch job's fleet (adds included) and the bill priced its
+    workers' time as GPU-hours, though they only hand the records to the provider."""
+    from airflow.sdk import DAG
+    from airflow.sdk.exceptions import AirflowFailException
+
+    from batch_inference.operators.gpu_autopilot import GpuAutopilotOperator
+    from batch_inference.status import bill
+
+    job = new_job(conn, 400, shard_size=20, autopilot=PILOT, cleared_for_hosted=True,
+                  engine={"name": "openai-batch", "options": {"base_url": "http://127.0.0.1:9/v1",
+                                                              "api_key_env": "BI_TEST_OPENAI_KEY"}},
+                  cost={"gpu_hour_spot": 3.5, "min_workers": 1, "max_workers": 12})
+    autopilot.observe(conn, job, "test", 2)             # a launcher runs two (hosted batch) workers
+    t = [datetime.now(UTC)]
+
+    async def sleep(s: float) -> None:
+        t[0] += timedelta(seconds=60)
+        store_rows(conn, job, 20)
+
+    payload = asyncio.run(watchlib.watch(lambda: watchlib.connect_async(db_url),
+                                         watchlib.WatchConfig(job_version=job, deadline=t[0] + timedelta(seconds=2400),
+                                                              poll_interval_s=60, warned=True),
+                                         now=lambda: t[0], sleep=sleep, max_polls=6))
+    assert payload["status"] == "wait" and payload["autopilot"] is None
+    assert conn.execute(db.q("fleet_decisions"), {"job": job}).fetchall() == []
+    time.sleep(0.05)
+    so_far, _ = bill(conn, job)
+    assert (float(so_far.gpu_hours), float(so_far.gpu_cost)) == (0.0, 0.0)
+    assert autopilot.gpu_hours(conn, job) == 0.0
+    # The Kubernetes launcher starts no GPU pod for it: one line, before anything is created.
+    api = FakeCoreV1Api()
+    monkeypatch.setenv("AIRFLOW_CONN_BATCH_INFERENCE_DEFAULT", db.airflow_connection_json(db_url))
+    with DAG("gpu_hosted_test", schedule=None):
+        op = GpuAutopilotOperator(task_id="gpu_autopilot", job_version=job, workers=2,
+                                  pod_kwargs={"grace_seconds": 90, "grace_margin_seconds": 15, "grant_role": None})
+    monkeypatch.setattr(op, "hook", lambda: SimpleNamespace(core_v1_client=api))
+    with pytest.raises(AirflowFailException, match="hosted batch transport: its records go to the provider, so no "
+                                                   "GPU worker is started"):
+        op.execute({})
+    assert api.calls == []
+
+
+def test_gpu_pods_still_running_when_the_drain_is_over_are_deleted_at_once(conn, db_url, monkeypatch):
+    """In fallback mode the pods drain; one still running ``autopilot.drain_s`` after the cutoff (its
+    lease is gone) is deleted with no grace, so the GPU time the budget reserved is the most it costs."""
+    pytest.importorskip("kubernetes_validate")
+    from airflow.sdk import DAG
+
+    from batch_inference.fallback import enter_fallback
+    from batch_inference.operators.gpu_autopilot import GpuAutopilotOperator, pod_name
+
+    job = new_job(conn, 40, dataset="tickets_drain", lease_seconds=2, renew_seconds=0.5,
+                  cost={"min_workers": 1, "max_workers": 4})
+    api = FakeCoreV1Api()
+    monkeypatch.setenv("AIRFLOW_CONN_BATCH_INFERENCE_DEFAULT", db.airflow_connection_json(db_url))
+    with DAG("gpu_drain_test", schedule=None):
+        op = GpuAutopilotOperator(task_id="gpu_autopilot", job_version=job, workers=2, reconcile_seconds=0.1,
+                                  drain_timeout_s=30, pod_kwargs={"grace_seconds": 90, "grace_margin_seconds": 15, "grant_role": None})
+    monkeypatch.setattr(op, "hook", lambda: SimpleNamespace(core_v1_client=api))
+    launcher = op.launcher(job)
+    autopilot.reconcile(conn, job, "k8s:batch-inference", launcher.running, launcher.scale, 2, (1, 4))
+    assert launcher.running() == 2
+    assert enter_fallback(conn, job)
+    t0 = time.monotonic()
+    out = op.execute({})
+    took = time.monotonic() - t0
+    assert out["mode"] == "fallback" and launcher.running() == 0
+    deletes = [(n, g) for kind, n, g in api.calls if kind == "delete"]
+    assert sorted(deletes) == [(pod_name(job, 0), 0), (pod_name(job, 1), 0)]
+    assert 1.5 <= took < 30, took                         # drain_s = 2.5 s after the cutoff, not the drain timeout
+    observed = [r["running"] for r in conn.execute(
+        "SELECT running FROM bi.fleet_observed WHERE job_version = %s ORDER BY id", (job,))]
+    assert observed[0] == 2 and observed[-1] == 0

@@ -335,6 +335,15 @@ def test_a_fleet_the_budget_cannot_keep_stops_and_stays_stopped():
     again = decide(now, DEADLINE, 300_000, 18.7, 0, 85.0, 1800.0, policy, PRICES, Decimal("39.5"),
                    last_change=now, last_action=REMOVE)
     assert again.desired == 0 and again.action == HOLD
+    # Stopped, behind, and the budget would pay for workers again: not within the cooldown of the stop
+    # (found by the nights: a stopped fleet's hold had no size to name), then only what is paid for.
+    roomy = Policy(**{**DRAIN, "on_budget": "page", "budget": Decimal("1000")})
+    held = decide(now, DEADLINE, 300_000, 18.7, 0, 85.0, 1800.0, roomy, PRICES, Decimal("39.5"),
+                  last_change=now - timedelta(seconds=60), last_action=REMOVE)
+    assert (held.desired, held.action) == (0, HOLD) and "holding 0" in held.reason
+    back = decide(now, DEADLINE, 300_000, 18.7, 0, 85.0, 1800.0, roomy, PRICES, Decimal("39.5"),
+                  last_change=now - timedelta(seconds=roomy.cooldown_s), last_action=REMOVE)
+    assert back.action == ADD and back.option(back.desired).within_budget
     # The launchers take 0 from the budget, below the bounds.
     ran: list[int] = []
 

@@ -13,6 +13,7 @@ from batch_inference.commands import (
     demo,
     fallback,
     jobs,
+    ladder,
     nights,
     publish,
     review,
@@ -20,4 +21,4 @@ from batch_inference.commands import (
     worker,
 )
 
-COMMANDS = (database, jobs, worker, capacity, cutoff, cost, validate, review, publish, chaos, nights, fallback, demo)
+COMMANDS = (database, jobs, worker, capacity, cutoff, cost, validate, ladder, review, publish, chaos, nights, fallback, demo)
