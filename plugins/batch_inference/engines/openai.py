@@ -72,7 +72,7 @@ from batch_inference.clearance import check_clearance
 from batch_inference.engines.base import Engine, Outcome, Request, one_line, parse_chat_completion
 from batch_inference.exceptions import BatchInferenceError, InvalidValue
 from batch_inference.ratelimit import TokenBucket
-from batch_inference.spec import ENGINE_RESULT_OPTIONS
+from batch_inference.spec import ENGINE_RESULT_OPTIONS, ENGINES_WITH_LOGPROBS
 
 STYLES = ("json_schema", "json_object")
 
@@ -189,6 +189,7 @@ class OpenAIEngine(Engine):
     )
     result_options = frozenset(ENGINE_RESULT_OPTIONS["openai"])
     path = "/chat/completions"   # the API path each record is posted to, under base_url
+    gives_logprobs = "openai" in ENGINES_WITH_LOGPROBS
 
     def __init__(self, spec, options=None):
         super().__init__(spec, options)
@@ -237,7 +238,10 @@ class OpenAIEngine(Engine):
         self._headers = headers
 
     def body(self, req: Request) -> dict[str, Any]:
-        return chat_body(self.spec, self.model, req.messages, self.response_format, self.extra_body)
+        body = chat_body(self.spec, self.model, req.messages, self.response_format, self.extra_body)
+        if self.want_logprobs:
+            body.update(logprobs=True, top_logprobs=1)
+        return body
 
     def _client(self):
         import httpx
@@ -287,7 +291,7 @@ class OpenAIEngine(Engine):
             if attempt == 0 and stop is not None and stop.is_set():
                 return None
             self.breaker.check()
-            if self.allowance is not None and not self.allowance.take():
+            if self.allowance is not None and not self.allowance.take(req.record_id):
                 return None   # the allowance is spent: not sent, no attempt counted (as after stop)
             try:
                 outcome = await self._attempt(client, req)
