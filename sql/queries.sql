@@ -70,8 +70,15 @@ SELECT s.record_id, count(*) AS n FROM {relation} AS s WHERE s.record_id IS NOT 
 -- name: halt_job  record that the job's workers cannot work (the cutoff watch ends the run); NULL if not running
 SELECT bi.halt_job_v1(%(job)s, %(reason)s) AS halted_at;
 
--- name: job_halt  the job's latest halt, if any
-SELECT halted_at, halt_reason FROM bi.jobs WHERE job_version = %(job)s;
+-- name: job_halt  the job's latest halt, if any, and the first work on the version seen after it (a shard claimed, renewed or finished, a DAG run's submit), which makes the halt a past one
+SELECT j.halted_at, j.halt_reason,
+       (SELECT min(t) FROM (SELECT v.t FROM bi.shards s
+                              CROSS JOIN LATERAL (VALUES (s.first_claim_at), (s.lease_renewed_at), (s.done_at)) v (t)
+                             WHERE s.job_version = j.job_version
+                            UNION ALL
+                            SELECT r.at FROM bi.job_runs r WHERE r.job_version = j.job_version) w
+         WHERE w.t > j.halted_at) AS worked_after
+  FROM bi.jobs j WHERE j.job_version = %(job)s;
 
 -- name: job_manifest  the small manifest of an existing job version
 SELECT job_version, dataset, records, shards, planned_dead AS dead_letters, reused, status, mode
@@ -490,7 +497,7 @@ SELECT {columns} FROM {view} ORDER BY record_id LIMIT %(n)s;
 
 -- name: destination_rows  a job version's rows as a destination gets them, by record id (the output as JSON text)
 SELECT record_id, output::text AS output, job_version, model_name, model_digest, prompt_version, transport, acl,
-       created_at AS stored_at
+       created_at AS stored_at, embedding
   FROM bi.results WHERE job_version = %(job)s ORDER BY record_id;
 
 -- name: destination_record  what a publish or rollback left a destination pointing at
@@ -512,3 +519,6 @@ SELECT * FROM bi.redrive_dead_letters_v1(%(job)s, %(actor)s, %(reason)s, %(stage
 -- name: redrives  a version's re-drives of dead letters, newest first
 SELECT id, job_version, actor, reason, stage, reason_like, records, shards, left_out, at
   FROM bi.redrives WHERE job_version = %(job)s ORDER BY id DESC LIMIT %(n)s;
+
+-- name: dataset_names  every dataset that has a job version or a publish history (an unknown name's did-you-mean)
+SELECT dataset FROM bi.jobs UNION SELECT dataset FROM bi.publish_history ORDER BY 1;

@@ -10,9 +10,13 @@ are the modules of ``batch_inference.commands``, registered from its
 from __future__ import annotations
 
 import argparse
+import contextlib
+import importlib.abc
+import importlib.util
 import logging
 import sys
 import warnings
+from typing import Any
 
 from batch_inference.commands.common import one_line
 
@@ -39,11 +43,52 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+class _AirflowLogsToStderr(importlib.abc.MetaPathFinder):
+    """Airflow configures logging when it is first imported (a ``kind: sql`` source imports it in the
+    middle of ``submit``), with handlers that write to the stdout of that moment: every log line after it,
+    the project's too, would come before the command's JSON line on stdout. This imports Airflow with
+    stdout pointing at stderr, and points its structlog loggers at stderr, so stdout carries only what
+    the command prints."""
+
+    def find_spec(self, fullname: str, path: Any = None, target: Any = None) -> Any:
+        if fullname != "airflow":
+            return None
+        sys.meta_path.remove(self)
+        spec = importlib.util.find_spec(fullname)
+        if spec is not None and spec.loader is not None:
+            spec.loader = _StderrLoader(spec.loader)
+        return spec
+
+
+class _StderrLoader(importlib.abc.Loader):
+    def __init__(self, loader: Any):
+        self._loader = loader
+
+    def create_module(self, spec: Any) -> Any:
+        return self._loader.create_module(spec)
+
+    def exec_module(self, module: Any) -> None:
+        # The module keeps its own loader (Airflow reads its package resources through it).
+        module.__loader__ = module.__spec__.loader = self._loader
+        with contextlib.redirect_stdout(sys.stderr):
+            self._loader.exec_module(module)
+        try:
+            import structlog
+
+            factory = structlog.get_config().get("logger_factory")
+            if getattr(factory, "io", False) is None:   # Airflow's factory: None means sys.stdout
+                factory.io = sys.stderr
+        except Exception:  # noqa: BLE001 - logging stays as Airflow set it
+            pass
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO, stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if "airflow" not in sys.modules and not any(isinstance(f, _AirflowLogsToStderr) for f in sys.meta_path):
+        sys.meta_path.insert(0, _AirflowLogsToStderr())
     if not args.verbose:
         # The embedded server's own lines (initdb's output, "server already running") and the
         # runtime-directory warning it triggers on a machine without XDG_RUNTIME_DIR: shown with -v.

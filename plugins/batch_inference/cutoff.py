@@ -142,6 +142,12 @@ def latest_safe_start(
     return _floor(exact.astimezone(_aware(deadline).tzinfo), step_s)
 
 
+def _dated(t: datetime) -> str:
+    """``2026-12-07 05:22 UTC``: a time with its date and zone, as log lines show the deadline and cutoff."""
+    zone = t.strftime("%Z")
+    return t.strftime("%Y-%m-%d %H:%M") + (f" {zone}" if zone else "")
+
+
 @dataclass(frozen=True)
 class CutoffDecision:
     """One evaluation of the cutoff against the job's live counts."""
@@ -163,18 +169,19 @@ class CutoffDecision:
         return (_utc(self.latest_safe_start) - _utc(self.now)).total_seconds()
 
     def log_line(self, job: str | None = None) -> str:
+        """The decision in plain words, each time with its date (a deadline is often tomorrow's)."""
         who = f"job {job}: " if job else ""
         if self.complete:
-            verdict = "complete, nothing to re-drive"
+            verdict = "every record is done, the fallback is not needed"
         elif self.fire:
             verdict = "FIRE: start the fallback now"
         else:
-            verdict = f"wait, {self.seconds_to_cutoff / 60:.0f} min to cutoff"
+            verdict = f"waiting, {self.seconds_to_cutoff / 60:.0f} min to the cutoff"
         return (
-            f"{who}{self.done:,} done, {self.outstanding:,} outstanding, "
-            f"fallback needs {self.fallback_s / 60:.0f} min "
-            f"({self.overhead_s:,.0f} s overhead + re-drive at {self.rate:g}/s), "
-            f"cutoff {self.latest_safe_start:%H:%M} for deadline {self.deadline:%H:%M}: {verdict}"
+            f"{who}{self.done:,} done, {self.outstanding:,} outstanding; "
+            f"the synchronous fallback needs {self.fallback_s / 60:.0f} min for them "
+            f"({self.overhead_s:,.0f} s to set up, then {self.rate:g} records/s), "
+            f"so the cutoff is {_dated(self.latest_safe_start)} for the deadline {_dated(self.deadline)}: {verdict}"
         )
 
     def to_dict(self) -> dict[str, object]:

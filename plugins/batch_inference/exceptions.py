@@ -40,6 +40,10 @@ class UnknownJob(BatchInferenceError, LookupError):
     """No job version of that name in the ledger."""
 
 
+class UnknownDataset(BatchInferenceError, LookupError):
+    """No job version of any status was ever submitted for a dataset of that name."""
+
+
 # -- inputs: the spec and its source ------------------------------------------
 
 class SpecError(BatchInferenceError, ValueError):

@@ -428,11 +428,11 @@ def run_fallback(db_url: str | None, job_version: str, base_url: str | None = No
         counts = job_counts(conn, job_version)
         if job["status"] != "running":
             result.skipped = f"job is {job['status']}"
-            log.info("fallback %s: job is %s; nothing to re-drive", job_version, job["status"])
+            log.info("fallback %s: the job is %s; nothing for the fallback to do", job_version, job["status"])
             return result
         if counts["outstanding"] == 0:
             result.skipped = "nothing outstanding"
-            log.info("fallback %s: nothing outstanding (%d stored, %d dead letters); nothing to re-drive",
+            log.info("fallback %s: not needed, every record is done (%d stored, %d dead letters)",
                      job_version, counts["stored"], counts["dead_letters"])
             return result
 

@@ -44,7 +44,10 @@ class Manifest:
     not_enforced: str | None = None
 
     def as_dict(self) -> dict[str, Any]:
-        return asdict(self)
+        """The manifest as JSON, its dead-letter count named for what it counts: the records refused at
+        planning (too long, empty, ...), not those the workers dead-letter later (``status`` counts all)."""
+        out = asdict(self)
+        return {k if k != "dead_letters" else "dead_letters_at_planning": v for k, v in out.items()}
 
 
 def submit(conn: psycopg.Connection, spec: JobSpec,
@@ -55,6 +58,7 @@ def submit(conn: psycopg.Connection, spec: JobSpec,
     checks the source before anything is written, pins it (what pins it is
     recorded in the job's stored spec) and streams its rows, or, for a
     PostgreSQL table or query, names the relation the ledger reads in SQL."""
+    _check_engine(spec)                   # a dotted-path engine that does not resolve: one line, nothing written
     destinations.check_spec(conn, spec)   # an unreachable or uncleared destination: one line, nothing written
     if spec.task == "embed":
         embed.check_spec(spec)            # a model of another size than embedding.dimensions: one line, nothing written
@@ -71,6 +75,19 @@ def submit(conn: psycopg.Connection, spec: JobSpec,
         return replace(_submit(conn, reader.pinned(), reader.rows()), not_enforced=not_enforced)
     finally:
         reader.close()
+
+
+def _check_engine(spec: JobSpec) -> None:
+    """A dotted-path engine resolves at submit (allowed module, importable, an Engine subclass), so a
+    name that does not is refused here rather than first in a worker; a built-in name the spec checked."""
+    from batch_inference.engines import BUILTIN_ENGINES, engine_class
+
+    if spec.engine.name in BUILTIN_ENGINES:
+        return
+    try:
+        engine_class(spec.engine.name)
+    except ValueError as exc:
+        raise SpecError(f"spec field 'engine.name': {exc}") from None
 
 
 def _submit(conn: psycopg.Connection, spec: JobSpec, rows: Iterable[Mapping[str, Any]] | None) -> Manifest:

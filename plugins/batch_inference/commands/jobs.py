@@ -55,9 +55,14 @@ def run_submit(args: argparse.Namespace) -> int:
     from batch_inference.sources import for_spec
 
     reader = for_spec(spec, s3_endpoint_url=args.s3_endpoint)
+    from batch_inference.status import job_counts
+
     with connect(args) as conn:
         m = submit(conn, spec, reader=reader)
-    print_json(m.as_dict())
+        total = job_counts(conn, m.job_version)["dead_letters"]
+    # dead_letters_at_planning counts the records refused at planning; dead_letters_total, the version's
+    # dead letters now (a resubmit of a version the workers already ran counts theirs too).
+    print_json({**m.as_dict(), "dead_letters_total": total})
     if m.applied:
         print(f"job version {m.job_version} already exists; applied: {printable('; '.join(m.applied))}",
               file=sys.stderr)
@@ -74,9 +79,15 @@ def run_status(args: argparse.Namespace) -> int:
         print_json({**c, **halt})
     else:
         s = c["shards"]
-        # The workers' halt (weights that do not match, an engine that cannot start): why nothing moves.
-        halted = (f"; HALTED by its workers at {halt['halted_at']:%Y-%m-%d %H:%M:%S %Z}: "
-                  f"{printable(halt['halt_reason'])}" if halt["halted_at"] else "")
+        # The workers' halt (weights that do not match, an engine that cannot start): why nothing moves;
+        # a halt followed by work on the version (a resubmit fixed its cause) is shown as past.
+        halted = ""
+        if halt["halted_at"] and halt["halt_cleared_at"]:
+            halted = (f"; an earlier halt at {halt['halted_at']:%Y-%m-%d %H:%M:%S %Z} is past (workers worked on it "
+                      f"again from {halt['halt_cleared_at']:%Y-%m-%d %H:%M:%S %Z}): {printable(halt['halt_reason'])}")
+        elif halt["halted_at"]:
+            halted = (f"; HALTED by its workers at {halt['halted_at']:%Y-%m-%d %H:%M:%S %Z}: "
+                      f"{printable(halt['halt_reason'])}")
         print(f"{c['job_version']}: {c['stored']}/{c['records']} stored ({c['stored_fallback']} by fallback, "
               f"{c['reused']} reused), {c['dead_letters']} dead letters, {c['outstanding']} outstanding; "
               f"shards pending {s['pending']}, leased {s['leased']}, done {s['done']}; "

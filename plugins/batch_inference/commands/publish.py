@@ -75,11 +75,30 @@ def run_rollback(args: argparse.Namespace) -> int:
     return 0
 
 
+def _known_dataset(conn: Any, dataset: str) -> None:
+    """Refuse, in one line, a dataset no job version was ever submitted for (a typo, most often)."""
+    import difflib
+
+    from batch_inference import db
+    from batch_inference.exceptions import UnknownDataset
+
+    names = [r["dataset"] for r in conn.execute(db.q("dataset_names")).fetchall()]
+    if dataset in names:
+        return
+    near = difflib.get_close_matches(dataset, names, n=1, cutoff=0.6)
+    hint = (f"did you mean '{near[0]}'?" if near else
+            f"the ledger's datasets: {', '.join(names[:10])}{', ...' if len(names) > 10 else ''}" if names else
+            "the ledger has no job version yet")
+    raise UnknownDataset(f"no dataset {printable(repr(dataset))}: no job version was ever submitted for it; {hint}")
+
+
 def run_published(args: argparse.Namespace) -> int:
     from batch_inference.publish import published
 
     with connect(args) as conn:
         out = published(conn, args.dataset, history=args.history)
+        if out["job_version"] is None and not out["history"]:
+            _known_dataset(conn, args.dataset)
     if args.json:
         print(json.dumps(out, default=str))
         return 0

@@ -10,14 +10,14 @@ import argparse
 import getpass
 from typing import Any
 
-from batch_inference.commands.common import connect, db_arg, print_json, printable
+from batch_inference.commands.common import connect, db_arg, doc_summary, print_json, printable
 
 EXCERPT = 100   # characters of input text and output shown per row
 
 
 def register(sub: Any) -> None:
     p = sub.add_parser("review", help="show a validated version's review sample, or record a verdict on one row",
-                       description=__doc__.splitlines()[0])
+                       description=doc_summary(__doc__))
     p.add_argument("job_version")
     p.add_argument("--record", metavar="ID", help="the sample row to give a verdict on")
     p.add_argument("--verdict", choices=("right", "wrong", "unsure"), help="the verdict on --record")

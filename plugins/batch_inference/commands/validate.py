@@ -5,15 +5,16 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import sys
 from typing import Any
 
-from batch_inference.commands.common import connect, db_arg
+from batch_inference.commands.common import connect, db_arg, doc_summary
 
 
 def register(sub: Any) -> None:
     p = sub.add_parser("validate", help="check a finished job version before publish (exit 1 if it fails)",
-                       description=__doc__.splitlines()[0])
+                       description=doc_summary(__doc__))
     p.add_argument("job_version")
     p.add_argument("--json", action="store_true", help="print the whole report as one JSON object")
     p.add_argument("--sample-dir", default=None,
@@ -25,19 +26,27 @@ def register(sub: Any) -> None:
 def run(args: argparse.Namespace) -> int:
     from batch_inference.validate import validate
 
+    if not args.verbose:
+        # The report below says what the validator's own log line says (each failure): once is enough.
+        logging.getLogger("batch_inference.validate").setLevel(logging.WARNING)
     with connect(args) as conn:
         report = validate(conn, args.job_version, sample_dir=args.sample_dir)
     if args.json:
         print(json.dumps(report, default=str, ensure_ascii=False))
     else:
         c, s, d = report["coverage"], report["schema"], report["drift"]
+        # A failed gate is said once, by its FAIL line (stderr), not also by its summary line here.
+        failed = {f.split(":", 1)[0] for f in report["failures"]}
         print(f"{args.job_version}: {'PASSED' if report.passed else 'FAILED'} ({report['status']})")
         missing = f", {c['missing']} missing" if c["missing"] else ""
-        print(f"  coverage: {c['snapshot']} snapshot = {c['stored']} stored + {c['dead_letters']} dead letters"
-              f"{missing}")
-        print(f"  schema: {s['checked']} checked, {s['invalid']} invalid")
-        print(f"  dead letters: {report['dead_letter_rate']:.2%} (gate {report['dead_letter_gate']:.2%})")
-        if d["distance"] is not None:
+        if "coverage" not in failed:
+            print(f"  coverage: {c['snapshot']} snapshot = {c['stored']} stored + {c['dead_letters']} dead letters"
+                  f"{missing}")
+        if "schema" not in failed:
+            print(f"  schema: {s['checked']} checked, {s['invalid']} invalid")
+        if "dead letters" not in failed:
+            print(f"  dead letters: {report['dead_letter_rate']:.2%} (gate {report['dead_letter_gate']:.2%})")
+        if d["distance"] is not None and "drift" not in failed:
             print(f"  drift: {d['distance']:.3f} against {d['against']} (gate {d['threshold']:.2f})")
         if report["sample"]["path"]:
             print(f"  sample: {report['sample']['rows']} rows in {report['sample']['path']}")

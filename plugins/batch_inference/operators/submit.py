@@ -198,7 +198,8 @@ class SubmitJobOperator(LedgerTask, BaseOperator):
         self._lineage = self._datasets(spec.source, hook.get_conninfo(), reader)
         self.log.info("%s %s: %d records in %d shard(s), %d dead letters at planning, %d reused",
                       "submitted" if manifest["created"] else "already submitted", manifest["job_version"],
-                      manifest["records"], manifest["shards"], manifest["dead_letters"], manifest["reused"])
+                      manifest["records"], manifest["shards"], manifest["dead_letters_at_planning"],
+                      manifest["reused"])
         context["ti"].xcom_push(key="job_version", value=manifest["job_version"])
         return manifest
 
