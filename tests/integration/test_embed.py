@@ -21,6 +21,7 @@ from gpu_runner.worker import WorkerConfig, run_worker
 from tests.conftest import make_source
 
 DATASET = "ticket_search"
+ICEBERG = "analytics.ticket_vectors"
 DIMS = 576   # SmolLM2-135M's hidden size
 TOPICS = ["I was charged twice for my subscription this month.",
           "The app crashes when I open the settings page.",
@@ -57,11 +58,33 @@ def nearest(c, record_id: str, k: int = 3) -> list[str]:
         f"(SELECT embedding FROM published.{DATASET} WHERE record_id = %s) LIMIT %s", (record_id, k))]
 
 
-def test_llama_cpp_embedding_job_end_to_end_with_search_and_rollback(conn, db_url):
+def iceberg_vectors(conn, spec_data: dict) -> dict[str, tuple[str, np.ndarray]]:
+    """The Iceberg table's rows as DuckDB's iceberg extension reads them: record id -> (job version, vector);
+    pyiceberg reads the same."""
+    from batch_inference.destinations import for_spec
+    from tests.integration.test_publish_iceberg import duck
+
+    ice = next(d for d in for_spec(conn, parse_spec(spec_data)) if d.name.startswith("iceberg:"))
+    tbl = ice.catalog().load_table(ICEBERG)
+    assert tbl.metadata.properties["batch_inference.embedding.dimensions"] == str(DIMS)
+    cur = duck().execute(f"SELECT record_id, job_version, embedding::FLOAT[{DIMS}] AS e FROM "
+                         f"iceberg_scan('{tbl.metadata_location}') ORDER BY record_id")
+    out = {r[0]: (r[1], np.array(r[2], dtype=np.float32)) for r in cur.fetchall()}
+    arrow = tbl.scan().to_arrow()
+    assert arrow.num_rows == len(out) and str(arrow.schema.field("embedding").type.value_type) == "float"
+    for rid, vec in zip(arrow.column("record_id").to_pylist(), arrow.column("embedding").to_pylist()):
+        assert np.array_equal(np.array(vec, dtype=np.float32), out[rid][1])
+    ice.close()
+    return out
+
+
+def test_llama_cpp_embedding_job_end_to_end_with_search_and_rollback(conn, db_url, tmp_path):
     make_source(conn, records(30))
     conn.execute("CREATE TABLE public.pairs (left_id text, right_id text)")
     conn.execute("INSERT INTO public.pairs VALUES ('t000', 't005'), ('t001', 't006'), ('t002', 't007')")
-    spec = embed_spec(evaluation={"pairs": {"table": "public.pairs", "k": 5, "min_recall": 0.5}})
+    lake = {"destinations": [{"identifier": ICEBERG, "warehouse": str(tmp_path / "warehouse"),
+                              "cleared_record_classes": ["internal"]}]}
+    spec = embed_spec(evaluation={"pairs": {"table": "public.pairs", "k": 5, "min_recall": 0.5}}, publish=lake)
     job = run(conn, db_url, spec)
 
     rows = conn.execute("SELECT record_id, embedding, output, engine, category FROM bi.results "
@@ -79,7 +102,8 @@ def test_llama_cpp_embedding_job_end_to_end_with_search_and_rollback(conn, db_ur
     assert report["evaluation"]["pairs"]["recall"] >= 0.5
 
     out = publish(conn, job)
-    assert out["changed"] and [d["destination"] for d in out["destinations"]] == [f"search:{DATASET}"]
+    assert out["changed"] and [d["destination"] for d in out["destinations"]] == [f"search:{DATASET}",
+                                                                                 f"iceberg:ledger.{ICEBERG}"]
     # The HNSW index was built before the pointer moved: the first query can use it.
     state = conn.execute("SELECT to_regclass(%s) IS NOT NULL AS idx", (f"bi.embed_{job}_hnsw",)).fetchone()
     assert state["idx"]
@@ -93,6 +117,11 @@ def test_llama_cpp_embedding_job_end_to_end_with_search_and_rollback(conn, db_ur
     assert first[0] == "t003" and first[1][:2] == "t0" and int(first[1][1:]) % len(TOPICS) == 3
     assert conn.execute(f"SELECT pg_typeof(embedding)::text AS t FROM published.{DATASET} LIMIT 1"
                         ).fetchone()["t"] == "vector"
+    # The Iceberg table holds the same vectors, read by DuckDB and pyiceberg.
+    lake_rows = iceberg_vectors(conn, spec)
+    assert len(lake_rows) == 30 and {j for j, _ in lake_rows.values()} == {job}
+    for r in rows:
+        assert np.array_equal(lake_rows[r["record_id"]][1], np.frombuffer(r["embedding"], dtype="<f4"))
 
     # A reader (bi_reader, RLS by ACL) searches the view too: only its team's rows.
     reader = f"reader_{uuid.uuid4().hex[:8]}"
@@ -111,7 +140,8 @@ def test_llama_cpp_embedding_job_end_to_end_with_search_and_rollback(conn, db_ur
         conn.execute(f"DROP ROLE {reader}")
 
     # Another instruction is another version (I2); its drift is measured on the records both embedded.
-    job2 = run(conn, db_url, embed_spec(embedding={"dimensions": DIMS, "instruction": "query: "}))
+    spec2 = embed_spec(embedding={"dimensions": DIMS, "instruction": "query: "}, publish=lake)
+    job2 = run(conn, db_url, spec2)
     assert job2 != job
     report2 = validate(conn, job2)
     assert report2["drift"]["against"] == job and report2["drift"]["shared"] == 30
@@ -124,6 +154,7 @@ def test_llama_cpp_embedding_job_end_to_end_with_search_and_rollback(conn, db_ur
     assert back["to_version"] == job
     assert {r["job_version"] for r in conn.execute(f"SELECT job_version FROM published.{DATASET}")} == {job}
     assert nearest(conn, "t003") == first
+    assert {j for j, _ in iceberg_vectors(conn, spec).values()} == {job}
 
 
 @pytest.mark.parametrize("change, words", [

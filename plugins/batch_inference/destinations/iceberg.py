@@ -14,7 +14,10 @@ instead of having its commit replayed over the winner's.
 
 Columns come from the output schema (``table_schema``): record id, each
 top-level output field typed (string, long, double, boolean, struct, list;
-anything else as its JSON text), then job version, model name and digest,
+anything else as its JSON text) or, for an embedding job, ``embedding``
+(Iceberg has no fixed-size list: a list of exactly ``dimensions`` required
+floats, the size in the table property ``batch_inference.embedding.dimensions``),
+then job version, model name and digest,
 prompt version, transport, the record's ACL and the time it was stored. A
 version whose schema adds a field evolves the table; one that removes a field
 or changes its type is refused, naming the field, unless forced with a reason.
@@ -113,18 +116,22 @@ def _field_type(sub: Any, ids: _Ids) -> tuple[Any, Convert]:
 def output_fields(spec: JobSpec) -> list[str]:
     """The top-level output fields that become columns (a field named like a fixed column is left out,
     as the view leaves it out)."""
-    props = spec.output_schema.get("properties") or {}
+    props = (spec.output_schema or {}).get("properties") or {}
     return [n for n in props if n not in FIXED]
 
 
 def table_schema(spec: JobSpec) -> tuple[Any, dict[str, Convert]]:
     """The Iceberg schema of ``spec``'s rows, and a converter for each output field."""
     from pyiceberg.schema import Schema
-    from pyiceberg.types import ListType, NestedField, StringType, TimestamptzType
+    from pyiceberg.types import FloatType, ListType, NestedField, StringType, TimestamptzType
 
     ids = _Ids()
-    props = spec.output_schema.get("properties") or {}
+    props = (spec.output_schema or {}).get("properties") or {}
     fields = [NestedField(ids(), "record_id", StringType(), required=True)]
+    if spec.task == "embed":   # the vector, from bi.results.embedding (embedding_column)
+        fid = ids()
+        fields.append(NestedField(fid, "embedding", ListType(ids(), FloatType(), element_required=True),
+                                  required=False))
     convs: dict[str, Convert] = {}
     for name in output_fields(spec):
         fid = ids()
@@ -192,11 +199,27 @@ def arrow_batches(version: Version, arrow_schema: Any, convs: dict[str, Convert]
             if n in convs:
                 cols.append(outputs.column(n) if outputs is not None
                             else pa.array([convs[n](o.get(n)) for o in parsed], type=field.type))
+            elif n == "embedding" and version.spec.task == "embed":
+                cols.append(embedding_column(rows, version.spec.embedding.dimensions, field.type))
             elif rows and n in rows[0]:
                 cols.append(pa.array([r[n] for r in rows], type=field.type))
             else:
                 cols.append(pa.nulls(len(rows), type=field.type))   # a column kept for earlier versions' readers
         yield pa.Table.from_arrays(cols, schema=arrow_schema)
+
+
+def embedding_column(rows: list[dict[str, Any]], dims: int, arrow_type: Any) -> Any:
+    """The rows' stored float32 vectors (``embed.vectors``) as one Arrow list column of ``dims`` floats each."""
+    import numpy as np
+    import pyarrow as pa
+
+    from batch_inference.embed import from_storage
+
+    values = np.concatenate([from_storage(r["embedding"]) for r in rows]) if rows else np.empty(0, np.float32)
+    if values.shape[0] != dims * len(rows):
+        raise ValueError(f"a vector of this version does not have {dims} dimensions")
+    offsets = pa.array(np.arange(0, dims * len(rows) + 1, dims, dtype=np.int64))
+    return pa.LargeListArray.from_arrays(offsets, pa.array(values), type=arrow_type)
 
 
 def _parsed(rows: list[dict[str, Any]], out_schema: Any) -> Any:
@@ -411,7 +434,9 @@ class IcebergTable(Destination):
                 cat.create_namespace_if_not_exists(namespace)
                 schema, _ = table_schema(self.spec)
                 tbl = cat.create_table_if_not_exists(self.dest.identifier, schema, properties={
-                    **NO_RETRIES, "batch_inference.dataset": self.spec.dataset})
+                    **NO_RETRIES, "batch_inference.dataset": self.spec.dataset,
+                    **({"batch_inference.embedding.dimensions": str(self.spec.embedding.dimensions)}
+                       if self.spec.task == "embed" else {})})
             if tbl.metadata.properties.get("commit.retry.num-retries") != "0":
                 tbl.transaction().set_properties(**NO_RETRIES).commit_transaction()
                 tbl = tbl.refresh()

@@ -151,8 +151,7 @@ class VllmEmbedder(VllmEngine):
         kwargs = build_llm_kwargs(self.spec, self.options)
         kwargs["enable_prefix_caching"] = False   # a pooling model reads every prompt token once
         kwargs.update(runner="pooling", convert="embed",
-                      pooler_config=PoolerConfig(pooling_type=self.POOLING[self.spec.embedding.pooling],
-                                                 normalize=False))
+                      pooler_config=PoolerConfig(seq_pooling_type=self.POOLING[self.spec.embedding.pooling]))
         return kwargs
 
     def load(self) -> None:
