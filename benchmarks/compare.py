@@ -88,6 +88,10 @@ def headlines(name: str, out: dict[str, Any]) -> Iterator[tuple[str, Any]]:
     elif name == "sources":
         for kind, row in (out.get("results") or {}).items():
             yield f"{kind}: submit / the client's read", row.get("submit_ratio")
+    elif name == "estimate":
+        yield "preview / (source read + tokenizer)", dig(out, "scale", "overhead")
+        yield "demo: projected / actual worker time - 1", dig(out, "demo", "finish_error")
+        yield "demo: projected / actual bill - 1", dig(out, "demo", "bill_error")
 
 
 def load(path: Path) -> dict[str, dict[str, Any]]:

@@ -97,6 +97,11 @@ def next_steps(task_id: str | None, job_version: str | None, dataset: str | None
     steps: list[str] = []
     task = (task_id or "").lower()
     err = (error or "").lower()
+    if task == "estimate" and "before any spend" in err:
+        steps.append("the preview says tonight's run would break its budget or miss its deadline (the figures "
+                     "above, and in the estimate task's XCom); nothing was submitted or spent: raise cost.budget, "
+                     "move the deadline, add workers or pick a cheaper model, then clear the estimate task")
+        return steps
     if job_version is None:
         steps.append("the job was never submitted: fix the spec or the source named in the error, then clear "
                      "the submit task (a submit is one transaction; nothing was written)")

@@ -16,7 +16,9 @@ planner and a DAG can all call this without a GPU or Airflow.
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass, field
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass, field, replace
+from typing import Any
 
 from batch_inference.exceptions import InvalidValue
 
@@ -179,6 +181,20 @@ def estimate(
         cost=gpu_hours * h.price_per_gpu_hour,
         inputs={"model": asdict(m), "hardware": asdict(h), "workload": asdict(w), "measured_rps": measured_rps},
     )
+
+
+def measured_shapes(pilot: Mapping[str, Any], workload: Workload) -> tuple[Workload, float]:
+    """``workload`` with the shapes a pilot measured (``bi.estimate_pilots``: input tokens a
+    record by the pinned tokenizer, output tokens a stored answer) and one worker's measured
+    records/s, which replaces the roofline rate."""
+    records, stored = int(pilot["records"]), int(pilot["stored"])
+    if records <= 0 or not pilot["records_per_s"] or pilot["records_per_s"] <= 0:
+        raise InvalidValue("the pilot measured no rate")
+    tokens_in = max(1, round(int(pilot["input_tokens"]) / records))
+    tokens_out = round(int(pilot["output_tokens"]) / stored) if stored else workload.tokens_out
+    cached = min(workload.cached_prefix, tokens_in - 1)
+    return replace(workload, tokens_in=tokens_in, tokens_out=tokens_out, cached_prefix=cached), \
+        float(pilot["records_per_s"])
 
 
 def plan_gpus(est: Estimate, overhead: float, gpus_per_worker: int = 1) -> int:

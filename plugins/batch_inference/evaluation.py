@@ -164,12 +164,19 @@ def run_companion(conn: psycopg.Connection, spec: JobSpec, serves: str, kind: st
     ('golden' or 'judge') companion of version ``serves`` (bi.companion_versions: left out of
     job lists, dropped with the last version it serves), and run what is left of it with an
     in-process worker; a version already done is only read. Returns (job version, worker exit code)."""
-    from gpu_runner.worker import WorkerConfig, run_worker   # the GPU runner imports no Airflow either
-
     job = plan.submit(conn, spec, rows).job_version
     conn.execute(q("companion_link"), {"job": serves, "companion": job, "kind": kind})
     if job_counts(conn, job)["outstanding"] == 0:
         return job, 0
+    return job, run_in_process(conn, job)
+
+
+def run_in_process(conn: psycopg.Connection, job: str) -> int:
+    """Run what is left of version ``job`` with one worker in this process (the engine its spec
+    names), until no shard is pending; returns the worker's exit code. A companion version's
+    run, and a pilot's (``batch_inference.estimate``)."""
+    from gpu_runner.worker import WorkerConfig, run_worker   # the GPU runner imports no Airflow either
+
     # The worker takes SIGTERM and SIGINT as its preemption notice; the caller's own handlers
     # (an Airflow task's, the CLI's Ctrl-C) come back when it is done.
     saved = ({s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT)}
@@ -180,7 +187,7 @@ def run_companion(conn: psycopg.Connection, spec: JobSpec, serves: str, kind: st
     finally:
         for sig, handler in saved.items():
             signal.signal(sig, handler)
-    return job, int(code)
+    return int(code)
 
 
 def _stopped(conn: psycopg.Connection, job: str, code: int) -> str:

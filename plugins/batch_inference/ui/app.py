@@ -533,6 +533,13 @@ def api_history(dataset: str, conn: Ledger, _who: DatasetReader,
     return data.history(conn, dataset, limit)
 
 
+@api.get("/datasets/{dataset}/estimates")
+def api_estimates(dataset: str, conn: Ledger, _who: DatasetReader,
+                  limit: Annotated[int, Query(ge=1, le=100)] = 5) -> dict[str, Any]:
+    """The dataset's newest previews before a run and pilots (``batch_inference.estimate``)."""
+    return data.estimates(conn, dataset, limit)
+
+
 @api.post("/datasets/{dataset}/rollback", dependencies=[Depends(same_origin)])
 def api_rollback(dataset: str, conn: Ledger, user: Annotated[BaseUser, Depends(authorize_rollback)],
                  body: Annotated[dict[str, Any], Body()]) -> dict[str, Any]:

@@ -431,6 +431,18 @@ def drift(conn: psycopg.Connection, job_version: str) -> dict[str, Any]:
     }
 
 
+# -- the preview before the run (batch_inference.estimate) ------------------------------
+
+
+def estimates(conn: psycopg.Connection, dataset: str, limit: int = 5) -> dict[str, Any]:
+    """A dataset's newest previews (each a DAG run's estimate task, before its submit) and pilots.
+
+    Figures only: counts, tokens, rates, prices and times; no record text."""
+    previews = [dict(r) for r in conn.execute(q("estimate_previews_of_dataset"), {"dataset": dataset, "n": limit})]
+    pilots = [dict(r) for r in conn.execute(q("estimate_pilots_of_dataset"), {"dataset": dataset, "n": limit})]
+    return {"dataset": dataset, "previews": previews, "pilots": pilots}
+
+
 # -- publish history ----------------------------------------------------------------
 
 

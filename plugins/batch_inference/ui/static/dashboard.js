@@ -533,6 +533,37 @@
     return panel;
   }
 
+  // The preview a DAG run made before its submit, and the pilots that measured its rate
+  // (batch_inference.estimate): what the night was expected to cost and when it would finish.
+  function estimatePanel(est) {
+    const panel = h("section", { class: "panel", id: "panel-estimate" }, h("h2", {}, "Preview before the run"));
+    const p = est.previews[0];
+    if (!p) {
+      panel.appendChild(h("p", { class: "muted" }, "No preview recorded for this dataset (`batch-inference estimate SPEC` prints one)."));
+    } else {
+      const f = p.figures, t = f.input_tokens, b = f.bill.planned;
+      const row = (label, value, id) => h("tr", { id: id }, h("td", {}, label), h("td", { class: "num" }, value));
+      panel.appendChild(h("table", { id: "estimate-table" }, h("tbody", {},
+        row("verdict", h("span", { class: "badge", id: "estimate-verdict" }, p.verdict), "estimate-verdict-row"),
+        row("records to run", fmtInt(f.eligible) + (f.rejected ? ` (+${fmtInt(f.rejected)} dead at planning)` : ""), "estimate-records"),
+        row("input tokens" + (f.exact ? "" : " (estimated)"), `${fmtInt(t.total)} (p50 ${fmtInt(t.p50)}, p90 ${fmtInt(t.p90)}, p99 ${fmtInt(t.p99)})`, "estimate-tokens"),
+        row("shared prefix", `${fmtInt(f.shared_prefix_tokens)} tokens a prompt`, "estimate-prefix"),
+        row("output tokens", `${fmtInt(f.output_tokens.total)} (${f.output_tokens.source})`, "estimate-output"),
+        row("GPU-hours", f.gpu_hours === null ? "no measured rate" : f.gpu_hours.toFixed(3), "estimate-gpu-hours"),
+        row("planned bill", fmtUsd(b.total) + (f.budget !== null ? ` of ${fmtUsd(f.budget)} budget` : ""), "estimate-bill"),
+        row("projected finish", f.finish ? stamp(f.finish) : "unknown", "estimate-finish"),
+        row("deadline", f.deadline ? stamp(f.deadline) : "none", "estimate-deadline"))));
+      panel.appendChild(h("p", { class: "muted" }, `${f.why}. Run ${p.run_id}, ${stamp(p.at)}.`));
+    }
+    if (est.pilots.length) {
+      const q = est.pilots[0];
+      panel.appendChild(h("p", { class: "muted", id: "estimate-pilot" },
+        `Pilot of ${fmtInt(q.records)} records on ${q.engine}: ${q.records_per_s.toPrecision(3)} records/s a worker, ` +
+        `${Math.round(q.valid_rate * 100)}% valid answers (${stamp(q.measured_at)}).`));
+    }
+    return panel;
+  }
+
   async function renderJob(jobVersion, note) {
     const main = document.getElementById("main");
     document.getElementById("where").textContent = jobVersion;
@@ -545,6 +576,8 @@
     } catch (err) { return showError(main, err); }
     let hist;
     try { hist = await api("/datasets/" + encodeURIComponent(job.dataset) + "/history"); } catch (err) { return showError(main, err); }
+    let est;
+    try { est = await api("/datasets/" + encodeURIComponent(job.dataset) + "/estimates"); } catch (err) { return showError(main, err); }
     const reload = () => renderJob(jobVersion, note);
     main.replaceChildren(
       note ? h("p", { class: "muted", id: "run-note" }, note) : "",
@@ -554,6 +587,7 @@
       timelinePanel(prog),
       h("div", { class: "grid" }, costPanel(cost), shardsPanel(shards)),
       h("div", { class: "grid" }, driftPanel(drift), historyPanel(hist, jobVersion, reload)),
+      estimatePanel(est),
       deadLettersPanel(dead));
     body.dataset.loaded = "true";  // for tests and screenshots: every panel is drawn
     refreshed();

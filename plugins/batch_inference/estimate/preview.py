@@ -1,0 +1,469 @@
+"""The preview: what a job will cost and when it will finish, read from its records, before any spend.
+
+One pass over the source, read as the submit reads it (a PostgreSQL table or
+query in SQL, in a read-only transaction through a server-side cursor; any
+other kind through its ``sources`` reader), each record judged as the
+snapshot judges it (empty, over ``max_input_chars``, broken text: a dead
+letter at planning, never sent), rendered as the worker renders it
+(``prompting.build_messages``) and counted by the pinned model's tokenizer
+(``estimate.tokens``). Memory is bounded: a histogram of per-record counts
+(exact percentiles), the running shared prefix, and the pilot's reservoir
+sample when one is drawn. Nothing is written.
+
+The figures that are not counted are measured: records/s of one worker,
+output tokens a record and the valid-answer rate come from the newest pilot
+of the same pinned model and engine (``bi.estimate_pilots``), else from the
+newest runs of the same model in the ledger, else there is no measured rate
+and the preview says so (and projects no finish). The bill is
+``cost.cost_report`` over the spec's own prices; the finish and the cutoff
+are ``cutoff.latest_safe_start`` over the spec's fallback rate and overhead.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from collections import Counter as Histogram
+from collections.abc import Iterator, Mapping
+from dataclasses import asdict, dataclass, field
+from datetime import UTC, datetime, timedelta
+from decimal import Decimal
+from typing import Any
+
+import psycopg
+from psycopg import sql
+
+from batch_inference import sources
+from batch_inference.cost import CostReport, Prices, cents, cost_report
+from batch_inference.cutoff import fallback_seconds, latest_safe_start
+from batch_inference.db import q
+from batch_inference.estimate.tokens import Counter, counter_for
+from batch_inference.exceptions import InvalidValue, SnapshotError
+from batch_inference.prompting import build_messages
+from batch_inference.snapshot import clean_text, source_errors
+from batch_inference.sources import postgres as postgres_source
+from batch_inference.spec import JobSpec
+
+BLANK = " \t\n\r\f\x0b"   # btrim's set: the snapshot's "empty text"
+RECENT_RUNS = 5            # job versions of the same model read for a measured rate
+MIN_RECENT_ROWS = 20       # a run with fewer batch results measures nothing
+OUTPUT_SAMPLE = 200        # stored answers re-tokenized for output tokens a record
+FETCH = 2_000              # rows a server-side cursor fetches at once
+
+VERDICTS = ("go", "over_budget", "misses_deadline")
+
+
+# -- reading the source -----------------------------------------------------------
+
+
+def source_rows(conn: psycopg.Connection, spec: JobSpec, reader: sources.Reader | None = None
+                ) -> Iterator[Mapping[str, Any]]:
+    """The records as the submit reads them, lazily: ``{record_id, text, acl[, reject]}``.
+
+    A PostgreSQL table or query is read in a READ ONLY, REPEATABLE READ
+    transaction through a server-side cursor: the preview cannot write, by
+    the transaction, whatever the query calls. An unreadable source is one
+    line (``SnapshotError``)."""
+    if spec.source.kind == "postgres":
+        yield from _postgres_rows(conn, spec)
+        return
+    reader = reader or sources.for_spec(spec)
+    if reader.ledger is None:
+        reader.ledger = conn
+    try:
+        reader.check()
+        rows = reader.rows()
+        if rows is None:
+            raise SnapshotError(f"source {spec.source.label}: this reader gives no rows to preview")
+        yield from rows
+    finally:
+        reader.close()
+
+
+def _postgres_rows(conn: psycopg.Connection, spec: JobSpec) -> Iterator[Mapping[str, Any]]:
+    relation = postgres_source.source_relation(spec.source, spec.max_input_chars)
+    name = spec.source.label
+    with conn.transaction():
+        conn.execute(q("repeatable_read"))
+        conn.execute(q("read_only_transaction"))
+        with source_errors(name, any_refusal=bool(spec.source.query)), \
+                conn.cursor(name="bi_estimate_source") as cur:
+            cur.itersize = FETCH
+            cur.execute(sql.SQL(q("estimate_source_rows")).format(relation=relation))
+            yield from cur
+
+
+def judge(spec: JobSpec, row: Mapping[str, Any]) -> tuple[str, str | None]:
+    """(the text a worker would get, the reason the snapshot dead-letters it at planning or None).
+
+    As the snapshot judges a record (``snapshot_insert``): a reason given where it was read
+    (a record of several columns), broken text (``clean_text``), empty text, then over
+    ``max_input_chars`` (a record of several columns was judged whole where it was read)."""
+    text, bad = clean_text(row.get("text"))
+    reject = row.get("reject") or bad
+    text = text or ""
+    if reject is None and not text.strip(BLANK):
+        reject = "empty text"
+    if reject is None and not spec.source.columns and len(text) > spec.max_input_chars:
+        reject = f"input over the length cap ({len(text)} characters > {spec.max_input_chars})"
+    return text, reject
+
+
+# -- counting -----------------------------------------------------------------
+
+
+@dataclass
+class TokenTally:
+    """Per-record token counts in bounded memory: a histogram (exact percentiles) and the shared prefix."""
+
+    records: int = 0
+    total: int = 0
+    hist: Histogram = field(default_factory=Histogram)
+    prefix: list[int] | None = None
+
+    def add(self, ids: list[int]) -> None:
+        n = len(ids)
+        self.records += 1
+        self.total += n
+        self.hist[n] += 1
+        p = self.prefix
+        if p is None:
+            self.prefix = list(ids)
+        elif ids[:len(p)] != p:
+            k = 0
+            for a, b in zip(p, ids):
+                if a != b:
+                    break
+                k += 1
+            del p[k:]
+
+    def percentile(self, pct: float) -> int:
+        """The smallest count at or above ``pct`` percent of the records (nearest rank)."""
+        if not self.records:
+            return 0
+        rank = max(1, -(-self.records * pct // 100))
+        seen = 0
+        for n in sorted(self.hist):
+            seen += self.hist[n]
+            if seen >= rank:
+                return n
+        return max(self.hist)
+
+    @property
+    def shared_prefix(self) -> int:
+        return len(self.prefix or ())
+
+
+# -- measured rates --------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Measured:
+    """One worker's measured rate and what its answers were like, and where they were measured."""
+
+    source: str                    # 'pilot' or 'recent runs'
+    records_per_s: float           # one worker
+    output_tokens: float | None    # a stored answer's tokens, mean
+    valid_rate: float | None       # valid answers over attempts
+    detail: str
+
+
+def pilot_figures(conn: psycopg.Connection, spec: JobSpec) -> dict[str, Any] | None:
+    """The newest pilot of the spec's pinned model and engine (one of the same spec first), or None."""
+    row = conn.execute(q("estimate_pilot_latest"), {
+        "model_name": spec.model.name, "model_digest": spec.model.digest, "engine": spec.engine.name,
+        "spec_hash": spec.spec_hash}).fetchone()
+    return dict(row) if row else None
+
+
+def measured(conn: psycopg.Connection, spec: JobSpec, counter: Counter) -> Measured | None:
+    """A pilot's figures, else the newest runs of the same pinned model, else None."""
+    p = pilot_figures(conn, spec)
+    if p and p["records_per_s"] > 0:
+        out = p["output_tokens"] / p["stored"] if p["stored"] else None
+        return Measured("pilot", float(p["records_per_s"]), out, float(p["valid_rate"]),
+                        f"pilot {p['id']} of {p['records']} records at {p['measured_at']:%Y-%m-%d %H:%M} UTC")
+    runs = conn.execute(q("estimate_recent_runs"), {
+        "model_name": spec.model.name, "model_digest": spec.model.digest, "n": RECENT_RUNS,
+        "min_rows": MIN_RECENT_ROWS}).fetchall()
+    if not runs:
+        return None
+    # Rows after the first over the span between the first and the last write, per worker.
+    rows = sum(int(r["n"]) - 1 for r in runs)
+    worker_s = sum(float(r["seconds"]) * max(int(r["workers"]), 1) for r in runs)
+    outputs = [r["output"] for r in conn.execute(q("estimate_outputs"), {"job": runs[0]["job_version"],
+                                                                           "n": OUTPUT_SAMPLE})]
+    out = sum(counter.count_text(o) for o in outputs) / len(outputs) if outputs else None
+    return Measured("recent runs", rows / worker_s, out, None,
+                    f"{len(runs)} recent run(s) of {spec.model.name}, newest {runs[0]['job_version']}")
+
+
+# -- the preview --------------------------------------------------------------------
+
+
+@dataclass
+class Preview:
+    """Every figure of one preview; ``as_dict`` is the one JSON object the CLI prints."""
+
+    dataset: str
+    spec_hash: str
+    model: str
+    engine: str
+    tokenizer: str
+    exact: bool
+    records: int
+    rejected: int
+    reject_reasons: dict[str, int]
+    eligible: int
+    input_tokens: dict[str, Any]
+    shared_prefix_tokens: int
+    prefix_cache_saves_tokens: int
+    over_context: int
+    output_tokens: dict[str, Any]
+    rate: dict[str, Any] | None
+    workers: int
+    gpu_hours: float | None
+    bill: dict[str, Any]
+    budget: float | None
+    budget_holds: bool | None
+    now: str
+    deadline: str | None
+    finish: str | None
+    cutoff_at: str | None
+    batch_rows: int
+    fallback_rows: int
+    finishes_on_batch: bool | None
+    can_finish: bool | None
+    verdict: str
+    why: str
+    seconds: dict[str, float]
+    sample: list[dict[str, Any]] = field(default_factory=list, repr=False)
+
+    def as_dict(self) -> dict[str, Any]:
+        out = asdict(self)
+        out.pop("sample")
+        return out
+
+
+def preview(conn: psycopg.Connection, spec: JobSpec, *, reader: sources.Reader | None = None,
+            counter: Counter | None = None, workers: int = 1, deadline: datetime | None = None,
+            now: datetime | None = None, sample: int = 0, seed: int = 0,
+            rows: Iterator[Mapping[str, Any]] | None = None) -> Preview:
+    """Read, render and count every record of ``spec``'s source, and project the run.
+
+    :param workers: batch workers the run will have (each one GPU).
+    :param deadline: when the version must be published; None: no finish verdict.
+    :param sample: draw this many eligible records (seeded reservoir) into ``Preview.sample``, for a pilot.
+    :param rows: records read elsewhere instead of the source (tests, benchmarks).
+    """
+    if workers < 1:
+        raise InvalidValue(f"estimate: workers must be >= 1, got {workers}")
+    now = now or datetime.now(UTC)
+    t0 = time.perf_counter()
+    own = counter is None
+    counter = counter or counter_for(spec)
+    t_load = time.perf_counter() - t0
+    tally = TokenTally()
+    reasons: Histogram = Histogram()
+    records = 0
+    n_ctx = _context_window(spec)
+    over_context = 0
+    rng = random.Random(seed)
+    drawn: list[dict[str, Any]] = []
+    t_count = 0.0
+    try:
+        for row in (rows if rows is not None else source_rows(conn, spec, reader)):
+            records += 1
+            text, reject = judge(spec, row)
+            if reject is not None:
+                reasons[reject.split(" (")[0]] += 1
+                continue
+            t1 = time.perf_counter()
+            ids = counter.count(build_messages(spec, text))
+            t_count += time.perf_counter() - t1
+            tally.add(ids)
+            if n_ctx and len(ids) > n_ctx:
+                over_context += 1
+            if sample:
+                item = {"record_id": row["record_id"], "text": text, "acl": row.get("acl"), "tokens": len(ids)}
+                if len(drawn) < sample:
+                    drawn.append(item)
+                else:
+                    j = rng.randrange(tally.records)
+                    if j < sample:
+                        drawn[j] = item
+        m = measured(conn, spec, counter)
+    finally:
+        if own:
+            counter.close()
+    if records == 0:
+        raise SnapshotError(f"source {spec.source.label} is empty: nothing to preview")
+    elapsed = time.perf_counter() - t0
+    return _project(spec, counter, tally, records, reasons, over_context, m, workers, deadline, now,
+                    {"total": round(elapsed, 3), "tokenizer_load": round(t_load, 3),
+                     "render_and_count": round(t_count, 3), "read": round(elapsed - t_load - t_count, 3)},
+                    drawn)
+
+
+def _context_window(spec: JobSpec) -> int | None:
+    """The prompt tokens the engine can take at most (llama.cpp's n_ctx, vLLM's max_model_len), when known."""
+    opts = spec.engine.options or {}
+    if spec.engine.name == "llama-cpp":
+        return int(opts.get("n_ctx") or 2048)
+    if spec.engine.name == "vllm" and opts.get("max_model_len"):
+        return int(opts["max_model_len"])
+    return None
+
+
+def _transport(spec: JobSpec) -> str:
+    from batch_inference.engines import engine_class
+
+    try:
+        return engine_class(spec.engine.name).transport
+    except InvalidValue:
+        return "batch"
+
+
+def _project(spec: JobSpec, counter: Counter, tally: TokenTally, records: int, reasons: Histogram,
+             over_context: int, m: Measured | None, workers: int, deadline: datetime | None, now: datetime,
+             seconds: dict[str, float], drawn: list[dict[str, Any]]) -> Preview:
+    eligible = tally.records
+    prices = Prices.from_spec(spec)
+    if m and m.output_tokens is not None:
+        out_per, out_source = m.output_tokens, f"measured ({m.source})"
+    else:
+        out_per, out_source = float(spec.params.max_tokens), "params.max_tokens (an upper bound: nothing measured)"
+    out_total = round(out_per * eligible)
+
+    rate = m.records_per_s if m else None
+    fleet = rate * workers if rate else None
+    gpu_hours = eligible / rate / 3600 if rate else None
+    transport = _transport(spec)
+
+    # Rows by transport: all batch when the batch finishes in time (or nothing says when it must),
+    # else batch until the cutoff and the rest through the fallback pool.
+    batch, fallback = eligible, 0
+    finish = cutoff_at = None
+    on_batch = can = None
+    if fleet:
+        finish = now + timedelta(seconds=eligible / fleet)
+    if deadline is not None and fleet:
+        overhead, fb_rate = spec.fallback.overhead_s, spec.fallback.rate
+        if finish + timedelta(seconds=overhead) <= deadline:
+            on_batch, can = True, True
+            cutoff_at = latest_safe_start(deadline, 0, fb_rate, overhead)
+        else:
+            on_batch = False
+            # The cutoff fires when the rows still outstanding just fit the fallback: the batch
+            # does fleet rows/s until then (a fixed point of the cutoff's own arithmetic).
+            outstanding = eligible
+            for _ in range(50):
+                lss = latest_safe_start(deadline, outstanding, fb_rate, overhead)
+                done = min(eligible, int(max(0.0, (lss - now).total_seconds()) * fleet))
+                if eligible - done == outstanding:
+                    break
+                outstanding = eligible - done
+            cutoff_at = latest_safe_start(deadline, outstanding, fb_rate, overhead)
+            batch, fallback = eligible - outstanding, outstanding
+            can = cutoff_at >= now - timedelta(seconds=60)   # the cutoff's minute floor
+            finish = max(now, cutoff_at) + timedelta(seconds=fallback_seconds(outstanding, fb_rate, overhead))
+
+    batch_hours = batch / rate / 3600 if rate else 0.0
+    hosted = transport == "hosted_batch"
+    in_tokens_batch = round(tally.total * batch / eligible) if eligible else 0
+    hosted_cost = prices.hosted_usage_cost(in_tokens_batch, round(out_per * batch)) if hosted else None
+    planned = cost_report(0 if hosted else batch, fallback, prices, total_rows=eligible,
+                          hosted_rows=batch if hosted else 0, hosted_cost=hosted_cost,
+                          gpu_hours=0 if hosted else batch_hours)
+    all_batch = cost_report(0 if hosted else eligible, 0, prices, hosted_rows=eligible if hosted else 0,
+                            hosted_cost=prices.hosted_usage_cost(tally.total, out_total) if hosted else None,
+                            gpu_hours=0 if hosted else (gpu_hours or 0))
+    bill = {"transport": transport, "planned": _bill(planned), "all_batch": _bill(all_batch),
+            "all_fallback": str(cents(planned.all_synchronous_ceiling)),
+            "gpu_priced": prices.gpu_hour is not None,
+            "note": None if rate or prices.gpu_hour is None else
+            "no measured rate: GPU-hours are unknown and not in the bill (run estimate --pilot N)"}
+    budget = spec.cost.budget
+    holds = None if budget is None else planned.total <= Decimal(str(budget))
+
+    if can is False:
+        verdict = "misses_deadline"
+        why = (f"{fallback:,} records cannot be done by {deadline:%Y-%m-%d %H:%M} UTC even through the fallback "
+               f"({spec.fallback.rate:g}/s after {spec.fallback.overhead_s:g}s overhead)")
+    elif holds is False:
+        verdict = "over_budget"
+        why = f"projected bill ${cents(planned.total):,} is over cost.budget ${budget:,.2f}"
+    else:
+        verdict = "go"
+        why = ("within the budget and the deadline" if budget is not None and deadline is not None and rate
+               else "no budget or deadline breached")
+        if not rate:
+            why += ("; no measured rate, so the finish is unknown and the bill is every row on batch "
+                    "(run estimate --pilot N)")
+    prefix = tally.shared_prefix
+    return Preview(
+        dataset=spec.dataset, spec_hash=spec.spec_hash, model=spec.model.name, engine=spec.engine.name,
+        tokenizer=counter.name, exact=counter.exact, records=records, rejected=sum(reasons.values()),
+        reject_reasons=dict(reasons), eligible=eligible,
+        input_tokens={"total": tally.total, "mean": round(tally.total / eligible, 1) if eligible else 0,
+                      "p50": tally.percentile(50), "p90": tally.percentile(90), "p99": tally.percentile(99),
+                      "max": max(tally.hist) if tally.hist else 0},
+        shared_prefix_tokens=prefix, prefix_cache_saves_tokens=prefix * max(eligible - 1, 0),
+        over_context=over_context,
+        output_tokens={"per_record": round(out_per, 1), "total": out_total, "source": out_source},
+        rate=None if m is None else {**asdict(m), "fleet_records_per_s": fleet},
+        workers=workers, gpu_hours=None if gpu_hours is None else round(gpu_hours, 4),
+        bill=bill, budget=budget, budget_holds=holds,
+        now=now.isoformat(), deadline=None if deadline is None else deadline.isoformat(),
+        finish=None if finish is None else finish.isoformat(),
+        cutoff_at=None if cutoff_at is None else cutoff_at.isoformat(),
+        batch_rows=batch, fallback_rows=fallback, finishes_on_batch=on_batch, can_finish=can,
+        verdict=verdict, why=why, seconds=seconds, sample=drawn)
+
+
+def _bill(r: CostReport) -> dict[str, Any]:
+    return {"total": str(cents(r.total)), "batch_rows": r.batch_rows, "batch": str(cents(r.batch_cost)),
+            "hosted_rows": r.hosted_rows, "hosted": str(cents(r.hosted_cost)), "fallback_rows": r.fallback_rows,
+            "fallback": str(cents(r.fallback_cost)), "gpu_hours": float(r.gpu_hours), "gpu": str(cents(r.gpu_cost))}
+
+
+def render(p: dict[str, Any]) -> str:
+    """The readable form of ``Preview.as_dict()``."""
+    t = p["input_tokens"]
+    exact = "exact" if p["exact"] else "ESTIMATED"
+    lines = [
+        f"estimate {p['dataset']}: {p['records']:,} records, {p['eligible']:,} to run, {p['rejected']:,} dead "
+        f"letters at planning" + (f" ({', '.join(f'{k}: {v}' for k, v in p['reject_reasons'].items())})"
+                                  if p["reject_reasons"] else ""),
+        f"  input tokens  {t['total']:,} ({exact}, {p['tokenizer']}); per record p50 {t['p50']:,}, "
+        f"p90 {t['p90']:,}, p99 {t['p99']:,}, max {t['max']:,}",
+        f"  prefix cache  {p['shared_prefix_tokens']:,} tokens shared by every prompt: "
+        f"{p['prefix_cache_saves_tokens']:,} prompt tokens not recomputed",
+    ]
+    if p["over_context"]:
+        lines.append(f"  too long      {p['over_context']:,} records over the engine's context window (they will fail)")
+    o = p["output_tokens"]
+    lines.append(f"  output tokens {o['total']:,} ({o['per_record']:g} a record, {o['source']})")
+    r = p["rate"]
+    if r:
+        valid = f", {r['valid_rate']:.0%} valid answers" if r["valid_rate"] is not None else ""
+        lines.append(f"  rate          {r['records_per_s']:.3g} records/s a worker ({r['detail']}{valid}); "
+                     f"{p['workers']} worker(s); {p['gpu_hours']:,.3f} GPU-hours")
+    else:
+        lines.append("  rate          none measured: run `batch-inference estimate SPEC --pilot 100` first")
+    b = p["bill"]
+    pl = b["planned"]
+    lines.append(f"  bill          ${pl['total']} planned ({b['transport']} {pl['batch_rows'] + pl['hosted_rows']:,} "
+                 f"rows ${pl['batch']}+${pl['hosted']}, GPU ${pl['gpu']}, fallback {pl['fallback_rows']:,} rows "
+                 f"${pl['fallback']}); all batch ${b['all_batch']['total']}, all fallback ${b['all_fallback']}")
+    if b["note"]:
+        lines.append(f"                {b['note']}")
+    if p["budget"] is not None:
+        lines.append(f"  budget        ${p['budget']:,.2f}: {'holds' if p['budget_holds'] else 'EXCEEDED'}")
+    if p["finish"]:
+        lines.append(f"  finish        {p['finish'][:19]} UTC" + (f" against the deadline {p['deadline'][:19]} UTC"
+                                                                 if p["deadline"] else ""))
+    if p["fallback_rows"]:
+        lines.append(f"  cutoff        {p['cutoff_at'][:19]} UTC: {p['fallback_rows']:,} rows through the fallback")
+    lines.append(f"  verdict       {p['verdict']}: {p['why']}")
+    return "\n".join(lines)
