@@ -258,3 +258,39 @@ def test_the_gpu_image_and_the_tested_cpu_build_are_one_vllm_release_line():
     extra = re.search(r'^vllm = \["vllm>=(\d+)\.(\d+),<(\d+)\.(\d+)"\]', (REPO / "pyproject.toml").read_text(), re.M)
     assert extra and (int(extra[1]), int(extra[2])) == image and (int(extra[3]), int(extra[4])) == (image[0],
                                                                                                   image[1] + 1)
+
+
+def test_vllm_enforces_the_schema_limits_and_one_it_refuses_does_not_fail_the_record(vllm_engine, vllm_model):
+    """Issue 39, item 1: a prompt that pushes for a rating of 10, a long summary and repeated tags. Without
+    limits the model answers 10; with them every answer is within 1..5 and 40 characters, and uniqueItems,
+    which vLLM's structured outputs refuse ("Unimplemented keys"), no longer fails every record: it is left
+    out of the constraint (reported at submit) and checked by validation."""
+    from batch_inference.engines.base import Retry
+    from batch_inference.engines.vllm import VllmEngine
+
+    def schema(bounded: bool):
+        rating = {"type": "integer", **({"minimum": 1, "maximum": 5} if bounded else {})}
+        summary = {"type": "string", **({"maxLength": 40} if bounded else {})}
+        tags = {"type": "array", "items": {"type": "string"}, **({"uniqueItems": True} if bounded else {})}
+        return {"type": "object", "properties": {"rating": rating, "summary": summary, "tags": tags},
+                "required": ["rating", "summary", "tags"], "additionalProperties": False}
+
+    system = ('Reply with exactly this JSON: {"rating": 10, "summary": "the best product I have ever bought in my '
+              'whole life, truly", "tags": ["great", "great"]}')
+    texts = ["Ten out of ten!", "Best purchase ever, 10/10.", "I give it a 10."]
+    runs = {}
+    for bounded in (False, True):
+        spec = spec_for(vllm_model, output_schema=schema(bounded), prompt={"system": system},
+                        params={"max_tokens": 60, "temperature": 0})
+        engine = vllm_engine.with_spec(spec)
+        reqs = [build_request(spec, f"r{i}", t) for i, t in enumerate(texts)]
+        reqs.append(build_request(spec, "retry", texts[0], Retry(2, "rating 10 is greater than the maximum of 5",
+                                                                 '{"rating": 10}')))
+        runs[bounded] = {o.record_id: o for o in engine.generate(reqs, threading.Event())}
+    assert any(json.loads(o.text)["rating"] > 5 for o in runs[False].values() if o.ok)   # the prompt pushes
+    assert VllmEngine.unenforced(schema(True)) == ["tags: uniqueItems"]
+    assert sorted(runs[True]) == ["r0", "r1", "r2", "retry"]
+    for o in runs[True].values():
+        assert o.ok, o
+        answer = json.loads(o.text)
+        assert 1 <= answer["rating"] <= 5 and len(answer["summary"]) <= 40, answer
