@@ -141,3 +141,148 @@ def known_ladder(table: str, golden: str | None, *, delay_s: float = 0.0, target
                                       "expected_column": "expected"}}
     d.update(over)
     return d
+
+
+def _tables(conn: Any, rows: list[tuple[str, str, str]], golden: list[tuple[str, str, str]]) -> None:
+    from psycopg.types.json import Jsonb
+
+    conn.execute("CREATE TABLE public.tickets (id text, body text)")
+    conn.execute("CREATE TABLE public.golden (id text, body text, expected jsonb)")
+    with conn.cursor() as cur:
+        cur.executemany("INSERT INTO public.tickets VALUES (%s, %s)", [(r, t) for r, t, _ in rows])
+        cur.executemany("INSERT INTO public.golden VALUES (%s, %s, %s)",
+                        [(r, t, Jsonb({"category": label})) for r, t, label in golden])
+
+
+def _run_job(conn: Any, url: str, spec: Any) -> tuple[str, float]:
+    from batch_inference.plan import submit
+    from gpu_runner.worker import WorkerConfig, run_worker
+
+    job = submit(conn, spec).job_version
+    t0 = time.perf_counter()
+    code = run_worker(WorkerConfig(job_version=job, db_url=url, wait_for_leases=False))
+    if code != 0:
+        raise SystemExit(f"worker exited {code} on {job}")
+    return job, time.perf_counter() - t0
+
+
+def _accuracy(conn: Any, job: str, truth: dict[str, str]) -> float:
+    from batch_inference.evaluation import grade
+    from batch_inference.status import job_spec
+
+    golden = [{"record_id": r, "expected": {"category": label}} for r, label in truth.items()]
+    outputs = {r["record_id"]: r["output"] for r in conn.execute(
+        "SELECT record_id, output FROM bi.results WHERE job_version = %s", (job,))}
+    return grade(job_spec(conn, job), golden, outputs)["accuracy"]["category"] or 0.0
+
+
+def _cascade_against_top(conn: Any, url: str, spec: Any, top_spec: Any, truth: dict[str, str]) -> dict[str, Any]:
+    """Calibrate ``spec``, run the calibrated cascade and ``top_spec`` (its top rung alone) over the same
+    records; the bills, accuracies and times side by side."""
+    from batch_inference.ladder.calibrate import calibrate
+    from batch_inference.ladder.report import report
+
+    t0 = time.perf_counter()
+    cal = calibrate(conn, spec)
+    calibrate_s = time.perf_counter() - t0
+    job, cascade_s = _run_job(conn, url, cal.spec)
+    top_job, top_s = _run_job(conn, url, top_spec)
+    rep = report(conn, job)
+    top_bill = spec.models[-1].cost_per_row * len(truth)
+    acc, top_acc = _accuracy(conn, job, truth), _accuracy(conn, top_job, truth)
+    g = cal.report
+    return {
+        "records": len(truth), "thresholds": cal.thresholds,
+        "cascade": {"bill": round(rep["bill"], 4), "accuracy": round(acc, 4), "seconds": round(cascade_s, 2),
+                    "finished_at_rung": [r["kept"] for r in rep["rungs"]]},
+        "top_alone": {"bill": round(top_bill, 4), "accuracy": round(top_acc, 4), "seconds": round(top_s, 2)},
+        "bill_ratio": round(rep["bill"] / top_bill, 4) if top_bill else None,
+        "accuracy_ratio": round(acc / top_acc, 4) if top_acc else None,
+        "golden": {"records": g["golden"]["records"], "cascade_accuracy": round(g["picked"]["accuracy"], 4),
+                   "top_accuracy": round(g["top_alone"]["accuracy"], 4),
+                   "rung_accuracy": [round(r["accuracy"], 4) for r in g["rungs"]],
+                   "bill_ratio": round(g["picked"]["bill_share_of_top"], 4), "calibrate_s": round(calibrate_s, 2),
+                   "curve_points": len(g["curve"])},
+    }
+
+
+def known(conn: Any, url: str, records: int, golden: int, hard_share: float, target: float) -> dict[str, Any]:
+    from batch_inference.spec import parse_spec
+
+    rows = ticket_rows(records, hard_share)
+    _tables(conn, rows, ticket_rows(golden, hard_share, prefix="g"))
+    spec = parse_spec(known_ladder("public.tickets", "public.golden", shard_size=1000, target=target))
+    d = known_ladder("public.tickets", None, shard_size=1000, dataset="ladder_bench_top")
+    top = d.pop("models")[-1]
+    top_spec = parse_spec({**d, "model": top["model"], "engine": top["engine"], "params": top["params"]})
+    out = _cascade_against_top(conn, url, spec, top_spec, {r: label for r, _, label in rows})
+    out["hard_share"], out["target"] = hard_share, target
+    out["goal_met"] = bool(out["bill_ratio"] is not None and out["bill_ratio"] <= 0.5
+                           and out["accuracy_ratio"] is not None and out["accuracy_ratio"] >= 0.98)
+    return out
+
+
+def real(conn: Any, url: str, records: int) -> dict[str, Any]:
+    """SmolLM2-135M on llama.cpp as both rungs (rung 1: a shorter context and answer), the demo's tickets
+    and their true categories as records and golden set."""
+    from batch_inference.commands.demo import load_tickets
+    from batch_inference.data import DEMO_LABELS_TABLE, DEMO_SOURCE_TABLE, DEMO_SPEC
+    from batch_inference.engines.llama_cpp import SMOLLM2_GGUF_SHA256
+    from batch_inference.spec import load_spec, parse_spec
+
+    load_tickets(conn, records)
+    base = load_spec(DEMO_SPEC)
+    g = base.evaluation.golden
+    schema = {"type": "object", "properties": {"category": base.output_schema["properties"]["category"]},
+              "required": ["category"], "additionalProperties": False}
+    model = {"name": "SmolLM2-135M-Instruct", "digest": SMOLLM2_GGUF_SHA256}
+    d = base.model_dump(mode="json", exclude={"model", "engine", "params", "evaluation", "output_schema", "rules"})
+    d.update(dataset="ladder_real", output_schema=schema, category_field="category",
+             evaluation={"golden": g.model_dump(mode="json")}, ladder={"target": 0.9})
+    d["models"] = [
+        {"model": model, "engine": {"name": "llama-cpp", "options": {"n_ctx": 1024}},
+         "params": {"temperature": 0, "max_tokens": 16}, "cost_per_row": 0.0005},
+        {"model": model, "engine": {"name": "llama-cpp", "options": {"n_ctx": 2048}},
+         "params": {"temperature": 0, "max_tokens": 24}, "cost_per_row": 0.005},
+    ]
+    spec = parse_spec(d)
+    top = d["models"][-1]
+    td = {k: v for k, v in d.items() if k not in ("models", "ladder")}
+    top_spec = parse_spec({**td, "dataset": "ladder_real_top", "model": top["model"], "engine": top["engine"],
+                           "params": top["params"]})
+    truth = {r["id"]: r["expected"]["category"] for r in conn.execute(f"SELECT id, expected FROM {DEMO_LABELS_TABLE}")}
+    ids = {r["id"] for r in conn.execute(f"SELECT id FROM {DEMO_SOURCE_TABLE}")}
+    return _cascade_against_top(conn, url, spec, top_spec, {k: v for k, v in truth.items() if k in ids})
+
+
+def main(argv: list[str] | None = None) -> int:
+    from batch_inference import db
+    from batch_inference.engines import ENGINE_MODULES_ENV
+    from benchmarks.common import emit, fresh_server, machine
+
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--records", type=int, default=5000)
+    ap.add_argument("--golden", type=int, default=300)
+    ap.add_argument("--hard-share", type=float, default=0.3)
+    ap.add_argument("--target", type=float, default=0.99, help="ladder.target calibrate keeps on the golden set "
+                    "(a point above the goal's 98%%: a golden set is a sample of the records)")
+    ap.add_argument("--real", type=int, default=0, help="also SmolLM2 as both rungs over this many demo tickets")
+    a = ap.parse_args(argv)
+    allowed = [m for m in os.environ.get(ENGINE_MODULES_ENV, "").split(",") if m]
+    os.environ[ENGINE_MODULES_ENV] = ",".join([*allowed, "benchmarks.ladder"])
+    out: dict[str, Any] = {"benchmark": "ladder", "prices": PRICES}
+    with fresh_server() as url, db.connect(url) as conn:
+        out["known"] = known(conn, url, a.records, a.golden, a.hard_share, a.target)
+    if a.real:
+        with fresh_server() as url, db.connect(url) as conn:
+            out["real_smollm2"] = real(conn, url, a.real)
+    k = out["known"]
+    out["quick"] = (f"cascade bill {k['bill_ratio']:.1%} of the top rung's at {k['accuracy_ratio']:.1%} of its "
+                    f"accuracy (goal <= 50% at >= 98%: {'met' if k['goal_met'] else 'NOT met'})")
+    out["machine"] = machine()
+    emit(out)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
