@@ -23,3 +23,6 @@ PRAGMA query_only = ON
 
 -- name: source_sqlite_begin  SQLite: one read transaction (one snapshot) for the whole read
 BEGIN
+
+-- name: source_mysql_read_only_session  MySQL / MariaDB: every transaction of this session is read-only
+SET SESSION TRANSACTION READ ONLY

@@ -151,6 +151,16 @@ class Source(_Strict):
             raise ValueError("must be a plain identifier such as schema.table")
         return v
 
+    @field_validator("query")
+    @classmethod
+    def _one_trailing_semicolon(cls, v: str | None) -> str | None:
+        """One rule for every kind: a query may end with one ``;``, which is not sent (the servers'
+        single-statement paths take no terminator); anything after a ``;`` is a second statement."""
+        if v is None:
+            return v
+        text = v.rstrip()
+        return text[:-1].rstrip() if text.endswith(";") else text
+
     @field_validator("id_column", "text_column", "acl_column")
     @classmethod
     def _col_ident(cls, v: str | None) -> str | None:

@@ -8,14 +8,28 @@ with ``fetchmany`` (a server-side cursor where the driver has one: psycopg's
 named cursor, MySQLdb's ``SSCursor``), ``ROWS_PER_FETCH`` at a time, and read
 in one consistent snapshot where the engine offers it: PostgreSQL and MySQL /
 MariaDB in a read-only REPEATABLE READ transaction (MySQL's ``WITH
-CONSISTENT SNAPSHOT``), SQLite in one read transaction with ``query_only``
-on; any engine's single SELECT is one statement's snapshot, and ``as_of`` reads
-a Snowflake (``AT(TIMESTAMP => ...)``) or BigQuery (``FOR SYSTEM_TIME AS OF``)
-table as it was at that time, recorded with the job in its spec.
+CONSISTENT SNAPSHOT``), SQLite in one read transaction; any engine's single
+SELECT is one statement's snapshot, and ``as_of`` reads a Snowflake
+(``AT(TIMESTAMP => ...)``) or BigQuery (``FOR SYSTEM_TIME AS OF``) table as it
+was at that time, recorded with the job in its spec.
 
-A query must be one SELECT (``WITH ... SELECT`` included): a second statement,
-a write, ``SELECT ... INTO`` or ``FOR UPDATE`` is refused before it is sent,
-and the engines that have read-only transactions refuse a write anyway.
+A read can never write, and that comes from the driver, the transaction and
+the server, not from reading the query (docs/sources.md, "A source query
+cannot write"):
+
+- one statement per call, decided by the server's own parser: PostgreSQL gets
+  the text through psycopg's extended protocol (a prepared statement or a
+  server-side cursor: the server refuses a second command); mysqlclient turns
+  multi-statements off on the connection (``set_server_option``) so the server
+  reads the whole text as one statement; Python's sqlite3 refuses a second
+  statement; Snowflake's connector sends ``num_statements=1``;
+- a read-only transaction the text cannot end (it is one statement), and a
+  read-only session where the engine has one (MySQL / MariaDB ``SET SESSION
+  TRANSACTION READ ONLY``; SQLite opened with ``mode=ro`` and ``query_only``);
+- before any row is read, the server resolves the statement (``source_check``).
+
+``one_select`` reads the query first with a generic parser only to give a
+friendly line early (a second statement, a write, ``SELECT ... INTO``).
 Identifiers are quoted by the SQLAlchemy dialect of the hook's engine (the
 spec's names are plain identifiers already, never user SQL).
 """
@@ -44,6 +58,9 @@ SQLALCHEMY_DIALECTS = {"postgres": "postgresql", "postgresql": "postgresql", "my
 BACKTICK_DIALECTS = ("bigquery", "databricks", "spark", "hive", "mysql", "mariadb")
 TIME_TRAVEL = {"snowflake": "source_as_of_snowflake", "bigquery": "source_as_of_bigquery"}   # sql/sources.sql
 REFUSED_KEYWORDS = ("INTO", "FOR UPDATE", "FOR SHARE", "LOCK")
+# What the drivers answer to a second statement in one call (psycopg, sqlite3, Snowflake).
+SECOND_STATEMENT = ("cannot insert multiple commands", "one statement at a time", "statement count")
+MYSQL_OPTION_MULTI_STATEMENTS_OFF = 1   # libmysqlclient's enum_mysql_set_option
 
 
 def _first_line(exc: BaseException, *secrets: str) -> str:
@@ -81,6 +98,7 @@ class SqlSource(Reader):
     def __init__(self, *args: Any, **kwargs: Any):
         super().__init__(*args, **kwargs)
         self._hook: Any = None
+        self._connection: Any = None
         self._secrets: list[str] = []
 
     # -- the hook and its dialect
@@ -99,6 +117,7 @@ class SqlSource(Reader):
             connection = BaseHook.get_connection(conn_id)
         except Exception as exc:  # noqa: BLE001 - AirflowNotFoundException and friends: one line
             raise self.refuse(f"Airflow connection {conn_id!r}: {_first_line(exc)}") from None
+        self._connection = connection
         self._secrets = [s for s in (connection.password,) if s]
         try:
             hook = connection.get_hook()
@@ -161,7 +180,8 @@ class SqlSource(Reader):
 
     # -- the interface
     def check(self) -> None:
-        """The connection opens, the query is one read-only SELECT, the table and its columns exist."""
+        """The connection opens, the query is one read-only SELECT, the table and its columns exist:
+        the server resolves the statement in the read-only session ``rows`` uses, and reads no row."""
         if self.source.query and (problem := one_select(self.source.query)):
             raise self.refuse(problem)
         if self.source.as_of:
@@ -172,10 +192,8 @@ class SqlSource(Reader):
             except ValueError:
                 raise self.refuse(f"as_of {self.source.as_of!r} is not an ISO 8601 timestamp") from None
         with self._session() as cur:
-            statement = self._select()
-            if self.source.table:   # no row is read: only the names are resolved
-                self._execute(cur, q("source_check").format(statement=statement))
-                self._fetch(cur)
+            self._execute(cur, q("source_check").format(statement=self._select()))
+            self._fetch(cur)
 
     def rows(self) -> Iterator[dict[str, Any]]:
         return self._rows()
@@ -218,10 +236,22 @@ class SqlSource(Reader):
         return out
 
     def _execute(self, cur: Any, statement: str) -> None:
+        """Send one statement through the driver's single-statement path: psycopg's extended protocol
+        (a prepared statement; a server-side cursor declares through it anyway), Snowflake's
+        ``num_statements=1``; the session ``_begin`` opened makes every other driver refuse a second."""
+        driver = type(cur).__module__.partition(".")[0]
         try:
-            cur.execute(statement)
+            if driver == "psycopg" and getattr(cur, "name", None) is None:
+                cur.execute(statement, prepare=True)
+            elif driver == "snowflake":
+                cur.execute(statement, num_statements=1)
+            else:
+                cur.execute(statement)
         except Exception as exc:  # noqa: BLE001 - every driver's own errors: one line
-            raise self.refuse(_first_line(exc, *self._secrets)) from None
+            line = _first_line(exc, *self._secrets)
+            if any(words in line for words in SECOND_STATEMENT):
+                line = f"source.query must be a single statement (the server refused a second: {line})"
+            raise self.refuse(line) from None
 
     def _fetch(self, cur: Any) -> list[Any]:
         try:
@@ -240,7 +270,9 @@ class SqlSource(Reader):
             r = self.reader
             hook = r.hook()
             try:
-                self.conn = hook.get_conn()
+                self.conn = r._sqlite_read_only() if r.dialect == "sqlite" else hook.get_conn()
+            except SnapshotError:
+                raise
             except Exception as exc:  # noqa: BLE001 - unreachable, refused, bad credentials
                 raise r.refuse(f"cannot connect through Airflow connection {r.source.conn_id!r}: "
                                f"{_first_line(exc, *r._secrets)}") from None
@@ -266,13 +298,30 @@ class SqlSource(Reader):
     def _session(self, stream: bool = False) -> "SqlSource._Session":
         return SqlSource._Session(self, stream)
 
+    def _sqlite_read_only(self) -> Any:
+        """The connection's SQLite file opened read-only (``mode=ro``): a missing file is refused, never
+        created, and nothing on this connection can write it."""
+        import sqlite3
+        from pathlib import Path
+        from urllib.parse import quote
+
+        path = str(getattr(self._connection, "host", "") or "")
+        if not path or not Path(path).is_file():
+            raise self.refuse(f"no SQLite file {path!r} (the host of Airflow connection "
+                              f"{self.source.conn_id!r}): nothing was created")
+        return sqlite3.connect(f"file:{quote(path)}?mode=ro", uri=True)
+
     def _begin(self, conn: Any, stream: bool) -> Any:
         """A cursor in a read-only snapshot transaction where the engine has one (server-side when
-        ``stream`` and the driver has one)."""
+        ``stream`` and the driver has one), on a connection that sends one statement per call."""
         dialect = self.dialect
         module = type(conn).__module__
         if dialect == "postgresql" and (hasattr(conn, "set_session") or module.startswith("psycopg")):
             if hasattr(conn, "set_session"):   # psycopg2
+                if self.source.query:
+                    raise self.refuse("source.query on PostgreSQL needs psycopg 3 (the postgres provider's "
+                                      "driver with SQLAlchemy 2): psycopg2 sends text by the simple protocol, "
+                                      "where a second statement could end the read-only transaction")
                 conn.set_session(isolation_level="REPEATABLE READ", readonly=True, autocommit=False)
             else:                              # psycopg 3
                 conn.autocommit = False
@@ -284,7 +333,14 @@ class SqlSource(Reader):
                 return cur
             return conn.cursor()
         if dialect in ("mysql", "mariadb"):
+            if module.startswith("MySQLdb"):
+                conn.set_server_option(MYSQL_OPTION_MULTI_STATEMENTS_OFF)
+            elif self.source.query:
+                raise self.refuse(f"source.query on MySQL / MariaDB needs the mysqlclient driver (the mysql "
+                                  f"provider's default client), not {module.partition('.')[0]}: it is the one "
+                                  "whose multi-statement switch this reader turns off")
             cur = conn.cursor()
+            cur.execute(q("source_mysql_read_only_session"))
             cur.execute(q("repeatable_read"))
             cur.execute(q("source_mysql_snapshot"))
             if stream and module.startswith("MySQLdb"):
@@ -293,7 +349,7 @@ class SqlSource(Reader):
                 cur.close()
                 return conn.cursor(MySQLdb.cursors.SSCursor)
             return cur
-        if dialect == "sqlite":
+        if dialect == "sqlite":   # opened read-only (_sqlite_read_only); sqlite3 runs one statement a call
             conn.isolation_level = None   # this module's own BEGIN below, not the driver's implicit ones
             cur = conn.cursor()
             cur.execute(q("source_sqlite_query_only"))
