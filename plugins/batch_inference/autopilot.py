@@ -280,6 +280,16 @@ class Decision:
                 "options": self.recorded_options()}
 
 
+def longest_bill(workers: int, outstanding: int, now: datetime, deadline: datetime, overhead_s: float,
+                 policy: Policy, prices: Prices, spent: Decimal) -> Decimal:
+    """The bill before the fallback's rows were ``workers`` to run as long as they can: until the
+    cutoff's last moment (the moving cutoff has fired by then if the batch has not finished) and
+    ``drain_s`` after it, every outstanding row stored by them."""
+    cut = max(0.0, (deadline - now).total_seconds() - overhead_s)
+    gpu_h = Decimal(str(workers * (cut + policy.drain_s) / 3600.0))
+    return spent + prices.gpu_cost(gpu_h) + outstanding * prices.own_row
+
+
 def _fmt(o: Option) -> str:
     if o.finish:
         end = f"finish {o.finish:%H:%M:%S}"
@@ -360,20 +370,17 @@ def decide(now: datetime, deadline: datetime, outstanding: int, per_worker: floa
         elif last_action == REMOVE and not cooled:
             why = f"behind, holding {start} (a removal within the cooldown is not followed by an add): {here}"
         else:
-            # Paid for before it starts: within the budget as the next poll will see it (the added workers
-            # producing), were the measured throughput off by REMOVE_DERATE either way (slower, it runs
-            # longer to finish; faster, the cutoff fires later).
-            def paid_for(n: int) -> bool:
-                return all(project(n, n, rate, outstanding, now, deadline, fb_rate, overhead_s, policy, prices,
-                                   spent).within_budget
-                           for rate in (per_worker, per_worker * REMOVE_DERATE, per_worker / REMOVE_DERATE))
-
-            paid = [n for n in range(want.workers, start, -1) if by_n[n].within_budget and paid_for(n)]
+            # Paid for before it starts: the budget covers the fleet running until the cutoff's last
+            # moment and its drain after, the longest it can run whatever the throughput does, so an add
+            # is never undone by the budget within its cooldown.
+            paid = [n for n in range(want.workers, start, -1)
+                    if by_n[n].within_budget and longest_bill(n, outstanding, now, deadline, overhead_s, policy,
+                                                               prices, spent) <= policy.budget]
             if paid:
                 desired, action = paid[0], ADD
                 if paid[0] != want.workers:
-                    why = (f"{why}; the budget pays for {paid[0]} at {REMOVE_DERATE:.0%} of the measured "
-                           f"throughput: {_fmt(by_n[paid[0]])}")
+                    why = (f"{why}; the budget pays for {paid[0]} running until the cutoff's last moment and "
+                           f"its drain: {_fmt(by_n[paid[0]])}")
             else:
                 why = f"behind, holding {start} (no added worker is paid for within the budget): {here}"
     elif want.workers < start and cur is not None and cur.meets:

@@ -937,10 +937,11 @@ class _NightRun:
                 "changes": [f"{self._s(d['at'])}s {d['action']} {d['current']}->{d['desired']}: {d['reason'][:120]}"
                             for d in decisions if d["action"] != "hold"][:20],
                 # Sizes taken whose own projection was over the budget (none with on_budget page), and
-                # changes undoing the one before within the cooldown (flapping).
+                # removals undoing an add within its cooldown (flapping: the hysteresis adds at once and
+                # removes only past the cooldown).
                 "over_budget": sum(1 for d in decisions for o in (d["options"] or [])
                                    if o["workers"] == d["desired"] and not o.get("within_budget", True)),
-                "flaps": sum(1 for a, b in zip(changed, changed[1:]) if a["action"] != b["action"]
+                "flaps": sum(1 for a, b in zip(changed, changed[1:]) if (a["action"], b["action"]) == ("add", "remove")
                              and (b["at"] - a["at"]).total_seconds() < self.cfg.pilot_cooldown_s),
             }
         return hours

@@ -264,8 +264,9 @@ def test_with_spend_the_deadline_is_met_past_the_budget_and_paged():
 
 def test_an_added_worker_is_paid_for_before_it_starts():
     # Behind: four workers would meet the deadline for $26.18 of a $28 budget at the measured
-    # throughput, but not were it 20% off (a slower batch runs them longer): the add stops at the
-    # largest size the budget pays for either way.
+    # throughput, but were the batch slower they would run on to the cutoff's last moment and drain
+    # after it ($33.45): the add stops at the largest size the budget pays for whatever the
+    # throughput does, so the budget never has to undo it.
     now = T0 + timedelta(hours=6)
     policy = Policy(**{**DRAIN, "on_budget": "page", "budget": Decimal("28")})
     d = decide(now, DEADLINE, 300_000, 18.7, 2, 85.0, 1800.0, policy, PRICES, Decimal("10"))
@@ -273,10 +274,11 @@ def test_an_added_worker_is_paid_for_before_it_starts():
     assert (d.desired, d.action) == (3, ADD) and "the budget pays for 3" in d.reason
 
     def worst(n: int) -> Decimal:
-        return max(project(n, n, rate, 300_000, now, DEADLINE, 85.0, 1800.0, policy, PRICES, Decimal("10")).bill
-                   for rate in (18.7, 18.7 * autopilot.REMOVE_DERATE, 18.7 / autopilot.REMOVE_DERATE))
+        return autopilot.longest_bill(n, 300_000, now, DEADLINE, 1800.0, policy, PRICES, Decimal("10"))
 
-    assert worst(3) <= policy.budget < worst(4)
+    assert worst(3) == Decimal("27.5875") <= policy.budget < worst(4) == Decimal("33.45")
+    # However slow the batch, three workers stay within the budget.
+    assert project(3, 3, 0.1, 300_000, now, DEADLINE, 85.0, 1800.0, policy, PRICES, Decimal("10")).within_budget
     # With room in the budget the add goes as far as the deadline asks.
     roomy = decide(now, DEADLINE, 300_000, 18.7, 2, 85.0, 1800.0, Policy(**{**DRAIN, "on_budget": "page"}), PRICES,
                    Decimal("10"))
