@@ -82,6 +82,10 @@ def _check_engine(spec: JobSpec) -> None:
     name that does not is refused here rather than first in a worker; a built-in name the spec checked."""
     from batch_inference.engines import BUILTIN_ENGINES, engine_class
 
+    if spec.models:                       # a ladder: each rung's engine, and the confidence it must give
+        from batch_inference.ladder.rungs import check_engines
+
+        check_engines(spec)
     if spec.engine.name in BUILTIN_ENGINES:
         return
     try:

@@ -12,7 +12,7 @@ from psycopg.types.json import Jsonb
 
 from batch_inference.cli import main as cli_main
 from batch_inference.engines.base import build_request
-from batch_inference.exceptions import InvalidValue
+from batch_inference.exceptions import InvalidValue, SpecError
 from batch_inference.ladder import audit
 from batch_inference.ladder.calibrate import calibrate
 from batch_inference.ladder.engine import LadderEngine
@@ -25,21 +25,13 @@ from batch_inference.spec import parse_spec
 from batch_inference.status import job_counts
 from batch_inference.validate import validate
 from benchmarks.ladder import KnownEngine, known_ladder, ticket_rows
+from benchmarks.ladder import ticket_tables as tables
 from gpu_runner.worker import WorkerConfig, run_worker
 
 
 @pytest.fixture(autouse=True)
 def known_engines(monkeypatch):
     monkeypatch.setenv("BATCH_INFERENCE_ENGINE_MODULES", "tests,benchmarks.ladder")
-
-
-def tables(conn, rows, golden) -> None:
-    conn.execute("CREATE TABLE public.tickets (id text, body text)")
-    conn.execute("CREATE TABLE public.golden (id text, body text, expected jsonb)")
-    with conn.cursor() as cur:
-        cur.executemany("INSERT INTO public.tickets VALUES (%s, %s)", [(r, t) for r, t, _ in rows])
-        cur.executemany("INSERT INTO public.golden VALUES (%s, %s, %s)",
-                        [(r, t, Jsonb({"category": label})) for r, t, label in golden])
 
 
 def answers_of(conn, job: str) -> list[dict]:
@@ -144,6 +136,16 @@ def test_a_worker_meeting_stored_answers_resumes_each_record_where_it_stopped(co
     # The first holder's epoch is over: its answers are refused, nothing written.
     with pytest.raises(StaleLease):
         audit.put(ledger, lease, [(1, Answer("t000000", '{"category": "bug"}', True, 0.9), False)])
+
+
+def test_submit_refuses_a_rung_whose_engine_gives_no_confidence_and_writes_nothing(conn, monkeypatch):
+    tables(conn, ticket_rows(4, hard_share=0.0), [])
+    monkeypatch.setattr(KnownEngine, "gives_logprobs", False)
+    with pytest.raises(SpecError) as exc:
+        submit(conn, parse_spec(known_ladder("public.tickets", None)))
+    assert str(exc.value) == ("spec field 'models[1]' (known-cheap): engine 'benchmarks.ladder:KnownEngine' gives no "
+                              "token log-probabilities, which ladder.confidence 'logprobs' needs")
+    assert conn.execute("SELECT count(*) AS n FROM bi.jobs").fetchone()["n"] == 0
 
 
 def test_calibrate_refuses_bad_input_in_one_line_and_writes_nothing(conn, db_url, capsys, tmp_path):

@@ -61,17 +61,7 @@ def check(spec: JobSpec) -> None:
         raise InvalidValue("calibrate needs a ladder: a spec with models: (the rungs, cheapest first)")
     if spec.evaluation.golden is None:
         raise InvalidValue("calibrate needs a golden set: set evaluation.golden (a table of id, text, expected)")
-    from batch_inference.engines import engine_class
-
-    for no, rung in enumerate(spec.models[:-1], 1):
-        if spec.ladder.confidence == "logprobs":
-            try:
-                cls = engine_class(rung.engine.name)
-            except ValueError as exc:
-                raise InvalidValue(f"models[{no}] ({rung.model.name}): {exc}") from None
-            if not cls.gives_logprobs:
-                raise InvalidValue(f"models[{no}] ({rung.model.name}): engine {rung.engine.name!r} gives no token "
-                                   "log-probabilities, which ladder.confidence 'logprobs' needs")
+    rungs_mod.check_engines(spec)
 
 
 def golden_rows(conn: psycopg.Connection, spec: JobSpec) -> list[dict[str, Any]]:

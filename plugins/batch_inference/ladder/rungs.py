@@ -31,6 +31,7 @@ from collections import Counter
 from dataclasses import dataclass
 from typing import Any
 
+from batch_inference.exceptions import SpecError
 from batch_inference.outputs import check_for_storage
 from batch_inference.spec import JobSpec, Rung
 
@@ -50,6 +51,24 @@ class Answer:
 def rungs_of(spec: JobSpec) -> list[Rung]:
     """The ladder's rungs, cheapest first; [] for a one-model spec."""
     return list(spec.models or ())
+
+
+def check_engines(spec: JobSpec) -> None:
+    """Each rung's engine resolves (a dotted path: allowed, importable, an Engine subclass) and, below
+    the top under ``confidence: logprobs``, gives token log-probabilities; else SpecError, one line.
+    Submit and calibrate call it before anything is written."""
+    from batch_inference.engines import engine_class
+
+    ladder = rungs_of(spec)
+    for no, rung in enumerate(ladder, 1):
+        where = f"spec field 'models[{no}]' ({rung.model.name})"
+        try:
+            cls = engine_class(rung.engine.name)
+        except ValueError as exc:
+            raise SpecError(f"{where}: {exc}") from None
+        if no < len(ladder) and spec.ladder.confidence == "logprobs" and not cls.gives_logprobs:
+            raise SpecError(f"{where}: engine {rung.engine.name!r} gives no token log-probabilities, which "
+                            "ladder.confidence 'logprobs' needs")
 
 
 def rung_spec(spec: JobSpec, rung: Rung, seed_offset: int = 0) -> JobSpec:
