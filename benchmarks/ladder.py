@@ -143,7 +143,8 @@ def known_ladder(table: str, golden: str | None, *, delay_s: float = 0.0, target
     return d
 
 
-def _tables(conn: Any, rows: list[tuple[str, str, str]], golden: list[tuple[str, str, str]]) -> None:
+def ticket_tables(conn: Any, rows: list[tuple[str, str, str]], golden: list[tuple[str, str, str]]) -> None:
+    """public.tickets (id, body) and public.golden (id, body, expected {category}) from ``ticket_rows``."""
     from psycopg.types.json import Jsonb
 
     conn.execute("CREATE TABLE public.tickets (id text, body text)")
@@ -210,7 +211,7 @@ def known(conn: Any, url: str, records: int, golden: int, hard_share: float, tar
     from batch_inference.spec import parse_spec
 
     rows = ticket_rows(records, hard_share)
-    _tables(conn, rows, ticket_rows(golden, hard_share, prefix="g"))
+    ticket_tables(conn, rows, ticket_rows(golden, hard_share, prefix="g"))
     spec = parse_spec(known_ladder("public.tickets", "public.golden", shard_size=1000, target=target))
     d = known_ladder("public.tickets", None, shard_size=1000, dataset="ladder_bench_top")
     top = d.pop("models")[-1]
@@ -222,12 +223,22 @@ def known(conn: Any, url: str, records: int, golden: int, hard_share: float, tar
     return out
 
 
+def smollm2_rungs(n_ctx: tuple[int, int] = (1024, 2048)) -> list[dict[str, Any]]:
+    """Two rungs of SmolLM2-135M on llama.cpp: rung 1 with a shorter context and answer, priced at a tenth."""
+    from batch_inference.engines.llama_cpp import SMOLLM2_GGUF_SHA256
+
+    model = {"name": "SmolLM2-135M-Instruct", "digest": SMOLLM2_GGUF_SHA256}
+    return [{"model": model, "engine": {"name": "llama-cpp", "options": {"n_ctx": n_ctx[0]}},
+             "params": {"temperature": 0, "max_tokens": 16}, "cost_per_row": 0.0005},
+            {"model": model, "engine": {"name": "llama-cpp", "options": {"n_ctx": n_ctx[1]}},
+             "params": {"temperature": 0, "max_tokens": 24}, "cost_per_row": 0.005}]
+
+
 def real(conn: Any, url: str, records: int) -> dict[str, Any]:
     """SmolLM2-135M on llama.cpp as both rungs (rung 1: a shorter context and answer), the demo's tickets
     and their true categories as records and golden set."""
     from batch_inference.commands.demo import load_tickets
     from batch_inference.data import DEMO_LABELS_TABLE, DEMO_SOURCE_TABLE, DEMO_SPEC
-    from batch_inference.engines.llama_cpp import SMOLLM2_GGUF_SHA256
     from batch_inference.spec import load_spec, parse_spec
 
     load_tickets(conn, records)
@@ -235,16 +246,10 @@ def real(conn: Any, url: str, records: int) -> dict[str, Any]:
     g = base.evaluation.golden
     schema = {"type": "object", "properties": {"category": base.output_schema["properties"]["category"]},
               "required": ["category"], "additionalProperties": False}
-    model = {"name": "SmolLM2-135M-Instruct", "digest": SMOLLM2_GGUF_SHA256}
     d = base.model_dump(mode="json", exclude={"model", "engine", "params", "evaluation", "output_schema", "rules"})
     d.update(dataset="ladder_real", output_schema=schema, category_field="category",
              evaluation={"golden": g.model_dump(mode="json")}, ladder={"target": 0.9})
-    d["models"] = [
-        {"model": model, "engine": {"name": "llama-cpp", "options": {"n_ctx": 1024}},
-         "params": {"temperature": 0, "max_tokens": 16}, "cost_per_row": 0.0005},
-        {"model": model, "engine": {"name": "llama-cpp", "options": {"n_ctx": 2048}},
-         "params": {"temperature": 0, "max_tokens": 24}, "cost_per_row": 0.005},
-    ]
+    d["models"] = smollm2_rungs()
     spec = parse_spec(d)
     top = d["models"][-1]
     td = {k: v for k, v in d.items() if k not in ("models", "ladder")}
