@@ -526,3 +526,26 @@ def test_the_estimates_endpoint_shows_the_previews_and_pilots_of_a_dataset(db_ur
     assert p["verdict"] == "over_budget" and p["figures"]["bill"]["planned"]["total"] == "0.28"
     (q,) = out["pilots"]
     assert q["records_per_s"] == 0.6 and q["valid_rate"] == 0.75
+
+
+def test_the_ladder_endpoint_shows_each_rungs_share_accuracy_and_cost(conn, db_url, monkeypatch):
+    from batch_inference.ladder.calibrate import calibrate
+    from batch_inference.spec import parse_spec
+    from benchmarks.ladder import known_ladder, ticket_rows, ticket_tables
+
+    monkeypatch.setenv("BATCH_INFERENCE_ENGINE_MODULES", "tests,benchmarks.ladder")
+
+    rows = ticket_rows(20, hard_share=0.5)
+    ticket_tables(conn, rows, ticket_rows(20, hard_share=0.5, prefix="g"))
+    cal = calibrate(conn, parse_spec(known_ladder("public.tickets", "public.golden")))
+    job = submit(conn, cal.spec).job_version
+    assert run_worker(WorkerConfig(job_version=job, db_url=db_url, wait_for_leases=False)) == 0
+    with _client(db_url, monkeypatch) as client:
+        path = f"/api/jobs/{job}/ladder"
+        assert client.get(path).status_code == 401
+        out = client.get(path, headers=ADMIN).json()["ladder"]
+    hard = sum(1 for _, t, _ in rows if "[hard]" in t)
+    assert [r["kept"] for r in out["rungs"]] == [20 - hard, hard]
+    assert [r["answered"] for r in out["rungs"]] == [20, hard]
+    assert out["rungs"][1]["golden_accuracy"] == 1.0 and out["calibration"]["thresholds"] == cal.thresholds
+    assert out["bill"] == pytest.approx(20 * 0.0004 + hard * 0.004) and out["top_alone_bill"] == pytest.approx(0.08)

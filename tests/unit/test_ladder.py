@@ -140,3 +140,20 @@ def test_search_picks_the_cheapest_thresholds_within_target_and_names_the_best_w
     found = search([low, top], [1.0, 10.0], ids, 1.0)
     assert found["picked"] is None and found["best"]["accuracy"] == 0.9
     assert [c["accuracy"] for c in found["curve"]] == sorted(c["accuracy"] for c in found["curve"])
+
+
+def test_under_agreement_a_rung_answers_each_record_with_several_seeds_and_keeps_what_agrees():
+    d = ladder(thresholds=(1.0,))
+    d["ladder"] = {"confidence": "agreement", "samples": 3}
+    d["models"][0]["params"]["temperature"] = 0.7
+    spec = parse_spec(d)
+    rows = ticket_rows(30, hard_share=0.5)
+    engine = LadderEngine(spec)
+    engine.load()
+    out = {o.record_id: o.text for o in engine.generate([build_request(spec, r, t) for r, t, _ in rows],
+                                                        threading.Event())}
+    easy = [r for r, t, _ in rows if "[hard]" not in t]
+    assert engine.asked[0] == 3 * len(rows)                       # three samples a record at rung 1
+    assert 0 < engine.asked[1] <= len(rows) - len(easy)           # only hard records disagree with themselves
+    assert all(out[r] == f'{{"category": "{label}"}}' for r, _, label in rows if r in easy)
+    assert engine.rungs[0].engine.spec.params.seed == spec.models[0].params.seed   # the rung's own spec is back

@@ -460,6 +460,12 @@ def api_cost(job_version: str, conn: Ledger, _who: JobReader) -> dict[str, Any]:
     return data.cost(conn, job_version)
 
 
+@api.get("/jobs/{job_version}/ladder")
+def api_ladder(job_version: str, conn: Ledger, _who: JobReader) -> dict[str, Any]:
+    """A ladder job's rungs: share of records, golden accuracy and cost (``ladder`` null for one model)."""
+    return data.ladder(conn, job_version)
+
+
 @api.get("/jobs/{job_version}/drift")
 def api_drift(job_version: str, conn: Ledger, _who: JobReader) -> dict[str, Any]:
     return data.drift(conn, job_version)

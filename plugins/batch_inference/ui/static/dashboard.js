@@ -378,6 +378,30 @@
         c.reused ? ` ${fmtInt(c.reused)} reused rows were paid for by an earlier version.` : ""));
   }
 
+  // A model ladder (batch_inference.ladder.report): each rung's share of the records, its golden
+  // accuracy (from calibrate) and its cost, beside the bill of the top rung alone.
+  function ladderPanel(l) {
+    const panel = h("section", { class: "panel", id: "panel-ladder" }, h("h2", {}, "Model ladder"));
+    panel.appendChild(h("table", { id: "ladder-table" },
+      h("thead", {}, h("tr", {}, h("th", {}, "rung"), h("th", {}, "model"), h("th", { class: "num" }, "threshold"),
+        h("th", { class: "num" }, "answered"), h("th", { class: "num" }, "kept"), h("th", { class: "num" }, "share"),
+        h("th", { class: "num" }, "golden accuracy"), h("th", { class: "num" }, "cost"))),
+      h("tbody", {}, l.rungs.map((r) => h("tr", { id: "ladder-rung-" + r.rung },
+        h("td", {}, String(r.rung)), h("td", {}, r.model),
+        h("td", { class: "num" }, r.threshold === null ? "none" : r.threshold.toFixed(3)),
+        h("td", { class: "num" }, fmtInt(r.answered)), h("td", { class: "num" }, fmtInt(r.kept)),
+        h("td", { class: "num" }, fmtPct(r.share)), h("td", { class: "num" }, fmtPct(r.golden_accuracy)),
+        h("td", { class: "num" }, fmtUsd(r.cost)))))));
+    const cal = l.calibration;
+    panel.appendChild(h("p", { class: "muted", id: "ladder-bill" },
+      `Bill ${fmtUsd(l.bill)} against ${fmtUsd(l.top_alone_bill)} for the top rung alone` +
+      (l.bill_share_of_top === null ? "." : ` (${fmtPct(l.bill_share_of_top)}).`) +
+      (cal ? ` Calibrated ${stamp(cal.calibrated_at)}: golden accuracy ${fmtPct(cal.golden_accuracy)} against ` +
+             `${fmtPct(cal.top_alone_golden_accuracy)} for the top rung alone (target ${fmtPct(cal.target)} of it).`
+           : " Not calibrated (`batch-inference calibrate SPEC`).")));
+    return panel;
+  }
+
   function shardsPanel(sh) {
     const W = 460, H = 22;
     const total = Math.max(sh.total, 1);
@@ -578,6 +602,8 @@
     try { hist = await api("/datasets/" + encodeURIComponent(job.dataset) + "/history"); } catch (err) { return showError(main, err); }
     let est;
     try { est = await api("/datasets/" + encodeURIComponent(job.dataset) + "/estimates"); } catch (err) { return showError(main, err); }
+    let lad;
+    try { lad = await api("/jobs/" + enc + "/ladder"); } catch (err) { return showError(main, err); }
     const reload = () => renderJob(jobVersion, note);
     main.replaceChildren(
       note ? h("p", { class: "muted", id: "run-note" }, note) : "",
@@ -586,6 +612,7 @@
       h("p", {}, h("a", { id: "review-link", href: BASE + "/jobs/" + enc + "/review" }, "Review the sample")),
       timelinePanel(prog),
       h("div", { class: "grid" }, costPanel(cost), shardsPanel(shards)),
+      lad.ladder ? ladderPanel(lad.ladder) : "",
       h("div", { class: "grid" }, driftPanel(drift), historyPanel(hist, jobVersion, reload)),
       estimatePanel(est),
       deadLettersPanel(dead));
