@@ -272,9 +272,13 @@ class Engine(_Strict):
     def _known(cls, v: str) -> str:
         # Checked at submit, not first in a worker: a built-in name, or the form of a dotted path (its
         # module is imported only where the engine runs: batch_inference.engines.engine_class).
-        if v in ENGINE_RESULT_OPTIONS or _ENGINE_PATH.match(v):
+        # A built-in's name spelt with a dot or an underscore (``llama.cpp``, as prose writes it) has a dotted
+        # path's form but means the built-in: refused with its name, not imported as module ``llama``.
+        spelt = re.sub(r"[._\s]+", "-", v.strip().lower())
+        if v in ENGINE_RESULT_OPTIONS or (_ENGINE_PATH.match(v) and spelt not in ENGINE_RESULT_OPTIONS):
             return v
-        near = difflib.get_close_matches(v.lower().replace("_", "-"), list(ENGINE_RESULT_OPTIONS), n=1, cutoff=0.6)
+        near = [spelt] if spelt in ENGINE_RESULT_OPTIONS else \
+            difflib.get_close_matches(spelt, list(ENGINE_RESULT_OPTIONS), n=1, cutoff=0.6)
         hint = f"did you mean '{near[0]}'? " if near else ""
         raise ValueError(f"unknown engine '{v}': {hint}use one of {', '.join(ENGINE_RESULT_OPTIONS)}, or a dotted "
                          "path package.module:ClassName")
@@ -701,7 +705,7 @@ class JobSpec(_Strict):
     @model_validator(mode="after")
     def _template_names_the_record(self) -> "JobSpec":
         """Without ``source.columns`` the template holds ``{text}``; with them it names each column
-        (and any ``{name}`` that is not a column stays as written)."""
+        (a ``{name}`` that no column fills is refused)."""
         template, columns = self.prompt.template, self.source.columns
         if not columns:
             if "{text}" not in template:

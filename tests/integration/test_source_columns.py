@@ -75,11 +75,15 @@ def test_max_input_chars_bounds_the_whole_record_and_a_blank_record_is_empty(con
                        "blank": "empty text"}
 
 
-def test_render_cuts_the_record_as_a_whole_and_leaves_other_braces_alone():
-    spec = two_column_spec({"table": "public.t"}, max_input_chars=12)
-    spec = spec.with_overrides(prompt={**spec.prompt.model_dump(), "template": "{subject} | {body} | {other} {text}"})
-    text = record(spec, "1", ["subject-1", "body {subject} text"], None)["text"]
-    assert render_record(spec, text) == "subject-1 | bod | {other} {text}"
+def test_render_cuts_the_record_as_a_whole_and_leaves_braces_in_values_alone():
+    spec = two_column_spec({"table": "public.t"}, max_input_chars=17)
+    spec = spec.with_overrides(prompt={**spec.prompt.model_dump(), "template": "{subject} | {body}"})
+    text = record(spec, "1", ["subject-1", "{body} text"], None)["text"]
+    assert render_record(spec, text) == "subject-1 | {body} t"
+    # A placeholder no column fills is refused (it would reach the model as written).
+    with pytest.raises(SpecError, match=r"names \{other\}, \{text\}, which no column fills \(source.columns are "
+                                        r"subject, body\)"):
+        spec.with_overrides(prompt={**spec.prompt.model_dump(), "template": "{subject} | {body} | {other} {text}"})
 
 
 def test_a_template_must_name_each_column_and_a_text_template_needs_text():

@@ -1,0 +1,222 @@
+"""A new user's first hour, as each step went wrong when tried (issue 39, items 2 and 3), typed as a
+user types it: the installed ``batch-inference`` entry point in a subprocess, on the real embedded
+PostgreSQL, SQLite files, a second PostgreSQL server, Debian's MariaDB and fakesnow.
+
+The Airflow connections are passed the way docs/sources.md shows (``AIRFLOW_CONN_...`` in the JSON and
+the URI form); stdout carries only the JSON line; every refusal is one line on stderr."""
+
+from __future__ import annotations
+
+import tests.fixtures.airflow_env  # noqa: F401  (before anything imports Airflow)
+
+import json
+import os
+import sqlite3
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+from urllib.parse import quote
+
+import pytest
+import yaml
+
+from batch_inference import db
+from tests.conftest import make_source, spec_dict, tickets
+from tests.fixtures.sources import TICKETS, two_column_spec
+from tests.fixtures.warehouses import fakesnow_server, mariadb  # noqa: F401  (fixtures)
+from tests.integration.test_source_sql import _load_mariadb, _load_pg, _load_sqlite, second_pg  # noqa: F401
+
+BI = str(Path(sys.executable).parent / "batch-inference")   # the installed entry point, as a user runs it
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def bi(*argv: str, env: dict[str, str] | None = None, timeout: float = 180) -> subprocess.CompletedProcess:
+    return subprocess.run([BI, *argv], env={**os.environ, **(env or {})}, capture_output=True, text=True,
+                          timeout=timeout)
+
+
+def write(tmp_path: Path, data: dict[str, Any], name: str = "spec.yaml") -> str:
+    path = tmp_path / name
+    path.write_text(yaml.safe_dump(data, sort_keys=False))
+    return str(path)
+
+
+def one_json_line(p: subprocess.CompletedProcess) -> dict[str, Any]:
+    """stdout is exactly one JSON line (so `| jq` works), whatever went to stderr."""
+    assert p.returncode == 0, p.stderr
+    lines = p.stdout.splitlines()
+    assert len(lines) == 1, p.stdout
+    return json.loads(lines[0])
+
+
+def one_error_line(p: subprocess.CompletedProcess, command: str = "submit") -> str:
+    assert p.returncode != 0 and p.stdout == "", (p.returncode, p.stdout, p.stderr)
+    lines = p.stderr.splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"batch-inference {command}: error: "), p.stderr
+    return lines[0]
+
+
+def jobs(conn) -> int:
+    return conn.execute("SELECT count(*) AS n FROM bi.jobs").fetchone()["n"]
+
+
+def sql_source_spec(conn_id: str, table: str = "tickets") -> dict[str, Any]:
+    return two_column_spec({"kind": "sql", "conn_id": conn_id, "table": table}).model_dump(mode="json")
+
+
+# -- a SQLite source, and a connection in each form docs/sources.md shows ---------------------------------
+
+
+def test_a_sqlite_source_in_json_and_uri_form_prints_only_its_json_line(conn, db_url, tmp_path):
+    path = tmp_path / "reviews.db"
+    _load_sqlite(path, TICKETS)
+    spec = write(tmp_path, sql_source_spec("my_reviews"))
+    forms = {
+        "json": json.dumps({"conn_type": "sqlite", "host": str(path)}),
+        "uri": f"sqlite://{quote(str(path), safe='')}",         # the path is the host: every '/' as %2F
+    }
+    seen = set()
+    for form, value in forms.items():
+        p = bi("--db", db_url, "submit", spec, env={"AIRFLOW_CONN_MY_REVIEWS": value})
+        out = one_json_line(p)                                   # no Airflow log line before it
+        assert out["records"] == len(TICKETS), form
+        seen.add(out["job_version"])
+    assert len(seen) == 1
+    with sqlite3.connect(path) as c:                             # the file is as it was
+        assert c.execute("SELECT count(*) FROM tickets").fetchone()[0] == len(TICKETS)
+
+
+def test_a_postgres_and_a_mariadb_connection_as_the_docs_show_them(conn, db_url, tmp_path, second_pg, mariadb):
+    from psycopg.conninfo import conninfo_to_dict
+
+    uri = second_pg.get_uri()
+    _load_pg(uri, TICKETS)
+    p = conninfo_to_dict(uri)
+    port, database = int(p.get("port") or 5432), p.get("dbname") or "postgres"
+    pg_json = json.dumps({"conn_type": "postgres", "host": p["host"], "port": port, "login": p["user"],
+                          "schema": database})
+    pg_uri = f"postgres://{p['user']}@{quote(p['host'], safe='')}:{port}/{database}"   # a socket directory as host
+    m = mariadb
+    _load_mariadb(m, TICKETS)
+    maria_uri = f"mysql://{m['user']}:{quote(m['password'], safe='')}@{m['host']}:{m['port']}/{m['database']}" \
+                "?charset=utf8mb4"
+    maria_json = json.dumps({"conn_type": "mysql", "host": m["host"], "port": m["port"], "login": m["user"],
+                             "password": m["password"], "schema": m["database"], "extra": {"charset": "utf8mb4"}})
+    seen = set()
+    for conn_id, value, table in (("warehouse_pg", pg_json, "public.tickets"), ("warehouse_pg", pg_uri, "public.tickets"),
+                                  ("warehouse_maria", maria_uri, "tickets"), ("warehouse_maria", maria_json, "tickets")):
+        spec = write(tmp_path, sql_source_spec(conn_id, table), f"{conn_id}.yaml")
+        p = bi("--db", db_url, "submit", spec, env={f"AIRFLOW_CONN_{conn_id.upper()}": value})
+        out = one_json_line(p)
+        assert out["records"] == len(TICKETS)
+        assert m["password"] not in p.stdout + p.stderr
+        seen.add(out["job_version"])
+    assert len(seen) == 1                                         # the same rows: the same version
+
+
+def test_a_snowflake_connection_as_the_docs_show_it(conn, db_url, tmp_path, monkeypatch, capsys, fakesnow_server):
+    """fakesnow speaks HTTP, which the Snowflake hook has no field for: the CLI runs in this process, with
+    the hook's connection parameters given ``protocol: http`` (the one thing a real account does not need)."""
+    SnowflakeHook = pytest.importorskip("airflow.providers.snowflake.hooks.snowflake").SnowflakeHook
+    from batch_inference.cli import main as cli_main
+    from tests.integration.test_source_sql import _load_snowflake
+
+    s = fakesnow_server
+    _load_snowflake(s, TICKETS)
+    real = SnowflakeHook._get_conn_params
+    monkeypatch.setattr(SnowflakeHook, "_get_conn_params", lambda self: {
+        **real(self), "protocol": "http", "network_timeout": 5,
+        "session_parameters": {"CLIENT_OUT_OF_BAND_TELEMETRY_ENABLED": False}})
+    monkeypatch.setenv("AIRFLOW_CONN_SUPPORT_SNOWFLAKE", json.dumps({
+        "conn_type": "snowflake", "login": "fake", "password": "snow", "schema": "PUBLIC",
+        "extra": {"account": "fakesnow", "database": "BI_SRC", "warehouse": "WH", "host": s["host"],
+                  "port": s["port"]}}))
+    spec = write(tmp_path, sql_source_spec("support_snowflake", "TICKETS"))
+    assert cli_main(["--db", db_url, "submit", spec]) == 0
+    # In this process Airflow's logging went to the stdout pytest captures before the CLI started; the
+    # subprocess tests above show a command's stdout alone.
+    assert json.loads(capsys.readouterr().out.splitlines()[-1])["records"] == len(TICKETS)
+
+
+def test_a_placeholder_no_column_fills_is_refused_at_submit(conn, db_url, tmp_path):
+    make_source(conn, tickets(3))
+    data = spec_dict(prompt={"template": "Title: <<<{text}>>>\nBody: <<<{body}>>>"})
+    line = one_error_line(bi("--db", db_url, "submit", write(tmp_path, data)))
+    assert line == ("batch-inference submit: error: spec field '(top level)': 'prompt.template' names {body}, which "
+                    "no column fills (the record is one column, source.text_column 'body', filled in as {text}): "
+                    "add it to source.columns or take it out of the template")
+    assert jobs(conn) == 0
+
+
+# -- engines, halts, datasets, dead-letter counts, validate -------------------------------------------------
+
+
+def test_an_engine_name_is_checked_at_submit_whatever_its_form(conn, db_url, tmp_path):
+    make_source(conn, tickets(3))
+    line = one_error_line(bi("--db", db_url, "submit", write(tmp_path, spec_dict(engine={"name": "llama.cpp"}))))
+    assert line.startswith("batch-inference submit: error: spec field 'engine.name': unknown engine 'llama.cpp': "
+                           "did you mean 'llama-cpp'?"), line
+    # A dotted path resolves at submit: a module without the class is refused here, not first in a worker.
+    line = one_error_line(bi("--db", db_url, "submit", write(tmp_path, spec_dict(engine={"name": "tests.fixtures:Nope"}))))
+    assert line == ("batch-inference submit: error: spec field 'engine.name': engine 'tests.fixtures:Nope': module "
+                    "'tests.fixtures' has no attribute 'Nope'")
+    line = one_error_line(bi("--db", db_url, "submit", write(tmp_path, spec_dict(engine={"name": "mycorp.engines:Fast"}))))
+    assert "module 'mycorp.engines' is not in the allowed engine modules" in line
+    assert jobs(conn) == 0
+    ok = one_json_line(bi("--db", db_url, "submit",
+                          write(tmp_path, spec_dict(engine={"name": "tests.fixtures.sources:EchoEngine"}))))
+    assert ok["records"] == 3
+
+
+def test_status_shows_a_halt_that_later_work_cleared_as_past(conn, db_url, tmp_path):
+    make_source(conn, tickets(5))
+    job = one_json_line(bi("--db", db_url, "submit", write(tmp_path, spec_dict())))["job_version"]
+    conn.execute(db.q("halt_job"), {"job": job, "reason": "engine 'llama.cpp' cannot be loaded"})
+    p = bi("--db", db_url, "status", job)
+    assert "HALTED by its workers at " in p.stdout, p.stdout
+    # The cause fixed, a worker runs the version to the end: the halt is past, not current.
+    w = bi("--db", db_url, "worker", job)
+    assert w.returncode == 0, w.stderr
+    p = bi("--db", db_url, "status", job)
+    assert p.returncode == 0 and "HALTED" not in p.stdout, p.stdout
+    assert "5/5 stored" in p.stdout and "an earlier halt at " in p.stdout and " is past (workers worked on it " \
+        "again from " in p.stdout and p.stdout.rstrip().endswith(": engine 'llama.cpp' cannot be loaded"), p.stdout
+    shown = one_json_line(bi("--db", db_url, "status", job, "--json"))
+    assert shown["halted_at"] and shown["halt_cleared_at"] and shown["halt_cleared_at"] > shown["halted_at"]
+
+
+def test_published_of_an_unknown_dataset_is_one_line_and_non_zero(conn, db_url, tmp_path):
+    make_source(conn, tickets(3))
+    one_json_line(bi("--db", db_url, "submit", write(tmp_path, spec_dict())))
+    line = one_error_line(bi("--db", db_url, "published", "tickets_triag"), "published")
+    assert line == ("batch-inference published: error: no dataset 'tickets_triag': no job version was ever "
+                    "submitted for it; did you mean 'tickets_triage'?")
+    p = bi("--db", db_url, "published", "tickets_triage")          # known, nothing published yet: an answer
+    assert p.returncode == 0 and p.stdout == "tickets_triage: nothing published\n", p.stdout
+
+
+def test_the_submit_json_names_what_its_dead_letter_counts_count(conn, db_url, tmp_path):
+    rows = tickets(4) + [("poison", "[[invalid-output]] always wrong", ["team0"]), ("long", "x" * 150, ["team0"])]
+    make_source(conn, rows)
+    spec = write(tmp_path, spec_dict(max_input_chars=100))
+    first = one_json_line(bi("--db", db_url, "submit", spec))
+    assert (first["dead_letters_at_planning"], first["dead_letters_total"]) == (1, 1) and "dead_letters" not in first
+    assert bi("--db", db_url, "worker", first["job_version"]).returncode == 0
+    again = one_json_line(bi("--db", db_url, "submit", spec))        # the workers dead-lettered one more
+    assert again["job_version"] == first["job_version"] and not again["created"]
+    assert (again["dead_letters_at_planning"], again["dead_letters_total"]) == (1, 2)
+
+
+def test_validate_says_its_reason_once_and_its_help_whole(conn, db_url, tmp_path):
+    rows = tickets(4) + [("poison", "[[invalid-output]] always wrong", ["team0"])]
+    make_source(conn, rows)
+    job = one_json_line(bi("--db", db_url, "submit", write(tmp_path, spec_dict())))["job_version"]
+    assert bi("--db", db_url, "worker", job).returncode == 0
+    p = bi("--db", db_url, "validate", job)
+    assert p.returncode == 1
+    text = p.stdout + p.stderr
+    assert text.count("dead-letter rate") + text.count("dead letters: 20.00%") == 1, text
+    h = bi("validate", "--help", env={"COLUMNS": "100"})
+    assert "coverage, schema, dead letters, drift and a sample; exit 0 if the version passed, 1 if it failed" in \
+        " ".join(h.stdout.split()), h.stdout
