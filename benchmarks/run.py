@@ -44,8 +44,8 @@ BENCHMARKS: dict[str, tuple[list[str], list[str]]] = {
     "reads": ([], ["--sizes", "20000,200000", "--repeats", "3"]),
     "sources": ([], ["--sizes", "2000,20000", "--kinds", "sqlite,parquet,iceberg"]),
     "ladder": (["--real", "8"], ["--records", "400", "--golden", "100"]),
-    "ladder": (["--real", "8"], ["--records", "400", "--golden", "100"]),
     "estimate": ([], ["--records", "2000", "--demo-records", "6", "--pilot", "2"]),
+    "embed": ([], ["--records", "8", "--vectors", "400", "--queries", "3", "--engines", "llama"]),
 }
 
 

@@ -55,7 +55,3 @@ SELECT bi.embed_index_build_v1(%(job)s) AS index;
 
 -- name: embed_ensure_view  the dataset's view reading one version's search table (bi.ensure_embedding_view_v1)
 SELECT bi.ensure_embedding_view_v1(%(dataset)s, %(job)s, %(id_type)s, %(dims)s) AS view_name;
-
--- name: embed_index_state  a version's search table: its size and its HNSW index
-SELECT to_regclass('bi.' || quote_ident('embed_' || %(job)s)) IS NOT NULL AS table_exists,
-       to_regclass('bi.' || quote_ident('embed_' || %(job)s || '_hnsw')) IS NOT NULL AS index_exists;

@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import logging
 import struct
-from typing import Any
 
 import numpy as np
 import psycopg
@@ -90,20 +89,27 @@ class SearchIndex(Destination):
     def _build(self, job_version: str, spec: JobSpec) -> Pointed:
         """The version's search table, filled and indexed (each once, each its own commit)."""
         self.check()
-        dims = spec.embedding.dimensions
-        table = table_name(job_version)
+        changed = self.fill(job_version, spec) > 0
+        index = self.index(job_version)
+        return Pointed(self.name, job_version, None, f"{table_name(job_version)} ({index})", changed)
+
+    def fill(self, job_version: str, spec: JobSpec) -> int:
+        """Create the version's search table and copy its vectors in, unless it holds them; returns how many
+        were copied now."""
         with self.conn.transaction():
-            self.conn.execute(q("embed_index_create"), {"job": job_version, "dims": dims})
+            self.conn.execute(q("embed_index_create"), {"job": job_version, "dims": spec.embedding.dimensions})
         have = self.conn.execute(composed("embed_index_rows", table=sql.Identifier("bi", f"embed_{job_version}"))
                                  ).fetchone()["n"]
-        changed = False
-        if have == 0:
-            n = self._fill(job_version, dims)
-            changed = True
-            log.info("%s: %d vectors copied into %s", job_version, n, table)
+        if have:
+            return 0
+        n = self._fill(job_version, spec.embedding.dimensions)
+        log.info("%s: %d vectors copied into %s", job_version, n, table_name(job_version))
+        return n
+
+    def index(self, job_version: str) -> str:
+        """Build the version's HNSW index unless it exists; returns its name."""
         with self.conn.transaction():
-            index = self.conn.execute(q("embed_index_build"), {"job": job_version}).fetchone()["index"]
-        return Pointed(self.name, job_version, None, f"{table} ({index})", changed)
+            return self.conn.execute(q("embed_index_build"), {"job": job_version}).fetchone()["index"]
 
     def _fill(self, job_version: str, dims: int) -> int:
         """Copy the version's vectors into its (empty) search table, in one transaction: pages of
@@ -134,8 +140,3 @@ class SearchIndex(Destination):
     def restore(self, pointed: Pointed) -> None:
         """Nothing to undo: the table of a version the view does not name is never read."""
 
-
-def describe(conn: psycopg.Connection, job_version: str) -> dict[str, Any]:
-    """The search table of a version: its rows and whether its HNSW index exists."""
-    r = conn.execute(q("embed_index_state"), {"job": job_version}).fetchone()
-    return dict(r) if r else {}
