@@ -986,6 +986,7 @@ class _NightRun:
                                       "all_synchronous_ceiling", "clean_batch_floor", "gpu_hours", "gpu_cost")}
         # The rows' part of the bill, rounded once (total less GPU, each rounded, is off by a cent).
         rec.bill["rows_total"] = float(cents(bill.total - bill.gpu_cost))
+        rec.bill["total_exact"] = float(bill.total)       # unrounded, for the budget's check
         rec.cost_ratio = round(float(bill.total / bill.all_synchronous_ceiling), 4) \
             if bill.all_synchronous_ceiling else None
         rec.dead_letters = [{"record_id": d["record_id"], "stage": d["stage"], "attempts": d["attempts"],
@@ -1025,8 +1026,8 @@ class _NightRun:
         # With on_budget page and the autopilot steering, the bill keeps within the budget (hosted nights'
         # provider batches and a fixed fleet's GPU time are not steered by it).
         if c.budget is not None and c.on_budget == "page" and rec.autopilot and not rec.hosted and rec.bill \
-                and rec.bill["total"] > c.budget:
-            rec.failures.append(f"billed ${rec.bill['total']:.4f} over the budget ${c.budget:g} (on_budget: page)")
+                and rec.bill["total_exact"] > c.budget:
+            rec.failures.append(f"billed ${rec.bill['total_exact']:.5f} over the budget ${c.budget:g} (on_budget: page)")
         late = rec.published_s is None or rec.slack_s is None or rec.slack_s < 0
         paged_early = rec.page is not None and rec.page_s is not None and rec.page_s < rec.deadline_s
         if late and not paged_early:
@@ -1085,7 +1086,7 @@ class NightsReport:
             "hosted_billed_twice": sum(n.hosted.get("billed_twice", 0) for n in ns),
             "budget": self.config.get("budget"),
             "over_budget": [n.seed for n in ns if self.config.get("budget") is not None
-                            and n.bill.get("total", 0.0) > self.config["budget"]],
+                            and n.bill.get("total_exact", n.bill.get("total", 0.0)) > self.config["budget"]],
             "autopilot": self.comparison(),
         }
 
