@@ -330,9 +330,9 @@ class Worker:
                 if lease is None:
                     continue
             self._process(lease)
-        log.info("%s: exiting: %d shards, %d stored, %d failed attempts, %d dead letters, %d stale refusals",
-                 self.owner, self.stats["shards"], self.stats["stored"], self.stats["failed"],
-                 self.stats["dead"], self.stats["stale"])
+        log.info("%s: exiting: %d shards, %d stored, %d failed attempts, %d dead letters, %d stale refusals, "
+                 "%d claims held back", self.owner, self.stats["shards"], self.stats["stored"], self.stats["failed"],
+                 self.stats["dead"], self.stats["stale"], self.stats["claims_held_back"])
         return ExitCode.PREEMPTED if self.stop.is_set() else ExitCode.OK
 
     def _should_wait(self) -> bool:

@@ -117,11 +117,15 @@ def check_vllm_engine(out: dict) -> None:
     assert all(v > 100 for v in out["peak_rss_mib"].values())    # each arm loaded the model
     [job] = out["multi_shard"]                                     # the quick run's 12 records in 3 shards
     assert (job["records"], job["shards"]) == (12, 3)
-    for arm in ("worker", "worker_no_overlap"):
+    for arm in ("worker", "worker_no_overlap"):       # the CLI worker process, its figures read from its log
         assert job[arm]["generation_vs_bare"] > 0 and job[arm]["whole_run_vs_bare"] > 0
         assert job[arm]["outputs_identical_to_bare"].endswith("/12")
         assert set(job[arm]["engine_idle_s"]) == {"gap_s", "idle_slot_s"}
+        assert job[arm]["engine_steps"]["steps"] > 0 and job[arm]["per_step_vs_bare"] > 0
+        assert len(job[arm]["stored_over_time"]["stored_at_each_tenth"]) == 10
     assert {"connect", "spec", "engine_import", "weights_digest", "engine_load"} <= job["worker_startup_s"].keys()
+    assert out["cpu"]["model"] and out["cpu"]["bf16"] in ("native", "emulated (use dtype float32 on this CPU, "
+                                                                      "docs/engines.md)")
 
 
 def check_lakehouse(out: dict) -> None:
