@@ -507,3 +507,24 @@ def test_a_reject_in_required_actions_fails_the_run_with_the_reason(live_airflow
     # The rejection is in the ledger too: publish refuses the version until it is withdrawn.
     with db.connect(dep.ledger_url) as conn:
         assert evaluation.review_state(conn, job)["rejection"].endswith(": priorities are all urgent")
+
+
+def test_a_night_over_budget_stops_at_the_preview_before_submit_and_pages_once(live_airflow, webhook_sink):
+    dep = live_airflow
+    table = make_table(dep.ledger_url, "live_estimate", 40)
+    # 39 records to run at $0.003625 each on batch is $0.14: over a $0.05 budget before anything runs.
+    spec = make_spec(dep, "live_estimate", engine={"name": "noop"}, model=NOOP_MODEL, cost={"budget": 0.05})
+    dep.unpause(BACKFILL)
+    run_id = dep.trigger(BACKFILL, {"spec_path": spec, "source_table": table, "deadline": "+20h"})
+    run = dep.wait_run(BACKFILL, run_id, timeout=300)
+    tis = dep.task_instances(BACKFILL, run_id)
+    assert run["state"] == "failed", dep.explain(BACKFILL, run_id)
+    assert tis["estimate"]["state"] == "failed" and tis["estimate"]["try_number"] == 1
+    assert tis["submit"]["state"] == "upstream_failed", dep.explain(BACKFILL, run_id)
+    msg = webhook_sink.wait_for(lambda m: m.get("run_id") == run_id, 60)
+    assert msg["task_id"] == "estimate" and msg["job_version"] is None and "over cost.budget" in msg["text"], msg
+    with db.connect(dep.ledger_url) as conn:
+        assert not conn.execute("SELECT 1 FROM bi.jobs WHERE dataset = 'live_estimate'").fetchall()
+        (row,) = conn.execute(db.q("estimate_previews_of_dataset"), {"dataset": "live_estimate", "n": 5}).fetchall()
+    assert row["verdict"] == "over_budget" and row["run_id"] == run_id
+    assert len([m for m in webhook_sink.received if m.get("run_id") == run_id]) == 1   # one page

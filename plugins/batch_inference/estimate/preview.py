@@ -248,13 +248,14 @@ class Preview:
 def preview(conn: psycopg.Connection, spec: JobSpec, *, reader: sources.Reader | None = None,
             counter: Counter | None = None, workers: int = 1, deadline: datetime | None = None,
             now: datetime | None = None, sample: int = 0, seed: int = 0,
-            rows: Iterator[Mapping[str, Any]] | None = None) -> Preview:
+            rows: Iterator[Mapping[str, Any]] | None = None, rate: Measured | None = None) -> Preview:
     """Read, render and count every record of ``spec``'s source, and project the run.
 
     :param workers: batch workers the run will have (each one GPU).
     :param deadline: when the version must be published; None: no finish verdict.
     :param sample: draw this many eligible records (seeded reservoir) into ``Preview.sample``, for a pilot.
     :param rows: records read elsewhere instead of the source (tests, benchmarks).
+    :param rate: measured figures to use instead of the ledger's (pilot, recent runs).
     """
     if workers < 1:
         raise InvalidValue(f"estimate: workers must be >= 1, got {workers}")
@@ -292,7 +293,7 @@ def preview(conn: psycopg.Connection, spec: JobSpec, *, reader: sources.Reader |
                     j = rng.randrange(tally.records)
                     if j < sample:
                         drawn[j] = item
-        m = measured(conn, spec, counter)
+        m = rate if rate is not None or conn is None else measured(conn, spec, counter)
     finally:
         if own:
             counter.close()
