@@ -70,6 +70,9 @@ def headlines(name: str, out: dict[str, Any]) -> Iterator[tuple[str, Any]]:
     elif name == "hosted_drain":
         yield "reconcile / direct worker", out.get("reconcile_ratio")
         yield "drain over provider settle s", out.get("drain_overhead_s")
+    elif name == "bounded_fields":
+        yield "dead-letter rate: llama-cpp-python's converter, same retry / engine grammar, repair retry", \
+            pair(*(out.get("dead_letter_rate_before_after") or [None, None]))
     elif name == "vllm_engine":
         yield "one shard: worker / bare LLM.chat (generation)", out.get("worker_vs_bare")
         yield "worker / vllm run-batch (whole runs)", out.get("worker_vs_run_batch")

