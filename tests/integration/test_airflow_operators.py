@@ -150,6 +150,38 @@ def test_an_unknown_job_version_fails_without_starting_workers(ledger):
     assert op.fleet is None
 
 
+def test_local_workers_the_stop_had_to_kill_have_their_leases_released_by_the_task(ledger, conn):
+    """Marked failed on a loaded machine: a worker that gets no CPU (stopped here) cannot release on
+    SIGTERM, so the stop kills it after the grace; the task then releases what it held itself
+    (fenced by the worker id it started it with and each lease's epoch): no shard waits out its
+    600 s lease."""
+    import os
+
+    from batch_inference.operators import LocalWorkersOperator
+
+    make_source(conn, tickets(60))
+    job = submit(conn, make_spec(shard_size=10, lease_seconds=600)).job_version
+    op = LocalWorkersOperator(task_id="workers", job_version=job, workers=2, postgres_conn_id=CONN_ID,
+                              engine_options={"delay_s": 0.5}, grace_seconds=0)
+    runner, outcome = execute_in_thread(op)
+    end = time.monotonic() + 60
+    while job_counts(conn, job)["shards"]["leased"] < 2:
+        assert time.monotonic() < end, "the workers never leased"
+        time.sleep(0.1)
+    owners = {w.owner for w in op.fleet.workers}
+    held = {r["lease_owner"] for r in conn.execute(
+        "SELECT lease_owner FROM bi.shards WHERE job_version = %s AND state = 'leased'", (job,))}
+    assert held <= owners and None not in owners          # each process leases under the id the task gave it
+    for w in op.fleet.workers:
+        os.kill(w.pid, signal.SIGSTOP)                     # no CPU for them: SIGTERM cannot be handled
+    op.on_kill()
+    runner.join(timeout=60)
+    assert "stopped from outside" in str(outcome["error"])
+    assert all(w.code == -signal.SIGKILL for w in op.fleet.workers)
+    c = job_counts(conn, job)
+    assert c["shards"]["leased"] == 0 and c["outstanding"] > 0
+
+
 def test_a_preempted_local_worker_is_restarted_and_the_job_finishes(ledger, conn):
     from batch_inference.operators import LocalWorkersOperator
 
