@@ -5,13 +5,14 @@ stored exactly once with its vector."""
 
 from __future__ import annotations
 
-import os
 import signal
-import subprocess
-import sys
+import threading
 import time
+from collections.abc import Iterator
+from typing import Any
 
 import numpy as np
+import pytest
 
 from batch_inference.plan import submit
 from batch_inference.publish import publish
@@ -22,17 +23,8 @@ from tests.conftest import make_source
 from tests.fixtures.vllm import CPU_OPTIONS, MODEL_NAME, RESULT_OPTIONS
 from tests.integration.test_embed import DIMS, ICEBERG, embed_spec, iceberg_vectors, nearest, records
 from tests.integration.test_ledger import expire
-
-
-def start_worker(db_url: str, job: str, *extra: str) -> subprocess.Popen:
-    env = {**os.environ, "PYTHONUNBUFFERED": "1", "BATCH_INFERENCE_DB": db_url}
-    return subprocess.Popen([sys.executable, "-m", "gpu_runner", job, *extra], env=env, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True)
-
-
-def finish(proc: subprocess.Popen, timeout: float = 300) -> str:
-    out, _ = proc.communicate(timeout=timeout)
-    return out
+from tests.process.test_vllm_worker import finish, start_worker
+from gpu_runner.worker import WorkerConfig, run_worker
 
 
 def stored(conn, job: str) -> list[dict]:
@@ -96,4 +88,53 @@ def test_a_killed_embedding_worker_loses_nothing_and_stores_nothing_twice(conn, 
     assert all(r["embedding"] is not None and len(r["embedding"]) == 4 * DIMS for r in rows)
     c = job_counts(conn, job)
     assert (c["stored"], c["dead_letters"], c["outstanding"]) == (n, 0, 0)
+    assert validate(conn, job).passed
+
+
+@pytest.fixture(scope="module")
+def embedding_server() -> Iterator[Any]:
+    """An OpenAI-compatible ``/v1/embeddings`` on loopback answering with the real SmolLM2 GGUF's mean-pooled
+    vectors (llama.cpp's own server returns this model's token vectors unpooled; a hosted endpoint cannot
+    run here). Its first answer is an HTTP 503: a transport failure, which must spend no attempt."""
+    from batch_inference.embed.engines import LlamaCppEmbedder
+    from batch_inference.harness.loopback import ChatServer
+
+    model = LlamaCppEmbedder(parse_spec(embed_spec()))
+    model.load()
+    lock = threading.Lock()
+    calls = {"n": 0}
+
+    def respond(body: dict[str, Any]) -> tuple[int, dict[str, str], Any]:
+        with lock:
+            calls["n"] += 1
+            if calls["n"] == 1:
+                return 503, {}, {"error": {"message": "overloaded"}}
+            [vector] = model.embed_texts([body["input"]])
+        return 200, {}, {"object": "list", "data": [{"object": "embedding", "index": 0, "embedding": vector}],
+                         "model": body["model"]}
+
+    server = ChatServer(respond)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        yield server
+    finally:
+        server.close()
+        model.close()
+
+
+def test_an_openai_compatible_embeddings_endpoint_runs_the_job(conn, db_url, embedding_server):
+    """The synchronous transport's engine (``openai``) in its embedding mode: POST /v1/embeddings."""
+    make_source(conn, records(12))
+    spec = parse_spec(embed_spec(engine={"name": "openai", "options": {"base_url": embedding_server.base_url,
+                                                                       "concurrency": 2, "backoff_base_s": 0.05}}))
+    job = submit(conn, spec).job_version
+    assert run_worker(WorkerConfig(job_version=job, db_url=db_url, wait_for_leases=False)) == 0
+    rows = conn.execute("SELECT record_id, embedding, engine, endpoint FROM bi.results WHERE job_version = %s",
+                        (job,)).fetchall()
+    assert len(rows) == 12 and {(r["engine"], r["endpoint"]) for r in rows} == {("openai", "internal")}
+    for r in rows:
+        v = np.frombuffer(r["embedding"], dtype="<f4")
+        assert v.shape == (DIMS,) and abs(float(np.linalg.norm(v)) - 1) < 1e-3
+    assert conn.execute("SELECT count(*) AS n FROM bi.attempts WHERE job_version = %s", (job,)).fetchone()["n"] == 0
+    assert {b["input"][:9] for b in embedding_server.bodies} == {"passage: "}
     assert validate(conn, job).passed
