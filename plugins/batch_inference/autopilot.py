@@ -323,6 +323,7 @@ def decide(now: datetime, deadline: datetime, outstanding: int, per_worker: floa
     ``REMOVE_DERATE`` of the measured throughput (its start-up and its drain included), a size that
     went over is left at once for the largest within it (0 when none is: the budget beats the
     bounds), and within the cooldown a removal is not followed by an add."""
+    spec_bounds = policy
     if shards_left is not None and shards_left < policy.max_workers:
         policy = Policy(**{**policy.__dict__, "max_workers": max(policy.min_workers, shards_left)})
     keep = policy.keeps_budget
@@ -335,8 +336,12 @@ def decide(now: datetime, deadline: datetime, outstanding: int, per_worker: floa
                f"worker(s)' drain of {policy.drain_s:g}s is over the budget ${cents(policy.budget):,}")
         return Decision(now, current, 0, REMOVE, why, per_worker, (), why)
     if per_worker is None or per_worker <= 0:
-        action = HOLD if start == current else (ADD if start > current else REMOVE)
-        return Decision(now, current, start, action, "no throughput measured yet: the bounds' size", per_worker)
+        # The spec's bounds only: a worker beyond the shards left exits by itself once it finds nothing
+        # to claim, and removing it here would undo an add within its cooldown (a watch re-armed after
+        # a page measures the throughput afresh).
+        size = current if keep and current == 0 else spec_bounds.clamp(current)
+        action = HOLD if size == current else (ADD if size > current else REMOVE)
+        return Decision(now, current, size, action, "no throughput measured yet: the bounds' size", per_worker)
 
     def at(n: int, rate: float = per_worker) -> Option:
         return project(n, current, rate, outstanding, now, deadline, fb_rate, overhead_s, policy, prices, spent)

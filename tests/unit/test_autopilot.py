@@ -77,6 +77,16 @@ def test_no_throughput_yet_holds_within_the_bounds():
     assert (d.desired, d.action) == (16, REMOVE)
 
 
+def test_a_watch_re_armed_without_a_measurement_does_not_undo_an_add():
+    """Found by the nights (on_budget spend): after the budget page the watch starts again with no
+    throughput, and the shards left (4) cut the 6 workers just added down to 4, 6 s after the add.
+    Without a measurement only the spec's bounds apply: a worker beyond the shards exits by itself."""
+    budget = Policy(**{**POLICY.__dict__, "budget": Decimal("1"), "on_budget": "spend"})
+    d = decide(T0, DEADLINE, 1000, None, 6, 85.0, 1800.0, budget, PRICES, shards_left=4)
+    assert (d.desired, d.action) == (6, HOLD)
+    assert decide(T0, DEADLINE, 1000, None, 20, 85.0, 1800.0, budget, PRICES, shards_left=4).desired == 16
+
+
 def test_throughput_is_measured_per_worker_past_the_start_up():
     tp = Throughput(start_s=10, window_s=20)
     assert tp.add(0, 0, 2) is None                # two workers appear: starting up
