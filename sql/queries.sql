@@ -21,8 +21,8 @@ INSERT INTO bi.schema_migrations (name, checksum) VALUES (%(name)s, %(checksum)s
 -- name: stage_create  a per-transaction staging table for rows read in Python (object store, another database)
 CREATE TEMP TABLE _bi_stage (record_id text, text text, acl text[], reject text) ON COMMIT DROP;
 
--- name: stage_copy  COPY target for rows read in Python
-COPY _bi_stage (record_id, text, acl, reject) FROM STDIN;
+-- name: stage_copy  COPY target for rows read in Python, in binary (snapshot.copy_rows)
+COPY _bi_stage (record_id, text, acl, reject) FROM STDIN (FORMAT BINARY);
 
 -- name: query_stage_create  a per-transaction table for a source.query's rows, filled read-only inside the submit's transaction
 CREATE TEMP TABLE _bi_query (record_id text, text text, acl text[], reject text) ON COMMIT DROP;

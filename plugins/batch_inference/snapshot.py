@@ -119,20 +119,135 @@ def _clean_id(value: Any) -> str | None:
     return text
 
 
+ROWS_PER_BATCH = 10_000   # dict rows turned into one column batch at a time (the readers' batches are their own)
+COPY_SIGNATURE = b"PGCOPY\n\xff\r\n\x00" + bytes(8)   # binary COPY: signature, flags, no header extension
+COPY_TRAILER = b"\xff\xff"
+_TEXT_OID = 25
+
+
+def stage_schema() -> Any:
+    """The staging table's columns as an Arrow schema: what a reader's column batch holds."""
+    import pyarrow as pa
+
+    return pa.schema([("record_id", pa.string()), ("text", pa.string()), ("acl", pa.list_(pa.string())),
+                      ("reject", pa.string())])
+
+
+def staged_columns(rows: Iterable[Mapping[str, Any]]) -> Any:
+    """Rows of {'record_id', 'text', 'acl'[, 'reject']} as one column batch of ``stage_schema``: the text
+    cleaned (``clean_text``) unless the row was judged where it was read (it has its own 'reject')."""
+    import pyarrow as pa
+
+    ids: list[str | None] = []
+    texts: list[str | None] = []
+    acls: list[list[str] | None] = []
+    rejects: list[str | None] = []
+    for row in rows:
+        if "reject" in row:   # judged where it was read (sources.record): its text is clean already
+            text, reject = row["text"], row["reject"]
+        else:
+            text, reject = clean_text(row.get("text"))
+        acl = row.get("acl")
+        if acl is not None and not isinstance(acl, (list, tuple)):
+            acl = [acl]
+        ids.append(_clean_id(row.get("record_id")))
+        texts.append(text)
+        acls.append([str(a) for a in acl] if acl is not None else None)
+        rejects.append(reject)
+    return pa.RecordBatch.from_arrays([pa.array(ids, pa.string()), pa.array(texts, pa.string()),
+                                       pa.array(acls, pa.list_(pa.string())), pa.array(rejects, pa.string())],
+                                      schema=stage_schema())
+
+
+def _chunks(rows: Iterable[Mapping[str, Any]]) -> Iterator[Any]:
+    chunk: list[Mapping[str, Any]] = []
+    for row in rows:
+        chunk.append(row)
+        if len(chunk) == ROWS_PER_BATCH:
+            yield staged_columns(chunk)
+            chunk = []
+    if chunk:
+        yield staged_columns(chunk)
+
+
 def stage_from_rows(conn: psycopg.Connection, rows: Iterable[Mapping[str, Any]]) -> None:
-    """COPY rows of {'record_id', 'text', 'acl'} into the staging table; a row's own 'reject'
-    (a record of several columns, judged where it was read: ``sources.record``) is kept."""
+    """COPY the records into the staging table in binary, one column batch at a time.
+
+    ``rows`` is a reader's ``sources.Records`` (column batches of
+    ``stage_schema``, built where they were read) or any iterable of
+    {'record_id', 'text', 'acl'[, 'reject']} rows (``staged_columns``)."""
+    batches = rows.batches() if hasattr(rows, "batches") else _chunks(rows)
     with conn.cursor() as cur, cur.copy(q("stage_copy")) as copy:
-        for row in rows:
-            if "reject" in row:   # judged where it was read (sources.record): its text is clean already
-                text, reject = row["text"], row["reject"]
-            else:
-                text, reject = clean_text(row.get("text"))
-            acl = row.get("acl")
-            if acl is not None and not isinstance(acl, (list, tuple)):
-                acl = [acl]
-            copy.write_row((_clean_id(row.get("record_id")), text,
-                            [str(a) for a in acl] if acl is not None else None, reject))
+        copy.write(COPY_SIGNATURE)
+        for batch in batches:
+            if batch.num_rows:
+                copy.write(copy_rows(batch))
+        copy.write(COPY_TRAILER)
+
+
+# -- binary COPY, column-wise -----------------------------------------------------
+
+def _be32(values: Any) -> Any:
+    """Each integer as its 4 big-endian bytes, a large_binary array."""
+    import numpy as np
+    import pyarrow as pa
+
+    data = np.ascontiguousarray(values, dtype=">i4")
+    return pa.FixedSizeBinaryArray.from_buffers(pa.binary(4), len(data), [None, pa.py_buffer(data.tobytes())]
+                                                ).cast(pa.large_binary())
+
+
+def _lengths(values: Any) -> Any:
+    import pyarrow.compute as pc
+
+    return pc.fill_null(pc.binary_length(values), -1).to_numpy(zero_copy_only=False)
+
+
+def _field(values: Any) -> Any:
+    """Text values as binary COPY fields: each its byte length and bytes, a NULL length -1."""
+    import pyarrow as pa
+    import pyarrow.compute as pc
+
+    data = values.cast(pa.large_binary())
+    return pc.binary_join_element_wise(_be32(_lengths(data)), pc.fill_null(data, _b(b"")), _b(b""))
+
+
+def _text_array_field(acl: Any) -> Any:
+    """A list<string> array as binary COPY fields of ``text[]`` (PostgreSQL's array_send: dimensions,
+    no-NULLs flag, element type, then each element's length and bytes), a NULL list length -1."""
+    import numpy as np
+    import pyarrow as pa
+    import pyarrow.compute as pc
+
+    offsets = np.asarray(acl.offsets, dtype=np.int64)
+    values = acl.values.slice(int(offsets[0]), int(offsets[-1] - offsets[0]))
+    elements = pa.ListArray.from_arrays(pa.array(offsets - offsets[0], pa.int32()), _field(values))
+    joined = pc.binary_join(elements, _b(b""))
+    sizes = np.diff(offsets).astype(np.int32)
+    one_dim = pc.binary_join_element_wise(_b(b"\0\0\0\1\0\0\0\0" + _TEXT_OID.to_bytes(4, "big")),
+                                          _be32(sizes), _b(b"\0\0\0\1"), _b(b""))
+    empty = _b(b"\0" * 8 + _TEXT_OID.to_bytes(4, "big"))
+    body = pc.binary_join_element_wise(pc.if_else(pa.array(sizes == 0), empty, one_dim), joined, _b(b""))
+    lengths = np.where(np.asarray(acl.is_null()), -1, _lengths(body))
+    return pc.binary_join_element_wise(_be32(lengths), pc.if_else(acl.is_null(), _b(b""), body), _b(b""))
+
+
+def _b(value: bytes) -> Any:
+    import pyarrow as pa
+
+    return pa.scalar(value, pa.large_binary())
+
+
+def copy_rows(batch: Any) -> memoryview:
+    """A column batch of ``stage_schema`` as binary COPY tuples (without the signature and trailer)."""
+    import numpy as np
+    import pyarrow.compute as pc
+
+    rows = pc.binary_join_element_wise(
+        _b(b"\0\4"), _field(batch.column(0)), _field(batch.column(1)), _text_array_field(batch.column(2)),
+        _field(batch.column(3)), _b(b""))
+    offsets = np.frombuffer(rows.buffers()[1], dtype=np.int64)[rows.offset:rows.offset + len(rows) + 1]
+    return memoryview(rows.buffers()[2])[int(offsets[0]):int(offsets[-1])]
 
 
 def _first_line(exc: BaseException) -> str:

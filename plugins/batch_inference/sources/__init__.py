@@ -12,8 +12,9 @@ Airflow connection whose hook is a common-sql ``DbApiHook``; ``parquet.py``
 and ``iceberg.py`` read files and lakehouse tables.
 
 The snapshot, shards and workers never learn where the rows came from: a
-reader yields ``{"record_id", "text", "acl"[, "reject"]}`` and
-``plan.submit`` copies them into the ledger (``snapshot.stage_from_rows``),
+reader gives ``Records``, column batches of ``{"record_id", "text", "acl",
+"reject"}`` built column-wise where they were read (``column_batch``), and
+``plan.submit`` copies them into the ledger by binary COPY (``snapshot.stage_from_rows``),
 whose content hash is the snapshot identity in the job version. The same rows
 read from two sources are the same snapshot, hence the same job version, as
 long as their values become the same text (``to_text``, the rule in
@@ -22,8 +23,8 @@ docs/sources.md).
 
 from __future__ import annotations
 
-from batch_inference.sources.base import (ROWS_PER_FETCH, Ident, Reader, batch_records, record, to_acl,
-                                          to_text)
+from batch_inference.sources.base import (ROWS_PER_FETCH, Ident, Reader, Records, batch_records, column_batch,
+                                          read_columns, record, to_acl, to_text)
 # The S3 helpers other modules use (hosted batch transports, lineage), where they always were.
 from batch_inference.sources.s3_manifest import parse_s3_url, s3_client, s3_manifest_rows
 from batch_inference.spec import JobSpec
@@ -46,5 +47,5 @@ def for_spec(spec: JobSpec, *, s3_endpoint_url: str | None = None, aws_conn_id: 
     return cls(spec, **kw)
 
 
-__all__ = ["ROWS_PER_FETCH", "Ident", "Reader", "batch_records", "for_spec", "parse_s3_url", "record",
-           "s3_client", "s3_manifest_rows", "to_acl", "to_text"]
+__all__ = ["ROWS_PER_FETCH", "Ident", "Reader", "Records", "batch_records", "column_batch", "for_spec",
+           "parse_s3_url", "read_columns", "record", "s3_client", "s3_manifest_rows", "to_acl", "to_text"]

@@ -193,14 +193,182 @@ def record(spec: JobSpec, record_id: Any, values: Sequence[Any], acl: Any) -> di
     return {"record_id": rid, "text": columns_text(texts), "acl": to_acl(acl), "reject": reject}
 
 
+def read_columns(source: Any) -> list[str]:
+    """The columns a reader reads: the id, the record's columns, the ACL."""
+    return [source.id_column, *source.record_columns, *([source.acl_column] if source.acl_column else [])]
+
+
 def batch_records(reader: Reader, batch: Any, where: str = "") -> Iterator[dict[str, Any]]:
     """The records of one Arrow record batch (a Parquet file's, an Iceberg scan's), as ``record`` makes them."""
     src = reader.source
-    data = batch.to_pydict()
-    ids = data[src.id_column]
-    for i, rid in enumerate(ids):
+    yield from _records(reader, {c: batch.column(c) for c in read_columns(src)}, where)
+
+
+def _records(reader: Reader, columns: Mapping[str, Any], where: str) -> Iterator[dict[str, Any]]:
+    """``record`` row by row over columns (Arrow arrays or Python lists): the rule's reference path."""
+    src = reader.source
+    data = {c: (v.to_pylist() if hasattr(v, "to_pylist") else v) for c, v in columns.items()}
+    for i, rid in enumerate(data[src.id_column]):
         try:
             yield record(reader.spec, rid, [data[c][i] for c in src.record_columns],
                          data[src.acl_column][i] if src.acl_column else None)
         except TypeError as exc:
             raise reader.refuse(f"{where}record {rid!r}: {exc}") from None
+
+
+class Records:
+    """A reader's records: column batches of ``snapshot.stage_schema`` (``batches``, what
+    ``snapshot.stage_from_rows`` copies in binary); iterated, one dict per record."""
+
+    def __init__(self, batches: Iterator[Any]):
+        self._batches = batches
+
+    def batches(self) -> Iterator[Any]:
+        return self._batches
+
+    def __iter__(self) -> Iterator[dict[str, Any]]:
+        for batch in self._batches:
+            yield from batch.to_pylist()
+
+
+def column_batch(reader: Reader, columns: Mapping[str, Any], where: str = "") -> Any:
+    """The staged records (``snapshot.stage_schema``) of one batch of source columns, each an Arrow
+    array or a Python list, by column name (``read_columns``).
+
+    Column-wise where the rule is plain: text, integers, booleans and NULLs
+    become text with pyarrow compute, a record of several columns is its JSON
+    array built from them, and its checks (the length cap, blank) are column
+    tests; an ACL is a list of text as is, or each distinct value read once by
+    ``to_acl``. A column of any other type goes value by value through
+    ``to_text``; a batch with what the column path does not write the way
+    ``record`` does (a NUL, a control character that JSON writes as ``\\u00XX``,
+    a value that cannot become text) is made row by row by ``record`` itself,
+    which gives the same text, reject reason or one-line refusal."""
+    from batch_inference.snapshot import staged_columns
+
+    try:
+        return _column_batch(reader.spec, columns)
+    except Exception:  # noqa: BLE001 - anything the column path does not handle: the row path decides
+        return staged_columns(list(_records(reader, columns, where)))
+
+
+class _RowPath(Exception):
+    """This batch goes row by row (``record``)."""
+
+
+# JSON's escapes that ``json.dumps`` writes as two characters; the other control characters take the row path.
+_JSON_ESCAPES = (("\\", "\\\\"), ('"', '\\"'), ("\n", "\\n"), ("\r", "\\r"), ("\t", "\\t"),
+                 ("\b", "\\b"), ("\f", "\\f"))
+_NEEDS_ESCAPE = r'[\\"\x08-\x0a\x0c\x0d]'
+_OTHER_CONTROL = r"[\x00-\x07\x0b\x0e-\x1f]"
+_NOT_BLANK = r"[^ \t\n\r\f\x0b]"
+
+
+def _any(mask: Any) -> bool:
+    import pyarrow.compute as pc
+
+    return bool(pc.any(mask).as_py())
+
+
+def _text_column(values: Any) -> Any:
+    """A column as ``to_text`` makes each value, a string array."""
+    import pyarrow as pa
+    import pyarrow.compute as pc
+
+    if isinstance(values, list):
+        kinds = set(map(type, values)) - {type(None)}
+        if kinds <= {str}:
+            return pa.array(values, pa.string())
+        if kinds != {int}:
+            return pa.array([to_text(v) for v in values], pa.string())
+        values = pa.array(values, pa.int64())
+    t = values.type
+    if pa.types.is_dictionary(t):
+        values = values.dictionary_decode()
+        t = values.type
+    if pa.types.is_string(t) or pa.types.is_large_string(t) or pa.types.is_string_view(t):
+        return values.cast(pa.string())
+    if pa.types.is_integer(t):
+        return values.cast(pa.string())
+    if pa.types.is_boolean(t):
+        return pc.if_else(values, "true", "false")
+    if pa.types.is_null(t):
+        return pa.nulls(len(values), pa.string())
+    return pa.array([to_text(v) for v in values.to_pylist()], pa.string())
+
+
+def _acl_column(values: Any) -> Any:
+    """A column as ``to_acl`` makes each value, a list<string> array."""
+    import pyarrow as pa
+    import pyarrow.compute as pc
+
+    acl_type = pa.list_(pa.string())
+    if isinstance(values, list):
+        kinds = set(map(type, values)) - {type(None)}
+        if kinds <= {str}:
+            values = pa.array(values, pa.string())
+        elif kinds <= {list, tuple} and all(type(a) is str for v in values if v is not None for a in v):
+            return pa.array(values, acl_type)
+        else:
+            return pa.array([to_acl(v) for v in values], acl_type)
+    t = values.type
+    if pa.types.is_dictionary(t):
+        values = values.dictionary_decode()
+        t = values.type
+    if ((pa.types.is_list(t) or pa.types.is_large_list(t)) and
+            (pa.types.is_string(t.value_type) or pa.types.is_large_string(t.value_type)) and
+            pc.list_flatten(values).null_count == 0):
+        return values.cast(acl_type)
+    if pa.types.is_string(t) or pa.types.is_large_string(t):
+        encoded = pc.dictionary_encode(values)
+        distinct = pa.array([to_acl(v) for v in encoded.dictionary.to_pylist()], acl_type)
+        return distinct.take(encoded.indices)
+    return pa.array([to_acl(v) for v in values.to_pylist()], acl_type)
+
+
+def _column_batch(spec: JobSpec, columns: Mapping[str, Any]) -> Any:
+    import numpy as np
+    import pyarrow as pa
+    import pyarrow.compute as pc
+
+    from batch_inference.snapshot import stage_schema
+
+    src = spec.source
+    ids = _text_column(columns[src.id_column])
+    if _any(pc.match_substring(ids, "\x00")):
+        raise _RowPath
+    n = len(ids)
+    acl = _acl_column(columns[src.acl_column]) if src.acl_column else pa.nulls(n, pa.list_(pa.string()))
+    null_text = pa.nulls(n, pa.string())
+    if not src.columns:   # one text column: as the snapshot cleans it (``clean_text``)
+        text = _text_column(columns[src.text_column])
+        nul = pc.fill_null(pc.match_substring(text, "\x00"), False)
+        reject = null_text
+        if _any(nul):
+            text = pc.replace_substring(text, "\x00", "\ufffd")
+            reject = pc.if_else(nul, "text contains NUL bytes", null_text)
+        return pa.RecordBatch.from_arrays([ids, text, acl, reject], schema=stage_schema())
+    texts = [_text_column(columns[c]) for c in src.columns]
+    chars = np.zeros(n, dtype=np.int64)
+    blank = pa.array(np.ones(n, dtype=bool))
+    parts: list[Any] = []
+    for t in texts:
+        if _any(pc.match_substring_regex(t, _OTHER_CONTROL)):
+            raise _RowPath
+        chars += pc.fill_null(pc.utf8_length(t), 0).to_numpy(zero_copy_only=False)
+        blank = pc.and_(blank, pc.invert(pc.fill_null(pc.match_substring_regex(t, _NOT_BLANK), False)))
+        escaped = t
+        if _any(pc.match_substring_regex(t, _NEEDS_ESCAPE)):
+            for raw, esc in _JSON_ESCAPES:
+                escaped = pc.replace_substring(escaped, raw, esc)
+        parts += [pc.fill_null(pc.binary_join_element_wise('"', escaped, '"', ""), "null"), ", "]
+    text = pc.binary_join_element_wise("[", *parts[:-1], "]", "")
+    over = chars > spec.max_input_chars
+    reject = null_text
+    if over.any():
+        reject = pc.if_else(pa.array(over), pc.binary_join_element_wise(
+            "input over the length cap (", pa.array(chars).cast(pa.string()),
+            f" characters > {spec.max_input_chars})", ""), null_text)
+    if _any(blank):
+        reject = pc.if_else(pc.and_(blank, pc.is_null(reject)), "empty text", reject)
+    return pa.RecordBatch.from_arrays([ids, text, acl, reject], schema=stage_schema())

@@ -21,7 +21,7 @@ from collections.abc import Iterator
 from typing import Any
 
 from batch_inference.exceptions import SnapshotError
-from batch_inference.sources.base import Ident, Reader, batch_records
+from batch_inference.sources.base import Ident, Reader, Records, column_batch, read_columns
 
 log = logging.getLogger(__name__)
 
@@ -95,13 +95,12 @@ class IcebergSnapshot(Reader):
         return {"snapshot_id": self.snapshot_id()}
 
     def _columns(self) -> list[str]:
-        src = self.source
-        return [src.id_column, *src.record_columns, *([src.acl_column] if src.acl_column else [])]
+        return read_columns(self.source)
 
-    def rows(self) -> Iterator[dict[str, Any]]:
-        return self._rows()
+    def rows(self) -> Records:
+        return Records(self._batches())
 
-    def _rows(self) -> Iterator[dict[str, Any]]:
+    def _batches(self) -> Iterator[Any]:
         src = self.source
         kw: dict[str, Any] = {"snapshot_id": self.snapshot_id(), "selected_fields": tuple(self._columns())}
         if src.row_filter:
@@ -123,7 +122,7 @@ class IcebergSnapshot(Reader):
             except Exception as exc:  # noqa: BLE001 - an unreadable data file
                 raise self.refuse(f"cannot read {task.file.file_path}: {str(exc).splitlines()[0]}") from None
             for batch in batches:
-                yield from batch_records(self, batch)
+                yield column_batch(self, {c: batch.column(c) for c in self._columns()})
                 n += batch.num_rows
         log.info("source %s: %d row(s) read at snapshot %d", self.name, n, kw["snapshot_id"])
 

@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from batch_inference.exceptions import SnapshotError
-from batch_inference.sources.base import ROWS_PER_FETCH, Ident, Reader, batch_records
+from batch_inference.sources.base import ROWS_PER_FETCH, Ident, Reader, Records, column_batch, read_columns
 from batch_inference.sources.s3_manifest import client_error, parse_s3_url, s3_client
 
 log = logging.getLogger(__name__)
@@ -103,14 +103,13 @@ class ParquetFiles(Reader):
     def check(self) -> None:
         self.files()
 
-    def rows(self) -> Iterator[dict[str, Any]]:
-        return self._rows()
+    def rows(self) -> Records:
+        return Records(self._batches())
 
-    def _rows(self) -> Iterator[dict[str, Any]]:
+    def _batches(self) -> Iterator[Any]:
         import pyarrow.parquet as pq
 
-        src = self.source
-        cols = [src.id_column, *src.record_columns, *([src.acl_column] if src.acl_column else [])]
+        cols = read_columns(self.source)
         for f in self.files():
             with self._opened(f) as local:
                 try:
@@ -123,7 +122,7 @@ class ParquetFiles(Reader):
                     raise self.refuse(f"{f['path']}: no column {missing[0]!r} (it has {', '.join(names[:20])})")
                 n = 0
                 for batch in pf.iter_batches(batch_size=ROWS_PER_FETCH, columns=cols):
-                    yield from batch_records(self, batch, f"{f['path']}: ")
+                    yield column_batch(self, {c: batch.column(c) for c in cols}, f"{f['path']}: ")
                     n += batch.num_rows
                 log.info("read %d record(s) from %s", n, f["path"])
             if not f["path"].startswith("s3://"):

@@ -38,11 +38,12 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Iterator
+from operator import itemgetter
 from typing import Any
 
 from batch_inference.db import q
 from batch_inference.exceptions import SnapshotError
-from batch_inference.sources.base import ROWS_PER_FETCH, Ident, Reader, record
+from batch_inference.sources.base import ROWS_PER_FETCH, Ident, Reader, Records, column_batch
 
 log = logging.getLogger(__name__)
 
@@ -195,11 +196,10 @@ class SqlSource(Reader):
             self._execute(cur, q("source_check").format(statement=self._select()))
             self._fetch(cur)
 
-    def rows(self) -> Iterator[dict[str, Any]]:
-        return self._rows()
+    def rows(self) -> Records:
+        return Records(self._batches())
 
-    def _rows(self) -> Iterator[dict[str, Any]]:
-        src = self.source
+    def _batches(self) -> Iterator[Any]:
         n = 0
         with self._session(stream=True) as cur:
             self._execute(cur, self._select())
@@ -207,13 +207,7 @@ class SqlSource(Reader):
             while batch := self._fetch(cur):
                 if at is None:   # after the first fetch: a server-side cursor describes its rows then
                     at = self._positions([d[0] for d in cur.description or ()])
-                for row in batch:
-                    rid = row[at[src.id_column]]
-                    try:
-                        yield record(self.spec, rid, [row[at[c]] for c in src.record_columns],
-                                     row[at[src.acl_column]] if src.acl_column else None)
-                    except TypeError as exc:
-                        raise self.refuse(f"record {rid!r}: {exc}") from None
+                yield column_batch(self, {c: list(map(itemgetter(i), batch)) for c, i in at.items()})
                 n += len(batch)
         log.info("source %s: %d row(s) read", self.name, n)
 
