@@ -114,11 +114,23 @@ class LlamaCppCounter(Counter):
         self.name = f"llama.cpp vocabulary of {engine.model_path.name}"
         with _quiet_stderr():   # llama.cpp warns that a vocabulary-only model has no training context
             self._llm = llama_cpp.Llama(**kwargs)
-        self._tokenize = self._llm.tokenize
-        llm = self._llm
+        # The C tokenizer the engine's ``Llama.tokenize`` calls, with the same arguments, into one buffer
+        # kept here: llama-cpp-python sizes its buffer by the training context, which a vocabulary-only
+        # model reports as 0, so every call of its own would tokenize twice.
+        vocab = llama_cpp.llama_model_get_vocab(self._llm.model)
+        buf = [(llama_cpp.llama_token * 8192)()]
+
+        def tokenize(text: bytes, add_bos: bool = True, special: bool = False) -> list[int]:
+            n = llama_cpp.llama_tokenize(vocab, text, len(text), buf[0], len(buf[0]), add_bos, special)
+            if n < 0:
+                buf[0] = (llama_cpp.llama_token * -n)()
+                n = llama_cpp.llama_tokenize(vocab, text, len(text), buf[0], len(buf[0]), add_bos, special)
+            return buf[0][:n]
 
         def capture(text: bytes, add_bos: bool = True, special: bool = False) -> list[int]:
-            raise _Tokenized(llm.__class__.tokenize(llm, text, add_bos=add_bos, special=special))
+            raise _Tokenized(tokenize(text, add_bos, special))
+
+        self._tokenize = tokenize
 
         # Only the chat handler calls tokenize on this object; it raises with the ids, so nothing is generated.
         self._llm.tokenize = capture   # type: ignore[method-assign]
