@@ -503,7 +503,7 @@ class Ladder(_Strict):
 
 
 # The built-in engines with an embedding mode (task: embed; batch_inference.embed.engines).
-EMBEDDING_ENGINES = ("llama-cpp", "vllm", "openai", "openai-batch")
+EMBEDDING_ENGINES = ("llama-cpp", "vllm", "openai")
 MAX_DIMENSIONS = 16_000   # pgvector's vector type holds at most 16,000 dimensions
 
 

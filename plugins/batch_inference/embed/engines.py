@@ -90,6 +90,11 @@ def check_spec(spec: JobSpec) -> None:
     """At submit: a model whose embedding size is not ``embedding.dimensions`` is refused (one line)."""
     if spec.task != "embed":
         return
+    from batch_inference.engines import EMBEDDING_ENGINES, engine_class
+
+    name = spec.engine.name   # a built-in without one the spec refused; a dotted path's class must say so
+    if name not in EMBEDDING_ENGINES and not getattr(engine_class(name), "embeds", False):
+        raise InvalidValue(f"engine {name!r} has no embedding mode: its class does not set embeds = True")
     try:
         size = model_dimensions(spec)
     except (OSError, ValueError, ImportError) as exc:
