@@ -188,3 +188,12 @@ def test_a_shard_asks_a_failed_record_again_with_what_was_wrong_and_records_how(
     assert shard.request(spec, "r2", "text").retry == Retry(2)
     assert shard.failed("r2", "output truncated at max_tokens", None).error.splitlines()[1] == (
         "retry: attempt 2, no repair turn (last error not seen here), seed offset 1")
+
+
+def test_the_openai_engine_sends_a_retrys_seed():
+    from batch_inference.engines.openai import chat_body
+
+    spec = make_spec(params={"seed": 7})
+    retry = build_request(spec, "r1", "text", Retry(3, "bad", "{}"))
+    assert chat_body(spec, "m", retry.messages, {}, None, retry.seed(spec.params.seed))["seed"] == 9
+    assert chat_body(spec, "m", [], {})["seed"] == 7

@@ -116,8 +116,9 @@ def response_format(style: str, schema: dict[str, Any]) -> dict[str, Any]:
 
 
 def chat_body(spec: Any, model: str, messages: list[dict[str, str]], fmt: dict[str, Any],
-              extra: dict[str, Any] | None = None) -> dict[str, Any]:
-    """One chat-completions request body: the spec's params, the output schema's response_format."""
+              extra: dict[str, Any] | None = None, seed: int | None = None) -> dict[str, Any]:
+    """One chat-completions request body: the spec's params (``seed``: a retry's, ``Request.seed``),
+    the output schema's response_format."""
     p = spec.params
     body: dict[str, Any] = {
         "model": model,
@@ -127,8 +128,9 @@ def chat_body(spec: Any, model: str, messages: list[dict[str, str]], fmt: dict[s
         "max_tokens": p.max_tokens,
         "response_format": fmt,
     }
-    if p.seed is not None:
-        body["seed"] = p.seed
+    seed = p.seed if seed is None else seed
+    if seed is not None:
+        body["seed"] = seed
     body.update(extra or {})
     return body
 
@@ -238,7 +240,8 @@ class OpenAIEngine(Engine):
         self._headers = headers
 
     def body(self, req: Request) -> dict[str, Any]:
-        body = chat_body(self.spec, self.model, req.messages, self.response_format, self.extra_body)
+        body = chat_body(self.spec, self.model, req.messages, self.response_format, self.extra_body,
+                         req.seed(self.spec.params.seed))
         if self.want_logprobs:
             body.update(logprobs=True, top_logprobs=1)
         return body
