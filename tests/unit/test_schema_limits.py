@@ -197,3 +197,17 @@ def test_the_openai_engine_sends_a_retrys_seed():
     retry = build_request(spec, "r1", "text", Retry(3, "bad", "{}"))
     assert chat_body(spec, "m", retry.messages, {}, None, retry.seed(spec.params.seed))["seed"] == 9
     assert chat_body(spec, "m", [], {})["seed"] == 7
+
+
+def test_a_retry_after_an_engine_error_has_no_repair_turn_only_the_next_seed():
+    spec = make_spec(output_schema=REVIEWS)
+    retry = Retry(2, "llama_decode returned -3", None)
+    request = build_request(spec, "r1", "text", retry)
+    assert request.messages == build_request(spec, "r1", "text").messages and request.seed(0) == 1
+    assert retry.describe() == "retry: attempt 2, no repair turn (the last attempt gave no answer), seed offset 1"
+
+
+def test_a_schema_the_converter_cannot_read_is_plain_json_and_said_so():
+    grammar, gaps = schema_to_gbnf({"type": "object", "properties": {"x": {"type": "weird"}}})
+    assert grammar.lstrip().startswith("root   ::= object") and gaps == [
+        "(root): the whole schema (only JSON is enforced: Unrecognized schema: {'type': 'weird'})"]

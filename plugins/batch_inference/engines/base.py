@@ -90,15 +90,23 @@ class Retry:
     seed ``params.seed + attempt - 1`` (``Request.seed``). ``error`` and ``output`` are the last
     failed answer's, when this worker saw it: the request then ends with a repair turn (that
     answer, and a user turn naming its error), so a deterministic engine is not asked the same
-    question again. A record whose earlier attempts another worker made has only the new seed."""
+    question again. A record whose earlier attempts another worker made, or whose last attempt
+    gave no answer (an engine error), has only the new seed."""
 
     attempt: int
     error: str | None = None
     output: str | None = None
 
+    @property
+    def repairs(self) -> bool:
+        """The request ends with a repair turn: there was an answer, and what was wrong with it."""
+        return bool(self.error and self.output)
+
     def describe(self) -> str:
         """One line for the attempt's record: how this retry was asked."""
-        how = "a repair turn naming the last error" if self.error else "no repair turn (last error not seen here)"
+        how = ("a repair turn naming the last error" if self.repairs else
+               "no repair turn (the last attempt gave no answer)" if self.error else
+               "no repair turn (last error not seen here)")
         return f"retry: attempt {self.attempt}, {how}, seed offset {self.attempt - 1}"
 
 
@@ -137,7 +145,7 @@ class Request:
     def messages(self) -> list[dict[str, str]]:
         if self._messages is None:
             self._messages = build_messages(self.spec, self.text)
-            if self.retry is not None and self.retry.error:
+            if self.retry is not None and self.retry.repairs:
                 self._messages = [*self._messages, *repair_turns(self.retry)]
         return self._messages
 

@@ -35,7 +35,7 @@ import json
 import math
 from typing import Any
 
-from llama_cpp.llama_grammar import PRIMITIVE_RULES, RESERVED_NAMES, SchemaConverter
+from llama_cpp.llama_grammar import JSON_GBNF, PRIMITIVE_RULES, RESERVED_NAMES, SchemaConverter
 
 # The fraction of a number: any (integral part anywhere in a range), or none but zeros (at an inclusive bound).
 ANY_FRACTION = '("." [0-9]{1,15})?'
@@ -310,8 +310,13 @@ class BoundedConverter(SchemaConverter):
 
 
 def schema_to_gbnf(schema: dict[str, Any]) -> tuple[str, list[str]]:
-    """The GBNF grammar of ``schema`` and the keywords it leaves out (``path: keyword``)."""
+    """The GBNF grammar of ``schema`` and the keywords it leaves out (``path: keyword``). A schema the
+    converter cannot read at all gets llama.cpp's grammar of any JSON value, and says so."""
     converter = BoundedConverter()
-    resolved = converter.resolve_refs(json.loads(json.dumps(schema)), "output_schema")
-    converter.visit(resolved, "")
+    try:
+        resolved = converter.resolve_refs(json.loads(json.dumps(schema)), "output_schema")
+        converter.visit(resolved, "")
+    except Exception as exc:  # noqa: BLE001 - the converter asserts on what it does not know
+        why = " ".join(str(exc).split())[:200] or type(exc).__name__
+        return JSON_GBNF, [f"(root): the whole schema (only JSON is enforced: {why})"]
     return converter.format_grammar(), converter.gaps
