@@ -80,8 +80,9 @@ def reviews_spec(dataset: str) -> JobSpec:
         "source": {"table": "public.reviews"},
         "model": {"name": MODEL, "digest": SMOLLM2_GGUF_SHA256},
         "engine": {"name": "llama-cpp"},
-        "prompt": {"version": "v1", "system": "Read the product review. Answer with its sentiment (positive, "
-                   "negative or neutral), a rating from 1 to 5 and a one-line summary."},
+        # The scale is the schema's to say (as a user's spec leaves it): the prompt asks for the reviewer's rating.
+        "prompt": {"version": "v1", "system": "Read the product review and answer with its sentiment, the rating "
+                   "the reviewer gives and a one-line summary."},
         "params": {"temperature": 0, "max_tokens": 64},
         "output_schema": REVIEWS_SCHEMA,
         "shard_size": 20,
