@@ -64,7 +64,7 @@ ENGINE_RESULT_OPTIONS: dict[str, tuple[str, ...]] = {
 # (``Outcome.logprobs``): a ladder's ``confidence: logprobs`` needs one on every
 # rung below the top (batch_inference.ladder). A dotted-path engine says so with
 # its class attribute ``gives_logprobs``.
-ENGINES_WITH_LOGPROBS: frozenset[str] = frozenset({"llama-cpp", "openai"})
+ENGINES_WITH_LOGPROBS: frozenset[str] = frozenset({"llama-cpp", "openai", "vllm"})
 
 
 def pinned_options(name: str, options: dict[str, Any]) -> dict[str, Any]:
@@ -776,6 +776,10 @@ class JobSpec(_Strict):
                 raise ValueError(f"{where}: engine {rung.engine.name!r} gives no token log-probabilities, which "
                                  f"ladder.confidence 'logprobs' needs: use confidence 'agreement', or an engine "
                                  f"that gives them ({', '.join(sorted(ENGINES_WITH_LOGPROBS))})")
+            if self.ladder.confidence == "agreement" and rung.engine.name == "vllm":
+                raise ValueError(f"{where}: engine 'vllm' builds its sampling parameters (the seed) once, so "
+                                 "ladder.confidence 'agreement' would compare one answer with itself: use "
+                                 "confidence 'logprobs'")
             if self.ladder.confidence == "agreement" and rung.params.temperature == 0:
                 raise ValueError(f"{where}: ladder.confidence 'agreement' compares {self.ladder.samples} sampled "
                                  "answers, which at temperature 0 are one answer: give the rung a temperature above 0")

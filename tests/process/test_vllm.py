@@ -294,3 +294,21 @@ def test_vllm_enforces_the_schema_limits_and_one_it_refuses_does_not_fail_the_re
         assert o.ok, o
         answer = json.loads(o.text)
         assert 1 <= answer["rating"] <= 5 and len(answer["summary"]) <= 40, answer
+
+
+def test_asked_for_them_vllm_gives_the_log_probability_of_each_generated_token(vllm_engine, vllm_model):
+    """What a model ladder's logprobs confidence reads (batch_inference.ladder): SamplingParams(logprobs=1)."""
+    spec = spec_for(vllm_model)
+    vllm_engine.want_logprobs = True
+    try:
+        engine = vllm_engine.with_spec(spec)
+    finally:
+        vllm_engine.want_logprobs = False
+    outs = list(engine.generate(requests_for(spec, 3), threading.Event()))
+    assert len(outs) == 3
+    for o in outs:
+        assert o.ok and o.logprobs and len(o.logprobs) == o.tokens_out, o
+        assert all(lp <= 0.0 for _, lp in o.logprobs)
+        assert "".join(t for t, _ in o.logprobs).startswith(o.text)   # then the end-of-turn token
+    plain = next(iter(vllm_engine.with_spec(spec).generate(requests_for(spec, 1), threading.Event())))
+    assert plain.logprobs is None                     # not asked: not computed

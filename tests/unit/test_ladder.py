@@ -54,6 +54,10 @@ def test_a_ladder_spec_takes_its_top_rung_as_model_and_pins_every_rung_in_the_jo
      "models[1] (known-cheap): engine 'noop' gives no token log-probabilities, which ladder.confidence 'logprobs'"),
     (lambda d: d.__setitem__("ladder", {"confidence": "agreement"}),
      "models[1] (known-cheap): ladder.confidence 'agreement' compares 3 sampled answers, which at temperature 0"),
+    (lambda d: (d.__setitem__("ladder", {"confidence": "agreement"}),
+                d["models"][0].__setitem__("engine", {"name": "vllm"}),
+                d["models"][0]["params"].__setitem__("temperature", 0.7)),
+     "models[1] (known-cheap): engine 'vllm' builds its sampling parameters (the seed) once"),
     (lambda d: d.__setitem__("engine", {"name": "llama-cpp"}), "a spec with models: runs them as a ladder"),
     (lambda d: d.__setitem__("models", d["models"][:1]), "models"),
     (lambda d: d.__setitem__("ladder", {"fields": ["nope"]}), "ladder.fields: 'nope' is not a top-level property"),
@@ -77,6 +81,7 @@ def test_confidence_is_the_probability_of_the_compared_fields_values():
     text = '{"category": "billing"}'
     lp = ((('{"category": "', -0.5), ("bill", -0.1), ("ing", -0.2), ('"}', -3.0)))
     assert rungs.from_logprobs(spec, text, lp) == pytest.approx(math.exp(-0.3))
+    assert rungs.from_logprobs(spec, text, (*lp, ("<|im_end|>", -0.7))) == pytest.approx(math.exp(-0.3))
     # Tokens that do not spell the text: the geometric mean of every token.
     assert rungs.from_logprobs(spec, "{}", lp) == pytest.approx(math.exp(-3.8 / 4))
     assert rungs.from_logprobs(spec, text, None) is None

@@ -72,7 +72,7 @@ from batch_inference.engines.base import (SCHEMA_LIMITS, TRUNCATED, Engine, Feed
                                           without_limits)
 from batch_inference.exceptions import InvalidValue
 from batch_inference.pinning import WeightsMissing
-from batch_inference.spec import JobSpec
+from batch_inference.spec import ENGINES_WITH_LOGPROBS, JobSpec
 
 log = logging.getLogger("batch_inference.engines.vllm")
 
@@ -176,10 +176,12 @@ def build_structured_kwargs(spec: JobSpec) -> dict[str, Any]:
     return {"json": without_limits(spec.output_schema, REFUSED_LIMITS)}
 
 
-def make_sampling_params(sampling_module: Any, spec: JobSpec) -> Any:
-    """``SamplingParams`` from ``vllm.sampling_params``, with the output schema as its JSON constraint."""
+def make_sampling_params(sampling_module: Any, spec: JobSpec, logprobs: bool = False) -> Any:
+    """``SamplingParams`` from ``vllm.sampling_params``, with the output schema as its JSON constraint;
+    ``logprobs``: each generated token's log-probability too (``logprobs=1``)."""
     structured = sampling_module.StructuredOutputsParams(**build_structured_kwargs(spec))
-    return sampling_module.SamplingParams(**build_sampling_kwargs(spec), structured_outputs=structured)
+    extra = {"logprobs": 1} if logprobs else {}
+    return sampling_module.SamplingParams(**build_sampling_kwargs(spec), **extra, structured_outputs=structured)
 
 
 def build_conversations(requests: Sequence[Request]) -> list[list[dict[str, str]]]:
@@ -202,7 +204,23 @@ def parse_request_output(record_id: str, output: Any) -> Outcome:
         return Outcome(record_id, text, error="generation aborted by vLLM", tokens_out=tokens)
     if text is None:
         return Outcome(record_id, None, error="vLLM completion has no text", tokens_out=tokens)
-    return Outcome(record_id, text, tokens_out=tokens)
+    return Outcome(record_id, text, tokens_out=tokens, logprobs=sampled_logprobs(c))
+
+
+def sampled_logprobs(completion: Any) -> tuple[tuple[str, float], ...] | None:
+    """(token text, log-probability) of each token a ``CompletionOutput`` generated, from its
+    ``logprobs`` (one dict per position: token id -> ``Logprob(logprob, rank, decoded_token)``);
+    None when it was not asked for them."""
+    positions, ids = getattr(completion, "logprobs", None), getattr(completion, "token_ids", None) or ()
+    if not positions or len(positions) != len(ids):
+        return None
+    out = []
+    for tid, at in zip(ids, positions):
+        lp = at.get(tid) if isinstance(at, dict) else None
+        if lp is None:
+            return None
+        out.append((str(getattr(lp, "decoded_token", "") or ""), float(lp.logprob)))
+    return tuple(out)
 
 
 def external_id(request_id: str) -> str:
@@ -277,6 +295,7 @@ class VllmEngine(Engine):
     result_options = frozenset(RESULT_OPTIONS)
     refused_options = REFUSED_OPTIONS
     enforces = ENFORCED_LIMITS
+    gives_logprobs = "vllm" in ENGINES_WITH_LOGPROBS
 
     def __init__(self, spec, options=None):
         super().__init__(spec, options)
@@ -309,7 +328,7 @@ class VllmEngine(Engine):
         self._request_errors = (ValueError, TypeError, vllm.exceptions.VLLMClientError)
         tolerate_proxies_in_kernel_scan()
         self._llm = vllm.LLM(**build_llm_kwargs(self.spec, self.options))
-        self._sampling = make_sampling_params(sampling_module, self.spec)
+        self._sampling = make_sampling_params(sampling_module, self.spec, self.want_logprobs)
 
     def with_spec(self, spec: JobSpec, options: dict[str, Any] | None = None) -> "VllmEngine":
         """This loaded model for another job version of it (same ``vllm.LLM`` arguments; the sampling
@@ -321,7 +340,8 @@ class VllmEngine(Engine):
             raise RuntimeError("engine 'vllm': with_spec() called before load()")
         import vllm.sampling_params as sampling_module
 
-        other._llm, other._sampling = self._llm, make_sampling_params(sampling_module, spec)
+        other._llm, other._sampling = self._llm, make_sampling_params(sampling_module, spec, self.want_logprobs)
+        other.want_logprobs = self.want_logprobs
         other._request_errors = self._request_errors
         return other
 

@@ -136,7 +136,8 @@ def from_logprobs(spec: JobSpec, text: str | None,
         return None
     values = [lp for _, lp in logprobs]
     spans = _value_spans(text or "", compared_fields(spec)) if compared_fields(spec) else None
-    if spans and "".join(t for t, _ in logprobs) == text:
+    # The tokens spell the text, maybe with an end-of-turn token after it (vLLM counts it).
+    if spans and "".join(t for t, _ in logprobs).startswith(text or "\x00"):
         picked, at = [], 0
         for token, lp in logprobs:
             end = at + len(token)
