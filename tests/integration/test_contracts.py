@@ -289,7 +289,7 @@ def test_every_command_is_registered_from_the_one_list():
     parser = cli.build_parser()
     sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
     assert list(sub.choices) == ["db", "submit", "status", "dead-letters", "redrive", "drop", "worker", "grant",
-                                 "capacity", "cutoff", "cost", "validate", "calibrate", "ladder", "review",
+                                 "estimate", "capacity", "cutoff", "cost", "validate", "calibrate", "ladder", "review",
                                  "publish", "rollback", "published",
                                  "chaos", "nights", "fallback", "demo"]
     assert all(m.__name__.startswith("batch_inference.commands.") for m in COMMANDS)
