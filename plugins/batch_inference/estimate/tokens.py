@@ -31,7 +31,7 @@ from collections.abc import Iterator, Sequence
 from contextlib import contextmanager, redirect_stderr
 from typing import Any
 
-from batch_inference.exceptions import InvalidValue
+from batch_inference.exceptions import BatchInferenceError, InvalidValue
 from batch_inference.spec import JobSpec
 
 CHARS_PER_TOKEN = 4   # the estimate where no tokenizer of the model is here
@@ -86,8 +86,9 @@ def _quiet_stderr() -> Iterator[None]:
         os.close(saved)
 
 
-class _Tokenized(Exception):
-    """Raised from inside the chat handler's tokenize call, carrying the prompt's token ids."""
+class _Tokenized(BatchInferenceError):
+    """Raised from inside the chat handler's tokenize call, carrying the prompt's token ids
+    (control flow, caught by ``LlamaCppCounter.count``; never leaves it)."""
 
     def __init__(self, ids: list[int]):
         super().__init__("tokenized")

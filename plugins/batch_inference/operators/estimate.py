@@ -22,7 +22,7 @@ from airflow.sdk.exceptions import AirflowFailException
 from psycopg.types.json import Jsonb
 
 from batch_inference import db
-from batch_inference.operators.submit import SubmitJobOperator, _int_or_none, dag_run_ids
+from batch_inference.operators.submit import SubmitJobOperator, dag_run_ids
 
 STOPPED = "the preview stops the night before any spend"
 
@@ -65,6 +65,16 @@ class EstimateOperator(SubmitJobOperator):
         except ValueError as exc:
             raise AirflowFailException(f"deadline {text!r}: {exc}") from None
 
+    def _workers(self) -> int | None:
+        """The ``workers`` Param as rendered (a string through Jinja); empty means the spec's default."""
+        text = str(self.workers if self.workers is not None else "").strip()
+        if text in ("", "None"):
+            return None
+        try:
+            return int(text)
+        except ValueError:
+            raise AirflowFailException(f"workers must be an integer, got {self.workers!r}") from None
+
     def execute(self, context: Context) -> dict[str, Any]:
         from datetime import UTC
 
@@ -77,7 +87,7 @@ class EstimateOperator(SubmitJobOperator):
         spec = self.load_spec(context)
         now = datetime.now(UTC)
         deadline = self._deadline(now)
-        workers = _int_or_none(self.workers, "workers") or default_workers(spec)
+        workers = self._workers() or default_workers(spec)
         try:
             counter = counter_for(spec)
         except InvalidValue as exc:   # the pinned model lives on the GPU nodes, not here: say so, estimate
