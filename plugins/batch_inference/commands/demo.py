@@ -201,8 +201,10 @@ def print_env(args: argparse.Namespace, home: Path) -> int:
     log_path = home / f"demo-env-{time.strftime('%Y%m%d-%H%M%S')}.log"
     if not _airflow_migrated({**os.environ, **env}, home, log_path, args.verbose):
         return 1
-    print(f"# The environment batch-inference demo runs Airflow in ({home}). Then: airflow dags test YOUR_DAG_ID"
-          + ("" if dags else " (a DAG in the folder of --dags-folder DIR)"))
+    print(f"# The environment batch-inference demo runs Airflow in ({home}); then: airflow dags test YOUR_DAG_ID"
+          + ("" if dags else " (your DAG's folder: demo env --dags-folder DIR)"))
+    print("# BATCH_INFERENCE_NO_DEADLINE_ALERT: `airflow dags test` (Airflow 3.3.2) fails at the end of a run of a "
+          "DAG with a Deadline Alert")
     print(f"export PATH={shlex.quote(str(Path(sys.executable).parent))}:\"$PATH\"")
     for key, value in env.items():
         print(f"export {key}={shlex.quote(value)}")
