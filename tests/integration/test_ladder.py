@@ -181,3 +181,18 @@ def test_calibrate_refuses_bad_input_in_one_line_and_writes_nothing(conn, db_url
                                            r"9\d\.\d% of it"):
         calibrate(conn, strict)
     assert conn.execute(counts).fetchone()["n"] == before
+
+
+def test_the_calibrate_command_prints_the_pick_and_writes_the_calibrated_spec(conn, db_url, capsys, tmp_path):
+    from batch_inference.spec import load_spec
+
+    tables(conn, ticket_rows(4, hard_share=0.0), ticket_rows(30, hard_share=0.4, prefix="g"))
+    path, out = tmp_path / "spec.json", tmp_path / "calibrated.yaml"
+    path.write_text(json.dumps(known_ladder("public.tickets", "public.golden")))
+    assert cli_main(["--db", db_url, "calibrate", str(path), "--out", str(out)]) == 0
+    printed = capsys.readouterr().out
+    assert "top rung alone: 100.0% right" in printed and "picked thresholds" in printed
+    calibrated = load_spec(out)
+    assert calibrated.models[0].threshold is not None and calibrated.engine.name == "ladder"
+    job = submit(conn, calibrated).job_version
+    assert report(conn, job)["calibration"]["thresholds"] == [calibrated.models[0].threshold]
