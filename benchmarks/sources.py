@@ -6,18 +6,26 @@
 For each size, the same two-column tickets (id, subject, body, acl) are
 written once to every source: a SQLite file (kind sql, the sqlite provider's
 hook), a table of a second database reached through the postgres provider's
-connection (kind sql), a local Parquet file (kind parquet) and an Iceberg
-table in the SQL catalog (kind iceberg). Then, each in its own fresh process
-(so its peak RSS is its own): ``client`` reads every row with the source's
-own client (sqlite3 / psycopg2 ``fetchmany`` over a server-side cursor,
-pyarrow's ``iter_batches``, pyiceberg's ``to_arrow_batch_reader``) and turns
-each row into Python values, the least any reader must do; ``reader`` iterates
-``sources.for_spec(spec).rows()`` (the same read plus the record's text and
-checks); ``submit`` is ``plan.submit`` end to end (read, COPY into the
-ledger, content hash, snapshot partition, shard plan, commit). Ratios are to
-``client`` in the same run. ``peak_rss_mib`` is each process's maximum RSS and
-``growth_mib`` its growth after the imports; neither should grow with the
-records (the rows are streamed).
+connection (kind sql), a MariaDB table (kind sql, the mysql provider's hook;
+Debian's MariaDB started as tests/fixtures/warehouses.py starts it), a local
+Parquet file and the same file on moto's S3 server (kind parquet;
+tests/fixtures/moto_server.py) and an Iceberg table in the SQL catalog (kind
+iceberg). Then, each in its own fresh process (so its peak RSS is its own):
+``client`` reads every row with the source's own client (sqlite3 / psycopg2 /
+mysqlclient ``fetchmany`` over a server-side cursor, pyarrow's
+``iter_batches`` on a local file or through pyarrow's S3 filesystem,
+pyiceberg's ``to_arrow_batch_reader``) and turns each row into Python values
+(``to_pydict`` for the Arrow kinds); ``reader`` iterates
+``sources.for_spec(spec).rows().batches()`` (the same read plus the records'
+text, JSON array, ACL and checks, column-wise); ``submit`` is ``plan.submit``
+end to end (read, binary COPY into the ledger, content hash, snapshot
+partition, shard plan, commit). Ratios are to ``client`` in the same run.
+``peak_rss_mib`` is each process's maximum RSS and ``growth_mib`` its growth
+after the imports; neither should grow with the records (the rows are
+streamed). ``job_version`` is each submit's: the same rows from every kind
+are one job version, and at the smallest size it is checked against
+``reference``, the same rows made row by row by ``sources.record`` (the rule's
+reference path) and submitted as Python rows.
 """
 
 from __future__ import annotations
@@ -39,8 +47,10 @@ if __package__ in (None, ""):
 
 from benchmarks.common import REPO, emit, fresh_server, machine, rnd  # noqa: E402
 
-KINDS = ("sqlite", "postgres", "parquet", "iceberg")
-TARGET = 1.3          # issue 30: submit of N records against the source's own client reading them
+KINDS = ("sqlite", "postgres", "mariadb", "parquet", "parquet_s3", "iceberg")
+TARGET = 1.5          # issue 37: submit of N records against the source's own client reading them
+BUCKET = "bench"
+S3_KEYS = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing", "AWS_DEFAULT_REGION": "us-east-1"}
 MEMORY_SLACK = 1.25   # "flat": the peak at the largest size within this factor of the smallest's
 BATCH = 50_000
 TEMPLATE = "Subject:\n<<<\n{subject}\n>>>\nBody:\n<<<\n{body}\n>>>"
@@ -53,7 +63,8 @@ def _rows(start: int, stop: int) -> dict[str, list[Any]]:
             "acl": [[f"team{i % 3}"] for i in ids]}
 
 
-def prepare(n: int, where: Path, url: str) -> dict[str, Any]:
+def prepare(n: int, where: Path, url: str, maria: dict[str, Any] | None = None,
+            s3: str | None = None) -> dict[str, Any]:
     """Write the same n tickets to every source; return what each child needs."""
     import psycopg
     import pyarrow as pa
@@ -84,12 +95,24 @@ def prepare(n: int, where: Path, url: str) -> dict[str, Any]:
     except Exception:  # noqa: BLE001 - not there yet
         pass
     tbl = cat.create_table("lake.tickets", schema)
+    my = None
+    if maria:
+        import MySQLdb
+
+        my = MySQLdb.connect(host=maria["host"], port=maria["port"], user=maria["user"],
+                             password=maria["password"], database=maria["database"], charset="utf8mb4")
+        my.cursor().execute("DROP TABLE IF EXISTS tickets")
+        my.cursor().execute("CREATE TABLE tickets (id varchar(64) PRIMARY KEY, subject text, body text, acl text)")
     with psycopg.connect(src_url, autocommit=True) as pg:
         pg.execute("CREATE TABLE public.tickets (id text, subject text, body text, acl text[])")
         for start in range(0, n, BATCH):
             d = _rows(start, min(n, start + BATCH))
-            db.executemany("INSERT INTO tickets VALUES (?, ?, ?, ?)",
-                           zip(d["id"], d["subject"], d["body"], (json.dumps(a) for a in d["acl"])))
+            acl_json = [json.dumps(a) for a in d["acl"]]
+            db.executemany("INSERT INTO tickets VALUES (?, ?, ?, ?)", zip(d["id"], d["subject"], d["body"], acl_json))
+            if my is not None:
+                my.cursor().executemany("INSERT INTO tickets VALUES (%s, %s, %s, %s)",
+                                        list(zip(d["id"], d["subject"], d["body"], acl_json)))
+                my.commit()
             with pg.cursor().copy("COPY public.tickets FROM STDIN") as cp:
                 for row in zip(d["id"], d["subject"], d["body"], d["acl"]):
                     cp.write_row(row)
@@ -101,11 +124,30 @@ def prepare(n: int, where: Path, url: str) -> dict[str, Any]:
     writer.close()
     adapter.close()
     ledger.close()
+    if my is not None:
+        my.close()
+    if s3:
+        import boto3
+
+        client = boto3.client("s3", endpoint_url=s3, **_boto_keys())
+        try:
+            client.create_bucket(Bucket=BUCKET)
+        except client.exceptions.BucketAlreadyOwnedByYou:
+            pass
+        client.upload_file(str(where / "tickets.parquet"), BUCKET, "tickets.parquet")
     p = conninfo_to_dict(src_url)
     return {"sqlite": str(where / "src.db"), "parquet": str(where / "tickets.parquet"),
-            "warehouse": str(where / "wh"),
+            "warehouse": str(where / "wh"), "s3": s3,
             "pg": {"conn_type": "postgres", "host": p.get("host"), "login": p.get("user"),
-                   "password": p.get("password"), "schema": "src", "port": int(p.get("port") or 5432)}}
+                   "password": p.get("password"), "schema": "src", "port": int(p.get("port") or 5432)},
+            "maria": maria and {"conn_type": "mysql", "host": maria["host"], "port": maria["port"],
+                                "login": maria["user"], "password": maria["password"],
+                                "schema": maria["database"], "extra": {"charset": "utf8mb4"}}}
+
+
+def _boto_keys() -> dict[str, str]:
+    return {"aws_access_key_id": S3_KEYS["AWS_ACCESS_KEY_ID"], "aws_secret_access_key": S3_KEYS["AWS_SECRET_ACCESS_KEY"],
+            "region_name": S3_KEYS["AWS_DEFAULT_REGION"]}
 
 
 def spec(kind: str, paths: dict[str, Any] | None = None) -> Any:
@@ -115,8 +157,13 @@ def spec(kind: str, paths: dict[str, Any] | None = None) -> Any:
     source: dict[str, Any] = {"kind": "sql", "conn_id": "bench_sqlite", "table": "tickets"}
     if kind == "postgres":
         source = {"kind": "sql", "conn_id": "bench_pg", "table": "public.tickets"}
+    elif kind == "mariadb":
+        source = {"kind": "sql", "conn_id": "bench_maria", "table": "tickets"}
     elif kind == "parquet":
         source = {"kind": "parquet", "paths": [paths["parquet"] if paths else "."]}
+    elif kind == "parquet_s3":
+        source = {"kind": "parquet", "paths": [f"s3://{BUCKET}/tickets.parquet"],
+                  **({"s3_endpoint": paths["s3"]} if paths else {})}
     elif kind == "iceberg":
         source = {"kind": "iceberg", "identifier": "lake.tickets", "warehouse": paths["warehouse"] if paths else "."}
     return parse_spec({
@@ -148,11 +195,33 @@ def client_read(kind: str, paths: dict[str, Any], url: str) -> int:
         while rows := cur.fetchmany(10_000):
             n += len(rows)
         c.close()
+    elif kind == "mariadb":
+        import MySQLdb
+        import MySQLdb.cursors
+
+        p = paths["maria"]
+        c = MySQLdb.connect(host=p["host"], port=p["port"], user=p["login"], password=p["password"],
+                            database=p["schema"], charset="utf8mb4")
+        cur = c.cursor(MySQLdb.cursors.SSCursor)
+        cur.execute("SELECT id, subject, body, acl FROM tickets")
+        while rows := cur.fetchmany(10_000):
+            n += len(rows)
+        c.close()
     elif kind == "parquet":
         import pyarrow.parquet as pq
 
         for batch in pq.ParquetFile(paths["parquet"]).iter_batches(batch_size=10_000):
             n += len(batch.to_pydict()["id"])
+    elif kind == "parquet_s3":
+        import pyarrow.parquet as pq
+        from pyarrow import fs
+
+        host = paths["s3"].split("://", 1)[1]
+        s3 = fs.S3FileSystem(endpoint_override=host, scheme="http", access_key=S3_KEYS["AWS_ACCESS_KEY_ID"],
+                             secret_key=S3_KEYS["AWS_SECRET_ACCESS_KEY"], region=S3_KEYS["AWS_DEFAULT_REGION"])
+        with s3.open_input_file(f"{BUCKET}/tickets.parquet") as f:
+            for batch in pq.ParquetFile(f).iter_batches(batch_size=10_000):
+                n += len(batch.to_pydict()["id"])
     else:
         from batch_inference import db as ledger_db
         from batch_inference.destinations.iceberg import IcebergTable
@@ -182,6 +251,11 @@ def child(mode: str, kind: str, paths: dict[str, Any], url: str) -> dict[str, An
     import pyiceberg.catalog.sql  # noqa: F401
     from airflow.providers.postgres.hooks.postgres import PostgresHook  # noqa: F401
     from airflow.providers.sqlite.hooks.sqlite import SqliteHook  # noqa: F401
+    import boto3  # noqa: F401
+    try:
+        from airflow.providers.mysql.hooks.mysql import MySqlHook  # noqa: F401
+    except ImportError:   # the warehouse extra is not installed: no mariadb kind
+        pass
     from airflow.sdk import BaseHook  # noqa: F401
 
     from batch_inference import db as ledger_db
@@ -198,17 +272,25 @@ def child(mode: str, kind: str, paths: dict[str, Any], url: str) -> dict[str, An
             reader = sources.for_spec(spec(kind, paths))
             reader.ledger = ledger
             reader.check()
-            n = sum(1 for _ in reader.rows())
+            n = sum(batch.num_rows for batch in reader.rows().batches())
             reader.close()
     else:
-        with ledger_db.connect(url) as ledger:
-            m = submit(ledger, spec(kind, paths))
-            n = m.records
-            from batch_inference.plan import drop_job_version
+        from batch_inference.plan import drop_job_version
 
+        with ledger_db.connect(url) as ledger:
+            if mode == "reference":   # the same rows made row by row by sources.record, submitted as rows
+                s = spec(kind, paths)
+                db = sqlite3.connect(paths["sqlite"])
+                rows = (sources.record(s, r[0], [r[1], r[2]], r[3])
+                        for r in db.execute("SELECT id, subject, body, acl FROM tickets"))
+                m = submit(ledger, s, rows=rows)
+            else:
+                m = submit(ledger, spec(kind, paths))
             t = time.perf_counter() - t0
+            peak = _peak_mib()
             drop_job_version(ledger, m.job_version)
-            return {"n": n, "s": t, "peak_rss_mib": _peak_mib(), "growth_mib": _peak_mib() - base}
+            return {"n": m.records, "s": t, "peak_rss_mib": peak, "growth_mib": peak - base,
+                    "job_version": m.job_version}
     return {"n": n, "s": time.perf_counter() - t0, "peak_rss_mib": _peak_mib(), "growth_mib": _peak_mib() - base}
 
 
@@ -223,18 +305,41 @@ def run_child(mode: str, kind: str, paths: dict[str, Any], url: str, env: dict[s
 
 
 def run(sizes: list[int], kinds: list[str]) -> dict[str, Any]:
-    out: dict[str, Any] = {"benchmark": "sources", "sizes": sizes, "results": {}}
-    with fresh_server() as url:
+    from contextlib import ExitStack
+
+    out: dict[str, Any] = {"benchmark": "sources", "sizes": sizes, "results": {}, "job_versions": {}}
+    with ExitStack() as stack:
+        url = stack.enter_context(fresh_server())
+        maria = s3 = None
+        if "mariadb" in kinds:
+            from tests.fixtures.warehouses import mariadb_server
+
+            maria = stack.enter_context(mariadb_server())
+            if isinstance(maria, str):
+                out.setdefault("not_run", {})["mariadb"] = maria
+                kinds, maria = [k for k in kinds if k != "mariadb"], None
+        if "parquet_s3" in kinds:
+            from tests.fixtures.moto_server import moto_server
+
+            s3 = stack.enter_context(moto_server())
+            if not s3.startswith("http"):
+                out.setdefault("not_run", {})["parquet_s3"] = s3
+                kinds, s3 = [k for k in kinds if k != "parquet_s3"], None
         for n in sizes:
             with tempfile.TemporaryDirectory(prefix="bi-bench-src-") as d:
-                paths = prepare(n, Path(d), url)
-                env = {**os.environ, "AIRFLOW_HOME": str(Path(d) / "airflow"),
+                paths = prepare(n, Path(d), url, maria, s3)
+                env = {**os.environ, **S3_KEYS, "AIRFLOW_HOME": str(Path(d) / "airflow"),
                        "AIRFLOW__CORE__LOAD_EXAMPLES": "False",
                        "AIRFLOW_CONN_BENCH_SQLITE": json.dumps({"conn_type": "sqlite", "host": paths["sqlite"]}),
-                       "AIRFLOW_CONN_BENCH_PG": json.dumps(paths["pg"])}
+                       "AIRFLOW_CONN_BENCH_PG": json.dumps(paths["pg"]),
+                       "AIRFLOW_CONN_BENCH_MARIA": json.dumps(paths["maria"] or {})}
+                versions: dict[str, str] = {}
+                if n == min(sizes):
+                    versions["reference"] = run_child("reference", "sqlite", paths, url, env)["job_version"]
                 for kind in kinds:
                     r = {mode: run_child(mode, kind, paths, url, env) for mode in ("client", "reader", "submit")}
                     assert r["client"]["n"] == r["reader"]["n"] == r["submit"]["n"] == n, r
+                    versions[kind] = r["submit"]["job_version"]
                     base = r["client"]["s"]
                     out["results"][f"{kind}@{n}"] = {
                         "client_s": rnd(base), "reader_s": rnd(r["reader"]["s"]), "submit_s": rnd(r["submit"]["s"]),
@@ -242,8 +347,10 @@ def run(sizes: list[int], kinds: list[str]) -> dict[str, Any]:
                         "submit_ratio": round(r["submit"]["s"] / base, 2),
                         "peak_rss_mib": {m: round(r[m]["peak_rss_mib"]) for m in r},
                         "growth_mib": {m: round(r[m]["growth_mib"]) for m in r}}
+                out["job_versions"][str(n)] = versions
     largest, smallest = max(sizes), min(sizes)
     res = out["results"]
+    out["same_job_version"] = all(len(set(v.values())) == 1 for v in out["job_versions"].values())
     out["target"] = f"submit <= {TARGET}x the client's read; peak RSS at {largest} within {MEMORY_SLACK}x of {smallest}"
     out["memory_flat"] = all(res[f"{k}@{largest}"]["peak_rss_mib"]["submit"]
                              <= MEMORY_SLACK * res[f"{k}@{smallest}"]["peak_rss_mib"]["submit"] for k in kinds)

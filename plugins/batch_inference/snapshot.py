@@ -203,13 +203,20 @@ def _lengths(values: Any) -> Any:
     return pc.fill_null(pc.binary_length(values), -1).to_numpy(zero_copy_only=False)
 
 
-def _field(values: Any) -> Any:
-    """Text values as binary COPY fields: each its byte length and bytes, a NULL length -1."""
+def _field_parts(values: Any) -> tuple[Any, Any]:
+    """Text values as binary COPY fields, in two parts: each value's byte length (a NULL's -1) and
+    its bytes (a NULL's none)."""
     import pyarrow as pa
     import pyarrow.compute as pc
 
     data = values.cast(pa.large_binary())
-    return pc.binary_join_element_wise(_be32(_lengths(data)), pc.fill_null(data, _b(b"")), _b(b""))
+    return _be32(_lengths(data)), (pc.fill_null(data, _b(b"")) if data.null_count else data)
+
+
+def _field(values: Any) -> Any:
+    import pyarrow.compute as pc
+
+    return pc.binary_join_element_wise(*_field_parts(values), _b(b""))
 
 
 def _text_array_field(acl: Any) -> Any:
@@ -244,8 +251,8 @@ def copy_rows(batch: Any) -> memoryview:
     import pyarrow.compute as pc
 
     rows = pc.binary_join_element_wise(
-        _b(b"\0\4"), _field(batch.column(0)), _field(batch.column(1)), _text_array_field(batch.column(2)),
-        _field(batch.column(3)), _b(b""))
+        _b(b"\0\4"), *_field_parts(batch.column(0)), *_field_parts(batch.column(1)),
+        _text_array_field(batch.column(2)), *_field_parts(batch.column(3)), _b(b""))
     offsets = np.frombuffer(rows.buffers()[1], dtype=np.int64)[rows.offset:rows.offset + len(rows) + 1]
     return memoryview(rows.buffers()[2])[int(offsets[0]):int(offsets[-1])]
 

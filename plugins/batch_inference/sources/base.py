@@ -259,8 +259,9 @@ class _RowPath(Exception):
 # JSON's escapes that ``json.dumps`` writes as two characters; the other control characters take the row path.
 _JSON_ESCAPES = (("\\", "\\\\"), ('"', '\\"'), ("\n", "\\n"), ("\r", "\\r"), ("\t", "\\t"),
                  ("\b", "\\b"), ("\f", "\\f"))
-_NEEDS_ESCAPE = r'[\\"\x08-\x0a\x0c\x0d]'
-_OTHER_CONTROL = r"[\x00-\x07\x0b\x0e-\x1f]"
+_ESCAPED_CONTROL_BYTES = [8, 9, 10, 12, 13]   # with '"' and the backslash: what JSON escapes in two characters
+_OTHER_CONTROL_BYTES = [*range(0, 8), 11, *range(14, 32)]
+_BLANK = " \t\n\r\f\x0b"   # what str.strip takes off in ``record``'s blank test
 _NOT_BLANK = r"[^ \t\n\r\f\x0b]"
 
 
@@ -268,6 +269,20 @@ def _any(mask: Any) -> bool:
     import pyarrow.compute as pc
 
     return bool(pc.any(mask).as_py())
+
+
+def _scan(values: Any) -> tuple[bool, bool, bool]:
+    """(a NUL, another control character that JSON writes as ``\\u00XX``, a character JSON escapes in two)
+    anywhere in a string array's values: a few passes over its bytes."""
+    import numpy as np
+
+    if len(values) == values.null_count:
+        return False, False, False
+    offsets = np.frombuffer(values.buffers()[1], dtype=np.int32)[values.offset:values.offset + len(values) + 1]
+    data = np.frombuffer(values.buffers()[2], dtype=np.uint8)[offsets[0]:offsets[-1]]
+    control = np.bincount(data[data < 32], minlength=32)
+    return (bool(control[0]), bool(control[_OTHER_CONTROL_BYTES].any()),
+            bool(control[_ESCAPED_CONTROL_BYTES].any() or (data == 34).any() or (data == 92).any()))
 
 
 def _text_column(values: Any) -> Any:
@@ -335,34 +350,48 @@ def _column_batch(spec: JobSpec, columns: Mapping[str, Any]) -> Any:
 
     src = spec.source
     ids = _text_column(columns[src.id_column])
-    if _any(pc.match_substring(ids, "\x00")):
+    if _scan(ids)[0]:
         raise _RowPath
     n = len(ids)
     acl = _acl_column(columns[src.acl_column]) if src.acl_column else pa.nulls(n, pa.list_(pa.string()))
     null_text = pa.nulls(n, pa.string())
     if not src.columns:   # one text column: as the snapshot cleans it (``clean_text``)
         text = _text_column(columns[src.text_column])
-        nul = pc.fill_null(pc.match_substring(text, "\x00"), False)
         reject = null_text
-        if _any(nul):
+        if _scan(text)[0]:
+            nul = pc.fill_null(pc.match_substring(text, "\x00"), False)
             text = pc.replace_substring(text, "\x00", "\ufffd")
             reject = pc.if_else(nul, "text contains NUL bytes", null_text)
         return pa.RecordBatch.from_arrays([ids, text, acl, reject], schema=stage_schema())
     texts = [_text_column(columns[c]) for c in src.columns]
     chars = np.zeros(n, dtype=np.int64)
-    blank = pa.array(np.ones(n, dtype=bool))
-    parts: list[Any] = []
+    maybe_blank = pa.array(np.ones(n, dtype=bool))   # every column NULL or starting with a blank character
+    escaped: list[Any] = []
     for t in texts:
-        if _any(pc.match_substring_regex(t, _OTHER_CONTROL)):
+        nul, other_control, needs_escape = _scan(t)
+        if nul or other_control:
             raise _RowPath
         chars += pc.fill_null(pc.utf8_length(t), 0).to_numpy(zero_copy_only=False)
-        blank = pc.and_(blank, pc.invert(pc.fill_null(pc.match_substring_regex(t, _NOT_BLANK), False)))
-        escaped = t
-        if _any(pc.match_substring_regex(t, _NEEDS_ESCAPE)):
+        first = pc.utf8_slice_codeunits(t, 0, 1)
+        maybe_blank = pc.and_(maybe_blank, pc.or_(pc.is_null(t), pc.is_in(first, pa.array(["", *_BLANK]))))
+        if needs_escape:
             for raw, esc in _JSON_ESCAPES:
-                escaped = pc.replace_substring(escaped, raw, esc)
-        parts += [pc.fill_null(pc.binary_join_element_wise('"', escaped, '"', ""), "null"), ", "]
-    text = pc.binary_join_element_wise("[", *parts[:-1], "]", "")
+                t = pc.replace_substring(t, raw, esc)
+        escaped.append(t)
+    if sum(t.null_count for t in escaped) == 0:   # one join: '["' a '", "' b '"]'
+        parts: list[Any] = []
+        for t in escaped:
+            parts += [t, '", "']
+        text = pc.binary_join_element_wise('["', *parts[:-1], '"]', "")
+    else:
+        parts = []
+        for t in escaped:
+            parts += [pc.fill_null(pc.binary_join_element_wise('"', t, '"', ""), "null"), ", "]
+        text = pc.binary_join_element_wise("[", *parts[:-1], "]", "")
+    blank = maybe_blank
+    if _any(maybe_blank):
+        for t in texts:
+            blank = pc.and_(blank, pc.invert(pc.fill_null(pc.match_substring_regex(t, _NOT_BLANK), False)))
     over = chars > spec.max_input_chars
     reject = null_text
     if over.any():
