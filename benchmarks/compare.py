@@ -88,6 +88,9 @@ def headlines(name: str, out: dict[str, Any]) -> Iterator[tuple[str, Any]]:
         yield "rollback, large / small job", out.get("rollback_size_ratio")
     elif name == "reads":
         yield "worst read, large / small job", out.get("max_ratio")
+    elif name == "ladder":
+        yield "cascade / top rung alone: bill", dig(out, "known", "bill_ratio")
+        yield "cascade / top rung alone: accuracy", dig(out, "known", "accuracy_ratio")
     elif name == "sources":
         for kind, row in (out.get("results") or {}).items():
             yield f"{kind}: submit / the client's read", row.get("submit_ratio")

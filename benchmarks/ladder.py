@@ -281,6 +281,8 @@ def main(argv: list[str] | None = None) -> int:
         with fresh_server() as url, db.connect(url) as conn:
             out["real_smollm2"] = real(conn, url, a.real)
     k = out["known"]
+    out["target"] = "cascade bill <= 50% of the top rung's at >= 98% of its accuracy (engines of known quality)"
+    out["met"] = k["goal_met"]
     out["quick"] = (f"cascade bill {k['bill_ratio']:.1%} of the top rung's at {k['accuracy_ratio']:.1%} of its "
                     f"accuracy (goal <= 50% at >= 98%: {'met' if k['goal_met'] else 'NOT met'})")
     out["machine"] = machine()

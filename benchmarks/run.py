@@ -44,7 +44,7 @@ BENCHMARKS: dict[str, tuple[list[str], list[str]]] = {
     "reads": ([], ["--sizes", "20000,200000", "--repeats", "3"]),
     "sources": ([], ["--sizes", "2000,20000", "--kinds", "sqlite,parquet,iceberg"]),
     "bounded_fields": (["--threads", "1"], ["--records", "2", "--threads", "1"]),
-    "ladder": (["--real", "8"], ["--records", "400", "--golden", "100"]),
+    "ladder": (["--real", "4"], ["--records", "400", "--golden", "100"]),
     "estimate": ([], ["--records", "2000", "--demo-records", "6", "--pilot", "2"]),
     "embed": ([], ["--records", "8", "--vectors", "400", "--queries", "3", "--engines", "llama"]),
 }

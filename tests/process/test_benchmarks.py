@@ -36,6 +36,7 @@ KEYS = {
                   "rollback_size_ratio"},
     "reads": {"sizes", "shard_size", "round_trip_ms", "queries", "over_target", "max_ratio"},
     "sources": {"sizes", "results", "memory_flat"},
+    "ladder": {"prices", "known"},
     "estimate": {"scale", "demo"},
     "bounded_fields": {"records", "before", "after", "dead_letter_rate_before_after"},
 }
@@ -153,6 +154,13 @@ def check_bounded_fields(out: dict) -> None:
         row = out[arm]
         assert row["exit"] == 0 and row["stored"] + row["dead_letters"] == out["records"] == 2
     assert out["after"]["stored_ratings_outside_1_5"] == 0
+
+
+def check_ladder(out: dict) -> None:
+    k = out["known"]
+    assert sum(k["cascade"]["finished_at_rung"]) == k["records"] == 400
+    assert k["bill_ratio"] <= 0.5 and k["accuracy_ratio"] >= 0.98 and out["met"]     # issue 38's goal
+    assert k["golden"]["top_accuracy"] == 1.0 and k["golden"]["cascade_accuracy"] >= 0.99
 
 
 def check_sources(out: dict) -> None:
