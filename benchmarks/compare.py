@@ -94,6 +94,13 @@ def headlines(name: str, out: dict[str, Any]) -> Iterator[tuple[str, Any]]:
     elif name == "sources":
         for kind, row in (out.get("results") or {}).items():
             yield f"{kind}: submit / the client's read", row.get("submit_ratio")
+    elif name == "embed":
+        for engine, label in (("llama", "llama.cpp"), ("vllm", "vLLM")):
+            if engine in out:
+                yield f"{label}: worker / bare embed records/s", dig(out, engine, "ratio")
+        if "index" in out:
+            yield f"NN query ms at {dig(out, 'index', 'vectors'):,} vectors, before / after the index", pair(
+                dig(out, "index", "query_ms_before"), dig(out, "index", "query_ms_after"))
     elif name == "estimate":
         yield "preview / (source read + tokenizer)", dig(out, "scale", "overhead")
         yield "demo: projected / actual worker time - 1", dig(out, "demo", "finish_error")

