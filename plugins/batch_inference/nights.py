@@ -632,9 +632,10 @@ class _Supervisor(threading.Thread):
                 self._conn = db.connect(n.url, retries=0)
             if self.cutoff.is_set():
                 # Draining: what still runs is billed; past the drain (autopilot.drain_s: its lease is
-                # gone, it holds nothing) a worker is ended, as the budget's drain reserve counts on.
-                if self.cutoff_at is not None and now - self.cutoff_at >= n.drain_s - DRAIN_SLACK_S \
-                        and n.fleet.alive():
+                # gone, it holds nothing) a GPU worker is ended, as the budget's drain reserve counts on.
+                # A hosted night's workers are not GPU workers: they wait for the provider's cancel.
+                if n.provider is None and self.cutoff_at is not None \
+                        and now - self.cutoff_at >= n.drain_s - DRAIN_SLACK_S and n.fleet.alive():
                     self.events.append(f"{now - n.t0:.1f}s drain over: {len(n.fleet.alive())} worker(s) ended")
                     n.fleet.kill()
                     end = time.monotonic() + 1.0
