@@ -55,3 +55,6 @@ SELECT bi.embed_index_build_v1(%(job)s) AS index;
 
 -- name: embed_ensure_view  the dataset's view reading one version's search table (bi.ensure_embedding_view_v1)
 SELECT bi.ensure_embedding_view_v1(%(dataset)s, %(job)s, %(id_type)s, %(dims)s) AS view_name;
+
+-- name: embed_index_drop  a dropped version's search table ({table}), if it had one
+DROP TABLE IF EXISTS {table};

@@ -217,14 +217,18 @@ def _plan(conn: psycopg.Connection, params: dict[str, Any], records: int) -> Map
 
 def drop_job_version(conn: psycopg.Connection, job_version: str) -> bool:
     """Drop a job version's partitions and ledger rows, and its companion versions that serve
-    no other version (``bi.drop_job_version_v1``); False if there is no such version.
+    no other version (``bi.drop_job_version_v1``), and an embedding version's search table, in one
+    transaction; False if there is no such version.
 
     :raises PublishRefused: the version is published (roll its dataset back first); nothing is dropped.
     """
     from batch_inference.publish import PublishRefused
 
     try:
-        r = conn.execute(q("drop_job_version"), {"job": job_version}).fetchone()
+        with conn.transaction():
+            r = conn.execute(q("drop_job_version"), {"job": job_version}).fetchone()
+            if r and r["dropped"]:
+                embed.drop_search_table(conn, job_version)   # an embedding version's goes with it
     except errors.ObjectInUse as exc:
         raise PublishRefused(exc.diag.message_primary or str(exc).splitlines()[0]) from None
     return bool(r and r["dropped"])

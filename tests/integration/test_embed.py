@@ -13,7 +13,7 @@ import pytest
 from batch_inference import db
 from batch_inference.engines.llama_cpp import SMOLLM2_GGUF_SHA256
 from batch_inference.exceptions import BatchInferenceError, SpecError
-from batch_inference.plan import submit
+from batch_inference.plan import drop_job_version, submit
 from batch_inference.publish import publish, rollback
 from batch_inference.spec import parse_spec
 from batch_inference.validate import validate
@@ -155,6 +155,9 @@ def test_llama_cpp_embedding_job_end_to_end_with_search_and_rollback(conn, db_ur
     assert {r["job_version"] for r in conn.execute(f"SELECT job_version FROM published.{DATASET}")} == {job}
     assert nearest(conn, "t003") == first
     assert {j for j, _ in iceberg_vectors(conn, spec).values()} == {job}
+    # Dropping the version no longer published drops its search table too.
+    assert drop_job_version(conn, job2)
+    assert conn.execute("SELECT to_regclass(%s) AS t", (f"bi.embed_{job2}",)).fetchone()["t"] is None
 
 
 @pytest.mark.parametrize("change, words", [

@@ -22,7 +22,7 @@ from __future__ import annotations
 from batch_inference.embed.checks import drift, recall, scan
 from batch_inference.embed.vectors import from_storage, to_storage
 
-__all__ = ["check_spec", "drift", "embed_input", "ensure_view", "from_storage", "recall", "scan", "search_index",
+__all__ = ["check_spec", "drift", "drop_search_table", "embed_input", "ensure_view", "from_storage", "recall", "scan", "search_index",
            "to_storage"]
 
 
@@ -45,6 +45,15 @@ def search_index(spec, conn):
     from batch_inference.embed.index import SearchIndex
 
     return SearchIndex(spec, ledger=conn)
+
+
+def drop_search_table(conn, job_version: str) -> None:
+    """Drop a version's search table, if it has one (``plan.drop_job_version``)."""
+    from psycopg import sql
+
+    from batch_inference.db import composed
+
+    conn.execute(composed("embed_index_drop", table=sql.Identifier("bi", f"embed_{job_version}")))
 
 
 def ensure_view(conn, dataset: str, spec, job_version: str, id_type: str) -> str:
