@@ -95,9 +95,21 @@ def test_llama_cpp_embedding_job_end_to_end_with_search_and_rollback(conn, db_ur
         assert v.shape == (DIMS,) and abs(float(np.linalg.norm(v)) - 1) < 1e-3
         assert r["engine"] == "llama-cpp" and r["output"]["dimensions"] == DIMS and r["category"] is None
 
+    # A stored vector cut short or not finite fails the version (then put back).
+    good = rows[4]["embedding"]
+    conn.execute("UPDATE bi.results SET embedding = substring(embedding FROM 1 FOR 1000) "
+                 "WHERE job_version = %s AND record_id = 't004'", (job,))
+    conn.execute("UPDATE bi.results SET embedding = %s WHERE job_version = %s AND record_id = 't005'",
+                 (np.full(DIMS, np.nan, dtype="<f4").tobytes(), job))
+    bad = validate(conn, job, record=False)
+    assert not bad.passed and bad["schema"]["wrong_dimension"] == 1 and bad["schema"]["not_finite"] == 1
+    assert any(f.startswith("vectors: 2 of 30") for f in bad.failures), bad.failures
+    for rid, data in (("t004", good), ("t005", rows[5]["embedding"])):
+        conn.execute("UPDATE bi.results SET embedding = %s WHERE job_version = %s AND record_id = %s", (data, job, rid))
+
     report = validate(conn, job)
     assert report.passed, report.failures
-    assert report["schema"]["checked"] == 30 and report["schema"]["wrong_dimension"] == 0
+    assert report["schema"]["checked"] == 30 and report["schema"]["invalid"] == report["schema"]["wrong_dimension"] == 0
     assert report["schema"]["bytes_per_vector"] <= 4 * DIMS + 4   # float32 and a 4-byte header
     assert report["evaluation"]["pairs"]["recall"] >= 0.5
 

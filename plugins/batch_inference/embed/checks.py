@@ -81,7 +81,7 @@ def scan(conn: psycopg.Connection, spec: JobSpec, job: str, failures: list[str]
         first = examples[0]
         failures.append(f"vectors: {wrong} of {counts['checked']} stored vectors fail the checks "
                         f"({first['record_id']}: {first['reason']})")
-    section = {**counts, "dimensions": dims, "normalize": spec.embedding.normalize, "examples": examples,
+    section = {**counts, "invalid": wrong, "dimensions": dims, "normalize": spec.embedding.normalize, "examples": examples,
                "bytes_per_vector": round(stored_bytes / counts["checked"], 1) if counts["checked"] else None}
     return section, made_by
 
