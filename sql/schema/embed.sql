@@ -39,6 +39,7 @@ CREATE OR REPLACE FUNCTION bi.put_embeddings_v1(p_job text, p_shard integer, p_e
                                                OUT stale boolean, OUT n integer)
 LANGUAGE plpgsql SECURITY DEFINER SET search_path = pg_catalog, pg_temp AS $$
 BEGIN
+    PERFORM bi.assert_may_work_on_v1(p_job);
     IF cardinality(p_ids) IS DISTINCT FROM cardinality(p_vectors) THEN
         RAISE EXCEPTION 'put_embeddings: % ids but % vectors', cardinality(p_ids), cardinality(p_vectors)
             USING ERRCODE = 'invalid_parameter_value';
