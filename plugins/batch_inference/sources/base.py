@@ -247,13 +247,10 @@ def column_batch(reader: Reader, columns: Mapping[str, Any], where: str = "") ->
     from batch_inference.snapshot import staged_columns
 
     try:
-        return _column_batch(reader.spec, columns)
+        batch = _column_batch(reader.spec, columns)
     except Exception:  # noqa: BLE001 - anything the column path does not handle: the row path decides
-        return staged_columns(list(_records(reader, columns, where)))
-
-
-class _RowPath(Exception):
-    """This batch goes row by row (``record``)."""
+        batch = None
+    return batch if batch is not None else staged_columns(list(_records(reader, columns, where)))
 
 
 # JSON's escapes that ``json.dumps`` writes as two characters; the other control characters take the row path.
@@ -342,6 +339,7 @@ def _acl_column(values: Any) -> Any:
 
 
 def _column_batch(spec: JobSpec, columns: Mapping[str, Any]) -> Any:
+    """The batch made column-wise, or None where the row path must make it."""
     import numpy as np
     import pyarrow as pa
     import pyarrow.compute as pc
@@ -351,7 +349,7 @@ def _column_batch(spec: JobSpec, columns: Mapping[str, Any]) -> Any:
     src = spec.source
     ids = _text_column(columns[src.id_column])
     if _scan(ids)[0]:
-        raise _RowPath
+        return None   # the row path
     n = len(ids)
     acl = _acl_column(columns[src.acl_column]) if src.acl_column else pa.nulls(n, pa.list_(pa.string()))
     null_text = pa.nulls(n, pa.string())
@@ -370,7 +368,7 @@ def _column_batch(spec: JobSpec, columns: Mapping[str, Any]) -> Any:
     for t in texts:
         nul, other_control, needs_escape = _scan(t)
         if nul or other_control:
-            raise _RowPath
+            return None   # the row path
         chars += pc.fill_null(pc.utf8_length(t), 0).to_numpy(zero_copy_only=False)
         first = pc.utf8_slice_codeunits(t, 0, 1)
         maybe_blank = pc.and_(maybe_blank, pc.or_(pc.is_null(t), pc.is_in(first, pa.array(["", *_BLANK]))))
