@@ -46,7 +46,7 @@ def answers(engine_class: type[LlamaCppEngine], retry: bool = False) -> dict[str
     spec = make_spec(model={"name": "SmolLM2-135M-Instruct", "digest": SMOLLM2_GGUF_SHA256},
                      engine={"name": "llama-cpp"}, output_schema=REVIEWS, prompt={"system": SYSTEM},
                      params={"max_tokens": 64, "temperature": 0})
-    engine = engine_class(spec, {"n_threads": 2})
+    engine = engine_class(spec, {"n_threads": 1})   # on shared cores two threads spin (docs/engines.md)
     verify_weights(engine, spec)
     engine.load()
     try:
