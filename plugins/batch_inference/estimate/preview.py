@@ -413,7 +413,7 @@ def _project(spec: JobSpec, counter: Counter, tally: TokenTally, records: int, r
         over_context=over_context,
         output_tokens={"per_record": round(out_per, 1), "total": out_total, "source": out_source},
         rate=None if m is None else {**asdict(m), "fleet_records_per_s": fleet},
-        workers=workers, gpu_hours=None if gpu_hours is None else round(gpu_hours, 4),
+        workers=workers, gpu_hours=None if gpu_hours is None else round(gpu_hours, 6),
         bill=bill, budget=budget, budget_holds=holds,
         now=now.isoformat(), deadline=None if deadline is None else deadline.isoformat(),
         finish=None if finish is None else finish.isoformat(),
