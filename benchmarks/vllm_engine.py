@@ -25,7 +25,8 @@ on, temperature 0:
   urgency and a summary) and ``--job-max-tokens`` (96), the records planned
   into that many shards, run by the CLI worker with shards overlapping, and
   by bare ``LLM.chat`` over all of them at once (``--one-shard-arm`` adds
-  the worker one shard at a time, ``--no-overlap``). Besides the ratios:
+  the worker one shard at a time, ``--no-overlap``), each ``--repeats``
+  times with the order turned round each repeat. Besides the ratios:
   each arm's engine steps and their time (``StepMeter``; the worker logs
   its own at exit), each step's time against bare's, the engine idle time
   (the time between steps, and step time times the share of
@@ -333,22 +334,32 @@ def run_arm(name: str, args: list[str], env: dict[str, str] | None = None) -> di
     return json.loads(lines[-1])
 
 
-def run_job(records: int, shards: int, max_tokens: int, one_shard_arm: bool = False) -> dict[str, Any]:
+def run_job(records: int, shards: int, max_tokens: int, one_shard_arm: bool = False,
+            repeats: int = 1) -> dict[str, Any]:
     """One multi-shard job as a user runs it (the ticket schema, ``batch-inference worker`` as a process,
-    shards overlapping), and bare ``LLM.chat`` over the same conversations at once, in that order;
-    with ``one_shard_arm`` also the worker one shard at a time (``--no-overlap``) in between."""
+    shards overlapping), and bare ``LLM.chat`` over the same conversations at once; with
+    ``one_shard_arm`` also the worker one shard at a time (``--no-overlap``). ``repeats`` times, the
+    arms' order turned round each repeat (a load that rises or falls during the run lands on both);
+    times are medians over the repeats, the rest the last repeat's."""
     args = ["--records", str(records), "--max-tokens", str(max_tokens), "--ticket-schema"]
     sharded = [*args, "--shard-size", str(math.ceil(records / shards))]
     load = {"before": rnd(os.getloadavg()[0])}
-    arms = {"worker": run_arm("worker", sharded)}
-    spec_json = json.dumps(arms["worker"].pop("stored_spec"))
-    names = ["worker"]
-    if one_shard_arm:
-        arms["worker_no_overlap"] = run_arm("worker", [*sharded, "--no-overlap"])
-        arms["worker_no_overlap"].pop("stored_spec")
-        names.append("worker_no_overlap")
-    arms["bare"] = run_arm("bare", args, {"BENCH_STORED_SPEC": spec_json})
+    names = ["worker"] + (["worker_no_overlap"] if one_shard_arm else [])
+    runs: dict[str, list[dict[str, Any]]] = {name: [] for name in [*names, "bare"]}
+    spec_json = None
+    for rep in range(max(1, repeats)):
+        order = [*names, "bare"]
+        for name in order if rep % 2 == 0 else order[::-1]:   # the worker first: it writes the stored spec
+            if name == "bare":
+                arm = run_arm("bare", args, {"BENCH_STORED_SPEC": spec_json})
+            else:
+                arm = run_arm("worker", [*sharded, *([] if name == "worker" else ["--no-overlap"])])
+                spec_json = spec_json or json.dumps(arm["stored_spec"])
+                arm.pop("stored_spec")
+            runs[name].append(arm)
     load["after"] = rnd(os.getloadavg()[0])
+    arms = {name: {**got[-1], **{k: median([a[k] for a in got]) for k in ("startup_s", "generate_s", "total_s")}}
+            for name, got in runs.items()}
     bare = arms["bare"]
     planned = arms["worker"]["shards"]
 
@@ -359,7 +370,7 @@ def run_job(records: int, shards: int, max_tokens: int, one_shard_arm: bool = Fa
         steps = arm["activity"].get("steps")
         return arm["activity"]["step_s"] / steps if steps else None
 
-    out: dict[str, Any] = {"records": records, "shards": planned, "max_tokens": max_tokens,
+    out: dict[str, Any] = {"records": records, "shards": planned, "max_tokens": max_tokens, "repeats": repeats,
                            "schema": "ticket (category, urgent, summary)", "load1": load,
                            "bare_s": {"startup": rnd(bare["startup_s"]), "generate": rnd(bare["generate_s"]),
                                       "whole_run": rnd(bare["total_s"])}}
@@ -400,7 +411,7 @@ def run(records: int = 500, prefix_records: int = 200, max_tokens: int = 24, rep
     head = {"benchmark": "vllm_engine", "engine": "vllm", "vllm": _vllm_version(),
             "model": "SmolLM2-135M-Instruct bf16 (CPU)", "cpu": cpu_vector_extensions()}
     if not records:
-        multi = [run_job(n, k, job_max_tokens, one_shard_arm) for n, k in jobs]
+        multi = [run_job(n, k, job_max_tokens, one_shard_arm, repeats) for n, k in jobs]
         return {**head, "multi_shard": multi, "target": "multi-shard jobs: >= 0.95 of bare on generation, >= 0.9 "
                 "on whole runs", "met": all(job["met"] for job in multi), "machine": machine()}
     common = ["--records", str(records), "--max-tokens", str(max_tokens)]
@@ -433,7 +444,7 @@ def run(records: int = 500, prefix_records: int = 200, max_tokens: int = 24, rep
     prefix_ratio = med("prefix_off", "generate_s") / med("prefix_on", "generate_s") if prefix_records else None
     # run-batch's whole run ends when its process does, so the worker's runs through its engine's teardown here.
     b_a, b_c = rate["worker"] / rate["bare"], med("run_batch", "total_s") / med("worker", "exit_s")
-    multi = [run_job(n, k, job_max_tokens, one_shard_arm) for n, k in jobs]
+    multi = [run_job(n, k, job_max_tokens, one_shard_arm, repeats) for n, k in jobs]
     return {**head, "records": records, "max_tokens": max_tokens,
             "repeats": repeats,
             "records_s": {k: rnd(v) for k, v in rate.items()},
