@@ -112,6 +112,8 @@ def _attack(conn, warehouse, query: str) -> str:
     for statement in SETUP[engine]:
         hook.run(statement, autocommit=True)
     source, ledger = _source_state(engine, fields), _ledger_state(conn)
+    LEAK.unlink(missing_ok=True)
+    ATTACHED.unlink(missing_ok=True)
     with pytest.raises(SnapshotError) as err:
         submit(conn, sql_spec({"conn_id": fields["conn_id"], "query": query}))
     line = str(err.value)

