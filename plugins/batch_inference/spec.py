@@ -277,10 +277,11 @@ class Engine(_Strict):
         spelt = re.sub(r"[._\s]+", "-", v.strip().lower())
         if v in ENGINE_RESULT_OPTIONS or (_ENGINE_PATH.match(v) and spelt not in ENGINE_RESULT_OPTIONS):
             return v
+        named = [n for n in ENGINE_RESULT_OPTIONS if n != "ladder"]   # a ladder is spelt models:, not named
         near = [spelt] if spelt in ENGINE_RESULT_OPTIONS else \
-            difflib.get_close_matches(spelt, list(ENGINE_RESULT_OPTIONS), n=1, cutoff=0.6)
+            difflib.get_close_matches(spelt, named, n=1, cutoff=0.6)
         hint = f"did you mean '{near[0]}'? " if near else ""
-        raise ValueError(f"unknown engine '{v}': {hint}use one of {', '.join(ENGINE_RESULT_OPTIONS)}, or a dotted "
+        raise ValueError(f"unknown engine '{v}': {hint}use one of {', '.join(named)}, or a dotted "
                          "path package.module:ClassName")
 
 
