@@ -47,7 +47,8 @@ class Manifest:
         """The manifest as JSON, its dead-letter count named for what it counts: the records refused at
         planning (too long, empty, ...), not those the workers dead-letter later (``status`` counts all)."""
         out = asdict(self)
-        return {k if k != "dead_letters" else "dead_letters_at_planning": v for k, v in out.items()}
+        return {k if k != "dead_letters" else "dead_letters_at_planning": v for k, v in out.items()
+                if k != "not_enforced" or v}
 
 
 def submit(conn: psycopg.Connection, spec: JobSpec,

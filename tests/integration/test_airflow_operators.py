@@ -55,7 +55,7 @@ def test_submit_applies_param_overrides_and_pushes_a_small_manifest(ledger, conn
     ti = FakeTI()
     manifest = op.execute({"ti": ti})
     assert manifest["records"] == 7 and manifest["shards"] == 2 and manifest["created"] is True
-    assert set(manifest) == {"job_version", "dataset", "records", "shards", "dead_letters", "reused", "created",
+    assert set(manifest) == {"job_version", "dataset", "records", "shards", "dead_letters_at_planning", "reused", "created",
                              "applied"}
     assert ti.pushed == {"job_version": manifest["job_version"]}
     # the same spec over the same rows: the same version, nothing written

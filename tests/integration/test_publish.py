@@ -228,8 +228,8 @@ def test_cli_publish_rollback_published(conn, db_url, capsys):
     assert out["job_version"] == v1 and out["view"] == VIEW and out["null_acl"] == "all_readers"
     assert [h["action"] for h in out["history"]] == ["rollback", "publish", "publish"]
     assert out["history"][1]["forced"] is True and out["history"][1]["actor"] == "bob"
-    assert cli_main(["--db", db_url, "published", "nothing_here", "--json"]) == 0
-    assert json.loads(capsys.readouterr().out)["job_version"] is None
+    assert cli_main(["--db", db_url, "published", "nothing_here", "--json"]) == 2   # no such dataset: one line
+    assert capsys.readouterr().out == ""
 
 
 # -- expected current version (sql/schema/publish.sql) --------------------------------------

@@ -315,7 +315,7 @@ def test_publish_and_rollback_with_a_glue_catalog_through_an_airflow_connection(
 
     # The secret is nowhere it could be read back: the log, the stored spec, the publish history.
     assert ice.aws()["secret_key"] == secret      # it was used, and an error line that held it would not show it
-    assert secret not in ice._line(RuntimeError(f"signature mismatch for {secret}"))
+    assert secret not in ice.error_line(RuntimeError(f"signature mismatch for {secret}"))
     stored = json.dumps([job_spec(conn, v).model_dump(mode="json") for v in (v1, v2)])
     history = json.dumps(published(conn, DATASET), default=str)
     dests = json.dumps(conn.execute("SELECT * FROM bi.publish_destinations").fetchall(), default=str)

@@ -194,6 +194,8 @@ def _requests(jobs: dict[str, str]) -> dict[tuple[str, str], list[tuple[str, dic
         ("GET", "/api/jobs/{job_version}/dead-letters"): jv("/api/jobs/{job_version}/dead-letters"),
         ("GET", "/api/jobs/{job_version}/cost"): jv("/api/jobs/{job_version}/cost"),
         ("GET", "/api/jobs/{job_version}/drift"): jv("/api/jobs/{job_version}/drift"),
+        ("GET", "/api/jobs/{job_version}/ladder"): jv("/api/jobs/{job_version}/ladder"),
+        ("GET", "/api/datasets/{dataset}/estimates"): [(f"/api/datasets/{d}/estimates", {}) for d in (A, B, C)],
         ("GET", "/jobs/{job_version}/review"): jv("/jobs/{job_version}/review"),
         ("GET", "/api/jobs/{job_version}/review"): jv("/api/jobs/{job_version}/review"),
         ("POST", "/api/jobs/{job_version}/review"): [(f"/api/jobs/{a}/review",

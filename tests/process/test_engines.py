@@ -193,7 +193,7 @@ def test_load_engine_errors(name, message):
 
 
 def test_unknown_option_is_rejected():
-    with pytest.raises(ValueError, match=r"^engine 'noop': unknown option 'fail_rat' \(known: delay_s, fail_rate, invalid_rate, max_num_seqs, seed\)$"):
+    with pytest.raises(ValueError, match=r"^engine 'noop': unknown option 'fail_rat' \(known: delay_s, fail_rate, invalid_rate, max_num_seqs, per_step, seed, step_s\)$"):
         load_engine("noop", make_spec(), {"fail_rat": 0.1})
 
 

@@ -74,7 +74,7 @@ def engine_class(name: str) -> type[Engine]:
     elif "." in target:
         module_name, _, attr = target.rpartition(".")
     else:
-        known = ", ".join(BUILTIN_ENGINES)
+        known = ", ".join(n for n in BUILTIN_ENGINES if n != "ladder")   # a ladder is spelt models:
         raise InvalidValue(f"unknown engine {shown}: use one of {known}, or a dotted path package.module:ClassName")
     if not _MODULE.match(module_name) or not _ATTR.match(attr):
         raise InvalidValue(f"unknown engine {shown}: a dotted path must look like package.module:ClassName")
