@@ -22,10 +22,11 @@ SELECT shard_no, intent_no, idem_key, provider, epoch, provider_batch_id, input_
        cardinality(record_ids) AS requests, created_at, confirmed_at, cancel_requested_at, ended_at, reconciled_at
   FROM bi.hosted_batches WHERE job_version = %(job)s ORDER BY shard_no, intent_no;
 
--- name: hosted_cost_rows  rows a job stored through hosted batch and the providers' reported usage, from the job's stripes (counters, never a scan of its results or batches)
-SELECT coalesce(sum(c.stored_hosted), 0) AS rows, sum(c.hosted_input_tokens) AS input_tokens,
-       sum(c.hosted_output_tokens) AS output_tokens, coalesce(sum(c.hosted_unpriced), 0) AS unpriced_batches
-  FROM bi.shard_stripes c WHERE c.job_version = %(job)s;
+-- name: hosted_cost_rows  rows a job stored through hosted batch and the providers' reported usage, from the job's stripes (counters, never a scan of its results)
+SELECT rows, input_tokens, output_tokens, unpriced_batches FROM bi.hosted_spend_v1(%(job)s, false);
+
+-- name: hosted_spend  the hosted part of the bill and the requests the job's provider batches still hold (reserved under cost.budget); lock: hold the job's budget lock for this transaction
+SELECT * FROM bi.hosted_spend_v1(%(job)s, %(lock)s);
 
 -- name: hosted_drain  measured cancel drains of one job's provider batches: cancel request to settled, in seconds
 SELECT shard_no, intent_no, extract(epoch FROM ended_at - cancel_requested_at)::float8 AS drain_s

@@ -70,8 +70,8 @@ SELECT s.record_id, count(*) AS n FROM {relation} AS s WHERE s.record_id IS NOT 
 -- name: halt_job  record that the job's workers cannot work (the cutoff watch ends the run); NULL if not running
 SELECT bi.halt_job_v1(%(job)s, %(reason)s) AS halted_at;
 
--- name: job_halt  the job's latest halt, if any, and the first work on the version seen after it (a shard claimed, renewed or finished, a DAG run's submit), which makes the halt a past one
-SELECT j.halted_at, j.halt_reason,
+-- name: job_halt  the job's latest halt, if any, the first work on the version seen after it (a shard claimed, renewed or finished, a DAG run's submit) and a later resubmit that changed its settings: either makes the halt a past one
+SELECT j.halted_at, j.halt_reason, CASE WHEN j.resubmitted_at > j.halted_at THEN j.resubmitted_at END AS resubmitted_after,
        (SELECT min(t) FROM (SELECT v.t FROM bi.shards s
                               CROSS JOIN LATERAL (VALUES (s.first_claim_at), (s.lease_renewed_at), (s.done_at)) v (t)
                              WHERE s.job_version = j.job_version
@@ -85,7 +85,7 @@ SELECT job_version, dataset, records, shards, planned_dead AS dead_letters, reus
   FROM bi.jobs WHERE job_version = %(job)s;
 
 -- name: job_settings_update  a resubmit's settings outside the job version (guarded: same spec hash, not published or dropped)
-UPDATE bi.jobs SET spec = %(spec_text)s::jsonb, spec_text = %(spec_text)s
+UPDATE bi.jobs SET spec = %(spec_text)s::jsonb, spec_text = %(spec_text)s, resubmitted_at = clock_timestamp()
  WHERE job_version = %(job)s AND spec_hash = %(spec_hash)s AND status NOT IN ('published', 'dropped')
 RETURNING job_version;
 

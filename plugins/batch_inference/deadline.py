@@ -357,7 +357,10 @@ async def watch(connect: Callable[[], Awaitable[psycopg.AsyncConnection]], cfg: 
                                 ctx.constants.source)
                 counts = await poll_counts(conn, cfg.job_version)
                 halt = await _one(conn, "job_halt", {"job": cfg.job_version})
-                if halt and halt["halted_at"] and (cfg.since is None or halt["halted_at"] >= cfg.since):
+                # A halt stands unless a later resubmit changed the settings (its cause fixed) or the run
+                # began after it.
+                if halt and halt["halted_at"] and not halt["resubmitted_after"] \
+                        and (cfg.since is None or halt["halted_at"] >= cfg.since):
                     message = (f"the workers of {cfg.job_version} cannot work (halted at "
                                f"{halt['halted_at']:%H:%M:%S}): {halt['halt_reason']}")
                     logger.error("cutoff watch ends: %s", message)

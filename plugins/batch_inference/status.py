@@ -72,11 +72,16 @@ def bill(conn: psycopg.Connection, job_version: str, prices: Prices | None = Non
 
 def job_halt(conn: psycopg.Connection, job_version: str) -> dict[str, Any]:
     """When the version's workers last halted it and why (``bi.halt_job_v1``); both None if never.
-    ``halt_cleared_at``: the first work on the version after the halt (a worker claimed, renewed or
-    finished a shard; a DAG run submitted it again), which makes the halt a past one; None while it stands."""
+    ``halt_cleared_at``: when the halt became a past one, the earlier of a resubmit that changed the
+    version's settings after it (``bi.jobs.resubmitted_at``: its cause fixed) and the first work on the
+    version after it (a worker claimed, renewed or finished a shard; a DAG run submitted it again);
+    ``halt_cleared_by`` says which ('resubmit' or 'work'). Both None while it stands."""
     r = conn.execute(q("job_halt"), {"job": job_version}).fetchone()
+    cleared = sorted((t, by) for t, by in ((r["resubmitted_after"], "resubmit"), (r["worked_after"], "work"))
+                     if t is not None) if r else []
     return {"halted_at": r["halted_at"] if r else None, "halt_reason": r["halt_reason"] if r else None,
-            "halt_cleared_at": r["worked_after"] if r else None}
+            "halt_cleared_at": cleared[0][0] if cleared else None,
+            "halt_cleared_by": cleared[0][1] if cleared else None}
 
 
 def job_spec(conn: psycopg.Connection, job_version: str) -> JobSpec:

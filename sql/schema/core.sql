@@ -72,6 +72,9 @@ CREATE TABLE IF NOT EXISTS bi.jobs (
     -- from before its DAG run was (re)queued.
     halted_at        timestamptz,
     halt_reason      text,
+    -- When a submit last applied changed settings to the version (plan._resubmitted): a halt
+    -- before it is past (its cause fixed), whether or not a worker has run since.
+    resubmitted_at   timestamptz,
     CONSTRAINT jobs_spec_text_matches CHECK (spec_text IS NULL OR spec_text::jsonb = spec)
 );
 CREATE INDEX IF NOT EXISTS jobs_dataset_spec ON bi.jobs (dataset, spec_hash, created_at DESC);

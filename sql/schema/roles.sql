@@ -173,7 +173,8 @@ GRANT EXECUTE ON FUNCTION
     bi.hosted_open_v1(text, integer, bigint, text, text, text[]),
     bi.hosted_intents_v1(text, integer, bigint),
     bi.hosted_update_v1(text, integer, bigint, text, integer, text, text, text, text[], text, integer[], boolean,
-                        boolean, bigint, bigint)
+                        boolean, bigint, bigint),
+    bi.hosted_spend_v1(text, boolean)
 TO bi_worker;
 
 -- The model ladder (ladder.sql): a ladder worker records and reads back every rung's answers under its lease.

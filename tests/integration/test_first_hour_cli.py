@@ -186,6 +186,31 @@ def test_status_shows_a_halt_that_later_work_cleared_as_past(conn, db_url, tmp_p
     assert shown["halted_at"] and shown["halt_cleared_at"] and shown["halt_cleared_at"] > shown["halted_at"]
 
 
+def test_status_shows_a_halt_a_later_resubmit_cleared_as_past(conn, db_url, tmp_path):
+    """The engine misconfigured, the worker halts the version; the user fixes the spec and submits it again.
+    From that resubmit the halt is past, with when it was cleared (before, status showed it as current
+    until a worker ran), and the version runs to the end."""
+    make_source(conn, tickets(5))
+    job = one_json_line(bi("--db", db_url, "submit",
+                           write(tmp_path, spec_dict(engine={"name": "noop", "options": {"bogus": 1}}))))["job_version"]
+    w = bi("--db", db_url, "worker", job)
+    assert w.returncode == 4, w.stderr                       # a configuration error: the worker halts the version
+    p = bi("--db", db_url, "status", job)
+    assert "; HALTED by its workers at " in p.stdout and "unknown option 'bogus'" in p.stdout, p.stdout
+    fixed = bi("--db", db_url, "submit", write(tmp_path, spec_dict(), "fixed.yaml"))
+    assert one_json_line(fixed)["job_version"] == job and "applied: engine.options.bogus: 1 -> null" in fixed.stderr, fixed.stderr
+    p = bi("--db", db_url, "status", job)
+    assert p.returncode == 0 and "HALTED" not in p.stdout, p.stdout
+    assert "0/5 stored" in p.stdout and "an earlier halt at " in p.stdout and \
+        " is past (cleared by a resubmit that changed its settings at " in p.stdout, p.stdout
+    shown = one_json_line(bi("--db", db_url, "status", job, "--json"))
+    assert shown["halt_cleared_by"] == "resubmit" and shown["halt_cleared_at"] > shown["halted_at"], shown
+    w = bi("--db", db_url, "worker", job)
+    assert w.returncode == 0, w.stderr
+    p = bi("--db", db_url, "status", job)
+    assert "5/5 stored" in p.stdout and " is past (cleared by a resubmit that changed its settings at " in p.stdout
+
+
 def test_published_of_an_unknown_dataset_is_one_line_and_non_zero(conn, db_url, tmp_path):
     make_source(conn, tickets(3))
     one_json_line(bi("--db", db_url, "submit", write(tmp_path, spec_dict())))

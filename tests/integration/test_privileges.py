@@ -37,6 +37,8 @@ WORKER_FUNCTIONS = {
     "job_spec_v2", "job_counts_v1", "may_work_on_v1",
     # the hosted batch transports' provider batches (batch_inference/hosted/core.py)
     "hosted_open_v1", "hosted_intents_v1", "hosted_update_v1",
+    # what the job's provider batches cost and hold, under the budget's lock (hosted/core.py, cost.budget)
+    "hosted_spend_v1",
     # embedding jobs: results with their vectors (batch_inference/ledger.py)
     "put_embeddings_v1",
     # the model ladder: every rung's answers under the lease (batch_inference/ladder/audit.py)

@@ -80,11 +80,14 @@ def run_status(args: argparse.Namespace) -> int:
     else:
         s = c["shards"]
         # The workers' halt (weights that do not match, an engine that cannot start): why nothing moves;
-        # a halt followed by work on the version (a resubmit fixed its cause) is shown as past.
+        # a halt followed by a resubmit that changed the settings (its cause fixed) or by work on the
+        # version is shown as past, with when it was cleared.
         halted = ""
         if halt["halted_at"] and halt["halt_cleared_at"]:
-            halted = (f"; an earlier halt at {halt['halted_at']:%Y-%m-%d %H:%M:%S %Z} is past (workers worked on it "
-                      f"again from {halt['halt_cleared_at']:%Y-%m-%d %H:%M:%S %Z}): {printable(halt['halt_reason'])}")
+            how = ("cleared by a resubmit that changed its settings at" if halt["halt_cleared_by"] == "resubmit"
+                   else "workers worked on it again from")
+            halted = (f"; an earlier halt at {halt['halted_at']:%Y-%m-%d %H:%M:%S %Z} is past ({how} "
+                      f"{halt['halt_cleared_at']:%Y-%m-%d %H:%M:%S %Z}): {printable(halt['halt_reason'])}")
         elif halt["halted_at"]:
             halted = (f"; HALTED by its workers at {halt['halted_at']:%Y-%m-%d %H:%M:%S %Z}: "
                       f"{printable(halt['halt_reason'])}")
