@@ -504,7 +504,7 @@ class Ladder(_Strict):
 
 
 # The built-in engines with an embedding mode (task: embed; batch_inference.embed.engines).
-EMBEDDING_ENGINES = ("llama-cpp", "vllm", "openai")
+EMBEDDING_ENGINES = ("llama-cpp", "vllm", "openai", "openai-batch")
 MAX_DIMENSIONS = 16_000   # pgvector's vector type holds at most 16,000 dimensions
 
 

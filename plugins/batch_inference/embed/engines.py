@@ -20,10 +20,20 @@ generation) after ``embedding.instruction``; there is no system turn.
 * ``openai`` (``OpenAIEmbedder``): an OpenAI-compatible ``POST /embeddings``
   (vLLM's and llama.cpp's servers, OpenAI's API) through the generating
   engine's client, with its retries, breaker, rate limit and clearance.
+* ``openai-batch`` (``OpenAIBatchEmbedder``): the OpenAI Batch API's
+  ``/v1/embeddings`` endpoint as a hosted transport (``hosted.openai_batch``):
+  one ``/v1/embeddings`` request per record in the shard's batch file, each
+  answer's ``data[0].embedding`` the record's vector.
+
+Both OpenAI-shaped engines send the same body (``embedding_body``):
+``model``, ``input``, ``encoding_format: float``, and ``dimensions`` for a
+model known to shorten its vectors (``OPENAI_EMBEDDING_MODELS``).
 
 ``model_dimensions(spec)`` reads the pinned model's embedding size without
 loading it (the GGUF's metadata, the model directory's config.json), so
-submit refuses a spec whose ``embedding.dimensions`` does not match.
+submit refuses a spec whose ``embedding.dimensions`` does not match; for the
+OpenAI-shaped engines ``check_openai_model`` does the same from the table of
+OpenAI's embedding models.
 """
 
 from __future__ import annotations
@@ -36,13 +46,27 @@ from typing import Any
 
 from batch_inference.engines.base import Outcome, Request, one_line
 from batch_inference.engines.llama_cpp import LlamaCppEngine, resolve_model_path
-from batch_inference.engines.openai import OpenAIEngine
+from batch_inference.engines.openai import OpenAIEngine, extra_body_option
+from batch_inference.hosted.core import ERRORED, SUCCEEDED, HostedBatchEngine, Item
+from batch_inference.hosted.openai_batch import OpenAIBatchEngine
 from batch_inference.engines.vllm import VllmEngine, build_llm_kwargs, tolerate_proxies_in_kernel_scan
 from batch_inference.exceptions import InvalidValue
 from batch_inference.prompting import render_record
 from batch_inference.spec import JobSpec
 
 EMBED_BATCH = 32   # llama.cpp: records per Llama.embed call
+
+# OpenAI's embedding models: (native dimensions, takes ``dimensions`` to shorten its vectors).
+OPENAI_EMBEDDING_MODELS: dict[str, tuple[int, bool]] = {
+    "text-embedding-3-small": (1536, True),
+    "text-embedding-3-large": (3072, True),
+    "text-embedding-ada-002": (1536, False),
+}
+OPENAI_API_HOST = "api.openai.com"
+# A /v1/embeddings batch holds at most this many inputs (one a record here): a shard is one batch.
+OPENAI_BATCH_MAX_INPUTS = 50_000
+# The fields of an embeddings request the spec sets; ``extra_body`` may add to them, never replace one.
+EMBED_BODY_FIELDS = frozenset({"model", "input", "dimensions", "encoding_format"})
 
 
 def embed_input(spec: JobSpec, text: str) -> str:
@@ -95,11 +119,61 @@ def check_spec(spec: JobSpec) -> None:
     name = spec.engine.name   # a built-in without one the spec refused; a dotted path's class must say so
     if name not in EMBEDDING_ENGINES and not getattr(engine_class(name), "embeds", False):
         raise InvalidValue(f"engine {name!r} has no embedding mode: its class does not set embeds = True")
+    if name in ("openai", "openai-batch"):
+        check_openai_model(spec)
     try:
         size = model_dimensions(spec)
     except (OSError, ValueError, ImportError) as exc:
         raise InvalidValue(f"embedding: cannot read the size of model {spec.model.name}: {one_line(exc)}") from None
     _check_model_size(spec.engine.name, spec, size)
+
+
+def embedding_body(spec: JobSpec, model: str, text: str, extra: dict[str, Any]) -> dict[str, Any]:
+    """One OpenAI-shaped embeddings request: ``dimensions`` only for a model known to take it."""
+    body: dict[str, Any] = {"model": model, "input": embed_input(spec, text), "encoding_format": "float"}
+    if OPENAI_EMBEDDING_MODELS.get(model, (0, False))[1]:
+        body["dimensions"] = spec.embedding.dimensions
+    return {**body, **extra}
+
+
+def vector_of(data: Any) -> tuple[list[float] | None, str | None]:
+    """``(vector, None)`` from an embeddings response holding one input, else ``(None, why)``."""
+    try:
+        vector = data["data"][0]["embedding"]
+    except (KeyError, IndexError, TypeError):
+        return None, "response has no data[0].embedding"
+    if not isinstance(vector, list):
+        return None, "data[0].embedding is not a list of floats"
+    return vector, None
+
+
+def check_openai_model(spec: JobSpec) -> None:
+    """An OpenAI-shaped engine's model against what OpenAI documents of it (one line, at submit):
+    a known model asked for a size it cannot make, or, on OpenAI's own API, a model that is not one
+    of its embedding models (a model behind another server is that server's to know); for
+    ``openai-batch``, a shard larger than one batch may be."""
+    name, opts = spec.engine.name, spec.engine.options
+    if name == "openai-batch" and spec.shard_size > OPENAI_BATCH_MAX_INPUTS:
+        raise InvalidValue(f"engine 'openai-batch': shard_size {spec.shard_size} is more than the "
+                           f"{OPENAI_BATCH_MAX_INPUTS:,} inputs a /v1/embeddings batch may hold (a shard is one batch)")
+    model = str(opts.get("model") or spec.model.name)
+    want = spec.embedding.dimensions
+    known = OPENAI_EMBEDDING_MODELS.get(model)
+    if known is not None:
+        native, shortens = known
+        if shortens and want > native:
+            raise InvalidValue(f"engine '{name}': model {model} makes at most {native}-dimensional embeddings; "
+                               f"the spec's embedding.dimensions is {want}")
+        if not shortens and want != native:
+            raise InvalidValue(f"engine '{name}': model {model} makes {native}-dimensional embeddings and takes no "
+                               f"'dimensions'; the spec's embedding.dimensions is {want}")
+        return
+    from urllib.parse import urlsplit
+
+    base_url = opts.get("base_url") or (None if opts.get("conn_id") else OpenAIBatchEngine.default_base_url)
+    if base_url and urlsplit(str(base_url)).hostname == OPENAI_API_HOST:
+        raise InvalidValue(f"engine '{name}': model {model!r} is not one of OpenAI's embedding models "
+                           f"({', '.join(OPENAI_EMBEDDING_MODELS)}): name one as model.name or the option 'model'")
 
 
 class LlamaCppEmbedder(LlamaCppEngine):
@@ -209,15 +283,37 @@ class OpenAIEmbedder(OpenAIEngine):
     embeds = True
     path = "/embeddings"
 
+    def __init__(self, spec, options=None):
+        super().__init__(spec, options)
+        self.extra_body = extra_body_option(self.name, self.option("extra_body", {}), EMBED_BODY_FIELDS)
+
     def body(self, req: Request) -> dict[str, Any]:
-        return {"model": self.model, "input": embed_input(self.spec, req.text), "encoding_format": "float",
-                **self.extra_body}
+        return embedding_body(self.spec, self.model, req.text, self.extra_body)
 
     def parse(self, record_id: str, data: Any) -> Outcome:
-        try:
-            vector = data["data"][0]["embedding"]
-        except (KeyError, IndexError, TypeError):
-            return Outcome(record_id, None, error="response has no data[0].embedding")
-        if not isinstance(vector, list):
-            return Outcome(record_id, None, error="data[0].embedding is not a list of floats")
-        return Outcome(record_id, None, vector=vector)
+        vector, error = vector_of(data)
+        return Outcome(record_id, None, error=error, vector=vector)
+
+
+class OpenAIBatchEmbedder(OpenAIBatchEngine):
+    """``openai-batch`` for ``task: embed``: the Batch API's ``/v1/embeddings`` endpoint. The provider
+    batch's life (intent, poll, cancel-and-collect, reconcile) is ``hosted.core``'s, unchanged."""
+
+    embeds = True
+    batch_endpoint = "/v1/embeddings"
+    option_names = HostedBatchEngine.common_options | {"extra_body"}
+
+    def __init__(self, spec, options=None):
+        HostedBatchEngine.__init__(self, spec, options)   # no response format: an embedding has no schema
+        self.extra_body = extra_body_option(self.name, self.option("extra_body", {}), EMBED_BODY_FIELDS)
+
+    def request_body(self, req: Request) -> dict[str, Any]:
+        return embedding_body(self.spec, self.model, req.text, self.extra_body)
+
+    def read_answer(self, cid: str, body: Any) -> Item:
+        vector, error = vector_of(body)
+        usage = body.get("usage") if isinstance(body, dict) else None
+        tokens_in = int((usage or {}).get("prompt_tokens") or 0)
+        if error is not None:
+            return Item(cid, ERRORED, error=error, tokens_in=tokens_in)
+        return Item(cid, SUCCEEDED, vector=vector, tokens_in=tokens_in)

@@ -68,6 +68,7 @@ EMBEDDING_ENGINES: dict[str, str] = {
     "llama-cpp": "batch_inference.embed.engines:LlamaCppEmbedder",
     "vllm": "batch_inference.embed.engines:VllmEmbedder",
     "openai": "batch_inference.embed.engines:OpenAIEmbedder",
+    "openai-batch": "batch_inference.embed.engines:OpenAIBatchEmbedder",
 }
 
 

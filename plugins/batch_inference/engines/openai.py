@@ -97,12 +97,12 @@ _DONE = object()
 
 
 
-def extra_body_option(engine: str, extra: Any) -> dict[str, Any]:
-    """The ``extra_body`` option of a chat-completions engine: a mapping that adds to the
-    request and never replaces one of its own fields (``BODY_FIELDS``, set by the spec)."""
+def extra_body_option(engine: str, extra: Any, fields: frozenset[str] = BODY_FIELDS) -> dict[str, Any]:
+    """The ``extra_body`` option of an OpenAI-shaped engine: a mapping that adds to the request and
+    never replaces one of its own ``fields`` (set by the spec; a chat completion's by default)."""
     if not isinstance(extra, dict):
         raise InvalidValue(f"engine '{engine}': option 'extra_body' must be a mapping")
-    for key in sorted(BODY_FIELDS & set(extra)):
+    for key in sorted(fields & set(extra)):
         raise InvalidValue(f"engine '{engine}': option 'extra_body.{key}' is refused: it would replace the "
                            f"request's own '{key}' (set by the spec)")
     return dict(extra)

@@ -16,11 +16,24 @@ published wire shapes on ``127.0.0.1`` and is driven by the official
   ``batch_expired`` lines for the rest; ``batch_cancelled`` lines for a cancelled batch's rest.
 * ``request_counts`` (total, completed, failed) that move while the batch runs, and
   ``usage`` (input/output tokens) on the batch.
-* Per-request answers from ``respond(body) -> (status, body)``: 200 lines go to the
-  output file, other statuses to the error file with the same line shape.
+* Per-request answers from ``respond(body) -> (status, body)`` for ``/v1/chat/completions``
+  lines and ``embed(body) -> (status, body)`` for ``/v1/embeddings`` lines: 200 lines go
+  to the output file, other statuses to the error file with the same line shape.
+* ``/v1/embeddings`` (``embedding_answer``, the default ``embed``): the request body
+  ``{model, input, dimensions?, encoding_format?}`` as the Embeddings API takes it, for
+  OpenAI's three embedding models (``EMBEDDING_MODELS``): an unknown model is a 404
+  ``model_not_found``, ``dimensions`` on ``text-embedding-ada-002`` or past a model's size
+  a 400, an empty input a 400; the answer ``{object: list, data: [{object: embedding,
+  index, embedding}], model, usage: {prompt_tokens, total_tokens}}``, ``embedding`` a
+  list of floats or, with ``encoding_format: base64``, float32 bytes in base64. A batch
+  of more than 50,000 embedding inputs is refused at create, as the API documents.
+  The vectors are not a model's: each is a unit vector of the text's hashed character
+  trigrams (texts that share words are near each other), shortened as ``dimensions``
+  shortens OpenAI's (the first values, normalized again).
 
 Not covered: authentication and organisation scoping, rate limits and the
-enqueued-token limit, file size and line-count limits, the ``/v1/responses`` and
+enqueued-token limit, file size and line-count limits (but the embedding inputs'),
+the per-input token limit of the embedding models, the ``/v1/responses`` and
 other endpoints, ``output_expires_after``, a batch ``failed`` at validation for
 a malformed file beyond what is checked above, and real model output.
 
@@ -29,6 +42,8 @@ The clock, ``billed``, ``hold_after`` and ``on_create`` are ``harness.hosted_sim
 
 from __future__ import annotations
 
+import base64
+import hashlib
 import json
 import re
 import time
@@ -38,9 +53,17 @@ from email.parser import BytesParser
 from email.policy import HTTP
 from typing import Any
 
+import numpy as np
+
 from batch_inference.harness.hosted_sim import BatchProvider
 from batch_inference.harness.loopback import completion
 
+ENDPOINTS = ("/v1/chat/completions", "/v1/embeddings")
+# The provider's embedding models as its documentation gives them: native size, and whether
+# the request's ``dimensions`` may shorten the vectors (the text-embedding-3 models only).
+EMBEDDING_MODELS = {"text-embedding-3-small": 1536, "text-embedding-3-large": 3072, "text-embedding-ada-002": 1536}
+SHORTENS = frozenset({"text-embedding-3-small", "text-embedding-3-large"})
+MAX_BATCH_EMBEDDING_INPUTS = 50_000
 END_FIELD = {"completed": "completed_at", "expired": "expired_at", "cancelled": "cancelled_at"}
 END_CODE = {"expired": ("batch_expired", "This request could not be executed before the completion window expired."),
             "cancelled": ("batch_cancelled", "This request was not executed because the batch was cancelled.")}
@@ -55,6 +78,52 @@ def _error(message: str, kind: str = "invalid_request_error") -> dict[str, Any]:
     return {"error": {"message": message, "type": kind, "param": None, "code": None}}
 
 
+def _inputs(body: dict[str, Any]) -> list[Any]:
+    x = body.get("input")
+    return [x] if isinstance(x, str) else list(x) if isinstance(x, list) else [x]
+
+
+def trigram_vector(text: str, size: int) -> np.ndarray:
+    """A unit vector of ``text``'s character trigrams, each hashed to a place and a sign."""
+    v = np.zeros(size, dtype=np.float64)
+    t = f"  {text.lower()} "
+    for i in range(len(t) - 2):
+        h = int.from_bytes(hashlib.blake2b(t[i:i + 3].encode(), digest_size=8).digest(), "little")
+        v[h % size] += 1.0 if (h >> 40) & 1 else -1.0
+    n = np.linalg.norm(v)
+    return v / n if n else v
+
+
+def embedding_answer(body: dict[str, Any]) -> tuple[int, dict[str, Any]]:
+    """One ``/v1/embeddings`` request answered as the Embeddings API answers it."""
+    model = body.get("model")
+    if model not in EMBEDDING_MODELS:
+        err = _error(f"The model `{model}` does not exist or you do not have access to it.")
+        err["error"]["code"] = "model_not_found"
+        return 404, err
+    texts = _inputs(body)
+    if not texts or any(not isinstance(t, str) or not t for t in texts):
+        return 400, _error("'$.input' is invalid. Please check the API reference: "
+                           "https://platform.openai.com/docs/api-reference.")
+    size = EMBEDDING_MODELS[model]
+    dims = body.get("dimensions")
+    if dims is not None and model not in SHORTENS:
+        return 400, _error("This model does not support specifying dimensions.")
+    if dims is not None and (not isinstance(dims, int) or not 1 <= dims <= size):
+        return 400, _error(f"Invalid value for 'dimensions' = {dims}. Must be between 1 and {size}.")
+    fmt = body.get("encoding_format", "float")
+    if fmt not in ("float", "base64"):
+        return 400, _error(f"Invalid value for 'encoding_format' = {fmt}. Must be 'float' or 'base64'.")
+    data = []
+    for i, t in enumerate(texts):
+        v = trigram_vector(t, size)[:dims or size]
+        v = (v / np.linalg.norm(v)).astype("<f4")
+        emb: Any = base64.b64encode(v.tobytes()).decode() if fmt == "base64" else [float(x) for x in v]
+        data.append({"object": "embedding", "index": i, "embedding": emb})
+    n = sum(tokens(t) for t in texts)
+    return 200, {"object": "list", "data": data, "model": model, "usage": {"prompt_tokens": n, "total_tokens": n}}
+
+
 def _multipart(ctype: str, raw: bytes) -> dict[str, tuple[str | None, bytes]]:
     """A multipart/form-data body: field name -> (file name, bytes)."""
     msg = BytesParser(policy=HTTP).parsebytes(b"Content-Type: " + ctype.encode() + b"\r\n\r\n" + raw)
@@ -64,8 +133,10 @@ def _multipart(ctype: str, raw: bytes) -> dict[str, tuple[str | None, bytes]]:
 
 
 class OpenAIBatchEmulator(BatchProvider):
-    def __init__(self, respond: Callable[[dict[str, Any]], tuple[int, dict[str, Any]]] | None = None, **clock: Any):
+    def __init__(self, respond: Callable[[dict[str, Any]], tuple[int, dict[str, Any]]] | None = None,
+                 embed: Callable[[dict[str, Any]], tuple[int, dict[str, Any]]] | None = None, **clock: Any):
         self.respond = respond or (lambda body: (200, completion('{"category": "bug", "summary": "x"}')))
+        self.embed = embed or embedding_answer
         self.files: dict[str, dict[str, Any]] = {}
         super().__init__(**clock)
 
@@ -78,13 +149,18 @@ class OpenAIBatchEmulator(BatchProvider):
         b["status"], b["in_progress_at"] = "in_progress", int(now)
 
     def complete(self, b: dict[str, Any], w: dict[str, Any], line: dict[str, Any]) -> None:
-        status, body = self.respond(line["body"])
+        embeds = line["url"] == "/v1/embeddings"
+        status, body = (self.embed if embeds else self.respond)(line["body"])
         out = {"id": f"batch_req_{uuid.uuid4().hex[:24]}", "custom_id": line["custom_id"],
                "response": {"status_code": status, "request_id": uuid.uuid4().hex, "body": body}, "error": None}
         (w["out"] if status == 200 else w["err"]).append(out)
         b["request_counts"]["completed" if status == 200 else "failed"] += 1
         u = b["usage"]
-        u["input_tokens"] += tokens(json.dumps(line["body"].get("messages", "")))
+        if embeds:   # the model's own count where it answered, else the input's
+            u["input_tokens"] += int(((body or {}).get("usage") or {}).get("prompt_tokens")
+                                     or sum(tokens(str(t)) for t in _inputs(line["body"])))
+        else:
+            u["input_tokens"] += tokens(json.dumps(line["body"].get("messages", "")))
         u["output_tokens"] += int(((body or {}).get("usage") or {}).get("completion_tokens") or 0)
         u["total_tokens"] = u["input_tokens"] + u["output_tokens"]
 
@@ -126,7 +202,7 @@ class OpenAIBatchEmulator(BatchProvider):
         f = self.files.get(req.get("input_file_id", ""))
         if f is None:
             return 400, _error(f"No such File object: {req.get('input_file_id')}")
-        if req.get("endpoint") != "/v1/chat/completions" or req.get("completion_window") != "24h":
+        if req.get("endpoint") not in ENDPOINTS or req.get("completion_window") != "24h":
             return 400, _error("unsupported endpoint or completion_window")
         lines = [json.loads(x) for x in f["data"].decode().splitlines() if x.strip()]
         ids = [x.get("custom_id") for x in lines]
@@ -134,6 +210,10 @@ class OpenAIBatchEmulator(BatchProvider):
             return 400, _error("custom_id must be a unique string per request")
         if any(x.get("url") != req["endpoint"] or x.get("method") != "POST" for x in lines):
             return 400, _error("every request's url must match the batch endpoint")
+        if req["endpoint"] == "/v1/embeddings" and \
+                sum(len(_inputs(x.get("body") or {})) for x in lines) > MAX_BATCH_EMBEDDING_INPUTS:
+            return 400, _error(f"/v1/embeddings batches may hold at most {MAX_BATCH_EMBEDDING_INPUTS} "
+                               "embedding inputs across all requests")
         now = time.time()
         bid = f"batch_{uuid.uuid4().hex[:24]}"
         b = {"id": bid, "object": "batch", "endpoint": req["endpoint"], "errors": None,

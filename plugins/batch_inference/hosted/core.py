@@ -105,6 +105,7 @@ class Item:
     error: str | None = None
     tokens_out: int = 0
     tokens_in: int = 0
+    vector: Any = None            # an embedding request's answer (task: embed), instead of text
 
 
 @dataclass(frozen=True)
@@ -407,7 +408,7 @@ class HostedBatchEngine(Engine):
                 tokens_out += item.tokens_out
                 if item.kind == SUCCEEDED:
                     yield Outcome(rid, item.text, error=TRUNCATED if item.error == TRUNCATED else None,
-                                  tokens_out=item.tokens_out)
+                                  tokens_out=item.tokens_out, vector=item.vector)
                 elif item.kind == ERRORED:
                     yield Outcome(rid, item.text, error=item.error or "the provider refused the request")
                 # transport errors, cancellations and expiries: no attempt spent, the record stays pending

@@ -1,10 +1,12 @@
 """``openai-batch``: OpenAI's Batch API (Files + Batches) through the official ``openai`` client.
 
 Any server that speaks the Batch API works through ``base_url``. The input
-is a JSONL file (purpose ``batch``) of chat-completions requests, one per
-record, ``custom_id`` the record id, built like the ``openai`` engine's
-requests (``engines.openai.chat_body``: the spec's params, the output schema
-as ``response_format``). The idempotency key travels in the batch's
+is a JSONL file (purpose ``batch``) of requests to the engine's ``endpoint``,
+one per record, ``custom_id`` the record id: chat-completions requests built
+like the ``openai`` engine's (``engines.openai.chat_body``: the spec's params,
+the output schema as ``response_format``); for ``task: embed`` the engine's
+embedding mode (``embed.engines.OpenAIBatchEmbedder``) sends ``/v1/embeddings``
+requests instead and reads a vector from each answer. The idempotency key travels in the batch's
 ``metadata`` (``bi_key``), so a batch created by a holder that died before
 confirming it is found again by listing batches.
 
@@ -20,7 +22,7 @@ the batch object itself cannot be deleted. Usage: the batch's ``usage``
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 from batch_inference.engines.base import TRUNCATED, Request, one_line, parse_chat_completion
@@ -53,14 +55,13 @@ class OpenAIBatches(Provider):
 
     def line(self, req: Request) -> dict[str, Any]:
         e = self.engine
-        return {"custom_id": req.record_id, "method": "POST", "url": "/v1/chat/completions",
-                "body": chat_body(e.spec, e.model, req.messages, e.response_format, e.extra_body)}
+        return {"custom_id": req.record_id, "method": "POST", "url": e.batch_endpoint, "body": e.request_body(req)}
 
     def submit(self, key: str, requests: Sequence[Request]) -> tuple[str, str | None]:
         data = "".join(json.dumps(self.line(r), ensure_ascii=False) + "\n" for r in requests).encode()
         f = self.client.files.create(file=(f"{key}.jsonl", data, "application/jsonl"), purpose="batch")
         b = self.client.with_options(max_retries=0).batches.create(
-            input_file_id=f.id, endpoint="/v1/chat/completions", completion_window="24h", metadata={KEY_FIELD: key})
+            input_file_id=f.id, endpoint=self.engine.batch_endpoint, completion_window="24h", metadata={KEY_FIELD: key})
         return b.id, f.id
 
     def transient(self, exc: BaseException) -> bool:
@@ -106,7 +107,7 @@ class OpenAIBatches(Provider):
         for file_id in (output, error):
             if file_id:
                 for line in jsonl_objects(self.client.files.content(file_id).text):
-                    yield parse_line(line)
+                    yield parse_line(line, self.engine.read_answer)
 
     def cleanup(self, batch_id: str, input_ref: str | None) -> None:
         input_file, output, error = self._files(batch_id)
@@ -127,8 +128,15 @@ class _Resp:
         return self.body
 
 
-def parse_line(line: dict[str, Any]) -> Item:
-    """One line of a Batch API output or error file."""
+def read_chat_answer(cid: str, body: Any) -> Item:
+    """A chat completion answered 200, read as the synchronous engines read one."""
+    o = parse_chat_completion(cid, body)
+    ok = o.error is None or o.error == TRUNCATED
+    return Item(cid, SUCCEEDED if ok else ERRORED, text=o.text, error=o.error, tokens_out=o.tokens_out)
+
+
+def parse_line(line: dict[str, Any], read: Callable[[str, Any], Item] = read_chat_answer) -> Item:
+    """One line of a Batch API output or error file; ``read`` reads the body of a request answered 200."""
     cid = str(line.get("custom_id"))
     resp = line.get("response")
     err = line.get("error")
@@ -139,9 +147,7 @@ def parse_line(line: dict[str, Any]) -> Item:
     status = int(resp.get("status_code") or 0)
     body = resp.get("body") or {}
     if status == 200:
-        o = parse_chat_completion(cid, body)   # the synchronous engines' reading of a chat completion
-        ok = o.error is None or o.error == TRUNCATED
-        return Item(cid, SUCCEEDED if ok else ERRORED, text=o.text, error=o.error, tokens_out=o.tokens_out)
+        return read(cid, body)
     reason = f"HTTP {status}: {one_line(error_text(_Resp(body)), 300)}"
     if status >= 500 or status in (408, 429):
         return Item(cid, TRANSPORT, error=reason)
@@ -151,6 +157,7 @@ def parse_line(line: dict[str, Any]) -> Item:
 class OpenAIBatchEngine(HostedBatchEngine):
     name = "openai-batch"
     provider_class = OpenAIBatches
+    batch_endpoint = "/v1/chat/completions"   # the Batch API endpoint every request of a batch goes to
     default_base_url = "https://api.openai.com/v1"
     option_names = HostedBatchEngine.common_options | {"response_format_style", "extra_body"}
     result_options = frozenset(ENGINE_RESULT_OPTIONS["openai-batch"])
@@ -163,5 +170,13 @@ class OpenAIBatchEngine(HostedBatchEngine):
         self.response_format = response_format(style, spec.output_schema)
         self.extra_body = extra_body_option("openai-batch", self.option("extra_body", {}))
 
+    def request_body(self, req: Request) -> dict[str, Any]:
+        """One batch line's body."""
+        return chat_body(self.spec, self.model, req.messages, self.response_format, self.extra_body)
 
-__all__ = ["HostedBatchError", "OpenAIBatchEngine", "OpenAIBatches", "parse_line"]
+    def read_answer(self, cid: str, body: Any) -> Item:
+        """The body of a request the provider answered 200."""
+        return read_chat_answer(cid, body)
+
+
+__all__ = ["HostedBatchError", "OpenAIBatchEngine", "OpenAIBatches", "parse_line", "read_chat_answer"]
