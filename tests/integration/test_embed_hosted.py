@@ -19,7 +19,7 @@ from batch_inference.cli import main as cli_main
 from batch_inference.cost import cents
 from batch_inference.embed.engines import embed_input
 from batch_inference.engines import load_engine
-from batch_inference.exceptions import BatchInferenceError, NotCleared, SpecError
+from batch_inference.exceptions import BatchInferenceError, InvalidValue, NotCleared, SpecError
 from batch_inference.harness.hosted_openai import embedding_answer, trigram_vector
 from batch_inference.hosted.core import ERRORED, SUCCEEDED, TRANSPORT
 from batch_inference.hosted.openai_batch import parse_line
@@ -218,3 +218,8 @@ def test_embedding_result_lines_are_read_as_the_batch_api_writes_them(emulator):
     assert parse_line(line(*embedding_answer({"model": "text-embedding-ada-002", "input": "x", "dimensions": 8})),
                       engine.read_answer).kind == ERRORED
     assert parse_line(line(503, {"error": {"message": "busy"}}), engine.read_answer).kind == TRANSPORT
+    # extra_body adds to a request and never replaces the spec's own fields.
+    with pytest.raises(InvalidValue) as err:
+        load_engine("openai-batch", parse_spec(hosted_embed_spec(emulator.base_url,
+                                                                 engine_options={"extra_body": {"input": "x"}})))
+    assert "'extra_body.input' is refused" in str(err.value) and "\n" not in str(err.value)

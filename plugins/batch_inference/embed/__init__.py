@@ -3,7 +3,8 @@
 The one interface of the pieces an embedding job adds to the flow (docs/embeddings.md):
 
 * the engines' embedding modes (``embed.engines``: llama.cpp, vLLM's pooling
-  runner, an OpenAI-compatible ``/embeddings``), which ``engines.load_engine``
+  runner, an OpenAI-compatible ``/embeddings``, the OpenAI Batch API's
+  ``/v1/embeddings`` as a hosted transport), which ``engines.load_engine``
   gives an embedding spec, and ``check_spec``, which refuses at submit a
   model whose size is not ``embedding.dimensions``;
 * the stored form (``embed.vectors``): float32 bytes in

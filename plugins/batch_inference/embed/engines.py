@@ -111,7 +111,8 @@ def model_dimensions(spec: JobSpec) -> int | None:
 
 
 def check_spec(spec: JobSpec) -> None:
-    """At submit: a model whose embedding size is not ``embedding.dimensions`` is refused (one line)."""
+    """At submit: a model whose embedding size is not ``embedding.dimensions`` is refused (one line), and
+    an OpenAI-shaped engine's model as ``check_openai_model`` says."""
     if spec.task != "embed":
         return
     from batch_inference.engines import EMBEDDING_ENGINES, engine_class
