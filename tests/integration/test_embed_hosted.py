@@ -8,17 +8,22 @@ with pgvector, the worker the real worker in process, driving the official ``ope
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import json
+import threading
+from datetime import datetime, timedelta, timezone
 from decimal import Decimal
 
 import numpy as np
 import pytest
 
+from batch_inference import deadline
 from batch_inference.cli import main as cli_main
 from batch_inference.cost import cents
 from batch_inference.embed.engines import embed_input
 from batch_inference.engines import load_engine
+from batch_inference.fallback import run_fallback
 from batch_inference.exceptions import BatchInferenceError, InvalidValue, NotCleared, SpecError
 from batch_inference.harness.hosted_openai import embedding_answer, trigram_vector
 from batch_inference.hosted.core import ERRORED, SUCCEEDED, TRANSPORT
@@ -32,7 +37,8 @@ from gpu_runner.worker import run_worker
 from tests.conftest import make_source
 from tests.fixtures.hosted_openai import OpenAIBatchEmulator
 from tests.integration.test_embed import TOPICS, embed_spec, nearest, records
-from tests.integration.test_hosted_openai import batches, worker_cfg
+from tests.fixtures.chat_server import ChatServer
+from tests.integration.test_hosted_openai import batches, wait_for, worker_cfg
 
 MODEL = "text-embedding-3-small"
 DIMS = 256        # shortened by the request's `dimensions` from the model's 1,536
@@ -149,6 +155,49 @@ def test_an_embedding_job_runs_end_to_end_on_the_batch_api(conn, db_url, emulato
     assert KEY not in out.out + out.err
     dumped = json.dumps([dict(r) for r in rows], default=str) + json.dumps([d["error"] for d in dead])
     assert KEY not in dumped
+
+
+def test_the_cutoff_cancels_the_embedding_batch_and_the_fallback_embeds_the_rest(conn, db_url, emulator):
+    """The same cutoff as for answers: the provider batch is cancelled and what it completed is stored
+    (paid for), and the fallback pool's openai engine embeds the rest on a synchronous /embeddings."""
+    emulator.rate, emulator.hold_after = 400.0, 10     # the batch stalls after 10 of 30, as a slow queue does
+    rows_in = records(60)
+    make_source(conn, rows_in)
+    spec = hosted_embed_spec(emulator.base_url, shard_size=30)
+    job = submit(conn, parse_spec(spec)).job_version
+    codes: list[int] = []
+    worker = threading.Thread(target=lambda: codes.append(run_worker(worker_cfg(db_url, job))), daemon=True)
+    worker.start()
+    wait_for(lambda: sum(r["succeeded"] for r in batches(conn, job)) >= 10, what="the batch part done")
+    cfg = deadline.config_from_kwargs(job, (datetime.now(timezone.utc) + timedelta(minutes=30)).isoformat(), 0.1,
+                                      warned=True)
+    event = asyncio.run(deadline.watch(lambda: deadline.connect_async(db_url), cfg))
+    assert event["status"] == "cutoff"
+    sync = ChatServer(lambda body: (200, {}, embedding_answer(body)[1]))
+    try:
+        result = run_fallback(db_url, job, sync.base_url, rate=1000.0, concurrency=4)
+    finally:
+        sync.close()
+    worker.join(60)
+    assert codes == [0]
+    (row,) = batches(conn, job)
+    assert row["provider_status"] == "cancelled" and row["state"] == "reconciled"
+    c = job_counts(conn, job)
+    assert c["stored"] == 60 and c["outstanding"] == 0 and c["dead_letters"] == 0
+    by = {(r["transport"], r["engine"]): r["n"] for r in conn.execute(
+        "SELECT transport, engine, count(*) AS n FROM bi.results WHERE job_version = %s GROUP BY 1, 2", (job,))}
+    assert by == {("hosted_batch", "openai-batch"): row["succeeded"], ("fallback", "openai"): 60 - row["succeeded"]}
+    assert result.stored == 60 - row["succeeded"]
+    # No record bought twice; both transports sent the same request body and stored the same vectors.
+    sent = [b["input"] for b in sync.bodies]
+    assert len(sent) == len(set(sent)) == 60 - row["succeeded"] and len(emulator.billed) == row["succeeded"]
+    assert all(n == 1 for n in emulator.billed.values())
+    assert {k for k in sync.bodies[0]} == {"model", "input", "encoding_format", "dimensions"}
+    texts = {r[0]: r[1] for r in rows_in}
+    for r in conn.execute("SELECT record_id, embedding FROM bi.results WHERE job_version = %s", (job,)):
+        assert np.allclose(np.frombuffer(r["embedding"], dtype="<f4"), expected(spec, texts[r["record_id"]]),
+                           atol=1e-6)
+    assert validate(conn, job).passed
 
 
 def test_a_batch_api_outage_spends_no_attempt_and_the_next_worker_finishes(conn, db_url, emulator):
