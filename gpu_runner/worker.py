@@ -306,6 +306,7 @@ class Worker:
         self.transport = cfg.transport if cfg.transport == "fallback" else self.engine.transport
         self.made_by = tuple(made_by)
         self.ledger = Ledger(self.conn, cfg.job_version, self.owner, self.transport, cfg.lease_seconds, *made_by)
+        self.ledger.call = self._db   # an engine's calls through it (the ladder's answers) reconnect as ours do
         self._install_signals()
         overlap = cfg.overlap and self.engine.queue_depth() > 0
         if overlap:

@@ -66,22 +66,49 @@ SELECT count(*) AS shards
                      JOIN bi.snapshot_rows sr USING (job_version, record_id)
                     WHERE sr.job_version = s.job_version AND sr.shard_no = s.shard_no));
 
--- name: chaos_stale_writes  result rows accepted from an epoch that was not, or no longer, the writer's lease
+-- name: chaos_stale_writes  result rows and a ladder's rung answers accepted from an epoch that was not, or no longer, the writer's lease
 SELECT count(*) FILTER (WHERE NOT held) AS never_held,
        count(*) FILTER (WHERE ended) AS after_epoch_ended
   FROM (SELECT EXISTS (SELECT 1 FROM chaos.lease_log l
-                        WHERE l.job_version = r.job_version AND l.shard_no = sr.shard_no
-                          AND l.event = 'claim' AND l.epoch = r.epoch AND l.owner = r.worker_id) AS held,
+                        WHERE l.job_version = w.job_version AND l.shard_no = sr.shard_no
+                          AND l.event = 'claim' AND l.epoch = w.epoch AND l.owner = w.worker_id) AS held,
                -- the epoch had ended (a later claim, a release or the shard's
                -- completion) when the row was written
                EXISTS (SELECT 1 FROM chaos.lease_log l
-                        WHERE l.job_version = r.job_version AND l.shard_no = sr.shard_no
-                          AND l.at <= r.created_at
-                          AND ((l.event = 'claim' AND l.epoch > r.epoch)
-                               OR (l.event IN ('release', 'done') AND l.epoch = r.epoch))) AS ended
-          FROM bi.results r
-          JOIN bi.snapshot_rows sr USING (job_version, record_id)
-         WHERE r.job_version = %(job)s) t;
+                        WHERE l.job_version = w.job_version AND l.shard_no = sr.shard_no
+                          AND l.at <= w.created_at
+                          AND ((l.event = 'claim' AND l.epoch > w.epoch)
+                               OR (l.event IN ('release', 'done') AND l.epoch = w.epoch))) AS ended
+          FROM (SELECT r.job_version, r.record_id, r.epoch, r.worker_id, r.created_at
+                  FROM bi.results r WHERE r.job_version = %(job)s
+                UNION ALL
+                SELECT a.job_version, a.record_id, a.epoch, a.worker_id, a.created_at
+                  FROM bi.ladder_answers a WHERE a.job_version = %(job)s) w
+          JOIN bi.snapshot_rows sr USING (job_version, record_id)) t;
+
+-- name: chaos_ladder_finals  a ladder job's final rung answers against its results: each result is its record's one final answer
+SELECT (SELECT count(*) FROM bi.results r
+         WHERE r.job_version = %(job)s
+           AND NOT EXISTS (SELECT 1 FROM bi.ladder_answers a
+                            WHERE a.job_version = r.job_version AND a.record_id = r.record_id
+                              AND NOT a.escalated)) AS results_without_final,
+       (SELECT count(*) FROM bi.results r
+          JOIN bi.ladder_answers a ON a.job_version = r.job_version AND a.record_id = r.record_id AND NOT a.escalated
+         WHERE r.job_version = %(job)s AND a.output::jsonb IS DISTINCT FROM r.output::jsonb) AS results_not_final,
+       (SELECT count(*) FROM bi.ladder_answers a
+         WHERE a.job_version = %(job)s AND NOT a.escalated
+           AND NOT EXISTS (SELECT 1 FROM bi.results r
+                            WHERE r.job_version = a.job_version AND r.record_id = a.record_id)) AS finals_not_stored,
+       (SELECT count(*) - count(DISTINCT record_id) FROM bi.ladder_answers
+         WHERE job_version = %(job)s AND NOT escalated) AS several_finals;
+
+-- name: chaos_ladder_final_rungs  the rung of each record's final answer
+SELECT record_id, rung FROM bi.ladder_answers WHERE job_version = %(job)s AND NOT escalated;
+
+-- name: chaos_embed_vectors  stored vectors of an embedding job, and those not 4 bytes a dimension
+SELECT count(*) AS vectors,
+       count(*) FILTER (WHERE embedding IS NULL OR length(embedding) <> 4 * %(dims)s) AS malformed
+  FROM bi.results WHERE job_version = %(job)s;
 
 -- name: chaos_handoffs  claims after the first, by what ended the previous epoch
 SELECT count(*) FILTER (WHERE prev_event = 'release') AS after_release,

@@ -20,6 +20,18 @@ snapshot), each poison record dead-lettered after exactly ``max_attempts``
 (the oversized one at planning), and recomputation within the in-flight
 bound (at most one flush buffer lost per change of lease holder).
 
+``job`` picks the job: ``generate`` (the default: one engine answers
+each record against the output schema), ``ladder`` (a two-rung model ladder
+of noop engines that give token log-probabilities,
+``engines.noop.ScoredNoopEngine``: rung 1 is unsure of the share
+``unsure_rate`` of records, which go on to rung 2) or ``embed`` (an embedding
+job on the noop engine's embedding mode, ``engines.noop.NoopEmbedder``).
+A ladder run also checks that each stored result is the one final rung answer
+its record has (bi.ladder_answers), that exactly the records rung 1 is unsure
+of (and the poison ones) were escalated, and counts a rung answer from a
+stale epoch as a stale write; an embed run checks that every stored vector is
+whole.
+
 Workers log in with worker credentials (a LOGIN member of ``bi_worker``
 granted this job only, sql/schema/roles.sql), so the run also shows the
 least-privilege guard holding through restarts.
@@ -59,6 +71,12 @@ from batch_inference.harness.source import SOURCE, make_source
 log = logging.getLogger("batch_inference.chaos")
 
 FAULT_KINDS = ("kill", "stall", "term", "db_restart")
+JOBS = ("generate", "ladder", "embed")
+# The engines a ladder's rungs and an embedding job run (dotted paths into the package: always allowed).
+SCORED_NOOP = "batch_inference.engines.noop:ScoredNoopEngine"
+NOOP_EMBEDDER = "batch_inference.engines.noop:NoopEmbedder"
+LADDER_THRESHOLD = 0.5      # rung 1 keeps an answer of probability SURE, escalates one of UNSURE
+EMBED_DIMENSIONS = 16
 
 
 @dataclass
@@ -74,6 +92,8 @@ class ChaosConfig:
     seed: int = 0
     duration: float = 480.0           # the job must be done within this many seconds of the first worker
     faults: int = 100                 # at least this many faults are injected (each db restart counts one)
+    job: str = "generate"             # generate, ladder (two noop rungs) or embed (see the module docstring)
+    unsure_rate: float = 0.3          # ladder: the share of records rung 1 is unsure of (escalated)
     engine: str = "noop"
     engine_options: dict[str, Any] = field(default_factory=lambda: {"delay_s": 0.03})
     db_restart: bool = True
@@ -102,6 +122,14 @@ class ChaosConfig:
                              f"healthy ones), got {self.records}")
         if not self.duration > 0:
             raise InvalidValue(f"chaos: duration must be positive, got {self.duration}")
+        if self.job not in JOBS:
+            raise InvalidValue(f"chaos: job must be one of {', '.join(JOBS)}, got {self.job!r}")
+        if not 0.0 <= self.unsure_rate <= 1.0:
+            raise InvalidValue(f"chaos: unsure rate must be between 0 and 1, got {self.unsure_rate}")
+        if self.job != "generate" and self.engine != "noop":
+            raise InvalidValue(f"chaos: job {self.job!r} runs on the noop engine's "
+                               f"{'scored rungs' if self.job == 'ladder' else 'embedding mode'}, not engine "
+                               f"{self.engine!r}")
         # The job's own limits (shard size, lease, renewal), checked the one way every spec is.
         _spec(self)
 
@@ -151,8 +179,13 @@ class ChaosReport:
             f"{f['stalls']['refused_after']} of those workers refused on waking",
             f"  computations {f['computations']['valid']:,} valid outcomes for {f['computations']['records']:,} "
             f"healthy records: {f['computations']['extra']} extra, {f['computations']['recomputed_records']} records "
-            f"computed more than once (bound: {f['handoffs']['handoffs']} handoffs x flush buffer "
-            f"{c['flush_every']} = {f['computations']['bound']})",
+            f"computed more than once (bound: {f['handoffs']['handoffs']} handoffs x "
+            f"{f['computations']['per_handoff']} = {f['computations']['bound']})",
+            *([f"  ladder: final answers at rung 1 {f['ladder']['final_by_rung'].get('1', 0):,}, rung 2 "
+               f"{f['ladder']['final_by_rung'].get('2', 0):,}; escalated {f['ladder']['escalated']:,} "
+               f"(rung 1 unsure of {f['ladder']['unsure_healthy']:,} healthy records)"] if "ladder" in f else []),
+            *([f"  embed: {f['embed']['vectors']:,} vectors of {EMBED_DIMENSIONS} dimensions, "
+               f"{f['embed']['malformed']} malformed"] if "embed" in f else []),
             *([f"  unexpected worker exits ({f['unexpected_exits_total']}), the first ones:"] +
               [f"    {u['worker']} exited {u['exit']}" + (f" after {u['fault']}" if u["fault"] else "")
                + (f": {u['log_tail'][-1][:120]}" if u["log_tail"] else "") for u in f["unexpected_exits"]]
@@ -177,11 +210,14 @@ class CountingEngine(Engine):
     """Any engine, plus one line per outcome in ``count_dir/<pid>.log``.
 
     Options: ``inner`` (engine name, default noop), ``count_dir`` (required);
-    every other option goes to the inner engine.
+    every other option goes to the inner engine. An embedding job passes on to
+    the inner engine's embedding mode (``load_engine`` refuses one without);
+    a ladder's rungs are verified and get their shards through it.
     """
 
     name = "counting"
     option_names = None
+    embeds = True
 
     def __init__(self, spec, options=None):
         super().__init__(spec, options)
@@ -199,6 +235,16 @@ class CountingEngine(Engine):
     def weights_files(self) -> list[Path]:
         return self.inner.weights_files()
 
+    def parts(self) -> list[Engine]:
+        """The engine it wraps, verified as itself (a ladder: each rung against its own digest)."""
+        return [self.inner]
+
+    def begin_shard(self, ledger: Any, lease: Any, drain: threading.Event) -> None:
+        self.inner.begin_shard(ledger, lease, drain)
+
+    def end_shard(self, lease: Any) -> None:
+        self.inner.end_shard(lease)
+
     def load(self) -> None:
         self.inner.load()
         self._fd = os.open(self._path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
@@ -213,13 +259,16 @@ class CountingEngine(Engine):
         return self._count(self.inner.stream(feed, stop))
 
     def _count(self, outcomes: Iterator[Outcome]) -> Iterator[Outcome]:
+        from batch_inference.embed.vectors import to_storage
         from batch_inference.outputs import check_output
 
+        embed = self.spec.task == "embed"
         for outcome in outcomes:
             if self._fd is not None:
                 # The worker's own check, so "valid" means "would be stored".
-                kind = ("error" if outcome.error else
-                        "valid" if check_output(self.spec, outcome.text or "")[0] is not None else "invalid")
+                ok = (to_storage(self.spec, outcome.vector)[0] is not None if embed else
+                      check_output(self.spec, outcome.text or "")[0] is not None)
+                kind = "error" if outcome.error else "valid" if ok else "invalid"
                 os.write(self._fd, f"{outcome.record_id}\t{kind}\n".encode())
             yield outcome
 
@@ -265,7 +314,10 @@ class _Workers:
                                                          # must get to its refusal)
 
     def _argv(self, owner: str) -> list[str]:
-        opts = {"inner": self.cfg.engine, "count_dir": str(self.counts), **self.cfg.engine_options}
+        # A ladder's rung options and an embedder's are the spec's (_spec); generate's are run-time ones.
+        inner = {"generate": self.cfg.engine, "ladder": "ladder", "embed": NOOP_EMBEDDER}[self.cfg.job]
+        opts = {"inner": inner, "count_dir": str(self.counts),
+                **(self.cfg.engine_options if self.cfg.job != "ladder" else {})}
         argv = [self.job, "--engine", "batch_inference.chaos:CountingEngine", "--worker-id", owner,
                 "--flush-every", str(self.cfg.flush_every), "--grace-seconds", str(self.cfg.grace_seconds)]
         for k, v in opts.items():
@@ -326,7 +378,7 @@ class _Workers:
 def _spec(cfg: ChaosConfig):
     from batch_inference.spec import parse_spec
 
-    return parse_spec({
+    d: dict[str, Any] = {
         "dataset": "chaos",
         "source": dict(SOURCE),
         "model": dict(NOOP_MODEL),
@@ -339,7 +391,25 @@ def _spec(cfg: ChaosConfig):
         "max_input_chars": cfg.max_input_chars,
         "lease_seconds": cfg.lease_seconds,
         "renew_seconds": cfg.renew_seconds,
-    })
+    }
+    if cfg.job == "ladder":
+        params = d["params"]
+
+        def rung(options: dict[str, Any], price: float, threshold: float | None) -> dict[str, Any]:
+            return {"model": dict(NOOP_MODEL), "engine": {"name": SCORED_NOOP, "options": options},
+                    "params": params, "cost_per_row": price, "threshold": threshold}
+
+        for key in ("model", "engine", "params"):
+            del d[key]
+        d["models"] = [rung({**cfg.engine_options, "unsure_rate": cfg.unsure_rate}, 0.0004, LADDER_THRESHOLD),
+                       rung(dict(cfg.engine_options), 0.004, None)]
+        d["ladder"] = {"confidence": "logprobs"}
+    elif cfg.job == "embed":
+        del d["output_schema"], d["params"]
+        d.update(task="embed", engine={"name": NOOP_EMBEDDER, "options": dict(cfg.engine_options)},
+                 prompt={"version": "chaos-v1", "template": "{text}"},
+                 embedding={"dimensions": EMBED_DIMENSIONS})
+    return parse_spec(d)
 
 
 class _Run:
@@ -566,8 +636,13 @@ def _report(cfg: ChaosConfig, run: _Run, fleet: _Workers, admin: Admin, job: str
     extra = sum(n - 1 for n in valid.values())
     recomputed = sum(1 for n in valid.values() if n > 1)
     # Each change of holder loses at most what the old holder had computed
-    # and not yet flushed: one flush buffer (flush_every outcomes).
-    bound = int(hand["handoffs"]) * cfg.flush_every
+    # and not yet flushed: one flush buffer (flush_every outcomes). A ladder
+    # hands on again the final answers it had written to bi.ladder_answers
+    # and not yet to bi.results: at most one more batch of rung answers.
+    from batch_inference.ladder.engine import WRITE_EVERY
+
+    per_handoff = cfg.flush_every + (WRITE_EVERY if cfg.job == "ladder" else 0)
+    bound = int(hand["handoffs"]) * per_handoff
 
     noisy_engine = any(float(cfg.engine_options.get(k, 0) or 0) > 0 for k in ("fail_rate", "invalid_rate"))
     poison_ok = []
@@ -599,7 +674,7 @@ def _report(cfg: ChaosConfig, run: _Run, fleet: _Workers, admin: Admin, job: str
         "counter_drift_shards": int(drift),
         "handoffs": {k: int(v) for k, v in hand.items()},
         "computations": {"valid": sum(valid.values()), "records": len(valid), "extra": extra,
-                         "recomputed_records": recomputed, "bound": bound,
+                         "recomputed_records": recomputed, "bound": bound, "per_handoff": per_handoff,
                          "poison_engine_calls": {rid: calls[rid] for rid in sorted(poison)}},
         "poison_dead_letters": {rid: {"kind": poison[rid], "stage": dead[rid]["stage"] if rid in dead else None,
                                       "attempts": dead[rid]["attempts"] if rid in dead else None}
@@ -631,6 +706,14 @@ def _report(cfg: ChaosConfig, run: _Run, fleet: _Workers, admin: Admin, job: str
         # retries) is a worker bug the faults uncovered.
         Check("workers that crashed on their own", fleet.unexpected_total, "0", fleet.unexpected_total == 0),
     ]
+    if cfg.job == "ladder":
+        figures["ladder"], more = _ladder_checks(cfg, q, poison, set(dead))
+        checks += more
+    elif cfg.job == "embed":
+        vec = q("chaos_embed_vectors", dims=EMBED_DIMENSIONS)[0]
+        figures["embed"] = {"vectors": int(vec["vectors"]), "malformed": int(vec["malformed"])}
+        checks.append(Check("stored vectors whole (4 bytes a dimension)", int(vec["malformed"]), "0",
+                            vec["malformed"] == 0 and vec["vectors"] == cov["stored"]))
     # Not asdict: it deep-copies every field, the restart callable too (a
     # bound method of a server object, which does not copy).
     config = {f.name: copy.deepcopy(getattr(cfg, f.name)) for f in fields(cfg) if f.name != "restart"}
@@ -638,3 +721,39 @@ def _report(cfg: ChaosConfig, run: _Run, fleet: _Workers, admin: Admin, job: str
         config["db_url"] = db.redact(cfg.db_url)
     config["records"] = cfg.n_records()
     return ChaosReport(config, job, figures, checks)
+
+
+def _ladder_checks(cfg: ChaosConfig, q: Callable[..., list[dict[str, Any]]], poison: dict[str, str],
+                   dead: set[str]) -> tuple[dict[str, Any], list[Check]]:
+    """A ladder run's own figures and checks: one final answer per stored record, the very one
+    stored; escalated exactly the records rung 1 is unsure of (and the poison ones, which fail
+    there). A rung answer from a stale epoch counts in the run's stale writes (chaos_stale_writes)."""
+    from batch_inference.engines.noop import is_unsure
+
+    fin = q("chaos_ladder_finals")[0]
+    finals = {r["record_id"]: int(r["rung"]) for r in q("chaos_ladder_final_rungs")}
+    rungs = {int(r["rung"]): r for r in q("ladder_rung_counts")}
+    healthy = [rid for rid in finals if rid not in poison]
+    unsure = {rid for rid in healthy if is_unsure(rid, cfg.unsure_rate)}
+    wrong_rung = sum(1 for rid in healthy if finals[rid] != (2 if rid in unsure else 1))
+    # Poison records fail at rung 1 too (an error or an invalid answer): each is escalated once.
+    tried = {rid for rid, kind in poison.items() if kind != "oversized"}
+    escalated = int(rungs[1]["answered"] - rungs[1]["kept"]) if 1 in rungs else 0
+    want_escalated = len(unsure) + len(tried)
+    figures = {"final_by_rung": {str(k): int(r["kept"]) for k, r in rungs.items()},
+               "answered_by_rung": {str(k): int(r["answered"]) for k, r in rungs.items()},
+               "escalated": escalated, "unsure_healthy": len(unsure),
+               "results_without_final": int(fin["results_without_final"]),
+               "results_not_final": int(fin["results_not_final"]),
+               "finals_not_stored": int(fin["finals_not_stored"]),
+               "records_at_wrong_rung": wrong_rung}
+    stored_once = fin["results_without_final"] == 0 and fin["results_not_final"] == 0 \
+        and fin["finals_not_stored"] == 0 and fin["several_finals"] == 0
+    checks = [
+        Check("each result is its one final rung answer",
+              f"{int(fin['results_without_final']) + int(fin['results_not_final']) + int(fin['finals_not_stored'])}"
+              " off", "0 off", bool(stored_once)),
+        Check("escalated: rung 1's unsure + poison", escalated, f"{want_escalated}",
+              escalated == want_escalated and wrong_rung == 0),
+    ]
+    return figures, checks

@@ -82,11 +82,18 @@ def new_owner_id(prefix: str = "worker") -> str:
     return f"{prefix}-{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
 
 
+def _call_once(fn: Any) -> Any:
+    return fn()
+
+
 class Ledger:
     """The worker's view of the ledger, over one autocommit connection.
 
     ``engine`` and ``endpoint`` (``provenance.made_by``) go on every result
-    row this ledger puts; None records neither."""
+    row this ledger puts; None records neither. ``call(fn)`` runs ``fn()``, a
+    call on ``conn``: the worker sets it to its own reconnect-and-retry, so an
+    engine that writes through the worker's ledger (the model ladder's rung
+    answers) outlives a database restart as the worker's own writes do."""
 
     def __init__(self, conn: psycopg.Connection, job_version: str, owner: str,
                  transport: str = "batch", lease_seconds: int | None = None,
@@ -98,6 +105,7 @@ class Ledger:
         self.lease_seconds = lease_seconds
         self.engine = engine
         self.endpoint = endpoint
+        self.call: Any = _call_once
 
     def _args(self, lease: Lease, **extra: Any) -> dict[str, Any]:
         return {"job": lease.job_version, "shard": lease.shard_no, "epoch": lease.epoch,

@@ -34,6 +34,11 @@ def register(sub: Any) -> None:
     p.add_argument("--duration", type=float, default=480.0,
                    help="seconds the job may take before the run fails (default 480)")
     p.add_argument("--faults", type=int, default=100, help="faults to inject, at least (default 100)")
+    p.add_argument("--job", default="generate", choices=("generate", "ladder", "embed"),
+                   help="the job: generate (one engine, the default), ladder (two noop rungs that give token "
+                        "log-probabilities) or embed (the noop engine's embedding mode)")
+    p.add_argument("--unsure-rate", type=float, default=0.3,
+                   help="ladder: share of records rung 1 is unsure of, escalated to rung 2 (default 0.3)")
     p.add_argument("--engine", default="noop", help="engine the workers run (default noop)")
     p.add_argument("--engine-option", action="append", default=[], metavar="KEY=VALUE",
                    help="engine option, JSON value (default delay_s=0.03 for noop)")
@@ -51,7 +56,8 @@ def run(args: argparse.Namespace) -> int:
     opts = parse_engine_options(args.engine_option) if args.engine_option else ({"delay_s": 0.03} if args.engine == "noop" else {})
     cfg = ChaosConfig(workers=args.workers, records=args.records, shard_size=args.shard_size,
                       lease_seconds=args.lease_seconds, renew_seconds=args.renew_seconds, seed=args.seed,
-                      duration=args.duration, faults=args.faults, engine=args.engine, engine_options=opts,
+                      duration=args.duration, faults=args.faults, job=args.job, unsure_rate=args.unsure_rate,
+                      engine=args.engine, engine_options=opts,
                       flush_every=args.flush_every, db_restart=not args.no_db_restart, keep=args.keep,
                       db_url=getattr(args, "db", None))
     if cfg.db_url:

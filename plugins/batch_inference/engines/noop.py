@@ -25,10 +25,26 @@ Options:
 Poison markers in a record's text force an outcome whatever the rates:
 ``[[engine-error]]`` always yields an engine error, ``[[invalid-output]]``
 always yields output that fails schema validation.
+
+Two derived engines, loaded by dotted path (the chaos harness runs a model
+ladder and an embedding job on them):
+
+* ``ScoredNoopEngine`` (``batch_inference.engines.noop:ScoredNoopEngine``):
+  gives token log-probabilities when asked (``want_logprobs``, the model
+  ladder's ``logprobs`` confidence). Its answer is one token, sure
+  (probability ``SURE``) or, for the share ``unsure_rate`` of records drawn
+  from the record id (``is_unsure``: the same records in every run and on
+  every retry), unsure (``UNSURE``).
+* ``NoopEmbedder`` (``batch_inference.engines.noop:NoopEmbedder``): an
+  embedding mode (``embeds``): a vector of ``embedding.dimensions`` values
+  drawn from the sha256 of the rendered input, so equal inputs get equal
+  vectors. ``[[engine-error]]`` yields an engine error, ``[[invalid-output]]``
+  a vector one dimension short (the worker's vector check fails it).
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import random
@@ -133,6 +149,58 @@ class NoopEngine(Engine):
         if INVALID_OUTPUT_MARKER in text or invalid_draw < self.invalid_rate:
             return Outcome(req.record_id, INVALID_OUTPUT)
         return Outcome(req.record_id, self._answer)
+
+
+# Token probabilities of ScoredNoopEngine's answers.
+SURE = 0.99
+UNSURE = 0.1
+
+
+def is_unsure(record_id: str, rate: float) -> bool:
+    """Whether ``ScoredNoopEngine`` with ``unsure_rate`` ``rate`` is unsure of record ``record_id``."""
+    draw = int(hashlib.sha256(f"unsure\x1f{record_id}".encode()).hexdigest()[:8], 16) / 2**32
+    return draw < rate
+
+
+class ScoredNoopEngine(NoopEngine):
+    """The noop engine with token log-probabilities (see the module docstring). Option
+    ``unsure_rate`` (0..1, 0): the share of records it is unsure of."""
+
+    gives_logprobs = True
+    option_names = NoopEngine.option_names | {"unsure_rate"}
+
+    def __init__(self, spec, options=None):
+        super().__init__(spec, options)
+        self.unsure_rate = float(self.option("unsure_rate", 0.0))
+        if not 0.0 <= self.unsure_rate <= 1.0:
+            raise InvalidValue("engine 'noop': option 'unsure_rate' must be between 0 and 1")
+
+    def _answer_for(self, req: Request) -> Outcome:
+        out = super()._answer_for(req)
+        if not self.want_logprobs or out.error is not None or out.text is None:
+            return out
+        p = UNSURE if is_unsure(req.record_id, self.unsure_rate) else SURE
+        return Outcome(out.record_id, out.text, tokens_out=1, logprobs=((out.text, math.log(p)),))
+
+
+class NoopEmbedder(NoopEngine):
+    """The noop engine's embedding mode (see the module docstring)."""
+
+    embeds = True
+
+    def _answer_for(self, req: Request) -> Outcome:
+        out = super()._answer_for(req)
+        if out.error is not None:
+            return out
+        from batch_inference.prompting import render_record
+
+        dims = self.spec.embedding.dimensions
+        text = self.spec.embedding.instruction + render_record(self.spec, req.text or "")
+        seed = hashlib.sha256(text.encode()).digest()
+        vector = [b / 255.0 - 0.5 for b in (seed * (dims // len(seed) + 1))[:dims]]
+        if out.text == INVALID_OUTPUT:
+            vector = vector[:-1]
+        return Outcome(req.record_id, None, vector=vector)
 
 
 # -- the smallest valid instance of a JSON schema ---------------------------

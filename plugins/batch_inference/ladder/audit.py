@@ -4,7 +4,9 @@ A worker writes every rung's answer of a record of its shard under the lease
 (``put``), and reads back what earlier holders wrote (``stored``) to resume
 a record at the rung where it stopped. Both go through the worker's ledger
 connection and are fenced by the lease's epoch like every other write:
-a stale epoch raises ``StaleLease`` and writes nothing.
+a stale epoch raises ``StaleLease`` and writes nothing. A lost connection
+is the ledger's ``call`` to handle: the worker's reconnects and retries (both
+calls are safe to repeat), as it does for its own writes.
 """
 
 from __future__ import annotations
@@ -33,9 +35,10 @@ class Stored:
 
 def _run(ledger: Ledger, name: str, params: dict) -> list[dict]:
     try:
-        return ledger.conn.execute(q(name), params).fetchall()
+        return ledger.call(lambda: ledger.conn.execute(q(name), params).fetchall())
     except psycopg.OperationalError as exc:
-        # The worker exits ExitCode.DB; the lease lapses and another holder resumes from what is stored.
+        # Out of retries (or a ledger with none): the worker exits ExitCode.DB; the lease lapses and
+        # another holder resumes from what is stored.
         raise DatabaseUnavailable(f"database connection lost writing the ladder's answers: {first_line(exc)}") from None
 
 
