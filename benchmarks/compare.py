@@ -70,6 +70,8 @@ def headlines(name: str, out: dict[str, Any]) -> Iterator[tuple[str, Any]]:
     elif name == "hosted_drain":
         yield "reconcile / direct worker", out.get("reconcile_ratio")
         yield "drain over provider settle s", out.get("drain_overhead_s")
+    elif name == "hostile_specs":
+        yield "slowest hostile spec refused / a valid spec's load", out.get("slowest_x_valid")
     elif name == "bounded_fields":
         yield "dead-letter rate: llama-cpp-python's converter, same retry / engine grammar, repair retry", \
             pair(*(out.get("dead_letter_rate_before_after") or [None, None]))

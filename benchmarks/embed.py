@@ -13,7 +13,8 @@ same ``--records`` ticket texts:
   ``LLM.embed`` over every text at once; SmolLM2-135M converted from the GGUF, eager, bfloat16).
 
 Records/s counts embedding and storing only: each worker's start-up (connect, spec, digest, load) is
-taken off its clock (``Worker.startup``), as the bare arms' load is not on theirs. The vectors are
+taken off its clock (``Worker.startup``), as the bare arms' load is not on theirs, and its clock stops when
+it asks its engine to shut down (the teardown is reported as ``worker_engine_close_s``). The vectors are
 compared record by record: the worker's stored vector against bare's, normalized (max absolute
 difference, and the least cosine).
 
@@ -108,11 +109,23 @@ def arm_bare(engine: str, records: int, out: Path) -> dict[str, Any]:
 def arm_worker(engine: str, records: int, out: Path) -> dict[str, Any]:
     """Submit the rows, run the worker in this process, read back the stored vectors."""
     from batch_inference import db
+    from batch_inference.embed.engines import LlamaCppEmbedder, VllmEmbedder
     from batch_inference.plan import submit
     from batch_inference.spec import parse_spec
     from benchmarks.common import fresh_server
     from gpu_runner.worker import Worker, WorkerConfig
 
+    # The clock stops when the worker asks its engine to shut down, as vllm_engine's does: bare's stops
+    # when its embed call returns, with no teardown (vLLM's engine-core shutdown is over a second).
+    closing: list[float] = []
+    cls = LlamaCppEmbedder if engine == "llama" else VllmEmbedder
+    close = cls.close
+
+    def timed_close(self: Any) -> None:
+        closing.append(time.perf_counter())
+        close(self)
+
+    cls.close = timed_close
     spec = parse_spec(spec_data(engine))
     with fresh_server() as url, db.connect(url) as conn:
         conn.execute("CREATE TABLE public.tickets (id text, body text)")
@@ -122,7 +135,8 @@ def arm_worker(engine: str, records: int, out: Path) -> dict[str, Any]:
         worker = Worker(WorkerConfig(job_version=job, db_url=url, wait_for_leases=False))
         t0 = time.perf_counter()
         code = worker.run()
-        total = time.perf_counter() - t0
+        ended = time.perf_counter()
+        total = (closing[0] if closing else ended) - t0
         if code != 0:
             raise RuntimeError(f"worker exited {code}")
         rows = conn.execute("SELECT record_id, embedding, pg_column_size(embedding) AS bytes FROM bi.results "
@@ -132,7 +146,7 @@ def arm_worker(engine: str, records: int, out: Path) -> dict[str, Any]:
     np.save(out, np.stack([from_storage(r["embedding"]) for r in rows]))
     startup = sum(worker.startup.values())
     return {"records": len(rows), "load_s": startup, "embed_s": total - startup,
-            "bytes_per_vector": float(np.mean([r["bytes"] for r in rows]))}
+            "engine_close_s": ended - t0 - total, "bytes_per_vector": float(np.mean([r["bytes"] for r in rows]))}
 
 
 def arm_index(vectors: int, queries: int) -> dict[str, Any]:
@@ -260,6 +274,7 @@ def main(argv: list[str] | None = None) -> None:
             "bare_records_per_s": round(rps["bare"], 2), "worker_records_per_s": round(rps["worker"], 2),
             "ratio": round(rps["worker"] / rps["bare"], 3),
             "bare_load_s": round(arms["bare"]["load_s"], 2), "worker_startup_s": round(arms["worker"]["load_s"], 2),
+            "worker_engine_close_s": round(arms["worker"]["engine_close_s"], 2),
             "bytes_per_vector": arms["worker"]["bytes_per_vector"],
             **{k: round(v, 6) for k, v in compare(np.load(tmp / f"{engine}_worker.npy"),
                                                    np.load(tmp / f"{engine}_bare.npy")).items()}}

@@ -47,6 +47,7 @@ BENCHMARKS: dict[str, tuple[list[str], list[str]]] = {
     "ladder": (["--real", "4"], ["--records", "400", "--golden", "100"]),
     "estimate": ([], ["--records", "2000", "--demo-records", "6", "--pilot", "2"]),
     "embed": ([], ["--records", "8", "--vectors", "400", "--queries", "3", "--engines", "llama"]),
+    "hostile_specs": ([], ["--repeats", "3"]),
 }
 
 

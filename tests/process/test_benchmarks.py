@@ -40,6 +40,7 @@ KEYS = {
     "estimate": {"scale", "demo"},
     "embed": {"records", "llama", "index"},
     "bounded_fields": {"records", "before", "after", "dead_letter_rate_before_after"},
+    "hostile_specs": {"repeats", "valid_spec_ms", "slowest", "slowest_ms", "slowest_x_valid", "vectors"},
 }
 
 
@@ -187,6 +188,13 @@ def check_embed(out: dict) -> None:
     # At 400 vectors the planner may rightly prefer a scan: whether the view used the index is reported only.
     assert index["vectors"] == 400 and isinstance(index["view_uses_hnsw"], bool) and 0 < index["recall_at_10"] <= 1
     assert index["query_ms_before"] > 0 and index["query_ms_after"] > 0
+
+
+def check_hostile_specs(out: dict) -> None:
+    from tests.fixtures.hostile_specs import SPEC_VECTORS
+
+    assert set(out["vectors"]) == {what for what, _, _ in SPEC_VECTORS} and out["valid_spec_ms"] > 0
+    assert all(v["refused_ms"] > 0 for v in out["vectors"].values())
 
 
 @pytest.mark.parametrize("name", sorted(KEYS))
