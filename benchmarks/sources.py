@@ -9,10 +9,15 @@ hook), a table of a second database reached through the postgres provider's
 connection (kind sql), a MariaDB table (kind sql, the mysql provider's hook;
 Debian's MariaDB started as tests/fixtures/warehouses.py starts it), a local
 Parquet file and the same file on moto's S3 server (kind parquet;
-tests/fixtures/moto_server.py) and an Iceberg table in the SQL catalog (kind
-iceberg). Then, each in its own fresh process (so its peak RSS is its own):
+tests/fixtures/moto_server.py), an Iceberg table in the SQL catalog (kind
+iceberg) and a table of fakesnow's server (kind sql, the snowflake provider's
+hook and snowflake-connector-python over HTTP, read by ``fetch_arrow_batches``;
+tests/fixtures/warehouses.fakesnow_process). fakesnow is not Snowflake: it is
+DuckDB behind an HTTP server that speaks the connector's protocol, so that
+kind's figures measure fakesnow and the connector here, not a warehouse. Then, each in its own fresh process (so its peak RSS is its own):
 ``client`` reads every row with the source's own client (sqlite3 / psycopg2 /
-mysqlclient ``fetchmany`` over a server-side cursor, pyarrow's
+mysqlclient / snowflake-connector-python ``fetchmany``, over a server-side
+cursor where there is one, pyarrow's
 ``iter_batches`` on a local file or through pyarrow's S3 filesystem,
 pyiceberg's ``to_arrow_batch_reader``) and turns each row into Python values
 (``to_pydict`` for the Arrow kinds); ``reader`` iterates
@@ -47,7 +52,8 @@ if __package__ in (None, ""):
 
 from benchmarks.common import REPO, emit, fresh_server, machine, rnd  # noqa: E402
 
-KINDS = ("sqlite", "postgres", "mariadb", "parquet", "parquet_s3", "iceberg")
+KINDS = ("sqlite", "postgres", "mariadb", "parquet", "parquet_s3", "iceberg", "snowflake")
+SNOW_TABLE = "BI_SRC.PUBLIC.TICKETS"
 TARGET = 1.5          # issue 37: submit of N records against the source's own client reading them
 BUCKET = "bench"
 S3_KEYS = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing", "AWS_DEFAULT_REGION": "us-east-1"}
@@ -64,8 +70,10 @@ def _rows(start: int, stop: int) -> dict[str, list[Any]]:
 
 
 def prepare(n: int, where: Path, url: str, maria: dict[str, Any] | None = None,
-            s3: str | None = None) -> dict[str, Any]:
-    """Write the same n tickets to every source; return what each child needs."""
+            s3: str | None = None, snow: dict[str, Any] | None = None,
+            kinds: tuple[str, ...] | list[str] = KINDS) -> dict[str, Any]:
+    """Write the same n tickets to every source of ``kinds`` (and SQLite, the reference's, and Parquet);
+    return what each child needs."""
     import psycopg
     import pyarrow as pa
     import pyarrow.parquet as pq
@@ -94,7 +102,7 @@ def prepare(n: int, where: Path, url: str, maria: dict[str, Any] | None = None,
         cat.drop_table("lake.tickets")
     except Exception:  # noqa: BLE001 - not there yet
         pass
-    tbl = cat.create_table("lake.tickets", schema)
+    tbl = cat.create_table("lake.tickets", schema) if "iceberg" in kinds else None
     my = None
     if maria:
         import MySQLdb
@@ -113,12 +121,14 @@ def prepare(n: int, where: Path, url: str, maria: dict[str, Any] | None = None,
                 my.cursor().executemany("INSERT INTO tickets VALUES (%s, %s, %s, %s)",
                                         list(zip(d["id"], d["subject"], d["body"], acl_json)))
                 my.commit()
-            with pg.cursor().copy("COPY public.tickets FROM STDIN") as cp:
-                for row in zip(d["id"], d["subject"], d["body"], d["acl"]):
-                    cp.write_row(row)
+            if "postgres" in kinds:
+                with pg.cursor().copy("COPY public.tickets FROM STDIN") as cp:
+                    for row in zip(d["id"], d["subject"], d["body"], d["acl"]):
+                        cp.write_row(row)
             t = pa.table(d, schema=schema)
             writer.write_table(t)
-            tbl.append(t)
+            if tbl is not None:
+                tbl.append(t)
     db.commit()
     db.close()
     writer.close()
@@ -135,6 +145,8 @@ def prepare(n: int, where: Path, url: str, maria: dict[str, Any] | None = None,
         except client.exceptions.BucketAlreadyOwnedByYou:
             pass
         client.upload_file(str(where / "tickets.parquet"), BUCKET, "tickets.parquet")
+    if snow:
+        _load_snowflake(snow, n)
     p = conninfo_to_dict(src_url)
     return {"sqlite": str(where / "src.db"), "parquet": str(where / "tickets.parquet"),
             "warehouse": str(where / "wh"), "s3": s3,
@@ -142,7 +154,32 @@ def prepare(n: int, where: Path, url: str, maria: dict[str, Any] | None = None,
                    "password": p.get("password"), "schema": "src", "port": int(p.get("port") or 5432)},
             "maria": maria and {"conn_type": "mysql", "host": maria["host"], "port": maria["port"],
                                 "login": maria["user"], "password": maria["password"],
-                                "schema": maria["database"], "extra": {"charset": "utf8mb4"}}}
+                                "schema": maria["database"], "extra": {"charset": "utf8mb4"}},
+            "snow": snow and {"conn_type": "snowflake", "login": "fake", "password": "snow", "schema": "PUBLIC",
+                              "extra": {"account": "fakesnow", "database": "BI_SRC", "warehouse": "WH",
+                                        "host": snow["host"], "port": snow["port"]}}}
+
+
+def _snowflake_connect(snow: dict[str, Any], **kw: Any) -> Any:
+    import snowflake.connector
+
+    return snowflake.connector.connect(user="fake", password="snow", account="fakesnow", host=snow["host"],
+                                       port=snow["port"], protocol="http", network_timeout=600,
+                                       session_parameters={"CLIENT_OUT_OF_BAND_TELEMETRY_ENABLED": False}, **kw)
+
+
+def _load_snowflake(snow: dict[str, Any], n: int) -> None:
+    """The same n tickets as ``_rows`` in fakesnow, made by its server (Snowflake's GENERATOR, run by DuckDB)."""
+    with _snowflake_connect(snow) as db:
+        cur = db.cursor()
+        cur.execute("CREATE DATABASE IF NOT EXISTS BI_SRC")
+        cur.execute("CREATE SCHEMA IF NOT EXISTS BI_SRC.PUBLIC")
+        cur.execute(f"CREATE OR REPLACE TABLE {SNOW_TABLE} (ID VARCHAR, SUBJECT VARCHAR, BODY VARCHAR, ACL VARCHAR)")
+        cur.execute(f"""INSERT INTO {SNOW_TABLE}
+                        SELECT 't' || LPAD(TO_VARCHAR(i), 9, '0'), 'Ticket ' || i,
+                               'Ticket ' || i || ': I was charged twice for my subscription.',
+                               '["team' || MOD(i, 3) || '"]'
+                          FROM (SELECT SEQ4() AS i FROM TABLE(GENERATOR(ROWCOUNT => {int(n)})))""")
 
 
 def _boto_keys() -> dict[str, str]:
@@ -164,6 +201,8 @@ def spec(kind: str, paths: dict[str, Any] | None = None) -> Any:
     elif kind == "parquet_s3":
         source = {"kind": "parquet", "paths": [f"s3://{BUCKET}/tickets.parquet"],
                   **({"s3_endpoint": paths["s3"]} if paths else {})}
+    elif kind == "snowflake":
+        source = {"kind": "sql", "conn_id": "bench_snow", "table": "TICKETS"}
     elif kind == "iceberg":
         source = {"kind": "iceberg", "identifier": "lake.tickets", "warehouse": paths["warehouse"] if paths else "."}
     return parse_spec({
@@ -207,6 +246,12 @@ def client_read(kind: str, paths: dict[str, Any], url: str) -> int:
         while rows := cur.fetchmany(10_000):
             n += len(rows)
         c.close()
+    elif kind == "snowflake":
+        with _snowflake_connect(paths["snow"]["extra"], database="BI_SRC", schema="PUBLIC") as c:
+            cur = c.cursor()
+            cur.execute("SELECT id, subject, body, acl FROM TICKETS")
+            while rows := cur.fetchmany(10_000):
+                n += len(rows)
     elif kind == "parquet":
         import pyarrow.parquet as pq
 
@@ -256,6 +301,16 @@ def child(mode: str, kind: str, paths: dict[str, Any], url: str) -> dict[str, An
         from airflow.providers.mysql.hooks.mysql import MySqlHook  # noqa: F401
     except ImportError:   # the warehouse extra is not installed: no mariadb kind
         pass
+    if kind == "snowflake":
+        from airflow.providers.snowflake.hooks.snowflake import SnowflakeHook
+
+        real = SnowflakeHook._get_conn_params
+
+        def over_http(self: Any) -> dict[str, Any]:   # fakesnow serves HTTP; the hook has no field for the scheme
+            return {**real(self), "protocol": "http", "network_timeout": 600,
+                    "session_parameters": {"CLIENT_OUT_OF_BAND_TELEMETRY_ENABLED": False}}
+
+        SnowflakeHook._get_conn_params = over_http
     from airflow.sdk import BaseHook  # noqa: F401
 
     from batch_inference import db as ledger_db
@@ -310,7 +365,7 @@ def run(sizes: list[int], kinds: list[str]) -> dict[str, Any]:
     out: dict[str, Any] = {"benchmark": "sources", "sizes": sizes, "results": {}, "job_versions": {}}
     with ExitStack() as stack:
         url = stack.enter_context(fresh_server())
-        maria = s3 = None
+        maria = s3 = snow = None
         if "mariadb" in kinds:
             from tests.fixtures.warehouses import mariadb_server
 
@@ -325,14 +380,22 @@ def run(sizes: list[int], kinds: list[str]) -> dict[str, Any]:
             if not s3.startswith("http"):
                 out.setdefault("not_run", {})["parquet_s3"] = s3
                 kinds, s3 = [k for k in kinds if k != "parquet_s3"], None
+        if "snowflake" in kinds:
+            from tests.fixtures.warehouses import fakesnow_process
+
+            snow = stack.enter_context(fakesnow_process())
+            if isinstance(snow, str):
+                out.setdefault("not_run", {})["snowflake"] = snow
+                kinds, snow = [k for k in kinds if k != "snowflake"], None
         for n in sizes:
             with tempfile.TemporaryDirectory(prefix="bi-bench-src-") as d:
-                paths = prepare(n, Path(d), url, maria, s3)
+                paths = prepare(n, Path(d), url, maria, s3, snow, kinds)
                 env = {**os.environ, **S3_KEYS, "AIRFLOW_HOME": str(Path(d) / "airflow"),
                        "AIRFLOW__CORE__LOAD_EXAMPLES": "False",
                        "AIRFLOW_CONN_BENCH_SQLITE": json.dumps({"conn_type": "sqlite", "host": paths["sqlite"]}),
                        "AIRFLOW_CONN_BENCH_PG": json.dumps(paths["pg"]),
-                       "AIRFLOW_CONN_BENCH_MARIA": json.dumps(paths["maria"] or {})}
+                       "AIRFLOW_CONN_BENCH_MARIA": json.dumps(paths["maria"] or {}),
+                       "AIRFLOW_CONN_BENCH_SNOW": json.dumps(paths["snow"] or {})}
                 versions: dict[str, str] = {}
                 if n == min(sizes):
                     versions["reference"] = run_child("reference", "sqlite", paths, url, env)["job_version"]

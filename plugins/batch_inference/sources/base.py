@@ -233,7 +233,7 @@ class Records:
 
 def column_batch(reader: Reader, columns: Mapping[str, Any], where: str = "") -> Any:
     """The staged records (``snapshot.stage_schema``) of one batch of source columns, each an Arrow
-    array or a Python list, by column name (``read_columns``).
+    array or a Python list or tuple, by column name (``read_columns``).
 
     Column-wise where the rule is plain: text, integers, booleans and NULLs
     become text with pyarrow compute, a record of several columns is its JSON
@@ -271,15 +271,39 @@ def _any(mask: Any) -> bool:
 def _scan(values: Any) -> tuple[bool, bool, bool]:
     """(a NUL, another control character that JSON writes as ``\\u00XX``, a character JSON escapes in two)
     anywhere in a string array's values: a few passes over its bytes."""
-    import numpy as np
+    return _text_stats(values)[:3]
 
-    if len(values) == values.null_count:
-        return False, False, False
-    offsets = np.frombuffer(values.buffers()[1], dtype=np.int32)[values.offset:values.offset + len(values) + 1]
+
+_BLANK_BYTES = [ord(c) for c in _BLANK]
+
+
+def _text_stats(values: Any) -> tuple[bool, bool, bool, Any, Any]:
+    """``_scan``'s three tests, each value's length in characters (a NULL's 0) and whether it may be blank
+    (NULL, empty, or its first character one of ``_BLANK``), read from a string array's buffers with numpy:
+    a pass over its bytes for each test, none per value."""
+    import numpy as np
+    import pyarrow.compute as pc
+
+    n = len(values)
+    if n == values.null_count:
+        return False, False, False, np.zeros(n, dtype=np.int64), np.ones(n, dtype=bool)
+    offsets = np.frombuffer(values.buffers()[1], dtype=np.int32)[values.offset:values.offset + n + 1]
     data = np.frombuffer(values.buffers()[2], dtype=np.uint8)[offsets[0]:offsets[-1]]
     control = np.bincount(data[data < 32], minlength=32)
+    lengths = np.diff(offsets).astype(np.int64)
+    if values.null_count:   # a NULL's slot may hold bytes: Arrow does not promise it is empty
+        lengths[~values.is_valid().to_numpy(zero_copy_only=False)] = 0
+    if data.size and int(data.max()) >= 128:   # not ASCII: characters are not bytes
+        chars = pc.fill_null(pc.utf8_length(values), 0).to_numpy(zero_copy_only=False).astype(np.int64)
+    else:
+        chars = lengths
+    filled = lengths > 0
+    first = np.zeros(n, dtype=np.uint8)
+    first[filled] = data[(offsets[:-1] - offsets[0])[filled]]
+    maybe_blank = ~filled | np.isin(first, _BLANK_BYTES)
     return (bool(control[0]), bool(control[_OTHER_CONTROL_BYTES].any()),
-            bool(control[_ESCAPED_CONTROL_BYTES].any() or (data == 34).any() or (data == 92).any()))
+            bool(control[_ESCAPED_CONTROL_BYTES].any() or (data == 34).any() or (data == 92).any()),
+            chars, maybe_blank)
 
 
 def _text_column(values: Any) -> Any:
@@ -287,7 +311,7 @@ def _text_column(values: Any) -> Any:
     import pyarrow as pa
     import pyarrow.compute as pc
 
-    if isinstance(values, list):
+    if isinstance(values, (list, tuple)):
         kinds = set(map(type, values)) - {type(None)}
         if kinds <= {str}:
             return pa.array(values, pa.string())
@@ -315,7 +339,7 @@ def _acl_column(values: Any) -> Any:
     import pyarrow.compute as pc
 
     acl_type = pa.list_(pa.string())
-    if isinstance(values, list):
+    if isinstance(values, (list, tuple)):
         kinds = set(map(type, values)) - {type(None)}
         if kinds <= {str}:
             values = pa.array(values, pa.string())
@@ -363,15 +387,14 @@ def _column_batch(spec: JobSpec, columns: Mapping[str, Any]) -> Any:
         return pa.RecordBatch.from_arrays([ids, text, acl, reject], schema=stage_schema())
     texts = [_text_column(columns[c]) for c in src.columns]
     chars = np.zeros(n, dtype=np.int64)
-    maybe_blank = pa.array(np.ones(n, dtype=bool))   # every column NULL or starting with a blank character
+    maybe_blank = np.ones(n, dtype=bool)   # every column NULL or starting with a blank character
     escaped: list[Any] = []
     for t in texts:
-        nul, other_control, needs_escape = _scan(t)
+        nul, other_control, needs_escape, t_chars, t_maybe_blank = _text_stats(t)
         if nul or other_control:
             return None   # the row path
-        chars += pc.fill_null(pc.utf8_length(t), 0).to_numpy(zero_copy_only=False)
-        first = pc.utf8_slice_codeunits(t, 0, 1)
-        maybe_blank = pc.and_(maybe_blank, pc.or_(pc.is_null(t), pc.is_in(first, pa.array(["", *_BLANK]))))
+        chars += t_chars
+        maybe_blank &= t_maybe_blank
         if needs_escape:
             for raw, esc in _JSON_ESCAPES:
                 t = pc.replace_substring(t, raw, esc)
@@ -386,8 +409,8 @@ def _column_batch(spec: JobSpec, columns: Mapping[str, Any]) -> Any:
         for t in escaped:
             parts += [pc.fill_null(pc.binary_join_element_wise('"', t, '"', ""), "null"), ", "]
         text = pc.binary_join_element_wise("[", *parts[:-1], "]", "")
-    blank = maybe_blank
-    if _any(maybe_blank):
+    blank = pa.array(maybe_blank)
+    if maybe_blank.any():
         for t in texts:
             blank = pc.and_(blank, pc.invert(pc.fill_null(pc.match_substring_regex(t, _NOT_BLANK), False)))
     over = chars > spec.max_input_chars

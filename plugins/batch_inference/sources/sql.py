@@ -40,7 +40,6 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Iterator
-from operator import itemgetter
 from typing import Any
 
 from batch_inference.db import q
@@ -215,7 +214,8 @@ class SqlSource(Reader):
             while batch := self._fetch(cur):
                 if at is None:   # after the first fetch: a server-side cursor describes its rows then
                     at = self._positions([d[0] for d in cur.description or ()])
-                yield column_batch(self, {c: list(map(itemgetter(i), batch)) for c, i in at.items()})
+                columns = list(zip(*batch))   # the rows turned into columns in one pass
+                yield column_batch(self, {c: columns[i] for c, i in at.items()})
                 n += len(batch)
         log.info("source %s: %d row(s) read", self.name, n)
 
