@@ -410,6 +410,8 @@ def run(sizes: list[int], kinds: list[str]) -> dict[str, Any]:
                         "submit_ratio": round(r["submit"]["s"] / base, 2),
                         "peak_rss_mib": {m: round(r[m]["peak_rss_mib"]) for m in r},
                         "growth_mib": {m: round(r[m]["growth_mib"]) for m in r}}
+                    print(json.dumps({f"{kind}@{n}": out["results"][f"{kind}@{n}"], "load1": os.getloadavg()[0]}),
+                          file=sys.stderr, flush=True)   # progress of a long run
                 out["job_versions"][str(n)] = versions
     largest, smallest = max(sizes), min(sizes)
     res = out["results"]
