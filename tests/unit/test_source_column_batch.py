@@ -90,3 +90,25 @@ def test_a_value_that_cannot_become_text_is_the_same_one_line():
         column_batch(r, {"id": ["t1", "t2"], "a": ["x", b"raw"], "b": ["y", "z"], "acl": [None, None]})
     with pytest.raises(SnapshotError, match="text contains NUL bytes"):
         column_batch(r, {"id": ["t\x00"], "a": ["x"], "b": ["y"], "acl": [None]})
+
+
+@pytest.mark.parametrize("cap", [5, 40])
+def test_sliced_arrays_tuples_and_non_ascii_as_the_row_path_makes_them(cap):
+    """The lengths and blank tests read from a string array's buffers: a slice of an array (an offset
+    into its buffers), a NULL, text that is not ASCII (characters are not bytes), and columns given as
+    tuples (a fetched batch turned into columns by zip)."""
+    a = ["x" * 50, "ünï", " ü", "", None, "\tz", "𝄞𝄞𝄞𝄞", "plain", "  ", "ok"]
+    b = ["head", None, "", " ", None, "\n", "ééé", "q\"b", None, "ü" * 4]
+    ids = [f"t{i}" for i in range(len(a))]
+    r = reader(True, cap=cap)
+    sliced = {"id": pa.array(ids)[3:], "a": pa.array(a)[3:], "b": pa.array(b)[3:], "acl": pa.array([["x"]] * len(a))[3:]}
+    assert column_batch(r, sliced) is not None and _column_batch(r.spec, sliced) is not None   # the column path ran
+    fast, slow = both(r, sliced)
+    assert fast == slow
+    tuples = {"id": tuple(ids), "a": tuple(a), "b": tuple(b), "acl": tuple([["x"]] * len(a))}
+    assert _column_batch(r.spec, tuples) is not None
+    fast, slow = both(r, tuples)
+    assert fast == slow
+    rejects = [x["reject"] or "" for x in fast]
+    assert "empty text" in rejects
+    assert any(x.startswith("input over the length cap") for x in rejects) == (cap == 5)
