@@ -69,6 +69,7 @@ from batch_inference.engines.base import Engine, Outcome, Request
 from batch_inference.exceptions import (
     BadDatabaseURL,
     BatchInferenceError,
+    BudgetSpent,
     DatabaseUnavailable,
     DigestMismatch,
     InvalidValue,
@@ -602,7 +603,8 @@ class Worker:
     def give_back(self, shards: list[Shard], exc: Exception) -> typing.NoReturn:
         """The engine raised: give every held shard back and stop (Fatal). An endpoint that
         is down is no engine's or record's fault: a plain release, no lost lease, no crash and
-        no attempt counted. Anything else broke the engine itself (lost GPU, OOM): abandon,
+        no attempt counted; so is a budget that pays for no more rows (exit OK: nothing left for this
+        worker). Anything else broke the engine itself (lost GPU, OOM): abandon,
         counted like a death, so a record that breaks the engine every time ends
         dead-lettered, not looping."""
         assert self.ledger is not None
@@ -610,6 +612,10 @@ class Worker:
             for shard in shards:
                 self._release(shard, "endpoint unavailable")
             raise Fatal(f"fatal: {exc}", ExitCode.ENDPOINT) from None
+        if isinstance(exc, BudgetSpent):     # the rows stay pending for a larger budget: nothing left for us
+            for shard in shards:
+                self._release(shard, "budget spent")
+            raise Fatal(f"stopped at the budget: {exc}", ExitCode.OK) from None
         try:
             for shard in shards:
                 self._db(self.ledger.abandon, shard.lease)

@@ -308,6 +308,20 @@ def arithmetic(o: Option, policy: Policy, prices: Prices, spent: Decimal) -> str
             f"${prices.fallback_per_row}/row{pending})")
 
 
+def stop_at_budget(now: datetime, running: int, per_worker: float | None, policy: Policy, prices: Prices,
+                   spent: Decimal, current: int | None = None) -> Decision | None:
+    """With ``on_budget: page``: the fleet of ``running`` workers stops (desired size 0) once not even
+    their drain is within the budget after ``spent``, measured or not; None while it is. The autopilot's
+    first check (``decide``), and the cutoff watch's for a fixed fleet (the autopilot off), whose
+    launchers follow a desired size of 0 only (``reconcile``)."""
+    if not (policy.keeps_budget and running
+            and spent + prices.gpu_cost(Decimal(str(running * policy.drain_s / 3600))) > policy.budget):
+        return None
+    why = (f"no fleet size keeps within the budget; the fleet stops: spent ${cents(spent):,} + {running} "
+           f"worker(s)' drain of {policy.drain_s:g}s is over the budget ${cents(policy.budget):,}")
+    return Decision(now, running if current is None else current, 0, REMOVE, why, per_worker, (), why)
+
+
 def decide(now: datetime, deadline: datetime, outstanding: int, per_worker: float | None, current: int,
            fb_rate: float, overhead_s: float, policy: Policy, prices: Prices, spent: Decimal = Decimal(0),
            last_change: datetime | None = None, shards_left: int | None = None, steady: bool = True,
@@ -330,11 +344,9 @@ def decide(now: datetime, deadline: datetime, outstanding: int, per_worker: floa
     start = 0 if keep and current == 0 else policy.clamp(current)     # a fleet the budget stopped stays stopped
     if outstanding <= 0:
         return Decision(now, current, current, HOLD, "nothing outstanding", per_worker)
-    if keep and start and spent + prices.gpu_cost(Decimal(str(start * policy.drain_s / 3600))) > policy.budget:
-        # Not even the drain of the fleet in force is within the budget: it stops, measured or not.
-        why = (f"no fleet size keeps within the budget; the fleet stops: spent ${cents(spent):,} + {start} "
-               f"worker(s)' drain of {policy.drain_s:g}s is over the budget ${cents(policy.budget):,}")
-        return Decision(now, current, 0, REMOVE, why, per_worker, (), why)
+    stop = stop_at_budget(now, start, per_worker, policy, prices, spent, current)
+    if stop is not None:
+        return stop
     if per_worker is None or per_worker <= 0:
         # The spec's bounds only: a worker beyond the shards left exits by itself once it finds nothing
         # to claim, and removing it here would undo an add within its cooldown (a watch re-armed after
@@ -476,11 +488,15 @@ def gpu_hours(conn: Any, job_version: str, spec: Any = None) -> float:
 
 
 def reconcile(conn: Any, job_version: str, launcher: str, running: Callable[[], int], scale: Callable[[int], Any],
-              default: int, bounds: tuple[int, int] | None = None) -> int:
+              default: int, bounds: tuple[int, int] | None = None, follow: bool = True) -> int:
     """One pass of a launcher: read the desired size (``default`` before any decision), clamp it to
     ``bounds``, make the launcher run that many (``scale``), and record what it runs. Returns the
-    size it reconciled to. A restarted launcher calls this first and resumes from the ledger."""
+    size it reconciled to. A restarted launcher calls this first and resumes from the ledger.
+    ``follow`` False: a fixed fleet (the autopilot off), which follows only the budget's stop (a
+    desired size of 0, ``stop_at_budget``) and otherwise keeps what it runs."""
     want = desired_size(conn, job_version)
+    if not follow:
+        want = 0 if want == 0 else running()
     want = default if want is None else want
     if bounds is not None and want != 0:      # 0 comes only from the budget (on_budget: page): it beats the bounds
         want = max(bounds[0], min(bounds[1], want))

@@ -213,6 +213,36 @@ async def steer_fleet(aconn: psycopg.AsyncConnection, cfg: WatchConfig, ctx: Job
     return decision.to_dict()
 
 
+async def budget_page(aconn: psycopg.AsyncConnection, cfg: WatchConfig, ctx: JobContext, counts: dict[str, Any],
+                      d: CutoffDecision, logger: Any = log) -> str | None:
+    """``cost.budget`` where the autopilot does not steer: a hosted batch transport's rows (the workers
+    send the provider no more than the budget affords, ``hosted.budget``: the page gives that
+    arithmetic), or a fixed fleet of GPU workers, stopped as the autopilot stops one
+    (``autopilot.stop_at_budget``: the desired size 0 its launchers reconcile to). The page, or None."""
+    if autopilot.hosted(ctx.spec):
+        from batch_inference.hosted.budget import hosted_budget
+
+        spend = await _one(aconn, "hosted_spend", {"job": cfg.job_version, "lock": False})
+        # The ledger's outstanding: the cutoff's leaves out what the provider has succeeded.
+        ledger_counts = {**counts, "outstanding": int(counts["outstanding"]) + int(counts.get("hosted_succeeded", 0))}
+        check = hosted_budget(ctx.spec, ledger_counts, spend, ctx.prices)
+        return check.page(cfg.job_version) if check is not None and check.over else None
+    state = await _one(aconn, "fleet_size", {"job": cfg.job_version})
+    seen = await _one(aconn, "fleet_running", {"job": cfg.job_version})
+    if (state is not None and int(state["desired"]) == 0) or not seen["launchers"]:
+        return None       # stopped already, or nothing runs yet
+    gpu = await _one(aconn, "fleet_gpu_seconds", {"job": cfg.job_version})
+    spent, _ = job_bill(counts, ctx.prices, gpu_hours=float(gpu["worker_seconds"]) / 3600.0)
+    decision = autopilot.stop_at_budget(d.now, int(seen["running"]), None, autopilot.Policy.from_spec(ctx.spec),
+                                        ctx.prices, spent.total)
+    if decision is None:
+        return None
+    await aconn.execute(db.q("fleet_decide"), decision.params(cfg.job_version))
+    logger.warning("budget of %s: the fixed fleet stops, %d -> 0 worker(s): %s", cfg.job_version, decision.current,
+                   decision.reason)
+    return decision.page
+
+
 async def record_progress(aconn: psycopg.AsyncConnection, job_version: str, counts: dict[str, Any],
                           decision: CutoffDecision) -> None:
     await aconn.execute(db.q("progress_insert"), {
@@ -374,6 +404,11 @@ async def watch(connect: Callable[[], Awaitable[psycopg.AsyncConnection]], cfg: 
                     decision = await steer_fleet(conn, cfg, ctx, counts, verdict.decision, pilot, logger)
                     if decision and decision.get("page") and not cfg.paged and verdict.status == WAIT:
                         verdict = replace(verdict, status=BUDGET, reason=decision["page"])
+                elif verdict.status in (WAIT, EARLY_WARNING) and ctx.spec.cost.budget is not None:
+                    # A fixed fleet stopped at the budget, or a hosted transport's rows held back by it.
+                    page = await budget_page(conn, cfg, ctx, counts, verdict.decision, logger)
+                    if page and not cfg.paged and verdict.status == WAIT:
+                        verdict = replace(verdict, status=BUDGET, reason=page)
                 failures = 0
             except UnknownJob as exc:
                 return error_payload(cfg, str(exc), polls)

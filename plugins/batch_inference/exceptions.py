@@ -99,6 +99,11 @@ class RedriveRefused(BatchInferenceError, ValueError):
     shard); one line, nothing changed."""
 
 
+class BudgetSpent(BatchInferenceError, RuntimeError):
+    """``cost.budget`` (``on_budget: page``) pays for no more of a transport's rows: they stay pending, no
+    attempt spent (``hosted.budget``; the worker releases its shard and exits). The message is the arithmetic."""
+
+
 class PointerMoved(PublishRefused):
     """The dataset's pointer is not at the version the caller expected; nothing was changed.
 

@@ -20,7 +20,7 @@ FATAL = frozenset({ExitCode.DB, ExitCode.DIGEST, ExitCode.CONFIG, ExitCode.ENDPO
 HALTING = frozenset({ExitCode.DIGEST, ExitCode.CONFIG})
 
 _MEANING = {
-    ExitCode.OK: "nothing left to claim, or the job entered fallback mode",
+    ExitCode.OK: "nothing left to claim, the job entered fallback mode, or cost.budget pays for no more rows",
     ExitCode.DB: "the ledger database stayed unreachable",
     ExitCode.DIGEST: "the model weights do not match the digest the spec pins (or are missing)",
     ExitCode.CONFIG: "configuration error (unknown job version, engine, option, or a refused endpoint)",

@@ -166,10 +166,18 @@ class BudgetCheck:
     draining: int = 0       # batch workers the launchers still run
     drain_s: float = 0.0    # the longest one of them runs from now (autopilot.drain_s)
     reserve: Decimal = Decimal(0)   # their GPU time at the GPU-hour price
+    in_provider: int = 0    # rows a hosted batch transport's provider batches still hold (paid once they complete)
+    provider_reserve: Decimal = Decimal(0)   # those rows at the transport's batch price
+    # Who sends the outstanding rows, in the page's words: the pool, or a hosted batch transport's workers
+    # (``hosted.budget``: the same check before a provider batch is opened).
+    who: str = "the fallback"
+    does: str = "re-drives"
+    note: str = "; a retried request spends nothing twice"
+    then: str = " and the fallback runs again"
 
     @property
     def projected(self) -> Decimal:
-        return self.spent + self.reserve + self.outstanding * self.per_row
+        return self.spent + self.reserve + self.provider_reserve + self.outstanding * self.per_row
 
     @property
     def over(self) -> bool:
@@ -182,22 +190,24 @@ class BudgetCheck:
         otherwise."""
         if not self.over or self.on_budget != "page":
             return None
-        return rows_within(self.budget, self.spent + self.reserve, self.per_row)
+        return rows_within(self.budget, self.spent + self.reserve + self.provider_reserve, self.per_row)
 
     def page(self, job_version: str) -> str:
         """One line: the arithmetic, and what the pool does about it."""
         drain = (f" + ${cents(self.reserve):,} for {self.draining:,} draining batch worker(s) ({self.drain_s:g} s at "
                  "the GPU-hour price)" if self.reserve else "")
+        drain += (f" + ${cents(self.provider_reserve):,} for {self.in_provider:,} row(s) in provider batches"
+                  if self.in_provider else "")
         sums = (f"budget ${cents(self.budget):,}: spent ${cents(self.spent):,} so far{drain} + {self.outstanding:,} rows "
                 f"outstanding x ${self.per_row}/row = ${cents(self.projected):,} projected")
         if self.allowance is None:
-            return (f"the fallback of {job_version} re-drives every row past the budget (on_budget: spend): {sums}, "
+            return (f"{self.who} of {job_version} {self.does} every row past the budget (on_budget: spend): {sums}, "
                     f"${cents(self.projected - self.budget):,} over")
         n = self.allowance
-        return (f"the fallback of {job_version} stops at the budget (on_budget: page): {sums}; it re-drives at most "
-                f"{n:,} row(s) (${cents(n * self.per_row):,}; a retried request spends nothing twice), and leaves at "
+        return (f"{self.who} of {job_version} stops at the budget (on_budget: page): {sums}; it {self.does} at most "
+                f"{n:,} row(s) (${cents(n * self.per_row):,}{self.note}), and leaves at "
                 f"least {self.outstanding - n:,} row(s) pending: the job cannot be validated nor published (I3) until "
-                "cost.budget is raised (resubmit the spec) and the fallback runs again")
+                f"cost.budget is raised (resubmit the spec){self.then}")
 
 
 def budget_check(conn: psycopg.Connection, job_version: str, spec: JobSpec,
@@ -210,13 +220,18 @@ def budget_check(conn: psycopg.Connection, job_version: str, spec: JobSpec,
         return None
     prices = Prices.from_spec(spec)
     so_far, _ = bill(conn, job_version, prices, counts)
-    draining = 0 if autopilot.hosted(spec) else \
-        int(conn.execute(db.q("fleet_running"), {"job": job_version}).fetchone()["running"])
+    hosted = autopilot.hosted(spec)
+    draining = 0 if hosted else int(conn.execute(db.q("fleet_running"), {"job": job_version}).fetchone()["running"])
+    # A hosted transport's batches still settling (a cancel takes a while) bill what completes: reserved
+    # (their rows stay in outstanding too, for what comes back unanswered: the safe side).
+    in_provider = int(conn.execute(db.q("hosted_spend"), {"job": job_version, "lock": False}).fetchone()["in_flight"]) \
+        if hosted else 0
     drain_s = autopilot.drain_s(spec)
     return BudgetCheck(budget=Decimal(str(spec.cost.budget)), spent=so_far.total,
                        outstanding=int(counts["outstanding"]), per_row=prices.fallback_per_row,
                        on_budget=spec.cost.on_budget, draining=draining, drain_s=drain_s,
-                       reserve=prices.gpu_cost(Decimal(draining) * Decimal(str(drain_s)) / 3600))
+                       reserve=prices.gpu_cost(Decimal(draining) * Decimal(str(drain_s)) / 3600),
+                       in_provider=in_provider, provider_reserve=in_provider * prices.hosted_batch_per_row)
 
 
 # -- the pool ---------------------------------------------------------------

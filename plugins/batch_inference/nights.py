@@ -643,19 +643,18 @@ class _Supervisor(threading.Thread):
                         time.sleep(0.01)
                 autopilot.observe(self._conn, n.job, "nights", len(n.fleet.alive()))
                 return
-            if not n.steered:
-                autopilot.observe(self._conn, n.job, "nights", len(n.fleet.slots()))
-                return
 
             def scale(k: int) -> None:
                 before = len(n.fleet.slots())
                 k = min(k, before) if n.fleet.drained else k
                 if k != before:
                     n.fleet.scale_to(k)
-                    self.events.append(f"{now - n.t0:.1f}s autopilot {before} -> {k} workers")
+                    self.events.append(f"{now - n.t0:.1f}s {'autopilot' if n.steered else 'budget stop'} "
+                                       f"{before} -> {k} workers")
 
+            # A fixed fleet (or a hosted night's workers) follows only the budget's stop (desired size 0).
             autopilot.reconcile(self._conn, n.job, "nights", lambda: len(n.fleet.slots()), scale, n.cfg.workers,
-                                (n.cfg.min_workers, n.cfg.max_workers))
+                                (n.cfg.min_workers, n.cfg.max_workers), follow=n.steered)
         except (psycopg.Error, db.DatabaseUnavailable):
             if self._conn is not None:
                 self._conn.close()
@@ -1024,10 +1023,9 @@ class _NightRun:
         rows_bill = rec.bill.get("rows_total", rec.bill.get("total", 0.0)) if rec.bill else 0.0
         if rec.bill and rows_bill > rec.bill["all_synchronous_ceiling"]:
             rec.failures.append(f"rows billed ${rows_bill:.2f} over the ceiling ${rec.bill['all_synchronous_ceiling']}")
-        # With on_budget page and the autopilot steering, the bill keeps within the budget (hosted nights'
-        # provider batches and a fixed fleet's GPU time are not steered by it).
-        if c.budget is not None and c.on_budget == "page" and rec.autopilot and not rec.hosted and rec.bill \
-                and rec.bill["total_exact"] > c.budget:
+        # With on_budget page the bill keeps within the budget: the autopilot's fleet, a fixed fleet (stopped
+        # at it) and a hosted night's provider batches (sent no more rows than it affords) alike.
+        if c.budget is not None and c.on_budget == "page" and rec.bill and rec.bill["total_exact"] > c.budget:
             rec.failures.append(f"billed ${rec.bill['total_exact']:.5f} over the budget ${c.budget:g} (on_budget: page)")
         late = rec.published_s is None or rec.slack_s is None or rec.slack_s < 0
         paged_early = rec.page is not None and rec.page_s is not None and rec.page_s < rec.deadline_s

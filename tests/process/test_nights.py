@@ -11,6 +11,7 @@ whose fallback endpoint is down for the whole tail must page early, saying why."
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 import time
@@ -289,3 +290,47 @@ def test_with_spend_a_budget_no_night_can_meet_is_spent_and_paged():
     assert night.page is not None and night.page.startswith("spending past the budget to meet the deadline: "
                                                             f"budget ${UNMEETABLE:.2f}: ")
     assert night.pilot["flaps"] == 0 and night.lost == 0 and night.coverage["missing"] == 0
+
+
+@pytest.mark.chaos
+def test_with_page_a_fixed_fleet_stops_at_a_budget_no_night_can_meet():
+    """Seed 15 with the autopilot off. Before, a fixed fleet ran its GPU time whatever the budget (only
+    the pool's rows were capped). Now the watch stops it as the autopilot stops its own: once the GPU time
+    spent and the fleet's drain would pass the budget, the desired size becomes 0, which the fixed fleet's
+    launcher follows; the pool re-drives what the rest affords, and the bill is within the budget."""
+    report = run_nights(NightsConfig(night=15, autopilot="off", budget=UNMEETABLE, on_budget="page",
+                                     hosted_nights=0))
+    print(report.table())
+    (night,) = report.nights
+    assert report.passed and night.verdict == "paged", report.table()
+    assert night.bill["total_exact"] <= UNMEETABLE and report.summary()["over_budget"] == [], night.bill
+    assert night.gpu_hours > 0 and any(" budget stop 2 -> 0 workers" in e for e in night.fallback["supervisor"]), \
+        night.fallback["supervisor"]
+    assert night.page.startswith("no fleet size keeps within the budget; the fleet stops: spent $") and \
+        f"is over the budget ${UNMEETABLE:.2f}" in night.page, night.page
+    assert night.fallback["budget_stop"] and night.published_s is None and night.lost == 0 < night.coverage["missing"]
+    assert (night.coverage["duplicates"], night.coverage["stored_and_dead"], night.healthy_dead) == (0, 0, 0)
+
+
+@pytest.mark.chaos
+def test_with_page_a_hosted_night_sends_the_provider_no_more_than_the_budget_affords():
+    """Seed 7 (its records go to the hosted batch API), the autopilot on, which steers no hosted fleet.
+    Before, the provider's batches were not held back by the budget: $4.35 billed against $0.05. Now a
+    worker opens a provider batch of only the rows the rest of the budget affords at the batch price
+    ($0.003625: 13 rows), the next finds none affordable and exits, the rows left stay pending (not lost),
+    and the night pages once with that arithmetic."""
+    report = run_nights(NightsConfig(night=7, autopilot="on", budget=UNMEETABLE, on_budget="page",
+                                     hosted_nights=0))
+    print(report.table())
+    (night,) = report.nights
+    assert night.hosted and report.passed and night.verdict == "paged", report.table()
+    assert night.bill["total_exact"] <= UNMEETABLE and night.gpu_hours == 0, night.bill
+    affords = int(UNMEETABLE / 0.003625)
+    assert night.hosted["billed"] == night.rows["hosted_batch"] <= affords and night.hosted["billed_twice"] == 0, \
+        (night.hosted, night.rows)
+    assert night.page.startswith("the hosted batch transport of ") and f" stops at the budget (on_budget: page): " \
+        f"budget ${UNMEETABLE:.2f}: spent $" in night.page, night.page
+    sent = re.search(r" rows outstanding x \$0\.003625/row = .*; it sends at most (\d+) row\(s\)", night.page)
+    assert sent and int(sent.group(1)) <= affords, night.page
+    assert night.fallback["budget_stop"] and night.published_s is None and night.lost == 0 < night.coverage["missing"]
+    assert (night.coverage["duplicates"], night.coverage["stored_and_dead"], night.healthy_dead) == (0, 0, 0)

@@ -49,8 +49,8 @@ from batch_inference.breaker import EndpointUnavailable
 from batch_inference.clearance import check_clearance
 from batch_inference.db import q
 from batch_inference.engines.base import TRUNCATED, Engine, Outcome, Request, one_line
-from batch_inference.exceptions import BatchInferenceError, InvalidValue
-from batch_inference.ledger import Lease, Ledger
+from batch_inference.exceptions import BatchInferenceError, BudgetSpent, InvalidValue
+from batch_inference.ledger import Lease, Ledger, StaleLease
 
 log = logging.getLogger("batch_inference.hosted")
 
@@ -178,6 +178,11 @@ class HostedLedger:
         return Intent(r["intent_no"], r["idem_key"], r["provider_batch_id"], r["state"], list(r["record_ids"]),
                       bool(r["reattached"]), r["collected_epoch"], created_at=r["created_at"].timestamp())
 
+    def spend(self, lease: Lease) -> dict[str, Any]:
+        """The hosted part of the bill and the requests the job's provider batches hold; takes the job's
+        budget lock for the open transaction (``bi.hosted_spend_v1``)."""
+        return self.ledger.conn.execute(q("hosted_spend"), {"job": lease.job_version, "lock": True}).fetchone()
+
     def intents(self, lease: Lease) -> list[Intent]:
         rows = self.ledger.conn.execute(q("hosted_intents"), {
             "job": lease.job_version, "shard": lease.shard_no, "epoch": lease.epoch}).fetchall()
@@ -295,7 +300,7 @@ class HostedBatchEngine(Engine):
         self._close_collected()
         draining = self._drain if self._drain is not None else stop
         by_id = {r.record_id: r for r in requests}
-        it = hl.open(lease, self.provider.name, list(by_id))
+        it = self._open(hl, lease, list(by_id))
         if it.reattached:
             log.info("%s: shard %d: re-attaching to intent %d (%s, batch %s)", self.name, lease.shard_no,
                      it.intent_no, it.state, it.batch_id or "not confirmed")
@@ -325,6 +330,36 @@ class HostedBatchEngine(Engine):
         if st is None:
             return     # preempted or stale: the batch goes on; the next holder re-attaches
         yield from self._collect(hl, lease, it, batch_id, st)
+
+    def _open(self, hl: HostedLedger, lease: Lease, ids: list[str]) -> Intent:
+        """The shard's provider batch: the one it re-attaches to, or a new intent. Under ``cost.budget``
+        with ``on_budget: page`` a new one names only the rows the rest of the budget affords at the
+        batch price (``hosted.budget``), checked and reserved in one transaction under the job's budget
+        lock; none affordable: ``BudgetSpent`` (the worker releases the shard, its rows stay pending)."""
+        cost = self.spec.cost
+        if cost.budget is None or cost.on_budget != "page":
+            return hl.open(lease, self.provider.name, ids)
+        from batch_inference.hosted.budget import affordable, hosted_budget
+        from batch_inference.status import job_counts
+
+        stale: StaleLease | None = None
+        with hl.ledger.conn.transaction():
+            if not hl.intents(lease):
+                check = hosted_budget(self.spec, job_counts(hl.ledger.conn, lease.job_version), hl.spend(lease))
+                n = affordable(check, len(ids))
+                if n == 0:
+                    raise BudgetSpent(check.page(lease.job_version))
+                if n < len(ids):
+                    log.warning("%s: shard %d: %d of %d rows go to the provider within the budget: %s", self.name,
+                                lease.shard_no, n, len(ids), check.page(lease.job_version))
+                    ids = ids[:n]
+            try:
+                it = hl.open(lease, self.provider.name, ids)
+            except StaleLease as exc:    # kept, with its fence record: the transaction commits
+                stale = exc
+        if stale is not None:
+            raise stale
+        return it
 
     def _create(self, it: Intent, requests: list[Request]) -> tuple[str, str | None]:
         """The provider's create call, made once: the client does not retry it (a retry after a lost

@@ -212,11 +212,9 @@ class LocalWorkersOperator(BaseOperator):
             while fleet.active() and not self._killed.is_set():
                 fleet.poll(on_exit=self._on_exit)
                 if time.monotonic() >= next_reconcile:
-                    # What runs is recorded either way: the workers' GPU-hours in the bill.
-                    if self._follow:
-                        self._reconcile(conninfo, job_version, launcher, n)
-                    else:
-                        self._observe(conninfo, job_version, launcher, len(fleet.slots()))
+                    # What runs is recorded either way: the workers' GPU-hours in the bill. A fixed fleet
+                    # follows only the budget's stop (desired size 0: autopilot.stop_at_budget).
+                    self._reconcile(conninfo, job_version, launcher, n)
                     next_reconcile = time.monotonic() + self.reconcile_seconds
                 fleet.wait(self.poll_seconds)
         except AirflowFailException as exc:
@@ -298,7 +296,7 @@ class LocalWorkersOperator(BaseOperator):
         try:
             with db.connect(conninfo) as conn:
                 autopilot.reconcile(conn, job_version, launcher, lambda: len(fleet.slots()), scale, default,
-                                    self._bounds)
+                                    self._bounds, follow=self._follow)
         except Exception as exc:  # noqa: BLE001 - the workers go on at their size; the next pass retries
             self.log.warning("autopilot: could not reconcile with the ledger: %s", str(exc).strip()[:200])
 
