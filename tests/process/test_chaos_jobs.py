@@ -114,3 +114,30 @@ def test_chaos_checks_see_a_stale_rung_answer_and_a_result_that_is_not_the_final
     assert figures["results_not_final"] == 1 and figures["finals_not_stored"] == 0
     failed = {c.name for c in checks if not c.ok}
     assert "each result is its one final rung answer" in failed, checks
+
+
+def test_a_ladder_worker_whose_connection_drops_mid_ladder_write_reconnects_and_finishes(conn, db_url,
+                                                                                       monkeypatch):
+    """What the ladder's chaos run found: the worker's connection lost as it writes rung answers (a
+    database restart) ended it with exit 2. The write now goes through the worker's reconnect-and-retry."""
+    from batch_inference.ladder import audit
+    from gpu_runner.worker import WorkerConfig, run_worker
+
+    cfg = ChaosConfig(job="ladder", engine_options={})
+    poison = make_source(conn, 40, random.Random(1))
+    job = submit(conn, _spec(cfg)).job_version
+    put, cut = audit.put, []
+
+    def put_after_losing_the_connection(ledger, lease, rows):
+        if not cut:   # the server ends the worker's session, as a restart does
+            cut.append(conn.execute("SELECT pg_terminate_backend(%s) AS ok",
+                                    (ledger.conn.info.backend_pid,)).fetchone()["ok"])
+        return put(ledger, lease, rows)
+
+    monkeypatch.setattr(audit, "put", put_after_losing_the_connection)
+    assert run_worker(WorkerConfig(job_version=job, db_url=db_url, wait_for_leases=False)) == 0
+    assert cut == [True]
+    finals = {r["record_id"]: r["rung"] for r in conn.execute(db.q("chaos_ladder_final_rungs"), {"job": job})}
+    stored = {r["record_id"] for r in conn.execute("SELECT record_id FROM bi.results WHERE job_version = %s", (job,))}
+    assert stored == set(finals) and len(stored) == 40 - len(poison)
+    assert {r for r, rung in finals.items() if rung == 2} == {r for r in stored if is_unsure(r, cfg.unsure_rate)}
