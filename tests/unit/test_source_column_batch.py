@@ -112,3 +112,22 @@ def test_sliced_arrays_tuples_and_non_ascii_as_the_row_path_makes_them(cap):
     rejects = [x["reject"] or "" for x in fast]
     assert "empty text" in rejects
     assert rejects[0].startswith("input over the length cap (54 characters")
+
+
+def test_the_collector_is_paused_for_a_batch_and_restored_as_it_was():
+    import gc
+
+    from batch_inference.sources.base import collection_paused
+
+    assert gc.isenabled()
+    with pytest.raises(ValueError), collection_paused():
+        assert not gc.isenabled()
+        raise ValueError("a refusal inside the batch")
+    assert gc.isenabled()
+    gc.disable()
+    try:
+        with collection_paused():
+            assert not gc.isenabled()
+        assert not gc.isenabled()   # it was off: left off
+    finally:
+        gc.enable()

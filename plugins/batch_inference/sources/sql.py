@@ -44,7 +44,7 @@ from typing import Any
 
 from batch_inference.db import q
 from batch_inference.exceptions import SnapshotError
-from batch_inference.sources.base import ROWS_PER_FETCH, Ident, Reader, Records, column_batch
+from batch_inference.sources.base import ROWS_PER_FETCH, Ident, Reader, Records, collection_paused, column_batch
 
 log = logging.getLogger(__name__)
 
@@ -211,12 +211,18 @@ class SqlSource(Reader):
                 log.info("source %s: %d row(s) read as Arrow", self.name, n)
                 return
             at: dict[str, int] | None = None
-            while batch := self._fetch(cur):
-                if at is None:   # after the first fetch: a server-side cursor describes its rows then
-                    at = self._positions([d[0] for d in cur.description or ()])
-                columns = list(zip(*batch))   # the rows turned into columns in one pass
-                yield column_batch(self, {c: columns[i] for c, i in at.items()})
-                n += len(batch)
+            while True:
+                with collection_paused():
+                    batch = self._fetch(cur)
+                    if not batch:
+                        break
+                    if at is None:   # after the first fetch: a server-side cursor describes its rows then
+                        at = self._positions([d[0] for d in cur.description or ()])
+                    columns = list(zip(*batch))   # the rows turned into columns in one pass
+                    made = column_batch(self, {c: columns[i] for c, i in at.items()})
+                    n += len(batch)
+                    del batch, columns
+                yield made
         log.info("source %s: %d row(s) read", self.name, n)
 
     def _snowflake_arrow(self, cur: Any) -> Iterator[Any]:
