@@ -171,22 +171,26 @@ def run_companion(conn: psycopg.Connection, spec: JobSpec, serves: str, kind: st
     return job, run_in_process(conn, job)
 
 
-def run_in_process(conn: psycopg.Connection, job: str) -> int:
+def run_in_process(conn: psycopg.Connection, job: str, startup: dict[str, float] | None = None) -> int:
     """Run what is left of version ``job`` with one worker in this process (the engine its spec
     names), until no shard is pending; returns the worker's exit code. A companion version's
-    run, and a pilot's (``batch_inference.estimate``)."""
-    from gpu_runner.worker import WorkerConfig, run_worker   # the GPU runner imports no Airflow either
+    run, and a pilot's (``batch_inference.estimate``). ``startup``, when given, receives the
+    worker's start-up phases in seconds (connect, engine import, weights digest, engine load)."""
+    from gpu_runner.worker import Worker, WorkerConfig   # the GPU runner imports no Airflow either
 
     # The worker takes SIGTERM and SIGINT as its preemption notice; the caller's own handlers
     # (an Airflow task's, the CLI's Ctrl-C) come back when it is done.
     saved = ({s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT)}
              if threading.current_thread() is threading.main_thread() else {})
     try:
-        code = run_worker(WorkerConfig(job_version=job, db_url=conninfo_of(conn), wait_for_leases=False,
-                                       backoff=(0.5, 1.0, 2.0), flush_seconds=1.0))
+        worker = Worker(WorkerConfig(job_version=job, db_url=conninfo_of(conn), wait_for_leases=False,
+                                     backoff=(0.5, 1.0, 2.0), flush_seconds=1.0))
+        code = worker.run()
     finally:
         for sig, handler in saved.items():
             signal.signal(sig, handler)
+    if startup is not None:
+        startup.update(worker.startup)
     return int(code)
 
 

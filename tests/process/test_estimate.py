@@ -126,7 +126,11 @@ def test_a_pilot_measures_and_feeds_the_preview_and_capacity(conn, db_url, capsy
     assert p["rate"]["source"] == "pilot"
     assert p["rate"]["records_per_s"] == pytest.approx(pilot["records_per_s"])
     assert p["rate"]["fleet_records_per_s"] == pytest.approx(2 * pilot["records_per_s"])
-    assert p["gpu_hours"] == pytest.approx(p["eligible"] / pilot["records_per_s"] / 3600, rel=1e-3, abs=1e-6)
+    # The pilot's rate is after its worker's start-up (the model load); each of the two workers pays one.
+    startup = pilot["seconds"] - 4 / pilot["records_per_s"]
+    assert startup > 0 and p["rate"]["startup_s"] == pytest.approx(startup, abs=1e-3)
+    assert p["gpu_hours"] == pytest.approx((p["eligible"] / pilot["records_per_s"] + 2 * startup) / 3600,
+                                           rel=1e-3, abs=1e-5)
     if pilot["stored"]:
         assert p["output_tokens"]["source"] == "measured (pilot)"
         assert p["output_tokens"]["per_record"] == pytest.approx(pilot["output_tokens"] / pilot["stored"], abs=0.1)

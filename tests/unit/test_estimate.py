@@ -78,3 +78,18 @@ def test_a_slow_batch_hands_the_rest_to_the_fallback_at_the_cutoff_or_misses_the
     p = preview(None, spec, rows=iter(rows(3600)), counter=CharEstimate(), now=NOW, rate=rate,
                 deadline=NOW + timedelta(minutes=10))
     assert p.can_finish is False and p.verdict == "misses_deadline" and "even through the fallback" in p.why
+
+
+def test_each_worker_pays_its_start_up_once_and_no_more_workers_run_than_shards():
+    spec = make_spec(cost={"gpu_hour_spot": 3.6}, shard_size=100)
+    rate = Measured("pilot", 1.0, 20.0, 0.9, "test", startup_s=60.0)
+    # 3,600 rows in 36 shards on 2 workers: 1,800 s each after a 60 s start-up; the start-up billed twice.
+    p = preview(None, spec, rows=iter(rows(3600)), counter=CharEstimate(), now=NOW, rate=rate, workers=2)
+    assert datetime.fromisoformat(p.finish) == NOW + timedelta(seconds=60 + 1800)
+    assert p.gpu_hours == pytest.approx((3600 + 2 * 60) / 3600)
+    assert p.bill["planned"]["gpu"] == "3.72" and p.rate["workers_running"] == 2
+    # 150 rows are 2 shards: a third worker has none to run, so it neither speeds the run nor costs a start-up.
+    p = preview(None, spec, rows=iter(rows(150)), counter=CharEstimate(), now=NOW, rate=rate, workers=3)
+    assert p.rate["workers_running"] == 2 and p.rate["fleet_records_per_s"] == 2.0
+    assert datetime.fromisoformat(p.finish) == NOW + timedelta(seconds=60 + 75)
+    assert p.gpu_hours == pytest.approx((150 + 2 * 60) / 3600)

@@ -7,8 +7,10 @@ model, engine, prompt, params and schema under the dataset
 ``pilot_<hash>``, never validated, never published, no view over it. One
 worker runs it in this process (``evaluation.run_in_process``: engine,
 output checks, the keyed write, retries and dead letters as in any run);
-then what it measured is read back: records/s (the worker's wall time,
-model load included), the valid-answer rate (stored answers over all
+then what it measured is read back: records/s after the worker's start-up
+(its wall time less what it took before its first claim: connect, engine
+import, weights digest, model load; the start-up is the wall time less
+records over that rate), the valid-answer rate (stored answers over all
 attempts), the output tokens of the stored answers (re-tokenized by the
 pinned tokenizer) and the input tokens of the records run. The figures go
 to ``bi.estimate_pilots``, where the preview and ``capacity --spec`` find
@@ -61,9 +63,12 @@ def run_pilot(conn: psycopg.Connection, spec: JobSpec, n: int, *, reader: source
         job = plan.submit(conn, scratch, [{k: r[k] for k in ("record_id", "text", "acl")} for r in drawn]
                           ).job_version
         try:
-            t0 = time.perf_counter()
-            code = run_in_process(conn, job)
+            startup: dict[str, float] = {}
+            t0, c0 = time.perf_counter(), time.process_time()
+            code = run_in_process(conn, job, startup)
             seconds = max(time.perf_counter() - t0, 1e-6)
+            cpu_s = time.process_time() - c0
+            working = max(seconds - sum(startup.values()), 1e-6)   # the records' own time, start-up paid once
             counts = job_counts(conn, job)
             failed = int(conn.execute(q("estimate_failed_attempts"), {"job": job}).fetchone()["failed"])
             outputs = [r["output"] for r in conn.execute(q("estimate_outputs"), {"job": job, "n": MAX_PILOT})]
@@ -79,13 +84,16 @@ def run_pilot(conn: psycopg.Connection, spec: JobSpec, n: int, *, reader: source
     row = conn.execute(q("estimate_pilot_insert"), {
         "dataset": spec.dataset, "spec_hash": spec.spec_hash, "model_name": spec.model.name,
         "model_digest": spec.model.digest, "engine": spec.engine.name, "records": len(drawn), "stored": stored,
-        "failed": failed, "dead_letters": dead, "seconds": seconds, "records_per_s": (stored + dead) / seconds,
+        "failed": failed, "dead_letters": dead, "seconds": seconds, "records_per_s": (stored + dead) / working,
         "input_tokens": sum(r["tokens"] for r in drawn), "output_tokens": out_tokens,
         "valid_rate": stored / (stored + failed) if stored + failed else 0.0}).fetchone()
-    log.info("pilot of %s: %d records in %.1fs (%.3g/s), %d valid, %d failed attempts, %d dead letters",
-             spec.dataset, len(drawn), seconds, row["records_per_s"], stored, failed, dead)
+    log.info("pilot of %s: %d records in %.1fs (start-up %.1fs, then %.3g/s), %d valid, %d failed attempts, "
+             "%d dead letters", spec.dataset, len(drawn), seconds, seconds - working, row["records_per_s"], stored,
+             failed, dead)
     out = dict(row)
     out["measured_at"] = out["measured_at"].isoformat()
     out["sampled_outputs"] = min(len(outputs), OUTPUT_SAMPLE)
     out["worker_exit"] = int(code)
+    out["startup_s"] = round(seconds - working, 3)
+    out["cpu_s"] = round(cpu_s, 3)   # this process's CPU time over the run (all its threads): what load does not change
     return out

@@ -21,6 +21,7 @@ are ``cutoff.latest_safe_start`` over the spec's fallback rate and overhead.
 
 from __future__ import annotations
 
+import math
 import random
 import time
 from collections import Counter as Histogram
@@ -162,10 +163,11 @@ class Measured:
     """One worker's measured rate and what its answers were like, and where they were measured."""
 
     source: str                    # 'pilot' or 'recent runs'
-    records_per_s: float           # one worker
+    records_per_s: float           # one worker, once started
     output_tokens: float | None    # a stored answer's tokens, mean
     valid_rate: float | None       # valid answers over attempts
     detail: str
+    startup_s: float = 0.0         # a worker's start-up before its first record (model load), paid once each
 
 
 def pilot_figures(conn: psycopg.Connection, spec: JobSpec) -> dict[str, Any] | None:
@@ -181,8 +183,11 @@ def measured(conn: psycopg.Connection, spec: JobSpec, counter: Counter) -> Measu
     p = pilot_figures(conn, spec)
     if p and p["records_per_s"] > 0:
         out = p["output_tokens"] / p["stored"] if p["stored"] else None
+        # The pilot's rate is after its worker's start-up: the rest of its wall time is the start-up.
+        startup = max(float(p["seconds"]) - (p["stored"] + p["dead_letters"]) / float(p["records_per_s"]), 0.0)
         return Measured("pilot", float(p["records_per_s"]), out, float(p["valid_rate"]),
-                        f"pilot {p['id']} of {p['records']} records at {p['measured_at']:%Y-%m-%d %H:%M} UTC")
+                        f"pilot {p['id']} of {p['records']} records at {p['measured_at']:%Y-%m-%d %H:%M} UTC",
+                        round(startup, 3))
     runs = conn.execute(q("estimate_recent_runs"), {
         "model_name": spec.model.name, "model_digest": spec.model.digest, "n": RECENT_RUNS,
         "min_rows": MIN_RECENT_ROWS}).fetchall()
@@ -337,8 +342,11 @@ def _project(spec: JobSpec, counter: Counter, tally: TokenTally, records: int, r
     out_total = round(out_per * eligible)
 
     rate = m.records_per_s if m else None
-    fleet = rate * workers if rate else None
-    gpu_hours = eligible / rate / 3600 if rate else None
+    # Each worker pays its start-up once, and no more workers run than there are shards.
+    startup = m.startup_s if m and eligible else 0.0
+    running = max(min(workers, math.ceil(eligible / spec.shard_size)), 1)
+    fleet = rate * running if rate else None
+    gpu_hours = (eligible / rate + running * startup) / 3600 if rate else None
     transport = _transport(spec)
 
     # Rows by transport: all batch when the batch finishes in time (or nothing says when it must),
@@ -347,7 +355,7 @@ def _project(spec: JobSpec, counter: Counter, tally: TokenTally, records: int, r
     finish = cutoff_at = None
     on_batch = can = None
     if fleet:
-        finish = now + timedelta(seconds=eligible / fleet)
+        finish = now + timedelta(seconds=startup + eligible / fleet)
     if deadline is not None and fleet:
         overhead, fb_rate = spec.fallback.overhead_s, spec.fallback.rate
         if finish + timedelta(seconds=overhead) <= deadline:
@@ -360,7 +368,7 @@ def _project(spec: JobSpec, counter: Counter, tally: TokenTally, records: int, r
             outstanding = eligible
             for _ in range(50):
                 lss = latest_safe_start(deadline, outstanding, fb_rate, overhead)
-                done = min(eligible, int(max(0.0, (lss - now).total_seconds()) * fleet))
+                done = min(eligible, int(max(0.0, (lss - now).total_seconds() - startup) * fleet))
                 if eligible - done == outstanding:
                     break
                 outstanding = eligible - done
@@ -369,7 +377,7 @@ def _project(spec: JobSpec, counter: Counter, tally: TokenTally, records: int, r
             can = cutoff_at >= now - timedelta(seconds=60)   # the cutoff's minute floor
             finish = max(now, cutoff_at) + timedelta(seconds=fallback_seconds(outstanding, fb_rate, overhead))
 
-    batch_hours = batch / rate / 3600 if rate else 0.0
+    batch_hours = (batch / rate + (running * startup if batch else 0.0)) / 3600 if rate else 0.0
     hosted = transport == "hosted_batch"
     in_tokens_batch = round(tally.total * batch / eligible) if eligible else 0
     hosted_cost = prices.hosted_usage_cost(in_tokens_batch, round(out_per * batch)) if hosted else None
@@ -412,7 +420,7 @@ def _project(spec: JobSpec, counter: Counter, tally: TokenTally, records: int, r
         shared_prefix_tokens=prefix, prefix_cache_saves_tokens=prefix * max(eligible - 1, 0),
         over_context=over_context,
         output_tokens={"per_record": round(out_per, 1), "total": out_total, "source": out_source},
-        rate=None if m is None else {**asdict(m), "fleet_records_per_s": fleet},
+        rate=None if m is None else {**asdict(m), "fleet_records_per_s": fleet, "workers_running": running},
         workers=workers, gpu_hours=None if gpu_hours is None else round(gpu_hours, 6),
         bill=bill, budget=budget, budget_holds=holds,
         now=now.isoformat(), deadline=None if deadline is None else deadline.isoformat(),
@@ -448,8 +456,11 @@ def render(p: dict[str, Any]) -> str:
     r = p["rate"]
     if r:
         valid = f", {r['valid_rate']:.0%} valid answers" if r["valid_rate"] is not None else ""
-        lines.append(f"  rate          {r['records_per_s']:.3g} records/s a worker ({r['detail']}{valid}); "
-                     f"{p['workers']} worker(s); {p['gpu_hours']:,.3f} GPU-hours")
+        start = f" after a {r['startup_s']:.3g}s start-up" if r.get("startup_s") else ""
+        running = r.get("workers_running", p["workers"])
+        workers = f"{p['workers']} worker(s)" + (f", {running} with a shard to run" if running != p["workers"] else "")
+        lines.append(f"  rate          {r['records_per_s']:.3g} records/s a worker{start} ({r['detail']}{valid}); "
+                     f"{workers}; {p['gpu_hours']:,.3f} GPU-hours")
     else:
         lines.append("  rate          none measured: run `batch-inference estimate SPEC --pilot 100` first")
     b = p["bill"]
