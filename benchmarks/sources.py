@@ -15,7 +15,8 @@ hook and snowflake-connector-python over HTTP, read by ``fetch_arrow_batches``;
 tests/fixtures/warehouses.fakesnow_process). fakesnow is not Snowflake: it is
 DuckDB behind an HTTP server that speaks the connector's protocol, so that
 kind's figures measure fakesnow and the connector here, not a warehouse. Then, each in its own fresh process (so its peak RSS is its own):
-``client`` reads every row with the source's own client (sqlite3 / psycopg2 /
+``client`` reads every row with the source's own client (with Python's cyclic
+collector paused, as the reader pauses it for each batch; sqlite3 / psycopg2 /
 mysqlclient / snowflake-connector-python ``fetchmany``, over a server-side
 cursor where there is one, pyarrow's
 ``iter_batches`` on a local file or through pyarrow's S3 filesystem,
@@ -214,7 +215,15 @@ def spec(kind: str, paths: dict[str, Any] | None = None) -> Any:
 
 
 def client_read(kind: str, paths: dict[str, Any], url: str) -> int:
-    """Every row through the source's own client, as Python values."""
+    """Every row through the source's own client, as Python values, with Python's cyclic collector paused
+    as the reader pauses it for each batch (``sources.collection_paused``): the client at its best."""
+    from batch_inference.sources.base import collection_paused
+
+    with collection_paused():
+        return _client_read(kind, paths, url)
+
+
+def _client_read(kind: str, paths: dict[str, Any], url: str) -> int:
     n = 0
     if kind == "sqlite":
         db = sqlite3.connect(paths["sqlite"])
