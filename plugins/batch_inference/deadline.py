@@ -32,9 +32,10 @@ trigger event's payload):
   until the deadline passed.
 * ``budget``: the autopilot (``spec.autopilot.enabled``, which runs at every
   poll and writes the fleet's desired size) found that meeting the deadline
-  would cost more than ``cost.budget``; the payload's ``reason`` is the page,
-  arithmetic included. Sent once per run (``paged=True`` after it), as the
-  early warning is.
+  would cost more than ``cost.budget``; or, where it does not steer, a fixed
+  fleet stopped at the budget or a hosted batch transport's rows held back by
+  it (``budget_page``). The payload's ``reason`` is the page, arithmetic
+  included. Sent once per run (``paged=True`` after it), as the early warning is.
 * ``halted``: the job's workers recorded a fatal failure (``bi.halt_job_v1``:
   wrong weights, an unusable engine) after ``since``, the DAG run's queued
   time; the run cannot succeed, so the watch ends at once.

@@ -35,6 +35,8 @@ def hosted_budget(spec: Any, counts: Any, spend: Any, prices: Prices | None = No
     if spec.cost.budget is None:
         return None
     prices = Prices.from_spec(spec) if prices is None else prices
+    # Read one after the other, while workers store: the hosted rows may be newer than the counts.
+    counts = {**counts, "stored_batch": max(int(counts["stored_batch"]), int(spend["rows"]))}
     so_far, _ = job_bill(counts, prices, spend)          # a hosted job's workers run no GPU
     in_flight = int(spend["in_flight"])
     return BudgetCheck(budget=Decimal(str(spec.cost.budget)), spent=so_far.total,
