@@ -314,12 +314,21 @@ def stop_at_budget(now: datetime, running: int, per_worker: float | None, policy
     their drain is within the budget after ``spent``, measured or not; None while it is. The autopilot's
     first check (``decide``), and the cutoff watch's for a fixed fleet (the autopilot off), whose
     launchers follow a desired size of 0 only (``reconcile``)."""
-    if not (policy.keeps_budget and running
-            and spent + prices.gpu_cost(Decimal(str(running * policy.drain_s / 3600))) > policy.budget):
+    if not (policy.keeps_budget and drain_over(running, policy, prices, spent)):
         return None
-    why = (f"no fleet size keeps within the budget; the fleet stops: spent ${cents(spent):,} + {running} "
-           f"worker(s)' drain of {policy.drain_s:g}s is over the budget ${cents(policy.budget):,}")
+    why = f"no fleet size keeps within the budget; the fleet stops: {drain_sum(running, policy, spent)}"
     return Decision(now, running if current is None else current, 0, REMOVE, why, per_worker, (), why)
+
+
+def drain_over(running: int, policy: Policy, prices: Prices, spent: Decimal) -> bool:
+    """``running`` workers' drain after ``spent`` is over the budget (False without one)."""
+    return policy.budget is not None and running > 0 and \
+        spent + prices.gpu_cost(Decimal(str(running * policy.drain_s / 3600))) > policy.budget
+
+
+def drain_sum(running: int, policy: Policy, spent: Decimal) -> str:
+    return (f"spent ${cents(spent):,} + {running} worker(s)' drain of {policy.drain_s:g}s is over the budget "
+            f"${cents(policy.budget or Decimal(0)):,}")
 
 
 def decide(now: datetime, deadline: datetime, outstanding: int, per_worker: float | None, current: int,

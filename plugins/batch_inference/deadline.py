@@ -230,14 +230,19 @@ async def budget_page(aconn: psycopg.AsyncConnection, cfg: WatchConfig, ctx: Job
         return check.page(cfg.job_version) if check is not None and check.over else None
     state = await _one(aconn, "fleet_size", {"job": cfg.job_version})
     seen = await _one(aconn, "fleet_running", {"job": cfg.job_version})
-    if (state is not None and int(state["desired"]) == 0) or not seen["launchers"]:
-        return None       # stopped already, or nothing runs yet
+    if state is not None and int(state["desired"]) == 0:
+        return state["reason"]      # stopped already: its page (sent once a run, at a poll that waits)
+    if not seen["launchers"]:
+        return None                 # nothing runs yet
     gpu = await _one(aconn, "fleet_gpu_seconds", {"job": cfg.job_version})
     spent, _ = job_bill(counts, ctx.prices, gpu_hours=float(gpu["worker_seconds"]) / 3600.0)
-    decision = autopilot.stop_at_budget(d.now, int(seen["running"]), None, autopilot.Policy.from_spec(ctx.spec),
-                                        ctx.prices, spent.total)
+    policy, running = autopilot.Policy.from_spec(ctx.spec), int(seen["running"])
+    decision = autopilot.stop_at_budget(d.now, running, None, policy, ctx.prices, spent.total)
     if decision is None:
-        return None
+        # on_budget spend: the fixed fleet runs on past the budget, said once.
+        return (f"spending past the budget with the fixed fleet (on_budget: spend): "
+                f"{autopilot.drain_sum(running, policy, spent.total)}"
+                if autopilot.drain_over(running, policy, ctx.prices, spent.total) else None)
     await aconn.execute(db.q("fleet_decide"), decision.params(cfg.job_version))
     logger.warning("budget of %s: the fixed fleet stops, %d -> 0 worker(s): %s", cfg.job_version, decision.current,
                    decision.reason)
