@@ -216,7 +216,8 @@ def spec(kind: str, paths: dict[str, Any] | None = None) -> Any:
 
 def client_read(kind: str, paths: dict[str, Any], url: str) -> int:
     """Every row through the source's own client, as Python values, with Python's cyclic collector paused
-    as the reader pauses it for each batch (``sources.collection_paused``): the client at its best."""
+    as the reader pauses it for each batch (``sources.base.collection_paused``), and a local Parquet file
+    read without pre-buffering, as the reader reads it: the client at its best."""
     from batch_inference.sources.base import collection_paused
 
     with collection_paused():
@@ -264,7 +265,7 @@ def _client_read(kind: str, paths: dict[str, Any], url: str) -> int:
     elif kind == "parquet":
         import pyarrow.parquet as pq
 
-        for batch in pq.ParquetFile(paths["parquet"]).iter_batches(batch_size=10_000):
+        for batch in pq.ParquetFile(paths["parquet"], pre_buffer=False).iter_batches(batch_size=10_000):
             n += len(batch.to_pydict()["id"])
     elif kind == "parquet_s3":
         import pyarrow.parquet as pq
