@@ -114,7 +114,7 @@ class ParquetFiles(Reader):
             with self._opened(f) as local:
                 try:
                     # pre_buffer off: with it, iter_batches keeps what it read ahead for the whole
-                    # file (its size in memory: 187 MB for a 10M-row file), and reads no faster here.
+                    # file (its size in memory: 187 MiB for a 186 MiB file of 10M rows), and reads no faster here.
                     pf = pq.ParquetFile(local, pre_buffer=False)
                 except Exception as exc:  # noqa: BLE001 - not Parquet
                     raise self.refuse(f"{f['path']}: not a Parquet file ({exc})") from None
