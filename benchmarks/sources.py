@@ -14,7 +14,8 @@ iceberg) and a table of fakesnow's server (kind sql, the snowflake provider's
 hook and snowflake-connector-python over HTTP, read by ``fetch_arrow_batches``;
 tests/fixtures/warehouses.fakesnow_process). fakesnow is not Snowflake: it is
 DuckDB behind an HTTP server that speaks the connector's protocol, so that
-kind's figures measure fakesnow and the connector here, not a warehouse. Then, each in its own fresh process (so its peak RSS is its own):
+kind's figures measure fakesnow and the connector here, not a warehouse.
+Then, each in its own fresh process (so its peak RSS is its own):
 ``client`` reads every row with the source's own client (with Python's cyclic
 collector paused, as the reader pauses it for each batch; sqlite3 / psycopg2 /
 mysqlclient / snowflake-connector-python ``fetchmany``, over a server-side

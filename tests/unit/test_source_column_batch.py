@@ -101,7 +101,8 @@ def test_sliced_arrays_tuples_and_non_ascii_as_the_row_path_makes_them(cap):
     b = ["head", None, "", " ", None, "\n", "ééé", "q\"b", None, "ü" * 4]
     ids = [f"t{i}" for i in range(len(a))]
     r = reader(True, cap=cap)
-    sliced = {"id": pa.array(ids)[3:], "a": pa.array(a)[3:], "b": pa.array(b)[3:], "acl": pa.array([["x"]] * len(a))[3:]}
+    sliced = {"id": pa.array(ids)[3:], "a": pa.array(a)[3:], "b": pa.array(b)[3:],
+              "acl": pa.array([["x"]] * len(a))[3:]}
     assert column_batch(r, sliced) is not None and _column_batch(r.spec, sliced) is not None   # the column path ran
     fast, slow = both(r, sliced)
     assert fast == slow
