@@ -221,7 +221,7 @@ class SqlSource(Reader):
                     columns = list(zip(*batch))   # the rows turned into columns in one pass
                     made = column_batch(self, {c: columns[i] for c, i in at.items()})
                     n += len(batch)
-                    del batch, columns
+                    del batch, columns   # the rows freed while the collector is still paused
                 yield made
         log.info("source %s: %d row(s) read", self.name, n)
 
