@@ -124,6 +124,26 @@ def test_the_budget_page_ends_the_trigger_once_with_the_arithmetic(conn, db_url)
     assert quiet["status"] != watchlib.BUDGET
 
 
+def test_a_fixed_fleet_stops_at_the_budget_as_the_autopilots_does_and_its_launcher_follows(conn, db_url):
+    """The autopilot off, on_budget page: the watch stops the fleet with the controller's own check (the GPU
+    time spent and the fleet's drain against the budget) and records the desired size 0; a fixed fleet's
+    launcher follows that size alone (before it, it keeps what it runs). Before, nothing stopped a fixed fleet."""
+    job = new_job(conn, 40, cost={"gpu_hour_spot": 3.6, "budget": 0.1, "on_budget": "page"})
+    scaled: list[int] = []
+    running = lambda: 0 if scaled else 2    # noqa: E731
+    assert autopilot.reconcile(conn, job, "local", running, scaled.append, 2, (1, 4), follow=False) == 2
+    assert scaled == [] and autopilot.desired_size(conn, job) is None
+    cfg = watchlib.WatchConfig(job_version=job, deadline=datetime.now(UTC) + timedelta(hours=2), warned=True)
+    payload = asyncio.run(watchlib.watch(lambda: watchlib.connect_async(db_url), cfg, max_polls=1))
+    # 2 workers' drain of 60 + 5 s at $3.60 an hour is $0.13, over $0.10 before anything is spent.
+    assert payload["status"] == watchlib.BUDGET and payload["reason"].startswith(
+        "no fleet size keeps within the budget; the fleet stops: spent $0.00 + 2 worker(s)' drain of 65s is over "
+        "the budget $0.10"), payload
+    assert autopilot.desired_size(conn, job) == 0
+    assert autopilot.reconcile(conn, job, "local", running, scaled.append, 2, (1, 4), follow=False) == 0
+    assert scaled == [0]
+
+
 # -- the local launcher: real worker processes --------------------------------------------------
 
 
