@@ -9,12 +9,14 @@ from __future__ import annotations
 
 import tests.fixtures.airflow_env  # noqa: F401  (before anything imports Airflow)
 
+import asyncio
 import json
 import os
 import sqlite3
 import subprocess
 import sys
 from pathlib import Path
+from datetime import UTC, datetime, timedelta
 from typing import Any
 from urllib.parse import quote
 
@@ -22,6 +24,7 @@ import pytest
 import yaml
 
 from batch_inference import db
+from batch_inference import deadline as watchlib
 from tests.conftest import make_source, spec_dict, tickets
 from tests.fixtures.sources import TICKETS, two_column_spec
 from tests.fixtures.warehouses import fakesnow_server, mariadb  # noqa: F401  (fixtures)
@@ -205,6 +208,10 @@ def test_status_shows_a_halt_a_later_resubmit_cleared_as_past(conn, db_url, tmp_
         " is past (cleared by a resubmit that changed its settings at " in p.stdout, p.stdout
     shown = one_json_line(bi("--db", db_url, "status", job, "--json"))
     assert shown["halt_cleared_by"] == "resubmit" and shown["halt_cleared_at"] > shown["halted_at"], shown
+    # The cutoff watch with no run start to go by (the CLI's) no longer ends on the cleared halt.
+    cfg = watchlib.WatchConfig(job_version=job, deadline=datetime.now(UTC) + timedelta(hours=2), warned=True)
+    watched = asyncio.run(watchlib.watch(lambda: watchlib.connect_async(db_url), cfg, max_polls=1))
+    assert watched["status"] == watchlib.WAIT, watched
     w = bi("--db", db_url, "worker", job)
     assert w.returncode == 0, w.stderr
     p = bi("--db", db_url, "status", job)
