@@ -25,7 +25,10 @@ search table, and searched with ``ORDER BY embedding <=> q LIMIT 10`` (median of
 on the search table before its index (an exact scan), then, after the HNSW index is built and the
 version published, on the published view; with recall@10 of the index against the exact answers.
 
-    python -m benchmarks.embed [--records 512] [--vectors 100000] [--queries 30] [--engines llama,vllm]
+The arms alternate, bare then worker, ``--repeats`` times: the ratio is the median of each pair's (the
+arms of a pair meet the same minute's load), records/s the medians of each arm's runs.
+
+    python -m benchmarks.embed [--records 512] [--vectors 100000] [--queries 30] [--engines llama,vllm] [--repeats 3]
 """
 
 from __future__ import annotations
@@ -249,6 +252,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--vectors", type=int, default=100_000)
     ap.add_argument("--queries", type=int, default=30)
     ap.add_argument("--engines", default="llama,vllm")
+    ap.add_argument("--repeats", type=int, default=3, help="bare/worker pairs per engine (the ratio is their median)")
     ap.add_argument("--arm", help=argparse.SUPPRESS)
     ap.add_argument("--out", help=argparse.SUPPRESS)
     a = ap.parse_args(argv)
@@ -258,7 +262,7 @@ def main(argv: list[str] | None = None) -> None:
             (arm_bare if kind == "bare" else arm_worker)(engine, a.records, Path(a.out))
         print(json.dumps(res), flush=True)
         return
-    from benchmarks.common import emit, machine
+    from benchmarks.common import emit, machine, median
 
     tmp = Path(tempfile.mkdtemp(prefix="bi-bench-embed-"))
     summary: dict[str, Any] = {"benchmark": "embed", "target": "worker >= 0.95 of the engine's own embed "
@@ -266,13 +270,19 @@ def main(argv: list[str] | None = None) -> None:
                                "met": True, "machine": machine(),
                                "avx512": "avx512" in Path("/proc/cpuinfo").read_text(), "records": a.records}
     for engine in [e for e in a.engines.split(",") if e]:
-        arms = {}
-        for kind in ("bare", "worker"):
-            arms[kind] = run_arm(f"{engine}_{kind}", "--records", str(a.records), "--out", str(tmp / f"{engine}_{kind}.npy"))
-        rps = {k: v["records"] / v["embed_s"] for k, v in arms.items()}
+        runs: dict[str, list[dict[str, Any]]] = {"bare": [], "worker": []}
+        ratios = []
+        for _ in range(a.repeats):   # bare, worker, bare, worker...: each pair meets the load of its minute
+            for kind in ("bare", "worker"):
+                runs[kind].append(run_arm(f"{engine}_{kind}", "--records", str(a.records),
+                                          "--out", str(tmp / f"{engine}_{kind}.npy")))
+            w, b = runs["worker"][-1], runs["bare"][-1]
+            ratios.append((w["records"] / w["embed_s"]) / (b["records"] / b["embed_s"]))
+        arms = {k: v[-1] for k, v in runs.items()}
+        rps = {k: median([r["records"] / r["embed_s"] for r in v]) for k, v in runs.items()}
         summary[engine] = {
             "bare_records_per_s": round(rps["bare"], 2), "worker_records_per_s": round(rps["worker"], 2),
-            "ratio": round(rps["worker"] / rps["bare"], 3),
+            "ratio": round(median(ratios), 3), "ratios": [round(r, 3) for r in ratios],
             "bare_load_s": round(arms["bare"]["load_s"], 2), "worker_startup_s": round(arms["worker"]["load_s"], 2),
             "worker_engine_close_s": round(arms["worker"]["engine_close_s"], 2),
             "bytes_per_vector": arms["worker"]["bytes_per_vector"],

@@ -46,7 +46,7 @@ BENCHMARKS: dict[str, tuple[list[str], list[str]]] = {
     "bounded_fields": (["--threads", "1"], ["--records", "2", "--threads", "1"]),
     "ladder": (["--real", "4"], ["--records", "400", "--golden", "100"]),
     "estimate": ([], ["--records", "2000", "--demo-records", "6", "--pilot", "2"]),
-    "embed": ([], ["--records", "8", "--vectors", "400", "--queries", "3", "--engines", "llama"]),
+    "embed": ([], ["--records", "8", "--vectors", "400", "--queries", "3", "--engines", "llama", "--repeats", "1"]),
     "hostile_specs": ([], ["--repeats", "3"]),
 }
 
