@@ -117,6 +117,7 @@ def demo(url: str, records: int, pilot: int) -> dict[str, Any]:
         run_out_tokens = sum(counter.count_text(r["output"]) for r in conn.execute(
             db.q("estimate_outputs"), {"job": job, "n": records}))
         counter.close()
+        run_failed = int(conn.execute(db.q("estimate_failed_attempts"), {"job": job}).fetchone()["failed"])
         load.append(round(os.getloadavg()[0], 1))
         counts = job_counts(conn, job)
         so_far, _ = bill(conn, job, counts=counts)
@@ -142,6 +143,7 @@ def demo(url: str, records: int, pilot: int) -> dict[str, Any]:
             "run_bill": actual_bill,
             "bill_error": round(planned_bill / actual_bill - 1, 3) if actual_bill else None,
             "run_stored": counts["stored"], "run_dead_letters": counts["dead_letters"],
+            "pilot_failed_attempts": pil["failed"], "run_failed_attempts": run_failed,
             "ledger_bill_so_far": str(so_far.total), "load1_start_pilot_run": load,
             # Where the time went, per record: the pilot's and the run's CPU seconds (this process, all
             # threads: what the machine's load does not change) and tokens in and out.
