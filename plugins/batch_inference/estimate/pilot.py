@@ -95,5 +95,5 @@ def run_pilot(conn: psycopg.Connection, spec: JobSpec, n: int, *, reader: source
     out["sampled_outputs"] = min(len(outputs), OUTPUT_SAMPLE)
     out["worker_exit"] = int(code)
     out["startup_s"] = round(seconds - working, 3)
-    out["cpu_s"] = round(cpu_s, 3)   # this process's CPU time over the run (all its threads): what load does not change
+    out["cpu_s"] = round(cpu_s, 3)   # this process's CPU time over the run, all its threads
     return out
