@@ -206,7 +206,8 @@ def calibrate(conn: psycopg.Connection, spec: JobSpec, *, record: bool = True) -
         raise InvalidValue(
             f"calibrate: no thresholds reach ladder.target {spec.ladder.target:.1%} of the top rung's golden accuracy "
             f"({top_acc:.1%}): the best reachable is {share:.1%} of it ({best['accuracy']:.1%}, thresholds "
-            f"{_shown(best['thresholds'])}); nothing recorded")
+            f"{_shown(best['thresholds'])}); to reach it, run the top rung alone (leave out the rungs below) or "
+            f"lower ladder.target; nothing recorded")
     picked = found["picked"]
     thresholds = list(picked["thresholds"])
     calibrated = spec.with_overrides(models=[{**r.model_dump(mode="json"), "threshold": t}
