@@ -45,7 +45,7 @@ BENCHMARKS: dict[str, tuple[list[str], list[str]]] = {
     "sources": ([], ["--sizes", "2000,20000", "--kinds", "sqlite,parquet,iceberg"]),
     "bounded_fields": (["--threads", "1"], ["--records", "2", "--threads", "1"]),
     "ladder": (["--real", "4"], ["--records", "400", "--golden", "100"]),
-    "estimate": ([], ["--records", "2000", "--demo-records", "6", "--pilot", "2"]),
+    "estimate": ([], ["--records", "2000", "--demo-records", "3", "--pilot", "1"]),
     "embed": ([], ["--records", "8", "--vectors", "400", "--queries", "3", "--engines", "llama", "--repeats", "1"]),
     "hostile_specs": ([], ["--repeats", "3"]),
 }

@@ -59,6 +59,24 @@ def template_db(pg_server) -> str:
     return name
 
 
+# The files that take longest (minutes each, under a full run's load: the live Airflow deployment's, the
+# vLLM worker's, the benchmarks' quick runs, the nights and the chaos runs). They are collected first, so
+# scripts/test.sh's workers (a file to a worker, in collection order) start them at once instead of
+# finishing on one of them alone.
+LONG_FILES = ("process/test_live_airflow.py", "process/test_vllm_worker.py", "process/test_benchmarks.py",
+              "process/test_nights.py", "process/test_live_ladder_embed.py", "process/test_chaos.py",
+              "integration/test_fallback.py", "process/test_engines.py")
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """The ``LONG_FILES`` first, in that order; every other test keeps its place."""
+    def rank(item: pytest.Item) -> int:
+        path = item.path.as_posix()
+        return next((i for i, f in enumerate(LONG_FILES) if path.endswith("tests/" + f)), len(LONG_FILES))
+
+    items.sort(key=rank)   # stable: the order within a file and among the rest is collection order
+
+
 def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
     """A test module that sets ``DB_ROUTES = ("direct", "pgbouncer")`` runs each of
     its tests that uses ``db_url`` (or ``conn``) once per route."""
