@@ -43,6 +43,7 @@ Airflow: the same code runs in a pod, on the Airflow worker and from the CLI.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import gc
 import json
@@ -164,9 +165,14 @@ class Worker:
     ``batch-inference worker``), so what is alive once the engine has loaded
     lives as long as the process (see ``_run``)."""
 
-    def __init__(self, cfg: WorkerConfig, own_process: bool = False):
+    def __init__(self, cfg: WorkerConfig, own_process: bool = False,
+                 around_shard: typing.Callable[[Worker], contextlib.AbstractContextManager[object]] | None = None):
         self.cfg = cfg
         self.own_process = own_process
+        # The extension point of a worker run inside something larger: ``around_shard(worker)`` is entered
+        # before each shard this worker runs alone and left when it is over (the fallback pool puts its
+        # shared bucket, breaker and allowance on the engine there, and counts its busy time).
+        self.around_shard = around_shard or (lambda worker: contextlib.nullcontext())
         self.job_counts_at = -math.inf         # when _Progress last read the job's counts
         self.owner = cfg.worker_id or new_owner_id("fallback" if cfg.transport == "fallback" else "worker")
         self.stop = threading.Event()          # the preemption notice
@@ -331,7 +337,8 @@ class Worker:
                 lease = ShardStream(self, lease).run()   # a careful shard it claimed comes back, to run alone
                 if lease is None:
                     continue
-            self._process(lease)
+            with self.around_shard(self):
+                self._process(lease)
         log.info("%s: exiting: %d shards, %d stored, %d failed attempts, %d dead letters, %d stale refusals, "
                  "%d claims held back", self.owner, self.stats["shards"], self.stats["stored"], self.stats["failed"],
                  self.stats["dead"], self.stats["stale"], self.stats["claims_held_back"])

@@ -60,15 +60,16 @@ fallback``) and from ``FallbackPoolOperator``.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field
 from datetime import datetime, timezone
 from decimal import Decimal
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import psycopg
 
@@ -82,6 +83,9 @@ from batch_inference.exceptions import FallbackEndpointUnavailable, FallbackInco
 from batch_inference.ratelimit import RequestAllowance, TokenBucket
 from batch_inference.spec import JobSpec
 from batch_inference.status import JobCounts, UnknownJob, bill, job_counts, job_spec
+
+if TYPE_CHECKING:
+    from gpu_runner.worker import Worker
 
 log = logging.getLogger("batch_inference.fallback")
 
@@ -307,32 +311,30 @@ class FallbackPool:
         self.allowance = None if allowance is None else RequestAllowance(allowance, on_spent=self.stop)
         self.busy = _Busy()
         self.stopped = threading.Event()
-        pool = self
-
-        class PoolWorker(Worker):
-            def _process(self, lease):  # noqa: ANN001 - Worker's signature
-                # One bucket for the whole pool: the endpoint's limit is per
-                # account, not per thread. One breaker too: the threads share
-                # the endpoint; and one allowance, the budget's. All swapped in
-                # before the first request.
-                if getattr(self.engine, "bucket", pool.bucket) is not pool.bucket:
-                    self.engine.bucket = pool.bucket
-                self.engine.breaker = pool.breaker
-                self.engine.allowance = pool.allowance
-                pool.busy.enter()
-                try:
-                    return super()._process(lease)
-                finally:
-                    pool.busy.leave()
-
         self.workers = [
-            PoolWorker(WorkerConfig(
+            Worker(WorkerConfig(
                 job_version=job_version, db_url=db_url, engine="openai", engine_options=dict(options),
                 transport="fallback", lease_seconds=lease_seconds, wait_for_leases=True,
-                poll_seconds=poll_seconds, flush_every=flush_every, flush_seconds=flush_seconds))
+                poll_seconds=poll_seconds, flush_every=flush_every, flush_seconds=flush_seconds),
+                around_shard=self._shared)
             for _ in range(workers)
         ]
         self.codes: list[int | None] = [None] * workers
+
+    @contextlib.contextmanager
+    def _shared(self, worker: Worker) -> Iterator[None]:
+        """Around each shard a pool thread runs (the worker's ``around_shard``): one bucket for the whole
+        pool (the endpoint's limit is per account, not per thread), one breaker (the threads share the
+        endpoint) and one allowance (the budget's), all on the engine before its first request."""
+        if getattr(worker.engine, "bucket", self.bucket) is not self.bucket:
+            worker.engine.bucket = self.bucket
+        worker.engine.breaker = self.breaker
+        worker.engine.allowance = self.allowance
+        self.busy.enter()
+        try:
+            yield
+        finally:
+            self.busy.leave()
 
     def run(self) -> list[int | None]:
         def target(i: int) -> None:
