@@ -1012,6 +1012,12 @@ class _SpecLoader(yaml.SafeLoader):
 
 
 def loads_spec(text: str, name: str = "<spec>") -> JobSpec:
+    return parse_spec(loads_yaml(text, name))
+
+
+def loads_yaml(text: str, name: str = "<spec>") -> Any:
+    """YAML text as data, read as a spec is: bounded in size, no aliases, bounded nesting (a
+    deployment file is read the same way: ``batch_inference.regions``)."""
     if len(text) > MAX_SPEC_CHARS:
         raise SpecError(f"{name}: {len(text):,} characters; a spec is at most {MAX_SPEC_CHARS:,}")
     try:
@@ -1025,4 +1031,4 @@ def loads_spec(text: str, name: str = "<spec>") -> JobSpec:
         where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
         problem = getattr(exc, "problem", None) or "malformed YAML"
         raise SpecError(f"{name}: malformed YAML{where}: {problem}") from None
-    return parse_spec(data)
+    return data
