@@ -115,18 +115,28 @@ def rnd(x: float, digits: int = 3) -> float:
     return float(f"{x:.{digits}g}") if x == x and abs(x) >= 1 else round(x, digits)
 
 
+# The CPU flags that change what the engines and the database can use: vector width, bfloat16 and AMX.
+ISA_FLAGS = ("avx2", "avx512f", "avx512_bf16", "avx512_fp16", "amx_tile", "amx_bf16", "amx_int8")
+
+
 def machine() -> dict[str, Any]:
-    """What the figures were measured on, and how busy it was when they were."""
-    model = ""
+    """What the figures were measured on (the CPU's model name, family and model numbers, and
+    its flags of ``ISA_FLAGS``), and how busy it was when they were."""
+    fields: dict[str, str] = {}
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                model = line.split(":", 1)[1].strip()
-                break
+            key, _, value = line.partition(":")
+            if not key.strip() and fields:
+                break   # the first processor's block is enough
+            fields.setdefault(key.strip(), value.strip())
     except OSError:
         pass
-    return {"cpus": os.cpu_count(), "cpu": model or platform.processor(), "python": platform.python_version(),
-            "load1": round(os.getloadavg()[0], 2), "code": code_version()}
+    model = fields.get("model name") or platform.processor()
+    if "cpu family" in fields:
+        model += f" (family {fields['cpu family']}, model {fields.get('model', '?')})"
+    flags = set(fields.get("flags", "").split())
+    return {"cpus": os.cpu_count(), "cpu": model, "isa": [f for f in ISA_FLAGS if f in flags],
+            "python": platform.python_version(), "load1": round(os.getloadavg()[0], 2), "code": code_version()}
 
 
 def code_version() -> str:
@@ -148,7 +158,9 @@ def pg_version(conn: psycopg.Connection) -> str:
 
 
 def emit(summary: dict[str, Any]) -> dict[str, Any]:
-    """Print the benchmark's one-line JSON summary on stdout (and return it)."""
+    """Print the benchmark's one-line JSON summary on stdout (and return it), with the
+    machine it was measured on where the benchmark has not put it there itself."""
+    summary.setdefault("machine", machine())
     print(json.dumps(summary, separators=(",", ":"), sort_keys=False), flush=True)
     return summary
 
