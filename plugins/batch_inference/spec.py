@@ -57,6 +57,7 @@ ENGINE_RESULT_OPTIONS: dict[str, tuple[str, ...]] = {
     "openai-batch": ("model", "extra_body"),
     "anthropic-batch": ("model",),
     "bedrock-batch": ("model",),
+    "gemini-batch": ("model",),
 }
 
 
@@ -263,6 +264,7 @@ class Model(_Strict):
 class Engine(_Strict):
     name: str = Field(default="llama-cpp", min_length=1, max_length=MAX_NAME,
                       description="llama-cpp, vllm, openai, noop, openai-batch, anthropic-batch, bedrock-batch, "
+                                  "gemini-batch, "
                                   "or a dotted path module:Class")
     options: dict[str, Any] = Field(default_factory=dict, description="engine options; those that change results "
                                     "join the job version (batch_inference.spec.pinned_options)")
@@ -535,6 +537,25 @@ class GoldenPairs(_Strict):
     _cols = field_validator("left_column", "right_column")(Source._col_ident.__func__)
 
 
+# The price tiers a synchronous endpoint of each provider sells, as its API names them (OpenAI's
+# ``service_tier``; Gemini's ``ServiceTier``, checked against google-genai's enum by
+# tests/unit/test_tiers.py), cheapest first. ``fallback.tiers`` names some of them (batch_inference.tiers).
+FALLBACK_TIERS: dict[str, tuple[str, ...]] = {"openai": ("flex", "default", "priority"),
+                                              "gemini": ("flex", "standard", "priority")}
+
+
+class FallbackTier(_Strict):
+    """One price tier of the fallback endpoint (batch_inference.tiers): the name its API takes as
+    ``service_tier``, its price and what the pool expects of it until it has measured it."""
+
+    name: str = Field(min_length=1, max_length=32)
+    per_row: float | None = Field(default=None, ge=0, le=1000, description="what a row answered at this tier costs")
+    rate: float | None = Field(default=None, gt=0, le=1_000_000, description="requests/s this tier takes "
+                               "(its own rate limit; default fallback.rate)")
+    latency_s: float = Field(default=1.0, gt=0, le=86_400, description="a request's latency at this tier before "
+                             "the pool has measured it (flex: slower)")
+
+
 class Fallback(_Strict):
     rate: float = Field(default=85.0, gt=0, le=1_000_000, description="sustained requests/s of the synchronous pool")
     overhead_s: float = Field(default=1800.0, ge=0, le=MAX_LEASE_SECONDS,
@@ -549,6 +570,29 @@ class Fallback(_Strict):
     history_runs: int = Field(default=5, ge=0, le=1000, description="derive rate/overhead from this many past runs")
     min_history_runs: int = Field(default=5, ge=1, le=1000, description="complete fallback runs needed before history may "
                                                                "relax rate/overhead (fewer only tighten them)")
+    provider: Literal["openai", "gemini"] | None = Field(default=None, description="whose tiers fallback.tiers "
+                                                         "names (FALLBACK_TIERS)")
+    tiers: list[FallbackTier] = Field(default_factory=list, max_length=3, description="price tiers of the endpoint, "
+                                      "cheapest first: the pool sends each row at the cheapest that still finishes "
+                                      "by the deadline (batch_inference.tiers)")
+
+    @model_validator(mode="after")
+    def _tiers_known_and_priced(self) -> "Fallback":
+        if not self.tiers:
+            return self
+        if self.provider is None:
+            raise ValueError("tiers need fallback.provider (openai or gemini): the tier names are the provider's")
+        known = FALLBACK_TIERS[self.provider]
+        names = [t.name for t in self.tiers]
+        for t in self.tiers:
+            if t.name not in known:
+                raise ValueError(f"unknown tier {t.name!r} for provider {self.provider} (its tiers: "
+                                 f"{', '.join(known)})")
+            if t.per_row is None:
+                raise ValueError(f"tier {t.name!r} has no price: set per_row")
+        if len(set(names)) != len(names) or names != sorted(names, key=known.index):
+            raise ValueError(f"tiers must be distinct and cheapest first ({', '.join(known)}), got {', '.join(names)}")
+        return self
 
 
 class IcebergCatalog(_Strict):

@@ -22,7 +22,7 @@ CREATE TABLE IF NOT EXISTS bi.hosted_batches (
     shard_no          integer NOT NULL,
     intent_no         integer NOT NULL,            -- 1, 2, ... per shard
     idem_key          text NOT NULL UNIQUE,
-    provider          text NOT NULL CHECK (provider IN ('openai', 'anthropic', 'bedrock')),
+    provider          text NOT NULL CHECK (provider IN ('openai', 'anthropic', 'bedrock', 'gemini')),
     epoch             bigint NOT NULL,             -- the epoch that recorded or last re-attached it
     record_ids        text[] NOT NULL,             -- the requests, in submission order
     provider_batch_id text,

@@ -61,6 +61,7 @@ BUILTIN_ENGINES: dict[str, str] = {
     "openai-batch": "batch_inference.hosted.openai_batch:OpenAIBatchEngine",
     "anthropic-batch": "batch_inference.hosted.anthropic_batch:AnthropicBatchEngine",
     "bedrock-batch": "batch_inference.hosted.bedrock_batch:BedrockBatchEngine",
+    "gemini-batch": "batch_inference.hosted.gemini_batch:GeminiBatchEngine",
 }
 # The class a built-in name loads for an embedding job (``spec.task == "embed"``; its names are
 # ``spec.EMBEDDING_ENGINES``): the same engine in its embedding mode (batch_inference.embed.engines).

@@ -11,7 +11,7 @@ unfinished batch at ``expire_s``. A batch keeps the ``validate_s`` and
 ``on_create`` may give one batch its own. ``billed`` counts every request
 completed, success or per-request error, by id across all batches;
 ``on_create(batch)`` runs after a batch is created and before the reply (the
-crash test kills the caller there). Each API module (``harness.hosted_openai``,
+crash test kills the caller there). Each API module (``harness.hosted_openai``, ``harness.hosted_gemini``,
 tests/fixtures/hosted_anthropic.py, hosted_bedrock.py) says what its batch,
 results and routes look like.
 """
@@ -159,7 +159,8 @@ class _Handler(BaseHTTPRequestHandler):
         path, _, query = self.path.partition("?")
         raw = self.rfile.read(int(self.headers.get("Content-Length") or 0))
         srv.calls.append((method, path))
-        srv.auth.add(self.headers.get("Authorization") or self.headers.get("x-api-key") or "")
+        srv.auth.add(self.headers.get("Authorization") or self.headers.get("x-api-key")
+                     or self.headers.get("x-goog-api-key") or "")
         params = dict(p.split("=", 1) for p in query.split("&") if "=" in p)
         with srv.lock:
             for m, pattern, fn in srv.routes:
@@ -169,12 +170,16 @@ class _Handler(BaseHTTPRequestHandler):
                     break
             else:
                 status, payload = 404, {"error": {"message": f"no route {method} {path}"}}
-        if isinstance(payload, tuple):        # (bytes, content type)
-            data, ctype = payload
+        headers: dict[str, str] = {}
+        if isinstance(payload, tuple):        # (bytes, content type) or (bytes, content type, headers)
+            data, ctype, *more = payload
+            headers = more[0] if more else {}
         else:
             data, ctype = json.dumps(payload).encode(), "application/json"
         self.send_response(status)
         self.send_header("Content-Type", ctype)
+        for k, v in headers.items():
+            self.send_header(k, v)
         self.send_header("Content-Length", str(len(data)))
         self.end_headers()
         self.wfile.write(data)

@@ -46,7 +46,7 @@ from batch_inference.sensors.cutoff import CutoffSensor
 
 # The engines the trigger form offers beside the spec's own: noop is left out, since workers run it
 # only under a spec whose engine is noop (batch_inference.provenance), where the empty choice gives it.
-ENGINES = ("llama-cpp", "openai", "vllm", "openai-batch", "anthropic-batch", "bedrock-batch")
+ENGINES = ("llama-cpp", "openai", "vllm", "openai-batch", "anthropic-batch", "bedrock-batch", "gemini-batch")
 
 # A launcher gets the job version (an XComArg of submit) and the ledger's
 # connection id, and adds the worker task(s): it returns one task, or
