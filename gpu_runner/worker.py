@@ -141,6 +141,13 @@ class WorkerConfig:
     # Shards overlap when the engine streams (gpu_runner.overlap); off: one shard at a time.
     overlap: bool = _flag(True, "run one shard at a time even when the engine streams", shown=False,
                           flag="--no-overlap", action="store_false")
+    # A version placed over regions (batch_inference.regions): the worker's ledger is its region's view.
+    region: str | None = _flag(help="the region this worker runs in: claim the shards whose replica is "
+                               "there first and read records from replicas (a placed version)")
+    result_files: bool = _flag(False, "with --region: hand in each shard's results as one file in the "
+                               "region's store, merged by key near the ledger", shown=False, action="store_true")
+    steal: bool = _flag(True, "with --region: never take another region's shard", shown=False,
+                        flag="--no-steal", action="store_false")
 
     def __post_init__(self) -> None:
         """Refuse values no worker can run with (InvalidValue, one line), before it connects."""
@@ -314,6 +321,10 @@ class Worker:
         self.made_by = tuple(made_by)
         self.ledger = Ledger(self.conn, cfg.job_version, self.owner, self.transport, cfg.lease_seconds, *made_by)
         self.ledger.call = self._db   # an engine's calls through it (the ladder's answers) reconnect as ours do
+        if cfg.region:
+            from batch_inference.regions import RegionLedger
+
+            self.ledger = RegionLedger.wrap(self.ledger, cfg.region, result_files=cfg.result_files, steal=cfg.steal)
         self._install_signals()
         overlap = cfg.overlap and self.engine.queue_depth() > 0
         if overlap:
@@ -427,8 +438,7 @@ class Worker:
             released = 0
             try:
                 with self._connect() as conn:
-                    ledger = Ledger(conn, self.cfg.job_version, self.owner, self.transport, self.cfg.lease_seconds,
-                                    *self.made_by)
+                    ledger = self.ledger.with_conn(conn)   # what the worker's own ledger holds, on this connection
                     for shard in held:
                         try:
                             self._write(shard, ledger, _direct)

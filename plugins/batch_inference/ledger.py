@@ -9,6 +9,7 @@ working on that shard, and nothing it sent was written.
 
 from __future__ import annotations
 
+import copy
 import json
 import os
 import socket
@@ -106,6 +107,13 @@ class Ledger:
         self.engine = engine
         self.endpoint = endpoint
         self.call: Any = _call_once
+
+    def with_conn(self, conn: psycopg.Connection) -> "Ledger":
+        """This ledger over another connection (a preemption notice writes and releases on its own), sharing
+        whatever this one holds; its calls made once (``call`` is not the worker's reconnect)."""
+        out = copy.copy(self)
+        out.conn, out.call = conn, _call_once
+        return out
 
     def _args(self, lease: Lease, **extra: Any) -> dict[str, Any]:
         return {"job": lease.job_version, "shard": lease.shard_no, "epoch": lease.epoch,

@@ -1,0 +1,194 @@
+"""The ledger as a worker in one region sees it (``RegionLedger``): what the worker is given in place
+of ``batch_inference.ledger.Ledger`` when it runs with ``--region``.
+
+* **claim**: a shard whose replica is in this region first
+  (bi.claim_shard_region_v1); only when none is left, and when ``steal`` is on,
+  one of a region that is behind, recorded as a steal priced as egress. The
+  guard, the epoch, the lease and the deaths of an expired epoch are the
+  claim statement's, as for every claim.
+* **records**: read from the shard's replica in its home region's store, the
+  digest checked; a replica missing, unreachable or not matching is rebuilt from
+  the ledger's rows of the shard (bi.replica_rows_v1), written back when the
+  rebuilt bytes have the recorded digest, and recorded (bi.replica_rebuilt_v1),
+  never read. Only which records are done and their attempt counts come from
+  the ledger (bi.region_shard_state_v1: nothing for a fresh shard).
+* **results** (``result_files``: a worker far from the ledger): held per shard
+  and written at completion as one Parquet file of keyed rows in this region's
+  store, handed in with one small call (bi.hand_in_results_v1) and merged near
+  the ledger (``regions.merge``) with the one put-if-absent and fence. A shard
+  given back (release, abandon) writes what it holds straight to the ledger
+  first. Without ``result_files`` results go straight to the ledger as today.
+
+Every other transition (renew, fail, mark in flight) is the plain ledger's.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import psycopg
+
+from batch_inference.db import q
+from batch_inference.ledger import SHARD_READ_PAGE, Lease, Ledger, StaleLease
+from batch_inference.regions import merge
+from batch_inference.regions.replicas import Replica, digest, encode, read_replica
+from batch_inference.regions.store import ObjectStore, StoreUnavailable, key_for, store_for
+
+log = logging.getLogger("batch_inference.worker")
+
+
+class RegionLedger(Ledger):
+    def __init__(self, conn: psycopg.Connection, job_version: str, owner: str, transport: str = "batch",
+                 lease_seconds: int | None = None, engine: str | None = None, endpoint: str | None = None, *,
+                 region: str, result_files: bool = False, steal: bool = True):
+        super().__init__(conn, job_version, owner, transport, lease_seconds, engine, endpoint)
+        self.region = region
+        self.result_files = result_files
+        self.steal = steal
+        # Shared with every copy bound to another connection (``with_conn``): one worker's state.
+        self._replicas: dict[tuple[int, int], Replica] = {}
+        self._results: dict[tuple[int, int], tuple[list[str], list[str], list[str | None]]] = {}
+        self._stores: dict[str, tuple[dict[str, Any], ObjectStore]] = {}
+        self.stats = {"claims": 0, "steals": 0, "rebuilds": 0, "files": 0, "replica_bytes": 0}
+
+    @classmethod
+    def wrap(cls, ledger: Ledger, region: str, *, result_files: bool = False, steal: bool = True) -> "RegionLedger":
+        """The region's view of an existing worker ledger (same connection, owner, transport, lease, provenance)."""
+        out = cls(ledger.conn, ledger.job_version, ledger.owner, ledger.transport, ledger.lease_seconds,
+                  ledger.engine, ledger.endpoint, region=region, result_files=result_files, steal=steal)
+        out.call = ledger.call
+        return out
+
+    # -- stores -----------------------------------------------------------
+    def store(self, region: str) -> tuple[dict[str, Any], ObjectStore]:
+        """A region's store settings (from the ledger: no secret there) and the store."""
+        if region not in self._stores:
+            settings = self.conn.execute(q("region_store"), {"job": self.job_version, "region": region}
+                                         ).fetchone()["store"]
+            if settings is None:
+                raise StoreUnavailable(f"job version {self.job_version} has no cluster in region {region!r}")
+            self._stores[region] = (settings, store_for(settings))
+        return self._stores[region]
+
+    # -- claim ------------------------------------------------------------
+    def claim(self) -> Lease | None:
+        r = self._claim(False)
+        if r is None and self.steal:
+            r = self._claim(True)
+        if r is None:
+            return None
+        lease = Lease(self.job_version, r["shard_no"], r["epoch"], r["lease_expires_at"], r["records"], self.owner,
+                      self.transport, r["lost_leases"])
+        self._replicas[(lease.shard_no, lease.epoch)] = Replica(r["home_region"], r["object_key"], r["digest"],
+                                                               r["replica_bytes"])
+        self.stats["claims"] += 1
+        if r["home_region"] != self.region:
+            self.stats["steals"] += 1
+            log.info("%s: region %s took shard %d of region %s (it had none left; %d bytes read across)",
+                     self.owner, self.region, lease.shard_no, r["home_region"], r["replica_bytes"])
+        return lease
+
+    def _claim(self, steal: bool) -> dict[str, Any] | None:
+        return self.conn.execute(q("claim_shard_region"), {
+            "job": self.job_version, "owner": self.owner, "transport": self.transport,
+            "lease_s": self.lease_seconds, "region": self.region, "steal": steal}).fetchone()
+
+    # -- records ------------------------------------------------------------
+    def record_columns(self, lease: Lease, page: int = SHARD_READ_PAGE
+                       ) -> tuple[list[str], list[str], list[int], list[int]]:
+        replica = self._replicas.get((lease.shard_no, lease.epoch))
+        if replica is None:       # not claimed through this ledger: the ledger's rows, as a plain worker reads
+            return super().record_columns(lease, page)
+        t0 = time.perf_counter()
+        try:
+            settings, store = self.store(replica.region)
+            got: tuple[list[str], list[str]] | str = read_replica(store, replica)
+        except StoreUnavailable as exc:
+            store, got = None, str(exc)
+        if isinstance(got, str):
+            ids, texts = self._rebuild(lease, replica, store, got, t0)
+        else:
+            ids, texts = got
+            self.stats["replica_bytes"] += replica.bytes
+        state = {r["record_id"]: r for r in self.conn.execute(
+            q("region_shard_state"), {"job": lease.job_version, "shard": lease.shard_no, "epoch": lease.epoch})}
+        out: tuple[list[str], list[str], list[int], list[int]] = ([], [], [], [])
+        for rid, text in zip(ids, texts):
+            s = state.get(rid)
+            if s is not None and s["done"]:
+                continue
+            out[0].append(rid)
+            out[1].append(text)
+            out[2].append(s["attempts"] if s else 0)
+            out[3].append(s["crashes"] if s else 0)
+        return out
+
+    def _rebuild(self, lease: Lease, replica: Replica, store: ObjectStore | None, why: str,
+                 t0: float) -> tuple[list[str], list[str]]:
+        """The shard's records from the ledger; the replica written again when the bytes match its digest."""
+        rows = self.conn.execute(q("replica_rows"), {"job": lease.job_version, "shard": lease.shard_no,
+                                                     "epoch": lease.epoch}).fetchall()
+        ids, texts = [r["record_id"] for r in rows], [r["text"] for r in rows]
+        data = encode(ids, texts)
+        written = "not written back"
+        if digest(data) != replica.digest:
+            written = "not written back: the rebuilt bytes differ from the recorded digest (another Parquet writer)"
+        elif store is not None:
+            try:
+                store.put(replica.key, data)
+                written = f"written back to {store.where}"
+            except StoreUnavailable as exc:
+                written = f"not written back: {exc}"
+        reason = f"{why}; rebuilt from the ledger's {len(ids)} rows, {written}"
+        log.warning("%s: shard %d: %s", self.owner, lease.shard_no, reason)
+        self.transition("replica rebuild", "replica_rebuilt", lease, region=self.region, reason=reason,
+                        bytes=len(data), seconds=time.perf_counter() - t0)
+        self.stats["rebuilds"] += 1
+        return ids, texts
+
+    # -- results ------------------------------------------------------------
+    def put_results(self, lease: Lease, ids: Sequence[str], outputs: Sequence[dict[str, Any] | str],
+                    categories: Sequence[str | None], vectors: Sequence[bytes] | None = None) -> int:
+        if not self.result_files or vectors is not None or not ids:
+            return super().put_results(lease, ids, outputs, categories, vectors)
+        held = self._results.setdefault((lease.shard_no, lease.epoch), ([], [], []))
+        held[0].extend(ids)
+        held[1].extend(merge.output_text(o) for o in outputs)
+        held[2].extend(categories)
+        return len(ids)
+
+    def complete(self, lease: Lease) -> str:
+        held = self._results.pop((lease.shard_no, lease.epoch), None)
+        if not held or not held[0]:
+            return super().complete(lease)
+        settings, store = self.store(self.region)
+        data = merge.encode_results(*held)
+        d = digest(data)
+        key = key_for(settings, lease.job_version, "results", d)
+        store.put(key, data)
+        self.transition("hand-in", "hand_in_results", lease, region=self.region, key=key, digest=d,
+                        records=len(held[0]), bytes=len(data), engine=self.engine, endpoint=self.endpoint)
+        self.stats["files"] += 1
+        log.info("%s: shard %d: %d results handed in as %s in %s", self.owner, lease.shard_no, len(held[0]), key,
+                 store.where)
+        return "done"
+
+    def _put_held(self, lease: Lease) -> bool:
+        """A shard given back: what it holds goes straight to the ledger. False when our epoch ended."""
+        held = self._results.pop((lease.shard_no, lease.epoch), None)
+        if held and held[0]:
+            try:
+                super().put_results(lease, *held)
+            except StaleLease:
+                return False
+        return True
+
+    def release(self, lease: Lease) -> bool:
+        return self._put_held(lease) and super().release(lease)
+
+    def abandon(self, lease: Lease) -> bool:
+        return self._put_held(lease) and super().abandon(lease)
+

@@ -1,0 +1,183 @@
+"""Replicas of the snapshot near each cluster, and placement of a job version over regions.
+
+A shard's replica is one Parquet object of its records (record_id, text), in
+record id byte order, written once to its home region's store under a key
+that is the sha256 of its bytes; the digest is recorded in the ledger
+(bi.replicas). A worker reads its shard from the replica and checks the
+digest (``read_replica``); one that is missing or does not match is rebuilt
+from the ledger's rows of the shard, never read.
+
+``place`` is the deployment's part of a submit: after ``plan.submit`` made the
+job version (regions are not part of it, I2), it checks every store and
+Kubernetes connection (a refusal writes nothing), gives each region a range of
+shards in proportion to its clusters' capacity, writes their replicas, and
+records clusters, egress prices, replicas and what replication cost (bytes,
+seconds) in one transaction.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+import logging
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import psycopg
+from psycopg.rows import tuple_row
+
+from batch_inference.db import q
+from batch_inference.exceptions import UnknownJob
+from batch_inference.regions.deployment import Deployment, DeploymentError, check_connections
+from batch_inference.regions.store import StoreUnavailable, key_for, store_for
+
+log = logging.getLogger(__name__)
+
+
+def pyarrow_modules() -> tuple[Any, Any]:
+    try:
+        import pyarrow as pa
+        import pyarrow.parquet as pq
+    except ImportError:
+        raise DeploymentError("replicas are Parquet: install pyarrow (pip install "
+                              "'airflow-provider-batch-inference[lakehouse]')") from None
+    return pa, pq
+
+
+def encode(ids: Sequence[str], texts: Sequence[str]) -> bytes:
+    """Records as the replica's Parquet bytes: the same records give the same bytes (one row group,
+    no statistics, no dictionary, zstd), so a replica rebuilt from the ledger has the recorded digest."""
+    pa, pq = pyarrow_modules()
+    table = pa.table({"record_id": pa.array(list(ids), pa.string()), "text": pa.array(list(texts), pa.string())})
+    buf = io.BytesIO()
+    pq.write_table(table, buf, compression="zstd", use_dictionary=False, write_statistics=False,
+                   row_group_size=max(1, len(ids)))
+    return buf.getvalue()
+
+
+def decode(data: bytes, columns: Sequence[str] = ("record_id", "text")) -> list[list[Any]]:
+    """A Parquet object's columns as lists."""
+    _, pq = pyarrow_modules()
+    table = pq.read_table(io.BytesIO(data), columns=list(columns))
+    return [table.column(c).to_pylist() for c in columns]
+
+
+def digest(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+@dataclass(frozen=True)
+class Replica:
+    """What a worker is told of the shard it claimed: its home region and its replica there."""
+
+    region: str
+    key: str
+    digest: str
+    bytes: int
+
+
+def read_replica(store: Any, replica: Replica) -> tuple[list[str], list[str]] | str:
+    """The replica's (ids, texts), or why it cannot be trusted (missing, not matching its digest)."""
+    data = store.get(replica.key)
+    if data is None:
+        return f"replica {replica.key} is missing from {store.where}"
+    got = digest(data)
+    if got != replica.digest:
+        return f"replica {replica.key} in {store.where} does not match its digest (sha256 {got[:12]}, recorded " \
+               f"{replica.digest[:12]})"
+    ids, texts = decode(data)
+    return ids, texts
+
+
+def assign(deployment: Deployment, shard_nos: Sequence[int]) -> dict[int, str]:
+    """Each shard's home region: contiguous ranges in region order, in proportion to the regions' capacity."""
+    regions = deployment.regions()
+    caps = [deployment.capacity(r) for r in regions]
+    total, n = sum(caps), len(shard_nos)
+    out: dict[int, str] = {}
+    start, acc = 0, 0
+    for region, cap in zip(regions, caps):
+        acc += cap
+        end = round(n * acc / total)
+        for s in shard_nos[start:end]:
+            out[s] = region
+        start = end
+    return out
+
+
+def place(conn: psycopg.Connection, job_version: str, deployment: Deployment) -> dict[str, Any]:
+    """Place the job version on the deployment's clusters and write each region's replicas (module
+    docstring). Returns per region: shards, bytes, seconds. A version placed before on the same
+    clusters is left as it is; on other clusters it is refused. Nothing is written to the ledger
+    when a store or connection cannot be reached (DeploymentError, one line)."""
+    placed = conn.execute(q("regions_placed"), {"job": job_version}).fetchall()
+    shards = conn.execute(q("region_shards"), {"job": job_version}).fetchall()
+    if not shards:
+        raise UnknownJob(f"no job version {job_version!r}")
+    if placed:
+        names = sorted(r["cluster"] for r in placed)
+        if names == sorted(c.name for c in deployment.clusters):
+            log.info("job version %s is placed on these clusters already; nothing written", job_version)
+            return {"placed": False, "regions": {}}
+        raise DeploymentError(f"job version {job_version} is placed on clusters {', '.join(names)} already")
+    if shards[0]["status"] != "running":
+        raise DeploymentError(f"job version {job_version} is {shards[0]['status']}: nothing left to place")
+    check_connections(deployment)
+    stores = {r: store_for(deployment.store(r)) for r in deployment.regions()}
+    for region, store in stores.items():
+        try:
+            store.check()
+        except StoreUnavailable as exc:
+            raise DeploymentError(f"region {region!r}: {exc}") from None
+    numbers = [r["shard_no"] for r in shards if r["shard_no"] is not None]
+    homes = assign(deployment, numbers)
+    rows: list[dict[str, Any]] = []
+    cost: dict[str, dict[str, float]] = {r: {"shards": 0, "bytes": 0, "seconds": 0.0} for r in stores}
+    for shard_no in numbers:
+        region = homes[shard_no]
+        t0 = time.perf_counter()
+        with conn.cursor(row_factory=tuple_row) as cur:
+            got = cur.execute(q("replica_shard_rows"), {"job": job_version, "shard": shard_no}).fetchall()
+        ids, texts = (list(c) for c in zip(*got)) if got else ([], [])
+        data = encode(ids, texts)
+        d = digest(data)
+        settings = deployment.store(region)
+        key = key_for(settings, job_version, "replicas", d)
+        try:
+            stores[region].put(key, data)
+        except StoreUnavailable as exc:
+            raise DeploymentError(f"region {region!r}: {exc}") from None
+        seconds = time.perf_counter() - t0
+        rows.append({"job": job_version, "shard": shard_no, "region": region, "key": key, "digest": d,
+                     "bytes": len(data), "records": len(ids), "seconds": seconds})
+        c = cost[region]
+        c["shards"] += 1
+        c["bytes"] += len(data)
+        c["seconds"] += seconds
+    with conn.transaction():
+        for c in deployment.clusters:
+            conn.execute(q("region_cluster_insert"), {"job": job_version, "cluster": c.name, "region": c.region,
+                                                      "settings": json.dumps(c.model_dump(mode="json"))})
+        for a in deployment.regions():
+            for b in deployment.regions():
+                if a != b:
+                    conn.execute(q("region_egress_insert"), {"job": job_version, "from_region": a, "to_region": b,
+                                                             "usd_per_gb": deployment.egress_price(a, b)})
+        with conn.cursor() as cur:
+            cur.executemany(q("replica_insert"), rows)
+        for region, c in cost.items():
+            conn.execute(q("region_replication_record"), {
+                "job": job_version, "region": region, "bytes": int(c["bytes"]), "seconds": c["seconds"],
+                "reason": f"{int(c['shards'])} shard replicas written to {stores[region].where}"})
+    for region, c in cost.items():
+        log.info("%s: region %s: %d shard replicas, %d bytes in %.2fs", job_version, region, c["shards"],
+                 c["bytes"], c["seconds"])
+    return {"placed": True, "regions": cost}
+
+
+def report(conn: psycopg.Connection, job_version: str) -> list[dict[str, Any]]:
+    """Per region: shards homed, replica bytes and seconds, claims, steals in with their egress, rebuilds."""
+    return [dict(r) for r in conn.execute(q("region_report"), {"job": job_version})]

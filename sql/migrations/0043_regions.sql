@@ -1,0 +1,379 @@
+-- 0043_regions: a job version placed over clusters in several regions: clusters, egress prices,
+-- each shard's replica and home region, region decisions (claims, steals, rebuilds, replication),
+-- result files handed in and merged by key; the worker functions on them. Never edited.
+
+-- Placement is deployment, not part of the job version: the same spec over the
+-- same rows is the same version whether it runs in one region or in three. A
+-- placed version has its clusters and the egress prices between their regions
+-- (bi.region_clusters, bi.region_egress), one home region per shard with that
+-- shard's replica there (bi.replicas: a content-addressed Parquet object in the
+-- region's store, its sha256 recorded here), every claim recorded with where
+-- it was read (bi.region_decisions: claim, steal priced as egress, rebuild of a
+-- replica, replication cost) and the result files far workers hand in
+-- (bi.result_files), merged by key near the ledger. Everything goes with its
+-- job version (the foreign keys).
+
+-- The clusters of a placed version: region, how workers start, GPU kind and
+-- prices, capacity, object store (no secret: credentials come from the
+-- environment or an Airflow connection at the store).
+CREATE TABLE IF NOT EXISTS bi.region_clusters (
+    job_version text NOT NULL REFERENCES bi.jobs (job_version) ON DELETE CASCADE,
+    cluster     text NOT NULL,
+    region      text NOT NULL,
+    settings    jsonb NOT NULL,
+    PRIMARY KEY (job_version, cluster)
+);
+CREATE INDEX IF NOT EXISTS region_clusters_region ON bi.region_clusters (job_version, region);
+
+-- Dollars per GB read in from_region by a worker in to_region.
+CREATE TABLE IF NOT EXISTS bi.region_egress (
+    job_version text NOT NULL REFERENCES bi.jobs (job_version) ON DELETE CASCADE,
+    from_region text NOT NULL,
+    to_region   text NOT NULL,
+    usd_per_gb  double precision NOT NULL CHECK (usd_per_gb >= 0),
+    PRIMARY KEY (job_version, from_region, to_region),
+    CHECK (from_region <> to_region)
+);
+
+-- Each shard's home region and its replica there: written once at placement,
+-- its digest the sha256 of the object's bytes (the object's key names it too).
+-- rebuilt counts replicas found missing or not matching and rebuilt from the
+-- ledger's rows by a worker holding the shard.
+CREATE TABLE IF NOT EXISTS bi.replicas (
+    job_version text NOT NULL,
+    shard_no    integer NOT NULL,
+    region      text NOT NULL,
+    object_key  text NOT NULL,
+    digest      text NOT NULL CHECK (digest ~ '^[0-9a-f]{64}$'),
+    bytes       bigint NOT NULL CHECK (bytes >= 0),
+    records     integer NOT NULL CHECK (records >= 0),
+    seconds     double precision NOT NULL CHECK (seconds >= 0),
+    rebuilt     integer NOT NULL DEFAULT 0,
+    written_at  timestamptz NOT NULL DEFAULT clock_timestamp(),
+    PRIMARY KEY (job_version, shard_no),
+    FOREIGN KEY (job_version, shard_no) REFERENCES bi.shards (job_version, shard_no) ON DELETE CASCADE
+);
+CREATE INDEX IF NOT EXISTS replicas_region ON bi.replicas (job_version, region, shard_no);
+
+-- What the regions decided, one row each: a claim in the shard's home region,
+-- a steal (a worker of another region took it; bytes read across priced at the
+-- egress price), a replica rebuilt from the ledger, a region's replication
+-- (bytes and seconds of writing its replicas).
+CREATE TABLE IF NOT EXISTS bi.region_decisions (
+    id          bigint GENERATED ALWAYS AS IDENTITY PRIMARY KEY,
+    job_version text NOT NULL REFERENCES bi.jobs (job_version) ON DELETE CASCADE,
+    kind        text NOT NULL CHECK (kind IN ('claim', 'steal', 'rebuild', 'replicate')),
+    shard_no    integer,
+    epoch       bigint,
+    region      text NOT NULL,          -- where the worker (or the replication) ran
+    home_region text,                   -- the shard's home region
+    worker_id   text,
+    bytes       bigint NOT NULL DEFAULT 0,
+    seconds     double precision NOT NULL DEFAULT 0,
+    usd         double precision NOT NULL DEFAULT 0,
+    reason      text,
+    at          timestamptz NOT NULL DEFAULT clock_timestamp()
+);
+CREATE INDEX IF NOT EXISTS region_decisions_job ON bi.region_decisions (job_version, kind, shard_no);
+
+-- A far worker's results of one shard under one epoch: a Parquet file of keyed
+-- rows (record_id, output, category) in its region's store, handed in with one
+-- call (bi.hand_in_results_v1) and merged near the ledger by
+-- bi.merge_result_file_v1 with the same put-if-absent and fence as every
+-- other result write. outcome: merged (n new rows), already (merged before:
+-- nothing done), stale (the epoch ended before the merge: refused, nothing
+-- written), unreadable (the file was missing or did not match its digest:
+-- nothing written; the shard's lease runs out and it is done again).
+CREATE TABLE IF NOT EXISTS bi.result_files (
+    id          bigint GENERATED ALWAYS AS IDENTITY PRIMARY KEY,
+    job_version text NOT NULL,
+    shard_no    integer NOT NULL,
+    epoch       bigint NOT NULL,
+    worker_id   text NOT NULL,
+    region      text NOT NULL,
+    object_key  text NOT NULL,
+    digest      text NOT NULL CHECK (digest ~ '^[0-9a-f]{64}$'),
+    records     integer NOT NULL CHECK (records >= 0),
+    bytes       bigint NOT NULL CHECK (bytes >= 0),
+    transport   text NOT NULL,
+    engine      text,
+    endpoint    text,
+    handed_in_at timestamptz NOT NULL DEFAULT clock_timestamp(),
+    merged_at   timestamptz,
+    merged_rows integer,
+    outcome     text CHECK (outcome IN ('merged', 'already', 'stale', 'unreadable')),
+    detail      text,
+    UNIQUE (job_version, shard_no, epoch),   -- one file per epoch (the same content may recur: one object)
+    FOREIGN KEY (job_version, shard_no) REFERENCES bi.shards (job_version, shard_no) ON DELETE CASCADE
+);
+CREATE INDEX IF NOT EXISTS result_files_unmerged ON bi.result_files (job_version, id) WHERE merged_at IS NULL;
+
+-- Claim one shard from a worker in p_region: a pending or expired shard whose
+-- replica is in p_region first; with p_steal, a shard of another region when
+-- p_region has none left and that region is behind (more of its shards
+-- pending than leased: its own workers will not reach them all this round, or
+-- it has none). Everything else is bi.claim_shard_v2's, in the same statement
+-- that changes the row: the epoch +1, the job's mode, the lost lease and the
+-- deaths of an expired epoch's in-flight batch. The claim is recorded in
+-- bi.region_decisions (a steal priced as egress: the replica's bytes at the
+-- price from its home region to p_region). Answers also the replica to read:
+-- its home region, key, digest and bytes. Shards of a version never placed
+-- have no replica and are not claimed here.
+CREATE OR REPLACE FUNCTION bi.claim_shard_region_v1(p_job text, p_owner text, p_transport text,
+                                                   p_lease_seconds integer, p_region text, p_steal boolean)
+RETURNS TABLE (shard_no integer, epoch bigint, lease_expires_at timestamptz, records integer, lost_leases integer,
+               home_region text, object_key text, digest text, replica_bytes bigint)
+LANGUAGE plpgsql SECURITY DEFINER SET search_path = pg_catalog, pg_temp AS $$
+#variable_conflict use_column
+DECLARE
+    c record;
+BEGIN
+    PERFORM bi.assert_may_work_on_v1(p_job);
+    WITH job AS (
+        SELECT j.job_version,
+               coalesce(p_lease_seconds, (j.spec ->> 'lease_seconds')::integer) AS lease_s
+        FROM bi.jobs j
+        WHERE j.job_version = p_job
+          AND j.status = 'running'
+          AND (p_transport = 'fallback' OR j.mode = 'batch')
+    ), behind AS (
+        SELECT r.region,
+               count(*) FILTER (WHERE s.state = 'pending' OR s.lease_expires_at < clock_timestamp()) AS pending,
+               count(*) FILTER (WHERE s.state = 'leased' AND s.lease_expires_at >= clock_timestamp()) AS leased
+          FROM bi.replicas r JOIN bi.shards s ON s.job_version = r.job_version AND s.shard_no = r.shard_no
+         WHERE p_steal AND r.job_version = p_job AND r.region <> p_region AND s.state <> 'done'
+         GROUP BY r.region
+    ), pick AS (
+        SELECT s.shard_no, s.state = 'leased' AS expired, s.epoch AS old_epoch,
+               s.lease_transport AS old_transport, s.in_flight AS old_in_flight, s.lease_renewed_at AS old_renewed_at,
+               r.region AS home, r.object_key AS key, r.digest AS dig, r.bytes AS nbytes,
+               b.pending AS home_pending, b.leased AS home_leased
+        FROM bi.shards s
+        JOIN bi.replicas r ON r.job_version = s.job_version AND r.shard_no = s.shard_no
+        LEFT JOIN behind b ON b.region = r.region
+        WHERE s.job_version = p_job
+          AND EXISTS (SELECT 1 FROM job)
+          AND (s.state = 'pending' OR (s.state = 'leased' AND s.lease_expires_at < clock_timestamp()))
+          AND (r.region = p_region OR (p_steal AND b.pending > b.leased))
+        ORDER BY (r.region = p_region) DESC,   -- a steal takes the far end of the other region's range
+                 CASE WHEN r.region = p_region THEN s.shard_no ELSE -s.shard_no END
+        LIMIT 1
+        FOR UPDATE OF s SKIP LOCKED
+    )
+    UPDATE bi.shards s
+       SET state = 'leased',
+           epoch = s.epoch + 1,
+           lease_owner = p_owner,
+           lease_transport = p_transport,
+           lease_expires_at = clock_timestamp() + make_interval(secs => job.lease_s),
+           lease_renewed_at = clock_timestamp(),
+           claims = s.claims + 1,
+           first_claim_at = coalesce(s.first_claim_at, clock_timestamp()),
+           lost_leases = s.lost_leases + CASE WHEN pick.expired THEN 1 ELSE 0 END,
+           in_flight = NULL
+      FROM pick, job
+     WHERE s.job_version = p_job AND s.shard_no = pick.shard_no
+    RETURNING s.shard_no AS shard_no, s.epoch AS epoch, s.lease_expires_at AS lease_expires_at,
+              s.records AS records, s.lost_leases AS lost_leases, pick.expired, pick.old_epoch,
+              pick.old_transport, pick.old_in_flight, pick.old_renewed_at, pick.home, pick.key, pick.dig,
+              pick.nbytes, pick.home_pending, pick.home_leased
+    INTO c;
+    IF NOT FOUND THEN
+        RETURN;
+    END IF;
+    IF c.expired AND c.old_in_flight IS NOT NULL AND NOT bi.lapsed_over_restart_v1(c.old_renewed_at) THEN
+        PERFORM bi.record_deaths_v1(p_job, c.shard_no, c.old_epoch, c.old_transport, c.old_in_flight);
+    END IF;
+    INSERT INTO bi.region_decisions (job_version, kind, shard_no, epoch, region, home_region, worker_id, bytes,
+                                     usd, reason)
+    SELECT p_job, CASE WHEN c.home = p_region THEN 'claim' ELSE 'steal' END, c.shard_no, c.epoch, p_region, c.home,
+           p_owner, CASE WHEN c.home = p_region THEN 0 ELSE c.nbytes END,
+           CASE WHEN c.home = p_region THEN 0 ELSE c.nbytes / 1e9 * e.usd_per_gb END,
+           CASE WHEN c.home <> p_region
+                THEN format('%s had no shard left; %s had %s pending against %s leased', p_region, c.home,
+                            c.home_pending, c.home_leased) END
+      FROM (SELECT 1) one
+      LEFT JOIN bi.region_egress e ON e.job_version = p_job AND e.from_region = c.home AND e.to_region = p_region;
+    RETURN QUERY SELECT c.shard_no, c.epoch, c.lease_expires_at, c.records, c.lost_leases, c.home, c.key, c.dig,
+                        c.nbytes;
+END $$;
+
+-- The object store of p_region's clusters (their settings' store; the first
+-- cluster's, by name), for a worker of the version.
+CREATE OR REPLACE FUNCTION bi.region_store_v1(p_job text, p_region text) RETURNS jsonb
+LANGUAGE plpgsql STABLE SECURITY DEFINER SET search_path = pg_catalog, pg_temp AS $$
+BEGIN
+    PERFORM bi.assert_may_work_on_v1(p_job);
+    RETURN (SELECT c.settings -> 'store' FROM bi.region_clusters c
+             WHERE c.job_version = p_job AND c.region = p_region ORDER BY c.cluster LIMIT 1);
+END $$;
+
+-- What the ledger knows of a leased shard's records besides their text: each
+-- record with a result or a dead letter (done) or a failed attempt or a crash,
+-- for the current epoch's holder only. A worker reading its shard from a
+-- replica leaves out the done ones and carries the counts (an empty answer for
+-- a fresh shard: nothing to probe).
+CREATE OR REPLACE FUNCTION bi.region_shard_state_v1(p_job text, p_shard integer, p_epoch bigint)
+RETURNS TABLE (record_id text, done boolean, attempts integer, crashes integer)
+LANGUAGE plpgsql STABLE SECURITY DEFINER SET search_path = pg_catalog, pg_temp AS $$
+#variable_conflict use_column
+DECLARE
+    v_stored integer;
+    v_dead integer;
+BEGIN
+    PERFORM bi.assert_may_work_on_v1(p_job);
+    SELECT s.stored, s.dead INTO v_stored, v_dead
+      FROM bi.shards s WHERE s.job_version = p_job AND s.shard_no = p_shard AND bi.holds_lease_v1(s, p_epoch);
+    IF NOT FOUND THEN
+        RETURN;
+    END IF;
+    IF v_stored = 0 AND v_dead = 0 AND NOT EXISTS (SELECT 1 FROM bi.attempts a WHERE a.job_version = p_job) THEN
+        RETURN;
+    END IF;
+    RETURN QUERY
+    SELECT sr.record_id,
+           EXISTS (SELECT 1 FROM bi.results r WHERE r.job_version = p_job AND r.record_id = sr.record_id)
+           OR EXISTS (SELECT 1 FROM bi.dead_letters d WHERE d.job_version = p_job AND d.record_id = sr.record_id),
+           coalesce(a.attempts, 0), coalesce(a.crashes, 0)
+      FROM bi.snapshot_rows sr
+      LEFT JOIN bi.attempts a ON a.job_version = sr.job_version AND a.record_id = sr.record_id
+     WHERE sr.job_version = p_job AND sr.shard_no = p_shard
+       AND (a.record_id IS NOT NULL
+            OR EXISTS (SELECT 1 FROM bi.results r WHERE r.job_version = p_job AND r.record_id = sr.record_id)
+            OR EXISTS (SELECT 1 FROM bi.dead_letters d WHERE d.job_version = p_job AND d.record_id = sr.record_id));
+END $$;
+
+-- Every record of a leased shard (done or not), in record id byte order: what
+-- the shard's replica holds, read from the ledger by the current epoch's
+-- holder to rebuild a replica that was missing or did not match its digest.
+CREATE OR REPLACE FUNCTION bi.replica_rows_v1(p_job text, p_shard integer, p_epoch bigint)
+RETURNS TABLE (record_id text, text text)
+LANGUAGE plpgsql STABLE SECURITY DEFINER SET search_path = pg_catalog, pg_temp AS $$
+#variable_conflict use_column
+BEGIN
+    PERFORM bi.assert_may_work_on_v1(p_job);
+    IF NOT EXISTS (SELECT 1 FROM bi.shards s
+                    WHERE s.job_version = p_job AND s.shard_no = p_shard AND bi.holds_lease_v1(s, p_epoch)) THEN
+        RETURN;
+    END IF;
+    RETURN QUERY
+    SELECT sr.record_id, sr.text FROM bi.snapshot_rows sr
+     WHERE sr.job_version = p_job AND sr.shard_no = p_shard
+     ORDER BY sr.record_id USING ~<~;
+END $$;
+
+-- A worker holding the shard found its replica missing or not matching its
+-- digest and wrote it again from the ledger's rows (the same bytes: the digest
+-- matched): recorded, under the lease.
+CREATE OR REPLACE FUNCTION bi.replica_rebuilt_v1(p_job text, p_shard integer, p_epoch bigint, p_worker text,
+                                               p_region text, p_reason text, p_bytes bigint, p_seconds double precision,
+                                               OUT stale boolean)
+LANGUAGE plpgsql SECURITY DEFINER SET search_path = pg_catalog, pg_temp AS $$
+BEGIN
+    PERFORM bi.assert_may_work_on_v1(p_job);
+    PERFORM 1 FROM bi.shards s
+     WHERE s.job_version = p_job AND s.shard_no = p_shard AND bi.holds_lease_v1(s, p_epoch);
+    IF NOT FOUND THEN
+        PERFORM bi.record_fence_v1(p_job, p_shard, 'replica_rebuilt', p_epoch, p_worker);
+        stale := true;
+        RETURN;
+    END IF;
+    UPDATE bi.replicas r SET rebuilt = r.rebuilt + 1 WHERE r.job_version = p_job AND r.shard_no = p_shard;
+    INSERT INTO bi.region_decisions (job_version, kind, shard_no, epoch, region, home_region, worker_id, bytes,
+                                     seconds, reason)
+    SELECT p_job, 'rebuild', p_shard, p_epoch, p_region, r.region, p_worker, p_bytes, p_seconds, left(p_reason, 500)
+      FROM bi.replicas r WHERE r.job_version = p_job AND r.shard_no = p_shard;
+    stale := false;
+END $$;
+
+-- A far worker hands in a shard's results: the file's key, digest and size,
+-- under the current epoch (a stale epoch is refused and recorded, nothing
+-- written). The lease is extended by the job's lease length, so the merge near
+-- the ledger (bi.merge_result_file_v1) finds this epoch still current. Handing
+-- a file in again under the same epoch changes nothing (one file per epoch).
+CREATE OR REPLACE FUNCTION bi.hand_in_results_v1(p_job text, p_shard integer, p_epoch bigint, p_worker text,
+                                               p_region text, p_key text, p_digest text, p_records integer,
+                                               p_bytes bigint, p_transport text, p_engine text, p_endpoint text,
+                                               OUT stale boolean, OUT file_id bigint)
+LANGUAGE plpgsql SECURITY DEFINER SET search_path = pg_catalog, pg_temp AS $$
+BEGIN
+    PERFORM bi.assert_may_work_on_v1(p_job);
+    UPDATE bi.shards s
+       SET lease_expires_at = clock_timestamp() + make_interval(secs =>
+               (SELECT (j.spec ->> 'lease_seconds')::integer FROM bi.jobs j WHERE j.job_version = p_job)),
+           lease_renewed_at = clock_timestamp()
+     WHERE s.job_version = p_job AND s.shard_no = p_shard AND bi.holds_lease_v1(s, p_epoch);
+    IF NOT FOUND THEN
+        PERFORM bi.record_fence_v1(p_job, p_shard, 'hand_in_results', p_epoch, p_worker);
+        stale := true;
+        RETURN;
+    END IF;
+    INSERT INTO bi.result_files (job_version, shard_no, epoch, worker_id, region, object_key, digest, records, bytes,
+                                 transport, engine, endpoint)
+    VALUES (p_job, p_shard, p_epoch, p_worker, p_region, p_key, p_digest, p_records, p_bytes, p_transport, p_engine,
+            p_endpoint)
+    ON CONFLICT (job_version, shard_no, epoch) DO NOTHING
+    RETURNING id INTO file_id;
+    IF file_id IS NULL THEN
+        SELECT f.id INTO file_id FROM bi.result_files f
+         WHERE f.job_version = p_job AND f.shard_no = p_shard AND f.epoch = p_epoch;
+    END IF;
+    stale := false;
+END $$;
+
+-- Merge one handed-in result file near the ledger (owner only): its rows go
+-- through bi.put_results_v3 under the file's epoch and worker, the one
+-- put-if-absent and fence of every result write; then the shard is completed
+-- when every record is stored or dead-lettered (bi.complete_shard_v2). The
+-- file row is locked first: a file merged before changes nothing (already), a
+-- file whose epoch ended is refused (stale, a fence event recorded by the put)
+-- and writes nothing.
+CREATE OR REPLACE FUNCTION bi.merge_result_file_v1(p_file bigint, p_ids text[], p_outputs jsonb[],
+                                                 p_categories text[], OUT outcome text, OUT n integer,
+                                                 OUT done boolean)
+LANGUAGE plpgsql SET search_path = pg_catalog, pg_temp AS $$
+DECLARE
+    f record;
+    p record;
+    c record;
+    v_outcome text;
+BEGIN
+    SELECT * INTO f FROM bi.result_files r WHERE r.id = p_file FOR UPDATE;
+    IF NOT FOUND THEN
+        RAISE EXCEPTION 'no result file %', p_file USING ERRCODE = 'no_data_found';
+    END IF;
+    n := 0;
+    done := false;
+    IF f.merged_at IS NOT NULL THEN
+        outcome := 'already';
+        RETURN;
+    END IF;
+    SELECT * INTO p FROM bi.put_results_v3(f.job_version, f.shard_no, f.epoch, f.worker_id, f.transport, f.engine,
+                                          f.endpoint, p_ids, p_outputs, p_categories);
+    IF p.stale THEN
+        v_outcome := 'stale';
+    ELSE
+        v_outcome := 'merged';
+        n := p.n;
+        SELECT * INTO c FROM bi.complete_shard_v2(f.job_version, f.shard_no, f.epoch, f.worker_id);
+        done := coalesce(c.done, false);
+    END IF;
+    outcome := v_outcome;
+    UPDATE bi.result_files r SET merged_at = clock_timestamp(), merged_rows = n, outcome = v_outcome
+     WHERE r.id = p_file;
+END $$;
+
+-- As sql/schema/roles.sql leaves every bi table: the owner's alone.
+REVOKE ALL ON bi.region_clusters, bi.region_egress, bi.replicas, bi.region_decisions, bi.result_files FROM PUBLIC;
+REVOKE ALL ON SEQUENCE bi.region_decisions_id_seq, bi.result_files_id_seq FROM PUBLIC;
+
+-- Regions (regions.sql): a worker of a region claims near shards first, reads its shard's replica (and
+-- the ledger's rows of it, to rebuild one), and hands in its results as a file merged near the ledger.
+GRANT EXECUTE ON FUNCTION
+    bi.claim_shard_region_v1(text, text, text, integer, text, boolean),
+    bi.region_store_v1(text, text),
+    bi.region_shard_state_v1(text, integer, bigint),
+    bi.replica_rows_v1(text, integer, bigint),
+    bi.replica_rebuilt_v1(text, integer, bigint, text, text, text, bigint, double precision),
+    bi.hand_in_results_v1(text, integer, bigint, text, text, text, text, integer, bigint, text, text, text)
+TO bi_worker;

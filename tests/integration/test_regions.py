@@ -1,0 +1,219 @@
+"""Regions on the real embedded PostgreSQL (batch_inference.regions): placement and replicas with their
+digests, claims by locality and priced steals, replicas rebuilt from the ledger, result files merged by key
+through the one put-if-absent and fence. The stores here are local paths (the S3 kind runs against moto's
+real S3 servers in tests/process/test_regions.py)."""
+
+from __future__ import annotations
+
+import hashlib
+from pathlib import Path
+
+import pytest
+
+from batch_inference import db
+from batch_inference.ledger import Ledger, StaleLease
+from batch_inference.plan import submit
+from batch_inference.regions import DeploymentError, RegionLedger, merge_pending, parse_deployment, place, report
+from batch_inference.regions.merge import merge_file
+from batch_inference.regions.replicas import decode
+from batch_inference.status import fence_counts, job_counts
+from tests.conftest import make_source, make_spec, tickets
+
+OUT = {"category": "billing", "summary": "charged twice"}
+REGIONS = ("us-east", "eu-west", "ap-south")
+
+
+def deployment_dict(root: Path, **over) -> dict:
+    d = {
+        "clusters": [
+            {"name": f"{r}-gpu", "region": r, "workers": {"kind": "local"},
+             "gpu": {"kind": "H100", "spot_per_hour": 2.0 + i, "on_demand_per_hour": 4.0 + i,
+                     "interruption_rate": 0.05 * i},
+             "capacity": 2, "store": {"kind": "path", "path": str(root / r)}}
+            for i, r in enumerate(REGIONS)],
+        "egress": [{"from": "us-east", "to": "eu-west", "usd_per_gb": 0.02},
+                   {"from": "us-east", "to": "ap-south", "usd_per_gb": 0.09},
+                   {"from": "eu-west", "to": "ap-south", "usd_per_gb": 0.05}],
+    }
+    d.update(over)
+    return d
+
+
+@pytest.fixture
+def stores(tmp_path) -> Path:
+    for r in REGIONS:
+        (tmp_path / r).mkdir()
+    return tmp_path
+
+
+@pytest.fixture
+def job(conn):
+    make_source(conn, tickets(60))
+    return submit(conn, make_spec()).job_version     # 6 shards of 10
+
+
+@pytest.fixture
+def placed(conn, job, stores):
+    place(conn, job, parse_deployment(deployment_dict(stores)))
+    return job
+
+
+def region_ledger(db_url, job, owner, region, **kw) -> RegionLedger:
+    return RegionLedger(db.connect(db_url), job, owner, region=region, **kw)
+
+
+def replicas(conn, job) -> list[dict]:
+    return [dict(r) for r in conn.execute("SELECT * FROM bi.replicas WHERE job_version = %s ORDER BY shard_no",
+                                          (job,))]
+
+
+def nothing_placed(conn) -> bool:
+    return all(conn.execute(f"SELECT count(*) AS n FROM bi.{t}").fetchone()["n"] == 0
+               for t in ("region_clusters", "region_egress", "replicas", "region_decisions"))
+
+
+def test_placement_writes_each_shards_replica_once_in_its_home_region_with_its_digest(conn, job, stores):
+    version_before = job
+    out = place(conn, job, parse_deployment(deployment_dict(stores)))
+    assert out["placed"] and sorted(out["regions"]) == sorted(REGIONS)
+    reps = replicas(conn, job)
+    # capacity 2 each: two shards per region, contiguous ranges in the deployment's order
+    assert [(r["shard_no"], r["region"]) for r in reps] == [(0, "us-east"), (1, "us-east"), (2, "eu-west"),
+                                                            (3, "eu-west"), (4, "ap-south"), (5, "ap-south")]
+    for r in reps:
+        data = (stores / r["region"] / r["object_key"]).read_bytes()
+        assert hashlib.sha256(data).hexdigest() == r["digest"] and r["digest"] in r["object_key"]
+        assert len(data) == r["bytes"] and r["records"] == 10
+        ids, texts = decode(data)          # pyarrow reads it back: the shard's records in id order
+        want = conn.execute("SELECT record_id, text FROM bi.snapshot_rows WHERE job_version = %s AND shard_no = %s "
+                            "ORDER BY record_id", (job, r["shard_no"])).fetchall()
+        assert list(zip(ids, texts)) == [(w["record_id"], w["text"]) for w in want]
+    # what replication cost, per region, in the ledger
+    rep = {r["region"]: r for r in report(conn, job)}
+    assert all(rep[r]["shards"] == 2 and rep[r]["replica_bytes"] > 0 for r in REGIONS)
+    costs = conn.execute("SELECT region, bytes, seconds FROM bi.region_decisions WHERE job_version = %s AND "
+                         "kind = 'replicate'", (job,)).fetchall()
+    assert sorted(c["region"] for c in costs) == sorted(REGIONS) and all(c["bytes"] > 0 for c in costs)
+    # placing it again on the same clusters writes nothing; the job version is the spec's and the rows'
+    assert place(conn, job, parse_deployment(deployment_dict(stores)))["placed"] is False
+    assert len(replicas(conn, job)) == 6
+    assert submit(conn, make_spec()).job_version == version_before
+
+
+@pytest.mark.parametrize("case,change,words", [
+    ("no store", lambda d, root: d["clusters"][1].pop("store"), "cluster 'eu-west-gpu' has no store"),
+    ("no egress", lambda d, root: d["egress"].pop(2), "region 'eu-west' has no egress price to 'ap-south'"),
+    ("unreachable store", lambda d, root: d["clusters"][2]["store"].update(path=str(root / "gone")),
+     "region 'ap-south': store"),
+    ("no connection", lambda d, root: d["clusters"][0].update(workers={"kind": "kubernetes",
+                                                                       "conn_id": "no_such_k8s"}),
+     "cluster 'us-east-gpu': Kubernetes connection 'no_such_k8s' does not exist"),
+])
+def test_bad_deployments_are_one_line_and_nothing_is_written(conn, job, stores, case, change, words):
+    d = deployment_dict(stores)
+    change(d, stores)
+    with pytest.raises(DeploymentError) as err:
+        place(conn, job, parse_deployment(d))
+    assert words in str(err.value) and "\n" not in str(err.value)
+    assert nothing_placed(conn)
+    assert not any(any((stores / r).iterdir()) for r in REGIONS)
+
+
+def test_a_worker_claims_its_own_regions_shards_first_then_steals_from_a_region_behind_priced_as_egress(
+        db_url, conn, placed):
+    us = region_ledger(db_url, placed, "us-1", "us-east", steal=False)
+    mine = [us.claim(), us.claim()]
+    assert sorted(lease.shard_no for lease in mine) == [0, 1]
+    assert us.claim() is None                     # none left at home, and no steal allowed
+    # eu-west has a worker holding one of its two shards: pending 1 = leased 1, not behind
+    eu = region_ledger(db_url, placed, "eu-1", "eu-west", steal=False)
+    assert eu.claim().shard_no in (2, 3)
+    us.steal = True
+    stolen = us.claim()
+    assert stolen.shard_no == 5                    # ap-south (2 pending, 0 leased): its far end first
+    row = conn.execute("SELECT * FROM bi.region_decisions WHERE job_version = %s AND kind = 'steal'",
+                       (placed,)).fetchone()
+    rep = replicas(conn, placed)[5]
+    assert (row["shard_no"], row["region"], row["home_region"], row["bytes"]) == (5, "us-east", "ap-south",
+                                                                                    rep["bytes"])
+    assert row["usd"] == pytest.approx(rep["bytes"] / 1e9 * 0.09) and "had no shard left" in row["reason"]
+    claims = conn.execute("SELECT shard_no, region FROM bi.region_decisions WHERE job_version = %s AND kind = 'claim'"
+                          " ORDER BY shard_no", (placed,)).fetchall()
+    assert [(c["shard_no"], c["region"]) for c in claims][:2] == [(0, "us-east"), (1, "us-east")]
+    # the stolen shard reads from its home region's replica
+    ids, texts, attempts, crashes = us.record_columns(stolen)
+    assert len(ids) == 10 and us.stats["steals"] == 1 and us.stats["rebuilds"] == 0
+
+
+def test_a_replica_missing_or_not_matching_its_digest_is_rebuilt_from_the_ledger_never_read(db_url, conn, placed,
+                                                                                           stores):
+    reps = replicas(conn, placed)
+    (stores / "us-east" / reps[0]["object_key"]).unlink()
+    bad = stores / "us-east" / reps[1]["object_key"]
+    data = bad.read_bytes()
+    bad.write_bytes(data.replace(b"Ticket", b"TICKET"))     # same size, other text
+    us = region_ledger(db_url, placed, "us-1", "us-east")
+    for lease in (us.claim(), us.claim()):
+        ids, texts, _, _ = us.record_columns(lease)
+        assert all(t.startswith("Ticket ") for t in texts) and len(ids) == 10   # the ledger's text, not the copy's
+    assert us.stats["rebuilds"] == 2
+    for r in reps[:2]:                                        # written back: the digest matches again
+        assert hashlib.sha256((stores / "us-east" / r["object_key"]).read_bytes()).hexdigest() == r["digest"]
+    why = [r["reason"] for r in conn.execute(
+        "SELECT reason FROM bi.region_decisions WHERE job_version = %s AND kind = 'rebuild' ORDER BY shard_no",
+        (placed,))]
+    assert "is missing" in why[0] and "does not match its digest" in why[1] and all("written back" in w for w in why)
+    assert [r["rebuilt"] for r in replicas(conn, placed)][:2] == [1, 1]
+
+
+def _finish_with_files(lg: RegionLedger, lease) -> None:
+    ids, texts, _, _ = lg.record_columns(lease)
+    assert lg.put_results(lease, ids, [OUT] * len(ids), ["billing"] * len(ids)) == len(ids)
+    assert lg.complete(lease) == "done"
+
+
+def test_result_files_merge_by_key_once_and_a_stale_or_late_file_changes_nothing(db_url, conn, placed, stores):
+    far = region_ledger(db_url, placed, "ap-1", "ap-south", result_files=True)
+    lease = far.claim()
+    _finish_with_files(far, lease)
+    # handed in, not yet stored: the ledger got one small call, the rows are in the region's store
+    assert job_counts(conn, placed)["stored"] == 0
+    f = conn.execute("SELECT * FROM bi.result_files WHERE job_version = %s", (placed,)).fetchone()
+    assert (f["shard_no"], f["epoch"], f["region"], f["records"]) == (lease.shard_no, 1, "ap-south", 10)
+    path = stores / "ap-south" / f["object_key"]
+    assert hashlib.sha256(path.read_bytes()).hexdigest() == f["digest"]
+    assert merge_pending(conn, placed) == {"merged": 1, "rows": 10}
+    shard = conn.execute("SELECT state, stored FROM bi.shards WHERE job_version = %s AND shard_no = %s",
+                         (placed, lease.shard_no)).fetchone()
+    assert (shard["state"], shard["stored"]) == ("done", 10)
+    # merged twice: nothing; and its rows put again through the one put-if-absent: nothing either
+    assert merge_file(conn, f["id"], path.read_bytes()) == {"outcome": "already", "n": 0, "done": False}
+    assert Ledger(conn, placed, "ap-1").conn.execute(
+        "SELECT count(*) AS n FROM bi.results WHERE job_version = %s", (placed,)).fetchone()["n"] == 10
+
+    # a stale epoch's file: handed in, then the lease ran out and another worker took the shard over
+    slow = region_ledger(db_url, placed, "ap-2", "ap-south", result_files=True)
+    stale = slow.claim()
+    _finish_with_files(slow, stale)
+    conn.execute("UPDATE bi.shards SET lease_expires_at = clock_timestamp() - interval '1 second' "
+                 "WHERE job_version = %s AND shard_no = %s", (placed, stale.shard_no))
+    taker = region_ledger(db_url, placed, "ap-3", "ap-south", result_files=True)
+    took = taker.claim()
+    assert (took.shard_no, took.epoch) == (stale.shard_no, stale.epoch + 1)
+    assert merge_pending(conn, placed) == {"stale": 1}
+    assert conn.execute("SELECT stored FROM bi.shards WHERE job_version = %s AND shard_no = %s",
+                        (placed, stale.shard_no)).fetchone()["stored"] == 0
+    # a late worker (its epoch ended before it handed in): refused at the hand-in, nothing recorded
+    slow.put_results(stale, ["t00050"], [OUT], ["billing"])
+    with pytest.raises(StaleLease):
+        slow.complete(stale)
+    fences = fence_counts(conn, placed)
+    assert fences.get("put_results") == 1 and fences.get("hand_in_results") == 1
+    # the new holder's file merges and completes the shard: every record once
+    _finish_with_files(taker, took)
+    assert merge_pending(conn, placed) == {"merged": 1, "rows": 10}
+    rows = conn.execute("SELECT worker_id, epoch, count(*) AS n FROM bi.results WHERE job_version = %s "
+                        "GROUP BY 1, 2 ORDER BY 1", (placed,)).fetchall()
+    assert [(r["worker_id"], r["epoch"], r["n"]) for r in rows] == [("ap-1", 1, 10), ("ap-3", 2, 10)]
+    outs = conn.execute("SELECT DISTINCT output FROM bi.results WHERE job_version = %s", (placed,)).fetchall()
+    assert [o["output"] for o in outs] == [OUT]
