@@ -25,6 +25,7 @@ from typing import Any
 import psycopg
 
 from batch_inference import db
+from batch_inference.engines.cpu_probe import this_cpu
 from batch_inference.spec import JobSpec, parse_spec
 
 REPO = Path(__file__).resolve().parent.parent
@@ -115,28 +116,12 @@ def rnd(x: float, digits: int = 3) -> float:
     return float(f"{x:.{digits}g}") if x == x and abs(x) >= 1 else round(x, digits)
 
 
-# The CPU flags that change what the engines and the database can use: vector width, bfloat16 and AMX.
-ISA_FLAGS = ("avx2", "avx512f", "avx512_bf16", "avx512_fp16", "amx_tile", "amx_bf16", "amx_int8")
-
-
 def machine() -> dict[str, Any]:
-    """What the figures were measured on (the CPU's model name, family and model numbers, and
-    its flags of ``ISA_FLAGS``), and how busy it was when they were."""
-    fields: dict[str, str] = {}
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            key, _, value = line.partition(":")
-            if not key.strip() and fields:
-                break   # the first processor's block is enough
-            fields.setdefault(key.strip(), value.strip())
-    except OSError:
-        pass
-    model = fields.get("model name") or platform.processor()
-    if "cpu family" in fields:
-        model += f" (family {fields['cpu family']}, model {fields.get('model', '?')})"
-    flags = set(fields.get("flags", "").split())
-    return {"cpus": os.cpu_count(), "cpu": model, "isa": [f for f in ISA_FLAGS if f in flags],
-            "python": platform.python_version(), "load1": round(os.getloadavg()[0], 2), "code": code_version()}
+    """What the figures were measured on (the CPU as the engines' probe reads it: its model name and
+    the flags that decide vector width, bfloat16 and AMX), and how busy it was when they were."""
+    cpu = this_cpu()
+    return {"cpus": os.cpu_count(), "cpu": cpu.model, "isa": list(cpu.flags), "python": platform.python_version(),
+            "load1": round(os.getloadavg()[0], 2), "code": code_version()}
 
 
 def code_version() -> str:
