@@ -156,7 +156,7 @@ def arm_index(vectors: int, queries: int) -> dict[str, Any]:
     """Write ``vectors`` random unit vectors through the worker's path, validate, then time nearest-neighbour
     queries before and after the HNSW index (see the module docstring)."""
     from batch_inference import db
-    from batch_inference.embed.index import SearchIndex
+    from batch_inference.destinations.search_index import SearchIndex
     from batch_inference.ledger import Ledger
     from batch_inference.plan import submit
     from batch_inference.publish import publish

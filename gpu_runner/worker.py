@@ -65,7 +65,6 @@ import psycopg
 from batch_inference import db, provenance
 from batch_inference.breaker import EndpointUnavailable
 from batch_inference.engines import load_engine
-from batch_inference.embed.vectors import to_storage
 from batch_inference.engines.base import Engine, Outcome, Request
 from batch_inference.exceptions import (
     BadDatabaseURL,
@@ -78,7 +77,7 @@ from batch_inference.exceptions import (
 )
 from batch_inference.exits import HALTING, ExitCode
 from batch_inference.ledger import FailedAttempt, Failure, Lease, Ledger, StaleLease, new_owner_id
-from batch_inference.outputs import check_for_storage
+from batch_inference.outputs import check_for_storage, to_storage
 from batch_inference.pinning import verify_weights
 from batch_inference.spec import MAX_LEASE_SECONDS, JobSpec
 from batch_inference.status import job_counts, job_mode, job_spec

@@ -65,8 +65,7 @@ from batch_inference.data import NOOP_MODEL, TRIAGE_SCHEMA
 from batch_inference.engines.base import Engine, Outcome, Request
 from batch_inference.exceptions import InvalidValue
 from batch_inference.fleet import Exit, Fleet, Worker
-from batch_inference.harness.database import Admin, EmbeddedServer, worker_credentials
-from batch_inference.harness.source import SOURCE, make_source
+from batch_inference.harness import SOURCE, Admin, EmbeddedServer, make_source, worker_credentials
 
 log = logging.getLogger("batch_inference.chaos")
 
@@ -259,7 +258,7 @@ class CountingEngine(Engine):
         return self._count(self.inner.stream(feed, stop))
 
     def _count(self, outcomes: Iterator[Outcome]) -> Iterator[Outcome]:
-        from batch_inference.embed.vectors import to_storage
+        from batch_inference.embed import to_storage
         from batch_inference.outputs import check_output
 
         embed = self.spec.task == "embed"
@@ -639,7 +638,7 @@ def _report(cfg: ChaosConfig, run: _Run, fleet: _Workers, admin: Admin, job: str
     # and not yet flushed: one flush buffer (flush_every outcomes). A ladder
     # hands on again the final answers it had written to bi.ladder_answers
     # and not yet to bi.results: at most one more batch of rung answers.
-    from batch_inference.ladder.engine import WRITE_EVERY
+    from batch_inference.ladder import WRITE_EVERY
 
     per_handoff = cfg.flush_every + (WRITE_EVERY if cfg.job == "ladder" else 0)
     bound = int(hand["handoffs"]) * per_handoff

@@ -71,8 +71,7 @@ from batch_inference import db
 from batch_inference.data import NOOP_MODEL, TRIAGE_SCHEMA
 from batch_inference.engines.base import Engine, Outcome, Request
 from batch_inference.exceptions import InvalidValue
-from batch_inference.harness.database import Admin, EmbeddedServer, worker_credentials
-from batch_inference.harness.source import SOURCE, make_source
+from batch_inference.harness import SOURCE, Admin, EmbeddedServer, make_source, worker_credentials
 
 log = logging.getLogger("batch_inference.nights")
 UTC = timezone.utc
@@ -350,7 +349,7 @@ class Endpoint:
     requests, and an outage from some second of the re-drive until ``down_until`` (monotonic)."""
 
     def __init__(self, faults: Faults, seed: int, down_until: float = float("inf")) -> None:
-        from batch_inference.harness.loopback import ChatServer, completion
+        from batch_inference.harness import ChatServer, completion
 
         self.faults, self.down_until = faults, down_until
         self.rng = random.Random(f"nights-endpoint-{seed}")
@@ -398,8 +397,7 @@ class HostedProvider:
     ``hosted_cancel_s`` after it while requests still complete (``slow_cancel``)."""
 
     def __init__(self, faults: Faults, cfg: NightsConfig) -> None:
-        from batch_inference.harness.hosted_openai import OpenAIBatchEmulator
-        from batch_inference.harness.loopback import completion
+        from batch_inference.harness import OpenAIBatchEmulator, completion
 
         answer = completion(json.dumps({"category": "other", "summary": "answered by the hosted batch API"}),
                             tokens=12)

@@ -12,7 +12,8 @@ Every engine's text passes ``check_for_storage`` in the worker, which also
 refuses what PostgreSQL or UTF-8 cannot hold (NUL, lone surrogates, numbers
 jsonb refuses, text that is not a string): a failed attempt, never a failed
 write. ``storable_text`` is how a failed attempt keeps its raw output and
-error: NUL and lone surrogates backslash-escaped.
+error: NUL and lone surrogates backslash-escaped. An embedding job's vectors
+pass ``to_storage`` (their stored form is ``embed.vectors``'s).
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from decimal import Decimal
 from typing import Any
 
 import jsonschema_rs
+import numpy as np
 
 from jsonschema import Draft202012Validator
 from jsonschema.exceptions import best_match
@@ -283,3 +285,34 @@ def check_rule(rule: Rule, obj: dict[str, Any]) -> str | None:
         if rule.max_length is not None and len(value) > rule.max_length:
             return f"rule on '{name}': length {len(value)} is above max_length {rule.max_length}"
     return None
+
+
+# -- an embedding job's vectors ------------------------------------------------
+
+DTYPE = np.dtype("<f4")
+# A vector whose norm is below this cannot be normalized: it points nowhere.
+MIN_NORM = 1e-12
+
+
+def to_storage(spec: JobSpec, vector: Any) -> tuple[bytes | None, str | None, str | None]:
+    """``(bytes, output JSON text, None)`` for a vector fit to store under ``spec``, else ``(None, None, error)``."""
+    dims = spec.embedding.dimensions
+    try:
+        v = np.asarray(vector, dtype=np.float64)
+    except (TypeError, ValueError) as exc:
+        return None, None, f"embedding is not a list of numbers: {type(exc).__name__}"
+    if v.ndim != 1:
+        return None, None, f"embedding has shape {tuple(v.shape)}, not one vector"
+    if v.shape[0] != dims:
+        return None, None, f"embedding has {v.shape[0]} dimensions; the spec's embedding.dimensions is {dims}"
+    if not np.isfinite(v).all():
+        return None, None, f"embedding holds {int((~np.isfinite(v)).sum())} value(s) that are not finite"
+    norm = float(np.linalg.norm(v))
+    if spec.embedding.normalize:
+        if norm < MIN_NORM:
+            return None, None, "embedding is the zero vector: it cannot be normalized"
+        v = v / norm
+    stored = v.astype(DTYPE)
+    if not np.isfinite(stored).all():     # a float64 value past float32's range
+        return None, None, "embedding holds a value outside float32's range"
+    return stored.tobytes(), json.dumps({"dimensions": dims, "norm": round(norm, 6)}), None

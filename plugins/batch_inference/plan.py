@@ -84,7 +84,7 @@ def _check_engine(spec: JobSpec) -> None:
     from batch_inference.engines import BUILTIN_ENGINES, engine_class
 
     if spec.models:                       # a ladder: each rung's engine, and the confidence it must give
-        from batch_inference.ladder.rungs import check_engines
+        from batch_inference.ladder import check_engines
 
         check_engines(spec)
     if spec.engine.name in BUILTIN_ENGINES:

@@ -20,6 +20,9 @@ from typing import Any
 
 PACKAGE = "airflow-provider-batch-inference"
 INTEGRATION = "Batch Inference"
+# Where the UI plugin serves the dashboard under the API server (ui/plugin.py), and where the review
+# operator's links point.
+URL_PREFIX = "/batch-inference"
 
 
 def _version() -> str:

@@ -647,7 +647,7 @@ def test_destinations_do_not_join_the_job_version_and_hold_no_credentials():
     no_airflow = ("import sys; from batch_inference.destinations.iceberg import IcebergTable; "
                   "from tests.conftest import make_spec; s = make_spec(publish={'destinations': [{'identifier': "
                   "'a.b', 'warehouse': 's3://b/w', 's3_endpoint': 'http://127.0.0.1:1'}]}); "
-                  "t = IcebergTable(s.publish.destinations[0], s); t._io_properties(); t.filesystem(); "
+                  "t = IcebergTable(s.publish.destinations[0], s); t.io_properties(); t.filesystem(); "
                   "assert not [m for m in sys.modules if m.startswith('airflow')], 'airflow imported'")
     proc = subprocess.run([sys.executable, "-c", no_airflow], capture_output=True, text=True, timeout=60,
                           env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})

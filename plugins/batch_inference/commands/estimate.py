@@ -35,15 +35,9 @@ def register(sub: Any) -> None:
     p.set_defaults(func=run)
 
 
-def default_workers(spec: Any) -> int:
-    """The batch workers a run of ``spec`` has when nobody says: the autopilot's ceiling, else its floor."""
-    c = spec.cost
-    return max(1, c.max_workers if spec.autopilot.enabled else c.min_workers)
-
-
 def run(args: argparse.Namespace) -> int:
     from batch_inference.cutoff import parse_clock
-    from batch_inference.estimate import counter_for, preview, render, run_pilot
+    from batch_inference.estimate import counter_for, default_workers, preview, render, run_pilot
     from batch_inference.exceptions import InvalidValue
     from batch_inference.params import resolve_deadline
     from batch_inference.sources import for_spec

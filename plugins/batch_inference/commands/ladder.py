@@ -72,10 +72,10 @@ def run_calibrate(args: argparse.Namespace) -> int:
 
 def run_report(args: argparse.Namespace) -> int:
     from batch_inference.exceptions import InvalidValue
-    from batch_inference.ladder.report import report
+    from batch_inference.ladder import rung_report
 
     with connect(args) as conn:
-        r = report(conn, args.job_version)
+        r = rung_report(conn, args.job_version)
     if r is None:
         raise InvalidValue(f"{args.job_version} is not a ladder job version (its spec names no models:)")
     if args.json:

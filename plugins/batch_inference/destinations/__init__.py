@@ -5,7 +5,8 @@ at it (``publish``), point them back at an earlier version (``point_back``),
 and undo its last move when the view's switch did not follow
 (``restore``). The PostgreSQL view (``view.py``) is the first and is always
 there; an Apache Iceberg table (``iceberg.py``) is the second, named in the
-spec's ``publish.destinations``. Each pointer's atomicity is its own commit
+spec's ``publish.destinations``; an embedding job's pgvector search table
+(``search_index.py``) is built for every ``task: embed`` spec. Each pointer's atomicity is its own commit
 (the view: one UPDATE in a transaction; Iceberg: one metadata swap in the
 catalog), never a lock of ours held across two systems.
 
@@ -34,9 +35,9 @@ def for_spec(conn: psycopg.Connection, spec: JobSpec) -> list[Destination]:
     """The spec's destinations besides the view, as adapters (nothing is contacted yet)."""
     out: list[Destination] = []
     if spec.task == "embed":   # the version's pgvector search table, built before the view switches
-        from batch_inference.embed import search_index
+        from batch_inference.destinations.search_index import SearchIndex
 
-        out.append(search_index(spec, conn))
+        out.append(SearchIndex(spec, ledger=conn))
     for dest in spec.publish.destinations:
         if dest.kind == "iceberg":
             from batch_inference.destinations.iceberg import IcebergTable

@@ -75,9 +75,9 @@ def id_type(conn: psycopg.Connection, spec: JobSpec) -> str:
 def ensure_view(conn: psycopg.Connection, dataset: str, spec: JobSpec, job_version: str | None = None) -> str:
     """The dataset's view shaped like ``spec``'s version (``bi.ensure_published_view_v2``): no DDL when
     it is already, else dropped and created again in the caller's transaction. An embedding job's
-    view reads ``job_version``'s search table (``batch_inference.embed``)."""
+    view reads ``job_version``'s search table (``destinations.search_index``)."""
     if spec.task == "embed":
-        from batch_inference.embed import ensure_view as ensure_search_view
+        from batch_inference.destinations.search_index import ensure_view as ensure_search_view
 
         return ensure_search_view(conn, dataset, spec, job_version, id_type(conn, spec))
     return conn.execute(q("ensure_published_view"), {"dataset": dataset, "id_type": id_type(conn, spec),

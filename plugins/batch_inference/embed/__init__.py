@@ -10,9 +10,10 @@ The one interface of the pieces an embedding job adds to the flow (docs/embeddin
 * the stored form (``embed.vectors``): float32 bytes in
   ``bi.results.embedding``, checked by the worker before it stores them;
 * the validator's checks (``embed.checks``): ``scan``, ``drift``, ``recall``;
-* publish (``embed.index``): ``SearchIndex``, the destination that builds a
-  version's pgvector search table and HNSW index before the pointer moves,
-  and ``ensure_view``, the dataset's view over it.
+* publish: ``destinations.search_index.SearchIndex``, the destination that
+  builds a version's pgvector search table and HNSW index before the pointer
+  moves, and its ``ensure_view``, the dataset's view over it (a destination
+  beside the others; ``drop_search_table`` here drops a version's table).
 
 Snapshot, shards, leases, epochs, put-if-absent, dead letters, incremental
 runs, the cutoff and the autopilot are the answers' own, unchanged.
@@ -21,9 +22,9 @@ runs, the cutoff and the autopilot are the answers' own, unchanged.
 from __future__ import annotations
 
 from batch_inference.embed.checks import drift, recall, scan
-from batch_inference.embed.vectors import from_storage, to_storage
+from batch_inference.embed.vectors import DTYPE, from_storage, to_storage
 
-__all__ = ["check_spec", "drift", "drop_search_table", "embed_input", "ensure_view", "from_storage", "recall", "scan", "search_index",
+__all__ = ["DTYPE", "check_spec", "drift", "drop_search_table", "embed_input", "from_storage", "recall", "scan",
            "to_storage"]
 
 
@@ -41,13 +42,6 @@ def embed_input(spec, text: str) -> str:
     return render(spec, text)
 
 
-def search_index(spec, conn):
-    """The publish destination of an embedding spec (``destinations.for_spec``)."""
-    from batch_inference.embed.index import SearchIndex
-
-    return SearchIndex(spec, ledger=conn)
-
-
 def drop_search_table(conn, job_version: str) -> None:
     """Drop a version's search table, if it has one (``plan.drop_job_version``)."""
     from psycopg import sql
@@ -55,10 +49,3 @@ def drop_search_table(conn, job_version: str) -> None:
     from batch_inference.db import composed
 
     conn.execute(composed("embed_index_drop", table=sql.Identifier("bi", f"embed_{job_version}")))
-
-
-def ensure_view(conn, dataset: str, spec, job_version: str, id_type: str) -> str:
-    """The dataset's view over ``job_version``'s search table (``destinations.view.ensure_view``)."""
-    from batch_inference.embed.index import ensure_view as ensure
-
-    return ensure(conn, dataset, spec, job_version, id_type)

@@ -23,12 +23,16 @@ import sys
 from typing import Any
 
 from batch_inference.engines.base import (BUILTIN_ENGINES, EMBEDDING_ENGINES, TRUNCATED, Engine, Outcome, Request,
-                                          one_line)
+                                          one_line, parse_chat_completion)
+# OpenAI's chat-completions wire shape, which the hosted batch transports and the fallback speak too
+# (the module imports httpx only when an engine starts).
+from batch_inference.engines.openai import STYLES, chat_body, error_text, extra_body_option, response_format
 from batch_inference.exceptions import InvalidValue
 from batch_inference.spec import JobSpec, pinned_options  # noqa: F401 - re-exported: the spec owns it
 
-__all__ = ["BUILTIN_ENGINES", "EMBEDDING_ENGINES", "TRUNCATED", "Engine", "Outcome", "Request", "allowed_engine_modules", "engine_class",
-           "engine_for", "load_engine", "one_line", "pinned_options"]
+__all__ = ["BUILTIN_ENGINES", "EMBEDDING_ENGINES", "STYLES", "TRUNCATED", "Engine", "Outcome", "Request",
+           "allowed_engine_modules", "chat_body", "engine_class", "engine_for", "error_text", "extra_body_option",
+           "load_engine", "one_line", "parse_chat_completion", "pinned_options", "response_format"]
 
 # The deployment's setting: comma-separated modules or packages whose engines may
 # be loaded by dotted path. The Airflow option [batch_inference]

@@ -16,9 +16,9 @@ and the dashboard call these; none of them computes a figure of its own.
 """
 
 from batch_inference.estimate.pilot import run_pilot, scratch_spec
-from batch_inference.estimate.preview import (VERDICTS, Preview, judge, measured, pilot_figures, preview, render,
-                                              source_rows)
+from batch_inference.estimate.preview import (VERDICTS, Preview, default_workers, judge, measured, pilot_figures,
+                                              preview, render, source_rows)
 from batch_inference.estimate.tokens import CharEstimate, Counter, counter_for
 
-__all__ = ["VERDICTS", "CharEstimate", "Counter", "Preview", "counter_for", "judge", "measured", "pilot_figures",
-           "preview", "render", "run_pilot", "scratch_spec", "source_rows"]
+__all__ = ["VERDICTS", "CharEstimate", "Counter", "Preview", "counter_for", "default_workers", "judge", "measured",
+           "pilot_figures", "preview", "render", "run_pilot", "scratch_spec", "source_rows"]

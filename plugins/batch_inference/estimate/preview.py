@@ -250,6 +250,12 @@ class Preview:
         return out
 
 
+def default_workers(spec: JobSpec) -> int:
+    """The batch workers a run of ``spec`` has when nobody says: the autopilot's ceiling, else its floor."""
+    c = spec.cost
+    return max(1, c.max_workers if spec.autopilot.enabled else c.min_workers)
+
+
 def preview(conn: psycopg.Connection, spec: JobSpec, *, reader: sources.Reader | None = None,
             counter: Counter | None = None, workers: int = 1, deadline: datetime | None = None,
             now: datetime | None = None, sample: int = 0, seed: int = 0,

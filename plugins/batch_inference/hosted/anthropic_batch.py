@@ -29,7 +29,7 @@ from collections.abc import Iterator, Sequence
 from datetime import datetime, timezone
 from typing import Any
 
-from batch_inference.engines.base import TRUNCATED, Request
+from batch_inference.engines import TRUNCATED, Request
 from batch_inference.hosted.core import (
     CANCELED, CLOCK_SKEW_S, ERRORED, EXPIRED, SUCCEEDED, TRANSPORT, BatchStatus, HostedBatchEngine, HostedBatchError,
     Item, Provider,

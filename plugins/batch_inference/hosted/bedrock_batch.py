@@ -34,7 +34,7 @@ from collections.abc import Iterator, Sequence
 from datetime import datetime, timedelta, timezone
 from typing import Any
 
-from batch_inference.engines.base import TRUNCATED, Request
+from batch_inference.engines import TRUNCATED, Request
 from batch_inference.exceptions import InvalidValue
 from batch_inference.hosted.anthropic_batch import custom_id, message_params
 from batch_inference.hosted.core import (

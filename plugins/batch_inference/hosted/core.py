@@ -48,7 +48,7 @@ from typing import Any, ClassVar
 from batch_inference.breaker import EndpointUnavailable
 from batch_inference.clearance import check_clearance
 from batch_inference.db import q
-from batch_inference.engines.base import TRUNCATED, Engine, Outcome, Request, one_line
+from batch_inference.engines import TRUNCATED, Engine, Outcome, Request, one_line
 from batch_inference.exceptions import BatchInferenceError, BudgetSpent, InvalidValue
 from batch_inference.ledger import Lease, Ledger, StaleLease
 

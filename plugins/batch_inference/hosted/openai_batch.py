@@ -25,8 +25,8 @@ import json
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
-from batch_inference.engines.base import TRUNCATED, Request, one_line, parse_chat_completion
-from batch_inference.engines.openai import STYLES, chat_body, error_text, extra_body_option, response_format
+from batch_inference.engines import (STYLES, TRUNCATED, Request, chat_body, error_text, extra_body_option, one_line,
+                                     parse_chat_completion, response_format)
 from batch_inference.exceptions import InvalidValue
 from batch_inference.hosted.core import (
     CANCELED, CLOCK_SKEW_S, ERRORED, EXPIRED, SUCCEEDED, TRANSPORT, BatchStatus, HostedBatchEngine, HostedBatchError,

@@ -20,6 +20,20 @@ Nothing here imports Airflow; ``engine`` and ``calibrate`` are imported
 only where they run.
 """
 
-from batch_inference.ladder.rungs import Answer, agree, keeps, rung_spec, rungs_of, samples
+from __future__ import annotations
 
-__all__ = ["Answer", "agree", "keeps", "rung_spec", "rungs_of", "samples"]
+from typing import Any
+
+from batch_inference.ladder.audit import WRITE_EVERY
+from batch_inference.ladder.rungs import Answer, agree, check_engines, keeps, rung_spec, rungs_of, samples
+
+__all__ = ["WRITE_EVERY", "Answer", "agree", "check_engines", "keeps", "rung_report", "rung_spec", "rungs_of",
+           "samples"]
+
+
+def rung_report(conn: Any, job_version: str) -> dict[str, Any] | None:
+    """Each rung's share of records, accuracy and cost for a job version; None for a one-model job
+    (``report.report``)."""
+    from batch_inference.ladder.report import report
+
+    return report(conn, job_version)

@@ -21,6 +21,10 @@ from batch_inference.exceptions import DatabaseUnavailable
 from batch_inference.ladder.rungs import Answer
 from batch_inference.ledger import Lease, Ledger, StaleLease
 
+# Answers written to bi.ladder_answers (and handed on) at least this often (``engine.LadderEngine``).
+WRITE_EVERY = 64
+WRITE_SECONDS = 2.0
+
 
 @dataclass(frozen=True)
 class Stored:

@@ -36,12 +36,9 @@ from batch_inference.engines import load_engine
 from batch_inference.engines.base import Engine, Outcome, Request
 from batch_inference.exceptions import InvalidValue
 from batch_inference.ladder import audit, rungs
+from batch_inference.ladder.audit import WRITE_EVERY, WRITE_SECONDS
 from batch_inference.ladder.rungs import Answer
 from batch_inference.spec import JobSpec
-
-# Answers written to bi.ladder_answers (and handed on) at least this often.
-WRITE_EVERY = 64
-WRITE_SECONDS = 2.0
 
 
 class _Rung:

@@ -78,8 +78,7 @@ class EstimateOperator(SubmitJobOperator):
     def execute(self, context: Context) -> dict[str, Any]:
         from datetime import UTC
 
-        from batch_inference.commands.estimate import default_workers
-        from batch_inference.estimate import CharEstimate, counter_for, preview
+        from batch_inference.estimate import CharEstimate, counter_for, default_workers, preview
         from batch_inference.exceptions import BatchInferenceError, InvalidValue
         from batch_inference.snapshot import SnapshotError
         from batch_inference.sources import for_spec

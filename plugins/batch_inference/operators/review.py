@@ -65,7 +65,7 @@ def review_url(job_version: str, base_url: str | None = None) -> str:
     from the API server's root when that is not set)."""
     from airflow.sdk.configuration import conf
 
-    from batch_inference.ui.plugin import URL_PREFIX
+    from batch_inference.provider import URL_PREFIX
 
     base = (base_url or conf.get("api", "base_url", fallback="") or "").rstrip("/")
     return f"{base}{URL_PREFIX}/jobs/{job_version}/review"

@@ -15,11 +15,11 @@ from contextlib import contextmanager
 from typing import Any
 
 from batch_inference.exceptions import SnapshotError
+from batch_inference.lineage import Ident
 from batch_inference.prompting import columns_text, record_chars
 from batch_inference.snapshot import clean_text
 from batch_inference.spec import JobSpec
 
-Ident = tuple[str, str]   # an OpenLineage dataset: (namespace, name)
 _DECODER = json.JSONDecoder()
 ROWS_PER_FETCH = 10_000   # rows a reader holds at once (a fetchmany, an Arrow batch)
 

@@ -2,9 +2,9 @@
 
 The catalog settings are the Iceberg destination's (``spec.IcebergCatalog``:
 the SQL catalog in the ledger's database by default, a REST catalog, AWS
-Glue), and so is the catalog itself: it is made by the destination's adapter
-(``destinations.iceberg.IcebergTable.catalog``), credentials from the
-environment or the Airflow AWS connection. ``source.snapshot_id`` picks the
+Glue), and so is the catalog itself: both open it through
+``lakehouse.CatalogAccess``, credentials from the environment or the Airflow
+AWS connection. ``source.snapshot_id`` picks the
 snapshot, the table's current one by default; the snapshot read is recorded
 with the job (its stored spec's ``source.snapshot_id``), so resubmitting
 that spec after the table has moved on reads the same rows and gives the same
@@ -38,16 +38,16 @@ class IcebergSnapshot(Reader):
         self._snapshot_id: int | None = None
 
     def adapter(self) -> Any:
-        """The Iceberg destination's adapter over the source's catalog settings (it makes the catalog)."""
+        """The catalog access over the source's catalog settings (it makes the catalog)."""
         if self._adapter is None:
-            from batch_inference.destinations.iceberg import IcebergTable
+            from batch_inference.lakehouse import CatalogAccess
             from batch_inference.spec import Destination, IcebergCatalog
 
             src = self.source
             dest = Destination(kind="iceberg", identifier=src.identifier or "", catalog=src.catalog or IcebergCatalog(),
                                warehouse=src.warehouse or ".", s3_endpoint=src.s3_endpoint or self.s3_endpoint_url,
                                aws_conn_id=self.aws_conn_id or src.conn_id)
-            self._adapter = IcebergTable(dest, self.spec, ledger=self.ledger)
+            self._adapter = CatalogAccess(dest, ledger=self.ledger)
         return self._adapter
 
     def table(self) -> Any:
@@ -128,7 +128,7 @@ class IcebergSnapshot(Reader):
 
     def lineage(self) -> list[Ident]:
         """The table as OpenLineage names an Iceberg table: by its storage location."""
-        from batch_inference.operators.lineage import iceberg_ident
+        from batch_inference.lineage import iceberg_ident
 
         try:
             return [iceberg_ident(self.table().metadata_location)]

@@ -393,10 +393,10 @@ def cost(conn: psycopg.Connection, job_version: str) -> dict[str, Any]:
 def ladder(conn: psycopg.Connection, job_version: str) -> dict[str, Any]:
     """Each rung's share of records, golden accuracy and cost (``batch_inference.ladder.report``);
     ``{"ladder": None}`` for a one-model job. Counts and prices only: no customer text."""
-    from batch_inference.ladder.report import report
+    from batch_inference.ladder import rung_report
 
     _job_row(conn, job_version)   # UnknownJob: 404
-    return {"job_version": job_version, "ladder": report(conn, job_version)}
+    return {"job_version": job_version, "ladder": rung_report(conn, job_version)}
 
 
 # -- drift --------------------------------------------------------------------

@@ -27,7 +27,7 @@ from typing import Any
 
 from airflow.plugins_manager import AirflowPlugin
 
-URL_PREFIX = "/batch-inference"
+from batch_inference.provider import URL_PREFIX
 
 
 class BatchInferencePlugin(AirflowPlugin):

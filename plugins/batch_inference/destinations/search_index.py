@@ -1,6 +1,6 @@
 """Publishing an embedding job: the version's search table, built before the pointer moves.
 
-``SearchIndex`` is a publish destination (``destinations.base.Destination``)
+``SearchIndex`` is the publish destination (``destinations.base.Destination``)
 that ``destinations.for_spec`` adds for every ``task: embed`` spec. Its
 ``publish`` copies the version's stored float32 vectors into
 ``bi.embed_<job_version>`` (``record_id``, ``embedding vector(n)``, one
@@ -32,7 +32,7 @@ from psycopg import sql
 
 from batch_inference.db import composed, q
 from batch_inference.destinations.base import Destination, Pointed, Version
-from batch_inference.embed.vectors import DTYPE
+from batch_inference.embed import DTYPE
 from batch_inference.exceptions import PublishRefused
 from batch_inference.spec import JobSpec
 from batch_inference.status import job_spec
