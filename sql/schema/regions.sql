@@ -109,8 +109,8 @@ CREATE INDEX IF NOT EXISTS result_files_unmerged ON bi.result_files (job_version
 -- Claim one shard from a worker in p_region: a pending or expired shard whose
 -- replica is in p_region first; with p_steal, a shard of another region when
 -- p_region has none left and that region is behind (more of its shards
--- pending than leased: its own workers will not reach them all this round, or
--- it has none). Everything else is bi.claim_shard_v2's, in the same statement
+-- pending than its own workers hold: they will not reach them all this round,
+-- or none of them is left). Everything else is bi.claim_shard_v2's, in the same statement
 -- that changes the row: the epoch +1, the job's mode, the lost lease and the
 -- deaths of an expired epoch's in-flight batch. The claim is recorded in
 -- bi.region_decisions (a steal priced as egress: the replica's bytes at the
@@ -137,7 +137,10 @@ BEGIN
     ), behind AS (
         SELECT r.region,
                count(*) FILTER (WHERE s.state = 'pending' OR s.lease_expires_at < clock_timestamp()) AS pending,
-               count(*) FILTER (WHERE s.state = 'leased' AND s.lease_expires_at >= clock_timestamp()) AS leased
+               count(*) FILTER (WHERE s.state = 'leased' AND s.lease_expires_at >= clock_timestamp()
+                                  AND EXISTS (SELECT 1 FROM bi.region_decisions d
+                                               WHERE d.job_version = s.job_version AND d.kind = 'claim'
+                                                 AND d.shard_no = s.shard_no AND d.epoch = s.epoch)) AS leased
           FROM bi.replicas r JOIN bi.shards s ON s.job_version = r.job_version AND s.shard_no = r.shard_no
          WHERE p_steal AND r.job_version = p_job AND r.region <> p_region AND s.state <> 'done'
          GROUP BY r.region
@@ -188,8 +191,8 @@ BEGIN
            p_owner, CASE WHEN c.home = p_region THEN 0 ELSE c.nbytes END,
            CASE WHEN c.home = p_region THEN 0 ELSE c.nbytes / 1e9 * e.usd_per_gb END,
            CASE WHEN c.home <> p_region
-                THEN format('%s had no shard left; %s had %s pending against %s leased', p_region, c.home,
-                            c.home_pending, c.home_leased) END
+                THEN format('%s had no shard left; %s had %s pending against %s held by its own workers', p_region,
+                            c.home, c.home_pending, c.home_leased) END
       FROM (SELECT 1) one
       LEFT JOIN bi.region_egress e ON e.job_version = p_job AND e.from_region = c.home AND e.to_region = p_region;
     RETURN QUERY SELECT c.shard_no, c.epoch, c.lease_expires_at, c.records, c.lost_leases, c.home, c.key, c.dig,

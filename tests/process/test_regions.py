@@ -1,0 +1,156 @@
+"""A job over three regions end to end on this machine (batch_inference.regions): one ledger (the embedded
+PostgreSQL), three regions each with its own S3 endpoint (three moto servers, real HTTP, read back with
+boto3), worker processes per region (``python -m gpu_runner --region``), replicas with digests, every
+shard read in its own region except recorded steals, far workers' results handed in as files and merged
+by key near the ledger, validate and publish: every record once, 0 duplicates, and the same job version
+and the same results as a single-region run of the same spec."""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import os
+import subprocess
+import sys
+import threading
+
+import pytest
+
+from batch_inference import db
+from batch_inference.plan import submit
+from batch_inference.publish import publish
+from batch_inference.regions import merge_until, parse_deployment, place, report
+from batch_inference.status import job_counts
+from batch_inference.validate import validate
+from gpu_runner.worker import WorkerConfig, run_worker
+from tests.conftest import make_source, make_spec, tickets
+from tests.fixtures.moto_server import moto_server
+
+CREDS = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing", "AWS_DEFAULT_REGION": "us-east-1"}
+REGIONS = ("us-east", "eu-west", "ap-south")
+RECORDS, SHARD = 240, 20      # 12 shards: 4 per region
+
+
+@pytest.fixture
+def three_endpoints(monkeypatch):
+    """Three moto S3 servers, one bucket each: every region's own endpoint."""
+    import boto3
+
+    for k, v in CREDS.items():
+        monkeypatch.setenv(k, v)
+    with contextlib.ExitStack() as stack:
+        urls = [stack.enter_context(moto_server()) for _ in REGIONS]
+        if not urls[0].startswith("http"):
+            pytest.skip(urls[0])
+        for region, url in zip(REGIONS, urls):
+            boto3.client("s3", endpoint_url=url).create_bucket(Bucket=f"replicas-{region}")
+        yield dict(zip(REGIONS, urls))
+
+
+def deployment(urls: dict[str, str]):
+    return parse_deployment({
+        "clusters": [{"name": f"{r}-gpu", "region": r, "workers": {"kind": "local"},
+                      "gpu": {"kind": "L4", "spot_per_hour": 0.4 + 0.2 * i, "on_demand_per_hour": 0.8 + 0.3 * i,
+                              "interruption_rate": 0.02 * i},
+                      "capacity": 1,
+                      "store": {"kind": "s3", "bucket": f"replicas-{r}", "endpoint": urls[r]}}
+                     for i, r in enumerate(REGIONS)],
+        "egress": [{"from": "us-east", "to": "eu-west", "usd_per_gb": 0.02},
+                   {"from": "us-east", "to": "ap-south", "usd_per_gb": 0.09},
+                   {"from": "eu-west", "to": "ap-south", "usd_per_gb": 0.05}]})
+
+
+def start_worker(db_url: str, job: str, region: str, *extra: str) -> subprocess.Popen:
+    env = {**os.environ, **CREDS, "PYTHONUNBUFFERED": "1", "BATCH_INFERENCE_DB": db_url}
+    return subprocess.Popen([sys.executable, "-m", "gpu_runner", job, "--region", region, "--no-wait",
+                             "--flush-every", "5", "--worker-id", f"{region}-w", *extra],
+                            env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
+def finish(proc: subprocess.Popen) -> str:
+    out, _ = proc.communicate(timeout=240)
+    assert proc.returncode == 0, out[-3000:]
+    return out
+
+
+def results(conn, job: str) -> dict[str, object]:
+    return {r["record_id"]: r["output"] for r in conn.execute(
+        "SELECT record_id, output FROM bi.results WHERE job_version = %s", (job,))}
+
+
+def test_a_job_over_three_regions_runs_end_to_end_and_matches_a_single_region_run(conn, db_url, empty_db,
+                                                                                  three_endpoints):
+    import boto3
+
+    rows = tickets(RECORDS)
+    make_source(conn, rows)
+    spec = make_spec(shard_size=SHARD)
+    job = submit(conn, spec).job_version
+    assert place(conn, job, deployment(three_endpoints))["placed"]
+
+    # replicas: in each region's own endpoint, content-addressed, their digests in the ledger
+    reps = conn.execute("SELECT shard_no, region, object_key, digest FROM bi.replicas WHERE job_version = %s "
+                        "ORDER BY shard_no", (job,)).fetchall()
+    assert [r["region"] for r in reps] == [r for r in REGIONS for _ in range(4)]
+    for r in reps:
+        body = boto3.client("s3", endpoint_url=three_endpoints[r["region"]]).get_object(
+            Bucket=f"replicas-{r['region']}", Key=r["object_key"])["Body"].read()
+        assert hashlib.sha256(body).hexdigest() == r["digest"]
+
+    # near the ledger: us-east writes straight to it; eu-west and ap-south hand in result files.
+    # ap-south's worker takes two of its own four shards and stops; the others then steal the rest.
+    stop = threading.Event()
+    merged: dict = {}
+    with db.connect(db_url) as merger_conn:
+        merger = threading.Thread(target=lambda: merged.update(merge_until(merger_conn, job, stop, poll_s=0.2)))
+        merger.start()
+        try:
+            logs = {"ap-south": finish(start_worker(db_url, job, "ap-south", "--result-files", "--no-steal",
+                                                    "--max-shards", "2"))}
+            near = start_worker(db_url, job, "us-east")
+            far = start_worker(db_url, job, "eu-west", "--result-files")
+            logs["us-east"], logs["eu-west"] = finish(near), finish(far)
+        finally:
+            stop.set()
+            merger.join(timeout=60)
+    assert merged["merged"] >= 6 and not merged.get("stale") and not merged.get("unreadable"), merged
+
+    # every shard read in its own region except the recorded steals, each priced as egress
+    reads = conn.execute("SELECT shard_no, kind, region, home_region, usd FROM bi.region_decisions "
+                         "WHERE job_version = %s AND kind IN ('claim', 'steal')", (job,)).fetchall()
+    assert sorted(r["shard_no"] for r in reads) == list(range(12))       # each claimed once
+    for r in reads:
+        assert (r["kind"] == "claim") == (r["region"] == r["home_region"])
+    steals = [r for r in reads if r["kind"] == "steal"]
+    # ap-south's two shards its worker left, and any shard of a region whose own worker was behind
+    assert sum(r["home_region"] == "ap-south" for r in steals) == 2 and all(r["usd"] > 0 for r in steals)
+    assert not conn.execute("SELECT 1 FROM bi.region_decisions WHERE job_version = %s AND kind = 'rebuild'",
+                            (job,)).fetchall()
+    per_region = {r["region"]: r for r in report(conn, job)}
+    assert per_region["ap-south"]["claims"] == 2 and sum(r["steals_in"] for r in per_region.values()) == len(steals)
+    # the far regions' results came through files, merged by key; the near region's straight to the ledger
+    files = conn.execute("SELECT region, count(*) AS n, sum(records) AS records FROM bi.result_files "
+                         "WHERE job_version = %s AND outcome = 'merged' GROUP BY region", (job,)).fetchall()
+    assert {f["region"] for f in files} <= {"eu-west", "ap-south"} and "ap-south" in {f["region"] for f in files}
+    assert "handed in" in logs["eu-west"] and "handed in" not in logs["us-east"]
+
+    # every record once, validated and published
+    c = job_counts(conn, job)
+    assert (c["stored"], c["dead_letters"], c["outstanding"]) == (RECORDS, 0, 0)
+    assert conn.execute("SELECT count(*) - count(DISTINCT record_id) AS d FROM bi.results WHERE job_version = %s",
+                        (job,)).fetchone()["d"] == 0
+    assert validate(conn, job).passed
+    out = publish(conn, job)
+    assert (out["to_version"], out["changed"]) == (job, True)
+    assert conn.execute(f'SELECT count(*) AS n, count(DISTINCT record_id) AS d FROM {out["view"]}').fetchone() == {
+        "n": RECORDS, "d": RECORDS}
+    many = results(conn, job)
+
+    # the same spec over the same rows in one region, plain workers: the same job version, the same results
+    single = empty_db()
+    with db.connect(single) as one:
+        db.migrate(one)
+        make_source(one, rows)
+        assert submit(one, spec).job_version == job
+        assert run_worker(WorkerConfig(job_version=job, db_url=single)) == 0
+        assert results(one, job) == many
