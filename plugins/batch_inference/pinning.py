@@ -224,3 +224,28 @@ def verify_weights(engine: "Engine", spec: "JobSpec") -> str | None:
             f"model '{spec.model.name}' weights digest mismatch: expected sha256 {expected}, got {actual} for {where}"
         )
     return actual
+
+
+def check_at_submit(spec: "JobSpec") -> str:
+    """``submit``'s check of the pin, where the weights are reachable: the worker's own check
+    (``verify_weights``) before any job version is written. Returns what was found, as ``submit``
+    reports it ("verified sha256 ...", or "not checked: why"); raises DigestMismatch, with the next
+    step, for weights that are here and do not match. Weights that are not here (a GPU pod's mount, a
+    remote endpoint) are left to the worker, which checks them before it loads."""
+    from batch_inference.engines import engine_for
+
+    try:
+        engine = engine_for(spec)
+    except (ValueError, ImportError) as exc:   # an engine that cannot be built here (refused in its worker)
+        return f"not checked: the engine cannot be built here ({' '.join(str(exc).split())})"
+    try:
+        checked = verify_weights(engine, spec)
+    except WeightsMissing as exc:
+        return f"not checked here ({exc}): each worker checks them before it loads"
+    except CodeInModel:
+        raise
+    except DigestMismatch as exc:
+        raise DigestMismatch(f"{exc}; nothing submitted: set model.digest to their `sha256sum`") from None
+    if checked is None:
+        return "not checked: the engine loads no weights files here (an endpoint serves its own model)"
+    return f"verified sha256 {checked}"

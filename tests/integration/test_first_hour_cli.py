@@ -252,3 +252,30 @@ def test_validate_says_its_reason_once_and_its_help_whole(conn, db_url, tmp_path
     h = bi("validate", "--help", env={"COLUMNS": "100"})
     assert "coverage, schema, dead letters, drift and a sample; exit 0 if the version passed, 1 if it failed" in \
         " ".join(h.stdout.split()), h.stdout
+
+
+# -- issue 45, item 4: the traps a new user met, each refused in one line with the next step --------------
+
+
+def test_a_wrong_model_digest_is_refused_at_submit_where_the_weights_are_here(conn, db_url, tmp_path):
+    """The worker's own check (``pinning.verify_weights``) runs at submit where the weights are: a wrong
+    digest is one line and no job version; weights that are elsewhere (a pod's mount) are said to be
+    unchecked, in the JSON line and a note on stderr."""
+    from batch_inference.engines.llama_cpp import SMOLLM2_GGUF_SHA256, default_gguf_path
+
+    make_source(conn, tickets(3))
+    model, llama = {"name": "SmolLM2-135M-Instruct", "digest": "1" * 64}, {"name": "llama-cpp"}
+    line = one_error_line(bi("--db", db_url, "submit", write(tmp_path, spec_dict(model=model, engine=llama))))
+    assert line == (f"batch-inference submit: error: model 'SmolLM2-135M-Instruct' weights digest mismatch: expected "
+                    f"sha256 {'1' * 64}, got {SMOLLM2_GGUF_SHA256} for {default_gguf_path()}; nothing submitted: "
+                    "set model.digest to their `sha256sum`")
+    assert jobs(conn) == 0
+    away = tmp_path / "mounted-in-the-pod" / "model.gguf"
+    p = bi("--db", db_url, "submit", write(tmp_path, spec_dict(model={**model, "path": str(away)}, engine=llama)))
+    out = one_json_line(p)
+    assert out["weights"] == (f"not checked here (model weights file not found: {away}): each worker checks them "
+                              "before it loads"), out
+    assert p.stderr.splitlines()[-1] == f"note: model weights {out['weights']}"
+    right = spec_dict(model={**model, "digest": SMOLLM2_GGUF_SHA256}, engine=llama)
+    assert one_json_line(bi("--db", db_url, "submit", write(tmp_path, right)))["weights"] == \
+        f"verified sha256 {SMOLLM2_GGUF_SHA256}"

@@ -55,14 +55,18 @@ def run_submit(args: argparse.Namespace) -> int:
     from batch_inference.sources import for_spec
 
     reader = for_spec(spec, s3_endpoint_url=args.s3_endpoint)
+    from batch_inference.pinning import check_at_submit
     from batch_inference.status import job_counts
 
+    weights = check_at_submit(spec)   # weights here that do not match the pin: refused before anything is written
     with connect(args) as conn:
         m = submit(conn, spec, reader=reader)
         total = job_counts(conn, m.job_version)["dead_letters"]
     # dead_letters_at_planning counts the records refused at planning; dead_letters_total, the version's
     # dead letters now (a resubmit of a version the workers already ran counts theirs too).
-    print_json({**m.as_dict(), "dead_letters_total": total})
+    print_json({**m.as_dict(), "dead_letters_total": total, "weights": weights})
+    if weights.startswith("not checked here"):
+        print(f"note: model weights {printable(weights)}", file=sys.stderr)
     if m.applied:
         print(f"job version {m.job_version} already exists; applied: {printable('; '.join(m.applied))}",
               file=sys.stderr)
