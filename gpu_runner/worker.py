@@ -142,7 +142,7 @@ class WorkerConfig:
                           flag="--no-overlap", action="store_false")
     # A version placed over regions (batch_inference.regions): the worker's ledger is its region's view.
     region: str | None = _flag(help="the region this worker runs in: claim the shards whose replica is "
-                               "there first and read records from replicas (a placed version)")
+                               "there first and read records from replicas (a placed version)", shown=False)
     result_files: bool = _flag(False, "with --region: hand in each shard's results as one file in the "
                                "region's store, merged by key near the ledger", shown=False, action="store_true")
     steal: bool = _flag(True, "with --region: never take another region's shard", shown=False,
