@@ -6,9 +6,14 @@ real S3 servers in tests/process/test_regions.py)."""
 from __future__ import annotations
 
 import hashlib
+import json
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
+import yaml
 
 from batch_inference import db
 from batch_inference.ledger import Ledger, StaleLease
@@ -217,3 +222,43 @@ def test_result_files_merge_by_key_once_and_a_stale_or_late_file_changes_nothing
     assert [(r["worker_id"], r["epoch"], r["n"]) for r in rows] == [("ap-1", 1, 10), ("ap-3", 2, 10)]
     outs = conn.execute("SELECT DISTINCT output FROM bi.results WHERE job_version = %s", (placed,)).fetchall()
     assert [o["output"] for o in outs] == [OUT]
+
+
+def _cli(db_url: str, *args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "batch_inference.cli", *args], capture_output=True, text=True,
+                          env={**os.environ, "BATCH_INFERENCE_DB": db_url}, timeout=120)
+
+
+@pytest.mark.parametrize("case,change,words", [
+    ("no store", lambda d, root: d["clusters"][1].pop("store"), "cluster 'eu-west-gpu' has no store"),
+    ("no egress", lambda d, root: d["egress"].clear(), "region 'us-east' has no egress price to 'eu-west'"),
+    ("unreachable store", lambda d, root: d["clusters"][0]["store"].update(path=str(root / "gone")),
+     "region 'us-east': store"),
+    ("unknown field", lambda d, root: d["clusters"][2]["gpu"].update(spot=1), "cluster 'ap-south-gpu' field "
+                                                                              "'gpu.spot': unknown field"),
+])
+def test_cli_place_of_a_bad_deployment_prints_one_line_exits_2_and_writes_nothing(conn, db_url, job, stores, case,
+                                                                                  change, words):
+    d = deployment_dict(stores)
+    change(d, stores)
+    path = stores / "deployment.yaml"
+    path.write_text(yaml.safe_dump(d))
+    p = _cli(db_url, "regions", "place", job, str(path))
+    assert p.returncode == 2 and p.stdout == "", p.stdout + p.stderr
+    lines = [ln for ln in p.stderr.splitlines() if ln.strip()]
+    assert len(lines) == 1 and lines[0].startswith("batch-inference regions: error: ") and words in lines[0], lines
+    assert nothing_placed(conn)
+
+
+def test_cli_places_merges_and_reports(conn, db_url, job, stores):
+    path = stores / "deployment.yaml"
+    path.write_text(yaml.safe_dump(deployment_dict(stores)))
+    p = _cli(db_url, "regions", "place", job, str(path))
+    assert p.returncode == 0 and p.stdout.count("shard replicas") == 3, p.stderr
+    far = region_ledger(db_url, job, "eu-1", "eu-west", result_files=True)
+    _finish_with_files(far, far.claim())
+    p = _cli(db_url, "regions", "merge", job, "--once")
+    assert p.returncode == 0 and json.loads(p.stdout) == {"merged": 1, "rows": 10}, p.stderr
+    p = _cli(db_url, "regions", "report", job)
+    rows = [json.loads(line) for line in p.stdout.splitlines()]
+    assert [r["region"] for r in rows] == sorted(REGIONS) and sum(r["claims"] for r in rows) == 1

@@ -17,9 +17,10 @@ from batch_inference.commands import (
     ladder,
     nights,
     publish,
+    regions,
     review,
     validate,
     worker,
 )
 
-COMMANDS = (database, jobs, worker, estimate, capacity, cutoff, cost, validate, ladder, review, publish, chaos, nights, fallback, demo)
+COMMANDS = (database, jobs, worker, estimate, capacity, cutoff, cost, validate, ladder, review, publish, chaos, nights, fallback, regions, demo)
