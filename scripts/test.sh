@@ -6,7 +6,15 @@
 # module's servers start once (the live Airflow deployment and the loaded vLLM
 # each serve one file). Extra
 # arguments go to pytest after these, so `-n 0` runs in one process.
+#
+# `./scripts/test.sh --fast`: the fast lane for the edit-test loop, every test that starts no server,
+# loads no model and needs no deployment (tests/conftest.py marks them `fast` by the fixtures they use),
+# on two workers; nothing is installed beyond .venv.
 BI_EXTRA=dev source "$(dirname "$0")/_venv.sh"
+if [ "${1:-}" = "--fast" ]; then
+  shift
+  exec python -m pytest -n 2 -m fast "$@"
+fi
 if [ ! -x /usr/bin/chromium ] && command -v apt-get >/dev/null && [ "$(id -u)" = 0 ]; then
   # The dashboard's browser tests drive Debian's Chromium (no browser download).
   (apt-get update -qq && apt-get install -y -qq chromium >/dev/null) || echo "warning: could not install chromium; browser tests will fail" >&2

@@ -4,12 +4,14 @@ the real schema in a few milliseconds)."""
 
 from __future__ import annotations
 
+import inspect
 import logging
 import os
 import tempfile
 import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import psycopg
@@ -68,13 +70,57 @@ LONG_FILES = ("process/test_live_airflow.py", "process/test_vllm_worker.py", "pr
               "integration/test_fallback.py", "process/test_engines.py")
 
 
+# The fast lane (`./scripts/test.sh --fast`, `pytest -m fast`): every test that starts no server, loads no
+# model and needs no deployment. A test is in it by what it uses, so a new one lands in the right lane by
+# construction: left out are every test under tests/process/ (real worker and server processes), one marked
+# slow, live, browser or chaos, and one whose fixtures (with everything they are built on: db_url and conn
+# come from pg_server) include one of these, or a fixture that starts an embedded PostgreSQL itself or asks
+# for fixtures by name at run time (request.getfixturevalue: it may ask for any of these).
+SERVER_FIXTURES = frozenset({
+    "pg_server", "pgbouncer", "llama_server", "openai_server", "live_airflow", "webhook_sink", "airflow_env",
+    "airflow_home", "moto_server", "moto_s3", "vllm_model", "vllm_engine", "vllm_server", "mariadb_server",
+    "mariadb", "fakesnow_process", "fakesnow_server"})
+SLOW_MARKERS = ("slow", "live", "browser", "chaos")
+_STARTS_A_SERVER = ("getfixturevalue", "embedded_postgres")
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line("markers", "fast: needs no server, model or deployment (set by tests/conftest.py)")
+
+
+def _starts_a_server(fixturedef: Any) -> bool:
+    if fixturedef.argname in SERVER_FIXTURES:
+        return True
+    try:
+        source = inspect.getsource(fixturedef.func)
+    except (OSError, TypeError):
+        return False
+    return any(word in source for word in _STARTS_A_SERVER)
+
+
+def is_fast(item: pytest.Item) -> bool:
+    if "tests/process/" in item.path.as_posix() or any(item.get_closest_marker(m) for m in SLOW_MARKERS):
+        return False
+    info = getattr(item, "_fixtureinfo", None)
+    defs = [d for chain in info.name2fixturedefs.values() for d in chain] if info is not None else []
+    test = getattr(item, "function", None)
+    if test is not None:
+        defs.append(SimpleNamespace(argname="", func=test))   # the test's own body, read the same way
+    return not SERVER_FIXTURES.intersection(getattr(item, "fixturenames", ())) and not any(
+        _starts_a_server(d) for d in defs)
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """The ``LONG_FILES`` first, in that order; every other test keeps its place."""
+    """The ``LONG_FILES`` first, in that order; every other test keeps its place. Each test that
+    ``is_fast`` is marked ``fast``."""
     def rank(item: pytest.Item) -> int:
         path = item.path.as_posix()
         return next((i for i, f in enumerate(LONG_FILES) if path.endswith("tests/" + f)), len(LONG_FILES))
 
     items.sort(key=rank)   # stable: the order within a file and among the rest is collection order
+    for item in items:
+        if is_fast(item):
+            item.add_marker(pytest.mark.fast)
 
 
 def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:

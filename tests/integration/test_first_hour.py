@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 
+import pytest
 import yaml
 
 from batch_inference import db
@@ -138,6 +139,7 @@ def test_the_readme_links_a_starter_spec_with_the_demo_models_digest_and_a_loose
     assert json.loads(capsys.readouterr().out)["records"] == 40
 
 
+@pytest.mark.slow   # the CLI starts the embedded PostgreSQL
 def test_the_cli_is_quiet_on_the_embedded_database_and_db_url_prints_a_url_that_works(tmp_path):
     import os
     import subprocess

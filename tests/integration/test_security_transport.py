@@ -216,6 +216,7 @@ def vllm_spec(path: Path, **over):
                         "engine": {"name": "vllm"}, **over})
 
 
+@pytest.mark.slow   # builds vLLM's engine (imports vllm and torch)
 def test_model_directory_digest_is_every_file_by_relative_path(tmp_path):
     d = model_dir(tmp_path)
     # Anyone can pin a directory with standard tools.

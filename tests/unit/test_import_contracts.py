@@ -23,7 +23,7 @@ PACKAGE = Path(batch_inference.__file__).parent
 # capability folders (each with its contract), and the package data.
 SHELLS = {"operators", "sensors", "triggers", "hooks", "callbacks", "airflow_fixes", "commands", "cli", "ui"}
 ADAPTERS = {"sources", "destinations", "hosted", "engines", "lakehouse"}
-CAPABILITIES = {"estimate", "ladder", "embed", "harness", "regions"}
+CAPABILITIES = {"estimate", "ladder", "embed", "harness", "regions", "tiers"}
 DATA = {"data"}
 
 
