@@ -65,7 +65,7 @@ import psycopg
 from batch_inference import db, provenance
 from batch_inference.breaker import EndpointUnavailable
 from batch_inference.engines import load_engine
-from batch_inference.engines.base import Engine, Outcome, Request
+from batch_inference.engines.base import TRUNCATED, Engine, Outcome, Request
 from batch_inference.exceptions import (
     BadDatabaseURL,
     BatchInferenceError,
@@ -88,6 +88,11 @@ log = logging.getLogger("batch_inference.worker")
 
 # The shortest renewal wait, as a fraction of renew_seconds (_renew_loop).
 RENEW_JITTER = 0.8
+# Failures that come from a setting, not from the record: the setting each names. After HALT_AFTER_DEAD
+# records in a row dead-lettered for one of them, nothing stored between, the worker halts the job
+# (a halt the cutoff watch and `status` report) instead of spending every record's attempts.
+SETTING_FAILURES = {TRUNCATED: "params.max_tokens"}
+HALT_AFTER_DEAD = 5
 
 
 class Fatal(BatchInferenceError, RuntimeError):
@@ -196,6 +201,8 @@ class Worker:
         # (from its own thread): a shard's buffer is never written twice or after its release.
         self.writing = threading.Lock()
         self._released_on_notice = False
+        self._dead_in_a_row: tuple[str, int] = ("", 0)   # (a SETTING_FAILURES error, records dead of it in a row)
+        self.halting: str | None = None                   # why this worker halts the job (_count_dead)
 
     # -- connections ------------------------------------------------------
     def _connect(self) -> psycopg.Connection:
@@ -333,6 +340,8 @@ class Worker:
             self.stop.wait(random.uniform(0.0, cfg.start_jitter_seconds))   # a preemption notice ends it
 
         while not self.stop.is_set():
+            if self.halting is not None:
+                raise Fatal(f"fatal: {self.halting}", ExitCode.CONFIG)
             if cfg.max_shards is not None and self.stats["shards"] >= cfg.max_shards:
                 break
             lease = self.claim_next()
@@ -769,10 +778,13 @@ class Worker:
             for rid, out, reason in refused:
                 shard.failed(rid, reason, out)
             self.stats["stored"] += n
+            if n:
+                self._dead_in_a_row = ("", 0)
             if progress is not None:
                 progress.add(len(shard.ok_ids) - len(refused))
             shard.ok_ids.clear(); shard.ok_out.clear(); shard.ok_cat.clear(); shard.ok_vec.clear()
         if shard.failures:
+            errors = {f.record_id: f.error for f in shard.failures.values()}
             counted = self._fail_records(ledger, call, lease, list(shard.failures.values()))
             for f in counted:
                 shard.attempts[f.record_id] = f.attempts
@@ -783,11 +795,32 @@ class Worker:
                         progress.add(1)
                     log.warning("%s: record %s dead-lettered after %d attempts", self.owner, f.record_id,
                                 f.attempts)
+                    self._count_dead(errors.get(f.record_id, ""), f.attempts)
                 else:
                     retry.append(f.record_id)
             shard.failures.clear()
         shard.last_flush = time.monotonic()
         return retry
+
+    def _count_dead(self, error: str, attempts: int) -> None:
+        """Count a dead letter toward a halt: HALT_AFTER_DEAD in a row for the same setting's failure
+        (``SETTING_FAILURES``) with nothing stored between stop every held shard, and the worker then
+        halts the job naming the setting; the records not yet dead keep their attempts."""
+        reason = error.split("\n", 1)[0]
+        setting = SETTING_FAILURES.get(reason)
+        if setting is None:
+            self._dead_in_a_row = ("", 0)
+            return
+        same, n = self._dead_in_a_row
+        n = n + 1 if same == reason else 1
+        self._dead_in_a_row = (reason, n)
+        if n >= HALT_AFTER_DEAD and self.halting is None:
+            value = getattr(self.spec.params, setting.rpartition(".")[2], None) if self.spec else None
+            self.halting = (f"{n} records in a row dead-lettered '{reason}' after {attempts} attempts each, none "
+                            f"stored between: {setting} ({value}) is too small for what the output schema asks; "
+                            f"raise {setting} in the spec and submit it again (a new job version)")
+            for held in self.held:
+                held.halt.set()
 
     def _put_results(self, ledger: Ledger, call: typing.Callable[..., Any], lease: Lease, ids: list[str],
                      outputs: list[str], categories: list[str | None], vectors: list[bytes] | None = None

@@ -279,3 +279,29 @@ def test_a_wrong_model_digest_is_refused_at_submit_where_the_weights_are_here(co
     right = spec_dict(model={**model, "digest": SMOLLM2_GGUF_SHA256}, engine=llama)
     assert one_json_line(bi("--db", db_url, "submit", write(tmp_path, right)))["weights"] == \
         f"verified sha256 {SMOLLM2_GGUF_SHA256}"
+
+
+def test_max_tokens_too_small_for_the_schema_halts_the_job_naming_the_setting(conn, db_url, tmp_path):
+    """The real model with max_tokens 4: no answer fits the output schema. After HALT_AFTER_DEAD records
+    in a row dead-lettered 'output truncated', the worker halts the version (exit 4) with one page naming
+    params.max_tokens; the records after them stay pending with no attempt spent."""
+    from batch_inference.engines.llama_cpp import SMOLLM2_GGUF_SHA256
+    from gpu_runner.worker import HALT_AFTER_DEAD
+
+    make_source(conn, tickets(HALT_AFTER_DEAD + 5))
+    spec = spec_dict(model={"name": "SmolLM2-135M-Instruct", "digest": SMOLLM2_GGUF_SHA256},
+                     engine={"name": "llama-cpp", "options": {"n_ctx": 512}}, params={"temperature": 0, "max_tokens": 4},
+                     shard_size=5)
+    job = one_json_line(bi("--db", db_url, "submit", write(tmp_path, spec)))["job_version"]
+    w = bi("--db", db_url, "worker", job, timeout=600)
+    page = (f"{HALT_AFTER_DEAD} records in a row dead-lettered 'output truncated at max_tokens' after 3 attempts "
+            "each, none stored between: params.max_tokens (4) is too small for what the output schema asks; raise "
+            "params.max_tokens in the spec and submit it again (a new job version)")
+    assert w.returncode == 4 and w.stderr.rstrip().endswith(f"fatal: {page}"), w.stderr[-2000:]
+    shown = one_json_line(bi("--db", db_url, "status", job, "--json"))
+    assert shown["halt_reason"] == f"fatal: {page}" and shown["halted_at"] and not shown["halt_cleared_at"], shown
+    assert (shown["dead_letters"], shown["stored"], shown["outstanding"]) == (HALT_AFTER_DEAD, 0, 5), shown
+    spent = conn.execute("SELECT count(*) AS n FROM bi.attempts WHERE job_version = %s AND attempts > 0 AND "
+                         "record_id NOT IN (SELECT record_id FROM bi.dead_letters WHERE job_version = %s)",
+                         (job, job)).fetchone()["n"]
+    assert spent == 0
