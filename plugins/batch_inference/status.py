@@ -44,10 +44,16 @@ class JobCounts(TypedDict):
     first_claim_at: datetime | None
 
 
+def unknown_job(job_version: str) -> UnknownJob:
+    """The refusal of a job version the ledger does not hold, with the way to one."""
+    return UnknownJob(f"no job version {job_version!r} in this database: `batch-inference submit SPEC` creates one "
+                      "and prints its id; pass that id (and the same --db) here and to `batch-inference status`")
+
+
 def counts_from_row(job_version: str, row: dict[str, Any] | None) -> JobCounts:
     """``JobCounts`` from the ``job_counts`` query's row; UnknownJob when there is none."""
     if row is None:
-        raise UnknownJob(f"no job version {job_version!r}")
+        raise unknown_job(job_version)
     out = dict(row)
     out["job_version"] = job_version
     out["shards"] = {"pending": out.pop("shards_pending"), "leased": out.pop("shards_leased"),
@@ -87,14 +93,14 @@ def job_halt(conn: psycopg.Connection, job_version: str) -> dict[str, Any]:
 def job_spec(conn: psycopg.Connection, job_version: str) -> JobSpec:
     r = conn.execute(q("job_spec"), {"job": job_version}).fetchone()
     if r is None:
-        raise UnknownJob(f"no job version {job_version!r}")
+        raise unknown_job(job_version)
     return JobSpec.model_validate(r["spec"])
 
 
 def job_mode(conn: psycopg.Connection, job_version: str) -> tuple[str, str]:
     r = conn.execute(q("job_spec"), {"job": job_version}).fetchone()
     if r is None:
-        raise UnknownJob(f"no job version {job_version!r}")
+        raise unknown_job(job_version)
     return r["mode"], r["status"]
 
 

