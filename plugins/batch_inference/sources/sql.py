@@ -212,7 +212,7 @@ class SqlSource(Reader):
                 for batch in self._snowflake_arrow(cur):
                     yield batch
                     n += batch.num_rows
-                log.info("source %s: %d row(s) read as Arrow", self.name, n)
+                log.debug("source %s: %d row(s) read as Arrow", self.name, n)
                 return
             at: dict[str, int] | None = None
             while True:
@@ -227,7 +227,7 @@ class SqlSource(Reader):
                     n += len(batch)
                     del batch, columns   # the rows freed while the collector is still paused
                 yield made
-        log.info("source %s: %d row(s) read", self.name, n)
+        log.debug("source %s: %d row(s) read", self.name, n)
 
     def _snowflake_arrow(self, cur: Any) -> Iterator[Any]:
         """The Snowflake connector's own Arrow result chunks (``fetch_arrow_batches``), ``ROWS_PER_FETCH``
