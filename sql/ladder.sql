@@ -70,3 +70,8 @@ RETURNING id, calibrated_at;
 SELECT c.id, c.target, c.thresholds, c.report, c.calibrated_by, c.calibrated_at
   FROM bi.jobs j JOIN bi.ladder_calibrations c ON c.dataset = j.dataset AND c.spec_hash = j.spec_hash
  WHERE j.job_version = %(job)s ORDER BY c.calibrated_at DESC LIMIT 1;
+
+-- name: ladder_calibration_of_spec  the newest calibration of a ladder spec (its dataset and spec hash): the picked cascade, for the preview's bill
+SELECT c.report -> 'picked' AS picked, c.report -> 'golden' AS golden, c.calibrated_at
+  FROM bi.ladder_calibrations c WHERE c.dataset = %(dataset)s AND c.spec_hash = %(spec_hash)s
+ ORDER BY c.calibrated_at DESC LIMIT 1;

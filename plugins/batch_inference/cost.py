@@ -17,6 +17,7 @@ prices elsewhere and hand them in.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from decimal import ROUND_FLOOR, ROUND_HALF_UP, Decimal
 from typing import Any, Iterable
@@ -168,6 +169,8 @@ class CostReport:
     hosted_cost: Decimal = Decimal(0)
     gpu_hours: Decimal = Decimal(0)       # the batch workers' GPU time (billed when prices.gpu_hour is set)
     gpu_cost: Decimal = Decimal(0)
+    # A model ladder's batch rows, priced rung by rung (``priced_by_rung``): each rung's answers x its price.
+    rungs: tuple[dict[str, Any], ...] = ()
 
     @property
     def overage(self) -> Decimal:
@@ -210,11 +213,14 @@ class CostReport:
             "overage_text": self.overage_text,
             "savings_vs_all_synchronous": float(cents(self.savings)),
             "prices": self.prices.to_dict(),
+            **({"rungs": [{**r, "cost": round(float(r["cost"]), 6)} for r in self.rungs]} if self.rungs else {}),
         }
 
     def lines(self) -> list[str]:
         return [
             f"batch     {self.batch_rows:>12,} rows  ${cents(self.batch_cost):>12,}",
+            *[f"  rung {r['rung']} {r['model']}: {r['answers']:,} answers x ${r['cost_per_row']:g} = "
+              f"${float(r['cost']):,.4f}" for r in self.rungs],
             *([f"hosted    {self.hosted_rows:>12,} rows  ${cents(self.hosted_cost):>12,}"] if self.hosted_rows else []),
             *([f"gpu       {float(self.gpu_hours):>12,.3f} h     ${cents(self.gpu_cost):>12,}"]
               if self.prices.gpu_hour is not None else []),
@@ -266,6 +272,22 @@ def cost_report(
         gpu_hours=gpu_h,
         gpu_cost=gpu,
     )
+
+
+def priced_by_rung(report: CostReport, rungs: Iterable[dict[str, Any]]) -> CostReport:
+    """``report`` with its batch rows priced rung by rung: a model ladder's bill is what each rung
+    answered times that rung's price (``rungs``: ``{rung, model, answers, cost_per_row}``, answers
+    counting every sample), not its stored rows at one per-row price. The floor becomes every
+    billable row through the cascade at its price per stored row so far (before any, rung 1's)."""
+    priced = tuple({**r, "cost": r["answers"] * _money(r["cost_per_row"])} for r in rungs)
+    if not priced:
+        return report
+    batch = sum((r["cost"] for r in priced), Decimal(0))
+    per_row = batch / report.batch_rows if report.batch_rows else _money(priced[0]["cost_per_row"])
+    # Rows of the report priced per row (GPU-hours aside): our own rows at prices.own_row.
+    total = report.total - report.batch_cost + batch
+    return dataclasses.replace(report, batch_cost=batch, total=total, rungs=priced,
+                               clean_batch_floor=report.total_rows * per_row)
 
 
 def rows_within(budget: Any, spent: Any, per_row: Any) -> int | None:

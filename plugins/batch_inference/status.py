@@ -12,7 +12,7 @@ from typing import Any, TypedDict
 import psycopg
 
 from batch_inference.autopilot import gpu_hours
-from batch_inference.cost import CostReport, Prices, job_bill
+from batch_inference.cost import CostReport, Prices, job_bill, priced_by_rung
 from batch_inference.db import q
 from batch_inference.exceptions import UnknownJob
 from batch_inference.spec import JobSpec
@@ -71,9 +71,16 @@ def bill(conn: psycopg.Connection, job_version: str, prices: Prices | None = Non
     ledger: the counts, the hosted batches' reported usage, the launchers' GPU-hours). Prices default
     to the job's spec. What ``batch-inference cost``, the dashboard and the fallback's budget read."""
     counts = job_counts(conn, job_version) if counts is None else counts
-    prices = Prices.from_spec(job_spec(conn, job_version)) if prices is None else prices
+    spec = job_spec(conn, job_version)
+    prices = Prices.from_spec(spec) if prices is None else prices
     hosted = conn.execute(q("hosted_cost_rows"), {"job": job_version}).fetchone()
-    return job_bill(counts, prices, hosted, gpu_hours=gpu_hours(conn, job_version))
+    so_far, fired = job_bill(counts, prices, hosted, gpu_hours=gpu_hours(conn, job_version))
+    if spec.models:   # a model ladder: its rows cost what each rung answered times that rung's price
+        from batch_inference.ladder.report import rung_answers   # the ladder's report reads this module
+
+        rungs = rung_answers(conn, spec, job_version)
+        so_far, fired = priced_by_rung(so_far, rungs), priced_by_rung(fired, rungs)
+    return so_far, fired
 
 
 def job_halt(conn: psycopg.Connection, job_version: str) -> dict[str, Any]:

@@ -340,3 +340,80 @@ def test_an_embedding_size_the_model_does_not_make_is_one_line_with_no_llama_cpp
     line = one_error_line(bi("--db", db_url, "submit", write(tmp_path, embed_spec(embedding={"dimensions": 384}))))
     assert "makes 576-dimensional embeddings; the spec's embedding.dimensions is 384" in line, line
     assert jobs(conn) == 0
+
+
+def test_a_ladder_job_is_billed_rung_by_rung_in_cost_and_the_dashboard(conn, db_url, tmp_path):
+    """Each rung's answers (bi.ladder_answers) times its price, not the stored rows at one per-row price."""
+    from batch_inference.ui import data as dashboard
+    from benchmarks.ladder import PRICES, known_ladder, ticket_rows, ticket_tables
+
+    ticket_tables(conn, ticket_rows(30, hard_share=0.4), [])
+    env = {"BATCH_INFERENCE_ENGINE_MODULES": "benchmarks.ladder"}
+    spec = write(tmp_path, known_ladder("public.tickets", None, thresholds=(0.9,), shard_size=10))
+    job = one_json_line(bi("--db", db_url, "submit", spec, env=env))["job_version"]
+    assert bi("--db", db_url, "worker", job, env=env).returncode == 0
+    answered = {r["rung"]: r["n"] for r in conn.execute(
+        "SELECT rung, count(*) AS n FROM bi.ladder_answers WHERE job_version = %s GROUP BY rung", (job,))}
+    assert answered[1] == 30 and 0 < answered[2] < 30, answered          # some records went on to rung 2
+    bill = answered[1] * PRICES["cheap"] + answered[2] * PRICES["dear"]
+    out = one_json_line(bi("--db", db_url, "cost", job, "--json"))
+    so_far = out["so_far"]
+    assert [(r["rung"], r["answers"], r["cost_per_row"]) for r in so_far["rungs"]] == \
+        [(1, answered[1], PRICES["cheap"]), (2, answered[2], PRICES["dear"])]
+    assert so_far["batch_cost"] == round(bill, 2) and so_far["total"] == round(bill, 2), so_far
+    assert abs(sum(r["cost"] for r in so_far["rungs"]) - bill) < 1e-9
+    text = bi("--db", db_url, "cost", job).stdout
+    assert f"rung 2 known-dear {answered[2]:,} answers x $0.004 = ${answered[2] * PRICES['dear']:,.4f}" in text, text
+    assert dashboard.cost(conn, job)["so_far"] == so_far                 # the dashboard reads the same bill
+
+
+def test_estimate_says_which_prices_its_bill_took(conn, db_url, tmp_path):
+    make_source(conn, tickets(4))
+    p = bi("--db", db_url, "estimate", write(tmp_path, spec_dict()))
+    out = one_json_line(p)
+    said = ("batch rows at cost.batch_per_row $0.003625 (default); fallback rows at cost.fallback_per_row $0.00725 "
+            "(default): the defaults are the seed workload's prices for a GPU fleet and a hosted API, not what this "
+            "run costs on this machine; set cost.batch_per_row and cost.fallback_per_row in the spec (0 for rows run "
+            "on your own CPU) to price yours")
+    assert out["bill"]["prices"] == said and f"  prices        {said}" in p.stderr.splitlines(), p.stderr
+    own = one_json_line(bi("--db", db_url, "estimate", write(tmp_path, spec_dict(
+        cost={"batch_per_row": 0, "fallback_per_row": 0.002}))))
+    assert own["bill"]["prices"] == "batch rows at cost.batch_per_row $0; fallback rows at cost.fallback_per_row $0.002"
+    assert own["bill"]["planned"]["total"] == "0.00"
+
+
+def test_estimate_counts_a_ladder_with_each_rungs_tokenizer_and_prices_it_rung_by_rung(conn, db_url, tmp_path):
+    from batch_inference.engines.llama_cpp import SMOLLM2_GGUF_SHA256
+    from batch_inference.estimate.tokens import LlamaCppCounter
+    from batch_inference.ladder.rungs import rung_spec
+    from batch_inference.prompting import build_messages
+    from batch_inference.spec import parse_spec
+
+    rows = tickets(5)
+    make_source(conn, rows)
+
+    def rung(n_ctx: int, price: float) -> dict[str, Any]:
+        return {"model": {"name": "SmolLM2-135M-Instruct", "digest": SMOLLM2_GGUF_SHA256},
+                "engine": {"name": "llama-cpp", "options": {"n_ctx": n_ctx}},
+                "params": {"temperature": 0, "max_tokens": 32}, "cost_per_row": price}
+
+    d = {k: v for k, v in spec_dict(models=[rung(512, 0.0005), rung(1024, 0.0015)]).items()
+         if k not in ("model", "engine", "params")}
+    p = bi("--db", db_url, "estimate", write(tmp_path, d))
+    out = one_json_line(p)
+    spec = parse_spec(d)
+    assert out["exact"] is True and out["tokenizer"] == ("rung 1: llama.cpp vocabulary of SmolLM2-135M-Instruct.Q4_1.gguf; "
+                                                         "rung 2: llama.cpp vocabulary of SmolLM2-135M-Instruct.Q4_1.gguf")
+    lad = out["bill"]["ladder"]
+    assert lad["reach_source"] == "no thresholds: every record is asked at every rung"
+    for no, r in enumerate(lad["rungs"], 1):
+        counter = LlamaCppCounter(rung_spec(spec, spec.models[no - 1]))
+        try:
+            exact = sum(len(counter.count(build_messages(spec, text))) for _, text, _ in rows)
+        finally:
+            counter.close()
+        assert (r["answered"], r["answers"], r["input_tokens"]) == (5, 5, exact), r
+    assert [r["cost"] for r in lad["rungs"]] == ["0.00", "0.01"]              # 5 x $0.0005, 5 x $0.0015
+    assert out["bill"]["all_batch"]["batch"] == "0.01"                         # $0.01 in all, not 5 x $0.003625
+    assert out["bill"]["prices"].startswith("each rung's answers at its models[].cost_per_row; ")
+    assert "  rungs         rung 1 SmolLM2-135M-Instruct: 5 records asked, " in p.stderr, p.stderr

@@ -99,6 +99,10 @@ def run(args: argparse.Namespace) -> int:
                     if s["prices"]["gpu_hour"] is not None else ""
                 print(f"so far: batch {s['batch_rows']:,} rows ${s['batch_cost']:,.2f}, {gpu}{hosted}"
                       f"fallback {s['fallback_rows']:,} rows ${s['fallback_cost']:,.2f}, total ${s['total']:,.2f}")
+                if s.get("rungs"):   # a model ladder: the batch rows rung by rung
+                    print("batch rung by rung: " + "; ".join(
+                        f"rung {r['rung']} {r['model']} {r['answers']:,} answers x ${r['cost_per_row']:g} = "
+                        f"${r['cost']:,.4f}" for r in s["rungs"]))
                 print(f"if the fallback fired now: ${f['total']:,.2f} ({f['overage_text']}, "
                       f"ceiling ${f['all_synchronous_ceiling']:,.2f})")
             return 0

@@ -35,7 +35,7 @@ import psycopg
 from psycopg import sql
 
 from batch_inference import sources
-from batch_inference.cost import CostReport, Prices, cents, cost_report
+from batch_inference.cost import CostReport, Prices, cents, cost_report, priced_by_rung
 from batch_inference.cutoff import fallback_seconds, latest_safe_start
 from batch_inference.db import q
 from batch_inference.estimate.tokens import Counter, counter_for
@@ -283,6 +283,7 @@ def preview(conn: psycopg.Connection, spec: JobSpec, *, reader: sources.Reader |
     rng = random.Random(seed)
     drawn: list[dict[str, Any]] = []
     t_count = 0.0
+    rung_tokens = [0] * len(spec.models or ())   # a model ladder: each rung's tokenizer's count (LadderCounter)
     try:
         for row in (rows if rows is not None else source_rows(conn, spec, reader)):
             records += 1
@@ -294,6 +295,9 @@ def preview(conn: psycopg.Connection, spec: JobSpec, *, reader: sources.Reader |
             ids = counter.count(build_messages(spec, text))
             t_count += time.perf_counter() - t1
             tally.add(ids)
+            if rung_tokens:
+                each = getattr(counter, "last", None) or [len(ids)] * len(rung_tokens)
+                rung_tokens = [a + b for a, b in zip(rung_tokens, each)]
             if n_ctx and len(ids) > n_ctx:
                 over_context += 1
             if sample:
@@ -305,6 +309,8 @@ def preview(conn: psycopg.Connection, spec: JobSpec, *, reader: sources.Reader |
                     if j < sample:
                         drawn[j] = item
         m = rate if rate is not None or conn is None else measured(conn, spec, counter)
+        calibration = conn.execute(q("ladder_calibration_of_spec"), {
+            "dataset": spec.dataset, "spec_hash": spec.spec_hash}).fetchone() if spec.models and conn is not None else None
     finally:
         if own:
             counter.close()
@@ -314,7 +320,7 @@ def preview(conn: psycopg.Connection, spec: JobSpec, *, reader: sources.Reader |
     return _project(spec, counter, tally, records, reasons, over_context, m, workers, deadline, now,
                     {"total": round(elapsed, 3), "tokenizer_load": round(t_load, 3),
                      "render_and_count": round(t_count, 3), "read": round(elapsed - t_load - t_count, 3)},
-                    drawn)
+                    drawn, ladder_reach(spec, calibration) if spec.models else None, rung_tokens)
 
 
 def _context_window(spec: JobSpec) -> int | None:
@@ -336,9 +342,40 @@ def _transport(spec: JobSpec) -> str:
         return "batch"
 
 
+def ladder_reach(spec: JobSpec, calibration: Mapping[str, Any] | None) -> tuple[list[float], str]:
+    """A model ladder's share of records asked at each rung, and where it comes from: every record at
+    every rung when no rung below the top has a threshold (each escalates all); else the cascade
+    calibrate picked for this very spec (the records it finished at each rung of the golden set); else
+    every record at every rung, an upper bound."""
+    top = len(spec.models or ())
+    if all(r.threshold is None for r in (spec.models or ())[:-1]):
+        return [1.0] * top, "no thresholds: every record is asked at every rung"
+    if calibration and calibration["picked"] and calibration["picked"].get("finished_at"):
+        finished = calibration["picked"]["finished_at"]
+        n = sum(finished) or 1
+        reach, left = [], 1.0
+        for k in range(top):
+            reach.append(max(left, 0.0))
+            left -= finished[k] / n if k < len(finished) else 0.0
+        return reach, (f"each rung's share as calibrate found it on {n} golden record(s) at "
+                       f"{calibration['calibrated_at']:%Y-%m-%d %H:%M} UTC")
+    return [1.0] * top, ("not calibrated here for these thresholds: every record priced at every rung (an upper "
+                         "bound; `batch-inference calibrate SPEC` measures each rung's share)")
+
+
+def _ladder_rungs(spec: JobSpec, reach: list[float], rows: int) -> list[dict[str, Any]]:
+    """What ``rows`` records cost at each rung (``cost.priced_by_rung``'s rungs): records asked x samples."""
+    from batch_inference.ladder.rungs import samples
+
+    return [{"rung": no, "model": rung.model.name, "answered": round(rows * share),
+             "answers": round(rows * share) * samples(spec, no), "cost_per_row": rung.cost_per_row}
+            for no, (rung, share) in enumerate(zip(spec.models or (), reach), 1)]
+
+
 def _project(spec: JobSpec, counter: Counter, tally: TokenTally, records: int, reasons: Histogram,
              over_context: int, m: Measured | None, workers: int, deadline: datetime | None, now: datetime,
-             seconds: dict[str, float], drawn: list[dict[str, Any]]) -> Preview:
+             seconds: dict[str, float], drawn: list[dict[str, Any]],
+             ladder: tuple[list[float], str] | None = None, rung_tokens: list[int] | None = None) -> Preview:
     eligible = tally.records
     prices = Prices.from_spec(spec)
     if m and m.output_tokens is not None:
@@ -393,7 +430,18 @@ def _project(spec: JobSpec, counter: Counter, tally: TokenTally, records: int, r
     all_batch = cost_report(0 if hosted else eligible, 0, prices, hosted_rows=eligible if hosted else 0,
                             hosted_cost=prices.hosted_usage_cost(tally.total, out_total) if hosted else None,
                             gpu_hours=0 if hosted else (gpu_hours or 0))
-    bill = {"transport": transport, "planned": _bill(planned), "all_batch": _bill(all_batch),
+    rungs = None
+    if ladder is not None:   # a model ladder: its batch rows priced rung by rung, each rung's tokens its own
+        reach, source = ladder
+        planned = priced_by_rung(planned, _ladder_rungs(spec, reach, planned.batch_rows))
+        all_batch = priced_by_rung(all_batch, _ladder_rungs(spec, reach, all_batch.batch_rows))
+        tokens = rung_tokens or [0] * len(reach)
+        rungs = {"reach_source": source, "rungs": [
+            {**{k: v for k, v in r.items() if k != "cost"}, "share_asked": round(share, 4),
+             "input_tokens": round(tokens[r["rung"] - 1] * share), "cost": str(cents(r["cost"]))}
+            for r, share in zip(planned.rungs, reach)]}
+    bill = {"transport": transport, "planned": _bill(planned), "all_batch": _bill(all_batch), "ladder": rungs,
+            "prices": prices_used(spec, transport),
             "all_fallback": str(cents(planned.all_synchronous_ceiling)),
             "gpu_priced": prices.gpu_hour is not None,
             "note": None if rate or prices.gpu_hour is None else
@@ -436,6 +484,37 @@ def _project(spec: JobSpec, counter: Counter, tally: TokenTally, records: int, r
         verdict=verdict, why=why, seconds=seconds, sample=drawn)
 
 
+def prices_used(spec: JobSpec, transport: str) -> str:
+    """Which prices the bill took, each named by its spec field ("(default)" where the spec sets none)."""
+    c, given = spec.cost, spec.cost.model_fields_set
+    defaults: list[str] = []
+
+    def named(name: str) -> str:
+        if name not in given:
+            defaults.append(f"cost.{name}")
+        return f"cost.{name} ${getattr(c, name):g}" + ("" if name in given else " (default)")
+
+    gpu = "gpu_hour_spot" if c.gpu_hour_spot is not None and (c.capacity == "spot" or c.gpu_hour_on_demand is None) \
+        else "gpu_hour_on_demand" if c.gpu_hour_on_demand is not None else None
+    if spec.models:
+        own = "each rung's answers at its models[].cost_per_row"
+    elif transport == "hosted_batch":
+        own = ("hosted rows at cost.hosted_batch_per_m_input_tokens/_output_tokens"
+               if c.hosted_batch_per_m_input_tokens is not None and c.hosted_batch_per_m_output_tokens is not None
+               else f"hosted rows at cost.hosted_batch_per_row ${Prices.from_spec(spec).hosted_batch_per_row:g}"
+               + ("" if "hosted_batch_per_row" in given else " (default: half of cost.fallback_per_row)"))
+    elif gpu is not None:
+        own = f"batch workers' GPU-hours at cost.{gpu} ${getattr(c, gpu):g}"
+    else:
+        own = f"batch rows at {named('batch_per_row')}"
+    text = f"{own}; fallback rows at {named('fallback_per_row')}"
+    if defaults:
+        text += (f": the defaults are the seed workload's prices for a GPU fleet and a hosted API, not what this "
+                 f"run costs on this machine; set {' and '.join(defaults)} in the spec (0 for rows run on your own "
+                 "CPU) to price yours")
+    return text
+
+
 def _bill(r: CostReport) -> dict[str, Any]:
     return {"total": str(cents(r.total)), "batch_rows": r.batch_rows, "batch": str(cents(r.batch_cost)),
             "hosted_rows": r.hosted_rows, "hosted": str(cents(r.hosted_cost)), "fallback_rows": r.fallback_rows,
@@ -474,6 +553,13 @@ def render(p: dict[str, Any]) -> str:
     lines.append(f"  bill          ${pl['total']} planned ({b['transport']} {pl['batch_rows'] + pl['hosted_rows']:,} "
                  f"rows ${pl['batch']}+${pl['hosted']}, GPU ${pl['gpu']}, fallback {pl['fallback_rows']:,} rows "
                  f"${pl['fallback']}); all batch ${b['all_batch']['total']}, all fallback ${b['all_fallback']}")
+    lines.append(f"  prices        {b['prices']}")
+    if b.get("ladder"):
+        lad = b["ladder"]
+        lines.append("  rungs         " + "; ".join(
+            f"rung {r['rung']} {r['model']}: {r['answered']:,} records asked, {r['input_tokens']:,} input tokens, "
+            f"{r['answers']:,} answers x ${r['cost_per_row']:g} = ${r['cost']}" for r in lad["rungs"])
+            + f" ({lad['reach_source']})")
     if b["note"]:
         lines.append(f"                {b['note']}")
     if p["budget"] is not None:

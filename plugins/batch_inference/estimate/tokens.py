@@ -14,6 +14,7 @@ One interface (:class:`Counter`: ``count(messages) -> list[int]`` token ids,
 * ``vllm``: the model directory's tokenizer (``transformers.AutoTokenizer``) and
   its chat template, as ``vllm.LLM.chat`` renders a conversation
   (``apply_chat_template(..., add_generation_prompt=True)``).
+* a model ladder (``models:``): each rung with its own counter (``LadderCounter``);
 * anything else (an OpenAI-compatible endpoint, a hosted batch API, noop):
   the provider's tokenizer is not here, so the count is an estimate (four
   characters a token, the usual rule for English), and says so (``exact`` False).
@@ -164,8 +165,42 @@ class HuggingFaceCounter(Counter):
         return len(self._tok(text, add_special_tokens=False)["input_ids"])
 
 
+class LadderCounter(Counter):
+    """A model ladder's rungs, each counted with its own rung's counter (``counter_for`` of the rung's
+    one-model spec: its tokenizer and chat template). ``count`` gives rung 1's ids (every record is
+    asked there first) and leaves every rung's count of the same record in ``last``."""
+
+    def __init__(self, spec: JobSpec):
+        from batch_inference.ladder.rungs import rung_spec, rungs_of
+
+        self.counters: list[Counter] = []
+        try:
+            for rung in rungs_of(spec):
+                self.counters.append(counter_for(rung_spec(spec, rung)))
+        except BaseException:
+            self.close()
+            raise
+        self.exact = all(c.exact for c in self.counters)
+        self.name = "; ".join(f"rung {no}: {c.name}" for no, c in enumerate(self.counters, 1))
+        self.last: list[int] = []
+
+    def count(self, messages: Sequence[dict[str, str]]) -> list[int]:
+        every = [c.count(messages) for c in self.counters]
+        self.last = [len(ids) for ids in every]
+        return every[0]
+
+    def count_text(self, text: str) -> int:
+        return self.counters[-1].count_text(text)   # an answer stored: the top rung's tokenizer
+
+    def close(self) -> None:
+        for c in self.counters:
+            c.close()
+
+
 def counter_for(spec: JobSpec) -> Counter:
-    """The token counter of the spec's pinned model and engine."""
+    """The token counter of the spec's pinned model and engine (a model ladder's: each rung's)."""
+    if spec.models:
+        return LadderCounter(spec)
     name = spec.engine.name
     if name == "llama-cpp":
         return LlamaCppCounter(spec)
