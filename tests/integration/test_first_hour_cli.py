@@ -417,3 +417,31 @@ def test_estimate_counts_a_ladder_with_each_rungs_tokenizer_and_prices_it_rung_b
     assert out["bill"]["all_batch"]["batch"] == "0.01"                         # $0.01 in all, not 5 x $0.003625
     assert out["bill"]["prices"].startswith("each rung's answers at its models[].cost_per_row; ")
     assert "  rungs         rung 1 SmolLM2-135M-Instruct: 5 records asked, " in p.stderr, p.stderr
+
+
+def test_calibrate_out_writes_the_spec_as_written_with_its_thresholds(conn, db_url, tmp_path):
+    """--out keeps the spec's comments, order and layout: only each rung's threshold changes."""
+    from benchmarks.ladder import known_ladder, ticket_rows, ticket_tables
+
+    ticket_tables(conn, ticket_rows(20, hard_share=0.3), ticket_rows(20, hard_share=0.3, prefix="g"))
+    data = known_ladder("public.tickets", "public.golden")
+    for rung in data["models"]:
+        del rung["threshold"]
+    text = ("# our ladder: the cheap model first, the dear one for what it is unsure of\n"
+            + yaml.safe_dump(data, sort_keys=False).replace("cost_per_row: 0.004\n", "cost_per_row: 0.004  # dear\n"))
+    spec = tmp_path / "ladder.yaml"
+    spec.write_text(text)
+    out = tmp_path / "calibrated.yaml"
+    p = bi("--db", db_url, "calibrate", str(spec), "--out", str(out), "--json",
+           env={"BATCH_INFERENCE_ENGINE_MODULES": "benchmarks.ladder"})
+    report = one_json_line(p)
+    threshold = report["thresholds"][0]
+    assert threshold is not None
+    written = out.read_text()
+    lines, before = written.splitlines(), text.splitlines()
+    added = [line for line in lines if line not in before]
+    assert added == [f"  threshold: {float(threshold)!r}"], added          # one line, in the first rung
+    assert [line for line in lines if line not in added] == before           # everything else as written
+    from batch_inference.spec import load_spec
+
+    assert load_spec(out).spec_hash == report["spec_hash"]

@@ -42,12 +42,18 @@ def run_calibrate(args: argparse.Namespace) -> int:
     if args.out is not None and args.out.exists() and args.out.resolve() == Path(args.spec).resolve():
         from batch_inference.exceptions import InvalidValue
 
-        raise InvalidValue("calibrate --out must not be the spec it reads (its comments would be lost)")
+        raise InvalidValue("calibrate --out must not be the spec it reads: write the calibrated spec beside it")
     with connect(args) as conn:
         cal = calibrate(conn, spec)
-    if args.out is not None:
-        args.out.write_text(yaml.safe_dump(cal.spec.model_dump(mode="json", exclude_defaults=True),
-                                           sort_keys=False, allow_unicode=True))
+    if args.out is not None:   # the spec as written, its rungs' thresholds set: comments and order kept
+        from batch_inference.ladder.calibrate import with_thresholds
+        from batch_inference.spec import loads_spec
+
+        text = with_thresholds(Path(args.spec).read_text(encoding="utf-8"), cal.thresholds)
+        if loads_spec(text, name=str(args.out)).spec_hash != cal.spec.spec_hash:   # never a different spec
+            text = yaml.safe_dump(cal.spec.model_dump(mode="json", exclude_defaults=True), sort_keys=False,
+                                  allow_unicode=True)
+        args.out.write_text(text, encoding="utf-8")
     r = cal.report
     if args.json:
         print_json({**r, "thresholds": cal.thresholds, "spec_hash": cal.spec.spec_hash, "recorded": cal.recorded_id})

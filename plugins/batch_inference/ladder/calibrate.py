@@ -226,3 +226,44 @@ def calibrate(conn: psycopg.Connection, spec: JobSpec, *, record: bool = True) -
             "target": spec.ladder.target, "thresholds": Jsonb(thresholds), "report": Jsonb(report)}).fetchone()
         out.recorded_id = r["id"]
     return out
+
+
+def with_thresholds(text: str, thresholds: list[float | None]) -> str:
+    """The spec's YAML ``text`` with each rung's ``threshold`` set to ``thresholds`` (one per rung below
+    the top) and nothing else changed: comments, order, quoting and layout stay as written. A targeted
+    edit at the positions YAML's composer gives: a rung's threshold value replaced where it is, or a
+    ``threshold:`` line added after the rung's last line (first in the rung when its last value is a
+    block; ``, threshold: X`` inside a flow mapping). The top rung is left as written."""
+    import yaml
+
+    from batch_inference.exceptions import SpecError
+
+    root = yaml.compose(text, Loader=yaml.SafeLoader)
+    models = next((v for k, v in (root.value if isinstance(root, yaml.MappingNode) else [])
+                   if k.value == "models"), None)
+    if not isinstance(models, yaml.SequenceNode) or len(models.value) != len(thresholds) + 1:
+        raise SpecError("calibrate --out: the spec's models: is not the list of rungs it calibrated")
+    edits: list[tuple[int, int, str]] = []   # (start, end, replacement) in the text
+    for rung, t in zip(models.value, thresholds):
+        if not isinstance(rung, yaml.MappingNode):
+            raise SpecError("calibrate --out: a rung of models: is not a mapping")
+        value = "null" if t is None else repr(float(t))
+        current = next((v for k, v in rung.value if k.value == "threshold"), None)
+        if current is not None:
+            edits.append((current.start_mark.index, current.end_mark.index, value))
+        elif rung.flow_style:
+            close = text.rindex("}", rung.start_mark.index, rung.end_mark.index)
+            edits.append((close, close, f", threshold: {value}"))
+        else:
+            indent = " " * rung.start_mark.column
+            last = rung.value[-1][1]
+            if isinstance(last, yaml.ScalarNode) or last.flow_style:   # after the line the last value ends on
+                end = text.find("\n", last.end_mark.index)
+                end = len(text) if end < 0 else end
+                edits.append((end, end, f"\n{indent}threshold: {value}"))
+            else:                                                       # a block value last: first in the rung
+                at = rung.start_mark.index
+                edits.append((at, at, f"threshold: {value}\n{indent}"))
+    for start, end, new in sorted(edits, reverse=True):
+        text = text[:start] + new + text[end:]
+    return text
