@@ -36,7 +36,7 @@ VALUES (%(job)s, 'replicate', %(region)s, %(bytes)s, %(seconds)s, %(reason)s);
 -- a worker in a region
 
 -- name: claim_shard_region  a pending or expired shard of this region first; with steal, one of a region that is behind
-SELECT * FROM bi.claim_shard_region_v1(%(job)s, %(owner)s, %(transport)s, %(lease_s)s, %(region)s, %(steal)s);
+SELECT * FROM bi.claim_shard_region_v2(%(job)s, %(owner)s, %(transport)s, %(lease_s)s, %(region)s, %(steal)s);
 
 -- name: region_store  the object store of a region's clusters (settings, no secret)
 SELECT bi.region_store_v1(%(job)s, %(region)s) AS store;

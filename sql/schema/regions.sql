@@ -115,12 +115,14 @@ CREATE INDEX IF NOT EXISTS result_files_unmerged ON bi.result_files (job_version
 -- deaths of an expired epoch's in-flight batch. The claim is recorded in
 -- bi.region_decisions (a steal priced as egress: the replica's bytes at the
 -- price from its home region to p_region). Answers also the replica to read:
--- its home region, key, digest and bytes. Shards of a version never placed
+-- its home region, key, digest and bytes, and whether the shard is untouched
+-- (nothing stored or dead-lettered in it, no failed attempt or crash in the
+-- job: every record of the replica is to do, nothing to ask the ledger). Shards of a version never placed
 -- have no replica and are not claimed here.
-CREATE OR REPLACE FUNCTION bi.claim_shard_region_v1(p_job text, p_owner text, p_transport text,
+CREATE OR REPLACE FUNCTION bi.claim_shard_region_v2(p_job text, p_owner text, p_transport text,
                                                    p_lease_seconds integer, p_region text, p_steal boolean)
 RETURNS TABLE (shard_no integer, epoch bigint, lease_expires_at timestamptz, records integer, lost_leases integer,
-               home_region text, object_key text, digest text, replica_bytes bigint)
+               home_region text, object_key text, digest text, replica_bytes bigint, untouched boolean)
 LANGUAGE plpgsql SECURITY DEFINER SET search_path = pg_catalog, pg_temp AS $$
 #variable_conflict use_column
 DECLARE
@@ -177,7 +179,9 @@ BEGIN
     RETURNING s.shard_no AS shard_no, s.epoch AS epoch, s.lease_expires_at AS lease_expires_at,
               s.records AS records, s.lost_leases AS lost_leases, pick.expired, pick.old_epoch,
               pick.old_transport, pick.old_in_flight, pick.old_renewed_at, pick.home, pick.key, pick.dig,
-              pick.nbytes, pick.home_pending, pick.home_leased
+              pick.nbytes, pick.home_pending, pick.home_leased,
+              s.stored = 0 AND s.dead = 0
+                  AND NOT EXISTS (SELECT 1 FROM bi.attempts a WHERE a.job_version = p_job) AS untouched
     INTO c;
     IF NOT FOUND THEN
         RETURN;
@@ -196,7 +200,7 @@ BEGIN
       FROM (SELECT 1) one
       LEFT JOIN bi.region_egress e ON e.job_version = p_job AND e.from_region = c.home AND e.to_region = p_region;
     RETURN QUERY SELECT c.shard_no, c.epoch, c.lease_expires_at, c.records, c.lost_leases, c.home, c.key, c.dig,
-                        c.nbytes;
+                        c.nbytes, c.untouched;
 END $$;
 
 -- The object store of p_region's clusters (their settings' store; the first

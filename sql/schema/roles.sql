@@ -192,7 +192,7 @@ TO bi_worker;
 -- Regions (regions.sql): a worker of a region claims near shards first, reads its shard's replica (and
 -- the ledger's rows of it, to rebuild one), and hands in its results as a file merged near the ledger.
 GRANT EXECUTE ON FUNCTION
-    bi.claim_shard_region_v1(text, text, text, integer, text, boolean),
+    bi.claim_shard_region_v2(text, text, text, integer, text, boolean),
     bi.region_store_v1(text, text),
     bi.region_shard_state_v1(text, integer, bigint),
     bi.replica_rows_v1(text, integer, bigint),

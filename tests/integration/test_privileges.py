@@ -44,7 +44,7 @@ WORKER_FUNCTIONS = {
     # the model ladder: every rung's answers under the lease (batch_inference/ladder/audit.py)
     "ladder_put_answers_v1", "ladder_answers_v1",
     # regions: near shards first, replicas read (and rebuilt), results handed in (batch_inference/regions/ledger.py)
-    "claim_shard_region_v1", "region_store_v1", "region_shard_state_v1", "replica_rows_v1", "replica_rebuilt_v1",
+    "claim_shard_region_v2", "region_store_v1", "region_shard_state_v1", "replica_rows_v1", "replica_rebuilt_v1",
     "hand_in_results_v1",
 }
 

@@ -2,8 +2,9 @@
 of ``batch_inference.ledger.Ledger`` when it runs with ``--region``.
 
 * **claim**: a shard whose replica is in this region first
-  (bi.claim_shard_region_v1); only when none is left, and when ``steal`` is on,
-  one of a region that is behind, recorded as a steal priced as egress. The
+  (bi.claim_shard_region_v2, one call); only when none is left, and when
+  ``steal`` is on, one of a region that is behind, recorded as a steal priced
+  as egress. The
   guard, the epoch, the lease and the deaths of an expired epoch are the
   claim statement's, as for every claim.
 * **records**: read from the shard's replica in its home region's store, the
@@ -11,7 +12,8 @@ of ``batch_inference.ledger.Ledger`` when it runs with ``--region``.
   the ledger's rows of the shard (bi.replica_rows_v1), written back when the
   rebuilt bytes have the recorded digest, and recorded (bi.replica_rebuilt_v1),
   never read. Only which records are done and their attempt counts come from
-  the ledger (bi.region_shard_state_v1: nothing for a fresh shard).
+  the ledger (bi.region_shard_state_v1), and only for a shard the claim did
+  not find untouched.
 * **results** (``result_files``: a worker far from the ledger): held per shard
   and written at completion as one Parquet file of keyed rows in this region's
   store, handed in with one small call (bi.hand_in_results_v1) and merged near
@@ -52,6 +54,7 @@ class RegionLedger(Ledger):
         self._replicas: dict[tuple[int, int], Replica] = {}
         self._results: dict[tuple[int, int], tuple[list[str], list[str], list[str | None]]] = {}
         self._stores: dict[str, tuple[dict[str, Any], ObjectStore]] = {}
+        self._untouched: set[tuple[int, int]] = set()   # claimed with every record to do: no state to read
         self.stats = {"claims": 0, "steals": 0, "rebuilds": 0, "files": 0, "replica_bytes": 0}
 
     @classmethod
@@ -75,26 +78,23 @@ class RegionLedger(Ledger):
 
     # -- claim ------------------------------------------------------------
     def claim(self) -> Lease | None:
-        r = self._claim(False)
-        if r is None and self.steal:
-            r = self._claim(True)
+        r = self.conn.execute(q("claim_shard_region"), {
+            "job": self.job_version, "owner": self.owner, "transport": self.transport,
+            "lease_s": self.lease_seconds, "region": self.region, "steal": self.steal}).fetchone()
         if r is None:
             return None
         lease = Lease(self.job_version, r["shard_no"], r["epoch"], r["lease_expires_at"], r["records"], self.owner,
                       self.transport, r["lost_leases"])
         self._replicas[(lease.shard_no, lease.epoch)] = Replica(r["home_region"], r["object_key"], r["digest"],
                                                                r["replica_bytes"])
+        if r["untouched"]:
+            self._untouched.add((lease.shard_no, lease.epoch))
         self.stats["claims"] += 1
         if r["home_region"] != self.region:
             self.stats["steals"] += 1
             log.info("%s: region %s took shard %d of region %s (it had none left; %d bytes read across)",
                      self.owner, self.region, lease.shard_no, r["home_region"], r["replica_bytes"])
         return lease
-
-    def _claim(self, steal: bool) -> dict[str, Any] | None:
-        return self.conn.execute(q("claim_shard_region"), {
-            "job": self.job_version, "owner": self.owner, "transport": self.transport,
-            "lease_s": self.lease_seconds, "region": self.region, "steal": steal}).fetchone()
 
     # -- records ------------------------------------------------------------
     def record_columns(self, lease: Lease, page: int = SHARD_READ_PAGE
@@ -113,6 +113,8 @@ class RegionLedger(Ledger):
         else:
             ids, texts = got
             self.stats["replica_bytes"] += replica.bytes
+        if (lease.shard_no, lease.epoch) in self._untouched:
+            return ids, texts, [0] * len(ids), [0] * len(ids)
         state = {r["record_id"]: r for r in self.conn.execute(
             q("region_shard_state"), {"job": lease.job_version, "shard": lease.shard_no, "epoch": lease.epoch})}
         out: tuple[list[str], list[str], list[int], list[int]] = ([], [], [], [])
