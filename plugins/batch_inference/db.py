@@ -48,7 +48,7 @@ def sql_dir() -> Path:
 # reads, the chaos harness's audit, the evaluation's, the hosted batch
 # transports' and the nights harness's. Names are unique across the files.
 QUERY_FILES = ("queries.sql", "dashboard.sql", "chaos.sql", "evaluation.sql", "hosted.sql", "nights.sql",
-               "sources.sql", "fleet.sql", "embed.sql", "ladder.sql", "regions.sql")
+               "sources.sql", "fleet.sql", "embed.sql", "ladder.sql", "regions.sql", "tiers.sql")
 
 
 def parse_queries(text: str) -> dict[str, str]:

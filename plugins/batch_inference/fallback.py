@@ -265,6 +265,7 @@ class FallbackResult:
     budget_stop: bool = False  # the budget's allowance ran out: records left pending, the job unpublishable
     budget_page: str | None = None  # the page sent when re-driving every row is over cost.budget
     allowance: int | None = None  # rows the budget let the pool re-drive (None: no cap)
+    tiers: list[dict[str, Any]] | None = None  # per price tier (fallback.tiers): answered, refused, latency, price
 
     def to_dict(self) -> dict[str, Any]:
         out = asdict(self)
@@ -301,7 +302,8 @@ class FallbackPool:
 
     def __init__(self, db_url: str | None, job_version: str, *, options: dict[str, Any], rate: float,
                  workers: int, lease_seconds: int | None = None, poll_seconds: float = 1.0,
-                 flush_every: int = 20, flush_seconds: float = 1.0, allowance: int | None = None):
+                 flush_every: int = 20, flush_seconds: float = 1.0, allowance: int | None = None,
+                 engine: str = "openai", plan: Any = None):
         from gpu_runner.worker import Worker, WorkerConfig  # the GPU runner imports no Airflow either
 
         self.job_version = job_version
@@ -309,11 +311,14 @@ class FallbackPool:
         self.breaker = Breaker.from_options(options["base_url"], options)
         # The budget's cap on requests, shared by every thread; spent, it stops the pool.
         self.allowance = None if allowance is None else RequestAllowance(allowance, on_spent=self.stop)
+        self.plan = plan
+        if plan is not None:          # the last tier's limit and breaker are the pool's
+            plan.tiers[-1].bucket, plan.tiers[-1].breaker = self.bucket, self.breaker
         self.busy = _Busy()
         self.stopped = threading.Event()
         self.workers = [
             Worker(WorkerConfig(
-                job_version=job_version, db_url=db_url, engine="openai", engine_options=dict(options),
+                job_version=job_version, db_url=db_url, engine=engine, engine_options=dict(options),
                 transport="fallback", lease_seconds=lease_seconds, wait_for_leases=True,
                 poll_seconds=poll_seconds, flush_every=flush_every, flush_seconds=flush_seconds),
                 around_shard=self._shared)
@@ -330,6 +335,8 @@ class FallbackPool:
             worker.engine.bucket = self.bucket
         worker.engine.breaker = self.breaker
         worker.engine.allowance = self.allowance
+        if self.plan is not None:     # price tiers (batch_inference.tiers): one plan for every thread
+            worker.engine.plan = self.plan
         self.busy.enter()
         try:
             yield
@@ -392,12 +399,26 @@ def engine_options(spec: JobSpec, *, base_url: str | None, rate: float, concurre
     return opts
 
 
+def tier_plan(spec: JobSpec, options: dict[str, Any], *, rate: float, concurrency: int, remaining: int,
+              deadline: datetime | None) -> Any:
+    """The pool's ``tiers.TierPlan`` for a spec with ``fallback.tiers`` (None without): the deadline less
+    what the publish needs after the re-drive (``cutoff.PAGE_RESERVE_SHARE`` of ``fallback.overhead_s``)."""
+    if not spec.fallback.tiers:
+        return None
+    from batch_inference.tiers import TierPlan
+
+    return TierPlan(spec.fallback.tiers, base_url=options["base_url"], options=options, concurrency=concurrency,
+                    remaining=remaining, deadline=None if deadline is None else deadline.timestamp(),
+                    reserve_s=spec.fallback.overhead_s * PAGE_RESERVE_SHARE, default_rate=rate)
+
+
 def run_fallback(db_url: str | None, job_version: str, base_url: str | None = None, *, rate: float | None = None,
                  concurrency: int | None = None, model: str | None = None, style: str | None = None,
                  hosted: bool | None = None, api_key_env: str | None = None, parallel_shards: int = 4,
                  lease_seconds: int | None = None, record_run: bool = True,
                  extra_engine_options: dict[str, Any] | None = None,
-                 pool_ready: Any = None, on_page: Callable[[str], Any] | None = None) -> FallbackResult:
+                 pool_ready: Any = None, on_page: Callable[[str], Any] | None = None,
+                 deadline: datetime | None = None) -> FallbackResult:
     """Re-drive every outstanding record of a job through the synchronous pool.
 
     ``rate`` (requests/s, retries included) and ``concurrency`` default to the
@@ -408,7 +429,10 @@ def run_fallback(db_url: str | None, job_version: str, base_url: str | None = No
     fallback mode first, because running the pool means the cutoff has fired.
     If nothing is outstanding it returns at once and records no run.
     ``pool_ready(pool)`` is called with the pool before it starts, so a caller
-    (an operator's ``on_kill``) can stop it.
+    (an operator's ``on_kill``) can stop it. With ``fallback.tiers`` each request
+    goes at the cheapest tier whose measured rate still finishes by ``deadline``
+    (``batch_inference.tiers``; no deadline: the cheapest); ``result.tiers`` says
+    what each tier answered and refused.
 
     With ``cost.budget`` set, the bill so far plus every outstanding row at
     ``cost.fallback_per_row`` is checked first (:func:`budget_check`). Over it,
@@ -459,8 +483,13 @@ def run_fallback(db_url: str | None, job_version: str, base_url: str | None = No
         style = style or spec.fallback.response_format_style
         opts = engine_options(spec, base_url=url, rate=rate, concurrency=per_worker, model=model, style=style,
                               api_key_env=api_key_env, extra=extra_engine_options)
+        engine = "openai"
+        if spec.fallback.tiers:       # price tiers: each request at the cheapest tier that still finishes
+            from batch_inference.tiers import TIERED_ENGINE
+
+            engine = TIERED_ENGINE
         try:
-            load_engine("openai", spec, opts)  # a misspelt option fails here, before the mode changes
+            load_engine(engine, spec, opts)  # a misspelt option fails here, before the mode changes
         except (ValueError, ImportError) as exc:
             raise FallbackRefused(f"engine 'openai': {exc}") from None
         check = budget_check(conn, job_version, spec, counts)
@@ -487,8 +516,10 @@ def run_fallback(db_url: str | None, job_version: str, base_url: str | None = No
         # The budget is spent already: not one request. The cutoff still put the job in fallback mode.
         result.budget_stop, result.stopped, result.outstanding = True, True, int(counts["outstanding"])
         return result
+    plan = tier_plan(spec, opts, rate=rate, concurrency=workers * per_worker, remaining=int(counts["outstanding"]),
+                     deadline=deadline)
     pool = FallbackPool(db_url, job_version, options=opts, rate=rate, workers=workers, lease_seconds=lease_seconds,
-                        allowance=result.allowance)
+                        allowance=result.allowance, engine=engine, plan=plan)
     if pool_ready is not None:
         pool_ready(pool)
     t0 = time.monotonic()
@@ -500,6 +531,7 @@ def run_fallback(db_url: str | None, job_version: str, base_url: str | None = No
     result.shards = stats["shards"]
     result.busy_s = pool.busy.total
     result.stopped = pool.stopped.is_set()
+    result.tiers = plan.summary() if plan is not None else None
 
     with db.connect(db_url) as conn:
         after = job_counts(conn, job_version)

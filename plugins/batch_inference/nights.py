@@ -68,6 +68,7 @@ from typing import Any
 import psycopg
 
 from batch_inference import db
+from batch_inference.cost import DEFAULT_FALLBACK_PER_ROW
 from batch_inference.data import NOOP_MODEL, TRIAGE_SCHEMA
 from batch_inference.engines.base import Engine, Outcome, Request
 from batch_inference.exceptions import InvalidValue
@@ -120,6 +121,9 @@ class NightsConfig:
     pilot_window_s: float = 4.0
     budget: float | None = None       # spec.cost.budget (dollars): the autopilot and the fallback pool keep to it
     on_budget: str = "page"           # spec.cost.on_budget: page (keep within it) | spend
+    tiers: str = "off"                # off | on | both: the fallback at one price, with price tiers, or both (paired)
+    flex_refuse: float = 0.2          # share of flex requests refused (429 Resource Unavailable) or dropped, at random
+    flex_latency_s: float = 0.05      # how long flex holds each answer it gives (default answers at once)
 
     def __post_init__(self) -> None:
         for name, low in (("nights", 1), ("records", 10), ("shard_size", 1), ("workers", 1),
@@ -138,12 +142,22 @@ class NightsConfig:
             raise InvalidValue(f"nights: budget must be a positive number of dollars, got {self.budget!r}")
         if self.on_budget not in ("page", "spend"):
             raise InvalidValue(f"nights: on_budget must be page or spend, got {self.on_budget!r}")
+        if self.tiers not in ("off", "on", "both"):
+            raise InvalidValue(f"nights: tiers must be off, on or both, got {self.tiers!r}")
+        if self.tiers == "both" and self.autopilot == "both":
+            raise InvalidValue("nights: pair the nights on the autopilot or on the tiers, not both at once")
+        if not 0 <= self.flex_refuse < 1 or self.flex_latency_s < 0:
+            raise InvalidValue("nights: flex refuse must be in [0, 1) and flex latency at least 0")
         if not 0 <= self.min_workers <= self.max_workers:
             raise InvalidValue(f"nights: workers bounds {self.min_workers}..{self.max_workers} are not a range")
 
     def modes(self) -> list[bool]:
         """The runs of each night: the autopilot off, on, or both (off first)."""
         return {"off": [False], "on": [True], "both": [False, True]}[self.autopilot]
+
+    def tier_modes(self) -> list[bool]:
+        """The fallback of each night: at one price, with price tiers, or both (one price first)."""
+        return {"off": [False], "on": [True], "both": [False, True]}[self.tiers]
 
     @property
     def gpu_hour(self) -> float:
@@ -348,10 +362,12 @@ class Endpoint:
     clock that starts at its first request: 5xx bursts, 429 with ``Retry-After`` to a share of
     requests, and an outage from some second of the re-drive until ``down_until`` (monotonic)."""
 
-    def __init__(self, faults: Faults, seed: int, down_until: float = float("inf")) -> None:
+    def __init__(self, faults: Faults, seed: int, down_until: float = float("inf"), flex_refuse: float = 0.0,
+                 flex_latency_s: float = 0.0) -> None:
         from batch_inference.harness import ChatServer, completion
 
         self.faults, self.down_until = faults, down_until
+        self.flex_refuse, self.flex_latency_s = flex_refuse, flex_latency_s
         self.rng = random.Random(f"nights-endpoint-{seed}")
         self.first: float | None = None
         self.answers: Counter[int] = Counter()
@@ -363,8 +379,24 @@ class Endpoint:
     def base_url(self) -> str:
         return self.server.base_url
 
-    def respond(self, body: dict[str, Any]) -> tuple[int, dict[str, str], dict[str, Any]]:
-        """One answer (the server calls it under its lock)."""
+    def respond(self, body: dict[str, Any]) -> tuple[Any, ...]:
+        """One answer (the server calls it under its lock). A request at the flex tier is refused
+        (429 Resource Unavailable) or dropped at random with ``flex_refuse``, else held ``flex_latency_s``."""
+        from batch_inference.harness.loopback import DROP
+
+        if body.get("service_tier") == "flex":
+            r = self.rng.random()
+            if r < self.flex_refuse:
+                self.answers["flex-refused"] += 1
+                if r < self.flex_refuse / 2:
+                    return 200, {}, DROP, 0.0
+                return 429, {}, {"error": {"message": "Resource Unavailable", "type": "resource_unavailable"}}
+            status, headers, payload = self._answer("flex-")
+            return status, headers, payload, self.flex_latency_s
+        return self._answer()
+
+    def _answer(self, tier: str = "") -> tuple[int, dict[str, str], dict[str, Any]]:
+        """The night's answer with its faults, counted by status (a flex one as ``flex-STATUS``)."""
         now = time.monotonic()
         f = self.faults
         if self.first is None:
@@ -379,7 +411,7 @@ class Endpoint:
             status, headers = 429, {"Retry-After": str(f.retry_after_s)}
         else:
             status, headers = 200, {}
-        self.answers[status] += 1
+        self.answers[f"{tier}{status}" if tier else status] += 1
         if status != 200:
             return status, headers, {"error": {"message": f"nights endpoint: HTTP {status}", "type": "server_error"}}
         return 200, {}, self._ok
@@ -519,6 +551,7 @@ class Night:
     verdict: str = ""
     wall_s: float = 0.0
     autopilot: bool = False                   # this run had the autopilot on
+    tiered: bool = False                      # this run's fallback had price tiers (flex, then default)
     slowed: bool = False                      # the night's batch was slowed (the comparison's nights)
     gpu_hours: float = 0.0                    # the batch workers' (bi.fleet_observed)
     pilot: dict[str, Any] = field(default_factory=dict)   # decisions, first add, largest fleet, pages
@@ -536,7 +569,10 @@ class Night:
         rows = " ".join(f"{k} {v}" for k, v in sorted(self.rows.items()))
         pe = f"pred {self.prediction_error_s:+.1f}s" if self.prediction_error_s is not None else "pred -"
         cut = f"{self.cutoff_before_deadline_s:.0f}" if self.cutoff_before_deadline_s is not None else "?"
-        mode = (f" [autopilot: {self.pilot.get('adds', 0)} add(s) first at {self.pilot['first_add_s']:.1f}s, "
+        tiers = self.bill.get("fallback_tiers")
+        tier = (f" [tiers: {', '.join(f'{k} {v}' for k, v in tiers.items())}]" if tiers else
+                " [tiers]" if self.tiered else "")
+        mode = tier + (f" [autopilot: {self.pilot.get('adds', 0)} add(s) first at {self.pilot['first_add_s']:.1f}s, "
                 f"up to {self.pilot.get('largest', '?')} workers]" if self.autopilot and self.pilot.get("first_add_s")
                 is not None else " [autopilot: no add]" if self.autopilot else "")
         head = (f"night {self.seed:>4}: {self.verdict:<6} cutoff at submit D-{cut}s, {fired}, "
@@ -684,21 +720,22 @@ class _Supervisor(threading.Thread):
 
 
 class _NightRun:
-    def __init__(self, cfg: NightsConfig, seed: int, server: EmbeddedServer, work: Path, pilot: bool = False):
+    def __init__(self, cfg: NightsConfig, seed: int, server: EmbeddedServer, work: Path, pilot: bool = False,
+                 tiered: bool = False):
         self.cfg, self.seed, self.server = cfg, seed, server
-        self.pilot = pilot
+        self.pilot, self.tiered = pilot, tiered
         self.url = server.url
-        self.work = work / f"night-{seed}{'-autopilot' if pilot else ''}"
+        self.work = work / f"night-{seed}{'-autopilot' if pilot else ''}{'-tiers' if tiered else ''}"
         self.work.mkdir(parents=True, exist_ok=True)
         self.pace = self.work / "pace"
         self.faults = draw_faults(seed, cfg)
         self.rng = random.Random(f"nights-targets-{seed}")
         self.admin = Admin(self.url)
-        self.rec = Night(seed=seed, faults=self.faults.names(), autopilot=pilot,
+        self.rec = Night(seed=seed, faults=self.faults.names(), autopilot=pilot, tiered=tiered,
                          slowed=self.faults.slow_at is not None)
         # Its own dataset per run: the autopilot is not part of the job version, so the paired run
         # would otherwise resume the first run's finished job.
-        self.dataset = f"nights_{seed}{'_autopilot' if pilot else ''}"
+        self.dataset = f"nights_{seed}{'_autopilot' if pilot else ''}{'_tiers' if tiered else ''}"
         self.provider: HostedProvider | None = None
         self.job = ""
         self.t0 = 0.0
@@ -721,7 +758,12 @@ class _NightRun:
             "shard_size": c.shard_size, "max_attempts": 3, "max_input_chars": 4000,
             "lease_seconds": c.lease_seconds, "renew_seconds": c.renew_seconds,
             "validation": {"sample_size": 0, "max_dead_letter_rate": 0.05},
-            "fallback": {"rate": c.rate, "overhead_s": c.overhead_s, "concurrency": c.concurrency},
+            "fallback": {"rate": c.rate, "overhead_s": c.overhead_s, "concurrency": c.concurrency,
+                         # Price tiers: flex at the batch price (half the synchronous one), default at the full one.
+                         **({"provider": "openai", "tiers": [
+                             {"name": "flex", "per_row": float(DEFAULT_FALLBACK_PER_ROW / 2),
+                              "latency_s": max(c.flex_latency_s, 0.01)},
+                             {"name": "default", "per_row": float(DEFAULT_FALLBACK_PER_ROW)}]} if self.tiered else {})},
             # A hosted night: the records are cleared for hosted APIs and go to the provider's batches.
             **({"cleared_for_hosted": True, "engine": {"name": "openai-batch", "options": {
                 "base_url": self.provider.base_url, "api_key_env": HOSTED_KEY_ENV, "poll_seconds": 0.2}}}
@@ -785,7 +827,8 @@ class _NightRun:
         exact = self.submit_at + timedelta(seconds=c.deadline_s)
         self.deadline = exact.replace(microsecond=0) + timedelta(seconds=1 if exact.microsecond else 0)
         # The endpoint's outage (if drawn) lasts until past the deadline.
-        self.endpoint = Endpoint(self.faults, self.seed, self.t0 + c.deadline_s + 2.0)
+        self.endpoint = Endpoint(self.faults, self.seed, self.t0 + c.deadline_s + 2.0, c.flex_refuse,
+                                 c.flex_latency_s)
         self.fleet.start_all()
         sup = _Supervisor(self)
         sup.start()
@@ -803,7 +846,7 @@ class _NightRun:
             self._fleet_stopped()
         self._measure()
         rec.fallback["supervisor"] = sup.events
-        rec.endpoint = {str(k): v for k, v in sorted(self.endpoint.answers.items())}
+        rec.endpoint = {str(k): v for k, v in sorted(self.endpoint.answers.items(), key=lambda kv: str(kv[0]))}
         rec.wall_s = round(time.monotonic() - t_wall, 1)
         self.admin.close()
         return rec
@@ -867,7 +910,7 @@ class _NightRun:
                                    lease_seconds=c.lease_seconds,
                                    extra_engine_options={"backoff_base_s": 0.05, "backoff_max_s": 1.0,
                                                          "retry_after_max_s": 3.0, "timeout_s": 5.0},
-                                   on_page=self._budget_page)
+                                   on_page=self._budget_page, deadline=self.deadline if self.tiered else None)
                 for k in ("stored", "dead", "failed_attempts"):
                     redriven[k] += getattr(res, k)
                 redriven["run"] = res.to_dict()
@@ -984,6 +1027,8 @@ class _NightRun:
                                       "all_synchronous_ceiling", "clean_batch_floor", "gpu_hours", "gpu_cost")}
         # The rows' part of the bill, rounded once (total less GPU, each rounded, is off by a cent).
         rec.bill["rows_total"] = float(cents(bill.total - bill.gpu_cost))
+        if "fallback_tiers" in b:     # the tail's rows at the tier that answered each
+            rec.bill["fallback_tiers"] = {str(t["tier"]): t["rows"] for t in b["fallback_tiers"]}
         rec.bill["total_exact"] = float(bill.total)       # unrounded, for the budget's check
         rec.cost_ratio = round(float(bill.total / bill.all_synchronous_ceiling), 4) \
             if bill.all_synchronous_ceiling else None
@@ -1085,6 +1130,7 @@ class NightsReport:
             "over_budget": [n.seed for n in ns if self.config.get("budget") is not None
                             and n.bill.get("total_exact", n.bill.get("total", 0.0)) > self.config["budget"]],
             "autopilot": self.comparison(),
+            "tiers": self.tier_comparison(),
         }
 
     def comparison(self) -> dict[str, Any] | None:
@@ -1126,6 +1172,38 @@ class NightsReport:
                             for s in seeds]
         return out
 
+    def tier_comparison(self) -> dict[str, Any] | None:
+        """The fallback at one price against with price tiers, on the same seeds and faults: met, paged,
+        failed, duplicates, lost, the tail's rows and bill (``fallback_cost``), and the tail's bill with
+        tiers as a share of the one-price tail's. None unless both ran."""
+        one = {n.seed: n for n in self.nights if not n.tiered}
+        tiered = {n.seed: n for n in self.nights if n.tiered}
+        seeds = sorted(set(one) & set(tiered))
+        if not seeds:
+            return None
+
+        def totals(runs: list[Night]) -> dict[str, Any]:
+            return {"nights": len(runs), "met": sum(1 for n in runs if n.verdict == "met"),
+                    "paged": sum(1 for n in runs if n.verdict == "paged"),
+                    "failed": sum(1 for n in runs if n.verdict == "FAIL"),
+                    "duplicates": sum(n.coverage.get("duplicates", 0) for n in runs),
+                    "lost": sum(n.lost for n in runs),
+                    "fallback_rows": sum(n.rows.get("fallback", 0) for n in runs),
+                    "tail_bill": round(sum(n.bill.get("fallback_cost", 0.0) for n in runs), 4),
+                    "bill": round(sum(n.bill.get("total", 0.0) for n in runs), 4)}
+
+        a, b = totals([one[s] for s in seeds]), totals([tiered[s] for s in seeds])
+        per_row = [x["tail_bill"] / x["fallback_rows"] if x["fallback_rows"] else None for x in (a, b)]
+        return {"one_price": a, "tiers": b,
+                "tail_bill_ratio": round(b["tail_bill"] / a["tail_bill"], 4) if a["tail_bill"] else None,
+                "tail_per_row_ratio": round(per_row[1] / per_row[0], 4) if all(per_row) else None,
+                "per_night": [{"seed": s, "verdict": [one[s].verdict, tiered[s].verdict],
+                               "fallback_rows": [one[s].rows.get("fallback", 0), tiered[s].rows.get("fallback", 0)],
+                               "tail_bill": [one[s].bill.get("fallback_cost"), tiered[s].bill.get("fallback_cost")],
+                               "tiers": tiered[s].bill.get("fallback_tiers"), "slack_s": [one[s].slack_s,
+                                                                                          tiered[s].slack_s]}
+                              for s in seeds]}
+
     def as_dict(self) -> dict[str, Any]:
         return {"passed": self.passed, "summary": self.summary(), "config": self.config,
                 "nights": [asdict(n) for n in self.nights], "wall_s": self.wall_s, "work_dir": self.work_dir}
@@ -1154,10 +1232,24 @@ class NightsReport:
                   *([f"budget ${s['budget']:g} (on_budget {c.get('on_budget')}): bills over it on nights "
                      f"{s['over_budget'] or 'none'}"] if s.get("budget") is not None else []),
                   *self._comparison_lines(s["autopilot"]),
+                  *self._tier_lines(s["tiers"]),
                   "PASSED" if self.passed else f"FAILED: nights {s['failing_seeds']} (replay one with --night SEED)"
                   + (f"; logs kept in {self.work_dir}" if self.work_dir else "")]
         return "\n".join(lines)
 
+
+    @staticmethod
+    def _tier_lines(cmp: dict[str, Any] | None) -> list[str]:
+        if not cmp:
+            return []
+        a, b = cmp["one_price"], cmp["tiers"]
+        ratio = cmp["tail_bill_ratio"]
+        return ["", "fallback at one price -> with tiers (same seeds, same faults):",
+                f"  {a['nights']} nights: met {a['met']} -> {b['met']}, paged {a['paged']} -> {b['paged']}, failed "
+                f"{a['failed']} -> {b['failed']}, duplicates {a['duplicates']} -> {b['duplicates']}, lost {a['lost']} -> "
+                f"{b['lost']}, tail rows {a['fallback_rows']:,} -> {b['fallback_rows']:,}, tail bill "
+                f"${a['tail_bill']:,.4f} -> ${b['tail_bill']:,.4f}"
+                + (f" ({ratio:.3f} of one price)" if ratio is not None else "")]
 
     @staticmethod
     def _comparison_lines(cmp: dict[str, Any] | None) -> list[str]:
@@ -1191,8 +1283,9 @@ def run_nights(cfg: NightsConfig) -> NightsReport:
         nights: list[Night] = []
         for seed in cfg.seeds():
             for pilot in cfg.modes():
-                nights.append(_NightRun(cfg, seed, server, work, pilot).run())
-                log.warning("%s", nights[-1].line())
+                for tiered in cfg.tier_modes():
+                    nights.append(_NightRun(cfg, seed, server, work, pilot, tiered).run())
+                    log.warning("%s", nights[-1].line())
         report = NightsReport(asdict(cfg), nights, round(time.monotonic() - t_start, 1))
         clean = report.passed and not cfg.keep
         report.work_dir = None if clean else str(work)

@@ -88,11 +88,23 @@ def _check_engine(spec: JobSpec) -> None:
 
         check_engines(spec)
     if spec.engine.name in BUILTIN_ENGINES:
+        _check_hosted_engine(spec, engine_class(spec.engine.name))
         return
     try:
         engine_class(spec.engine.name)
     except ValueError as exc:
         raise SpecError(f"spec field 'engine.name': {exc}") from None
+
+
+def _check_hosted_engine(spec: JobSpec, cls: type) -> None:
+    """A hosted batch transport is built at submit (no call to the provider): a record class not cleared
+    for it, an option it refuses or an output schema its provider cannot take is one line, nothing written."""
+    if getattr(cls, "transport", None) != "hosted_batch" or spec.task != "generate":
+        return
+    try:
+        cls(spec, spec.engine.options)
+    except ValueError as exc:
+        raise SpecError(f"spec field 'engine': {exc}") from None
 
 
 def _submit(conn: psycopg.Connection, spec: JobSpec, rows: Iterable[Mapping[str, Any]] | None) -> Manifest:

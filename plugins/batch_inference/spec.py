@@ -58,6 +58,7 @@ ENGINE_RESULT_OPTIONS: dict[str, tuple[str, ...]] = {
     "anthropic-batch": ("model",),
     "bedrock-batch": ("model",),
     "gemini-batch": ("model",),
+    "openai-tiers": ("model", "extra_body"),
 }
 
 

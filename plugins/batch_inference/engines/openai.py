@@ -180,6 +180,11 @@ class _Retryable(BatchInferenceError):
         self.retry_after = retry_after
 
 
+# Public: what ``_attempt`` raises for a transport failure (a tier-aware subclass, batch_inference.tiers.engine,
+# tells a refused request from an answered one by it).
+Retryable = _Retryable
+
+
 class OpenAIEngine(Engine):
     name = "openai"
     option_names = frozenset(

@@ -3,21 +3,25 @@
 A hosted or internal endpoint is the one boundary the engine and the fallback
 pool cross; this is it, on ``127.0.0.1``. What it answers is up to the caller:
 ``respond(body)`` returns ``(status, headers, payload)`` for each POSTed JSON
-body (``payload`` a dict, or bytes sent as they are). Every request is kept
-(``hits``: arrival time, body, headers), ``delay`` holds each answer back, and
-``max_in_flight`` says how many were on the wire at once.
+body (``payload`` a dict, or bytes sent as they are; ``DROP`` closes the
+connection with no answer, a dropped request), or the same with a fourth
+element, the seconds to hold that answer (a slower price tier). Every request
+is kept (``hits``: arrival time, body, headers), ``delay`` holds each other
+answer back, and ``max_in_flight`` says how many were on the wire at once.
 """
 
 from __future__ import annotations
 
 import json
+import socket
 import threading
 import time
 from collections.abc import Callable
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
-Answer = tuple[int, dict[str, str], Any]
+Answer = tuple[int, dict[str, str], Any]   # or (status, headers, payload, seconds to hold this answer)
+DROP = b"\0drop"      # a payload that drops the request: the connection closes with no answer
 
 
 def completion(content: str = '{"category": "bug", "summary": "x"}', finish: str = "stop",
@@ -71,11 +75,15 @@ class _Handler(BaseHTTPRequestHandler):
         body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
         with srv.lock:
             srv.hits.append((time.monotonic(), body, dict(self.headers)))
-            status, headers, payload = srv.respond(body)
+            status, headers, payload, *hold = srv.respond(body)
             srv.in_flight += 1
             srv.max_in_flight = max(srv.max_in_flight, srv.in_flight)
         try:
-            time.sleep(srv.delay)
+            time.sleep(hold[0] if hold else srv.delay)
+            if payload is DROP:
+                self.close_connection = True
+                self.connection.shutdown(socket.SHUT_RDWR)
+                return
             data = payload if isinstance(payload, bytes) else json.dumps(payload).encode()
             self.send_response(status)
             for key, value in headers.items():

@@ -140,7 +140,7 @@ class FallbackPoolOperator(BaseOperator):
                     concurrency=self.concurrency, model=self.model or None, style=self.style or None,
                     hosted=self.hosted, api_key_env=self.api_key_env, parallel_shards=self.parallel_shards,
                     record_run=self.record_run, extra_engine_options=self.engine_options, pool_ready=keep,
-                    on_page=page_budget)
+                    on_page=page_budget, deadline=deadline)   # with fallback.tiers: the tier each row can afford
                 break
             except (FallbackRefused, UnknownJob) as exc:
                 raise AirflowFailException(str(exc)) from None  # configuration: retrying cannot help

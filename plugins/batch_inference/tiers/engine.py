@@ -1,0 +1,146 @@
+"""The fallback pool's engine for an endpoint with price tiers: the ``openai`` engine, each request at a tier.
+
+``TieredOpenAIEngine`` is the ``openai`` engine (``engines.openai``) with one
+more option, ``tiers`` (the spec's ``fallback.tiers``), and a
+:class:`~batch_inference.tiers.TierPlan` that the pool shares between its
+threads (``plan``; an engine on its own makes one without a deadline). Each
+request carries its tier as ``service_tier`` in the chat-completions body.
+
+A request at a tier below the last is tried once: an answer (any status that
+is not a transport failure) is the record's outcome; a refusal (429 "Resource
+Unavailable", 5xx, a dropped connection, a timeout) is counted against that
+tier's breaker and accepted share, spends no attempt and sends the row to the
+next tier up at once. At the last tier the ``openai`` engine's own retries,
+back-off, breaker (the pool's) and allowance apply unchanged.
+
+The tier that answered each record is written under the worker's shard lease
+(``bi.fallback_tier_put_v1``) as the outcomes come back, in batches of
+``WRITE_EVERY``, before the worker stores them; a write the lease no longer
+covers is dropped with a warning (the row is then billed at the fallback's
+one price: the dearer side).
+"""
+
+from __future__ import annotations
+
+import contextvars
+import logging
+import threading
+import time
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+from batch_inference.breaker import EndpointUnavailable
+from batch_inference.engines import Outcome, Request, one_line
+from batch_inference.engines.openai import OpenAIEngine, Retryable
+from batch_inference.exceptions import InvalidValue
+from batch_inference.ledger import StaleLease
+from batch_inference.spec import ENGINE_RESULT_OPTIONS, FallbackTier
+from batch_inference.tiers import TierPlan
+
+log = logging.getLogger("batch_inference.tiers")
+
+WRITE_EVERY = 50
+_TIER: contextvars.ContextVar[int | None] = contextvars.ContextVar("batch_inference_tier", default=None)
+
+
+class TieredOpenAIEngine(OpenAIEngine):
+    name = "openai-tiers"
+    result_options = frozenset(ENGINE_RESULT_OPTIONS["openai-tiers"])
+    option_names = OpenAIEngine.option_names | {"tiers"}
+
+    def __init__(self, spec, options=None):
+        super().__init__(spec, options)
+        raw = self.option("tiers", None) or [t.model_dump() for t in spec.fallback.tiers]
+        try:
+            self.tier_specs = [t if isinstance(t, FallbackTier) else FallbackTier.model_validate(t) for t in raw]
+        except ValueError as exc:
+            raise InvalidValue(f"engine 'openai' (tiered): option tiers: {one_line(exc)}") from None
+        if not self.tier_specs:
+            raise InvalidValue("engine 'openai' (tiered): no tiers (set fallback.tiers)")
+        # The pool swaps in one plan for all its threads (fallback.FallbackPool); alone, no deadline.
+        self.plan = TierPlan(self.tier_specs, base_url=self.base_url, options=self.options,
+                             concurrency=self.concurrency, remaining=0, default_rate=float(self.rate_limit or 1e6),
+                             last_bucket=self.bucket, last_breaker=self.breaker)
+        self._answered: dict[str, str] = {}
+        self._ledger: Any = None
+        self._lease: Any = None
+
+    def body(self, req: Request) -> dict[str, Any]:
+        body = super().body(req)
+        i = _TIER.get()
+        if i is not None:
+            body["service_tier"] = self.plan.tiers[i].name
+        return body
+
+    async def _one(self, client: Any, req: Request, stop: threading.Event | None) -> Outcome | None:
+        plan, floor = self.plan, 0
+        while True:
+            i = plan.choose(floor)
+            _TIER.set(i)
+            t0 = time.monotonic()
+            if i == plan.last:
+                outcome = await super()._one(client, req, stop)
+                if outcome is not None:
+                    plan.observe(i, time.monotonic() - t0)
+                    self._answered[req.record_id] = plan.tiers[i].name
+                return outcome
+            tier = plan.tiers[i]
+            await tier.bucket.acquire()
+            if stop is not None and stop.is_set():
+                return None
+            if tier.breaker.tripped is not None:
+                floor = i + 1
+                continue
+            if self.allowance is not None and not self.allowance.take(req.record_id):
+                return None
+            t0 = time.monotonic()
+            try:
+                outcome = await self._attempt(client, req)
+            except Retryable as exc:
+                try:
+                    tier.breaker.failure(exc.reason)
+                except EndpointUnavailable:
+                    log.warning("tier %s tripped its breaker (%s): its rows go to the tiers above it", tier.name,
+                                exc.reason)
+                plan.refused(i)
+                floor = i + 1        # no attempt spent: the row moves up a tier at once
+                continue
+            except Exception as exc:  # noqa: BLE001 - as the openai engine: this record fails, not the pool
+                return Outcome(req.record_id, None, error=one_line(exc))
+            tier.breaker.success()
+            plan.observe(i, time.monotonic() - t0)
+            self._answered[req.record_id] = tier.name
+            return outcome
+
+    # -- the tier each stored row was answered at ------------------------------
+    def begin_shard(self, ledger: Any, lease: Any, drain: threading.Event) -> None:
+        self._ledger, self._lease = ledger, lease
+
+    def generate(self, requests: Sequence[Request], stop: threading.Event) -> Iterator[Outcome]:
+        pending: dict[str, str] = {}
+        try:
+            for outcome in super().generate(requests, stop):
+                tier = self._answered.pop(outcome.record_id, None)
+                if tier is not None:
+                    pending[outcome.record_id] = tier
+                    if len(pending) >= WRITE_EVERY:
+                        self._write(pending)
+                yield outcome
+        finally:
+            self._write(pending)
+
+    def _write(self, pending: dict[str, str]) -> None:
+        if not pending or self._ledger is None or self._lease is None:
+            pending.clear()
+            return
+        ledger, lease = self._ledger, self._lease
+        ids, tiers = list(pending), list(pending.values())
+        pending.clear()
+        try:
+            ledger.call(lambda: ledger.transition("fallback tiers", "fallback_tier_put", lease, ids=ids, tiers=tiers))
+        except StaleLease as exc:
+            log.warning("the tiers of %d row(s) were not recorded (%s): they are billed at the fallback's one price",
+                        len(ids), exc)
+
+
+__all__ = ["TieredOpenAIEngine", "WRITE_EVERY"]
