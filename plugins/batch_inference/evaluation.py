@@ -49,7 +49,7 @@ from psycopg.conninfo import make_conninfo
 from batch_inference import drift, plan
 from batch_inference.cost import Prices, night_cost
 from batch_inference.db import composed, first_line, q
-from batch_inference.exceptions import ReviewRefused
+from batch_inference.exceptions import InvalidValue, ReviewRefused
 from batch_inference.exits import HALTING, describe
 from batch_inference.spec import FieldGrader, JobSpec, parse_spec
 from batch_inference.status import job_counts
@@ -203,13 +203,48 @@ def _stopped(conn: psycopg.Connection, job: str, code: int) -> str:
     return f"worker: {describe(code)}" + (f"; {why}" if why else "") + f"); {then}"
 
 
-def golden_spec(spec: JobSpec) -> JobSpec:
-    """The companion spec of the golden run: the job's own result-defining fields, the golden table as source."""
+def golden_rows(conn: psycopg.Connection, spec: JobSpec) -> list[dict[str, Any]]:
+    """The golden set's records (record_id, text, expected), each text as the job stores a record: the
+    golden table's ``text_column``, or with ``source.columns`` the JSON array of those same columns of
+    the golden table, written as the snapshot writes one (``json_build_array``, ``prompting.columns_text``),
+    so calibrate, validate and the job render a golden record one way. The one reader of a golden set. A
+    golden set that does not fit the spec (a table, column or expected value it lacks) is InvalidValue,
+    one line naming the golden set and the shape it must have; an empty one is ``[]``."""
     g = spec.evaluation.golden
     assert g is not None
+    cols = spec.source.columns
+    text: sql.Composable = sql.Identifier(g.text_column) if not cols else sql.SQL("json_build_array({})").format(
+        sql.SQL(", ").join(sql.SQL("{}::text").format(sql.Identifier(c)) for c in cols))
+    shape = (f"{g.id_column}, {', '.join(cols) if cols else g.text_column}, {g.expected_column} (a JSON object "
+             "with some or all of the output's fields)")
+    if cols:
+        shape += (f": with source.columns a golden record is the same columns as a source record, not one text "
+                  "(docs/evaluation.md, a golden set for columns)")
+    try:
+        with conn.transaction():
+            rows = conn.execute(composed(
+                "golden_rows", table=sql.Identifier(*g.table.split(".")), id=sql.Identifier(g.id_column),
+                text=text, expected=sql.Identifier(g.expected_column))).fetchall()
+    except (errors.UndefinedTable, errors.UndefinedColumn, errors.DataError, errors.CannotCoerce) as exc:
+        raise InvalidValue(f"golden set {g.table} does not fit the spec: {first_line(exc)}; it needs the columns "
+                           f"{shape}") from None
+    bad = [r["record_id"] for r in rows if not isinstance(r["expected"], dict)]
+    if bad:
+        raise InvalidValue(f"golden set {g.table}: {len(bad)} expected value(s) are not JSON objects "
+                           f"({', '.join(bad[:5])})")
+    return rows
+
+
+def golden_spec(spec: JobSpec) -> JobSpec:
+    """The companion spec of the golden run: the job's own result-defining fields, the golden table as
+    source, read as ``golden_rows`` reads it (its ``text_column``, or the spec's ``source.columns``)."""
+    g = spec.evaluation.golden
+    assert g is not None
+    cols = spec.source.columns
+    record = {"columns": list(cols)} if cols else {"text_column": g.text_column}
     return spec.with_overrides(
-        dataset="golden_" + _key(g.table, g.id_column, g.text_column),
-        source={"kind": "postgres", "table": g.table, "id_column": g.id_column, "text_column": g.text_column},
+        dataset="golden_" + _key(g.table, g.id_column, *(cols or [g.text_column])),
+        source={"kind": "postgres", "table": g.table, "id_column": g.id_column, **record},
         incremental=False, evaluation={}, validation={"sample_size": 0})
 
 
@@ -251,17 +286,9 @@ def _golden(conn: psycopg.Connection, spec: JobSpec, job: str, failures: list[st
     # A golden set that cannot be graded fails the gates that need it; with no gate on it, it is a note.
     problems = failures if spec.evaluation.min_accuracy else notes
     try:
-        with conn.transaction():
-            rows = conn.execute(composed(
-                "golden_rows", table=sql.Identifier(*g.table.split(".")), id=sql.Identifier(g.id_column),
-                text=sql.Identifier(g.text_column), expected=sql.Identifier(g.expected_column))).fetchall()
-    except (errors.UndefinedTable, errors.UndefinedColumn, errors.DataError, errors.CannotCoerce) as exc:
-        problems.append(f"evaluation: golden set {g.table}: {first_line(exc)}")
-        return out
-    bad = [r["record_id"] for r in rows if not isinstance(r["expected"], dict)]
-    if bad:
-        problems.append(f"evaluation: golden set {g.table}: {len(bad)} expected value(s) are not JSON objects "
-                        f"({', '.join(bad[:5])})")
+        rows = golden_rows(conn, spec)
+    except InvalidValue as exc:
+        problems.append(f"evaluation: {exc}")
         return out
     in_snapshot = {r["record_id"] for r in conn.execute(q("golden_in_snapshot"), {
         "job": job, "ids": [r["record_id"] for r in rows], "texts": [r["text"] for r in rows]})}

@@ -138,7 +138,8 @@ def test_bad_golden_sets_fail_validation_with_one_line(conn, db_url):
     report = validate(conn, job)
     assert not report.passed
     assert [f for f in report["failures"] if "golden" in f] == [
-        'evaluation: golden set public.nope: relation "public.nope" does not exist']
+        'evaluation: golden set public.nope does not fit the spec: relation "public.nope" does not exist; it needs '
+        'the columns id, body, expected (a JSON object with some or all of the output\'s fields)']
     with pytest.raises(SpecError, match="min_accuracy needs a golden set"):
         make_spec(evaluation={"min_accuracy": {"category": 0.5}})
     with pytest.raises(SpecError, match="'colour' is not a top-level property"):

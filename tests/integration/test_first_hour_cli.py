@@ -445,3 +445,63 @@ def test_calibrate_out_writes_the_spec_as_written_with_its_thresholds(conn, db_u
     from batch_inference.spec import load_spec
 
     assert load_spec(out).spec_hash == report["spec_hash"]
+
+
+def test_a_golden_set_for_source_columns_is_read_and_rendered_as_the_job_reads_a_record(conn, db_url, tmp_path):
+    """One reader of a golden set (evaluation.golden_rows, calibrate's too): with source.columns a golden
+    record is those columns, rendered by the golden run as the job renders a record; a golden set of one
+    text column does not fit such a spec and validate says so in one line naming it and its shape, not
+    prompt.template."""
+    from batch_inference.evaluation import golden_rows
+    from batch_inference.exceptions import InvalidValue
+    from batch_inference.ladder.calibrate import golden_rows as calibrate_rows
+    from batch_inference.prompting import columns_text, render_record
+    from batch_inference.spec import parse_spec
+    from psycopg.types.json import Jsonb
+    from tests.fixtures.sources import expected_turn
+
+    conn.execute("CREATE TABLE public.tickets (id text, subject text, body text, acl text[])")
+    conn.execute("CREATE TABLE public.golden (id text, subject text, body text, expected jsonb)")
+    conn.execute("CREATE TABLE public.golden_text (id text, body text, expected jsonb)")
+    with conn.cursor() as cur:
+        cur.executemany("INSERT INTO public.tickets VALUES (%s, %s, %s, %s)", TICKETS)
+        cur.executemany("INSERT INTO public.golden VALUES (%s, %s, %s, %s)",
+                        [(f"g{rid}", subject, body, Jsonb({"category": "other"})) for rid, subject, body, _ in TICKETS])
+        cur.executemany("INSERT INTO public.golden_text VALUES (%s, %s, %s)",
+                        [(f"g{rid}", body, Jsonb({"category": "other"})) for rid, _, body, _ in TICKETS])
+    base = two_column_spec({"table": "public.tickets"}).model_dump(mode="json", exclude_none=True)
+
+    def with_golden(table: str, **golden: Any) -> dict[str, Any]:
+        return {**base, "evaluation": {"golden": {"table": table, "run": "engine", **golden},
+                                       "min_accuracy": {"category": 0.5}}}
+
+    good = with_golden("public.golden")
+    spec = parse_spec(good)
+    rows = golden_rows(conn, spec)
+    assert rows == calibrate_rows(conn, spec)
+    for (rid, subject, body, _), row in zip(TICKETS, rows):
+        assert row["text"] == columns_text([subject, body])
+        assert render_record(spec, row["text"])[:200] == expected_turn(subject, body)
+    env = {"BATCH_INFERENCE_ENGINE_MODULES": "tests.fixtures"}
+    job = one_json_line(bi("--db", db_url, "submit", write(tmp_path, good), env=env))["job_version"]
+    assert bi("--db", db_url, "worker", job, env=env).returncode == 0
+    report = one_json_line(bi("--db", db_url, "validate", job, "--json", env=env))
+    golden = report["evaluation"]["golden"]
+    assert golden["mode"] == "engine" and golden["graded"] == len(TICKETS), golden
+    seen = {r["record_id"]: r["output"]["summary"] for r in conn.execute(
+        "SELECT record_id, output FROM bi.results WHERE job_version = %s", (golden["job_version"],))}
+    assert seen == {f"g{rid}": expected_turn(subject, body) for rid, subject, body, _ in TICKETS}
+
+    plain = with_golden("public.golden_text", text_column="body")
+    shape = ("golden set public.golden_text does not fit the spec: column \"subject\" does not exist; it needs the "
+             "columns id, subject, body, expected (a JSON object with some or all of the output's fields): with "
+             "source.columns a golden record is the same columns as a source record, not one text "
+             "(docs/evaluation.md, a golden set for columns)")
+    with pytest.raises(InvalidValue) as info:
+        calibrate_rows(conn, parse_spec(plain))
+    assert str(info.value) == f"calibrate: {shape}"
+    job = one_json_line(bi("--db", db_url, "submit", write(tmp_path, plain, "plain.yaml"), env=env))["job_version"]
+    assert bi("--db", db_url, "worker", job, env=env).returncode == 0
+    p = bi("--db", db_url, "validate", job, env=env)
+    assert p.returncode == 1 and f"evaluation: {shape}" in p.stdout + p.stderr, p.stdout + p.stderr
+    assert "prompt.template" not in p.stdout + p.stderr

@@ -32,10 +32,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import psycopg
-from psycopg import errors, sql
 from psycopg.types.json import Jsonb
 
-from batch_inference.db import composed, first_line, q
+from batch_inference.db import q
+from batch_inference.evaluation import golden_rows as evaluation_golden_rows
 from batch_inference.evaluation import grade
 from batch_inference.exceptions import InvalidValue
 from batch_inference.ladder import rungs as rungs_mod
@@ -65,22 +65,14 @@ def check(spec: JobSpec) -> None:
 
 
 def golden_rows(conn: psycopg.Connection, spec: JobSpec) -> list[dict[str, Any]]:
-    """The golden set's rows (record_id, text, expected), read as validate reads them; one line if it cannot be."""
-    g = spec.evaluation.golden
-    assert g is not None
+    """The golden set's rows (record_id, text, expected), read as validate and the job read them
+    (``evaluation.golden_rows``); one line if it cannot be, or is empty."""
     try:
-        with conn.transaction():
-            rows = conn.execute(composed(
-                "golden_rows", table=sql.Identifier(*g.table.split(".")), id=sql.Identifier(g.id_column),
-                text=sql.Identifier(g.text_column), expected=sql.Identifier(g.expected_column))).fetchall()
-    except (errors.UndefinedTable, errors.UndefinedColumn, errors.DataError, errors.CannotCoerce) as exc:
-        raise InvalidValue(f"calibrate: golden set {g.table}: {first_line(exc)}") from None
+        rows = evaluation_golden_rows(conn, spec)
+    except InvalidValue as exc:
+        raise InvalidValue(f"calibrate: {exc}") from None
     if not rows:
-        raise InvalidValue(f"calibrate: golden set {g.table} has no record")
-    bad = [r["record_id"] for r in rows if not isinstance(r["expected"], dict)]
-    if bad:
-        raise InvalidValue(f"calibrate: golden set {g.table}: {len(bad)} expected value(s) are not JSON objects "
-                           f"({', '.join(bad[:5])})")
+        raise InvalidValue(f"calibrate: golden set {spec.evaluation.golden.table} has no record")
     return rows
 
 
