@@ -80,7 +80,7 @@ from batch_inference.ledger import FailedAttempt, Failure, Lease, Ledger, StaleL
 from batch_inference.outputs import check_for_storage, to_storage
 from batch_inference.pinning import verify_weights
 from batch_inference.spec import MAX_LEASE_SECONDS, JobSpec
-from batch_inference.status import job_counts, job_mode, job_spec
+from batch_inference.status import Progress, duration, job_counts, job_mode, job_spec
 from gpu_runner.overlap import ShardStream
 from gpu_runner.shard import Shard
 
@@ -875,45 +875,31 @@ _DATA_ERRORS = (psycopg.DataError, UnicodeEncodeError)
 
 
 class _Progress:
-    """A log line every N records or every few seconds: shard progress, rate, ETA, and the job's
-    progress when its counts were read (at most every few seconds, and at the shard's end)."""
+    """A log line every N records or every few seconds (``status.Progress``): shard progress, rate, ETA,
+    and the job's progress when its counts were read (at most every few seconds, and at the shard's end)."""
 
     def __init__(self, worker: Worker, lease: Lease, total: int):
         self.w, self.lease, self.total = worker, lease, total
-        self.done = 0
-        self.t0 = self.last = time.monotonic()
-        self.last_done = 0
+        self.meter = Progress(total, worker.cfg.progress_every, worker.cfg.progress_seconds)
 
     def add(self, n: int) -> None:
-        self.done += n
-        now = time.monotonic()
-        if self.done - self.last_done < self.w.cfg.progress_every and now - self.last < self.w.cfg.progress_seconds \
-                and self.done < self.total:
+        m = self.meter
+        if not m.add(n):
             return
-        rate = self.done / max(now - self.t0, 1e-9)
-        eta = (self.total - self.done) / rate if rate > 0 else float("inf")
+        now = m.last
         job = ""
         # The job's counts (a query) at most every progress_seconds, and at the shard's end.
-        if self.done >= self.total or now - self.w.job_counts_at >= self.w.cfg.progress_seconds:
+        if m.done >= self.total or now - self.w.job_counts_at >= self.w.cfg.progress_seconds:
             self.w.job_counts_at = now
             try:
                 assert self.w.conn is not None
                 c = job_counts(self.w.conn, self.lease.job_version)
-                job_eta = c["outstanding"] / rate if rate > 0 else float("inf")
+                job_eta = c["outstanding"] / m.rate if m.rate > 0 else float("inf")
                 job = (f"; job {c['stored']}/{c['records']} stored, {c['dead_letters']} dead, "
-                       f"{c['outstanding']} outstanding (ETA {_fmt(job_eta)} at this worker's rate)")
+                       f"{c['outstanding']} outstanding (ETA {duration(job_eta)} at this worker's rate)")
             except psycopg.Error:
                 pass
-        log.info("%s: shard %d: %d/%d (%.0f%%), %.1f records/s, ETA %s%s", self.w.owner, self.lease.shard_no,
-                 self.done, self.total, 100 * self.done / max(self.total, 1), rate, _fmt(eta), job)
-        self.last, self.last_done = now, self.done
-
-
-def _fmt(seconds: float) -> str:
-    if seconds == float("inf"):
-        return "?"
-    s = int(seconds)
-    return f"{s // 3600}h{s % 3600 // 60:02d}m" if s >= 3600 else f"{s // 60}m{s % 60:02d}s"
+        log.info("%s: shard %d: %s%s", self.w.owner, self.lease.shard_no, m.text(), job)
 
 
 def run_worker(cfg: WorkerConfig, own_process: bool = False) -> int:

@@ -6,6 +6,8 @@ the same at a thousand records or fifty million (the cutoff polls this).
 
 from __future__ import annotations
 
+import math
+import time
 from datetime import datetime
 from typing import Any, TypedDict
 
@@ -48,6 +50,45 @@ def unknown_job(job_version: str) -> UnknownJob:
     """The refusal of a job version the ledger does not hold, with the way to one."""
     return UnknownJob(f"no job version {job_version!r} in this database: `batch-inference submit SPEC` creates one "
                       "and prints its id; pass that id (and the same --db) here and to `batch-inference status`")
+
+
+class Progress:
+    """A long run's progress in records: when a line is due (every ``every`` records or ``seconds``
+    seconds, and at the end), its rate and the time left (``text``; ``total`` None: not known ahead,
+    no time left). The worker's shard lines, and calibrate's and estimate's, are made with it."""
+
+    def __init__(self, total: int | None, every: int = 500, seconds: float = 30.0):
+        self.total, self.every, self.seconds = total, every, seconds
+        self.done = self.last_done = 0
+        self.t0 = self.last = time.monotonic()
+        self.rate, self.eta = 0.0, math.inf
+
+    def add(self, n: int) -> bool:
+        """Count ``n`` more records done; True when a line is due (the rate and time left updated)."""
+        self.done += n
+        now = time.monotonic()
+        if self.done - self.last_done < self.every and now - self.last < self.seconds \
+                and (self.total is None or self.done < self.total):
+            return False
+        self.rate = self.done / max(now - self.t0, 1e-9)
+        if self.total is not None:
+            self.eta = (self.total - self.done) / self.rate if self.rate > 0 else math.inf
+        self.last, self.last_done = now, self.done
+        return True
+
+    def text(self) -> str:
+        if self.total is None:
+            return f"{self.done}, {self.rate:.1f} records/s"
+        return (f"{self.done}/{self.total} ({100 * self.done / max(self.total, 1):.0f}%), {self.rate:.1f} records/s, "
+                f"ETA {duration(self.eta)}")
+
+
+def duration(seconds: float) -> str:
+    """A time left as the progress lines show it: 4m05s, 2h07m, ? when unknown."""
+    if seconds == math.inf:
+        return "?"
+    s = int(seconds)
+    return f"{s // 3600}h{s % 3600 // 60:02d}m" if s >= 3600 else f"{s // 60}m{s % 60:02d}s"
 
 
 def counts_from_row(job_version: str, row: dict[str, Any] | None) -> JobCounts:

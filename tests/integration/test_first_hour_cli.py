@@ -505,3 +505,29 @@ def test_a_golden_set_for_source_columns_is_read_and_rendered_as_the_job_reads_a
     p = bi("--db", db_url, "validate", job, env=env)
     assert p.returncode == 1 and f"evaluation: {shape}" in p.stdout + p.stderr, p.stdout + p.stderr
     assert "prompt.template" not in p.stdout + p.stderr
+
+
+def test_calibrate_and_estimate_say_how_far_they_are(conn, db_url, tmp_path, monkeypatch, caplog):
+    """Progress for the long commands, made as the worker's (status.Progress): records done, rate, time left."""
+    import logging
+    import re
+
+    import importlib
+
+    from batch_inference.spec import parse_spec
+    from benchmarks.ladder import known_ladder, ticket_rows, ticket_tables
+
+    ticket_tables(conn, ticket_rows(20, hard_share=0.3), ticket_rows(20, hard_share=0.3, prefix="g"))
+    spec = write(tmp_path, known_ladder("public.tickets", "public.golden"))
+    p = bi("--db", db_url, "calibrate", spec, env={"BATCH_INFERENCE_ENGINE_MODULES": "benchmarks.ladder"})
+    assert p.returncode == 0, p.stderr
+    assert re.search(r"calibrate: rung 2 of 2 \(known-dear\), golden records asked at every rung: 40/40 \(100%\), "
+                     r"[\d.]+ records/s, ETA 0m00s$", p.stderr, re.M), p.stderr
+    preview_mod = importlib.import_module("batch_inference.estimate.preview")
+    monkeypatch.setattr(preview_mod, "PROGRESS_EVERY", 8)
+    with caplog.at_level(logging.INFO, logger="batch_inference.estimate"):
+        preview_mod.preview(conn, parse_spec(spec_dict(source={"table": "public.tickets", "text_column": "body",
+                                                              "acl_column": None})))
+    lines = [r.getMessage() for r in caplog.records if r.name == "batch_inference.estimate"]
+    assert [line.split(",")[0] for line in lines] == ["estimate: 8", "estimate: 16"], lines
+    assert all(line.endswith("records/s records read, judged and counted so far") for line in lines), lines

@@ -21,6 +21,7 @@ are ``cutoff.latest_safe_start`` over the spec's fallback rate and overhead.
 
 from __future__ import annotations
 
+import logging
 import math
 import random
 import time
@@ -44,6 +45,7 @@ from batch_inference.prompting import build_messages
 from batch_inference.snapshot import clean_text, source_errors
 from batch_inference.sources import postgres as postgres_source
 from batch_inference.spec import JobSpec
+from batch_inference.status import Progress
 
 BLANK = " \t\n\r\f\x0b"   # btrim's set: the snapshot's "empty text"
 RECENT_RUNS = 5            # job versions of the same model read for a measured rate
@@ -52,6 +54,11 @@ OUTPUT_SAMPLE = 200        # stored answers re-tokenized for output tokens a rec
 FETCH = 2_000              # rows a server-side cursor fetches at once
 
 VERDICTS = ("go", "over_budget", "misses_deadline")
+# A progress line every this many records read or seconds (status.Progress): a large source takes minutes.
+PROGRESS_EVERY = 100_000
+PROGRESS_SECONDS = 30.0
+
+log = logging.getLogger("batch_inference.estimate")
 
 
 # -- reading the source -----------------------------------------------------------
@@ -284,9 +291,12 @@ def preview(conn: psycopg.Connection, spec: JobSpec, *, reader: sources.Reader |
     drawn: list[dict[str, Any]] = []
     t_count = 0.0
     rung_tokens = [0] * len(spec.models or ())   # a model ladder: each rung's tokenizer's count (LadderCounter)
+    progress = Progress(None, every=PROGRESS_EVERY, seconds=PROGRESS_SECONDS)
     try:
         for row in (rows if rows is not None else source_rows(conn, spec, reader)):
             records += 1
+            if progress.add(1):
+                log.info("estimate: %s records read, judged and counted so far", progress.text())
             text, reject = judge(spec, row)
             if reject is not None:
                 reasons[reject.split(" (")[0]] += 1

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import logging
 import threading
 from dataclasses import dataclass, field
 from typing import Any
@@ -40,7 +41,13 @@ from batch_inference.evaluation import grade
 from batch_inference.exceptions import InvalidValue
 from batch_inference.ladder import rungs as rungs_mod
 from batch_inference.spec import JobSpec
+from batch_inference.status import Progress
 
+log = logging.getLogger("batch_inference.calibrate")
+
+# A progress line every this many golden answers or seconds, and at the end (status.Progress).
+PROGRESS_EVERY = 50
+PROGRESS_SECONDS = 10.0
 # Threshold candidates per rung when the ladder has three rungs or more (quantiles of the
 # confidences seen): the search tries every combination.
 MAX_CANDIDATES = 40
@@ -165,11 +172,16 @@ def golden_answers(spec: JobSpec, rows: list[dict[str, Any]]) -> list[dict[str, 
     try:
         verify_weights(engine, spec)
         engine.load()
-        for no in range(1, len(engine.rungs) + 1):
+        top = len(engine.rungs)
+        progress = Progress(len(requests) * top, every=PROGRESS_EVERY, seconds=PROGRESS_SECONDS)
+        for no in range(1, top + 1):
             given = {}
             for a in engine.answers(no, requests, threading.Event()):
                 obj = json.loads(a.text) if a.valid and a.text else None
                 given[a.record_id] = (a.valid, a.confidence, _right(spec, by_id[a.record_id], obj))
+                if progress.add(1):
+                    log.info("calibrate: rung %d of %d (%s), golden records asked at every rung: %s", no, top,
+                             spec.models[no - 1].model.name, progress.text())
             out.append(given)
     finally:
         engine.close()
