@@ -16,6 +16,13 @@ as binary parameters (``%b``): text-format arrays cost the client ~18 us per
 row in psycopg's quoting, and a ceiling should use the cheapest encoding.
 Ceiling and pipeline alternate within each repeat so both see the same load.
 
+With W > 1 workers, also ``raw_writers``: W processes, each with its own
+connection, putting disjoint parts of the same rows into one partition the
+same way at the same time (records / (last end - first start), the pipeline's
+clock), and ``ratio_vs_writers``, the pipeline against as many raw writers as
+it has workers. On a faster CPU the single connection and the W writers speed
+up together with the server; a fixed cost in the workers shows there.
+
 Also in the same run: ``ledger_put``, one connection writing a whole job
 through ``Ledger.put_results`` (the database side of the control plane with no
 worker around it), and CPU per record of every arm, which the machine's load
@@ -27,7 +34,9 @@ moves far less than wall time.
 from __future__ import annotations
 
 import argparse
+import concurrent.futures
 import json
+import multiprocessing
 import os
 import resource
 import subprocess
@@ -88,6 +97,39 @@ def raw_ceiling(conn: psycopg.Connection, run: str, records: int, batch: int) ->
     assert n == records, (n, records)
     conn.execute(f"DROP TABLE {part}")
     return records / elapsed, server_s / records, client_s / records
+
+
+def _raw_writer(url: str, run: str, ids: list[str], batch: int, start: Any) -> tuple[float, float]:
+    """One of ``raw_writers``' processes: (start, end) wall clock of putting ``ids``."""
+    payload = json.dumps(minimal_instance(BENCH_SCHEMA), ensure_ascii=False)
+    with db.connect(url) as conn:
+        start.wait()
+        t0 = time.time()
+        for s in range(0, len(ids), batch):
+            chunk = ids[s:s + batch]
+            conn.execute(RAW_INSERT, {"job": run, "digest": "0" * 64, "ids": chunk,
+                                      "outputs": [payload] * len(chunk), "categories": ["billing"] * len(chunk)})
+        return t0, time.time()
+
+
+def raw_writers(url: str, conn: psycopg.Connection, run: str, records: int, batch: int, writers: int) -> float:
+    """Rows/s of ``writers`` processes, each with its own connection, putting disjoint parts of
+    ``records`` new rows into one partition at once, ``batch`` per statement: the ceiling of as many
+    raw writers as the pipeline has workers."""
+    conn.execute(RAW_TABLE)
+    part = f"raw_results_{run}_w"
+    conn.execute(f"CREATE TABLE {part} PARTITION OF public.raw_results FOR VALUES IN ('{run}_w')")
+    ids = [f"t{i:09d}" for i in range(1, records + 1)]
+    ctx = multiprocessing.get_context("fork")
+    start = ctx.Manager().Barrier(writers)
+    with concurrent.futures.ProcessPoolExecutor(writers, mp_context=ctx) as pool:
+        spans = list(pool.map(_raw_writer, [url] * writers, [f"{run}_w"] * writers,
+                              [ids[i::writers] for i in range(writers)], [batch] * writers, [start] * writers))
+    elapsed = max(e for _, e in spans) - min(b for b, _ in spans)
+    n = conn.execute(f"SELECT count(*) AS n FROM {part}").fetchone()["n"]  # type: ignore[index]
+    assert n == records, (n, records)
+    conn.execute(f"DROP TABLE {part}")
+    return records / elapsed
 
 
 def ledger_put(conn: psycopg.Connection, run: str, records: int, shard_size: int, batch: int) -> tuple[float, float]:
@@ -168,7 +210,8 @@ def run(records: int = 100_000, shard_size: int = 5000, workers: int = 2, flush:
         per_flush: dict[int, dict[str, list[float]]] = {f: {"ceiling": [], "pipeline": [], "ratio": [], "cpu": [],
                                                           "ledger": [], "ledger_ratio": [],
                                                           "server_cpu": [], "ceiling_cpu": [], "cpu_ratio": [],
-                                                          "raw_server": [], "put_server": [], "server_ratio": []}
+                                                          "raw_server": [], "put_server": [], "server_ratio": [],
+                                                          "writers": [], "writers_ratio": []}
                                                        for f in flush}
         start_cpu: float | None = None
         for rep in range(repeats):
@@ -178,6 +221,10 @@ def run(records: int = 100_000, shard_size: int = 5000, workers: int = 2, flush:
                 ceiling_cpu = raw_server + raw_client
                 put, put_server = ledger_put(conn, run_id, records, shard_size, f)
                 p = pipeline(url, conn, run_id, records, shard_size, workers, f)
+                if workers > 1:
+                    writers = raw_writers(url, conn, run_id, records, f, workers)
+                    per_flush[f]["writers"].append(writers)
+                    per_flush[f]["writers_ratio"].append(p["rate"] / writers)
                 if start_cpu is None:
                     start_cpu = startup_cpu(url, p["job"])
                 # Clamped: at --quick sizes start-up is most of a worker's CPU, and the
@@ -212,7 +259,9 @@ def run(records: int = 100_000, shard_size: int = 5000, workers: int = 2, flush:
                  "cpu_ratio": round(median(d["cpu_ratio"]), 3),
                  # The database's share alone: how many records/s one PostgreSQL absorbs from
                  # the pipeline relative to raw inserts, once workers run on their own machines.
-                 "server_cpu_ratio": round(median(d["server_ratio"]), 3)}
+                 "server_cpu_ratio": round(median(d["server_ratio"]), 3),
+                 **({"raw_writers_rows_s": rnd(median(d["writers"])),
+                     "ratio_vs_writers": round(median(d["writers_ratio"]), 3)} if d["writers"] else {})}
         for f, d in per_flush.items()}
     # Judged at the flush size workers use unless told otherwise.
     judged = WorkerConfig.flush_every if WorkerConfig.flush_every in flush else flush[0]
@@ -220,7 +269,9 @@ def run(records: int = 100_000, shard_size: int = 5000, workers: int = 2, flush:
     return {"benchmark": "control_plane", "records": records, "shard_size": shard_size, "workers": workers,
             "repeats": repeats, "flush_every": list(flush), "judged_flush": judged, "by_flush": results,
             "worker_startup_cpu_s": rnd(start_cpu or 0.0),
-            "ratio": default["ratio"], "target": f">= {TARGET}", "met": default["ratio"] >= TARGET,
+            "ratio": default["ratio"], "ratio_vs_writers": default.get("ratio_vs_writers"),
+            "target": f">= {TARGET} (against one connection and against as many raw writers as workers)",
+            "met": default["ratio"] >= TARGET and default.get("ratio_vs_writers", TARGET) >= TARGET,
             "patches": list(patches), "postgres": version, "machine": machine()}
 
 

@@ -64,6 +64,8 @@ def check_control_plane(out: dict) -> None:
     for row in out["by_flush"].values():
         assert row["raw_ceiling_rows_s"] > 0 and row["pipeline_records_s"] > 0 and row["ledger_put_rows_s"] > 0
         assert row["ratio"] > 0
+        if out["workers"] > 1:
+            assert row["raw_writers_rows_s"] > 0 and row["ratio_vs_writers"] > 0
 
 
 def check_submit(out: dict) -> None:
