@@ -91,6 +91,8 @@ def test_openai_tiers_are_the_clients_own():
 
 
 def test_without_a_deadline_every_row_goes_flex_and_refusals_move_up_spending_nothing(conn, db_url, capsys):
+    """Flex refuses or drops 30% of its requests: a refused row tries flex once more, then moves up to default;
+    no attempt is spent and every row is billed at the tier that answered it."""
     ep = TieredEndpoint(refuse=0.2, drop=0.1)
     make_source(conn, tickets(400))
     job = submit(conn, tiered_spec()).job_version
@@ -100,15 +102,17 @@ def test_without_a_deadline_every_row_goes_flex_and_refusals_move_up_spending_no
         ep.close()
     assert result.stored == 400 and job_counts(conn, job)["stored"] == 400 and no_attempts(conn, job)
     flex, default = result.tiers
-    assert flex["refused"] == ep.refused > 0 and default["answered"] == ep.answered["default"] == ep.refused
-    assert flex["answered"] == ep.answered["flex"] == 400 - ep.refused
+    n_flex, n_default = ep.answered["flex"], ep.answered["default"]
+    assert flex["refused"] == ep.refused > 0 and (flex["answered"], default["answered"]) == (n_flex, n_default)
+    # a row moves up only after two refusals at flex: about 0.3 x 0.3 of them, far fewer than the refusals
+    assert n_flex + n_default == 400 and 0 < n_default < ep.refused / 2
     # every stored row billed at the tier that answered it
-    assert tier_rows(conn, job) == {"flex": 400 - ep.refused, "default": ep.refused}
+    assert tier_rows(conn, job) == {"flex": n_flex, "default": n_default}
     assert cli_main(["cost", job, "--db", db_url, "--json"]) == 0
     bill = json.loads(capsys.readouterr().out.strip().splitlines()[-1])["so_far"]
     split = {t["tier"]: t for t in bill["fallback_tiers"]}
-    assert split["flex"]["rows"] == 400 - ep.refused and split["default"]["rows"] == ep.refused
-    want = (400 - ep.refused) * Decimal("0.003625") + ep.refused * Decimal("0.00725")
+    assert split["flex"]["rows"] == n_flex and split["default"]["rows"] == n_default
+    want = n_flex * Decimal("0.003625") + n_default * Decimal("0.00725")
     assert abs(Decimal(str(bill["fallback_cost"])) - want) < Decimal("0.01")
     assert bill["fallback_cost"] < bill["fallback_rows"] * 0.00725
 

@@ -25,8 +25,10 @@ whatever no cheaper tier can finish. Without a deadline every row goes to the
 cheapest tier.
 
 A refusal at a tier below the last (HTTP 429 "Resource Unavailable", a 5xx,
-a dropped connection, a timeout) spends no attempt: the row moves to the next
-tier up at once. Each tier below the last has a breaker and a token bucket of
+a dropped connection, a timeout) spends no attempt: the row tries that tier
+again after a short back-off while the plan still picks it, and after
+``TIER_TRIES`` refusals there (or once the plan no longer picks it) moves to
+the next tier up. Each tier below the last has a breaker and a token bucket of
 its own; a cheaper tier refuses some requests as a matter of course, so its
 breaker trips only on the share rule (80% of its last ``breaker.WINDOW``
 requests refused), never on a short run: tripped, it sends every row to the
@@ -58,6 +60,7 @@ MARGIN = 1.25          # the projected re-drive must fit this many times over in
 LATENCY_WEIGHT = 0.2   # weight of a new latency in the tier's exponential average
 ACCEPT_WEIGHT = 0.05   # ... of a new accept (1) or refusal (0) in its accepted share
 MIN_ACCEPT = 0.05      # a tier that refuses nearly everything still counts as this slow, never infinitely
+TIER_TRIES = 2         # a row refused this many times at a tier below the last moves up a tier
 
 
 @dataclass
@@ -168,4 +171,4 @@ def priced_by_tier(report: Any, tier_rows: Iterable[dict[str, Any]], tiers: Sequ
                                tiers=tuple(split))
 
 
-__all__ = ["MARGIN", "TIERED_ENGINE", "Tier", "TierPlan", "priced_by_tier"]
+__all__ = ["MARGIN", "TIERED_ENGINE", "TIER_TRIES", "Tier", "TierPlan", "priced_by_tier"]

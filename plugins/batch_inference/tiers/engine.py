@@ -6,11 +6,13 @@ more option, ``tiers`` (the spec's ``fallback.tiers``), and a
 threads (``plan``; an engine on its own makes one without a deadline). Each
 request carries its tier as ``service_tier`` in the chat-completions body.
 
-A request at a tier below the last is tried once: an answer (any status that
-is not a transport failure) is the record's outcome; a refusal (429 "Resource
+A request at a tier below the last: an answer (any status that is not a
+transport failure) is the record's outcome; a refusal (429 "Resource
 Unavailable", 5xx, a dropped connection, a timeout) is counted against that
-tier's breaker and accepted share, spends no attempt and sends the row to the
-next tier up at once. At the last tier the ``openai`` engine's own retries,
+tier's breaker and accepted share and spends no attempt. The row tries that
+tier again after a short back-off (``backoff_base_s``) while the plan still
+picks it, at most ``tiers.TIER_TRIES`` times in all, and then moves to the
+next tier up. At the last tier the ``openai`` engine's own retries,
 back-off, breaker (the pool's) and allowance apply unchanged.
 
 The tier that answered each record is written under the worker's shard lease
@@ -22,20 +24,23 @@ one price: the dearer side).
 
 from __future__ import annotations
 
+import asyncio
 import contextvars
 import logging
+import random
 import threading
 import time
+from collections import Counter
 from collections.abc import Iterator, Sequence
 from typing import Any
 
 from batch_inference.breaker import EndpointUnavailable
 from batch_inference.engines import Outcome, Request, one_line
-from batch_inference.engines.openai import OpenAIEngine, Retryable
+from batch_inference.engines.openai import OpenAIEngine, Retryable, backoff_delay
 from batch_inference.exceptions import InvalidValue
 from batch_inference.ledger import StaleLease
 from batch_inference.spec import ENGINE_RESULT_OPTIONS, FallbackTier
-from batch_inference.tiers import TierPlan
+from batch_inference.tiers import TIER_TRIES, TierPlan
 
 log = logging.getLogger("batch_inference.tiers")
 
@@ -62,6 +67,7 @@ class TieredOpenAIEngine(OpenAIEngine):
                              concurrency=self.concurrency, remaining=0, default_rate=float(self.rate_limit or 1e6),
                              last_bucket=self.bucket, last_breaker=self.breaker)
         self._answered: dict[str, str] = {}
+        self._pause_rng = random.Random()
         self._ledger: Any = None
         self._lease: Any = None
 
@@ -74,6 +80,7 @@ class TieredOpenAIEngine(OpenAIEngine):
 
     async def _one(self, client: Any, req: Request, stop: threading.Event | None) -> Outcome | None:
         plan, floor = self.plan, 0
+        refusals: Counter[int] = Counter()
         while True:
             i = plan.choose(floor)
             _TIER.set(i)
@@ -103,7 +110,16 @@ class TieredOpenAIEngine(OpenAIEngine):
                     log.warning("tier %s tripped its breaker (%s): its rows go to the tiers above it", tier.name,
                                 exc.reason)
                 plan.refused(i)
-                floor = i + 1        # no attempt spent: the row moves up a tier at once
+                refusals[i] += 1
+                # No attempt spent. The row tries this tier again (after a short pause) while the arithmetic
+                # still allows it, up to TIER_TRIES times; then it moves up a tier.
+                if refusals[i] < TIER_TRIES and tier.breaker.tripped is None and plan.choose(i) == i:
+                    delay = backoff_delay(refusals[i] - 1, self.backoff_base_s, self.backoff_max_s, self._pause_rng)
+                    if stop is not None and stop.is_set():
+                        return None
+                    await asyncio.sleep(delay)
+                    continue
+                floor = i + 1
                 continue
             except Exception as exc:  # noqa: BLE001 - as the openai engine: this record fails, not the pool
                 return Outcome(req.record_id, None, error=one_line(exc))
