@@ -171,6 +171,8 @@ class CostReport:
     gpu_cost: Decimal = Decimal(0)
     # A model ladder's batch rows, priced rung by rung (``priced_by_rung``): each rung's answers x its price.
     rungs: tuple[dict[str, Any], ...] = ()
+    # The fallback's rows priced at the tier that answered each (``tiers.priced_by_tier``): tier, rows, per_row, cost.
+    tiers: tuple[dict[str, Any], ...] = ()
 
     @property
     def overage(self) -> Decimal:
@@ -214,6 +216,8 @@ class CostReport:
             "savings_vs_all_synchronous": float(cents(self.savings)),
             "prices": self.prices.to_dict(),
             **({"rungs": [{**r, "cost": round(float(r["cost"]), 6)} for r in self.rungs]} if self.rungs else {}),
+            **({"fallback_tiers": [{**t, "per_row": float(t["per_row"]), "cost": round(float(t["cost"]), 6)}
+                                   for t in self.tiers]} if self.tiers else {}),
         }
 
     def lines(self) -> list[str]:

@@ -4,7 +4,7 @@
 names are ``llama-cpp`` (embedded CPU default), ``vllm`` (offline GPU),
 ``openai`` (any OpenAI-compatible HTTP endpoint), ``noop`` (benchmark and
 chaos engine, never a default) and the hosted batch transports
-``openai-batch``, ``anthropic-batch`` and ``bedrock-batch``
+``openai-batch``, ``anthropic-batch``, ``bedrock-batch`` and ``gemini-batch``
 (``batch_inference.hosted``). Anything else is a dotted path to an Engine
 subclass, ``package.module:ClassName`` or ``package.module.ClassName``,
 imported only from a module the deployment allows (``allowed_engine_modules``):

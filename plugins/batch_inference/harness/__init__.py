@@ -9,7 +9,8 @@
   (``ChatServer``), the fallback endpoint of the nights and the tests;
 * ``hosted_sim`` and ``hosted_openai``: a hosted batch provider's clock (``BatchProvider``) and a
   loopback emulator of OpenAI's Batch API on it (``OpenAIBatchEmulator``), the hosted nights'
-  provider and the hosted transport tests'.
+  provider and the hosted transport tests'; ``hosted_gemini``: the same for Gemini's Batch API
+  (``GeminiBatchEmulator``).
 
 A harness imports from here, never another harness's private names.
 """
