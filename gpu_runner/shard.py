@@ -40,6 +40,8 @@ class Shard:
     # failed answer this worker saw of each record.
     retries: dict[str, Retry] = field(default_factory=dict)
     last_failed: dict[str, Failure] = field(default_factory=dict)
+    # Records held with another record's outcome: the same input, computed once (the worker's _generate).
+    shared: set[str] = field(default_factory=set)
 
     def request(self, spec: JobSpec, record_id: str, text: str) -> Request:
         """The record's next request: its first, or a retry (``Retry``: the next attempt number, so

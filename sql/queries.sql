@@ -522,3 +522,9 @@ SELECT id, job_version, actor, reason, stage, reason_like, records, shards, left
 
 -- name: dataset_names  every dataset that has a job version or a publish history (an unknown name's did-you-mean)
 SELECT dataset FROM bi.jobs UNION SELECT dataset FROM bi.publish_history ORDER BY 1;
+
+-- name: note_shared  count records of a shard stored with another record's result (the same rendered input) under the lease
+SELECT * FROM bi.note_shared_v1(%(job)s, %(shard)s, %(epoch)s, %(owner)s, %(n)s);
+
+-- name: shared_inputs  a job version's records stored with another record's result (identical rendered inputs computed once)
+SELECT coalesce(sum(records), 0)::bigint AS n FROM bi.shared_inputs WHERE job_version = %(job)s;

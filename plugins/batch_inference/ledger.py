@@ -192,6 +192,11 @@ class Ledger:
         gets a crash (sql/schema/ledger.sql, bi.record_deaths_v1)."""
         self._held("in-flight mark", "mark_in_flight", lease, ids=list(ids))
 
+    def note_shared(self, lease: Lease, n: int) -> None:
+        """Count ``n`` records of the shard stored with another record's result (the same rendered
+        input, computed once); stale raises."""
+        self._held("shared count", "note_shared", lease, n=n)
+
     def abandon(self, lease: Lease) -> bool:
         """Give the shard back at once because the engine broke: a release that
         counts as a lost lease, with crashes for the in-flight batch."""

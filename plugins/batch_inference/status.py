@@ -124,6 +124,12 @@ def bill(conn: psycopg.Connection, job_version: str, prices: Prices | None = Non
     return so_far, fired
 
 
+def shared_inputs(conn: psycopg.Connection, job_version: str) -> int:
+    """Records stored with another record's result: the same rendered input in one shard, computed
+    once (``bi.shared_inputs``, summed over the version's shards)."""
+    return int(conn.execute(q("shared_inputs"), {"job": job_version}).fetchone()["n"])
+
+
 def job_halt(conn: psycopg.Connection, job_version: str) -> dict[str, Any]:
     """When the version's workers last halted it and why (``bi.halt_job_v1``); both None if never.
     ``halt_cleared_at``: when the halt became a past one, the earlier of a resubmit that changed the

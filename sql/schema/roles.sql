@@ -199,3 +199,6 @@ GRANT EXECUTE ON FUNCTION
     bi.replica_rebuilt_v1(text, integer, bigint, text, text, text, bigint, double precision),
     bi.hand_in_results_v1(text, integer, bigint, text, text, text, text, integer, bigint, text, text, text)
 TO bi_worker;
+
+-- Identical rendered inputs computed once (counts.sql): a worker counts the records it stored with another's result.
+GRANT EXECUTE ON FUNCTION bi.note_shared_v1(text, integer, bigint, text, integer) TO bi_worker;

@@ -531,3 +531,42 @@ def test_calibrate_and_estimate_say_how_far_they_are(conn, db_url, tmp_path, mon
     lines = [r.getMessage() for r in caplog.records if r.name == "batch_inference.estimate"]
     assert [line.split(",")[0] for line in lines] == ["estimate: 8", "estimate: 16"], lines
     assert all(line.endswith("records/s records read, judged and counted so far") for line in lines), lines
+
+
+def test_identical_inputs_in_a_job_are_embedded_once_and_share_their_vector(conn, db_url, tmp_path):
+    """llama.cpp's vector for a text depends on the batch it lands in: identical rendered inputs are computed
+    once and the result is stored under each record id (one row each, I1), counted in status."""
+    from tests.integration.test_embed import embed_spec
+
+    same = "My card was charged twice for one order."
+    rows = [("d1", same, ["a"]), ("u1", "The app crashes when I save.", ["a"]), ("d2", same, ["b"]),
+            ("u2", "I cannot log in since the update.", ["a"]), ("d3", same, ["a"])]
+    make_source(conn, rows)
+    spec = embed_spec(embedding={"dimensions": 576, "pooling": "last"})
+    job = one_json_line(bi("--db", db_url, "submit", write(tmp_path, spec)))["job_version"]
+    w = bi("--db", db_url, "worker", job, timeout=600)
+    assert w.returncode == 0, w.stderr
+    stored = {r["record_id"]: bytes(r["embedding"]) for r in conn.execute(
+        "SELECT record_id, embedding FROM bi.results WHERE job_version = %s", (job,))}
+    assert sorted(stored) == ["d1", "d2", "d3", "u1", "u2"]                   # one row a record id
+    assert stored["d1"] == stored["d2"] == stored["d3"] and stored["u1"] != stored["d1"]
+    shown = one_json_line(bi("--db", db_url, "status", job, "--json"))
+    assert (shown["stored"], shown["computed_once"]) == (5, 2), shown
+    assert "5/5 stored (0 by fallback, 0 reused, 2 computed once for an identical input)" in \
+        bi("--db", db_url, "status", job).stdout
+
+
+def test_identical_inputs_fail_together_each_with_its_own_dead_letter(conn, db_url, tmp_path):
+    """An answer that fails is a failed attempt of each record asked the same thing: identical records are
+    dead-lettered together after the same attempts, each with its error and raw output."""
+    rows = tickets(3) + [("p1", "[[invalid-output]] the same", ["team0"]), ("p2", "[[invalid-output]] the same",
+                                                                            ["team1"])]
+    make_source(conn, rows)
+    job = one_json_line(bi("--db", db_url, "submit", write(tmp_path, spec_dict())))["job_version"]
+    assert bi("--db", db_url, "worker", job).returncode == 0
+    dead = {r["record_id"]: r for r in conn.execute(
+        "SELECT record_id, attempts, reason, raw_output FROM bi.dead_letters WHERE job_version = %s", (job,))}
+    assert sorted(dead) == ["p1", "p2"] and dead["p1"]["attempts"] == dead["p2"]["attempts"] == 3
+    assert dead["p1"]["reason"] == dead["p2"]["reason"] and dead["p1"]["raw_output"] == dead["p2"]["raw_output"]
+    shown = one_json_line(bi("--db", db_url, "status", job, "--json"))
+    assert (shown["stored"], shown["dead_letters"], shown["computed_once"]) == (3, 2, 0), shown

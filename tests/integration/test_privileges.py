@@ -46,6 +46,8 @@ WORKER_FUNCTIONS = {
     # regions: near shards first, replicas read (and rebuilt), results handed in (batch_inference/regions/ledger.py)
     "claim_shard_region_v2", "region_store_v1", "region_shard_state_v1", "replica_rows_v1", "replica_rebuilt_v1",
     "hand_in_results_v1",
+    # identical rendered inputs computed once: the records stored with another's result (gpu_runner/worker.py)
+    "note_shared_v1",
 }
 
 

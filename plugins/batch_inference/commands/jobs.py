@@ -74,13 +74,14 @@ def run_submit(args: argparse.Namespace) -> int:
 
 
 def run_status(args: argparse.Namespace) -> int:
-    from batch_inference.status import job_counts, job_halt
+    from batch_inference.status import job_counts, job_halt, shared_inputs
 
     with connect(args) as conn:
         c = job_counts(conn, args.job_version)
         halt = job_halt(conn, args.job_version)
+        shared = shared_inputs(conn, args.job_version)
     if args.json:
-        print_json({**c, **halt})
+        print_json({**c, **halt, "computed_once": shared})
     else:
         s = c["shards"]
         # The workers' halt (weights that do not match, an engine that cannot start): why nothing moves;
@@ -96,7 +97,8 @@ def run_status(args: argparse.Namespace) -> int:
             halted = (f"; HALTED by its workers at {halt['halted_at']:%Y-%m-%d %H:%M:%S %Z}: "
                       f"{printable(halt['halt_reason'])}")
         print(f"{c['job_version']}: {c['stored']}/{c['records']} stored ({c['stored_fallback']} by fallback, "
-              f"{c['reused']} reused), {c['dead_letters']} dead letters, {c['outstanding']} outstanding; "
+              f"{c['reused']} reused{f', {shared} computed once for an identical input' if shared else ''}), "
+              f"{c['dead_letters']} dead letters, {c['outstanding']} outstanding; "
               f"shards pending {s['pending']}, leased {s['leased']}, done {s['done']}; "
               f"mode {c['mode']}, status {c['status']}{halted}")
     return 0
