@@ -154,3 +154,14 @@ def test_a_job_over_three_regions_runs_end_to_end_and_matches_a_single_region_ru
         assert submit(one, spec).job_version == job
         assert run_worker(WorkerConfig(job_version=job, db_url=single)) == 0
         assert results(one, job) == many
+
+
+def test_the_far_worker_benchmark_runs_every_arm_to_the_end_behind_its_latency_proxy(capsys):
+    """A quick run of benchmarks.regions (its figures are docs/performance.md's): every arm stores every
+    record (the benchmark checks it), and the proxy adds at least the round trip it was given."""
+    from benchmarks.regions import ARMS, main
+
+    out = main(["--records", "120", "--shard-size", "40", "--delay-ms", "1", "--rtt-ms", "30", "--repeats", "1"])
+    assert set(out["records_per_s"]) == set(ARMS) and all(v > 0 for v in out["records_per_s"].values())
+    assert out["measured_rtt_ms"] >= 30
+    assert '"benchmark":"regions"' in capsys.readouterr().out
