@@ -53,3 +53,11 @@ WITH held AS MATERIALIZED (
      WHERE job_version = %(job)s AND lease_owner = %(owner)s AND state = 'leased')
 SELECT shard_no, epoch, bi.release_shard_v2(job_version, shard_no, epoch, %(owner)s) AS stale
   FROM held ORDER BY shard_no;
+
+-- name: fleet_abandon_dead_owner  every lease a worker that died by a signal still holds, given back at once (counted as a lost lease, as its expiry would be) with why on each shard (bi.abandon_dead_owner_v1)
+SELECT shard_no, epoch, stale FROM bi.abandon_dead_owner_v1(%(job)s, %(owner)s, %(error)s);
+
+-- name: shard_last_error  the job's latest worker death a launcher recorded on a shard, if any (bi.shards.last_error)
+SELECT shard_no, state, last_error, last_error_at
+  FROM bi.shards WHERE job_version = %(job)s AND last_error IS NOT NULL
+ ORDER BY last_error_at DESC LIMIT 1;

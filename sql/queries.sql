@@ -70,6 +70,9 @@ SELECT s.record_id, count(*) AS n FROM {relation} AS s WHERE s.record_id IS NOT 
 -- name: halt_job  record that the job's workers cannot work (the cutoff watch ends the run); NULL if not running
 SELECT bi.halt_job_v1(%(job)s, %(reason)s) AS halted_at;
 
+-- name: listen_halts  a cutoff watch hears each halt at once (bi.halt_job_v1 notifies bi_halt with the job version)
+LISTEN bi_halt;
+
 -- name: job_halt  the job's latest halt, if any, the first work on the version seen after it (a shard claimed, renewed or finished, a DAG run's submit) and a later resubmit that changed its settings: either makes the halt a past one
 SELECT j.halted_at, j.halt_reason, CASE WHEN j.resubmitted_at > j.halted_at THEN j.resubmitted_at END AS resubmitted_after,
        (SELECT min(t) FROM (SELECT v.t FROM bi.shards s

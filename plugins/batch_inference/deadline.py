@@ -385,6 +385,7 @@ async def watch(connect: Callable[[], Awaitable[psycopg.AsyncConnection]], cfg: 
             try:
                 if conn is None:
                     conn = await connect()
+                    await conn.execute(db.q("listen_halts"))
                 if ctx is None:
                     ctx = await load_context(conn, cfg)
                     logger.info("cutoff watch of %s (dataset %s), deadline %s%s: %s", cfg.job_version, ctx.dataset,
@@ -445,10 +446,26 @@ async def watch(connect: Callable[[], Awaitable[psycopg.AsyncConnection]], cfg: 
                             else "")
             if verdict.status != WAIT or (max_polls is not None and polls >= max_polls):
                 return verdict.payload(ctx, cfg, polls) | {"autopilot": decision}
-            await sleep(min(cfg.poll_interval_s, max(0.01, verdict.sleep_hint_s + 0.001)))
+            await pause(conn, cfg.job_version, min(cfg.poll_interval_s, max(0.01, verdict.sleep_hint_s + 0.001)),
+                        sleep)
     finally:
         if conn is not None:
             await conn.close()
+
+
+async def pause(conn: psycopg.AsyncConnection | None, job_version: str, seconds: float,
+                sleep: Callable[[float], Awaitable[Any]] = asyncio.sleep) -> None:
+    """Wait ``seconds`` between polls; on the real clock a halt of ``job_version`` (``bi.halt_job_v1``
+    notifies channel bi_halt, which the watch listens on) ends the wait at once."""
+    if sleep is not asyncio.sleep or conn is None:
+        await sleep(seconds)
+        return
+    loop = asyncio.get_running_loop()
+    end = loop.time() + seconds
+    while (left := end - loop.time()) > 0:
+        async for note in conn.notifies(timeout=left, stop_after=1):
+            if note.payload == job_version:
+                return
 
 
 def parse_iso(text: str | None) -> datetime | None:

@@ -26,6 +26,7 @@ from __future__ import annotations
 import collections
 import logging
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -86,6 +87,11 @@ class Exit:
     def label(self) -> str:
         """The exit code, or the signal's name for SIGKILL and SIGTERM."""
         return _SIGNAL_NAMES.get(self.code, str(self.code))
+
+    @property
+    def died_by(self) -> str | None:
+        """The signal that ended the process ('SIGSEGV'), None for an exit code."""
+        return signal_name(self.code)
 
     @property
     def preempted(self) -> bool:
@@ -352,6 +358,79 @@ class Fleet:
         except Exception as exc:  # noqa: BLE001 - its leases expire instead
             self.log.warning("[%s] ended by force; could not give back what it held: %s", w.name,
                              str(exc).strip()[:200])
+
+
+def signal_name(code: int | None) -> str | None:
+    """'SIGSEGV' for a process ended by signal 11 (exit code -11); None for an exit code."""
+    if code is None or code >= 0:
+        return None
+    try:
+        return signal.Signals(-code).name
+    except ValueError:
+        return f"signal {-code}"
+
+
+# A worker's log line: its time and level (logging's or structlog's form), the message, structlog's trailer.
+_LOG_PREFIX = re.compile(r"^(?:\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d+ \w+ [\w.]+: |\S+ \[\w+\s*\] )")
+_LOG_TRAILER = re.compile(r"\s+\[[\w.]+\](?:\s+[\w.]+=\S+)*\s*$")
+
+
+def last_step(w: Worker) -> str:
+    """What ``w`` was doing: its last log line's message, after its worker id where it names it
+    ('' if it said nothing)."""
+    for line in reversed(w.tail):
+        text = line.strip()
+        if not text:
+            continue
+        if w.owner and f"{w.owner}: " in text:
+            text = text.split(f"{w.owner}: ", 1)[1]
+        else:
+            text = _LOG_PREFIX.sub("", text)
+        return _LOG_TRAILER.sub("", text)[:300]
+    return ""
+
+
+class DeathWatch:
+    """The signal deaths a launcher saw. A second death by the same signal at the same step (the
+    worker's last line with its id and numbers masked), with nothing stored or dead-lettered since
+    the first, means that no restart will get further: ``repeats`` says so."""
+
+    def __init__(self) -> None:
+        self._seen: dict[tuple[str, str], int] = {}
+
+    @staticmethod
+    def step_key(step: str, owner: str | None = None) -> str:
+        if owner:
+            step = step.replace(owner, "<worker>")
+        return re.sub(r"\d+(?:\.\d+)?", "#", step)
+
+    def repeats(self, sig: str, step: str, done: int, owner: str | None = None) -> bool:
+        """Note a death by ``sig`` at ``step`` with ``done`` records finished so far in the job;
+        True when the same death came before at the same ``done``."""
+        key = (sig, self.step_key(step, owner))
+        before = self._seen.get(key)
+        self._seen[key] = done
+        return before == done
+
+
+def abandon_dead_worker(conn: Any, job_version: str, owner: str, error: str) -> list[int]:
+    """Give back every lease ``owner`` (a worker that died by a signal) still holds, at once, as an
+    engine failure it reported itself would be (pending again, a lost lease, deaths of the records it
+    had marked in flight; nothing stored is lost, no attempt is spent), with ``error`` on each shard.
+    Returns the shard numbers given back."""
+    from batch_inference import db
+
+    rows = conn.execute(db.q("fleet_abandon_dead_owner"), {"job": job_version, "owner": owner,
+                                                          "error": error}).fetchall()
+    return [r["shard_no"] for r in rows if not r["stale"]]
+
+
+def worker_death(conn: Any, job_version: str) -> dict[str, Any] | None:
+    """The latest worker death a launcher recorded on one of the job's shards (``bi.shards.last_error``:
+    which signal, which engine, what it was doing), with that shard's state now; None if none."""
+    from batch_inference import db
+
+    return conn.execute(db.q("shard_last_error"), {"job": job_version}).fetchone()
 
 
 def release_leases(conn: Any, job_version: str, owner: str) -> list[int]:

@@ -119,6 +119,8 @@ CREATE TABLE IF NOT EXISTS bi.shards (
     lost_leases      integer NOT NULL DEFAULT 0,  -- epochs that ended without release or completion
     in_flight        text[],                      -- the current epoch's last marked engine batch
     batch_lease_ended_at timestamptz,             -- when a batch worker last stopped holding it
+    last_error       text,                        -- why a launcher last gave it back: its worker died by a signal
+    last_error_at    timestamptz,                 -- (bi.abandon_dead_owner_v1)
     PRIMARY KEY (job_version, shard_no)
 );
 CREATE INDEX IF NOT EXISTS shards_claimable ON bi.shards (job_version, shard_no) WHERE state <> 'done';

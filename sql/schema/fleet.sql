@@ -54,3 +54,28 @@ CREATE INDEX IF NOT EXISTS fleet_observed_job ON bi.fleet_observed (job_version,
 -- Owner only, like the ledger's other tables (the launchers and the watch use the owner's connection).
 REVOKE ALL ON bi.fleet_size, bi.fleet_decisions, bi.fleet_observed FROM PUBLIC;
 REVOKE ALL ON SEQUENCE bi.fleet_decisions_id_seq, bi.fleet_observed_id_seq FROM PUBLIC;
+
+-- A launcher saw worker p_owner die by a signal (a fault in the engine, an OOM kill): every shard
+-- it still holds is given back now, as an engine failure it reported itself would be
+-- (bi.abandon_shard_v2: pending again, counted as a lost lease, deaths recorded for the records it
+-- had marked in flight), each fenced by the epoch it held, with p_error on the shard.
+CREATE OR REPLACE FUNCTION bi.abandon_dead_owner_v1(p_job text, p_owner text, p_error text)
+RETURNS TABLE (shard_no integer, epoch bigint, stale boolean)
+LANGUAGE plpgsql SET search_path = pg_catalog, pg_temp AS $$
+DECLARE
+    r record;
+BEGIN
+    FOR r IN SELECT s.shard_no AS no, s.epoch AS ep FROM bi.shards s
+              WHERE s.job_version = p_job AND s.lease_owner = p_owner AND s.state = 'leased'
+              ORDER BY s.shard_no
+    LOOP
+        shard_no := r.no;
+        epoch := r.ep;
+        stale := bi.abandon_shard_v2(p_job, r.no, r.ep, p_owner);
+        IF NOT stale THEN
+            UPDATE bi.shards s SET last_error = left(p_error, 2000), last_error_at = clock_timestamp()
+             WHERE s.job_version = p_job AND s.shard_no = r.no;
+        END IF;
+        RETURN NEXT;
+    END LOOP;
+END $$;

@@ -631,7 +631,8 @@ LANGUAGE sql SET search_path = pg_catalog, pg_temp AS $$
     RETURNING true;
 $$;
 
--- A job's workers stop the whole run: record why on the job (bi.jobs.halted_at).
+-- A job's workers stop the whole run: record why on the job (bi.jobs.halted_at) and say so on
+-- channel bi_halt.
 CREATE OR REPLACE FUNCTION bi.halt_job_v1(p_job text, p_reason text)
 RETURNS timestamptz
 LANGUAGE plpgsql SECURITY DEFINER SET search_path = pg_catalog, pg_temp AS $$
@@ -642,6 +643,9 @@ BEGIN
     UPDATE bi.jobs SET halted_at = clock_timestamp(), halt_reason = left(p_reason, 2000)
      WHERE job_version = p_job AND status = 'running'
     RETURNING halted_at INTO v_at;
+    IF v_at IS NOT NULL THEN
+        PERFORM pg_notify('bi_halt', p_job);
+    END IF;
     RETURN v_at;
 END $$;
 

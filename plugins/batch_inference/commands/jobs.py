@@ -74,14 +74,16 @@ def run_submit(args: argparse.Namespace) -> int:
 
 
 def run_status(args: argparse.Namespace) -> int:
+    from batch_inference.fleet import worker_death
     from batch_inference.status import job_counts, job_halt, shared_inputs
 
     with connect(args) as conn:
         c = job_counts(conn, args.job_version)
         halt = job_halt(conn, args.job_version)
         shared = shared_inputs(conn, args.job_version)
+        death = worker_death(conn, args.job_version)
     if args.json:
-        print_json({**c, **halt, "computed_once": shared})
+        print_json({**c, **halt, "worker_death": death, "computed_once": shared})
     else:
         s = c["shards"]
         # The workers' halt (weights that do not match, an engine that cannot start): why nothing moves;
@@ -101,6 +103,9 @@ def run_status(args: argparse.Namespace) -> int:
               f"{c['dead_letters']} dead letters, {c['outstanding']} outstanding; "
               f"shards pending {s['pending']}, leased {s['leased']}, done {s['done']}; "
               f"mode {c['mode']}, status {c['status']}{halted}")
+        if death:
+            print(f"last worker death at {death['last_error_at']:%Y-%m-%d %H:%M:%S %Z}: "
+                  f"{printable(death['last_error'])} (shard {death['shard_no']}, {death['state']} now)")
     return 0
 
 

@@ -21,7 +21,7 @@ from airflow.sdk import BaseOperator, Context
 from airflow.sdk.exceptions import AirflowException, AirflowFailException
 
 from batch_inference.exits import FATAL, ExitCode, describe
-from batch_inference.fleet import Action, Exit, Fleet
+from batch_inference.fleet import Action, DeathWatch, Exit, Fleet, abandon_dead_worker, last_step
 from batch_inference.hooks.batch_inference import BatchInferenceHook
 from batch_inference.ledger import new_owner_id
 from batch_inference.operators.grants import grant_worker_role
@@ -52,6 +52,7 @@ WORKER_ENV_KEEP = frozenset({
     "HTTP_PROXY", "HTTPS_PROXY", "NO_PROXY", "http_proxy", "https_proxy", "no_proxy",
     "BATCH_INFERENCE_HOME", "BATCH_INFERENCE_GRACE_SECONDS",
     "BATCH_INFERENCE_ENGINE_MODULES", "AIRFLOW__BATCH_INFERENCE__ALLOWED_ENGINE_MODULES",
+    "XDG_CACHE_HOME", "BATCH_INFERENCE_CPU_PROBE_CACHE", "BATCH_INFERENCE_CPU_PROBE_FAULT",   # engines.cpu_probe
 })
 
 
@@ -82,6 +83,13 @@ class LocalWorkersOperator(BaseOperator):
     slot. A fatal exit (2: database unreachable, 3: model digest mismatch,
     4: configuration, 6: endpoint unavailable) stops the other workers, halts
     the job and fails the task without retries, with the worker's last log lines.
+    A worker ended by a signal the launcher did not send (a fault in the engine,
+    an OOM kill) is named in the log with the signal, the engine and its last
+    line; the shards it held are given back at once with that as their last
+    error (``fleet.abandon_dead_worker``: pending again, counted as a lost
+    lease; what it stored stays, no attempt is spent); and the same death at
+    the same step again, with nothing stored or dead-lettered since, stops
+    the launcher as a fatal exit does (``fleet.DeathWatch``).
 
     :param job_version: the job version to work on (usually
         ``submit.output["job_version"]``). Templated.
@@ -198,6 +206,8 @@ class LocalWorkersOperator(BaseOperator):
         self.log.info("starting %d local worker(s) for %s: engine %s, options %s", n, job_version, engine, options)
 
         launcher = f"local:{self.task_id}"
+        self._conninfo, self._job_version, self._engine = conninfo, job_version, engine
+        self._deaths = DeathWatch()
         if self._follow:
             n = self._resume_size(conninfo, job_version, n)
         fleet = self.fleet = Fleet(self.worker_arguments(job_version, engine, options), env, n, log=self.log,
@@ -255,7 +265,11 @@ class LocalWorkersOperator(BaseOperator):
             # leases are released now, not at expiry.
             raise AirflowFailException(f"worker {w.name} failed fatally (exit {rc}): {FATAL_REASONS[rc]}. "
                                        f"Last lines:\n{tail}")
-        why = "preempted" if e.preempted else "engine crashed" if rc == ExitCode.ENGINE else "crashed"
+        sig = e.died_by if not (e.expected or e.preempted) else None
+        if sig is not None:
+            self._died_by_signal(e, sig)
+        why = ("preempted" if e.preempted else f"died by {sig}" if sig else
+               "engine crashed" if rc == ExitCode.ENGINE else "crashed")
         if e.action is Action.GAVE_UP:
             raise AirflowException(f"worker {w.name} {why} (exit {rc}) and was already restarted "
                                    f"{self.max_restarts} time(s); giving up. Last lines:\n{tail}")
@@ -264,6 +278,34 @@ class LocalWorkersOperator(BaseOperator):
             self.log.warning("[%s] %s (exit %s); restarting (%d/%d): its shard is pending again, "
                              "only in-flight records are redone", w.name, why, rc, self.fleet.restarts[w.slot],
                              self.max_restarts)
+
+    def _died_by_signal(self, e: Exit, sig: str) -> None:
+        """A worker ended by a signal the fleet did not send (a fault in the engine, an OOM kill): say
+        which, in which engine, doing what; give back its shards at once with that as their error; and
+        fail the task (the job halted: the cutoff watch ends the run) when it is the same death at the
+        same step as before with nothing done since, since no restart would get further."""
+        from batch_inference import db
+        from batch_inference.status import job_counts
+
+        w, job = e.worker, self._job_version
+        step = last_step(w) or "starting (it logged nothing)"
+        error = f"worker {w.name} died by {sig} in engine {self._engine} while: {step}"
+        self.log.error("[%s] %s", w.name, error)
+        done = None
+        try:
+            with db.connect(self._conninfo) as conn:
+                shards = abandon_dead_worker(conn, job, w.owner, error) if w.owner else []
+                c = job_counts(conn, job)
+                done = c["stored"] + c["dead_letters"]
+        except Exception as exc:  # noqa: BLE001 - its leases expire instead; the restart goes on
+            self.log.warning("[%s] could not give back what it held: %s", w.name, str(exc).strip()[:200])
+            shards = []
+        if shards:
+            self.log.warning("[%s] its shard(s) %s pending again at once (what it stored stays; records it had "
+                             "in flight are redone)", w.name, ", ".join(map(str, shards)))
+        if done is not None and e.action is Action.RESTART and self._deaths.repeats(sig, step, done, w.owner):
+            raise AirflowFailException(f"{error}; the same death as before with nothing done since, so no worker "
+                                       f"of {job} can run here: not restarting (see the worker's lines above)")
 
     # -- the autopilot's launcher ---------------------------------------------
     def _resume_size(self, conninfo: str, job_version: str, n: int) -> int:
