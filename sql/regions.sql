@@ -58,9 +58,12 @@ SELECT * FROM bi.hand_in_results_v1(%(job)s, %(shard)s, %(epoch)s, %(owner)s, %(
 -- the merge (the owner, near the ledger)
 
 -- name: result_files_unmerged  handed-in result files not yet merged, oldest first, with their region's store
+-- current: the file's epoch still holds the shard (else its merge is refused: no need to read it).
 SELECT f.id, f.shard_no, f.epoch, f.region, f.object_key, f.digest, f.records,
        (SELECT c.settings -> 'store' FROM bi.region_clusters c
-         WHERE c.job_version = f.job_version AND c.region = f.region ORDER BY c.cluster LIMIT 1) AS store
+         WHERE c.job_version = f.job_version AND c.region = f.region ORDER BY c.cluster LIMIT 1) AS store,
+       EXISTS (SELECT 1 FROM bi.shards s WHERE s.job_version = f.job_version AND s.shard_no = f.shard_no
+                                            AND s.state = 'leased' AND s.epoch = f.epoch) AS current
   FROM bi.result_files f
  WHERE f.job_version = %(job)s AND f.merged_at IS NULL
  ORDER BY f.id LIMIT %(limit)s;

@@ -262,3 +262,34 @@ def test_cli_places_merges_and_reports(conn, db_url, job, stores):
     p = _cli(db_url, "regions", "report", job)
     rows = [json.loads(line) for line in p.stdout.splitlines()]
     assert [r["region"] for r in rows] == sorted(REGIONS) and sum(r["claims"] for r in rows) == 1
+
+
+def test_a_region_lost_mid_night_its_shards_are_taken_by_another_rebuilt_from_the_ledger_and_merged_once(
+        db_url, conn, placed, stores):
+    """ap-south's worker handed in one shard's file and holds another; then the region is lost (its store
+    unreachable, its worker gone): its leases run out, eu-west takes both shards (a steal each, the replica
+    rebuilt from the ledger: the home store cannot be read), and the lost file is refused unread."""
+    ap = region_ledger(db_url, placed, "ap-1", "ap-south", result_files=True)
+    handed = ap.claim()
+    _finish_with_files(ap, handed)
+    held = ap.claim()
+    ap.record_columns(held)
+    (stores / "ap-south").rename(stores / "ap-south-lost")          # the region's store is gone
+    conn.execute("UPDATE bi.shards SET lease_expires_at = clock_timestamp() - interval '1 second' "
+                 "WHERE job_version = %s AND shard_no = ANY (%s)", (placed, [handed.shard_no, held.shard_no]))
+    eu = region_ledger(db_url, placed, "eu-1", "eu-west", result_files=True)
+    for _ in range(2):                              # its own two shards first
+        _finish_with_files(eu, eu.claim())
+    taken = [eu.claim(), eu.claim()]
+    assert sorted(t.shard_no for t in taken) == sorted([handed.shard_no, held.shard_no])
+    for lease in taken:
+        _finish_with_files(eu, lease)
+    assert eu.stats == {**eu.stats, "steals": 2, "rebuilds": 2}
+    assert merge_pending(conn, placed) == {"merged": 4, "stale": 1, "rows": 40}
+    reasons = [r["reason"] for r in conn.execute(
+        "SELECT reason FROM bi.region_decisions WHERE job_version = %s AND kind = 'rebuild'", (placed,))]
+    assert all("not written back" in r and "ap-south" in r for r in reasons), reasons
+    c = job_counts(conn, placed)
+    assert (c["stored"], c["shards"]["done"]) == (40, 4)
+    assert conn.execute("SELECT count(*) - count(DISTINCT record_id) AS d FROM bi.results WHERE job_version = %s",
+                        (placed,)).fetchone()["d"] == 0

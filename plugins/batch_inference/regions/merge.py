@@ -8,8 +8,10 @@ handed-in file, checks its digest, and merges it with bi.merge_result_file_v1:
 the rows go through bi.put_results_v3 under the file's epoch, the one
 put-if-absent per (job version, record id) and the one fence, then the shard
 is completed. So a file merged twice, a late worker's file and a stale epoch's
-file change nothing (I1). A file missing or not matching its digest is marked
-unreadable and merges nothing: the shard's lease runs out and it is done again.
+file change nothing (I1). A file whose epoch has ended is refused without being
+read (its region's store may be gone with the region). A file missing or not
+matching its digest is marked unreadable and merges nothing: the shard's lease
+runs out and it is done again.
 """
 
 from __future__ import annotations
@@ -66,6 +68,12 @@ def merge_pending(conn: psycopg.Connection, job_version: str, limit: int = 100) 
     and ``rows``, the new result rows."""
     out: Counter[str] = Counter()
     for f in conn.execute(q("result_files_unmerged"), {"job": job_version, "limit": limit}).fetchall():
+        if not f["current"]:      # its epoch ended (a lost region's file, a late one): refused unread
+            with conn.transaction():
+                r = conn.execute(q("merge_result_file"), {"file": f["id"], "ids": [], "outputs": [],
+                                                          "categories": []}).fetchone()
+            out[r["outcome"]] += 1
+            continue
         try:
             data = store_for(f["store"]).get(f["object_key"])
         except StoreUnavailable as exc:

@@ -56,6 +56,7 @@ class PathStore(ObjectStore):
             raise StoreUnavailable(f"store {self.where}: not writable")
 
     def put(self, key: str, data: bytes) -> None:
+        self.check()             # a root that is gone is a store lost, never one to make again
         path = self.root / key
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
@@ -67,6 +68,8 @@ class PathStore(ObjectStore):
             raise StoreUnavailable(f"store {self.where}: cannot write {key}: {exc.strerror}") from None
 
     def get(self, key: str) -> bytes | None:
+        if not self.root.is_dir():
+            raise StoreUnavailable(f"store {self.where}: no such directory")
         try:
             return (self.root / key).read_bytes()
         except FileNotFoundError:
