@@ -456,16 +456,20 @@ async def watch(connect: Callable[[], Awaitable[psycopg.AsyncConnection]], cfg: 
 async def pause(conn: psycopg.AsyncConnection | None, job_version: str, seconds: float,
                 sleep: Callable[[float], Awaitable[Any]] = asyncio.sleep) -> None:
     """Wait ``seconds`` between polls; on the real clock a halt of ``job_version`` (``bi.halt_job_v1``
-    notifies channel bi_halt, which the watch listens on) ends the wait at once."""
+    notifies channel bi_halt, which the watch listens on) ends the wait at once. A connection lost while
+    listening (a database restart) ends the wait too: the next poll meets it and reconnects."""
     if sleep is not asyncio.sleep or conn is None:
         await sleep(seconds)
         return
     loop = asyncio.get_running_loop()
     end = loop.time() + seconds
     while (left := end - loop.time()) > 0:
-        async for note in conn.notifies(timeout=left, stop_after=1):
-            if note.payload == job_version:
-                return
+        try:
+            async for note in conn.notifies(timeout=left, stop_after=1):
+                if note.payload == job_version:
+                    return
+        except (psycopg.OperationalError, psycopg.InterfaceError):
+            return
 
 
 def parse_iso(text: str | None) -> datetime | None:
