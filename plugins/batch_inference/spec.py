@@ -1020,14 +1020,18 @@ def parse_spec(data: Any) -> JobSpec:
 
 
 def load_spec(path: str | Path) -> JobSpec:
+    return loads_spec(read_text(path), name=str(path))
+
+
+def read_text(path: str | Path, what: str = "spec") -> str:
+    """A spec's (or another file's of the same kind: a deployment) text; SpecError, one line, if unreadable."""
     p = Path(path)
     try:
-        text = p.read_text(encoding="utf-8")
+        return p.read_text(encoding="utf-8")
     except OSError as exc:
-        raise SpecError(f"cannot read spec {p}: {exc.strerror}") from None
+        raise SpecError(f"cannot read {what} {p}: {exc.strerror}") from None
     except UnicodeDecodeError:
-        raise SpecError(f"spec {p} is not UTF-8 text") from None
-    return loads_spec(text, name=str(p))
+        raise SpecError(f"{what} {p} is not UTF-8 text") from None
 
 
 class _SpecLoader(yaml.SafeLoader):

@@ -100,3 +100,20 @@ def test_a_region_lost_mid_night_is_re_placed_in_the_others_or_paged_with_its_ar
     late = replan(d, NIGHT, "eu", remaining=36_000_000, elapsed_s=15 * 3600)
     assert not late.meets and "page now" in late.arithmetic
     assert not replan(d, NIGHT, "us", remaining=1, elapsed_s=0).meets    # the ledger's region: the night stops
+
+
+def test_the_ten_times_plan_in_the_docs_is_what_the_planner_says(capsys):
+    """docs/regions.md's figures come from ``batch-inference regions plan`` on docs/regions_ten_times.yaml."""
+    import json
+    from pathlib import Path
+
+    from batch_inference import cli
+
+    yaml_path = Path(__file__).resolve().parents[2] / "docs" / "regions_ten_times.yaml"
+    assert cli.main(["regions", "plan", str(yaml_path), "--records", "500000000", "--per-worker", "18.7",
+                     "--deadline-hours", "20"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["regions"]["meets"] and out["regions"]["bill_usd"] == 24153.39
+    assert [c["cluster"] for c in out["regions"]["clusters"]] == ["eu-west-h100", "us-east-h100"]
+    assert not any(p["meets"] for p in out["alone"].values())
+    assert out["alone"]["us-east"]["makespan_h"] == 37.85

@@ -1,4 +1,4 @@
-"""``regions place``, ``regions merge`` and ``regions report``: a submitted job version over clusters in
+"""``regions place``, ``regions merge``, ``regions plan`` and ``regions report``: a submitted job version over clusters in
 several regions (batch_inference.regions, docs/regions.md).
 
 ``place`` checks the deployment (every store and Kubernetes connection answers) and writes each shard's
@@ -33,6 +33,21 @@ def register(sub: Any) -> None:
     m.add_argument("--poll-seconds", type=float, default=1.0)
     db_arg(m)
     m.set_defaults(func=run_merge)
+
+    n = g.add_parser("plan", help="on paper: the least bill that meets a deadline across the clusters, and "
+                                  "each region alone")
+    n.add_argument("deployment")
+    n.add_argument("--records", type=int, required=True)
+    n.add_argument("--per-worker", type=float, required=True, help="records/s of one worker (one GPU)")
+    n.add_argument("--deadline-hours", type=float, required=True)
+    n.add_argument("--ledger-region", help="where the snapshot and the merge are (default: the first cluster's)")
+    n.add_argument("--replica-bytes", type=float, default=5000, help="a record's bytes in its replica")
+    n.add_argument("--result-bytes", type=float, default=1000, help="a record's result bytes")
+    n.add_argument("--start-s", type=float, default=300)
+    n.add_argument("--shard-s", type=float, default=600, help="a shard's work on one worker")
+    n.add_argument("--margin-s", type=float, default=600)
+    n.add_argument("--max-spot-interruption", type=float, default=0.2, help="per GPU-hour")
+    n.set_defaults(func=run_plan)
 
     r = g.add_parser("report", help="per region: shards, replica bytes and seconds, claims, steals and egress")
     r.add_argument("job_version")
@@ -77,6 +92,32 @@ def run_merge(args: argparse.Namespace) -> int:
         watcher.start()
         total = merge_until(conn, args.job_version, stop, args.poll_seconds)
     print_json({**total, "seconds": round(time.monotonic() - t0, 2)})
+    return 0
+
+
+def run_plan(args: argparse.Namespace) -> int:
+    from dataclasses import asdict
+
+    from batch_inference.exceptions import InvalidValue
+    from batch_inference.regions import load_deployment
+    from batch_inference.regions.planner import Workload, plan, single_regions
+
+    d = load_deployment(args.deployment)
+    ledger = args.ledger_region or d.regions()[0]
+    if ledger not in d.regions():
+        raise InvalidValue(f"--ledger-region {ledger!r}: no cluster is in it ({', '.join(d.regions())})")
+    if args.records <= 0 or args.per_worker <= 0 or args.deadline_hours <= 0:
+        raise InvalidValue("--records, --per-worker and --deadline-hours must be above 0")
+    w = Workload(args.records, args.per_worker, args.deadline_hours * 3600, ledger, args.replica_bytes,
+                 args.result_bytes, args.start_s, args.shard_s, args.margin_s, args.max_spot_interruption)
+
+    def shown(p: Any) -> dict[str, Any]:
+        return {"meets": p.meets, "makespan_h": round(p.makespan_s / 3600, 2), "bill_usd": round(p.bill_usd, 2),
+                "gpu_hours": round(sum(c.gpu_hours for c in p.clusters), 1),
+                "clusters": [{k: round(v, 2) if isinstance(v, float) else v for k, v in asdict(c).items()}
+                             for c in p.clusters], "arithmetic": p.arithmetic}
+
+    print_json({"regions": shown(plan(d, w)), "alone": {r: shown(p) for r, p in single_regions(d, w).items()}})
     return 0
 
 

@@ -29,7 +29,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from batch_inference.exceptions import BatchInferenceError
-from batch_inference.spec import loads_yaml
+from batch_inference.spec import loads_yaml, read_text
 
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,62}$")
 MAX_CLUSTERS = 64
@@ -198,15 +198,8 @@ def parse_deployment(data: Any) -> Deployment:
 
 
 def load_deployment(path: str | Path) -> Deployment:
-    p = Path(path)
     try:
-        text = p.read_text(encoding="utf-8")
-    except OSError as exc:
-        raise DeploymentError(f"cannot read deployment {p}: {exc.strerror}") from None
-    except UnicodeDecodeError:
-        raise DeploymentError(f"deployment {p} is not UTF-8 text") from None
-    try:
-        data = loads_yaml(text, name=str(p))
+        data = loads_yaml(read_text(path, "deployment"), name=str(path))
     except BatchInferenceError as exc:
         raise DeploymentError(str(exc)) from None
     return parse_deployment(data)
