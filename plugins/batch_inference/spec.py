@@ -280,7 +280,8 @@ class Engine(_Strict):
         spelt = re.sub(r"[._\s]+", "-", v.strip().lower())
         if v in ENGINE_RESULT_OPTIONS or (_ENGINE_PATH.match(v) and spelt not in ENGINE_RESULT_OPTIONS):
             return v
-        named = [n for n in ENGINE_RESULT_OPTIONS if n != "ladder"]   # a ladder is spelt models:, not named
+        # A ladder is spelt models:, not named; openai-tiers is the fallback pool's engine for fallback.tiers.
+        named = [n for n in ENGINE_RESULT_OPTIONS if n not in ("ladder", "openai-tiers")]
         near = [spelt] if spelt in ENGINE_RESULT_OPTIONS else \
             difflib.get_close_matches(spelt, named, n=1, cutoff=0.6)
         hint = f"did you mean '{near[0]}'? " if near else ""

@@ -47,8 +47,8 @@ def test_a_misspelled_engine_is_refused_at_submit_with_nothing_written(conn, db_
     assert cli_main(["--db", db_url, "submit", write_spec(tmp_path, engine={"name": "llama_cpp"})]) == 2
     assert capsys.readouterr().err == (
         "batch-inference submit: error: spec field 'engine.name': unknown engine 'llama_cpp': did you mean "
-        "'llama-cpp'? use one of llama-cpp, vllm, openai, noop, openai-batch, anthropic-batch, bedrock-batch, or a "
-        "dotted path package.module:ClassName\n")
+        "'llama-cpp'? use one of llama-cpp, vllm, openai, noop, openai-batch, anthropic-batch, bedrock-batch, "
+        "gemini-batch, or a dotted path package.module:ClassName\n")
     assert jobs(conn) == 0
     # A dotted path resolves at submit: a class its module does not have is refused here, not in a worker.
     assert cli_main(["--db", db_url, "submit", write_spec(tmp_path, engine={"name": "tests.fixtures:Nope"})]) == 2

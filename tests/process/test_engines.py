@@ -179,7 +179,7 @@ def test_load_engine_by_name_and_dotted_path():
 @pytest.mark.parametrize(
     "name, message",
     [
-        ("gpt5", "unknown engine 'gpt5': use one of llama-cpp, vllm, openai, noop, openai-batch, anthropic-batch, bedrock-batch, or a dotted path package.module:ClassName"),
+        ("gpt5", "unknown engine 'gpt5': use one of llama-cpp, vllm, openai, noop, openai-batch, anthropic-batch, bedrock-batch, gemini-batch, or a dotted path package.module:ClassName"),
         ("nosuch.module:Thing", "engine 'nosuch.module:Thing': module 'nosuch.module' is not in the allowed engine modules"),
         ("batch_inference.nosuch:Thing", "engine 'batch_inference.nosuch:Thing': cannot import module 'batch_inference.nosuch': ModuleNotFoundError"),
         ("batch_inference.engines.noop:Nope", "engine 'batch_inference.engines.noop:Nope': module 'batch_inference.engines.noop' has no attribute 'Nope'"),

@@ -78,7 +78,8 @@ def engine_class(name: str) -> type[Engine]:
     elif "." in target:
         module_name, _, attr = target.rpartition(".")
     else:
-        known = ", ".join(n for n in BUILTIN_ENGINES if n != "ladder")   # a ladder is spelt models:
+        # A ladder is spelt models:; openai-tiers is the fallback pool's engine for fallback.tiers.
+        known = ", ".join(n for n in BUILTIN_ENGINES if n not in ("ladder", "openai-tiers"))
         raise InvalidValue(f"unknown engine {shown}: use one of {known}, or a dotted path package.module:ClassName")
     if not _MODULE.match(module_name) or not _ATTR.match(attr):
         raise InvalidValue(f"unknown engine {shown}: a dotted path must look like package.module:ClassName")
