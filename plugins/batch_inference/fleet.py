@@ -390,6 +390,15 @@ def last_step(w: Worker) -> str:
     return ""
 
 
+def error_line(w: Worker) -> str:
+    """The message of ``w``'s last error line (a fatal exit's cause), '' if it logged none."""
+    for line in reversed(w.tail):
+        if " ERROR " in line or "[error" in line or line.lstrip().startswith("fatal:"):
+            text = _LOG_TRAILER.sub("", _LOG_PREFIX.sub("", line.strip()))
+            return text[len("fatal: "):] if text.startswith("fatal: ") else text
+    return ""
+
+
 class DeathWatch:
     """The signal deaths a launcher saw. A second death by the same signal at the same step (the
     worker's last line with its id and numbers masked), with nothing stored or dead-lettered since

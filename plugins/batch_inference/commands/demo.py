@@ -40,7 +40,8 @@ DEFAULT_SHARD_SIZE = 10
 # What the terminal shows of the Airflow output without -v: task starts and
 # ends, worker progress, the operators' one-line summaries, and errors.
 _SHOW = re.compile(r"\[DAG TEST\] (starting|end) task|\[w\d+\] .*(engine .* loaded|shard \d+: \d+/|complete \(|"
-                   r"released|preemption|dead-lettered|restarting|fatal)|workers done|starting \d+ local|"
+                   r"released|preemption|dead-lettered|restarting|fatal|died by|pending again at once|llama\.cpp on )|"
+                   r"being worked by the earlier run|workers done|starting \d+ local|"
                    r"submitted jv_\S+: \d+ records in|already submitted|: (PASSED|FAILED);|^\s+note: |downstream reads|"
                    r"already published|CUTOFF|complete before the cutoff|fallback jv_\S+: not needed|DagRun Finished|"
                    r"\[error|Traceback|Error:")
@@ -211,6 +212,69 @@ def print_env(args: argparse.Namespace, home: Path) -> int:
     return 0
 
 
+def hold_demo_lock(home: Path) -> Any:
+    """An exclusive lock on ``home``'s demo (kept open for the run), or None when another demo holds it."""
+    import fcntl
+
+    path = home / "airflow" / ".demo.lock"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    f = open(path, "a+")
+    try:
+        fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        f.seek(0)
+        holder = f.read().strip() or "?"
+        f.close()
+        print(f"batch-inference demo: error: another demo is running under {home} (pid {holder}); wait for it to "
+              "end or stop it, then run the demo again", file=sys.stderr)
+        return None
+    f.seek(0)
+    f.truncate()
+    f.write(str(os.getpid()))
+    f.flush()
+    return f
+
+
+def fail_left_behind_runs(dag_id: str = DAG_ID) -> None:
+    """Mark failed every run of ``dag_id`` that Airflow's metadata still has queued or running, with its
+    unfinished task instances; print each one's run id and start. Run inside the demo's Airflow
+    environment, holding the demo's lock: no other demo is running there, so such a run is one an
+    interrupted demo left behind (a new run's submit would otherwise wait for it without end)."""
+    from sqlalchemy import select
+
+    from airflow.models.dagrun import DagRun
+    from airflow.utils.session import create_session
+    from airflow.utils.state import DagRunState, State, TaskInstanceState
+
+    with create_session() as session:
+        runs = session.scalars(select(DagRun).where(DagRun.dag_id == dag_id,
+                                                    DagRun.state.in_([DagRunState.QUEUED, DagRunState.RUNNING]))).all()
+        for dr in runs:
+            for ti in dr.get_task_instances(session=session):
+                if ti.state not in State.finished:
+                    ti.state = TaskInstanceState.FAILED
+            dr.set_state(DagRunState.FAILED)
+            print(f"{dr.run_id} (started {dr.start_date or dr.queued_at or '?'})")
+
+
+def _clear_left_behind(env: dict[str, str], log_path: Path) -> bool:
+    """Fail the runs of the demo's DAG that an interrupted demo left queued or running, naming them."""
+    cmd = [sys.executable, "-c", "from batch_inference.commands.demo import fail_left_behind_runs as f; f()"]
+    p = subprocess.run(cmd, env=env, capture_output=True, text=True, errors="replace")
+    with log_path.open("a", encoding="utf-8") as log:
+        log.write(f"\n$ {' '.join(cmd)}\n{p.stdout}{p.stderr}")
+    if p.returncode != 0:
+        err = [ln for ln in p.stderr.splitlines() if ln.strip()]
+        print(f"batch-inference demo: error: could not check for a run an earlier demo left behind: "
+              f"{err[-1] if err else 'exit ' + str(p.returncode)}; see {log_path}", file=sys.stderr)
+        return False
+    for line in p.stdout.splitlines():
+        if line.strip():
+            _step(f"an earlier demo was interrupted and left its Airflow run {line.strip()} running: marked it "
+                  "failed, so this run does not wait for it")
+    return True
+
+
 def run(args: argparse.Namespace) -> int:
     from psycopg import sql
 
@@ -238,6 +302,9 @@ def run(args: argparse.Namespace) -> int:
     home.mkdir(parents=True, exist_ok=True)
     if args.what == "env":
         return print_env(args, home)
+    lock = hold_demo_lock(home)   # held until this process ends: no second demo loads the tickets under it
+    if lock is None:
+        return 1
     _step(f"home {home}")
     url = normalize_url(args.db) if args.db else embedded.ensure_server(home)
     with db.connect(url) as conn:
@@ -250,7 +317,7 @@ def run(args: argparse.Namespace) -> int:
 
     env = airflow_env(home, url)
     log_path = home / f"demo-{time.strftime('%Y%m%d-%H%M%S')}.log"
-    if not _airflow_migrated(env, home, log_path, args.verbose):
+    if not _airflow_migrated(env, home, log_path, args.verbose) or not _clear_left_behind(env, log_path):
         return 1
     # The noop engine runs only a spec whose engine is noop (batch_inference.provenance): the demo spec on it.
     spec_path = DEMO_SPEC if args.engine == "llama-cpp" else write_noop_spec(home)
@@ -263,7 +330,7 @@ def run(args: argparse.Namespace) -> int:
     dag_s = time.monotonic() - t_dag
 
     from batch_inference.publish import published
-    from batch_inference.status import job_counts
+    from batch_inference.status import job_counts, job_halt
 
     with db.connect(url) as conn:
         latest = conn.execute(db.q("latest_job_of_dataset"), {"dataset": DEMO_DATASET}).fetchone()
@@ -271,6 +338,9 @@ def run(args: argparse.Namespace) -> int:
         if rc != 0 or latest is None or pub["job_version"] != latest["job_version"]:
             why = f"the DAG run did not publish ({latest['job_version']} is {latest['status']})" if latest \
                 else "no job version was submitted"
+            halt = job_halt(conn, latest["job_version"]) if latest else {}
+            if halt.get("halted_at") and not halt.get("halt_cleared_at"):
+                why = f"{latest['job_version']} halted: {halt['halt_reason']}"
             print(f"batch-inference demo: error: {why}; see {log_path}", file=sys.stderr)
             return 1
         counts = job_counts(conn, pub["job_version"])

@@ -21,7 +21,7 @@ from airflow.sdk import BaseOperator, Context
 from airflow.sdk.exceptions import AirflowException, AirflowFailException
 
 from batch_inference.exits import FATAL, ExitCode, describe
-from batch_inference.fleet import Action, DeathWatch, Exit, Fleet, abandon_dead_worker, last_step
+from batch_inference.fleet import Action, DeathWatch, Exit, Fleet, abandon_dead_worker, error_line, last_step
 from batch_inference.hooks.batch_inference import BatchInferenceHook
 from batch_inference.ledger import new_owner_id
 from batch_inference.operators.grants import grant_worker_role
@@ -263,8 +263,9 @@ class LocalWorkersOperator(BaseOperator):
         if e.action is Action.FATAL:
             # Retrying cannot fix these; the others are stopped so their
             # leases are released now, not at expiry.
-            raise AirflowFailException(f"worker {w.name} failed fatally (exit {rc}): {FATAL_REASONS[rc]}. "
-                                       f"Last lines:\n{tail}")
+            cause = error_line(w)   # the halt's reason is this message's first line: the worker's own cause
+            raise AirflowFailException(f"worker {w.name} failed fatally (exit {rc}): {FATAL_REASONS[rc]}"
+                                       f"{': ' + cause if cause else ''}. Last lines:\n{tail}")
         sig = e.died_by if not (e.expected or e.preempted) else None
         if sig is not None:
             self._died_by_signal(e, sig)
