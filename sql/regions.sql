@@ -75,6 +75,15 @@ SELECT * FROM bi.merge_result_file_v1(%(file)s, %(ids)s::text[], %(outputs)s::te
 UPDATE bi.result_files SET merged_at = clock_timestamp(), merged_rows = 0, outcome = 'unreadable', detail = %(detail)s
  WHERE id = %(file)s AND merged_at IS NULL;
 
+-- a region lost
+
+-- name: region_stores  every region of a placed version with its store's settings (the first cluster's, by name)
+SELECT DISTINCT ON (c.region) c.region, c.settings -> 'store' AS store
+  FROM bi.region_clusters c WHERE c.job_version = %(job)s ORDER BY c.region, c.cluster;
+
+-- name: end_region_leases  a region lost: the leases its workers hold end now, recorded (owner only)
+SELECT bi.end_region_leases_v1(%(job)s, %(region)s, %(reason)s) AS ended;
+
 -- reports
 
 -- name: region_report  per region: shards homed, replica bytes and seconds, claims, steals in and their egress, rebuilds

@@ -56,11 +56,13 @@ CREATE INDEX IF NOT EXISTS replicas_region ON bi.replicas (job_version, region, 
 -- What the regions decided, one row each: a claim in the shard's home region,
 -- a steal (a worker of another region took it; bytes read across priced at the
 -- egress price), a replica rebuilt from the ledger, a region's replication
--- (bytes and seconds of writing its replicas).
+-- (bytes and seconds of writing its replicas), a region lost (the leases its
+-- workers held ended at once, bi.end_region_leases_v1).
 CREATE TABLE IF NOT EXISTS bi.region_decisions (
     id          bigint GENERATED ALWAYS AS IDENTITY PRIMARY KEY,
     job_version text NOT NULL REFERENCES bi.jobs (job_version) ON DELETE CASCADE,
-    kind        text NOT NULL CHECK (kind IN ('claim', 'steal', 'rebuild', 'replicate')),
+    kind        text NOT NULL CONSTRAINT region_decisions_kind_check
+                CHECK (kind IN ('claim', 'steal', 'rebuild', 'replicate', 'region_lost')),
     shard_no    integer,
     epoch       bigint,
     region      text NOT NULL,          -- where the worker (or the replication) ran
@@ -366,4 +368,35 @@ BEGIN
     outcome := v_outcome;
     UPDATE bi.result_files r SET merged_at = clock_timestamp(), merged_rows = n, outcome = v_outcome
      WHERE r.id = p_file;
+END $$;
+
+-- A region is lost (its store or its Kubernetes API unreachable, its workers
+-- gone at once): every lease its workers hold (the shard's current epoch was
+-- claimed or stolen in p_region) ends now instead of when it runs out. Like a
+-- release, not like a death: a lost region is no record's fault, so no crash
+-- and no lost lease is counted, and a result file the region handed in and
+-- that was not merged is refused unread from now on (its epoch no longer holds
+-- the shard). Recorded once with the shards it freed. Owner only. Returns how
+-- many leases ended.
+CREATE OR REPLACE FUNCTION bi.end_region_leases_v1(p_job text, p_region text, p_reason text) RETURNS integer
+LANGUAGE plpgsql SET search_path = pg_catalog, pg_temp AS $$
+DECLARE
+    v_shards integer[];
+BEGIN
+    WITH ended AS (
+        UPDATE bi.shards s
+           SET state = 'pending', lease_owner = NULL, lease_transport = NULL, lease_expires_at = NULL,
+               in_flight = NULL
+         WHERE s.job_version = p_job AND s.state = 'leased'
+           AND EXISTS (SELECT 1 FROM bi.region_decisions d
+                        WHERE d.job_version = s.job_version AND d.kind IN ('claim', 'steal')
+                          AND d.shard_no = s.shard_no AND d.epoch = s.epoch AND d.region = p_region)
+        RETURNING s.shard_no
+    )
+    SELECT array_agg(e.shard_no ORDER BY e.shard_no) INTO v_shards FROM ended e;
+    INSERT INTO bi.region_decisions (job_version, kind, region, reason)
+    VALUES (p_job, 'region_lost', p_region,
+            left(format('%s; %s lease(s) ended: shards %s', p_reason, coalesce(cardinality(v_shards), 0),
+                        coalesce(array_to_string(v_shards, ', '), 'none')), 2000));
+    RETURN coalesce(cardinality(v_shards), 0);
 END $$;

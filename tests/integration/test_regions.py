@@ -293,3 +293,37 @@ def test_a_region_lost_mid_night_its_shards_are_taken_by_another_rebuilt_from_th
     assert (c["stored"], c["shards"]["done"]) == (40, 4)
     assert conn.execute("SELECT count(*) - count(DISTINCT record_id) AS d FROM bi.results WHERE job_version = %s",
                         (placed,)).fetchone()["d"] == 0
+
+
+def test_a_region_found_lost_has_its_leases_ended_at_once_and_no_record_pays_for_it(db_url, conn, placed, stores):
+    ap = region_ledger(db_url, placed, "ap-1", "ap-south", result_files=True)
+    handed, held = ap.claim(), None
+    _finish_with_files(ap, handed)
+    held = ap.claim()
+    us = region_ledger(db_url, placed, "us-1", "us-east")
+    mine = us.claim()                                          # another region's lease: untouched
+    (stores / "ap-south").rename(stores / "gone")
+    p = _cli(db_url, "regions", "check", placed, "--end-leases")
+    rows = [json.loads(line) for line in p.stdout.splitlines()]
+    assert p.returncode == 1, p.stderr
+    lost = next(r for r in rows if r["region"] == "ap-south")
+    assert not lost["reachable"] and "no such directory" in lost["problem"] and lost["ended"] == 2
+    assert all(r["reachable"] for r in rows if r["region"] != "ap-south")
+    shards = {r["shard_no"]: r for r in conn.execute(
+        "SELECT shard_no, state, lost_leases FROM bi.shards WHERE job_version = %s", (placed,))}
+    assert shards[handed.shard_no]["state"] == shards[held.shard_no]["state"] == "pending"
+    assert shards[mine.shard_no]["state"] == "leased"
+    assert all(s["lost_leases"] == 0 for s in shards.values())            # no record's fault
+    assert conn.execute("SELECT count(*) AS n FROM bi.attempts WHERE job_version = %s", (placed,)).fetchone()["n"] == 0
+    why = conn.execute("SELECT reason FROM bi.region_decisions WHERE job_version = %s AND kind = 'region_lost'",
+                       (placed,)).fetchone()["reason"]
+    assert "2 lease(s) ended" in why and "no such directory" in why
+    # at once: the other regions take them now (the handed-in file refused unread), not when leases run out
+    eu = region_ledger(db_url, placed, "eu-1", "eu-west")
+    eu.steal = True
+    taken = {eu.claim().shard_no for _ in range(4)}
+    assert {handed.shard_no, held.shard_no} <= taken
+    assert merge_pending(conn, placed) == {"stale": 1}
+    # by hand, for a Kubernetes API gone: the CLI's one call
+    p = _cli(db_url, "regions", "lost", placed, "us-east", "--reason", "k8s API unreachable")
+    assert p.returncode == 0 and json.loads(p.stdout) == {"region": "us-east", "ended": 1}, p.stderr

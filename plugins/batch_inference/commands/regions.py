@@ -1,4 +1,4 @@
-"""``regions place``, ``regions merge``, ``regions plan`` and ``regions report``: a submitted job version over clusters in
+"""``regions place``, ``merge``, ``plan``, ``check``, ``lost`` and ``report``: a submitted job version over clusters in
 several regions (batch_inference.regions, docs/regions.md).
 
 ``place`` checks the deployment (every store and Kubernetes connection answers) and writes each shard's
@@ -48,6 +48,20 @@ def register(sub: Any) -> None:
     n.add_argument("--margin-s", type=float, default=600)
     n.add_argument("--max-spot-interruption", type=float, default=0.2, help="per GPU-hour")
     n.set_defaults(func=run_plan)
+
+    c = g.add_parser("check", help="ask each region's store; with --end-leases, a region that does not answer "
+                                   "has its workers' leases ended at once")
+    c.add_argument("job_version")
+    c.add_argument("--end-leases", action="store_true")
+    db_arg(c)
+    c.set_defaults(func=run_check)
+
+    lost = g.add_parser("lost", help="a region is lost (its Kubernetes API or store gone): end its leases now")
+    lost.add_argument("job_version")
+    lost.add_argument("region")
+    lost.add_argument("--reason", required=True, help="why (recorded)")
+    db_arg(lost)
+    lost.set_defaults(func=run_lost)
 
     r = g.add_parser("report", help="per region: shards, replica bytes and seconds, claims, steals and egress")
     r.add_argument("job_version")
@@ -99,8 +113,8 @@ def run_plan(args: argparse.Namespace) -> int:
     from dataclasses import asdict
 
     from batch_inference.exceptions import InvalidValue
-    from batch_inference.regions import load_deployment
-    from batch_inference.regions.planner import Workload, plan, single_regions
+    from batch_inference.regions import Workload, load_deployment, single_regions
+    from batch_inference.regions import plan_placement as plan
 
     d = load_deployment(args.deployment)
     ledger = args.ledger_region or d.regions()[0]
@@ -118,6 +132,24 @@ def run_plan(args: argparse.Namespace) -> int:
                              for c in p.clusters], "arithmetic": p.arithmetic}
 
     print_json({"regions": shown(plan(d, w)), "alone": {r: shown(p) for r, p in single_regions(d, w).items()}})
+    return 0
+
+
+def run_check(args: argparse.Namespace) -> int:
+    from batch_inference.regions import check_regions
+
+    with connect(args) as conn:
+        rows = check_regions(conn, args.job_version, end=args.end_leases)
+    for row in rows:
+        print_json(row)
+    return 0 if all(r["reachable"] for r in rows) else 1
+
+
+def run_lost(args: argparse.Namespace) -> int:
+    from batch_inference.regions import end_region
+
+    with connect(args) as conn:
+        print_json({"region": args.region, "ended": end_region(conn, args.job_version, args.region, args.reason)})
     return 0
 
 
