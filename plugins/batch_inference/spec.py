@@ -912,6 +912,12 @@ class JobSpec(_Strict):
     def spec_hash(self) -> str:
         return _sha(_canonical(self.result_defining()))
 
+    def rung_samples(self, rung_no: int) -> int:
+        """Answers a model ladder asks of rung ``rung_no`` (1-based) a record: ``ladder.samples`` under the
+        agreement rule below the top, else 1 (what a rung's answers are priced by)."""
+        top = len(self.models or ())
+        return self.ladder.samples if self.ladder.confidence == "agreement" and rung_no < top else 1
+
     def job_version(self, snapshot_identity: str) -> str:
         """``jv_`` + 16 hex characters: the spec hash bound to the dataset and one input snapshot.
 

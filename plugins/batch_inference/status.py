@@ -117,11 +117,20 @@ def bill(conn: psycopg.Connection, job_version: str, prices: Prices | None = Non
     hosted = conn.execute(q("hosted_cost_rows"), {"job": job_version}).fetchone()
     so_far, fired = job_bill(counts, prices, hosted, gpu_hours=gpu_hours(conn, job_version))
     if spec.models:   # a model ladder: its rows cost what each rung answered times that rung's price
-        from batch_inference.ladder.report import rung_answers   # the ladder's report reads this module
-
         rungs = rung_answers(conn, spec, job_version)
         so_far, fired = priced_by_rung(so_far, rungs), priced_by_rung(fired, rungs)
     return so_far, fired
+
+
+def rung_answers(conn: psycopg.Connection, spec: JobSpec, job_version: str) -> list[dict[str, Any]]:
+    """What each rung of a model ladder answered in the job version (bi.ladder_answers) and its price:
+    ``{rung, model, answered, answers, cost_per_row}``, ``answers`` counting every sample (the agreement
+    rule asks a rung ``samples`` times a record). What ``bill`` prices the ladder's rows by
+    (``cost.priced_by_rung``)."""
+    counts = {r["rung"]: int(r["answered"]) for r in conn.execute(q("ladder_rung_counts"), {"job": job_version})}
+    return [{"rung": no, "model": rung.model.name, "answered": counts.get(no, 0),
+             "answers": counts.get(no, 0) * spec.rung_samples(no), "cost_per_row": rung.cost_per_row}
+            for no, rung in enumerate(spec.models or (), 1)]
 
 
 def shared_inputs(conn: psycopg.Connection, job_version: str) -> int:

@@ -375,10 +375,8 @@ def ladder_reach(spec: JobSpec, calibration: Mapping[str, Any] | None) -> tuple[
 
 def _ladder_rungs(spec: JobSpec, reach: list[float], rows: int) -> list[dict[str, Any]]:
     """What ``rows`` records cost at each rung (``cost.priced_by_rung``'s rungs): records asked x samples."""
-    from batch_inference.ladder.rungs import samples
-
     return [{"rung": no, "model": rung.model.name, "answered": round(rows * share),
-             "answers": round(rows * share) * samples(spec, no), "cost_per_row": rung.cost_per_row}
+             "answers": round(rows * share) * spec.rung_samples(no), "cost_per_row": rung.cost_per_row}
             for no, (rung, share) in enumerate(zip(spec.models or (), reach), 1)]
 
 

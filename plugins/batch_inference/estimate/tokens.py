@@ -171,7 +171,7 @@ class LadderCounter(Counter):
     asked there first) and leaves every rung's count of the same record in ``last``."""
 
     def __init__(self, spec: JobSpec):
-        from batch_inference.ladder.rungs import rung_spec, rungs_of
+        from batch_inference.ladder import rung_spec, rungs_of
 
         self.counters: list[Counter] = []
         try:

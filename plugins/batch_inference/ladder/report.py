@@ -17,19 +17,7 @@ import psycopg
 
 from batch_inference.db import q
 from batch_inference.ladder.rungs import samples
-from batch_inference.spec import JobSpec
 from batch_inference.status import job_counts, job_spec
-
-
-def rung_answers(conn: psycopg.Connection, spec: JobSpec, job_version: str) -> list[dict[str, Any]]:
-    """What each rung of ``spec`` answered in the job version (bi.ladder_answers) and its price:
-    ``{rung, model, answered, answers, cost_per_row}``, ``answers`` counting every sample (the agreement
-    rule asks a rung ``samples`` times a record). What ``status.bill`` prices the ladder's rows by
-    (``cost.priced_by_rung``)."""
-    counts = {r["rung"]: int(r["answered"]) for r in conn.execute(q("ladder_rung_counts"), {"job": job_version})}
-    return [{"rung": no, "model": rung.model.name, "answered": counts.get(no, 0),
-             "answers": counts.get(no, 0) * samples(spec, no), "cost_per_row": rung.cost_per_row}
-            for no, rung in enumerate(spec.models or (), 1)]
 
 
 def report(conn: psycopg.Connection, job_version: str) -> dict[str, Any] | None:

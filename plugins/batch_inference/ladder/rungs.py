@@ -83,9 +83,8 @@ def rung_spec(spec: JobSpec, rung: Rung, seed_offset: int = 0) -> JobSpec:
 
 def samples(spec: JobSpec, rung_no: int) -> int:
     """Answers per record at rung ``rung_no`` (1-based): ``ladder.samples`` under the agreement
-    rule below the top, else 1."""
-    top = len(rungs_of(spec))
-    return spec.ladder.samples if spec.ladder.confidence == "agreement" and rung_no < top else 1
+    rule below the top, else 1 (``JobSpec.rung_samples``)."""
+    return spec.rung_samples(rung_no)
 
 
 def keeps(spec: JobSpec, rung_no: int, answer: Answer) -> bool:
