@@ -114,6 +114,8 @@ def main(argv: list[str] | None = None) -> int:
         # writes are one transaction, so a refusal leaves nothing half-written).
         diag = getattr(exc, "diag", None)
         msg = (diag.message_primary if diag is not None else None) or str(exc) or type(exc).__name__
+        if isinstance(exc, psycopg.errors.InvalidSchemaName) and "\"bi\"" in msg:   # a worker migrates nothing
+            msg += ": this database has no ledger yet; `batch-inference submit SPEC` creates it (with the same --db)"
         print(f"batch-inference {args.command}: error: {one_line(msg)}", file=sys.stderr)
         return 2
 

@@ -307,7 +307,11 @@ def test_max_tokens_too_small_for_the_schema_halts_the_job_naming_the_setting(co
     assert spent == 0
 
 
-def test_an_unknown_job_version_and_an_unknown_connection_name_the_next_step(conn, db_url, tmp_path):
+def test_an_unknown_job_version_and_an_unknown_connection_name_the_next_step(conn, db_url, tmp_path, empty_db):
+    fresh = empty_db()                  # a database nothing was submitted to: the worker migrates nothing
+    line = one_error_line(bi("--db", fresh, "worker", "jv_0000000000000000"), "worker")
+    assert line == ("batch-inference worker: error: schema \"bi\" does not exist: this database has no ledger yet; "
+                    "`batch-inference submit SPEC` creates it (with the same --db)")
     w = bi("--db", db_url, "worker", "jv_0000000000000000")
     assert w.returncode == 4 and w.stdout == "", (w.returncode, w.stderr)
     assert w.stderr.splitlines()[-1].endswith(

@@ -146,7 +146,10 @@ def vllm_argument_names() -> frozenset[str] | None:
 
 
 def check_vllm_accepts(kwargs: dict[str, Any]) -> None:
-    """Refuse (one line) an argument this vLLM does not know, before anything loads."""
+    """Refuse (one line) an argument this vLLM does not know, before anything loads (none given: vLLM is
+    not imported, so building the engine to check its weights at submit stays cheap)."""
+    if not kwargs:
+        return
     known = vllm_argument_names()
     if known is None:
         return
