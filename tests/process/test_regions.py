@@ -13,13 +13,14 @@ import os
 import subprocess
 import sys
 import threading
+import time
 
 import pytest
 
 from batch_inference import db
 from batch_inference.plan import submit
 from batch_inference.publish import publish
-from batch_inference.regions import merge_until, parse_deployment, place, report
+from batch_inference.regions import check_regions, merge_until, parse_deployment, place, report
 from batch_inference.status import job_counts
 from batch_inference.validate import validate
 from gpu_runner.worker import WorkerConfig, run_worker
@@ -165,3 +166,64 @@ def test_the_far_worker_benchmark_runs_every_arm_to_the_end_behind_its_latency_p
     assert set(out["records_per_s"]) == set(ARMS) and all(v > 0 for v in out["records_per_s"].values())
     assert out["measured_rtt_ms"] >= 30
     assert '"benchmark":"regions"' in capsys.readouterr().out
+
+
+def test_a_region_lost_mid_night_its_workers_killed_and_its_endpoint_gone_the_night_still_ends_once(
+        conn, db_url, monkeypatch):
+    """ap-south's worker is killed (SIGKILL) after its first hand-in and its S3 endpoint stops: the check finds
+    the store silent and ends its leases at once; us-east and eu-west take its shards (steals, replicas rebuilt
+    from the ledger), and every record is stored once, validated and published."""
+    import boto3
+
+    for k, v in CREDS.items():
+        monkeypatch.setenv(k, v)
+    with contextlib.ExitStack() as keep:
+        urls = {r: keep.enter_context(moto_server()) for r in ("us-east", "eu-west")}
+        lost_stack = contextlib.ExitStack()
+        urls["ap-south"] = lost_stack.enter_context(moto_server())
+        if not urls["us-east"].startswith("http"):
+            pytest.skip(urls["us-east"])
+        for region, url in urls.items():
+            boto3.client("s3", endpoint_url=url).create_bucket(Bucket=f"replicas-{region}")
+        make_source(conn, tickets(RECORDS))
+        job = submit(conn, make_spec(shard_size=SHARD)).job_version
+        place(conn, job, deployment(urls))
+        slow = ("--engine-option", "delay_s=0.05", "--poll-seconds", "0.5")   # a second a shard
+        stop = threading.Event()
+        merged: dict = {}
+        with db.connect(db_url) as merger_conn:
+            merger = threading.Thread(target=lambda: merged.update(merge_until(merger_conn, job, stop, 0.2)))
+            merger.start()
+            try:
+                ap = start_worker(db_url, job, "ap-south", "--result-files", "--no-steal", *slow)
+                deadline = time.monotonic() + 120
+                while not conn.execute("SELECT 1 FROM bi.result_files WHERE job_version = %s AND region = 'ap-south'",
+                                       (job,)).fetchone():
+                    assert time.monotonic() < deadline and ap.poll() is None, "ap-south handed nothing in"
+                    time.sleep(0.05)
+                ap.kill()                                  # every worker of the region gone at once
+                ap.communicate(timeout=30)
+                lost_stack.close()                         # and its S3 endpoint
+                rows = {r["region"]: r for r in check_regions(conn, job, end=True)}
+                assert not rows["ap-south"]["reachable"] and rows["ap-south"]["ended"] >= 1
+                assert rows["us-east"]["reachable"] and rows["eu-west"]["reachable"]
+                near = start_worker(db_url, job, "us-east", *slow)
+                far = start_worker(db_url, job, "eu-west", "--result-files", *slow)
+                finish(near), finish(far)
+            finally:
+                stop.set()
+                merger.join(timeout=60)
+        c = job_counts(conn, job)
+        assert (c["stored"], c["dead_letters"], c["outstanding"]) == (RECORDS, 0, 0)
+        assert conn.execute("SELECT count(*) - count(DISTINCT record_id) AS d FROM bi.results WHERE job_version = %s",
+                            (job,)).fetchone()["d"] == 0
+        steals = conn.execute("SELECT shard_no FROM bi.region_decisions WHERE job_version = %s AND kind = 'steal' "
+                              "AND home_region = 'ap-south'", (job,)).fetchall()
+        rebuilt = conn.execute("SELECT shard_no, reason FROM bi.region_decisions WHERE job_version = %s "
+                               "AND kind = 'rebuild'", (job,)).fetchall()
+        assert len(steals) >= 2 and {r["shard_no"] for r in rebuilt} >= {s["shard_no"] for s in steals}
+        assert all("not written back" in r["reason"] for r in rebuilt)
+        assert conn.execute("SELECT sum(lost_leases) AS n FROM bi.shards WHERE job_version = %s",
+                            (job,)).fetchone()["n"] == 0     # the region's loss cost no record anything
+        assert validate(conn, job).passed
+        assert publish(conn, job)["changed"]
