@@ -12,6 +12,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import psycopg
 import pytest
 import yaml
 
@@ -327,3 +328,25 @@ def test_a_region_found_lost_has_its_leases_ended_at_once_and_no_record_pays_for
     # by hand, for a Kubernetes API gone: the CLI's one call
     p = _cli(db_url, "regions", "lost", placed, "us-east", "--reason", "k8s API unreachable")
     assert p.returncode == 0 and json.loads(p.stdout) == {"region": "us-east", "ended": 1}, p.stderr
+
+
+def test_a_hand_in_retried_after_its_reply_was_lost_hands_in_the_same_file_once(db_url, conn, placed):
+    far = region_ledger(db_url, placed, "eu-1", "eu-west", result_files=True)
+    lease = far.claim()
+    ids, _, _, _ = far.record_columns(lease)
+    far.put_results(lease, ids, [OUT] * len(ids), ["billing"] * len(ids))
+    real = far.transition
+    calls = []
+
+    def lost_reply(*a, **kw):            # the hand-in commits, its answer never arrives
+        calls.append(real(*a, **kw))
+        if len(calls) == 1:
+            raise psycopg.OperationalError("server closed the connection unexpectedly")
+        return calls[-1]
+
+    far.transition = lost_reply
+    with pytest.raises(psycopg.OperationalError):
+        far.complete(lease)
+    assert far.complete(lease) == "done"          # the worker's retry: the same object, the same epoch's row
+    assert calls[0]["file_id"] == calls[1]["file_id"]
+    assert merge_pending(conn, placed) == {"merged": 1, "rows": 10}

@@ -163,7 +163,10 @@ class RegionLedger(Ledger):
         return len(ids)
 
     def complete(self, lease: Lease) -> str:
-        held = self._results.pop((lease.shard_no, lease.epoch), None)
+        """Hand the shard's held results in as one file; kept until the hand-in answers, so a call the
+        worker retries after a lost reply writes the same object and hands the same epoch's file in again
+        (one file per epoch: nothing changes)."""
+        held = self._results.get((lease.shard_no, lease.epoch))
         if not held or not held[0]:
             return super().complete(lease)
         settings, store = self.store(self.region)
@@ -171,8 +174,13 @@ class RegionLedger(Ledger):
         d = digest(data)
         key = key_for(settings, lease.job_version, "results", d)
         store.put(key, data)
-        self.transition("hand-in", "hand_in_results", lease, region=self.region, key=key, digest=d,
-                        records=len(held[0]), bytes=len(data), engine=self.engine, endpoint=self.endpoint)
+        try:
+            self.transition("hand-in", "hand_in_results", lease, region=self.region, key=key, digest=d,
+                            records=len(held[0]), bytes=len(data), engine=self.engine, endpoint=self.endpoint)
+        except StaleLease:
+            self._results.pop((lease.shard_no, lease.epoch), None)
+            raise
+        self._results.pop((lease.shard_no, lease.epoch), None)
         self.stats["files"] += 1
         log.info("%s: shard %d: %d results handed in as %s in %s", self.owner, lease.shard_no, len(held[0]), key,
                  store.where)
