@@ -97,6 +97,9 @@ def main(argv: list[str] | None = None) -> int:
         warnings.filterwarnings("ignore", message="XDG_RUNTIME_DIR is not set")
         # Airflow, imported for a source's connection, logs its own start-up at INFO.
         logging.getLogger("airflow").setLevel(logging.WARNING)
+        # The migrations a first command applies to a new database: a line before whatever the command
+        # says (a refusal among them); `db up` names them itself.
+        logging.getLogger("batch_inference.db").setLevel(logging.WARNING)
     import psycopg
 
     from batch_inference.exceptions import BatchInferenceError, SpecError

@@ -324,15 +324,18 @@ def test_an_unknown_job_version_and_an_unknown_connection_name_the_next_step(con
     assert jobs(conn) == 0
 
 
-def test_a_null_or_duplicate_id_read_through_a_connection_is_one_line_with_nothing_before_it(conn, db_url, tmp_path):
-    """The source's own 'row(s) read' line is debug, not info: the refusal is the only line on stderr."""
+def test_a_null_or_duplicate_id_read_through_a_connection_is_one_line_with_nothing_before_it(conn, db_url, tmp_path,
+                                                                                               empty_db):
+    """The source's own 'row(s) read' line is debug, not info, and so is the line naming the migrations a
+    first command applies to a new database: the refusal is the only line on stderr."""
     path = tmp_path / "reviews.db"
     env = {"AIRFLOW_CONN_MY_REVIEWS": json.dumps({"conn_type": "sqlite", "host": str(path)})}
     spec = write(tmp_path, sql_source_spec("my_reviews"))
-    for extra, said in (((None, "No id", "a row without an id", None), "row(s) with a NULL id"),
-                        ((TICKETS[0][0], "Again", "the first id once more", None), "duplicate ids in column 'id'")):
+    for url, extra, said in ((empty_db(), (None, "No id", "a row without an id", None), "row(s) with a NULL id"),
+                             (db_url, (TICKETS[0][0], "Again", "the first id once more", None),
+                              "duplicate ids in column 'id'")):
         _load_sqlite(path, [*TICKETS, extra])
-        line = one_error_line(bi("--db", db_url, "submit", spec, env=env))
+        line = one_error_line(bi("--db", url, "submit", spec, env=env))
         assert said in line, line
     assert jobs(conn) == 0
 
