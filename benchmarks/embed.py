@@ -92,9 +92,9 @@ def arm_bare(engine: str, records: int, out: Path) -> dict[str, Any]:
     inputs = [embed_input(spec, t) for _, t in texts(records)]
     t0 = time.perf_counter()
     if engine == "llama":
-        import llama_cpp
+        from batch_inference.engines.cpu_probe import llama_for
 
-        llm = llama_cpp.Llama(**LlamaCppEmbedder(spec).llama_kwargs())
+        llm = llama_for(LlamaCppEmbedder(spec).llama_kwargs())   # as this CPU allows, as the engine loads it
         loaded = time.perf_counter()
         vectors = [v for i in range(0, len(inputs), EMBED_BATCH)
                    for v in llm.embed(inputs[i:i + EMBED_BATCH], normalize=False, truncate=True)]

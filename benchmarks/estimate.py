@@ -78,11 +78,10 @@ def scale(url: str, records: int) -> dict[str, Any]:
 
 def engine_prompt_tokens(spec: Any, texts: list[str]) -> int:
     """The engine's own prompt count: the loaded model's ``usage.prompt_tokens``, one output token each."""
-    import llama_cpp
-
+    from batch_inference.engines.cpu_probe import llama_for
     from batch_inference.engines.llama_cpp import LlamaCppEngine
 
-    llm = llama_cpp.Llama(**LlamaCppEngine(spec).llama_kwargs())
+    llm = llama_for(LlamaCppEngine(spec).llama_kwargs())   # as this CPU allows, as the engine loads it
     try:
         return sum(llm.create_chat_completion(messages=build_messages(spec, t), max_tokens=1, temperature=0)
                    ["usage"]["prompt_tokens"] for t in texts)

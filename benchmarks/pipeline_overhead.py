@@ -78,11 +78,11 @@ def rows(n: int) -> list[tuple[str, str]]:
 
 
 def direct(spec: JobSpec, records: list[tuple[str, str]]) -> tuple[float, dict[str, str | None]]:
-    import llama_cpp
+    from batch_inference.engines.cpu_probe import llama_for
 
     engine = LlamaCppEngine(spec)
     t0 = time.perf_counter()
-    llm = llama_cpp.Llama(**engine.llama_kwargs())
+    llm = llama_for(engine.llama_kwargs())   # as this CPU allows, as the engine loads it
     kwargs = engine.completion_kwargs()
     out: dict[str, str | None] = {}
     for rid, text in records:
