@@ -227,3 +227,34 @@ def test_a_region_lost_mid_night_its_workers_killed_and_its_endpoint_gone_the_ni
                             (job,)).fetchone()["n"] == 0     # the region's loss cost no record anything
         assert validate(conn, job).passed
         assert publish(conn, job)["changed"]
+
+
+def test_a_far_worker_preempted_mid_shard_writes_what_it_holds_to_the_ledger_and_releases(conn, db_url, tmp_path):
+    """The preemption notice (SIGTERM) reaches a far worker holding a shard's results for its file: what it
+    holds goes straight to the ledger (no file for a shard given back), the lease is released at once, and
+    the next holder finishes it: every record once."""
+    import signal
+
+    (tmp_path / "far").mkdir()
+    make_source(conn, tickets(200))
+    job = submit(conn, make_spec(shard_size=200, lease_seconds=600)).job_version
+    place(conn, job, parse_deployment({"clusters": [{
+        "name": "far-gpu", "region": "far", "workers": {"kind": "local"},
+        "gpu": {"kind": "L4", "spot_per_hour": 0.4, "on_demand_per_hour": 0.8}, "capacity": 1,
+        "store": {"kind": "path", "path": str(tmp_path / "far")}}]}))
+    w = start_worker(db_url, job, "far", "--result-files", "--engine-option", "delay_s=0.05")
+    deadline = time.monotonic() + 60
+    while "shard 0 epoch 1" not in (line := w.stdout.readline()):
+        assert line and time.monotonic() < deadline, "the worker never read its shard"
+    time.sleep(1.0)                                   # some records generated, held for the shard's file
+    w.send_signal(signal.SIGTERM)
+    out, _ = w.communicate(timeout=30)
+    assert w.returncode == 143, out
+    shard = conn.execute("SELECT state, stored FROM bi.shards WHERE job_version = %s", (job,)).fetchone()
+    assert shard["state"] == "pending" and 0 < shard["stored"] < 200, out
+    assert not conn.execute("SELECT 1 FROM bi.result_files WHERE job_version = %s", (job,)).fetchall()
+    finish(start_worker(db_url, job, "far"))
+    c = job_counts(conn, job)
+    assert (c["stored"], c["outstanding"]) == (200, 0)
+    assert conn.execute("SELECT count(*) - count(DISTINCT record_id) AS d FROM bi.results WHERE job_version = %s",
+                        (job,)).fetchone()["d"] == 0
