@@ -70,9 +70,13 @@ def scan(conn: psycopg.Connection, relation: sql.Composable, source_name: str, i
     if r["n"] == 0:
         raise SnapshotError(f"source {source_name} is empty: nothing to snapshot")
     if r["null_ids"]:
-        raise SnapshotError(f"source {source_name} has {r['null_ids']} row(s) with a NULL id "
-                            f"(column {id_column!r})")
+        raise null_ids_error(source_name, r["null_ids"], id_column)
     return int(r["n"]), f"{r['n']}:{r['a']}:{r['b']}"
+
+
+def null_ids_error(source_name: str, n: int, id_column: str) -> SnapshotError:
+    """The one-line error for a source with ``n`` rows without an id (submit's and estimate's)."""
+    return SnapshotError(f"source {source_name} has {n} row(s) with a NULL id (column {id_column!r})")
 
 
 def duplicates_error(conn: psycopg.Connection, relation: sql.Composable, source_name: str,

@@ -337,6 +337,9 @@ def test_a_null_or_duplicate_id_read_through_a_connection_is_one_line_with_nothi
         _load_sqlite(path, [*TICKETS, extra])
         line = one_error_line(bi("--db", url, "submit", spec, env=env))
         assert said in line, line
+        if extra[0] is None:          # estimate, run first, refuses what submit will
+            assert one_error_line(bi("--db", url, "estimate", spec, env=env), "estimate") == \
+                line.replace("submit: error", "estimate: error")
     assert jobs(conn) == 0
 
 

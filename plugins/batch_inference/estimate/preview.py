@@ -42,7 +42,7 @@ from batch_inference.db import q
 from batch_inference.estimate.tokens import Counter, counter_for
 from batch_inference.exceptions import InvalidValue, SnapshotError
 from batch_inference.prompting import build_messages
-from batch_inference.snapshot import clean_text, source_errors
+from batch_inference.snapshot import clean_text, null_ids_error, source_errors
 from batch_inference.sources import postgres as postgres_source
 from batch_inference.spec import JobSpec
 from batch_inference.status import Progress
@@ -292,11 +292,15 @@ def preview(conn: psycopg.Connection, spec: JobSpec, *, reader: sources.Reader |
     t_count = 0.0
     rung_tokens = [0] * len(spec.models or ())   # a model ladder: each rung's tokenizer's count (LadderCounter)
     progress = Progress(None, every=PROGRESS_EVERY, seconds=PROGRESS_SECONDS)
+    null_ids = 0
     try:
         for row in (rows if rows is not None else source_rows(conn, spec, reader)):
             records += 1
             if progress.add(1):
                 log.info("estimate: %s records read, judged and counted so far", progress.text())
+            if row.get("record_id") is None:   # refused at submit: counted here, refused as submit does
+                null_ids += 1
+                continue
             text, reject = judge(spec, row)
             if reject is not None:
                 reasons[reject.split(" (")[0]] += 1
@@ -326,6 +330,8 @@ def preview(conn: psycopg.Connection, spec: JobSpec, *, reader: sources.Reader |
             counter.close()
     if records == 0:
         raise SnapshotError(f"source {spec.source.label} is empty: nothing to preview")
+    if null_ids:
+        raise null_ids_error(spec.source.label, null_ids, spec.source.id_column)
     elapsed = time.perf_counter() - t0
     return _project(spec, counter, tally, records, reasons, over_context, m, workers, deadline, now,
                     {"total": round(elapsed, 3), "tokenizer_load": round(t_load, 3),
