@@ -222,3 +222,20 @@ def test_the_overage_says_over_or_under_a_clean_batch_night():
     cheap = Prices(gpu_hour=Decimal("3.50"))
     r = cost_report(1_000, 0, cheap, gpu_hours=Decimal("0.1"))
     assert r.total == Decimal("0.35") and r.overage_text == "$3.28 under a clean batch night"
+
+
+def test_a_ladder_is_priced_rung_by_rung():
+    """``priced_by_rung``: the batch rows cost each rung's answers times its price; the rest of the bill
+    (fallback rows) is unchanged, and the floor is the cascade's price per stored row so far."""
+    from batch_inference.cost import priced_by_rung
+
+    report = cost_report(80, 5, total_rows=90)
+    rungs = [{"rung": 1, "model": "small", "answers": 80, "cost_per_row": 0.0005},
+             {"rung": 2, "model": "big", "answers": 20, "cost_per_row": 0.0015}]
+    priced = priced_by_rung(report, rungs)
+    assert priced.batch_cost == Decimal("0.0700") and priced.fallback_cost == report.fallback_cost
+    assert priced.total == Decimal("0.0700") + report.fallback_cost
+    assert priced.clean_batch_floor == 90 * Decimal("0.0700") / 80
+    d = priced.to_dict()
+    assert [r["cost"] for r in d["rungs"]] == [0.04, 0.03] and d["batch_cost"] == 0.07
+    assert priced_by_rung(report, []) is report

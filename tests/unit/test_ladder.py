@@ -162,3 +162,39 @@ def test_under_agreement_a_rung_answers_each_record_with_several_seeds_and_keeps
     assert 0 < engine.asked[1] <= len(rows) - len(easy)           # only hard records disagree with themselves
     assert all(out[r] == f'{{"category": "{label}"}}' for r, _, label in rows if r in easy)
     assert engine.rungs[0].engine.spec.params.seed == spec.models[0].params.seed   # the rung's own spec is back
+
+
+def test_calibrate_out_sets_each_threshold_where_the_spec_wrote_its_rung():
+    """``with_thresholds``: a threshold replaced where it is, added after a block rung's last line (first
+    when that is a block), inside a flow rung; comments, quoting and the top rung untouched."""
+    from batch_inference.ladder.calibrate import with_thresholds
+
+    text = ("# my ladder\n"
+            "models:   # rungs\n"
+            "  - model: {name: a, digest: x}   # small\n"
+            "    cost_per_row: 0.0004  # price\n"
+            "  - {model: {name: b}, cost_per_row: 0.004}\n"
+            "  - model: {name: c}\n"
+            "    params:\n"
+            "      temperature: 0\n"
+            "  - model: {name: d}\n"
+            "    threshold: 0.5   # old\n"
+            "  - model: {name: e}\n"
+            "    cost_per_row: 1\n")
+    assert with_thresholds(text, [0.25, 0.5, 0.125, None]) == (
+        "# my ladder\n"
+        "models:   # rungs\n"
+        "  - model: {name: a, digest: x}   # small\n"
+        "    cost_per_row: 0.0004  # price\n"
+        "    threshold: 0.25\n"
+        "  - {model: {name: b}, cost_per_row: 0.004, threshold: 0.5}\n"
+        "  - threshold: 0.125\n"
+        "    model: {name: c}\n"
+        "    params:\n"
+        "      temperature: 0\n"
+        "  - model: {name: d}\n"
+        "    threshold: null   # old\n"
+        "  - model: {name: e}\n"
+        "    cost_per_row: 1\n")
+    with pytest.raises(SpecError, match="is not the list of rungs it calibrated"):
+        with_thresholds(text, [0.25])
