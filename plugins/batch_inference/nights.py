@@ -382,7 +382,7 @@ class Endpoint:
     def respond(self, body: dict[str, Any]) -> tuple[Any, ...]:
         """One answer (the server calls it under its lock). A request at the flex tier is refused
         (429 Resource Unavailable) or dropped at random with ``flex_refuse``, else held ``flex_latency_s``."""
-        from batch_inference.harness.loopback import DROP
+        from batch_inference.harness import DROP
 
         if body.get("service_tier") == "flex":
             r = self.rng.random()

@@ -180,7 +180,7 @@ class _Retryable(BatchInferenceError):
         self.retry_after = retry_after
 
 
-# Public: what ``_attempt`` raises for a transport failure (a tier-aware subclass, batch_inference.tiers.engine,
+# Public: what ``attempt`` raises for a transport failure (a tier-aware subclass, batch_inference.tiers.engine,
 # tells a refused request from an answered one by it).
 Retryable = _Retryable
 
@@ -258,7 +258,8 @@ class OpenAIEngine(Engine):
         return httpx.AsyncClient(headers=self._headers, timeout=self.timeout_s, limits=limits)
 
     # -- one record -------------------------------------------------------
-    async def _attempt(self, client: Any, req: Request) -> Outcome:
+    async def attempt(self, client: Any, req: Request) -> Outcome:
+        """One HTTP request for one record: its outcome, or ``Retryable`` for a transport failure."""
         import httpx
 
         try:
@@ -287,8 +288,9 @@ class OpenAIEngine(Engine):
         """The outcome of one answered request (``path``'s JSON)."""
         return parse_chat_completion(record_id, data)
 
-    async def _one(self, client: Any, req: Request, stop: threading.Event | None) -> Outcome | None:
-        """The outcome of one record, or None when ``stop`` came before it was sent.
+    async def record_outcome(self, client: Any, req: Request, stop: threading.Event | None) -> Outcome | None:
+        """The outcome of one record, or None when ``stop`` came before it was sent: its requests with the
+        retries, the bucket, the breaker and the allowance (the seam a tier-aware subclass overrides).
 
         Raises :class:`EndpointUnavailable` once the breaker has tripped.
         """
@@ -302,7 +304,7 @@ class OpenAIEngine(Engine):
             if self.allowance is not None and not self.allowance.take(req.record_id):
                 return None   # the allowance is spent: not sent, no attempt counted (as after stop)
             try:
-                outcome = await self._attempt(client, req)
+                outcome = await self.attempt(client, req)
             except _Retryable as exc:
                 self.breaker.failure(exc.reason)
                 # Out of retries, the record is at fault only if the endpoint answers others.
@@ -341,7 +343,7 @@ class OpenAIEngine(Engine):
                     if req is None:
                         exhausted = True
                     else:
-                        pending.add(asyncio.ensure_future(self._one(client, req, stop)))
+                        pending.add(asyncio.ensure_future(self.record_outcome(client, req, stop)))
                 if not pending:
                     return
                 done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)

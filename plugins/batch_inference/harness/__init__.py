@@ -16,10 +16,11 @@ A harness imports from here, never another harness's private names.
 """
 
 from batch_inference.harness.database import Admin, EmbeddedServer, worker_credentials
+from batch_inference.harness.hosted_gemini import GeminiBatchEmulator
 from batch_inference.harness.hosted_openai import OpenAIBatchEmulator
 from batch_inference.harness.hosted_sim import BatchProvider
-from batch_inference.harness.loopback import ChatServer, completion
+from batch_inference.harness.loopback import DROP, ChatServer, completion
 from batch_inference.harness.source import SOURCE, make_source
 
-__all__ = ["SOURCE", "Admin", "BatchProvider", "ChatServer", "EmbeddedServer", "OpenAIBatchEmulator", "completion",
-           "make_source", "worker_credentials"]
+__all__ = ["DROP", "SOURCE", "Admin", "BatchProvider", "ChatServer", "EmbeddedServer", "GeminiBatchEmulator",
+           "OpenAIBatchEmulator", "completion", "make_source", "worker_credentials"]

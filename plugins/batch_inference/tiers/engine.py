@@ -78,7 +78,7 @@ class TieredOpenAIEngine(OpenAIEngine):
             body["service_tier"] = self.plan.tiers[i].name
         return body
 
-    async def _one(self, client: Any, req: Request, stop: threading.Event | None) -> Outcome | None:
+    async def record_outcome(self, client: Any, req: Request, stop: threading.Event | None) -> Outcome | None:
         plan, floor = self.plan, 0
         refusals: Counter[int] = Counter()
         while True:
@@ -86,7 +86,7 @@ class TieredOpenAIEngine(OpenAIEngine):
             _TIER.set(i)
             t0 = time.monotonic()
             if i == plan.last:
-                outcome = await super()._one(client, req, stop)
+                outcome = await super().record_outcome(client, req, stop)
                 if outcome is not None:
                     plan.observe(i, time.monotonic() - t0)
                     self._answered[req.record_id] = plan.tiers[i].name
@@ -102,7 +102,7 @@ class TieredOpenAIEngine(OpenAIEngine):
                 return None
             t0 = time.monotonic()
             try:
-                outcome = await self._attempt(client, req)
+                outcome = await self.attempt(client, req)
             except Retryable as exc:
                 try:
                     tier.breaker.failure(exc.reason)
