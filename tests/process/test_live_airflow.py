@@ -246,7 +246,8 @@ def test_a_fallback_endpoint_down_for_the_tail_pages_before_the_deadline_and_the
 
 def test_the_autopilot_adds_a_local_worker_when_the_batch_is_behind(live_airflow):
     """The autopilot in the deployment: the cutoff's trigger decides the fleet's size at every poll
-    (60 s in the backfill DAG) and the workers task reconciles its processes to it. One worker at
+    (``LIVE_CUTOFF_POLL_S``, the deployment's cutoff_poll_interval) and the workers task reconciles its
+    processes to it. One worker at
     2 s a record would finish 150 records just inside the cutoff's last moment, not a margin before
     it: the autopilot adds a worker, the cutoff never fires, and the run publishes."""
     dep = live_airflow

@@ -80,8 +80,17 @@ def resolve_deadline(deadline: str, run_after: str, run_type: str = "") -> str:
     return resolve(deadline, deadline_reference(datetime.fromisoformat(run_after), run_type))
 
 
+def default_cutoff_poll() -> float:
+    """Seconds between the cutoff trigger's reads of the counts where a DAG names none: the deployment's
+    ``[batch_inference] cutoff_poll_interval`` (``AIRFLOW__BATCH_INFERENCE__CUTOFF_POLL_INTERVAL``), read
+    when the DAG is parsed, 60 when unset."""
+    from airflow.sdk.configuration import conf
+
+    return conf.getfloat("batch_inference", "cutoff_poll_interval", fallback=60.0)
+
+
 def batch_inference_pipeline(*, dataset: str, workers: WorkerLauncher, spec: str = "{{ params.spec_path }}",
-                             incremental: bool | str | None = None, cutoff_poll_interval: float = 60,
+                             incremental: bool | str | None = None, cutoff_poll_interval: float | None = None,
                              review_poll_interval: float = 15, postgres_conn_id: str = DEFAULT_CONN_ID,
                              fallback_kwargs: dict[str, Any] | None = None,
                              page_reserve_s: float | None = None, estimate: bool = True) -> Pipeline:
@@ -98,7 +107,8 @@ def batch_inference_pipeline(*, dataset: str, workers: WorkerLauncher, spec: str
     :param spec: the job spec (templated; a path relative to the DAG file, or a dict).
     :param incremental: overrides the spec's ``incremental`` (e.g. ``"{{ params.incremental }}"``);
         None keeps the spec's.
-    :param cutoff_poll_interval: seconds between the cutoff trigger's reads of the counts.
+    :param cutoff_poll_interval: seconds between the cutoff trigger's reads of the counts; None: the
+        deployment's ``[batch_inference] cutoff_poll_interval`` (``default_cutoff_poll``), 60 when unset.
     :param review_poll_interval: seconds between the review trigger's reads of the review gate.
     :param postgres_conn_id: the ledger's Airflow connection, for every task.
     :param fallback_kwargs: more arguments of the ``FallbackPoolOperator`` (``api_key_env``, ``base_url``...).
@@ -131,8 +141,9 @@ def batch_inference_pipeline(*, dataset: str, workers: WorkerLauncher, spec: str
     first, last = launched if isinstance(launched, tuple) else (launched, launched)
 
     deadline = resolve_deadline("{{ params.deadline }}", "{{ dag_run.run_after.isoformat() }}", "{{ dag_run.run_type }}")
+    poll = default_cutoff_poll() if cutoff_poll_interval is None else cutoff_poll_interval
     cutoff = CutoffSensor(task_id="cutoff", job_version=job_version, deadline=deadline,
-                          poll_interval=cutoff_poll_interval, postgres_conn_id=postgres_conn_id,
+                          poll_interval=poll, postgres_conn_id=postgres_conn_id,
                           page_reserve_s=page_reserve_s)
     # The sensor's resolved deadline: with it a failing endpoint pages early and is re-driven in the try.
     resolved = f"{{{{ (ti.xcom_pull(task_ids='{cutoff.task_id}') or {{}}).get('deadline') }}}}"
