@@ -119,6 +119,11 @@ def bill(conn: psycopg.Connection, job_version: str, prices: Prices | None = Non
     if spec.models:   # a model ladder: its rows cost what each rung answered times that rung's price
         rungs = rung_answers(conn, spec, job_version)
         so_far, fired = priced_by_rung(so_far, rungs), priced_by_rung(fired, rungs)
+    if spec.fallback.tiers:   # price tiers: each fallback row so far at the tier that answered it
+        from batch_inference.tiers import priced_by_tier
+
+        so_far = priced_by_tier(so_far, conn.execute(q("fallback_tier_rows"), {"job": job_version}).fetchall(),
+                                spec.fallback.tiers)
     return so_far, fired
 
 
