@@ -1086,6 +1086,21 @@ class _NightRun:
 # -- the run ---------------------------------------------------------------------------
 
 
+def run_totals(runs: list[Night]) -> dict[str, Any]:
+    """One side of a paired comparison (autopilot off/on, one price/tiers): verdicts, duplicates, lost rows,
+    the fallback's rows and bill (the tail), the whole bill, GPU-hours, cutoffs fired."""
+    met = sum(1 for n in runs if n.verdict == "met")
+    return {"nights": len(runs), "met": met, "paged": sum(1 for n in runs if n.verdict == "paged"),
+            "failed": sum(1 for n in runs if n.verdict == "FAIL"),
+            "met_rate": round(met / len(runs), 4) if runs else None,
+            "duplicates": sum(n.coverage.get("duplicates", 0) for n in runs), "lost": sum(n.lost for n in runs),
+            "bill": round(sum(n.bill.get("total", 0.0) for n in runs), 4),
+            "fallback_rows": sum(n.rows.get("fallback", 0) for n in runs),
+            "tail_bill": round(sum(n.bill.get("fallback_cost", 0.0) for n in runs), 4),
+            "gpu_hours": round(sum(n.gpu_hours for n in runs), 6),
+            "fired": sum(1 for n in runs if n.fired_s is not None)}
+
+
 @dataclass
 class NightsReport:
     config: dict[str, Any]
@@ -1143,19 +1158,9 @@ class NightsReport:
         if not seeds:
             return None
 
-        def totals(runs: list[Night]) -> dict[str, Any]:
-            return {"nights": len(runs), "met": sum(1 for n in runs if n.verdict == "met"),
-                    "paged": sum(1 for n in runs if n.verdict == "paged"),
-                    "failed": sum(1 for n in runs if n.verdict == "FAIL"),
-                    "met_rate": round(sum(1 for n in runs if n.verdict == "met") / len(runs), 4) if runs else None,
-                    "bill": round(sum(n.bill.get("total", 0.0) for n in runs), 4),
-                    "fallback_rows": sum(n.rows.get("fallback", 0) for n in runs),
-                    "gpu_hours": round(sum(n.gpu_hours for n in runs), 6),
-                    "fired": sum(1 for n in runs if n.fired_s is not None)}
-
         out: dict[str, Any] = {}
         for name, pick in (("all", seeds), ("slowed", [s for s in seeds if off[s].slowed])):
-            a, b = totals([off[s] for s in pick]), totals([on[s] for s in pick])
+            a, b = run_totals([off[s] for s in pick]), run_totals([on[s] for s in pick])
             out[name] = {"off": a, "on": b,
                          "bill_saved": round(1 - b["bill"] / a["bill"], 4) if a["bill"] else None}
         leads = [round(off[s].fired_s - on[s].pilot["first_add_s"], 2) for s in seeds
@@ -1182,17 +1187,7 @@ class NightsReport:
         if not seeds:
             return None
 
-        def totals(runs: list[Night]) -> dict[str, Any]:
-            return {"nights": len(runs), "met": sum(1 for n in runs if n.verdict == "met"),
-                    "paged": sum(1 for n in runs if n.verdict == "paged"),
-                    "failed": sum(1 for n in runs if n.verdict == "FAIL"),
-                    "duplicates": sum(n.coverage.get("duplicates", 0) for n in runs),
-                    "lost": sum(n.lost for n in runs),
-                    "fallback_rows": sum(n.rows.get("fallback", 0) for n in runs),
-                    "tail_bill": round(sum(n.bill.get("fallback_cost", 0.0) for n in runs), 4),
-                    "bill": round(sum(n.bill.get("total", 0.0) for n in runs), 4)}
-
-        a, b = totals([one[s] for s in seeds]), totals([tiered[s] for s in seeds])
+        a, b = run_totals([one[s] for s in seeds]), run_totals([tiered[s] for s in seeds])
         per_row = [x["tail_bill"] / x["fallback_rows"] if x["fallback_rows"] else None for x in (a, b)]
         return {"one_price": a, "tiers": b,
                 "tail_bill_ratio": round(b["tail_bill"] / a["tail_bill"], 4) if a["tail_bill"] else None,
