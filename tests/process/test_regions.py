@@ -258,3 +258,14 @@ def test_a_far_worker_preempted_mid_shard_writes_what_it_holds_to_the_ledger_and
     assert (c["stored"], c["outstanding"]) == (200, 0)
     assert conn.execute("SELECT count(*) - count(DISTINCT record_id) AS d FROM bi.results WHERE job_version = %s",
                         (job,)).fetchone()["d"] == 0
+
+
+def test_compressed_nights_over_regions_run_to_the_end_once(capsys):
+    """A quick run of benchmarks.region_nights (its figures are docs/regions.md's): the night over regions and
+    the same night in one region, each published with every record once, met or paged."""
+    from benchmarks.region_nights import main
+
+    out = main(["--nights", "1", "--first-seed", "3", "--records", "400", "--delay-ms", "10",
+                "--deadline-s", "12"])
+    assert out["duplicates"] == 0 and out["lost_records"] == 0 and out["met_or_paged"] == out["of"] == 1
+    assert {n["mode"] for n in out["nights"]} == {"regions", "one"}

@@ -117,3 +117,12 @@ def test_the_ten_times_plan_in_the_docs_is_what_the_planner_says(capsys):
     assert [c["cluster"] for c in out["regions"]["clusters"]] == ["eu-west-h100", "us-east-h100"]
     assert not any(p["meets"] for p in out["alone"].values())
     assert out["alone"]["us-east"]["makespan_h"] == 37.85
+
+
+def test_shards_are_homed_where_a_plans_workers_are_or_by_capacity():
+    from batch_inference.regions.replicas import assign
+
+    d = three()
+    assert list(assign(d, range(6)).values()) == ["us", "us", "eu", "eu", "ap", "ap"]
+    homes = assign(d, range(10), {"eu": 3_000, "ap": 1_000})       # the plan left us-1 without workers
+    assert list(homes.values()) == ["eu"] * 8 + ["ap"] * 2

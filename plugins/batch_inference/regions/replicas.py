@@ -92,10 +92,12 @@ def read_replica(store: Any, replica: Replica) -> tuple[list[str], list[str]] | 
     return ids, texts
 
 
-def assign(deployment: Deployment, shard_nos: Sequence[int]) -> dict[int, str]:
-    """Each shard's home region: contiguous ranges in region order, in proportion to the regions' capacity."""
-    regions = deployment.regions()
-    caps = [deployment.capacity(r) for r in regions]
+def assign(deployment: Deployment, shard_nos: Sequence[int], weights: dict[str, float] | None = None
+           ) -> dict[int, str]:
+    """Each shard's home region: contiguous ranges in region order, in proportion to ``weights`` (a plan's
+    records per region: shards go where its workers are), else to the regions' capacity."""
+    regions = [r for r in deployment.regions() if weights is None or weights.get(r, 0) > 0]
+    caps = [weights[r] if weights is not None else deployment.capacity(r) for r in regions]
     total, n = sum(caps), len(shard_nos)
     out: dict[int, str] = {}
     start, acc = 0, 0
@@ -108,9 +110,11 @@ def assign(deployment: Deployment, shard_nos: Sequence[int]) -> dict[int, str]:
     return out
 
 
-def place(conn: psycopg.Connection, job_version: str, deployment: Deployment) -> dict[str, Any]:
+def place(conn: psycopg.Connection, job_version: str, deployment: Deployment,
+          weights: dict[str, float] | None = None) -> dict[str, Any]:
     """Place the job version on the deployment's clusters and write each region's replicas (module
-    docstring). Returns per region: shards, bytes, seconds. A version placed before on the same
+    docstring; ``weights``: each region's share, as a plan's records per region). Returns per region: shards,
+    bytes, seconds. A version placed before on the same
     clusters is left as it is; on other clusters it is refused. Nothing is written to the ledger
     when a store or connection cannot be reached (DeploymentError, one line)."""
     placed = conn.execute(q("regions_placed"), {"job": job_version}).fetchall()
@@ -133,9 +137,11 @@ def place(conn: psycopg.Connection, job_version: str, deployment: Deployment) ->
         except StoreUnavailable as exc:
             raise DeploymentError(f"region {region!r}: {exc}") from None
     numbers = [r["shard_no"] for r in shards if r["shard_no"] is not None]
-    homes = assign(deployment, numbers)
+    if weights is not None and not any(weights.get(r, 0) > 0 for r in deployment.regions()):
+        raise DeploymentError("the placement's weights give no region of the deployment any shard")
+    homes = assign(deployment, numbers, weights)
     rows: list[dict[str, Any]] = []
-    cost: dict[str, dict[str, float]] = {r: {"shards": 0, "bytes": 0, "seconds": 0.0} for r in stores}
+    cost: dict[str, dict[str, float]] = {r: {"shards": 0, "bytes": 0, "seconds": 0.0} for r in set(homes.values())}
     for shard_no in numbers:
         region = homes[shard_no]
         t0 = time.perf_counter()
