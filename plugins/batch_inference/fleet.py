@@ -17,6 +17,12 @@ once; a removed slot's process gets SIGTERM (a preemption notice: it releases it
 once) and is not restarted. The autopilot's launchers reconcile to the ledger with it
 (``autopilot.reconcile``).
 
+A process that a signal ended which the fleet did not send (``Exit.died_by``: a fault in
+the engine, an OOM kill) is its launcher's to report: ``last_step`` says what it was doing,
+``abandon_dead_worker`` gives back what it held at once with that as each shard's last error,
+and ``DeathWatch`` tells the same death at the same step with nothing done since, after
+which no restart would get further.
+
 ``LocalWorkersOperator`` runs its task's workers on it and the chaos harness
 its workers under injected faults. Does not import Airflow.
 """
