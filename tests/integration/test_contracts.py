@@ -256,7 +256,8 @@ def test_worker_flags_come_from_worker_config(monkeypatch):
     flags = {f.name for f in dataclasses.fields(WorkerConfig) if "flag" in f.metadata}
     assert flags == {"engine", "engine_options", "worker_id", "transport", "grace_seconds", "lease_seconds",
                      "flush_every", "flush_seconds", "max_shards", "wait_for_leases", "poll_seconds",
-                     "db_retries", "careful_batch", "start_jitter_seconds", "overlap"}
+                     "db_retries", "careful_batch", "start_jitter_seconds", "overlap", "region", "result_files",
+                     "steal"}
     cfg = config_from_args(p.parse_args(["jv_x", "--no-wait", "--engine-option", "delay_s=0.5", "--flush-every",
                                          "7", "--transport", "fallback", "--lease-seconds", "30", "--no-overlap"]))
     assert (cfg.wait_for_leases, cfg.engine_options, cfg.flush_every, cfg.transport, cfg.lease_seconds, cfg.overlap) \
@@ -291,7 +292,7 @@ def test_every_command_is_registered_from_the_one_list():
     assert list(sub.choices) == ["db", "submit", "status", "dead-letters", "redrive", "drop", "worker", "grant",
                                  "estimate", "capacity", "cutoff", "cost", "validate", "calibrate", "ladder", "review",
                                  "publish", "rollback", "published",
-                                 "chaos", "nights", "fallback", "demo"]
+                                 "chaos", "nights", "fallback", "regions", "demo"]
     assert all(m.__name__.startswith("batch_inference.commands.") for m in COMMANDS)
 
 
