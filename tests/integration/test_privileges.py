@@ -48,6 +48,8 @@ WORKER_FUNCTIONS = {
     "hand_in_results_v1",
     # identical rendered inputs computed once: the records stored with another's result (gpu_runner/worker.py)
     "note_shared_v1",
+    # the tiered fallback: the price tier that answered each row, under the lease (batch_inference/tiers/engine.py)
+    "fallback_tier_put_v1",
 }
 
 
