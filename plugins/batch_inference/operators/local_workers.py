@@ -182,6 +182,11 @@ class LocalWorkersOperator(BaseOperator):
     def _stop(self) -> None:
         if self.fleet is not None:
             self.fleet.stop(self.grace_seconds + 5)
+            # Deaths by a signal the stop collected, or that came in the same look as the one that
+            # failed the task: their shards are given back too.
+            for e in self.fleet.exits:
+                if e.worker not in self._reported and e.died_by and not (e.expected or e.preempted):
+                    self._died_by_signal(e, e.died_by, stopping=True)
 
     def on_kill(self) -> None:
         # Airflow calls this from the task's SIGTERM handler (the task was marked
@@ -208,6 +213,7 @@ class LocalWorkersOperator(BaseOperator):
         launcher = f"local:{self.task_id}"
         self._conninfo, self._job_version, self._engine = conninfo, job_version, engine
         self._deaths = DeathWatch()
+        self._reported: set[Any] = set()      # the workers whose signal death was reported
         if self._follow:
             n = self._resume_size(conninfo, job_version, n)
         fleet = self.fleet = Fleet(self.worker_arguments(job_version, engine, options), env, n, log=self.log,
@@ -280,7 +286,7 @@ class LocalWorkersOperator(BaseOperator):
                              "only in-flight records are redone", w.name, why, rc, self.fleet.restarts[w.slot],
                              self.max_restarts)
 
-    def _died_by_signal(self, e: Exit, sig: str) -> None:
+    def _died_by_signal(self, e: Exit, sig: str, stopping: bool = False) -> None:
         """A worker ended by a signal the fleet did not send (a fault in the engine, an OOM kill): say
         which, in which engine, doing what; give back its shards at once with that as their error; and
         fail the task (the job halted: the cutoff watch ends the run) when it is the same death at the
@@ -289,6 +295,7 @@ class LocalWorkersOperator(BaseOperator):
         from batch_inference.status import job_counts
 
         w, job = e.worker, self._job_version
+        self._reported.add(w)
         step = last_step(w) or "starting (it logged nothing)"
         error = f"worker {w.name} died by {sig} in engine {self._engine} while: {step}"
         self.log.error("[%s] %s", w.name, error)
@@ -304,6 +311,8 @@ class LocalWorkersOperator(BaseOperator):
         if shards:
             self.log.warning("[%s] its shard(s) %s pending again at once (what it stored stays; records it had "
                              "in flight are redone)", w.name, ", ".join(map(str, shards)))
+        if stopping:
+            return
         if done is not None and e.action is Action.RESTART and self._deaths.repeats(sig, step, done, w.owner):
             raise AirflowFailException(f"{error}; the same death as before with nothing done since, so no worker "
                                        f"of {job} can run here: not restarting (see the worker's lines above)")
