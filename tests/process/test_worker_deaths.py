@@ -161,8 +161,9 @@ def test_a_dag_run_whose_workers_all_die_by_a_signal_ends_within_30_s_naming_it(
     death = worker_death(conn, job)
     assert death is not None and "died by SIGSEGV" in death["last_error"]
     last_death = death["last_error_at"].timestamp()
+    print(f"airflow dags test exit {p.returncode}, {ended - last_death:.1f} s after the last worker death")
     assert ended - last_death < 30, (ended - last_death, out[-3000:])
-    assert p.returncode != 0 or "failed" in out.lower()
+    assert p.returncode != 0
     # The cutoff ended on the halt, naming the cause in one line.
     assert any("cannot work" in ln and "died by SIGSEGV" in ln for ln in out.splitlines()), out[-3000:]
     c = job_counts(conn, job)
