@@ -112,3 +112,12 @@ def test_a_cpu_where_nothing_works_gets_one_line_not_a_signal(probe_cache, monke
     c = job_counts(conn, job)
     assert c["stored"] == 0 and c["outstanding"] == 2 and c["shards"]["pending"] == 1   # nothing claimed
     assert "cannot run" in (job_halt(conn, job)["halt_reason"] or "")                  # the cutoff watch ends
+
+
+def test_a_cache_that_cannot_be_written_costs_a_probe_not_the_engine(tmp_path, monkeypatch):
+    blocked = tmp_path / "file"
+    blocked.write_text("")
+    monkeypatch.setenv(cpu_probe.CACHE_ENV, str(blocked / "cpu-probe.json"))   # under a file: no directory
+    monkeypatch.setenv(cpu_probe.FAULT_ENV, "extra_bufts")
+    choice = cpu_probe.llama_choice(default_gguf_path())
+    assert choice.extra_bufts is False and not choice.cached

@@ -145,8 +145,14 @@ def _locked_cache() -> Iterator[dict[str, Any]]:
     import fcntl
 
     path = cache_path()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path.with_name(path.name + ".lock"), "a") as lock:
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        lock = open(path.with_name(path.name + ".lock"), "a")
+    except OSError as exc:   # nowhere to keep it: this process probes for itself
+        log.warning("CPU probe cache %s cannot be written (%s); probing without it", path, exc)
+        yield {}
+        return
+    with lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         try:
             entries = json.loads(path.read_text()) if path.exists() else {}
@@ -157,9 +163,12 @@ def _locked_cache() -> Iterator[dict[str, Any]]:
         before = json.dumps(entries, sort_keys=True)
         yield entries
         if json.dumps(entries, sort_keys=True) != before:
-            tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
-            tmp.write_text(json.dumps(entries, indent=1, sort_keys=True))
-            os.replace(tmp, path)
+            try:
+                tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
+                tmp.write_text(json.dumps(entries, indent=1, sort_keys=True))
+                os.replace(tmp, path)
+            except OSError as exc:
+                log.warning("CPU probe cache %s cannot be written (%s)", path, exc)
 
 
 def died_how(code: int | None) -> str:
