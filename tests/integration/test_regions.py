@@ -24,6 +24,7 @@ from batch_inference.regions.merge import merge_file
 from batch_inference.regions.replicas import decode
 from batch_inference.status import fence_counts, job_counts
 from tests.conftest import make_source, make_spec, tickets
+from tests.process.test_worker import duplicates
 
 OUT = {"category": "billing", "summary": "charged twice"}
 REGIONS = ("us-east", "eu-west", "ap-south")
@@ -292,8 +293,7 @@ def test_a_region_lost_mid_night_its_shards_are_taken_by_another_rebuilt_from_th
     assert all("not written back" in r and "ap-south" in r for r in reasons), reasons
     c = job_counts(conn, placed)
     assert (c["stored"], c["shards"]["done"]) == (40, 4)
-    assert conn.execute("SELECT count(*) - count(DISTINCT record_id) AS d FROM bi.results WHERE job_version = %s",
-                        (placed,)).fetchone()["d"] == 0
+    assert duplicates(conn, placed) == 0
 
 
 def test_a_region_found_lost_has_its_leases_ended_at_once_and_no_record_pays_for_it(db_url, conn, placed, stores):
@@ -350,3 +350,19 @@ def test_a_hand_in_retried_after_its_reply_was_lost_hands_in_the_same_file_once(
     assert far.complete(lease) == "done"          # the worker's retry: the same object, the same epoch's row
     assert calls[0]["file_id"] == calls[1]["file_id"]
     assert merge_pending(conn, placed) == {"merged": 1, "rows": 10}
+
+
+def test_a_shard_that_stopped_short_is_no_file_its_results_go_to_the_ledger_and_it_is_released(db_url, conn, placed):
+    """A far worker's shard halted part way (a preemption notice, a drain) reaches completion with fewer
+    results than records: they are written straight to the ledger, no file is handed in, the ledger says
+    incomplete (the worker releases it)."""
+    far = region_ledger(db_url, placed, "eu-1", "eu-west", result_files=True)
+    lease = far.claim()
+    ids, _, _, _ = far.record_columns(lease)
+    far.put_results(lease, ids[:4], [OUT] * 4, ["billing"] * 4)
+    assert far.complete(lease) == "incomplete"
+    assert far.release(lease)
+    shard = conn.execute("SELECT state, stored FROM bi.shards WHERE job_version = %s AND shard_no = %s",
+                         (placed, lease.shard_no)).fetchone()
+    assert (shard["state"], shard["stored"]) == ("pending", 4)
+    assert not conn.execute("SELECT 1 FROM bi.result_files WHERE job_version = %s", (placed,)).fetchall()

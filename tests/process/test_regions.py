@@ -25,6 +25,7 @@ from batch_inference.status import job_counts
 from batch_inference.validate import validate
 from gpu_runner.worker import WorkerConfig, run_worker
 from tests.conftest import make_source, make_spec, tickets
+from tests.process.test_worker import duplicates
 from tests.fixtures.moto_server import moto_server
 
 CREDS = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing", "AWS_DEFAULT_REGION": "us-east-1"}
@@ -138,8 +139,7 @@ def test_a_job_over_three_regions_runs_end_to_end_and_matches_a_single_region_ru
     # every record once, validated and published
     c = job_counts(conn, job)
     assert (c["stored"], c["dead_letters"], c["outstanding"]) == (RECORDS, 0, 0)
-    assert conn.execute("SELECT count(*) - count(DISTINCT record_id) AS d FROM bi.results WHERE job_version = %s",
-                        (job,)).fetchone()["d"] == 0
+    assert duplicates(conn, job) == 0
     assert validate(conn, job).passed
     out = publish(conn, job)
     assert (out["to_version"], out["changed"]) == (job, True)
@@ -215,8 +215,7 @@ def test_a_region_lost_mid_night_its_workers_killed_and_its_endpoint_gone_the_ni
                 merger.join(timeout=60)
         c = job_counts(conn, job)
         assert (c["stored"], c["dead_letters"], c["outstanding"]) == (RECORDS, 0, 0)
-        assert conn.execute("SELECT count(*) - count(DISTINCT record_id) AS d FROM bi.results WHERE job_version = %s",
-                            (job,)).fetchone()["d"] == 0
+        assert duplicates(conn, job) == 0
         steals = conn.execute("SELECT shard_no FROM bi.region_decisions WHERE job_version = %s AND kind = 'steal' "
                               "AND home_region = 'ap-south'", (job,)).fetchall()
         rebuilt = conn.execute("SELECT shard_no, reason FROM bi.region_decisions WHERE job_version = %s "
@@ -256,8 +255,7 @@ def test_a_far_worker_preempted_mid_shard_writes_what_it_holds_to_the_ledger_and
     finish(start_worker(db_url, job, "far"))
     c = job_counts(conn, job)
     assert (c["stored"], c["outstanding"]) == (200, 0)
-    assert conn.execute("SELECT count(*) - count(DISTINCT record_id) AS d FROM bi.results WHERE job_version = %s",
-                        (job,)).fetchone()["d"] == 0
+    assert duplicates(conn, job) == 0
 
 
 def test_compressed_nights_over_regions_run_to_the_end_once(capsys):

@@ -34,7 +34,7 @@ from typing import Any
 import psycopg
 
 from batch_inference.db import q
-from batch_inference.ledger import SHARD_READ_PAGE, Lease, Ledger, StaleLease
+from batch_inference.ledger import SHARD_READ_PAGE, FailedAttempt, Failure, Lease, Ledger, StaleLease
 from batch_inference.regions import merge
 from batch_inference.regions.replicas import Replica, digest, encode, read_replica
 from batch_inference.regions.store import ObjectStore, StoreUnavailable, key_for, store_for
@@ -55,6 +55,9 @@ class RegionLedger(Ledger):
         self._results: dict[tuple[int, int], tuple[list[str], list[str], list[str | None]]] = {}
         self._stores: dict[str, tuple[dict[str, Any], ObjectStore]] = {}
         self._untouched: set[tuple[int, int]] = set()   # claimed with every record to do: no state to read
+        # Per shard and epoch: the records it had to do when read, and those dead-lettered since.
+        self._todo: dict[tuple[int, int], set[str]] = {}
+        self._dead: dict[tuple[int, int], set[str]] = {}
         self.stats = {"claims": 0, "steals": 0, "rebuilds": 0, "files": 0, "replica_bytes": 0}
 
     @classmethod
@@ -99,6 +102,11 @@ class RegionLedger(Ledger):
     # -- records ------------------------------------------------------------
     def record_columns(self, lease: Lease, page: int = SHARD_READ_PAGE
                        ) -> tuple[list[str], list[str], list[int], list[int]]:
+        out = self._record_columns(lease, page)
+        self._todo[(lease.shard_no, lease.epoch)] = set(out[0])
+        return out
+
+    def _record_columns(self, lease: Lease, page: int) -> tuple[list[str], list[str], list[int], list[int]]:
         replica = self._replicas.get((lease.shard_no, lease.epoch))
         if replica is None:       # not claimed through this ledger: the ledger's rows, as a plain worker reads
             return super().record_columns(lease, page)
@@ -162,28 +170,42 @@ class RegionLedger(Ledger):
         held[2].extend(categories)
         return len(ids)
 
+    def fail(self, lease: Lease, failures: Sequence[Failure]) -> list[FailedAttempt]:
+        counted = super().fail(lease, failures)
+        self._dead.setdefault((lease.shard_no, lease.epoch), set()).update(f.record_id for f in counted if f.dead)
+        return counted
+
     def complete(self, lease: Lease) -> str:
-        """Hand the shard's held results in as one file; kept until the hand-in answers, so a call the
-        worker retries after a lost reply writes the same object and hands the same epoch's file in again
-        (one file per epoch: nothing changes)."""
-        held = self._results.get((lease.shard_no, lease.epoch))
+        """Hand the shard's held results in as one file when they and its dead letters cover every record it
+        had to do; kept until the hand-in answers, so a call the worker retries after a lost reply writes the
+        same object and hands the same epoch's file in again (one file per epoch: nothing changes). A shard
+        that stopped short (a preemption notice, a drain) writes what it holds straight to the ledger, and
+        the ledger's completion says it is incomplete: the worker releases it at once."""
+        key = (lease.shard_no, lease.epoch)
+        held = self._results.get(key)
         if not held or not held[0]:
+            return super().complete(lease)
+        todo = self._todo.get(key)
+        if todo is not None and not todo <= set(held[0]) | self._dead.get(key, set()):
+            if not self._put_held(lease):
+                raise StaleLease(f"results refused: shard {lease.shard_no} epoch {lease.epoch} is stale")
             return super().complete(lease)
         settings, store = self.store(self.region)
         data = merge.encode_results(*held)
         d = digest(data)
-        key = key_for(settings, lease.job_version, "results", d)
-        store.put(key, data)
+        obj_key = key_for(settings, lease.job_version, "results", d)
+        store.put(obj_key, data)
         try:
-            self.transition("hand-in", "hand_in_results", lease, region=self.region, key=key, digest=d,
+            self.transition("hand-in", "hand_in_results", lease, region=self.region, key=obj_key, digest=d,
                             records=len(held[0]), bytes=len(data), engine=self.engine, endpoint=self.endpoint)
         except StaleLease:
-            self._results.pop((lease.shard_no, lease.epoch), None)
+            self._results.pop(key, None)
             raise
-        self._results.pop((lease.shard_no, lease.epoch), None)
+        for kept in (self._results, self._todo, self._dead):
+            kept.pop(key, None)
         self.stats["files"] += 1
-        log.info("%s: shard %d: %d results handed in as %s in %s", self.owner, lease.shard_no, len(held[0]), key,
-                 store.where)
+        log.info("%s: shard %d: %d results handed in as %s in %s", self.owner, lease.shard_no, len(held[0]),
+                 obj_key, store.where)
         return "done"
 
     def _put_held(self, lease: Lease) -> bool:
