@@ -31,6 +31,16 @@ steps it also writes each shard's finished outcomes once they are
 ``flush_seconds`` old, so results reach the ledger as records finish, not
 when a shard ends. The stream talks to the worker only through
 ``gpu_runner.shard.ShardHost``.
+
+Identical inputs are computed once (``gpu_runner.shard.input_key``, as the
+worker's one-shard path does): a record whose request is the same as one in
+the engine now, of any held shard, is not queued but waits for that outcome,
+which is then held under its own id in its own shard (under that shard's
+lease; ``Shard.shared`` counts it). A shard's records with the same text are
+queued one after another, so within a shard they always meet. A shard that
+stops aborts its requests in the engine; the records of other shards waiting
+for one of them are queued again in their own shard; its own waiting records
+are dropped with it.
 """
 
 from __future__ import annotations
@@ -39,14 +49,15 @@ import logging
 import threading
 import time
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
+from typing import Any
 
 import psycopg
 
-from batch_inference.engines.base import Request
+from batch_inference.engines.base import Outcome, Request
 from batch_inference.exceptions import DatabaseUnavailable
 from batch_inference.ledger import Lease, StaleLease
-from gpu_runner.shard import Shard, ShardHost
+from gpu_runner.shard import Shard, ShardHost, computes_once, input_key
 
 log = logging.getLogger("batch_inference.worker")
 
@@ -70,6 +81,16 @@ class _Queue:
         return len(self.todo) + len(self.in_engine) + len(self.retry)
 
 
+def _same_texts_together(texts: dict[str, str]) -> deque[str]:
+    """The ids in order, each record with the same text as an earlier one moved up behind it."""
+    by_text: dict[str, list[str]] = {}
+    for rid, text in texts.items():
+        by_text.setdefault(text, []).append(rid)
+    if len(by_text) == len(texts):
+        return deque(texts)
+    return deque(rid for ids in by_text.values() for rid in ids)
+
+
 class ShardStream:
     """The feed (``engines.base.Feed``) and the consumer of one ``Engine.stream`` call."""
 
@@ -87,6 +108,11 @@ class ShardStream:
         self.answered = 0
         self.first_answer_at: float | None = None
         self.view: tuple[Shard, ...] = ()                   # what the renewer renews (replaced, never mutated)
+        # Identical inputs computed once (module docstring): the record whose request is in the engine for
+        # each input key, and by that record, its key and the records (with their shard) waiting for it.
+        self.once = computes_once(self.engine)
+        self.leading: dict[tuple[Any, ...], str] = {}
+        self.group: dict[str, tuple[tuple[Any, ...], list[tuple[str, Shard, _Queue]]]] = {}
         self.done = threading.Event()
         self._add(first)
 
@@ -102,7 +128,7 @@ class ShardStream:
             self.parked, self.claiming = shard, False
             self._set_view()
             return
-        queue = _Queue(texts, deque(texts))
+        queue = _Queue(texts, _same_texts_together(texts) if self.once else deque(texts))
         self.active[lease.shard_no] = (shard, queue)
         for rid in texts:
             self.owner[rid] = (shard, queue)
@@ -113,12 +139,30 @@ class ShardStream:
     def _close(self, shard: Shard, queue: _Queue) -> None:
         """Forget the shard here (the worker has let it go): its queued records are aborted."""
         self.active.pop(shard.lease.shard_no, None)
-        self.cancel.extend(queue.in_engine)
-        queue.in_engine.clear()
+        self._abort(queue)
         queue.todo.clear()
         for rid in queue.texts:
             self.owner.pop(rid, None)
         self._set_view()
+
+    def _abort(self, queue: _Queue) -> None:
+        """Abort the queue's records in the engine. Computing once: a request of its own is cancelled
+        and the records of other shards waiting for it are queued again in theirs; a record waiting
+        for another's outcome just stops waiting (``_share`` skips it)."""
+        if not self.once:
+            self.cancel.extend(queue.in_engine)
+        else:
+            for rid in queue.in_engine:
+                same = self.group.pop(rid, None)
+                if same is None:
+                    continue
+                self.leading.pop(same[0], None)
+                self.cancel.append(rid)
+                for other, shard, q in same[1]:
+                    if q is not queue and not shard.closed and other in q.in_engine:
+                        q.in_engine.discard(other)
+                        q.todo.appendleft(other)
+        queue.in_engine.clear()
 
     def _claim_more(self) -> bool:
         """Claim one more shard if the rules allow (module docstring); True if one was taken."""
@@ -159,10 +203,13 @@ class ShardStream:
             for shard, queue in list(self.active.values()):
                 if shard.halt.is_set() or queue.retry_at > now:
                     continue
-                while queue.todo and len(out) < room:
-                    rid = queue.todo.popleft()
-                    queue.in_engine.add(rid)
-                    out.append(shard.request(spec, rid, queue.texts[rid]))
+                if self.once:
+                    self._queue_once(shard, queue, out, room)
+                else:
+                    while queue.todo and len(out) < room:
+                        rid = queue.todo.popleft()
+                        queue.in_engine.add(rid)
+                        out.append(shard.request(spec, rid, queue.texts[rid]))
                 if len(out) >= room:
                     return out
             if self._claim_more():
@@ -176,31 +223,46 @@ class ShardStream:
             self.w.stop.wait(min(max(min(due) - now, 0.0), 0.25))
             self.cancel.extend(self.cancelled())
 
+    def _queue_once(self, shard: Shard, queue: _Queue, out: list[Request], room: int) -> None:
+        """``refill``'s queueing of the shard's records when computing once: a record asked the same
+        as a request in the engine waits for it (it takes no room: the records right after a full
+        ``room`` that wait are taken too); any other is queued while there is room."""
+        spec, leading, group = self.spec, self.leading, self.group
+        while queue.todo:
+            rid = queue.todo[0]
+            req = shard.request(spec, rid, queue.texts[rid])
+            key = input_key(req)
+            first = leading.get(key)
+            if first is not None:
+                group[first][1].append((rid, shard, queue))
+            elif len(out) < room:
+                leading[key] = rid
+                group[rid] = (key, [])
+                out.append(req)
+            else:
+                return
+            queue.todo.popleft()
+            queue.in_engine.add(rid)
+
     # -- the consumer -------------------------------------------------------
     def run(self) -> Lease | None:
         """Stream until no held shard has work; returns a parked (careful) lease to run alone."""
         w = self.w
         renewer = w.renewer(lambda: self.view, self.done, "renew-stream")
-        flush_every, flush_seconds = self.flush_every, self.flush_seconds
+        owner, group = self.owner, self.group
         try:
             for outcome in self.engine.stream(self, w.stop):
-                held = self.owner.get(outcome.record_id)
-                if held is None or held[0].closed:   # its shard was dropped or released: not ours to write
-                    continue
-                shard, queue = held
-                queue.in_engine.discard(outcome.record_id)
-                self.answered += 1
-                if self.first_answer_at is None:
-                    self.first_answer_at = time.monotonic()
-                if shard.stale.is_set():
-                    self._drop(shard, queue, StaleLease(f"lease on shard {shard.lease.shard_no} epoch "
-                                                        f"{shard.lease.epoch} went stale"))
-                    continue
-                w.take(shard, outcome)
-                if shard.due(flush_every, flush_seconds):
-                    self._flush(shard, queue)
-                if not queue.todo and not queue.in_engine and not shard.closed:
-                    self._round_end(shard, queue)
+                same = group.pop(outcome.record_id, None) if group else None
+                held = owner.get(outcome.record_id)
+                # Not when its shard was dropped or released: not ours to write.
+                if held is not None and not held[0].closed:
+                    if held[0].shared:     # computed itself this time (it may have waited for another before)
+                        held[0].shared.discard(outcome.record_id)
+                    self._answer(held[0], held[1], outcome)
+                if same is not None:
+                    del self.leading[same[0]]
+                    if same[1]:
+                        self._share(outcome, same[1])
         except (psycopg.OperationalError, DatabaseUnavailable):
             raise
         except Exception as exc:  # noqa: BLE001 - the endpoint is down, or the engine broke
@@ -222,6 +284,31 @@ class ShardStream:
             w.let_go(parked)
         return parked.lease if parked is not None else None
 
+    def _answer(self, shard: Shard, queue: _Queue, outcome: Outcome) -> None:
+        """Hold the outcome of one of the shard's records; write and end the round when due."""
+        queue.in_engine.discard(outcome.record_id)
+        self.answered += 1
+        if self.first_answer_at is None:
+            self.first_answer_at = time.monotonic()
+        if shard.stale.is_set():
+            self._drop(shard, queue, StaleLease(f"lease on shard {shard.lease.shard_no} epoch "
+                                                f"{shard.lease.epoch} went stale"))
+            return
+        self.w.take(shard, outcome)
+        if shard.due(self.flush_every, self.flush_seconds):
+            self._flush(shard, queue)
+        if not queue.todo and not queue.in_engine and not shard.closed:
+            self._round_end(shard, queue)
+
+    def _share(self, outcome: Outcome, waiting: list[tuple[str, Shard, _Queue]]) -> None:
+        """The outcome of a request that records of the same input waited for: held under each of
+        their ids, in their own shard (one still held and still waiting)."""
+        for rid, shard, queue in waiting:
+            if shard.closed or rid not in queue.in_engine:
+                continue
+            shard.shared.add(rid)
+            self._answer(shard, queue, replace(outcome, record_id=rid))
+
     def _flush(self, shard: Shard, queue: _Queue) -> None:
         try:
             queue.retry += self.w.write(shard)
@@ -241,8 +328,7 @@ class ShardStream:
             return
         if shard.drain.is_set():
             self.claiming = False
-        self.cancel.extend(queue.in_engine)
-        queue.in_engine.clear()
+        self._abort(queue)
         self._flush(shard, queue)
         if shard.closed:
             return

@@ -40,7 +40,8 @@ class Shard:
     # failed answer this worker saw of each record.
     retries: dict[str, Retry] = field(default_factory=dict)
     last_failed: dict[str, Failure] = field(default_factory=dict)
-    # Records held with another record's outcome: the same input, computed once (the worker's _generate).
+    # Records held with another record's outcome: the same input, computed once (``same_inputs``; the
+    # worker's _generate, the stream's refill); ``ShardHost.write`` counts those it stores.
     shared: set[str] = field(default_factory=set)
 
     def request(self, spec: JobSpec, record_id: str, text: str) -> Request:
@@ -72,6 +73,37 @@ class Shard:
 
     def due(self, every: int, seconds: float) -> bool:
         return self.buffered >= every or time.monotonic() - self.last_flush >= seconds
+
+
+def computes_once(engine: Engine) -> bool:
+    """Whether records asked the same thing are computed once on ``engine`` (``same_inputs``): not
+    on an engine that keeps records of its own by id (a model ladder's rung answers, a hosted
+    provider's batch)."""
+    return engine.transport == "batch" and not callable(getattr(engine, "parts", None))
+
+
+def input_key(request: Request) -> tuple[Any, ...]:
+    """What makes two records' requests the same: the same record text (so the same rendered input)
+    asked as the same attempt."""
+    return (request.text, request.retry)
+
+
+def same_inputs(engine: Engine, requests: list[Request]) -> tuple[list[Request], dict[str, list[str]]]:
+    """The requests to generate, one for each distinct input (``input_key``), and for each of them
+    the other records asked the very same thing: computed once, their outcome is held under each
+    record id (``Shard.shared``). All of ``requests`` where ``engine`` does not compute once."""
+    if not computes_once(engine):
+        return requests, {}
+    first: dict[tuple[Any, ...], str] = {}
+    same: dict[str, list[str]] = {}
+    todo = []
+    for r in requests:
+        rid = first.setdefault(input_key(r), r.record_id)
+        if rid == r.record_id:
+            todo.append(r)
+        else:
+            same.setdefault(rid, []).append(r.record_id)
+    return todo, same
 
 
 class ShardHost(Protocol):

@@ -82,7 +82,7 @@ from batch_inference.pinning import verify_weights
 from batch_inference.spec import MAX_LEASE_SECONDS, JobSpec
 from batch_inference.status import Progress, duration, job_counts, job_mode, job_spec
 from gpu_runner.overlap import ShardStream
-from gpu_runner.shard import Shard
+from gpu_runner.shard import Shard, same_inputs
 
 log = logging.getLogger("batch_inference.worker")
 
@@ -715,34 +715,16 @@ class Worker:
         rest = [rid for rid in todo if rid not in suspects]
         return [[rid] for rid in todo if rid in suspects] + [rest[i:i + n] for i in range(0, len(rest), n)]
 
-    def _same_inputs(self, requests: list[Request]) -> tuple[list[Request], dict[str, list[str]]]:
-        """The requests to generate, one for each distinct input, and for each of them the other
-        records asked the very same thing (the same record text, so the same rendered input, asked as
-        the same attempt): computed once, their outcome is held under each record id. Not for an engine
-        that keeps records of its own by id (a model ladder's rung answers, a hosted provider's batch)."""
-        if self.engine.transport != "batch" or callable(getattr(self.engine, "parts", None)):
-            return requests, {}
-        first: dict[tuple[Any, ...], str] = {}
-        same: dict[str, list[str]] = {}
-        todo = []
-        for r in requests:
-            rid = first.setdefault((r.text, r.retry), r.record_id)
-            if rid == r.record_id:
-                todo.append(r)
-            else:
-                same.setdefault(rid, []).append(r.record_id)
-        return todo, same
-
     def _generate(self, shard: Shard, requests: list[Request]) -> list[str]:
         """One pass over ``requests``; returns the ids that failed and may be retried. Records asked
-        the same thing are generated once (``_same_inputs``): each of them gets that outcome, a failed
-        one counting as an attempt of each."""
+        the same thing are generated once (``gpu_runner.shard.same_inputs``): each of them gets that
+        outcome, a failed one counting as an attempt of each."""
         assert self.engine is not None
         retry: list[str] = []
         # Read once: the loop below runs per record.
         take, flush_every, flush_seconds = self.take, self.cfg.flush_every, self.cfg.flush_seconds
         stale, lease = shard.stale.is_set, shard.lease
-        requests, same = self._same_inputs(requests)
+        requests, same = same_inputs(self.engine, requests)
         try:
             for outcome in self.engine.generate(requests, shard.halt):
                 take(shard, outcome)

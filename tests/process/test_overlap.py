@@ -15,7 +15,7 @@ from batch_inference.engines.noop import NoopEngine
 from batch_inference.exits import ExitCode
 from batch_inference.ledger import Ledger
 from batch_inference.plan import submit
-from batch_inference.status import job_counts
+from batch_inference.status import job_counts, shared_inputs
 from gpu_runner.worker import WorkerConfig, run_worker
 from tests.conftest import make_source, make_spec, tickets
 from tests.integration.test_ledger import expire
@@ -319,3 +319,142 @@ def test_results_show_in_status_while_shards_run_and_sigterm_releases_during_a_l
     w2 = start_worker(db_url, job, "--engine-option", "max_num_seqs=64")
     assert w2.wait(timeout=60) == 0
     assert job_counts(conn, job)["stored"] == 60 and duplicates(conn, job) == 0
+
+
+class CountingNoop(NoopEngine):
+    """The streaming noop engine, counting every request the feed hands it (``asked``, by record id).
+    ``after_first``, when set, runs once after the first refill; the stream then waits (up to 10 s)
+    until the feed aborts records (a shard stopped) before it answers anything. Loaded by dotted path."""
+
+    name = "noop-counting"
+    serves_models = ("noop",)
+    asked: list[str] = []
+    after_first = None
+
+    def stream(self, feed, stop):
+        engine, held_back = self, []
+
+        class Counted:
+            first = True
+
+            def refill(self, room, idle):
+                requests = feed.refill(room, idle)
+                engine.asked.extend(r.record_id for r in requests)
+                if self.first and engine.after_first is not None:
+                    self.first = False
+                    engine.after_first()
+                    deadline = time.monotonic() + 10
+                    while not held_back and time.monotonic() < deadline:
+                        held_back.extend(feed.cancelled())
+                        time.sleep(0.02)
+                return requests
+
+            def cancelled(self):
+                out = held_back + feed.cancelled()
+                held_back.clear()
+                return out
+
+        yield from super().stream(Counted(), stop)
+
+
+def shards_by_id_order(conn, job: str, shard_size: int) -> None:
+    """The planner put the records in shards of ``shard_size`` in id order (the tests below rely on it)."""
+    got = {r["record_id"]: r["shard_no"] for r in conn.execute(
+        "SELECT record_id, shard_no FROM bi.snapshot_rows WHERE job_version = %s", (job,))}
+    assert got == {rid: i // shard_size for i, rid in enumerate(sorted(got))}, got
+
+
+def with_texts(rows, texts: dict[int, str]):
+    return [(rid, texts.get(i, body), acl) for i, (rid, body, acl) in enumerate(rows)]
+
+
+def run_counted(conn, db_url, rows, **worker) -> str:
+    make_source(conn, rows)
+    job = submit(conn, make_spec(shard_size=10, engine=STREAMING, lease_seconds=30, renew_seconds=0.2)).job_version
+    shards_by_id_order(conn, job, 10)
+    CountingNoop.asked = []
+    assert run_worker(WorkerConfig(job_version=job, db_url=db_url, engine=f"{__name__}:CountingNoop",
+                                   wait_for_leases=False, **worker)) == 0
+    return job
+
+
+def test_identical_inputs_in_a_shard_and_across_held_shards_are_generated_once(conn, db_url):
+    """Three records of shard 0 ask the same thing, and one of shard 1 asks what one of shard 0 asks while that
+    one is in the engine (both shards held, 16 queued): the engine gets 27 requests for 30 records, each once;
+    every record id has its one row, under its own shard's lease, and status counts the 3 computed once."""
+    same_a, same_b = "My card was charged twice for one order.", "The app crashes when I save a draft."
+    job = run_counted(conn, db_url, with_texts(tickets(30), {1: same_a, 4: same_a, 8: same_a, 2: same_b,
+                                                             11: same_b}), flush_every=4)
+    asked = CountingNoop.asked
+    assert len(asked) == len(set(asked)) == 27, asked
+    assert not {"t00004", "t00008", "t00011"} & set(asked) and {"t00001", "t00002"} <= set(asked)
+    c = job_counts(conn, job)
+    assert (c["stored"], c["shards"]["done"], duplicates(conn, job)) == (30, 3, 0)
+    assert stored_by_shard(conn, job) == {0: 10, 1: 10, 2: 10}
+    out = {r["record_id"]: r["output"] for r in conn.execute(
+        "SELECT record_id, output FROM bi.results WHERE job_version = %s", (job,))}
+    assert out["t00011"] == out["t00002"] and out["t00004"] == out["t00008"] == out["t00001"]
+    assert shared_inputs(conn, job) == 3
+    shared = {r["shard_no"]: r["records"] for r in conn.execute(
+        "SELECT shard_no, records FROM bi.shared_inputs WHERE job_version = %s", (job,))}
+    assert shared == {0: 2, 1: 1}
+
+
+def test_a_stale_shard_aborts_the_request_another_shards_record_waited_for_which_is_then_asked_itself(
+        conn, db_url):
+    """Shard 1's t00011 waits for shard 0's t00002 (the same input) when shard 0's lease is taken over, before
+    the engine answers anything: shard 0's requests are aborted and its results never written, t00011 is queued
+    again in shard 1 and asked on its own; shard 1's own identical pair is still computed once."""
+    same_b, same_c = "The app crashes when I save a draft.", "I cannot log in since the update."
+    rows = with_texts(tickets(30), {2: same_b, 11: same_b, 13: same_c, 17: same_c})
+    thief: list = []
+
+    def steal():
+        expire(conn, job_of[0], 0)
+        thief.append(Ledger(db.connect(db_url), job_of[0], "thief"))
+        thief.append(thief[0].claim())
+
+    make_source(conn, rows)
+    job_of = [submit(conn, make_spec(shard_size=10, engine=STREAMING, lease_seconds=30,
+                                     renew_seconds=0.2)).job_version]
+    job = job_of[0]
+    shards_by_id_order(conn, job, 10)
+    CountingNoop.asked, CountingNoop.after_first = [], staticmethod(steal)
+    try:
+        assert run_worker(WorkerConfig(job_version=job, db_url=db_url, engine=f"{__name__}:CountingNoop",
+                                       wait_for_leases=False)) == 0
+    finally:
+        CountingNoop.after_first = None
+    ledger, lease = thief
+    assert (lease.shard_no, lease.epoch) == (0, 2)
+    asked = CountingNoop.asked
+    first = asked[:16]     # the first refill: shard 0's 10 records, t00011 waiting, shard 1's next 7
+    assert "t00002" in first and "t00011" not in first and "t00017" not in first
+    assert asked.count("t00011") == 1 and asked.count("t00002") == 1 and "t00017" not in asked
+    assert stored_by_shard(conn, job) == {0: 0, 1: 10, 2: 10}
+    # The new holder finishes shard 0: one row per record, and the count is shard 1's pair.
+    ids = [r["record_id"] for r in ledger.records(lease)]
+    ledger.put_results(lease, ids, ['{"category": "billing", "summary": "x"}'] * len(ids), ["billing"] * len(ids))
+    assert ledger.complete(lease) == "done"
+    assert job_counts(conn, job)["stored"] == 30 and duplicates(conn, job) == 0
+    assert shared_inputs(conn, job) == 1
+    ledger.conn.close()
+
+
+def test_identical_failing_inputs_are_retried_together_and_dead_lettered_each(conn, db_url):
+    """Two records of shard 0 and one of shard 1 ask the same thing, which always fails: the engine is asked
+    once per attempt for shard 0's pair (shard 1's record waits for it the first time), and each of the three is
+    dead-lettered after 3 attempts with the error and raw output; the other records are stored."""
+    bad = "please [[invalid-output]] the same"
+    job = run_counted(conn, db_url, with_texts(tickets(30), {1: bad, 4: bad, 11: bad}), backoff=(0.05, 0.05, 0.05))
+    asked = CountingNoop.asked
+    assert asked.count("t00001") == 3 and "t00004" not in asked
+    assert "t00011" not in asked[:16] and asked.count("t00011") <= 2   # waited in its first attempt
+    c = job_counts(conn, job)
+    assert (c["stored"], c["dead_letters"], c["outstanding"], c["shards"]["done"]) == (27, 3, 0, 3)
+    dead = {r["record_id"]: r for r in conn.execute(
+        "SELECT record_id, attempts, reason, raw_output FROM bi.dead_letters WHERE job_version = %s", (job,))}
+    assert sorted(dead) == ["t00001", "t00004", "t00011"]
+    assert {(d["attempts"], d["reason"], d["raw_output"]) for d in dead.values()} == \
+        {(3, dead["t00001"]["reason"], dead["t00001"]["raw_output"])}
+    assert duplicates(conn, job) == 0 and shared_inputs(conn, job) == 0
