@@ -330,7 +330,11 @@ class Worker:
         if cfg.region:
             from batch_inference.regions import RegionLedger
 
-            self.ledger = RegionLedger.wrap(self.ledger, cfg.region, result_files=cfg.result_files, steal=cfg.steal)
+            try:   # a region the version was not placed in: one line, before any claim
+                self.ledger = RegionLedger.wrap(self.ledger, cfg.region, result_files=cfg.result_files,
+                                                steal=cfg.steal)
+            except BatchInferenceError as exc:
+                raise Fatal(f"fatal: --region {cfg.region}: {exc}", ExitCode.CONFIG) from None
         self._install_signals()
         overlap = cfg.overlap and self.engine.queue_depth() > 0
         if overlap:

@@ -267,3 +267,15 @@ def test_compressed_nights_over_regions_run_to_the_end_once(capsys):
                 "--deadline-s", "12"])
     assert out["duplicates"] == 0 and out["lost_records"] == 0 and out["met_or_paged"] == out["of"] == 1
     assert {n["mode"] for n in out["nights"]} == {"regions", "one"}
+
+
+def test_a_worker_of_a_region_the_version_was_not_placed_in_stops_with_one_line_before_any_claim(conn, db_url,
+                                                                                               tmp_path):
+    make_source(conn, tickets(20))
+    job = submit(conn, make_spec()).job_version
+    p = start_worker(db_url, job, "mars")
+    out, _ = p.communicate(timeout=120)
+    assert p.returncode == 4, out
+    errors = [line for line in out.splitlines() if " ERROR " in line]
+    assert len(errors) == 1 and f"--region mars: job version {job} has no cluster in region 'mars'" in errors[0]
+    assert conn.execute("SELECT sum(claims) AS n FROM bi.shards WHERE job_version = %s", (job,)).fetchone()["n"] == 0

@@ -66,6 +66,7 @@ class RegionLedger(Ledger):
         out = cls(ledger.conn, ledger.job_version, ledger.owner, ledger.transport, ledger.lease_seconds,
                   ledger.engine, ledger.endpoint, region=region, result_files=result_files, steal=steal)
         out.call = ledger.call
+        out.store(region)        # the version has a cluster in the region (StoreUnavailable otherwise)
         return out
 
     # -- stores -----------------------------------------------------------
@@ -75,7 +76,8 @@ class RegionLedger(Ledger):
             settings = self.conn.execute(q("region_store"), {"job": self.job_version, "region": region}
                                          ).fetchone()["store"]
             if settings is None:
-                raise StoreUnavailable(f"job version {self.job_version} has no cluster in region {region!r}")
+                raise StoreUnavailable(f"job version {self.job_version} has no cluster in region {region!r} (regions "
+                                       "place puts it on a deployment's clusters)")
             self._stores[region] = (settings, store_for(settings))
         return self._stores[region]
 
