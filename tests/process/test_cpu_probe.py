@@ -121,3 +121,27 @@ def test_a_cache_that_cannot_be_written_costs_a_probe_not_the_engine(tmp_path, m
     monkeypatch.setenv(cpu_probe.FAULT_ENV, "extra_bufts")
     choice = cpu_probe.llama_choice(default_gguf_path())
     assert choice.extra_bufts is False and not choice.cached
+
+
+def test_vllm_on_a_cpu_whose_amx_faults_keeps_onednn_off_it_and_says_why(probe_cache, monkeypatch):
+    """The oneDNN child runs where AMX is advertised: forced to die (this CPU has no AMX), the notes say
+    so and ONEDNN_MAX_CPU_ISA keeps oneDNN off AMX; a CPU without avx512_bf16 is told its bfloat16 is
+    emulated; this CPU's own line is put in the test log."""
+    monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", "unset")
+    monkeypatch.delenv("ONEDNN_MAX_CPU_ISA")             # restored (absent) after the test
+    amx = cpu_probe.Cpu("Intel(R) Xeon(R) Platinum 8480+", ("avx2", "avx512f", "avx512_bf16", "amx_tile",
+                                                            "amx_int8", "amx_bf16"))
+    monkeypatch.setenv(cpu_probe.FAULT_ENV, "all")
+    [note] = cpu_probe.vllm_cpu_notes("bfloat16", amx)
+    assert "died by SIGSEGV" in note and "ONEDNN_MAX_CPU_ISA=AVX512_CORE_BF16" in note
+    assert os.environ["ONEDNN_MAX_CPU_ISA"] == "AVX512_CORE_BF16"
+    monkeypatch.delenv("ONEDNN_MAX_CPU_ISA")
+    [again] = cpu_probe.vllm_cpu_notes("bfloat16", amx)  # cached: no second child
+    assert again == note
+    avx2 = cpu_probe.Cpu("AMD EPYC 7B13", ("avx", "avx2", "fma"))
+    [slow] = cpu_probe.vllm_cpu_notes("bfloat16", avx2)
+    assert "bfloat16 is emulated" in slow
+    here = cpu_probe.vllm_cpu_notes("bfloat16")
+    warnings.warn(f"vLLM's CPU notes on the machine the suite runs on: {' / '.join(here)}", UserWarning,
+                  stacklevel=1)
+    assert here and cpu_probe.this_cpu().model in here[0]

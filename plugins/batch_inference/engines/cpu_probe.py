@@ -27,7 +27,8 @@ runs one bfloat16 matmul through torch (oneDNN) and, if it dies by a signal,
 
 ``BATCH_INFERENCE_CPU_PROBE_FAULT`` exists for tests on CPUs without the fault:
 honoured only by the probe child, ``extra_bufts`` makes it die by SIGSEGV
-when the extra buffer types are on (as the AMX path does), ``all`` always.
+when the extra buffer types are on (as the AMX path does), ``all`` always
+(the oneDNN child too).
 """
 
 from __future__ import annotations
@@ -302,6 +303,9 @@ def vllm_cpu_notes(dtype: str, cpu: Cpu | None = None) -> list[str]:
                          f"child process; ONEDNN_MAX_CPU_ISA={os.environ['ONEDNN_MAX_CPU_ISA']} keeps it off AMX")
         else:
             notes.append(f"vLLM on {cpu.describe()}: oneDNN's AMX path ran a bfloat16 matmul in a child process")
+    if not notes:
+        notes.append(f"vLLM on {cpu.describe()}: {'bfloat16 native' if bf16_native(cpu) else 'no bfloat16 asked'}, "
+                     "no AMX advertised: oneDNN's defaults")
     return notes
 
 
@@ -320,6 +324,8 @@ def _child(argv: list[str]) -> int:
     args = p.parse_args(argv)
     fault = os.environ.get(FAULT_ENV, "")
     if args.what == "onednn":
+        if fault == "all":
+            os.kill(os.getpid(), signal.SIGSEGV)    # the test switch: as a faulting AMX tile load dies
         import torch
 
         a = torch.randn(64, 64).to(torch.bfloat16)
