@@ -213,3 +213,22 @@ def test_a_job_left_pending_past_its_window_is_cancelled_at_the_cutoff_and_its_r
     assert len(chat.bodies) == 600
     assert conn.execute("SELECT count(*) AS n FROM bi.attempts WHERE job_version = %s AND attempts > 0",
                         (job,)).fetchone()["n"] == 0
+
+
+def test_a_create_whose_reply_is_lost_attaches_to_the_batch_found_by_its_key(conn, db_url, emulator):
+    """The provider created the batch but the reply never came (the connection dropped): the transport asks for
+    the batch by its key (displayName, listing newest first) instead of creating a second one."""
+    lost = []
+
+    def drop_the_first_reply(batch):
+        if not lost:
+            lost.append(batch["name"])
+            raise ConnectionResetError("the reply to the create call is lost")
+
+    emulator.on_create = drop_the_first_reply
+    make_source(conn, tickets(200))
+    job = submit(conn, gemini_spec(emulator.base_url, shard_size=200)).job_version
+    assert run_worker(worker_cfg(db_url, job)) == 0
+    (row,) = batches(conn, job)
+    assert emulator.created == 1 and row["provider_batch_id"] == lost[0] and row["state"] == "reconciled"
+    assert job_counts(conn, job)["stored"] == 200 and all(n == 1 for n in emulator.billed.values())

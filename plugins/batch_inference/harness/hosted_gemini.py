@@ -131,7 +131,7 @@ class GeminiBatchEmulator(BatchProvider):
         md = b["metadata"]
         self._state(b, END_STATE[how], now)
         md["endTime"] = rfc3339(now)
-        if w["inline"]:
+        if b["_inline"]:
             out = [{"response": x["response"], "metadata": {"key": x["key"]}} if "response" in x else
                    {"error": x["error"], "metadata": {"key": x["key"]}} for x in w["out"]]
             md["output"] = {"inlinedResponses": {"inlinedResponses": out}}
@@ -240,9 +240,9 @@ class GeminiBatchEmulator(BatchProvider):
             "createTime": rfc3339(now), "updateTime": rfc3339(now), "state": "BATCH_STATE_PENDING", "name": bid,
             "batchStats": {"requestCount": str(len(lines)), "pendingRequestCount": str(len(lines)),
                            "successfulRequestCount": "0", "failedRequestCount": "0"}}}
+        b["_inline"] = inline          # where its results go: inline responses, or a responses file
         self.requests.extend(lines)
         self.add(bid, b, lines)
-        self.work[bid]["inline"] = inline
         return 200, self.public(b)
 
     def get_batch(self, bid: str, **_: Any) -> tuple[int, Any]:
