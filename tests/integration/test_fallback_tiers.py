@@ -18,9 +18,7 @@ from batch_inference.cli import main as cli_main
 from batch_inference.exceptions import SpecError
 from batch_inference.fallback import run_fallback
 from batch_inference.plan import submit
-from batch_inference.spec import FALLBACK_TIERS
 from batch_inference.status import job_counts
-from batch_inference.tiers import TierPlan, priced_by_tier
 from tests.conftest import make_source, make_spec, tickets
 from tests.fixtures.chat_server import ChatServer, completion
 from tests.integration.test_bad_input import _cli, _yaml
@@ -72,22 +70,6 @@ def tier_rows(conn, job: str) -> dict[str, int]:
 def no_attempts(conn, job: str) -> bool:
     return conn.execute("SELECT count(*) AS n FROM bi.attempts WHERE job_version = %s AND attempts > 0",
                         (job,)).fetchone()["n"] == 0
-
-
-def test_gemini_tiers_are_the_clients_own():
-    from google.genai import types
-
-    assert set(FALLBACK_TIERS["gemini"]) == {t.value for t in types.ServiceTier} - {"unspecified"}
-
-
-def test_openai_tiers_are_the_clients_own():
-    import typing
-
-    from openai.types.chat import completion_create_params as p
-
-    allowed = set(typing.get_args(typing.get_args(typing.get_type_hints(p.CompletionCreateParamsBase)
-                                                  ["service_tier"])[0]))
-    assert set(FALLBACK_TIERS["openai"]) <= allowed
 
 
 def test_without_a_deadline_every_row_goes_flex_and_refusals_move_up_spending_nothing(conn, db_url, capsys):
@@ -151,32 +133,6 @@ def test_rows_move_up_a_tier_as_the_measured_flex_rate_shrinks_the_margin(conn, 
     assert tier_rows(conn, job) == dict(ep.answered)
     flex, _ = result.tiers
     assert flex["latency_s"] > 0.1     # measured, not the spec's hope
-
-
-def test_the_plan_chooses_the_cheapest_tier_that_finishes():
-    now = [1000.0]
-    spec = tiered_spec()
-    plan = TierPlan(spec.fallback.tiers, base_url="http://x/v1", options={}, concurrency=10, remaining=100,
-                    deadline=1000.0 + 30, reserve_s=5.0, default_rate=50.0, clock=lambda: now[0])
-    # flex at 0.05 s: min(50, 10 / 0.05) = 50 rows/s; 100 x 1.25 / 50 = 2.5 s <= 25 s
-    assert plan.choose() == 0
-    for _ in range(40):
-        plan.observe(0, 20.0)          # flex now answers in ~20 s: 0.5 rows/s, 100 rows need 250 s
-    assert plan.choose() == 1
-    assert plan.choose(floor=1) == 1
-    now[0] = 1000.0 + 40             # past the deadline: the last tier
-    assert plan.choose() == 1
-
-
-def test_the_bill_prices_each_fallback_row_at_its_tier():
-    from batch_inference.cost import Prices, cost_report
-
-    report = cost_report(0, 100, Prices(), hosted_rows=0)
-    priced = priced_by_tier(report, [{"tier": "flex", "rows": 60}, {"tier": "default", "rows": 30}],
-                            tiered_spec().fallback.tiers)
-    assert priced.fallback_cost == 60 * Decimal("0.003625") + 40 * Decimal("0.00725")
-    assert [(t["tier"], t["rows"]) for t in priced.tiers] == [("flex", 60), ("default", 30), (None, 10)]
-    assert priced.total == report.total - report.fallback_cost + priced.fallback_cost
 
 
 @pytest.mark.parametrize("fallback,words", [
