@@ -176,6 +176,9 @@ class Worker:
     ``batch-inference worker``), so what is alive once the engine has loaded
     lives as long as the process (see ``_run``)."""
 
+    # Where the line saying why the worker stops goes (``_fatal``): None, the log.
+    fatal_to: typing.Callable[[str], None] | None = None
+
     def __init__(self, cfg: WorkerConfig, own_process: bool = False,
                  around_shard: typing.Callable[[Worker], contextlib.AbstractContextManager[object]] | None = None):
         self.cfg = cfg
@@ -248,20 +251,20 @@ class Worker:
         try:
             return self._run()
         except Fatal as exc:
-            log.error("%s", exc)
+            self._fatal(str(exc))
             if exc.code in HALTING and self.spec is not None:
                 self._halt_job(str(exc))
             return exc.code
         except DatabaseUnavailable as exc:
-            log.error("fatal: %s", exc)
+            self._fatal(f"fatal: {exc}")
             return ExitCode.DB
         except BadDatabaseURL as exc:
-            log.error("fatal: %s", exc)
+            self._fatal(f"fatal: {exc}")
             return ExitCode.CONFIG
         except psycopg.errors.InsufficientPrivilege as exc:
-            log.error("fatal: this worker's database role may not work on %s: %s (the owner grants it with "
-                      "`batch-inference grant ROLE %s`)", self.cfg.job_version,
-                      str(exc).strip().splitlines()[0], self.cfg.job_version)
+            self._fatal(f"fatal: this worker's database role may not work on {self.cfg.job_version}: "
+                        f"{str(exc).strip().splitlines()[0]} (the owner grants it with "
+                        f"`batch-inference grant ROLE {self.cfg.job_version}`)")
             return ExitCode.CONFIG
         finally:
             self._restore_signals()
@@ -269,6 +272,14 @@ class Worker:
                 self.engine.close()
             if self.conn is not None:
                 self.conn.close()
+
+    def _fatal(self, line: str) -> None:
+        """Say why the worker stops: logged (``python -m gpu_runner``: its launcher reads the log), or
+        handed to ``fatal_to`` (``batch-inference worker``: its one error line)."""
+        if self.fatal_to is None:
+            log.error("%s", line)
+        else:
+            self.fatal_to(line)
 
     def _halt_job(self, reason: str) -> None:
         """Record on the job that its workers cannot work, so the cutoff watch ends the run now."""
@@ -299,7 +310,9 @@ class Worker:
             self.engine = load_engine(name, spec, cfg.engine_options)
             made_by = provenance.made_by(spec, self.engine)   # refuses an engine that cannot serve the pinned model
         except (ValueError, ImportError) as exc:
-            raise Fatal(f"fatal: engine {name!r}: {exc}", ExitCode.CONFIG) from None
+            named, said = f"engine {name!r}: ", str(exc)
+            raise Fatal(f"fatal: {'' if said.startswith(named) else named}{said}",   # an engine's own names it
+                        ExitCode.CONFIG) from None
         self._phase("engine_import")
         try:
             verify_weights(self.engine, spec)   # before load, before any claim: a mismatch writes nothing
@@ -917,8 +930,13 @@ class _Progress:
         log.info("%s: shard %d: %s%s", self.w.owner, self.lease.shard_no, m.text(), job)
 
 
-def run_worker(cfg: WorkerConfig, own_process: bool = False) -> int:
-    return Worker(cfg, own_process).run()
+def run_worker(cfg: WorkerConfig, own_process: bool = False,
+               fatal_to: typing.Callable[[str], None] | None = None) -> int:
+    """Run a worker to its exit status; ``fatal_to``, when given, gets the line saying why it stops
+    (``Worker._fatal``) instead of the log."""
+    worker = Worker(cfg, own_process)
+    worker.fatal_to = fatal_to
+    return worker.run()
 
 
 def _flags() -> list[tuple[dataclasses.Field, dict[str, Any]]]:

@@ -297,7 +297,8 @@ def test_max_tokens_too_small_for_the_schema_halts_the_job_naming_the_setting(co
     page = (f"{HALT_AFTER_DEAD} records in a row dead-lettered 'output truncated at max_tokens' after 3 attempts "
             "each, none stored between: params.max_tokens (4) is too small for what the output schema asks; raise "
             "params.max_tokens in the spec and submit it again (a new job version)")
-    assert w.returncode == 4 and w.stderr.rstrip().endswith(f"fatal: {page}"), w.stderr[-2000:]
+    assert w.returncode == 4 and w.stderr.splitlines()[-1] == f"batch-inference worker: error: {page}", \
+        w.stderr[-2000:]
     shown = one_json_line(bi("--db", db_url, "status", job, "--json"))
     assert shown["halt_reason"] == f"fatal: {page}" and shown["halted_at"] and not shown["halt_cleared_at"], shown
     assert (shown["dead_letters"], shown["stored"], shown["outstanding"]) == (HALT_AFTER_DEAD, 0, 5), shown
@@ -313,10 +314,10 @@ def test_an_unknown_job_version_and_an_unknown_connection_name_the_next_step(con
     assert line == ("batch-inference worker: error: schema \"bi\" does not exist: this database has no ledger yet; "
                     "`batch-inference submit SPEC` creates it (with the same --db)")
     w = bi("--db", db_url, "worker", "jv_0000000000000000")
-    assert w.returncode == 4 and w.stdout == "", (w.returncode, w.stderr)
-    assert w.stderr.splitlines()[-1].endswith(
-        "fatal: no job version 'jv_0000000000000000' in this database: `batch-inference submit SPEC` creates one and "
-        "prints its id; pass that id (and the same --db) here and to `batch-inference status`"), w.stderr
+    assert w.returncode == 4 and one_error_line(w, "worker") == (
+        "batch-inference worker: error: no job version 'jv_0000000000000000' in this database: `batch-inference "
+        "submit SPEC` creates one and prints its id; pass that id (and the same --db) here and to "
+        "`batch-inference status`"), w.stderr
     line = one_error_line(bi("--db", db_url, "submit", write(tmp_path, sql_source_spec("my_reviews"))))
     assert "Airflow connection 'my_reviews': " in line and line.endswith(
         "; define it as the environment variable AIRFLOW_CONN_MY_REVIEWS (a URI or JSON, docs/sources.md) or with "
@@ -580,3 +581,21 @@ def test_identical_inputs_fail_together_each_with_its_own_dead_letter(conn, db_u
     assert dead["p1"]["reason"] == dead["p2"]["reason"] and dead["p1"]["raw_output"] == dead["p2"]["raw_output"]
     shown = one_json_line(bi("--db", db_url, "status", job, "--json"))
     assert (shown["stored"], shown["dead_letters"], shown["computed_once"]) == (3, 2, 0), shown
+
+
+def test_a_worker_that_refuses_to_start_says_so_in_one_plain_line_with_its_exit_status(conn, db_url, tmp_path):
+    """Each start-up refusal of `batch-inference worker` is one line on stderr as every command's is, nothing
+    before it and no log prefix, with the worker's exit status (exits.ExitCode) unchanged; a configuration
+    error in the spec still halts the version with the reason."""
+    make_source(conn, tickets(3))
+    job = one_json_line(bi("--db", db_url, "submit",
+                           write(tmp_path, spec_dict(engine={"name": "noop", "options": {"bogus": 1}}))))["job_version"]
+    w = bi("--db", db_url, "worker", job)
+    assert w.returncode == 4 and one_error_line(w, "worker").startswith(
+        "batch-inference worker: error: engine 'noop': unknown option 'bogus' (known: "), w.stderr
+    assert one_json_line(bi("--db", db_url, "status", job, "--json"))["halt_reason"].startswith("fatal: engine 'noop'")
+    w = bi("--db", db_url, "worker", job, "--engine-option", "delay_s")
+    assert w.returncode == 4 and one_error_line(w, "worker") == (
+        "batch-inference worker: error: --engine-option 'delay_s': expected KEY=VALUE"), w.stderr
+    w = bi("--db", "postgresql://nobody@127.0.0.1:1/none", "worker", job, "--db-retries", "0")
+    assert w.returncode == 2 and one_error_line(w, "worker").startswith("batch-inference worker: error: "), w.stderr
