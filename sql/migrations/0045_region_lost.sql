@@ -10,7 +10,7 @@ ALTER TABLE bi.region_decisions ADD CONSTRAINT region_decisions_kind_check
 -- claimed or stolen in p_region) ends now instead of when it runs out. Like a
 -- release, not like a death: a lost region is no record's fault, so no crash
 -- and no lost lease is counted, and a result file the region handed in and
--- that was not merged is refused unread from now on (its epoch no longer holds
+-- that was not merged is refused unread from now on (its epoch does not hold
 -- the shard). Recorded once with the shards it freed. Owner only. Returns how
 -- many leases ended.
 CREATE OR REPLACE FUNCTION bi.end_region_leases_v1(p_job text, p_region text, p_reason text) RETURNS integer
