@@ -8,7 +8,7 @@ from datetime import UTC, datetime, timedelta
 import pytest
 
 from batch_inference.estimate import CharEstimate, judge, preview
-from batch_inference.estimate.preview import Measured, TokenTally
+from batch_inference.estimate.preview import Measured, TokenTally, render
 from tests.conftest import make_spec
 
 NOW = datetime(2026, 12, 6, 22, 0, tzinfo=UTC)
@@ -93,3 +93,32 @@ def test_each_worker_pays_its_start_up_once_and_no_more_workers_run_than_shards(
     assert p.rate["workers_running"] == 2 and p.rate["fleet_records_per_s"] == 2.0
     assert datetime.fromisoformat(p.finish) == NOW + timedelta(seconds=60 + 75)
     assert p.gpu_hours == pytest.approx((150 + 2 * 60) / 3600)
+
+
+def test_a_tail_with_price_tiers_is_priced_at_the_tier_the_cutoffs_arithmetic_picks():
+    tiers = [{"name": "flex", "per_row": 0.003625, "latency_s": 2.0}, {"name": "default", "per_row": 0.00725}]
+    rate = Measured("pilot", 0.5, 10.0, None, "test")
+
+    def tail(fallback: dict) -> tuple:
+        spec = make_spec(fallback={"rate": 10.0, "overhead_s": 600, "concurrency": 16, "provider": "openai",
+                                   "tiers": tiers, **fallback})
+        p = preview(None, spec, rows=iter(rows(3600)), counter=CharEstimate(), now=NOW, rate=rate,
+                    deadline=NOW + timedelta(hours=1))
+        return spec, p, {t["tier"]: t["rows"] for t in p.bill["fallback_tiers"]["split"]}
+
+    # flex answers 16 / 2 s = 8 rows/s: the whole tail x 1.25 fits the time the plan has left, all at flex.
+    spec, p, split = tail({})
+    assert p.fallback_rows > 0 and split == {"flex": p.fallback_rows, "default": 0}
+    ft = p.bill["fallback_tiers"]
+    assert ft["one_price"] == f"{p.fallback_rows * 0.00725:.2f}" and ft["one_price_per_row"] == "0.00725"
+    assert p.bill["planned"]["fallback"] == f"{p.fallback_rows * 0.003625:.2f}"
+    assert "flex $0.003625, default $0.00725" in p.bill["prices"] and "cost.fallback_per_row" in p.bill["prices"]
+    assert f"flex {p.fallback_rows:,} rows x $0.003625" in render(p.as_dict())
+
+    # flex at 20 s a request answers 0.8 rows/s: the head of the tail moves up to default, only the rows
+    # flex can still finish go there, and the tail costs between the two prices.
+    spec, p, split = tail({"tiers": [{**tiers[0], "latency_s": 20.0}, tiers[1]]})
+    assert split["default"] > 0 and split["flex"] > 0 and sum(split.values()) == p.fallback_rows
+    cost = split["flex"] * 0.003625 + split["default"] * 0.00725
+    assert p.bill["planned"]["fallback"] == f"{cost:.2f}"
+    assert float(p.bill["planned"]["fallback"]) < float(p.bill["fallback_tiers"]["one_price"])

@@ -37,7 +37,7 @@ from psycopg import sql
 
 from batch_inference import sources
 from batch_inference.cost import CostReport, Prices, cents, cost_report, priced_by_rung
-from batch_inference.cutoff import fallback_seconds, latest_safe_start
+from batch_inference.cutoff import PAGE_RESERVE_SHARE, fallback_seconds, latest_safe_start
 from batch_inference.db import q
 from batch_inference.estimate.tokens import Counter, counter_for
 from batch_inference.exceptions import InvalidValue, SnapshotError
@@ -46,6 +46,7 @@ from batch_inference.snapshot import clean_text, null_ids_error, source_errors
 from batch_inference.sources import postgres as postgres_source
 from batch_inference.spec import JobSpec
 from batch_inference.status import Progress
+from batch_inference.tiers import priced_by_tier, projected_split
 
 BLANK = " \t\n\r\f\x0b"   # btrim's set: the snapshot's "empty text"
 RECENT_RUNS = 5            # job versions of the same model read for a measured rate
@@ -444,6 +445,16 @@ def _project(spec: JobSpec, counter: Counter, tally: TokenTally, records: int, r
     all_batch = cost_report(0 if hosted else eligible, 0, prices, hosted_rows=eligible if hosted else 0,
                             hosted_cost=prices.hosted_usage_cost(tally.total, out_total) if hosted else None,
                             gpu_hours=0 if hosted else (gpu_hours or 0))
+    tiers = None
+    if spec.fallback.tiers and fallback:   # price tiers: the tail where the pool's plan would send it
+        one_price = planned.fallback_cost
+        split = projected_split(spec.fallback.tiers, fallback, start=max(now, cutoff_at).timestamp(),
+                                deadline=deadline.timestamp(), reserve_s=spec.fallback.overhead_s * PAGE_RESERVE_SHARE,
+                                concurrency=spec.fallback.concurrency, default_rate=spec.fallback.rate)
+        planned = priced_by_tier(planned, split, spec.fallback.tiers)
+        tiers = {"split": [{"tier": t["tier"], "rows": t["rows"], "per_row": f"{t['per_row']:g}",
+                            "cost": str(cents(t["cost"]))} for t in planned.tiers],
+                 "one_price": str(cents(one_price)), "one_price_per_row": f"{prices.fallback_per_row:g}"}
     rungs = None
     if ladder is not None:   # a model ladder: its batch rows priced rung by rung, each rung's tokens its own
         reach, source = ladder
@@ -455,6 +466,7 @@ def _project(spec: JobSpec, counter: Counter, tally: TokenTally, records: int, r
              "input_tokens": round(tokens[r["rung"] - 1] * share), "cost": str(cents(r["cost"]))}
             for r, share in zip(planned.rungs, reach)]}
     bill = {"transport": transport, "planned": _bill(planned), "all_batch": _bill(all_batch), "ladder": rungs,
+            "fallback_tiers": tiers,
             "prices": prices_used(spec, transport),
             "all_fallback": str(cents(planned.all_synchronous_ceiling)),
             "gpu_priced": prices.gpu_hour is not None,
@@ -522,6 +534,10 @@ def prices_used(spec: JobSpec, transport: str) -> str:
     else:
         own = f"batch rows at {named('batch_per_row')}"
     text = f"{own}; fallback rows at {named('fallback_per_row')}"
+    if spec.fallback.tiers:
+        text = (f"{own}; fallback rows at the tier the cutoff's arithmetic picks, each at its fallback.tiers[].per_row ("
+                + ", ".join(f"{t.name} ${t.per_row:g}" for t in spec.fallback.tiers)
+                + f"), beside every fallback row at {named('fallback_per_row')}")
     if defaults:
         text += (f": the defaults are the seed workload's prices for a GPU fleet and a hosted API, not what this "
                  f"run costs on this machine; set {' and '.join(defaults)} in the spec (0 for rows run on your own "
@@ -574,6 +590,11 @@ def render(p: dict[str, Any]) -> str:
             f"rung {r['rung']} {r['model']}: {r['answered']:,} records asked, {r['input_tokens']:,} input tokens, "
             f"{r['answers']:,} answers x ${r['cost_per_row']:g} = ${r['cost']}" for r in lad["rungs"])
             + f" ({lad['reach_source']})")
+    if b.get("fallback_tiers"):
+        ft = b["fallback_tiers"]
+        lines.append("  tiers         " + "; ".join(
+            f"{t['tier'] or 'no tier'} {t['rows']:,} rows x ${t['per_row']} = ${t['cost']}" for t in ft["split"])
+            + f" (at one price: {pl['fallback_rows']:,} rows x ${ft['one_price_per_row']} = ${ft['one_price']})")
     if b["note"]:
         lines.append(f"                {b['note']}")
     if p["budget"] is not None:

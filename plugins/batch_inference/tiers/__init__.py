@@ -151,6 +151,26 @@ class TierPlan:
         return [t.to_dict(self.concurrency) for t in self.tiers]
 
 
+def projected_split(tiers: Sequence[Any], rows: int, *, start: float, deadline: float | None, reserve_s: float,
+                    concurrency: int, default_rate: float, chunks: int = 1000) -> list[dict[str, Any]]:
+    """Where the pool's plan would send ``rows`` fallback rows started at ``start`` (epoch seconds):
+    ``{tier, rows}`` per tier, cheapest first (``priced_by_tier``'s ``tier_rows``). :class:`TierPlan`'s own
+    choice, run on a clock that advances by each row's share of the chosen tier's throughput at the
+    latency the spec expects and every request accepted; rows go in up to ``chunks`` steps. What
+    ``estimate`` prices the fallback's tail by."""
+    now = [float(start)]
+    plan = TierPlan(tiers, base_url="", options={}, concurrency=concurrency, remaining=rows,
+                    deadline=deadline, reserve_s=reserve_s, default_rate=default_rate, clock=lambda: now[0])
+    sent = [0] * len(plan.tiers)
+    step = max(1, -(-int(rows) // chunks))
+    while plan.remaining > 0:
+        i, n = plan.choose(), min(step, plan.remaining)
+        sent[i] += n
+        now[0] += n / plan.tiers[i].throughput(plan.concurrency)
+        plan.remaining -= n
+    return [{"tier": t.name, "rows": n} for t, n in zip(plan.tiers, sent)]
+
+
 def priced_by_tier(report: Any, tier_rows: Iterable[dict[str, Any]], tiers: Sequence[Any]) -> Any:
     """``report`` (a ``cost.CostReport``) with its fallback rows priced at the tier that answered each
     (``tier_rows``: ``{tier, rows}`` from ``bi.fallback_tiers``; ``tiers``: the spec's, for their prices);
@@ -171,4 +191,4 @@ def priced_by_tier(report: Any, tier_rows: Iterable[dict[str, Any]], tiers: Sequ
                                tiers=tuple(split))
 
 
-__all__ = ["MARGIN", "TIERED_ENGINE", "TIER_TRIES", "Tier", "TierPlan", "priced_by_tier"]
+__all__ = ["MARGIN", "TIERED_ENGINE", "TIER_TRIES", "Tier", "TierPlan", "priced_by_tier", "projected_split"]
