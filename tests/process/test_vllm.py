@@ -312,3 +312,40 @@ def test_asked_for_them_vllm_gives_the_log_probability_of_each_generated_token(v
         assert "".join(t for t, _ in o.logprobs).startswith(o.text)   # then the end-of-turn token
     plain = next(iter(vllm_engine.with_spec(spec).generate(requests_for(spec, 1), threading.Event())))
     assert plain.logprobs is None                     # not asked: not computed
+
+
+def test_the_streaming_worker_asks_vllm_once_for_records_asked_the_same(vllm_engine, vllm_model, conn, db_url,
+                                                                        monkeypatch):
+    """The worker's shard stream (gpu_runner.overlap) on the shared LLM, in process: 12 records in two shards
+    held at once, 4 texts each asked three times, in both shards. vLLM is asked 4 times; every record has its
+    one row, records asked the same have the same output, and the 8 others are counted computed once."""
+    from batch_inference.plan import submit
+    from batch_inference.status import job_counts, shared_inputs
+    from gpu_runner.worker import WorkerConfig, run_worker
+    from tests.conftest import make_source
+
+    make_source(conn, [(f"r{i:02d}", TICKETS[i % 4], [f"team{i % 2}"]) for i in range(12)])
+    spec = spec_for(vllm_model, shard_size=6, source={"table": "public.tickets", "id_column": "id",
+                                                       "text_column": "body", "acl_column": "acl"})
+    job = submit(conn, spec).job_version
+    engine = vllm_engine.with_spec(spec)
+    assert engine.queue_depth() > 12            # one refill queues both shards
+    asked: list[str] = []
+    real_enqueue = engine._enqueue
+
+    def enqueue(req, conversation):
+        asked.append(req.record_id)
+        return real_enqueue(req, conversation)
+
+    # The session's LLM, loaded once, stays loaded for the other tests: the worker's load and close are no-ops.
+    monkeypatch.setattr(engine, "_enqueue", enqueue)
+    monkeypatch.setattr(engine, "load", lambda: None)
+    monkeypatch.setattr(engine, "close", lambda: None)
+    monkeypatch.setattr("gpu_runner.worker.load_engine", lambda name, spec, options: engine)
+    assert run_worker(WorkerConfig(job_version=job, db_url=db_url, wait_for_leases=False)) == 0
+    assert sorted(asked) == ["r00", "r01", "r02", "r03"], asked
+    out = {r["record_id"]: r["output"] for r in conn.execute(
+        "SELECT record_id, output FROM bi.results WHERE job_version = %s", (job,))}
+    assert len(out) == 12 and all(out[f"r{i:02d}"] == out[f"r{i % 4:02d}"] for i in range(12)), out
+    c = job_counts(conn, job)
+    assert (c["stored"], c["shards"]["done"], shared_inputs(conn, job)) == (12, 2, 8)
