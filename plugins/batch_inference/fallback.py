@@ -178,6 +178,10 @@ class BudgetCheck:
     does: str = "re-drives"
     note: str = "; a retried request spends nothing twice"
     then: str = " and the fallback runs again"
+    # fallback.tiers: (name, per_row) cheapest first. The outstanding rows are projected at the last tier's
+    # price (``per_row``: any row may end there) and the pool spends the rest of the budget row by row at
+    # the tier each goes to (``tiers.TierAllowance``): ``allowance`` counts rows at the cheapest.
+    tiers: tuple[tuple[str, Decimal], ...] = ()
 
     @property
     def projected(self) -> Decimal:
@@ -194,7 +198,13 @@ class BudgetCheck:
         otherwise."""
         if not self.over or self.on_budget != "page":
             return None
-        return rows_within(self.budget, self.spent + self.reserve + self.provider_reserve, self.per_row)
+        return rows_within(self.budget, self.spent + self.reserve + self.provider_reserve,
+                           self.tiers[0][1] if self.tiers else self.per_row)
+
+    @property
+    def money_left(self) -> Decimal:
+        """The budget less the bill so far and the reserves: what the pool may still spend."""
+        return max(Decimal(0), self.budget - self.spent - self.reserve - self.provider_reserve)
 
     def page(self, job_version: str) -> str:
         """One line: the arithmetic, and what the pool does about it."""
@@ -208,6 +218,15 @@ class BudgetCheck:
             return (f"{self.who} of {job_version} {self.does} every row past the budget (on_budget: spend): {sums}, "
                     f"${cents(self.projected - self.budget):,} over")
         n = self.allowance
+        if self.tiers:
+            (low, low_price), (top, _) = self.tiers[0], self.tiers[-1]
+            return (f"{self.who} of {job_version} stops at the budget (on_budget: page): {sums} at the last tier "
+                    f"({top}); it {self.does} rows while the rest, ${cents(self.money_left):,}, affords each at the "
+                    f"tier it goes to (a row sent and not yet answered reserved at its tier's price): at most "
+                    f"{n:,} row(s) at {low} ${low_price}/row, at least "
+                    f"{rows_within(self.money_left, 0, self.per_row) or 0:,} at {top}; rows "
+                    f"left pending: the job cannot be validated nor published (I3) until cost.budget is raised "
+                    f"(resubmit the spec){self.then}")
         return (f"{self.who} of {job_version} stops at the budget (on_budget: page): {sums}; it {self.does} at most "
                 f"{n:,} row(s) (${cents(n * self.per_row):,}{self.note}), and leaves at "
                 f"least {self.outstanding - n:,} row(s) pending: the job cannot be validated nor published (I3) until "
@@ -231,8 +250,10 @@ def budget_check(conn: psycopg.Connection, job_version: str, spec: JobSpec,
     in_provider = int(conn.execute(db.q("hosted_spend"), {"job": job_version, "lock": False}).fetchone()["in_flight"]) \
         if hosted else 0
     drain_s = autopilot.drain_s(spec)
-    return BudgetCheck(budget=Decimal(str(spec.cost.budget)), spent=so_far.total,
-                       outstanding=int(counts["outstanding"]), per_row=prices.fallback_per_row,
+    tiers = tuple((t.name, Decimal(str(t.per_row))) for t in spec.fallback.tiers)
+    return BudgetCheck(budget=Decimal(str(spec.cost.budget)), spent=so_far.total, tiers=tiers,
+                       outstanding=int(counts["outstanding"]),
+                       per_row=tiers[-1][1] if tiers else prices.fallback_per_row,
                        on_budget=spec.cost.on_budget, draining=draining, drain_s=drain_s,
                        reserve=prices.gpu_cost(Decimal(draining) * Decimal(str(drain_s)) / 3600),
                        in_provider=in_provider, provider_reserve=in_provider * prices.hosted_batch_per_row)
@@ -303,14 +324,19 @@ class FallbackPool:
     def __init__(self, db_url: str | None, job_version: str, *, options: dict[str, Any], rate: float,
                  workers: int, lease_seconds: int | None = None, poll_seconds: float = 1.0,
                  flush_every: int = 20, flush_seconds: float = 1.0, allowance: int | None = None,
-                 engine: str = "openai", plan: Any = None):
+                 engine: str = "openai", plan: Any = None, budget_left: Decimal | None = None):
         from gpu_runner.worker import Worker, WorkerConfig  # the GPU runner imports no Airflow either
 
         self.job_version = job_version
         self.bucket = TokenBucket(rate, max(1.0, min(rate, 10.0)))  # a burst of at most ~1 s of tokens
         self.breaker = Breaker.from_options(options["base_url"], options)
         # The budget's cap on requests, shared by every thread; spent, it stops the pool.
-        self.allowance = None if allowance is None else RequestAllowance(allowance, on_spent=self.stop)
+        self.allowance: Any = None if allowance is None else RequestAllowance(allowance, on_spent=self.stop)
+        if allowance is not None and plan is not None and budget_left is not None:
+            # price tiers: the budget's money, each row reserved at the price of the tier it goes to
+            from batch_inference.tiers import TierAllowance
+
+            self.allowance = TierAllowance(budget_left, plan.tiers[-1].per_row, on_spent=self.stop)
         self.plan = plan
         if plan is not None:          # the last tier's limit and breaker are the pool's
             plan.tiers[-1].bucket, plan.tiers[-1].breaker = self.bucket, self.breaker
@@ -435,7 +461,9 @@ def run_fallback(db_url: str | None, job_version: str, base_url: str | None = No
     what each tier answered and refused.
 
     With ``cost.budget`` set, the bill so far plus every outstanding row at
-    ``cost.fallback_per_row`` is checked first (:func:`budget_check`). Over it,
+    ``cost.fallback_per_row`` (with ``fallback.tiers``: at the last tier's price, and the pool then spends
+    the rest of the budget row by row at the tier each goes to, ``tiers.TierAllowance``) is checked
+    first (:func:`budget_check`). Over it,
     ``on_page(text)`` is called once, before the pool starts, with the page (the
     arithmetic in one line; also ``result.budget_page``); with ``on_budget:
     page`` the pool re-drives at most the rows the rest of the budget affords
@@ -493,8 +521,10 @@ def run_fallback(db_url: str | None, job_version: str, base_url: str | None = No
         except (ValueError, ImportError) as exc:
             raise FallbackRefused(f"engine 'openai': {exc}") from None
         check = budget_check(conn, job_version, spec, counts)
+        budget_left = None
         if check is not None and check.over:
             result.budget_page, result.allowance = check.page(job_version), check.allowance
+            budget_left = check.money_left
 
         if job["mode"] != "fallback":
             result.entered_fallback = enter_fallback(conn, job_version)
@@ -519,7 +549,7 @@ def run_fallback(db_url: str | None, job_version: str, base_url: str | None = No
     plan = tier_plan(spec, opts, rate=rate, concurrency=workers * per_worker, remaining=int(counts["outstanding"]),
                      deadline=deadline)
     pool = FallbackPool(db_url, job_version, options=opts, rate=rate, workers=workers, lease_seconds=lease_seconds,
-                        allowance=result.allowance, engine=engine, plan=plan)
+                        allowance=result.allowance, engine=engine, plan=plan, budget_left=budget_left)
     if pool_ready is not None:
         pool_ready(pool)
     t0 = time.monotonic()

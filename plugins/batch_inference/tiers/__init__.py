@@ -151,6 +151,54 @@ class TierPlan:
         return [t.to_dict(self.concurrency) for t in self.tiers]
 
 
+class TierAllowance:
+    """The budget's cap on the pool in money, shared by every thread (``ratelimit.RequestAllowance``'s
+    interface, keyed by record): ``take(key, price)`` reserves a row at the price of the tier it is sent
+    to (``price`` None: the last tier's, ``price``), topping up a row that moves up a tier; a row sent and
+    not yet answered stays reserved at its tier's price, and ``settle(key, price)`` bills an answered row at
+    the tier that answered it. A row whose price no longer fits is not sent; the first refusal calls
+    ``on_spent()`` once (the pool stops). What ``fallback.run_fallback`` gives a tiered pool over its
+    budget with ``on_budget: page``: a row at a cheaper tier spends less of the budget than one at the last."""
+
+    def __init__(self, money: Decimal, price: Decimal, on_spent: Callable[[], None] | None = None):
+        self.money, self.price = Decimal(money), Decimal(price)
+        self.reserved = Decimal(0)
+        self.taken = self.refused = 0
+        self._held: dict[Any, Decimal] = {}
+        self._on_spent = on_spent
+        self._lock = threading.Lock()
+
+    def take(self, key: Any = None, price: Decimal | None = None) -> bool:
+        price = self.price if price is None else Decimal(price)
+        with self._lock:
+            held = self._held.get(key, Decimal(0)) if key is not None else Decimal(0)
+            if key is not None and key in self._held and price <= held:
+                return True
+            if self.reserved - held + price <= self.money:
+                self.reserved += price - held
+                self.taken += key not in self._held
+                if key is not None:
+                    self._held[key] = price
+                return True
+            self.refused += 1
+            first = self.refused == 1
+        if first and self._on_spent is not None:
+            self._on_spent()
+        return False
+
+    def settle(self, key: Any, price: Decimal) -> None:
+        """``key``'s row was answered at a tier of ``price``: billed at that, whatever was reserved."""
+        with self._lock:
+            if key in self._held:
+                self.reserved += Decimal(price) - self._held[key]
+                self._held[key] = Decimal(price)
+
+    @property
+    def spent(self) -> bool:
+        """A row was refused: the cap, not the work, ended the run."""
+        return self.refused > 0
+
+
 def projected_split(tiers: Sequence[Any], rows: int, *, start: float, deadline: float | None, reserve_s: float,
                     concurrency: int, default_rate: float, chunks: int = 1000) -> list[dict[str, Any]]:
     """Where the pool's plan would send ``rows`` fallback rows started at ``start`` (epoch seconds):
@@ -191,4 +239,4 @@ def priced_by_tier(report: Any, tier_rows: Iterable[dict[str, Any]], tiers: Sequ
                                tiers=tuple(split))
 
 
-__all__ = ["MARGIN", "TIERED_ENGINE", "TIER_TRIES", "Tier", "TierPlan", "priced_by_tier", "projected_split"]
+__all__ = ["MARGIN", "TIERED_ENGINE", "TIER_TRIES", "Tier", "TierAllowance", "TierPlan", "priced_by_tier", "projected_split"]

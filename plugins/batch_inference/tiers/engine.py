@@ -98,7 +98,7 @@ class TieredOpenAIEngine(OpenAIEngine):
             if tier.breaker.tripped is not None:
                 floor = i + 1
                 continue
-            if self.allowance is not None and not self.allowance.take(req.record_id):
+            if self.allowance is not None and not self.allowance.take(req.record_id, *self._price(tier)):
                 return None
             t0 = time.monotonic()
             try:
@@ -126,7 +126,14 @@ class TieredOpenAIEngine(OpenAIEngine):
             tier.breaker.success()
             plan.observe(i, time.monotonic() - t0)
             self._answered[req.record_id] = tier.name
+            if getattr(self.allowance, "settle", None) is not None:   # the budget bills the row at its tier
+                self.allowance.settle(req.record_id, tier.per_row)
             return outcome
+
+    def _price(self, tier: Any) -> tuple[Any, ...]:
+        """The price a money allowance (tiers.TierAllowance) reserves a row at this tier at; none for a
+        count of rows (ratelimit.RequestAllowance)."""
+        return (tier.per_row,) if getattr(self.allowance, "settle", None) is not None else ()
 
     # -- the tier each stored row was answered at ------------------------------
     def begin_shard(self, ledger: Any, lease: Any, drain: threading.Event) -> None:
