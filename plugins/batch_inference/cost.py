@@ -335,6 +335,10 @@ class MonthRow:
     total: Decimal
     clean_month: Decimal
     all_synchronous_month: Decimal
+    # With price tiers (``tail_by_tier``): the month's fallback rows by tier ({tier, rows, per_row, cost}),
+    # and the same month with every fallback row at ``prices.fallback_per_row``.
+    tiers: tuple[dict[str, Any], ...] = ()
+    one_price_total: Decimal | None = None
 
     @property
     def slip_rate(self) -> float:
@@ -356,7 +360,61 @@ class MonthRow:
             "total": float(cents(self.total)),
             "overage_vs_clean": float(cents(self.overage)),
             "savings_vs_all_synchronous": float(cents(self.savings)),
+            **({"fallback_tiers": [{**t, "per_row": float(t["per_row"]), "cost": float(cents(t["cost"]))}
+                                   for t in self.tiers],
+                "one_price_total": float(cents(self.one_price_total))} if self.one_price_total is not None else {}),
         }
+
+
+@dataclass(frozen=True)
+class TierShare:
+    """A price tier in the month view: its price, and the share of a slip night's fallback rows it
+    answers (None: what the cheaper tiers leave, the last tier)."""
+
+    name: str
+    per_row: Decimal
+    share: Decimal | None = None
+
+    @classmethod
+    def parse(cls, text: str) -> "TierShare":
+        """``NAME=PRICE[:SHARE]``, as ``cost --month --tier`` takes it."""
+        name, eq, rest = text.partition("=")
+        price, colon, share = rest.partition(":")
+        if not eq or not name.strip() or not price.strip() or (colon and not share.strip()):
+            raise InvalidValue(f"--tier {text!r}: give NAME=PRICE[:SHARE], e.g. flex=0.003625:0.95 "
+                               "(the last tier without a share)")
+        frac = None
+        if colon:
+            try:
+                frac = Decimal(share.strip())
+            except ArithmeticError:
+                frac = Decimal("NaN")
+            if not frac.is_finite() or not 0 <= frac <= 1:
+                raise InvalidValue(f"--tier {text!r}: the share must be a number within 0..1, got {share!r}")
+        try:
+            per_row = _money(price.strip())
+        except InvalidValue as exc:
+            raise InvalidValue(f"--tier {text!r}: {exc}") from None
+        return cls(name.strip(), per_row, frac)
+
+
+def tail_by_tier(rows: int, tiers: Iterable[TierShare]) -> list[dict[str, Any]]:
+    """A slip night's ``rows`` fallback rows split by tier ({tier, rows, per_row, cost}): each tier
+    with a share its share (rounded down), the last tier (no share) the rest. Every tier but the last
+    needs a share, the last none, and the shares at most 1."""
+    ts = list(tiers)
+    if not ts or ts[-1].share is not None or any(t.share is None for t in ts[:-1]):
+        raise InvalidValue("tiers: every tier but the last needs a share of the tail (NAME=PRICE:SHARE), "
+                           "the last none (it takes the rest)")
+    if sum((t.share or Decimal(0) for t in ts), Decimal(0)) > 1:
+        raise InvalidValue(f"tiers: the shares add up to more than 1 ({', '.join(f'{t.name} {t.share}' for t in ts[:-1])})")
+    n = _rows(rows, "rows")
+    out, left = [], n
+    for t in ts:
+        k = left if t.share is None else int((n * t.share).to_integral_value(rounding=ROUND_FLOOR))
+        left -= k
+        out.append({"tier": t.name, "rows": k, "per_row": t.per_row, "cost": k * t.per_row})
+    return out
 
 
 def month_view(
@@ -365,6 +423,7 @@ def month_view(
     abandon_fraction: float | Decimal,
     prices: Prices = DEFAULT_PRICES,
     nights: int = 30,
+    tiers: Iterable[TierShare] = (),
 ) -> list[MonthRow]:
     """Month totals at several slip rates, each slip night abandoned at ``abandon_fraction`` done.
 
@@ -372,10 +431,18 @@ def month_view(
     more than a clean one and less than an all-synchronous one, so every row
     of the month sits below the all-synchronous month, and the argument for
     relabelling the pipeline (docs/deadlines.md) is about operations, not money.
+
+    ``tiers``: the fallback's price tiers, each with its share of a slip night's tail
+    (``tail_by_tier``): slip nights are priced tier by tier, and each row also gives the month's
+    fallback rows by tier and the same month at one price.
     """
     n = _rows(nights, "nights")
     clean = clean_batch_floor(rows_per_night, prices)
-    slip = night_cost(*split_at(rows_per_night, abandon_fraction), prices=prices)
+    batch_rows, tail_rows = split_at(rows_per_night, abandon_fraction)
+    slip = one_price = night_cost(batch_rows, tail_rows, prices=prices)
+    split = tail_by_tier(tail_rows, tiers) if tiers else []
+    if split:
+        slip = night_cost(batch_rows, 0, prices) + sum((t["cost"] for t in split), Decimal(0))
     ceiling = all_synchronous_ceiling(rows_per_night, prices)
     out = []
     for s in slip_nights_list:
@@ -389,6 +456,8 @@ def month_view(
                 total=(n - k) * clean + k * slip,
                 clean_month=n * clean,
                 all_synchronous_month=n * ceiling,
+                tiers=tuple({**t, "rows": k * t["rows"], "cost": k * t["cost"]} for t in split),
+                one_price_total=(n - k) * clean + k * one_price if split else None,
             )
         )
     return out

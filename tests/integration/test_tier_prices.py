@@ -7,6 +7,8 @@ from __future__ import annotations
 import json
 from decimal import Decimal
 
+import pytest
+
 from batch_inference.cli import main as cli_main
 from batch_inference.cost import rows_within
 from batch_inference.fallback import run_fallback
@@ -64,3 +66,33 @@ def test_a_budget_stop_reserves_rows_in_flight_at_their_tier_and_never_overspend
     assert spent <= Decimal("0.40")
     so_far = bill(capsys, db_url, job)
     assert abs(Decimal(str(so_far["fallback_cost"])) - spent) < Decimal("0.01")
+
+
+def test_the_month_view_splits_each_slip_nights_tail_by_tier(capsys):
+    """A 300,000-row night abandoned at 40%: each slip night's 180,000 fallback rows 95% at flex, the rest at
+    default; the month beside the same month at one price."""
+    assert cli_main(["cost", "--month", "--rows", "300000", "--slip-nights", "0,6,30", "--abandon-at", "0.4",
+                     "--tier", "flex=0.003625:0.95", "--tier", "default=0.00725", "--json"]) == 0
+    months = {m["slip_nights"]: m for m in json.loads(capsys.readouterr().out)["months"]}
+    six = months[6]
+    assert [(t["tier"], t["rows"]) for t in six["fallback_tiers"]] == [("flex", 6 * 171_000), ("default", 6 * 9_000)]
+    assert six["one_price_total"] == 36_540.00       # docs/deadlines.md's month view at one price
+    tail = 6 * (171_000 * Decimal("0.003625") + 9_000 * Decimal("0.00725"))
+    assert Decimal(str(six["total"])) == 24 * Decimal("1087.50") + 6 * 120_000 * Decimal("0.003625") + tail
+    assert months[0]["total"] == months[0]["one_price_total"] == 32_625.00
+    assert cli_main(["cost", "--month", "--rows", "300000", "--slip-nights", "6", "--tier", "flex=0.003625:0.95",
+                     "--tier", "default=0.00725"]) == 0
+    assert "fallback by tier: flex 1,026,000 rows $3,719.25, default 54,000 rows $391.50" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("tiers, words", [
+    (["flex=0.003625", "default=0.00725"], "every tier but the last needs a share"),
+    (["flex=0.003625:0.7", "priority=0.01:0.5", "default=0.00725"], "add up to more than 1"),
+    (["flex=cheap:0.9", "default=0.00725"], "a price must be a number"),
+    (["flex=0.003625:1.5", "default=0.00725"], "the share must be a number within 0..1"),
+    (["flex", "default=0.00725"], "give NAME=PRICE[:SHARE]"),
+])
+def test_a_bad_tier_in_the_month_view_is_one_line_exit_2(capsys, tiers, words):
+    code = cli_main(["cost", "--month", "--rows", "1000", *[a for t in tiers for a in ("--tier", t)]])
+    out, err = capsys.readouterr()
+    assert code == 2 and out == "" and len(err.strip().splitlines()) == 1 and words in err

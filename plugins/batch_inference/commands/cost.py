@@ -17,6 +17,7 @@ from batch_inference.commands.common import db_arg
 from batch_inference.cost import (
     DEFAULT_PRICES,
     Prices,
+    TierShare,
     cents,
     cost_report,
     fallback_table,
@@ -42,6 +43,10 @@ def register(sub: Any) -> None:
     p.add_argument("--slip-nights", default="0,2,6,15,30", help="comma-separated slip-night counts (month view)")
     p.add_argument("--abandon-at", type=float, default=0.4, help="fraction done when a slip night is abandoned")
     p.add_argument("--nights", type=int, default=30, help="nights in the month")
+    p.add_argument("--tier", action="append", default=[], metavar="NAME=PRICE[:SHARE]",
+                   help="month view: a price tier of the fallback, cheapest first, with its share of a slip night's "
+                        "fallback rows (the last tier without one takes the rest), e.g. --tier flex=0.003625:0.95 "
+                        "--tier default=0.00725")
     p.add_argument("--batch-price", type=str, help=f"per row on batch (default {DEFAULT_PRICES.batch_per_row})")
     p.add_argument("--fallback-price", type=str, help=f"per row synchronously (default {DEFAULT_PRICES.fallback_per_row})")
     p.add_argument("--json", action="store_true", help="print one JSON object")
@@ -114,7 +119,8 @@ def run(args: argparse.Namespace) -> int:
 
         if args.month:
             slips = [int(s) for s in args.slip_nights.split(",") if s.strip()]
-            rows = month_view(args.rows, slips, args.abandon_at, prices, nights=args.nights)
+            tiers = [TierShare.parse(t) for t in args.tier]
+            rows = month_view(args.rows, slips, args.abandon_at, prices, nights=args.nights, tiers=tiers)
             if args.json:
                 print(json.dumps({
                     "rows_per_night": args.rows,
@@ -129,7 +135,10 @@ def run(args: argparse.Namespace) -> int:
                 print(f"{'slip nights':>11}  {'rate':>6}  {'month':>12}  {'over clean':>12}  {'saved vs all-sync':>17}")
                 for r in rows:
                     print(f"{r.slip_nights:>11}  {r.slip_rate:>6.0%}  ${cents(r.total):>11,}  "
-                          f"${cents(r.overage):>11,}  ${cents(r.savings):>16,}")
+                          f"${cents(r.overage):>11,}  ${cents(r.savings):>16,}"
+                          + (f"  fallback by tier: " + ", ".join(f"{t['tier']} {t['rows']:,} rows ${cents(t['cost']):,}"
+                                                                 for t in r.tiers)
+                             + f" (one price ${cents(r.one_price_total):,})" if r.tiers else ""))
             return 0
 
         if args.fallback_rows is not None:
