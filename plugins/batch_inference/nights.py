@@ -1029,6 +1029,7 @@ class _NightRun:
         rec.bill["rows_total"] = float(cents(bill.total - bill.gpu_cost))
         if "fallback_tiers" in b:     # the tail's rows at the tier that answered each
             rec.bill["fallback_tiers"] = {str(t["tier"]): t["rows"] for t in b["fallback_tiers"]}
+            rec.bill["fallback_tier_cost"] = {str(t["tier"]): t["cost"] for t in b["fallback_tiers"]}
         rec.bill["total_exact"] = float(bill.total)       # unrounded, for the budget's check
         rec.cost_ratio = round(float(bill.total / bill.all_synchronous_ceiling), 4) \
             if bill.all_synchronous_ceiling else None
@@ -1101,6 +1102,21 @@ def run_totals(runs: list[Night]) -> dict[str, Any]:
             "fired": sum(1 for n in runs if n.fired_s is not None)}
 
 
+def tail_by_tier(nights: list[Night]) -> dict[str, dict[str, Any]]:
+    """The fallback's rows over the nights by the tier that answered them (the month's tail split):
+    ``{tier: {rows, cost, nights}}``, ``nights`` counting the nights that tier answered rows on; "None"
+    the fallback rows without a tier. Empty when no night ran tiers."""
+    out: dict[str, dict[str, Any]] = {}
+    for n in nights:
+        cost = n.bill.get("fallback_tier_cost", {})
+        for tier, rows in n.bill.get("fallback_tiers", {}).items():
+            t = out.setdefault(tier, {"rows": 0, "cost": 0.0, "nights": 0})
+            t["rows"] += rows
+            t["cost"] = round(t["cost"] + cost.get(tier, 0.0), 6)
+            t["nights"] += rows > 0
+    return out
+
+
 @dataclass
 class NightsReport:
     config: dict[str, Any]
@@ -1125,6 +1141,7 @@ class NightsReport:
             "failed": sum(1 for n in ns if n.verdict == "FAIL"),
             "met_rate": round(len(met) / len(ns), 4) if ns else None,
             "slip_rate": round(len(fired) / len(ns), 4) if ns else None,
+            "fallback_by_tier": tail_by_tier(ns),
             "worst_slack_s": min(slacks) if slacks else None,
             "cost_ratio_mean": round(statistics.mean(ratios), 4) if ratios else None,
             "cost_ratio_worst": max(ratios) if ratios else None,
@@ -1215,7 +1232,10 @@ class NightsReport:
 
         lines += ["",
                   f"met {s['met']}/{s['nights']} ({fmt(s['met_rate'], '.0%')}), paged early {s['paged']}, "
-                  f"failed {s['failed']}; cutoff fired on {fmt(s['slip_rate'], '.0%')} of nights",
+                  f"failed {s['failed']}; cutoff fired on {fmt(s['slip_rate'], '.0%')} of nights"
+                  + (" (the tail by tier: " + ", ".join(f"{k} {v['rows']:,} rows ${v['cost']:,.4f} on {v['nights']} "
+                                                        f"night(s)" for k, v in s["fallback_by_tier"].items()) + ")"
+                     if s["fallback_by_tier"] else ""),
                   f"worst slack {fmt(s['worst_slack_s'], '+.1f')}s; cost / all-synchronous ceiling: mean "
                   f"{fmt(s['cost_ratio_mean'], '.3f')}, worst {fmt(s['cost_ratio_worst'], '.3f')}; "
                   f"bill ${s['bill_total']:,.2f} against ${s['ceiling_total']:,.2f} all-synchronous and "

@@ -374,7 +374,9 @@ def test_the_tier_comparison_pairs_each_seed_at_one_price_and_with_tiers():
     def night(seed, tiered, verdict, fallback, tail, tiers=None):
         return nights.Night(seed=seed, tiered=tiered, verdict=verdict, rows={"batch": 1199 - fallback,
                                                                              "fallback": fallback},
-                            bill={"total": 1.0 + tail, "fallback_cost": tail, **({"fallback_tiers": tiers}
+                            bill={"total": 1.0 + tail, "fallback_cost": tail, **({"fallback_tiers": tiers,
+                                                                                  "fallback_tier_cost": {
+                                                                                      "flex": 1.2, "default": 0.4}}
                                                                                  if tiers else {})},
                             coverage={"duplicates": 0, "missing": 0})
 
@@ -386,6 +388,10 @@ def test_the_tier_comparison_pairs_each_seed_at_one_price_and_with_tiers():
     assert c["tail_bill_ratio"] == pytest.approx(1.60 / 2.90, abs=1e-4)
     assert (c["tiers"]["met"], c["tiers"]["paged"], c["tiers"]["duplicates"], c["tiers"]["lost"]) == (1, 1, 0, 0)
     assert "one price -> with tiers" in report.table() and "[tiers: flex 350, default 60]" in report.table()
+    # the month's tail by tier beside its slip rate
+    assert report.summary()["fallback_by_tier"] == {"flex": {"rows": 350, "cost": 1.2, "nights": 1},
+                                                    "default": {"rows": 60, "cost": 0.4, "nights": 1}}
+    assert "(the tail by tier: flex 350 rows $1.2000 on 1 night(s), default 60 rows $0.4000" in report.table()
     with pytest.raises(ValueError, match="not both"):
         NightsConfig(tiers="both", autopilot="both")
 
@@ -405,3 +411,6 @@ def test_with_price_tiers_the_tail_costs_at_most_0_6_of_one_price_and_every_nigh
     c = report.summary()["tiers"]
     assert c["one_price"]["fallback_rows"] > 0 and c["tail_bill_ratio"] <= 0.6
     assert tiered.bill["fallback_tiers"].get("flex", 0) > 0 and tiered.endpoint.get("flex-refused", 0) > 0
+    by_tier = report.summary()["fallback_by_tier"]
+    assert {k: v["rows"] for k, v in by_tier.items()} == tiered.bill["fallback_tiers"]
+    assert sum(v["cost"] for v in by_tier.values()) == pytest.approx(tiered.bill["fallback_cost"], abs=0.01)
