@@ -96,3 +96,42 @@ def test_a_bad_tier_in_the_month_view_is_one_line_exit_2(capsys, tiers, words):
     code = cli_main(["cost", "--month", "--rows", "1000", *[a for t in tiers for a in ("--tier", t)]])
     out, err = capsys.readouterr()
     assert code == 2 and out == "" and len(err.strip().splitlines()) == 1 and words in err
+
+
+def test_estimate_prices_the_tail_at_the_tiers_the_cutoffs_arithmetic_picks(conn, db_url, tmp_path, capsys):
+    """`batch-inference estimate SPEC --deadline +1h` over the ledger: a pilot measured 0.5 records/s, so 3,600
+    rows need 2 h on batch and the cutoff hands the tail to the fallback. Flex expected at 20 s a request
+    (16 in flight: 0.8 rows/s) cannot finish it all: the head moves up to default, flex takes what it can, and
+    the tail is priced so, beside the tail at one price; the prices line names each tier's price."""
+    import yaml
+
+    from batch_inference.db import q
+    from batch_inference.spec import JobSpec
+    from tests.conftest import spec_dict
+
+    make_source(conn, tickets(3600))
+    d = spec_dict(fallback={"rate": 10.0, "overhead_s": 600, "concurrency": 16, "provider": "openai",
+                            "tiers": [{**TIERS[0], "latency_s": 20.0}, TIERS[1]]})
+    spec = JobSpec.model_validate(d)
+    conn.execute(q("estimate_pilot_insert"), {
+        "dataset": spec.dataset, "spec_hash": spec.spec_hash, "model_name": spec.model.name,
+        "model_digest": spec.model.digest, "engine": spec.engine.name, "records": 10, "stored": 10, "failed": 0,
+        "dead_letters": 0, "seconds": 20.0, "records_per_s": 0.5, "input_tokens": 400, "output_tokens": 100,
+        "valid_rate": 1.0})
+    path = tmp_path / "spec.yaml"
+    path.write_text(yaml.safe_dump(d))
+    assert cli_main(["--db", db_url, "estimate", str(path), "--deadline", "+1h"]) == 0
+    out, err = capsys.readouterr()
+    p = json.loads(out.strip().splitlines()[-1])
+    fallback, ft = p["fallback_rows"], p["bill"]["fallback_tiers"]
+    split = {t["tier"]: t["rows"] for t in ft["split"]}
+    assert fallback > 0 and split["flex"] > 0 and split["default"] > 0 and sum(split.values()) == fallback
+    cost = split["flex"] * Decimal("0.003625") + split["default"] * Decimal("0.00725")
+    assert Decimal(p["bill"]["planned"]["fallback"]) == cost.quantize(Decimal("0.01"))
+    assert Decimal(ft["one_price"]) == (fallback * Decimal("0.00725")).quantize(Decimal("0.01"))
+    assert Decimal(p["bill"]["planned"]["fallback"]) < Decimal(ft["one_price"])
+    assert "fallback.tiers[].per_row (flex $0.003625, default $0.00725), beside every fallback row at " \
+        "cost.fallback_per_row $0.00725 (default)" in p["bill"]["prices"]
+    assert "set cost.batch_per_row and cost.fallback_per_row in the spec" in p["bill"]["prices"]
+    assert f"  tiers         flex {split['flex']:,} rows x $0.003625" in err
+    assert conn.execute("SELECT count(*) AS n FROM bi.jobs").fetchone()["n"] == 0     # a preview writes no job

@@ -533,11 +533,12 @@ def prices_used(spec: JobSpec, transport: str) -> str:
         own = f"batch workers' GPU-hours at cost.{gpu} ${getattr(c, gpu):g}"
     else:
         own = f"batch rows at {named('batch_per_row')}"
-    text = f"{own}; fallback rows at {named('fallback_per_row')}"
+    one_price = named("fallback_per_row")
+    text = f"{own}; fallback rows at {one_price}"
     if spec.fallback.tiers:
         text = (f"{own}; fallback rows at the tier the cutoff's arithmetic picks, each at its fallback.tiers[].per_row ("
                 + ", ".join(f"{t.name} ${t.per_row:g}" for t in spec.fallback.tiers)
-                + f"), beside every fallback row at {named('fallback_per_row')}")
+                + f"), beside every fallback row at {one_price}")
     if defaults:
         text += (f": the defaults are the seed workload's prices for a GPU fleet and a hosted API, not what this "
                  f"run costs on this machine; set {' and '.join(defaults)} in the spec (0 for rows run on your own "
