@@ -6,7 +6,7 @@ from __future__ import annotations
 from decimal import Decimal
 
 from batch_inference.spec import FALLBACK_TIERS
-from batch_inference.tiers import TierPlan, priced_by_tier
+from batch_inference.tiers import TierAllowance, TierPlan, priced_by_tier
 from tests.conftest import make_spec
 
 TIERS = [{"name": "flex", "per_row": 0.003625, "latency_s": 0.05}, {"name": "default", "per_row": 0.00725}]
@@ -66,3 +66,16 @@ def test_a_tier_that_refuses_most_requests_loses_the_rows_to_the_next():
         plan.refused(0)               # accepted share falls towards 0: flex's throughput with it
     assert plan.tiers[0].accepted < 0.05 and plan.choose() == 1
     assert plan.summary()[0]["refused"] == 80 and plan.summary()[0]["breaker"] is None   # refusals alone trip nothing
+
+
+def test_the_budget_reserves_a_row_in_flight_at_its_tier_tops_it_up_and_bills_it_where_it_was_answered():
+    spent = []
+    a = TierAllowance(Decimal("0.02"), Decimal("0.00725"), on_spent=lambda: spent.append(1))
+    assert a.take("r1", Decimal("0.003625")) and a.take("r2", Decimal("0.003625"))   # two rows in flight at flex
+    assert a.take("r1", Decimal("0.003625")) and a.reserved == Decimal("0.00725")     # a retry spends nothing twice
+    assert a.take("r1") and a.reserved == Decimal("0.010875")       # r1 refused at flex moves up: topped up
+    assert a.take("r3") and a.reserved == Decimal("0.018125")       # r3 at the last tier
+    assert not a.take("r4", Decimal("0.003625")) and spent == [1] and a.spent   # $0.001875 left: not sent
+    a.settle("r1", Decimal("0.003625"))                              # r1 answered at flex after all
+    assert a.reserved == Decimal("0.0145") and a.take("r4", Decimal("0.003625")) and a.taken == 4
+    assert not a.take("r5", Decimal("0.003625")) and spent == [1]   # on_spent once
