@@ -66,6 +66,9 @@ def test_a_budget_stop_reserves_rows_in_flight_at_their_tier_and_never_overspend
     assert spent <= Decimal("0.40")
     so_far = bill(capsys, db_url, job)
     assert abs(Decimal(str(so_far["fallback_cost"])) - spent) < Decimal("0.01")
+    assert cli_main(["cost", job, "--db", db_url]) == 0
+    out = capsys.readouterr().out
+    assert "fallback by tier: " in out and f"flex {split['flex']:,} rows x $0.003625 = $" in out
 
 
 def test_the_month_view_splits_each_slip_nights_tail_by_tier(capsys):

@@ -108,6 +108,10 @@ def run(args: argparse.Namespace) -> int:
                     print("batch rung by rung: " + "; ".join(
                         f"rung {r['rung']} {r['model']} {r['answers']:,} answers x ${r['cost_per_row']:g} = "
                         f"${r['cost']:,.4f}" for r in s["rungs"]))
+                if s.get("fallback_tiers"):   # price tiers: the fallback's rows at the tier that answered each
+                    print("fallback by tier: " + "; ".join(
+                        f"{t['tier'] or 'no tier'} {t['rows']:,} rows x ${t['per_row']:g} = ${t['cost']:,.4f}"
+                        for t in s["fallback_tiers"]))
                 print(f"if the fallback fired now: ${f['total']:,.2f} ({f['overage_text']}, "
                       f"ceiling ${f['all_synchronous_ceiling']:,.2f})")
             return 0
