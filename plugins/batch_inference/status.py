@@ -119,11 +119,12 @@ def bill(conn: psycopg.Connection, job_version: str, prices: Prices | None = Non
     if spec.models:   # a model ladder: its rows cost what each rung answered times that rung's price
         rungs = rung_answers(conn, spec, job_version)
         so_far, fired = priced_by_rung(so_far, rungs), priced_by_rung(fired, rungs)
-    if spec.fallback.tiers:   # price tiers: each fallback row so far at the tier that answered it
+    if spec.fallback.tiers:   # price tiers: each fallback row so far at the tier that answered it (both bills)
         from batch_inference.tiers import priced_by_tier
 
-        so_far = priced_by_tier(so_far, conn.execute(q("fallback_tier_rows"), {"job": job_version}).fetchall(),
-                                spec.fallback.tiers)
+        tier_rows = conn.execute(q("fallback_tier_rows"), {"job": job_version}).fetchall()
+        so_far, fired = priced_by_tier(so_far, tier_rows, spec.fallback.tiers), \
+            priced_by_tier(fired, tier_rows, spec.fallback.tiers)
     return so_far, fired
 
 

@@ -23,9 +23,9 @@ def budget_spec(budget: float):
                      shard_size=100, lease_seconds=30, renew_seconds=0.2)
 
 
-def bill(capsys, db_url: str, job: str) -> dict:
+def bill(capsys, db_url: str, job: str, which: str = "so_far") -> dict:
     assert cli_main(["cost", job, "--db", db_url, "--json"]) == 0
-    return json.loads(capsys.readouterr().out.strip().splitlines()[-1])["so_far"]
+    return json.loads(capsys.readouterr().out.strip().splitlines()[-1])[which]
 
 
 def test_a_budget_one_price_would_stop_at_lets_every_row_through_at_flex(conn, db_url, capsys):
@@ -66,6 +66,9 @@ def test_a_budget_stop_reserves_rows_in_flight_at_their_tier_and_never_overspend
     assert spent <= Decimal("0.40")
     so_far = bill(capsys, db_url, job)
     assert abs(Decimal(str(so_far["fallback_cost"])) - spent) < Decimal("0.01")
+    # if the fallback fired now: the rows answered so far at their tiers, the rest at cost.fallback_per_row
+    fired = bill(capsys, db_url, job, "if_fallback_now")
+    assert abs(Decimal(str(fired["fallback_cost"])) - spent - (300 - stored) * Decimal("0.00725")) < Decimal("0.01")
     assert cli_main(["cost", job, "--db", db_url]) == 0
     out = capsys.readouterr().out
     assert "fallback by tier: " in out and f"flex {split['flex']:,} rows x $0.003625 = $" in out
