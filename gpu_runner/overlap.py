@@ -109,10 +109,11 @@ class ShardStream:
         self.first_answer_at: float | None = None
         self.view: tuple[Shard, ...] = ()                   # what the renewer renews (replaced, never mutated)
         # Identical inputs computed once (module docstring): the record whose request is in the engine for
-        # each input key, and by that record, its key and the records (with their shard) waiting for it.
+        # each input key, each such record's key, and the records (with their shard) waiting for one.
         self.once = computes_once(self.engine)
         self.leading: dict[tuple[Any, ...], str] = {}
-        self.group: dict[str, tuple[tuple[Any, ...], list[tuple[str, Shard, _Queue]]]] = {}
+        self.group: dict[str, tuple[Any, ...]] = {}
+        self.waiting: dict[str, list[tuple[str, Shard, _Queue]]] = {}
         self.done = threading.Event()
         self._add(first)
 
@@ -153,12 +154,12 @@ class ShardStream:
             self.cancel.extend(queue.in_engine)
         else:
             for rid in queue.in_engine:
-                same = self.group.pop(rid, None)
-                if same is None:
+                key = self.group.pop(rid, None)
+                if key is None:
                     continue
-                self.leading.pop(same[0], None)
+                del self.leading[key]
                 self.cancel.append(rid)
-                for other, shard, q in same[1]:
+                for other, shard, q in self.waiting.pop(rid, ()):
                     if q is not queue and not shard.closed and other in q.in_engine:
                         q.in_engine.discard(other)
                         q.todo.appendleft(other)
@@ -234,10 +235,10 @@ class ShardStream:
             key = input_key(req)
             first = leading.get(key)
             if first is not None:
-                group[first][1].append((rid, shard, queue))
+                self.waiting.setdefault(first, []).append((rid, shard, queue))
             elif len(out) < room:
                 leading[key] = rid
-                group[rid] = (key, [])
+                group[rid] = key
                 out.append(req)
             else:
                 return
@@ -249,20 +250,21 @@ class ShardStream:
         """Stream until no held shard has work; returns a parked (careful) lease to run alone."""
         w = self.w
         renewer = w.renewer(lambda: self.view, self.done, "renew-stream")
-        owner, group = self.owner, self.group
+        owner, leading, group, waiting = self.owner, self.leading, self.group, self.waiting
         try:
             for outcome in self.engine.stream(self, w.stop):
-                same = group.pop(outcome.record_id, None) if group else None
-                held = owner.get(outcome.record_id)
+                rid = outcome.record_id
+                key = group.pop(rid, None) if group else None
+                held = owner.get(rid)
                 # Not when its shard was dropped or released: not ours to write.
                 if held is not None and not held[0].closed:
                     if held[0].shared:     # computed itself this time (it may have waited for another before)
-                        held[0].shared.discard(outcome.record_id)
+                        held[0].shared.discard(rid)
                     self._answer(held[0], held[1], outcome)
-                if same is not None:
-                    del self.leading[same[0]]
-                    if same[1]:
-                        self._share(outcome, same[1])
+                if key is not None:
+                    del leading[key]
+                    if waiting and rid in waiting:
+                        self._share(outcome, waiting.pop(rid))
         except (psycopg.OperationalError, DatabaseUnavailable):
             raise
         except Exception as exc:  # noqa: BLE001 - the endpoint is down, or the engine broke
