@@ -832,8 +832,10 @@ class Worker:
 
     def _count_dead(self, error: str, attempts: int) -> None:
         """Count a dead letter toward a halt: HALT_AFTER_DEAD in a row for the same setting's failure
-        (``SETTING_FAILURES``) with nothing stored between stop every held shard, and the worker then
-        halts the job naming the setting; the records not yet dead keep their attempts."""
+        (``SETTING_FAILURES``), while this worker has stored nothing at all (every record it finished met
+        it), stop every held shard, and the worker then halts the job naming the setting; the records not
+        yet dead keep their attempts. A batch engine finishes the records that reach ``max_tokens`` in the
+        same step, so a run of them in a row after stored ones is a share of the job, not every record."""
         reason = error.split("\n", 1)[0]
         setting = SETTING_FAILURES.get(reason)
         if setting is None:
@@ -842,7 +844,7 @@ class Worker:
         same, n = self._dead_in_a_row
         n = n + 1 if same == reason else 1
         self._dead_in_a_row = (reason, n)
-        if n >= HALT_AFTER_DEAD and self.halting is None:
+        if n >= HALT_AFTER_DEAD and self.halting is None and not self.stats["stored"]:
             value = getattr(self.spec.params, setting.rpartition(".")[2], None) if self.spec else None
             self.halting = (f"{n} records in a row dead-lettered '{reason}' after {attempts} attempts each, none "
                             f"stored between: {setting} ({value}) is too small for what the output schema asks; "

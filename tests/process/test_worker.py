@@ -206,3 +206,44 @@ def test_a_failed_attempt_whose_reply_was_lost_is_counted_once(monkeypatch, conn
     dl = dead_letters(conn, job)
     assert [(d["record_id"], d["attempts"]) for d in dl] == [("t00002", 3)]
     assert job_counts(conn, job)["stored"] == 4
+
+
+class BatchStepEngine(Engine):
+    """A batch engine's order of finishing: the records that stop early come first, and those that
+    reach ``max_tokens`` all finish in the same last step, one after another (vLLM's CPU build with
+    many truncations in one batch)."""
+
+    name = "batch-step"
+    serves_models = ("noop",)   # the test specs' model (batch_inference.provenance)
+
+    def load(self) -> None:
+        pass
+
+    def generate(self, requests, stop):
+        from batch_inference.engines.base import TRUNCATED
+
+        cut = [r for r in requests if "long" in r.text]
+        for r in requests:
+            if r not in cut:
+                yield Outcome(r.record_id, '{"category": "bug", "summary": "ok"}')
+        for r in cut:
+            yield Outcome(r.record_id, '{"category": "bug", "summary": "and then', error=TRUNCATED)
+
+
+def test_truncations_finishing_together_after_stored_records_do_not_halt_the_job(conn, db_url):
+    """Eight records in a row cut at max_tokens, after the shard's other records were stored, are
+    a share of the job, not every record: each is dead-lettered on its own and the job runs on (the
+    halt naming params.max_tokens is for a failure every record meets)."""
+    from gpu_runner.worker import HALT_AFTER_DEAD
+    from batch_inference.status import job_halt
+
+    rows = tickets(20)
+    rows[12:20] = [(rid, f"{text} long", acl) for rid, text, acl in rows[12:20]]
+    make_source(conn, rows)
+    job = submit(conn, make_spec(max_attempts=1)).job_version
+    assert 20 - 12 > HALT_AFTER_DEAD
+    cfg = WorkerConfig(job_version=job, db_url=db_url, engine="tests.process.test_worker:BatchStepEngine")
+    assert run_worker(cfg) == 0
+    c = job_counts(conn, job)
+    assert (c["stored"], c["dead_letters"], c["outstanding"]) == (12, 8, 0), c
+    assert job_halt(conn, job)["halted_at"] is None
