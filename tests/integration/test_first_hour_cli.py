@@ -586,7 +586,8 @@ def test_identical_inputs_fail_together_each_with_its_own_dead_letter(conn, db_u
 def test_a_worker_that_refuses_to_start_says_so_in_one_plain_line_with_its_exit_status(conn, db_url, tmp_path):
     """Each start-up refusal of `batch-inference worker` is one line on stderr as every command's is, nothing
     before it and no log prefix, with the worker's exit status (exits.ExitCode) unchanged; a configuration
-    error in the spec still halts the version with the reason."""
+    error in the spec still halts the version with the reason; a flag the worker refuses is the CLI's bad
+    input (exit 2)."""
     make_source(conn, tickets(3))
     job = one_json_line(bi("--db", db_url, "submit",
                            write(tmp_path, spec_dict(engine={"name": "noop", "options": {"bogus": 1}}))))["job_version"]
@@ -595,7 +596,7 @@ def test_a_worker_that_refuses_to_start_says_so_in_one_plain_line_with_its_exit_
         "batch-inference worker: error: engine 'noop': unknown option 'bogus' (known: "), w.stderr
     assert one_json_line(bi("--db", db_url, "status", job, "--json"))["halt_reason"].startswith("fatal: engine 'noop'")
     w = bi("--db", db_url, "worker", job, "--engine-option", "delay_s")
-    assert w.returncode == 4 and one_error_line(w, "worker") == (
+    assert w.returncode == 2 and one_error_line(w, "worker") == (
         "batch-inference worker: error: --engine-option 'delay_s': expected KEY=VALUE"), w.stderr
     w = bi("--db", "postgresql://nobody@127.0.0.1:1/none", "worker", job, "--db-retries", "0")
     assert w.returncode == 2 and one_error_line(w, "worker").startswith("batch-inference worker: error: "), w.stderr

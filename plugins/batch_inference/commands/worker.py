@@ -25,20 +25,14 @@ def register(sub: Any) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """The worker, its exit status kept (``exits.ExitCode``); why it stops is one line on stderr, as
-    every command's refusal is (the log's ``fatal:`` line of ``python -m gpu_runner``)."""
-    from batch_inference.exceptions import InvalidValue
-    from batch_inference.exits import ExitCode
+    every command's refusal is (the log's ``fatal:`` line of ``python -m gpu_runner``). A flag it
+    refuses (a value out of range, a malformed --engine-option) is the CLI's bad input: one line, exit 2."""
     from gpu_runner.worker import config_from_args, run_worker
 
     def refuse(line: str) -> None:
         print(f"batch-inference worker: error: {one_line(line.removeprefix('fatal: '))}", file=sys.stderr)
 
-    try:
-        cfg = config_from_args(args)
-    except InvalidValue as exc:   # a malformed --engine-option: a configuration error, as gpu_runner's
-        refuse(str(exc))
-        return ExitCode.CONFIG
-    return run_worker(cfg, own_process=True, fatal_to=refuse)
+    return run_worker(config_from_args(args), own_process=True, fatal_to=refuse)
 
 
 def run_grant(args: argparse.Namespace) -> int:
