@@ -29,9 +29,10 @@ INSERT INTO bi.replicas (job_version, shard_no, region, object_key, digest, byte
 VALUES (%(job)s, %(shard)s, %(region)s, %(key)s, %(digest)s, %(bytes)s, %(records)s, %(seconds)s)
 ON CONFLICT (job_version, shard_no) DO NOTHING;
 
--- name: region_replication_record  what writing one region's replicas cost (bytes, seconds)
-INSERT INTO bi.region_decisions (job_version, kind, region, bytes, seconds, reason)
-VALUES (%(job)s, 'replicate', %(region)s, %(bytes)s, %(seconds)s, %(reason)s);
+-- name: region_replication_record  what writing one region's replicas cost (bytes, seconds, dollars)
+-- home_region: the ledger's region, where the replicas were written from (usd: the bytes at its egress price).
+INSERT INTO bi.region_decisions (job_version, kind, region, home_region, bytes, seconds, usd, reason)
+VALUES (%(job)s, 'replicate', %(region)s, %(ledger_region)s, %(bytes)s, %(seconds)s, %(usd)s, %(reason)s);
 
 -- a worker in a region
 
@@ -109,3 +110,28 @@ SELECT shard_no, epoch, kind, region, home_region, worker_id, bytes, usd, reason
 -- name: result_files_of_job  the version's handed-in result files and what their merge did
 SELECT id, shard_no, epoch, worker_id, region, records, bytes, outcome, merged_rows, detail
   FROM bi.result_files WHERE job_version = %(job)s ORDER BY id;
+
+-- name: region_bill  what the regions added to a placed version's bill: replication (bytes, seconds, dollars),
+-- the steals' cross-region reads at the egress price, and the merge's reads of result files from far regions
+-- (bytes at the egress price from the file's region to the ledger's); placed false for a version never placed.
+WITH rep AS (
+    SELECT count(*) AS regions, coalesce(sum(bytes), 0)::bigint AS bytes, coalesce(sum(seconds), 0)::float8 AS seconds,
+           coalesce(sum(usd), 0)::float8 AS usd, min(home_region) AS ledger_region
+      FROM bi.region_decisions WHERE job_version = %(job)s AND kind = 'replicate'
+), steal AS (
+    SELECT count(*) AS n, coalesce(sum(bytes), 0)::bigint AS bytes, coalesce(sum(usd), 0)::float8 AS usd
+      FROM bi.region_decisions WHERE job_version = %(job)s AND kind = 'steal'
+), merged AS (
+    SELECT count(*) AS n, coalesce(sum(f.bytes), 0)::bigint AS bytes,
+           coalesce(sum(f.bytes / 1e9 * e.usd_per_gb), 0)::float8 AS usd
+      FROM bi.result_files f
+      CROSS JOIN rep
+      LEFT JOIN bi.region_egress e ON e.job_version = f.job_version AND e.from_region = f.region
+                                  AND e.to_region = rep.ledger_region
+     WHERE f.job_version = %(job)s AND f.outcome = 'merged' AND f.region <> rep.ledger_region
+)
+SELECT rep.regions > 0 AS placed, rep.ledger_region,
+       rep.bytes AS replication_bytes, rep.seconds AS replication_seconds, rep.usd AS replication_usd,
+       steal.n AS steals, steal.bytes AS steal_bytes, steal.usd AS steal_usd,
+       merged.n AS merged_files, merged.bytes AS merge_bytes, merged.usd AS merge_usd
+  FROM rep, steal, merged;

@@ -173,6 +173,14 @@ class CostReport:
     rungs: tuple[dict[str, Any], ...] = ()
     # The fallback's rows priced at the tier that answered each (``tiers.priced_by_tier``): tier, rows, per_row, cost.
     tiers: tuple[dict[str, Any], ...] = ()
+    # A version placed over regions (``with_regions``): replication and egress, in ``total`` and the floor.
+    regions: dict[str, Any] | None = None
+
+    @property
+    def regions_cost(self) -> Decimal:
+        """Replication plus egress (steals' and the merge's cross-region reads); 0 in one region."""
+        r = self.regions or {}
+        return r.get("replication_cost", Decimal(0)) + r.get("egress_cost", Decimal(0))
 
     @property
     def overage(self) -> Decimal:
@@ -218,6 +226,8 @@ class CostReport:
             **({"rungs": [{**r, "cost": round(float(r["cost"]), 6)} for r in self.rungs]} if self.rungs else {}),
             **({"fallback_tiers": [{**t, "per_row": float(t["per_row"]), "cost": round(float(t["cost"]), 6)}
                                    for t in self.tiers]} if self.tiers else {}),
+            **({"regions": {k: round(float(v), 6) if isinstance(v, Decimal) else v
+                            for k, v in self.regions.items()}} if self.regions else {}),
         }
 
     def lines(self) -> list[str]:
@@ -229,12 +239,39 @@ class CostReport:
             *([f"gpu       {float(self.gpu_hours):>12,.3f} h     ${cents(self.gpu_cost):>12,}"]
               if self.prices.gpu_hour is not None else []),
             f"fallback  {self.fallback_rows:>12,} rows  ${cents(self.fallback_cost):>12,}",
+            *(self.regions_lines() if self.regions else []),
             f"night     {self.batch_rows + self.hosted_rows + self.fallback_rows:>12,} rows  "
             f"${cents(self.total):>12,}",
             f"clean batch floor ${cents(self.clean_batch_floor):,}, "
             f"all-synchronous ceiling ${cents(self.all_synchronous_ceiling):,}, "
             f"overage ${cents(self.overage):,}, saved vs all-synchronous ${cents(self.savings):,}",
         ]
+
+
+    def regions_lines(self) -> list[str]:
+        """The replication and egress lines of a version placed over regions."""
+        r = self.regions or {}
+        return [f"replication {r['replication_bytes']:>10,} bytes  ${float(r['replication_cost']):>12,.4f}"
+                f"  ({r['replication_seconds']:.2f} s, from {r['ledger_region']})",
+                f"egress    {r['egress_bytes']:>12,} bytes  ${float(r['egress_cost']):>12,.4f}"
+                f"  ({r['steals']:,} steals, {r['merged_files']:,} result files merged from far regions)"]
+
+
+def with_regions(report: CostReport, row: Any) -> CostReport:
+    """``report`` with what the regions added (``row``: the ``region_bill`` statement's): replication and
+    egress in ``total`` and in the clean batch floor (a clean night over these regions pays them too), so the
+    overage stays what the fallback added. A version never placed: ``report`` as it is."""
+    if not row or not row["placed"]:
+        return report
+    replication = _money(row["replication_usd"])
+    egress = _money(row["steal_usd"]) + _money(row["merge_usd"])
+    regions = {"ledger_region": row["ledger_region"], "replication_bytes": int(row["replication_bytes"]),
+               "replication_seconds": round(float(row["replication_seconds"]), 3), "replication_cost": replication,
+               "steals": int(row["steals"]), "steal_bytes": int(row["steal_bytes"]),
+               "merged_files": int(row["merged_files"]), "merge_bytes": int(row["merge_bytes"]),
+               "egress_bytes": int(row["steal_bytes"]) + int(row["merge_bytes"]), "egress_cost": egress}
+    return dataclasses.replace(report, regions=regions, total=report.total + replication + egress,
+                               clean_batch_floor=report.clean_batch_floor + replication + egress)
 
 
 def cost_report(
@@ -291,7 +328,7 @@ def priced_by_rung(report: CostReport, rungs: Iterable[dict[str, Any]]) -> CostR
     # Rows of the report priced per row (GPU-hours aside): our own rows at prices.own_row.
     total = report.total - report.batch_cost + batch
     return dataclasses.replace(report, batch_cost=batch, total=total, rungs=priced,
-                               clean_batch_floor=report.total_rows * per_row)
+                               clean_batch_floor=report.total_rows * per_row + report.regions_cost)
 
 
 def rows_within(budget: Any, spent: Any, per_row: Any) -> int | None:
@@ -464,7 +501,7 @@ def month_view(
 
 
 def job_bill(counts: Any, prices: Prices, hosted: Any = None,
-             gpu_hours: float | Decimal = 0) -> tuple[CostReport, CostReport]:
+             gpu_hours: float | Decimal = 0, regions: Any = None) -> tuple[CostReport, CostReport]:
     """A running job's bill so far by transport, and what it would be if the fallback fired now.
 
     ``counts`` is the job's ``JobCounts``, ``hosted`` the ``hosted_cost_rows`` row
@@ -474,7 +511,8 @@ def job_bill(counts: Any, prices: Prices, hosted: Any = None,
     nothing, so neither is priced. Hosted batch rows are priced from the reported
     usage when the spec prices tokens and every batch reported it, else per row. With a
     GPU-hour price, our own workers' rows are billed by ``gpu_hours`` (the launchers'
-    record, ``autopilot.gpu_hours``) instead of per row.
+    record, ``autopilot.gpu_hours``) instead of per row. ``regions``, the ``region_bill`` row of a version
+    placed over regions, adds replication and egress (``with_regions``).
     """
     hosted_rows = int(hosted["rows"]) if hosted else 0
     batch = int(counts["stored_batch"]) - hosted_rows
@@ -487,4 +525,4 @@ def job_bill(counts: Any, prices: Prices, hosted: Any = None,
     # If the cutoff fired now, every outstanding row would go synchronous.
     fired = cost_report(batch, fallback + outstanding, prices, total_rows=billable, hosted_rows=hosted_rows,
                         hosted_cost=hosted_cost, gpu_hours=gpu_hours)
-    return so_far, fired
+    return with_regions(so_far, regions), with_regions(fired, regions)

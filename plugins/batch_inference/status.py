@@ -115,7 +115,8 @@ def bill(conn: psycopg.Connection, job_version: str, prices: Prices | None = Non
     spec = job_spec(conn, job_version)
     prices = Prices.from_spec(spec) if prices is None else prices
     hosted = conn.execute(q("hosted_cost_rows"), {"job": job_version}).fetchone()
-    so_far, fired = job_bill(counts, prices, hosted, gpu_hours=gpu_hours(conn, job_version))
+    so_far, fired = job_bill(counts, prices, hosted, gpu_hours=gpu_hours(conn, job_version),
+                             regions=region_bill(conn, job_version))
     if spec.models:   # a model ladder: its rows cost what each rung answered times that rung's price
         rungs = rung_answers(conn, spec, job_version)
         so_far, fired = priced_by_rung(so_far, rungs), priced_by_rung(fired, rungs)
@@ -126,6 +127,13 @@ def bill(conn: psycopg.Connection, job_version: str, prices: Prices | None = Non
         so_far, fired = priced_by_tier(so_far, tier_rows, spec.fallback.tiers), \
             priced_by_tier(fired, tier_rows, spec.fallback.tiers)
     return so_far, fired
+
+
+def region_bill(conn: psycopg.Connection, job_version: str) -> dict[str, Any]:
+    """What placing the version over regions cost so far (the ``region_bill`` statement): replication
+    bytes, seconds and dollars, steals and the merge's reads of far result files at the egress price;
+    ``placed`` false for a version in one region."""
+    return dict(conn.execute(q("region_bill"), {"job": job_version}).fetchone())
 
 
 def rung_answers(conn: psycopg.Connection, spec: JobSpec, job_version: str) -> list[dict[str, Any]]:

@@ -21,6 +21,8 @@ from batch_inference.ledger import Ledger, StaleLease
 from batch_inference.plan import submit
 from batch_inference.regions import DeploymentError, RegionLedger, merge_pending, parse_deployment, place, report
 from batch_inference.regions.merge import merge_file
+from batch_inference.regions.fleet import Gate, set_gates
+from batch_inference.regions import watch_regions
 from batch_inference.regions.replicas import decode
 from batch_inference.status import fence_counts, job_counts
 from tests.conftest import make_source, make_spec, tickets
@@ -136,6 +138,8 @@ def test_a_worker_claims_its_own_regions_shards_first_then_steals_from_a_region_
     eu = region_ledger(db_url, placed, "eu-1", "eu-west", steal=False)
     assert eu.claim().shard_no in (2, 3)
     us.steal = True
+    assert us.claim() is None                      # no region's steal gate is open: the deadline does not need it
+    set_gates(conn, placed, [Gate("ap-south", True, "ap-south: 20 records left and no worker of its own running")])
     stolen = us.claim()
     assert stolen.shard_no == 5                    # ap-south (2 pending, 0 leased): its far end first
     row = conn.execute("SELECT * FROM bi.region_decisions WHERE job_version = %s AND kind = 'steal'",
@@ -144,6 +148,7 @@ def test_a_worker_claims_its_own_regions_shards_first_then_steals_from_a_region_
     assert (row["shard_no"], row["region"], row["home_region"], row["bytes"]) == (5, "us-east", "ap-south",
                                                                                     rep["bytes"])
     assert row["usd"] == pytest.approx(rep["bytes"] / 1e9 * 0.09) and "had no shard left" in row["reason"]
+    assert "no worker of its own running" in row["reason"]          # the gate's arithmetic, with the steal
     claims = conn.execute("SELECT shard_no, region FROM bi.region_decisions WHERE job_version = %s AND kind = 'claim'"
                           " ORDER BY shard_no", (placed,)).fetchall()
     assert [(c["shard_no"], c["region"]) for c in claims][:2] == [(0, "us-east"), (1, "us-east")]
@@ -279,6 +284,8 @@ def test_a_region_lost_mid_night_its_shards_are_taken_by_another_rebuilt_from_th
     (stores / "ap-south").rename(stores / "ap-south-lost")          # the region's store is gone
     conn.execute("UPDATE bi.shards SET lease_expires_at = clock_timestamp() - interval '1 second' "
                  "WHERE job_version = %s AND shard_no = ANY (%s)", (placed, [handed.shard_no, held.shard_no]))
+    found = watch_regions(conn, placed)                 # the scheduled check: its store is silent
+    assert [f["region"] for f in found] == ["ap-south"] and "store does not answer" in found[0]["reason"]
     eu = region_ledger(db_url, placed, "eu-1", "eu-west", result_files=True)
     for _ in range(2):                              # its own two shards first
         _finish_with_files(eu, eu.claim())
@@ -366,3 +373,90 @@ def test_a_shard_that_stopped_short_is_no_file_its_results_go_to_the_ledger_and_
                          (placed, lease.shard_no)).fetchone()
     assert (shard["state"], shard["stored"]) == ("pending", 4)
     assert not conn.execute("SELECT 1 FROM bi.result_files WHERE job_version = %s", (placed,)).fetchall()
+
+
+def _spec_file(root: Path) -> str:
+    from tests.conftest import spec_dict
+
+    path = root / "spec.yaml"
+    path.write_text(yaml.safe_dump(spec_dict()))
+    return str(path)
+
+
+@pytest.mark.parametrize("case,change,words", [
+    ("no store", lambda d, root: d["clusters"][1].pop("store"), "cluster 'eu-west-gpu' has no store"),
+    ("no egress", lambda d, root: d["egress"].pop(2), "region 'eu-west' has no egress price to 'ap-south'"),
+    ("unreachable store", lambda d, root: d["clusters"][2]["store"].update(path=str(root / "gone")),
+     "region 'ap-south': store"),
+    ("no connection", lambda d, root: d["clusters"][0].update(workers={"kind": "kubernetes",
+                                                                       "conn_id": "no_such_k8s"}),
+     "cluster 'us-east-gpu': Kubernetes connection 'no_such_k8s' does not exist"),
+])
+def test_submit_onto_a_bad_deployment_prints_one_line_exits_2_and_writes_nothing(conn, db_url, stores, case,
+                                                                                 change, words):
+    """The checks are submit's: a deployment refused writes no job version, no snapshot and no replica."""
+    make_source(conn, tickets(60))
+    d = deployment_dict(stores)
+    change(d, stores)
+    path = stores / "deployment.yaml"
+    path.write_text(yaml.safe_dump(d))
+    p = _cli(db_url, "submit", _spec_file(stores), "--deployment", str(path))
+    assert p.returncode == 2 and p.stdout == "", p.stdout + p.stderr
+    lines = [ln for ln in p.stderr.splitlines() if ln.strip()]
+    assert len(lines) == 1 and lines[0].startswith("batch-inference submit: error: ") and words in lines[0], lines
+    assert conn.execute("SELECT count(*) AS n FROM bi.jobs").fetchone()["n"] == 0
+    assert nothing_placed(conn)
+    assert not any(any((stores / r).iterdir()) for r in REGIONS if (stores / r).is_dir())
+
+
+def test_submit_onto_a_deployment_replicates_and_the_bill_shows_replication_and_egress(conn, db_url, stores):
+    """``submit --deployment``: the same job version as a plain submit, each shard's replica written in its home
+    region at submit, what that cost (bytes, seconds, the egress price from the ledger's region) in submit's
+    output, in ``status`` and in ``cost``; a steal and a far region's merged result file add egress."""
+    make_source(conn, tickets(60))
+    path = stores / "deployment.yaml"
+    # prices large enough that a few kilobytes show in the bill's rounding (dollars to 6 places)
+    path.write_text(yaml.safe_dump(deployment_dict(stores, egress=[
+        {"from": "us-east", "to": "eu-west", "usd_per_gb": 200.0},
+        {"from": "us-east", "to": "ap-south", "usd_per_gb": 900.0},
+        {"from": "eu-west", "to": "ap-south", "usd_per_gb": 500.0}])))
+    p = _cli(db_url, "submit", _spec_file(stores), "--deployment", str(path))
+    assert p.returncode == 0, p.stderr
+    out = json.loads(p.stdout)
+    job = out["job_version"]
+    assert job == submit(conn, make_spec()).job_version                  # placement is not the version (I2)
+    assert out["regions"]["placed"] and sorted(out["regions"]["regions"]) == sorted(REGIONS)
+    by_region = out["regions"]["regions"]
+    assert by_region["us-east"]["usd"] == 0 and by_region["us-east"]["bytes"] > 0     # the ledger's own region
+    assert 0 < by_region["ap-south"]["usd"] == pytest.approx(by_region["ap-south"]["bytes"] / 1e9 * 900)
+    assert len(replicas(conn, job)) == 6
+    # a steal (ap-south's shard read in eu-west) and one of eu-west's own shards handed in as a file, merged
+    eu = region_ledger(db_url, job, "eu-1", "eu-west", result_files=True)
+    for _ in range(2):                                               # its own two shards, handed in as files
+        _finish_with_files(eu, eu.claim())
+    conn.execute("SELECT bi.set_steal_gate_v1(%s, 'ap-south', true, 'behind its deadline')", (job,))
+    stolen = eu.claim()                                              # then one of ap-south's: a steal
+    assert stolen.shard_no == 5 and eu.stats["steals"] == 1
+    assert merge_pending(conn, job) == {"merged": 2, "rows": 20}
+    bill = json.loads(_cli(db_url, "cost", job, "--json").stdout)["so_far"]["regions"]
+    rep_bytes = sum(r["bytes"] for r in by_region.values())
+    assert bill["replication_bytes"] == rep_bytes and bill["ledger_region"] == "us-east"
+    assert bill["replication_cost"] == pytest.approx(sum(r["usd"] for r in by_region.values()), abs=1e-6)
+    steal = conn.execute("SELECT bytes, usd FROM bi.region_decisions WHERE job_version = %s AND kind = 'steal'",
+                         (job,)).fetchone()
+    files = conn.execute("SELECT sum(bytes) AS n FROM bi.result_files WHERE job_version = %s", (job,)).fetchone()["n"]
+    assert (bill["steals"], bill["merged_files"]) == (1, 2)
+    assert bill["egress_bytes"] == steal["bytes"] + files
+    assert steal["usd"] == pytest.approx(steal["bytes"] / 1e9 * 500)                 # ap-south -> eu-west
+    assert 0 < bill["egress_cost"] == pytest.approx(steal["usd"] + int(files) / 1e9 * 200, abs=1e-6)
+    plain = json.loads(_cli(db_url, "cost", job, "--json", "--batch-price", "0").stdout)["so_far"]
+    assert plain["total"] == pytest.approx(bill["replication_cost"] + bill["egress_cost"] + plain["gpu_cost"], abs=0.01)
+    text = _cli(db_url, "cost", job).stdout
+    assert "regions: replication" in text and "(1 steals, 2 far result files merged)" in text
+    st = _cli(db_url, "status", job)
+    assert "regions: replication" in st.stdout and "1 steals" in st.stdout, st.stderr
+    assert json.loads(_cli(db_url, "status", job, "--json").stdout)["regions"]["steals"] == 1
+    # a version in one region has no such lines
+    one = submit(conn, make_spec(params={"max_tokens": 32})).job_version
+    assert "regions" not in json.loads(_cli(db_url, "cost", one, "--json").stdout)["so_far"]
+    assert "regions" not in json.loads(_cli(db_url, "status", one, "--json").stdout)

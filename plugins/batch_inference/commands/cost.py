@@ -112,6 +112,12 @@ def run(args: argparse.Namespace) -> int:
                     print("fallback by tier: " + "; ".join(
                         f"{t['tier'] or 'no tier'} {t['rows']:,} rows x ${t['per_row']:g} = ${t['cost']:,.4f}"
                         for t in s["fallback_tiers"]))
+                if s.get("regions"):   # a version over regions: what replication and egress added
+                    r = s["regions"]
+                    print(f"regions: replication {r['replication_bytes']:,} bytes in {r['replication_seconds']:.2f} s "
+                          f"from {r['ledger_region']} ${r['replication_cost']:,.4f}; egress {r['egress_bytes']:,} "
+                          f"bytes ${r['egress_cost']:,.4f} ({r['steals']:,} steals, {r['merged_files']:,} far result "
+                          "files merged)")
                 print(f"if the fallback fired now: ${f['total']:,.2f} ({f['overage_text']}, "
                       f"ceiling ${f['all_synchronous_ceiling']:,.2f})")
             return 0

@@ -14,6 +14,9 @@ def register(sub: Any) -> None:
     s.add_argument("spec")
     s.add_argument("--shard-size", type=int)
     s.add_argument("--s3-endpoint", default=None, help="S3-compatible endpoint URL (object-store sources)")
+    s.add_argument("--deployment", metavar="YAML", help="clusters in several regions (docs/regions.md): every store "
+                                                        "and connection checked first, then the snapshot replicated "
+                                                        "near each cluster")
     s.set_defaults(func=run_submit)
 
     st = sub.add_parser("status", help="live counts of a job version")
@@ -49,6 +52,11 @@ def run_submit(args: argparse.Namespace) -> int:
     from batch_inference.spec import load_spec
 
     spec = load_spec(args.spec)
+    deployment = None
+    if args.deployment:
+        from batch_inference.regions import load_deployment
+
+        deployment = load_deployment(args.deployment)   # a bad file: one line before any connection
     overrides = {k: v for k, v in (("shard_size", args.shard_size),) if v is not None}
     if overrides:
         spec = spec.with_overrides(**overrides)
@@ -59,12 +67,19 @@ def run_submit(args: argparse.Namespace) -> int:
     from batch_inference.status import job_counts
 
     weights = check_at_submit(spec)   # weights here that do not match the pin: refused before anything is written
+    placement = None
     with connect(args) as conn:
-        m = submit(conn, spec, reader=reader)
+        if deployment is None:
+            m = submit(conn, spec, reader=reader)
+        else:   # a store or connection that does not answer: one line, nothing written
+            from batch_inference.regions import submit_placed
+
+            m, placement = submit_placed(conn, spec, deployment, reader=reader)
         total = job_counts(conn, m.job_version)["dead_letters"]
     # dead_letters_at_planning counts the records refused at planning; dead_letters_total, the version's
     # dead letters now (a resubmit of a version the workers already ran counts theirs too).
-    print_json({**m.as_dict(), "dead_letters_total": total, "weights": weights})
+    print_json({**m.as_dict(), "dead_letters_total": total, "weights": weights,
+                **({"regions": placement} if placement is not None else {})})
     if weights.startswith("not checked here"):
         print(f"note: model weights {printable(weights)}", file=sys.stderr)
     if m.applied:
@@ -75,15 +90,17 @@ def run_submit(args: argparse.Namespace) -> int:
 
 def run_status(args: argparse.Namespace) -> int:
     from batch_inference.fleet import worker_death
-    from batch_inference.status import job_counts, job_halt, shared_inputs
+    from batch_inference.status import job_counts, job_halt, region_bill, shared_inputs
 
     with connect(args) as conn:
         c = job_counts(conn, args.job_version)
         halt = job_halt(conn, args.job_version)
         shared = shared_inputs(conn, args.job_version)
         death = worker_death(conn, args.job_version)
+        regions = region_bill(conn, args.job_version)
     if args.json:
-        print_json({**c, **halt, "worker_death": death, "computed_once": shared})
+        print_json({**c, **halt, "worker_death": death, "computed_once": shared,
+                    **({"regions": regions} if regions["placed"] else {})})
     else:
         s = c["shards"]
         # The workers' halt (weights that do not match, an engine that cannot start): why nothing moves;
@@ -103,6 +120,12 @@ def run_status(args: argparse.Namespace) -> int:
               f"{c['dead_letters']} dead letters, {c['outstanding']} outstanding; "
               f"shards pending {s['pending']}, leased {s['leased']}, done {s['done']}; "
               f"mode {c['mode']}, status {c['status']}{halted}")
+        if regions["placed"]:
+            print(f"regions: replication {regions['replication_bytes']:,} bytes in "
+                  f"{regions['replication_seconds']:.2f} s ${regions['replication_usd']:,.4f}; egress: "
+                  f"{regions['steals']:,} steals {regions['steal_bytes']:,} bytes ${regions['steal_usd']:,.4f}, "
+                  f"{regions['merged_files']:,} far result files merged {regions['merge_bytes']:,} bytes "
+                  f"${regions['merge_usd']:,.4f}")
         if death:
             print(f"last worker death at {death['last_error_at']:%Y-%m-%d %H:%M:%S %Z}: "
                   f"{printable(death['last_error'])} (shard {death['shard_no']}, {death['state']} now)")

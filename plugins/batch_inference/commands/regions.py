@@ -2,7 +2,7 @@
 several regions (batch_inference.regions, docs/regions.md).
 
 ``place`` checks the deployment (every store and Kubernetes connection answers) and writes each shard's
-replica in its home region; its workers then run with ``--region R`` (``--result-files`` far from the
+replica in its home region (``submit SPEC --deployment YAML`` does the same at submit); its workers then run with ``--region R`` (``--result-files`` far from the
 ledger). ``merge`` runs near the ledger and merges the far workers' result files by key until the
 version has no shard left, or once with ``--once``.
 """
@@ -40,7 +40,8 @@ def register(sub: Any) -> None:
     n.add_argument("--records", type=int, required=True)
     n.add_argument("--per-worker", type=float, required=True, help="records/s of one worker (one GPU)")
     n.add_argument("--deadline-hours", type=float, required=True)
-    n.add_argument("--ledger-region", help="where the snapshot and the merge are (default: the first cluster's)")
+    n.add_argument("--ledger-region", help="where the snapshot and the merge are (default: the deployment's "
+                                           "ledger_region, else the first cluster's)")
     n.add_argument("--replica-bytes", type=float, default=5000, help="a record's bytes in its replica")
     n.add_argument("--result-bytes", type=float, default=1000, help="a record's result bytes")
     n.add_argument("--start-s", type=float, default=300)
@@ -81,7 +82,8 @@ def run_place(args: argparse.Namespace) -> int:
         print(f"{args.job_version} is placed on these clusters already; nothing written")
     else:
         for region, c in out["regions"].items():
-            print(f"{region}: {int(c['shards'])} shard replicas, {int(c['bytes']):,} bytes in {c['seconds']:.2f}s")
+            print(f"{region}: {int(c['shards'])} shard replicas, {int(c['bytes']):,} bytes in {c['seconds']:.2f}s, "
+                  f"${c['usd']:,.4f} egress")
     return 0
 
 
@@ -117,7 +119,7 @@ def run_plan(args: argparse.Namespace) -> int:
     from batch_inference.regions import plan_placement as plan
 
     d = load_deployment(args.deployment)
-    ledger = args.ledger_region or d.regions()[0]
+    ledger = args.ledger_region or d.ledger()
     if ledger not in d.regions():
         raise InvalidValue(f"--ledger-region {ledger!r}: no cluster is in it ({', '.join(d.regions())})")
     if args.records <= 0 or args.per_worker <= 0 or args.deadline_hours <= 0:

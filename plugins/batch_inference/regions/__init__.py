@@ -4,15 +4,20 @@
   interruption rate, capacity, object store) and the egress prices between
   regions, validated; not part of the job version (I2).
 * ``store``: a region's object store (S3 at an endpoint, or a path).
-* ``replicas``: placement of a submitted version over the regions, and each
-  shard's replica in its home region (content-addressed Parquet, digest in the
-  ledger).
+* ``replicas``: a submit onto a deployment (stores and connections checked
+  before anything is written) and the placement of the version over the
+  regions, each shard's replica in its home region (content-addressed Parquet,
+  digest in the ledger), what replication cost.
 * ``ledger``: ``RegionLedger``, what a worker started with ``--region`` is
   given in place of the plain ledger: near shards first, steals recorded and
   priced, records read from replicas, results handed in as files.
 * ``merge``: the files merged by key near the ledger, through the one
   put-if-absent and fence.
-* ``lost``: a region whose store does not answer, its leases ended at once.
+* ``lost``: a region lost (its store silent, its workers gone at once, its
+  cluster unreachable), found at every poll, its leases ended at once.
+* ``fleet``: one autopilot over every cluster: each cluster's size against
+  the deadline at the least bill, recorded per cluster, and the steal gates
+  the deadline's arithmetic opens.
 * ``planner``: on paper, the least bill that meets a deadline across the
   clusters, and a lost region's shards placed again.
 
@@ -22,14 +27,21 @@ The SQL is sql/schema/regions.sql (functions and tables) and sql/regions.sql
 
 from batch_inference.regions.deployment import Deployment, DeploymentError, load_deployment, parse_deployment
 from batch_inference.regions.ledger import RegionLedger
+from batch_inference.regions.fleet import ClusterPilot, cluster_seconds, decide_clusters, launcher_name, steal_gates
+from batch_inference.regions.fleet import reconcile as reconcile_clusters
 from batch_inference.regions.lost import check as check_regions
 from batch_inference.regions.lost import end_region
+from batch_inference.regions.lost import watch as watch_regions
 from batch_inference.regions.merge import merge_pending, merge_until
 from batch_inference.regions.planner import Workload, replan, single_regions
 from batch_inference.regions.planner import plan as plan_placement
-from batch_inference.regions.replicas import place, report
+from batch_inference.regions.replicas import check_reachable, place, report
+from batch_inference.regions.replicas import submit as submit_placed
 from batch_inference.regions.store import StoreUnavailable, store_for
 
-__all__ = ["Deployment", "DeploymentError", "RegionLedger", "StoreUnavailable", "check_regions", "end_region",
+__all__ = ["Deployment", "DeploymentError", "RegionLedger", "StoreUnavailable", "check_reachable", "check_regions",
+           "ClusterPilot", "cluster_seconds", "decide_clusters", "launcher_name", "reconcile_clusters",
+           "steal_gates", "watch_regions",
+           "end_region", "submit_placed",
            "Workload", "load_deployment", "merge_pending", "merge_until", "parse_deployment", "place", "plan_placement",
            "replan", "report", "single_regions", "store_for"]

@@ -14,10 +14,15 @@ line naming the cluster or region it is about. Not part of the job version
                                                          # or {kind: path, path: /mnt/replicas}
     egress:                                              # every pair of regions, one way or both
       - {from: us-east-1, to: eu-west-1, usd_per_gb: 0.02}
+    ledger_region: us-east-1                             # where the ledger is (default: the first cluster's)
 
 An egress price given one way holds both ways unless the other way is given
-too. ``check_reachable`` (at placement, before anything is written) asks
-every store and every Kubernetes connection.
+too. The ledger's region is where the snapshot is read to write replicas and
+where far workers' result files are merged: its workers write straight to the
+ledger, the others hand in result files, and replication and merge reads are
+priced at the egress price from or to it. ``replicas.check_reachable`` (at
+submit and placement, before anything is written) asks every store and every
+Kubernetes connection.
 """
 
 from __future__ import annotations
@@ -121,6 +126,8 @@ class Egress(_Strict):
 class Deployment(_Strict):
     clusters: list[Cluster] = Field(min_length=1, max_length=MAX_CLUSTERS)
     egress: list[Egress] = Field(default_factory=list, max_length=MAX_CLUSTERS * MAX_CLUSTERS)
+    ledger_region: str | None = Field(default=None, description="where the ledger is (default: the first "
+                                      "cluster's region)")
 
     @model_validator(mode="after")
     def _whole(self) -> "Deployment":
@@ -137,6 +144,9 @@ class Deployment(_Strict):
             if stores.setdefault(c.region, c.store) != c.store:
                 raise ValueError(f"region {c.region!r} names two stores (clusters of one region share its replicas)")
         regions = self.regions()
+        if self.ledger_region is not None and self.ledger_region not in regions:
+            raise ValueError(f"ledger_region {self.ledger_region!r} is not the region of any cluster "
+                             f"({', '.join(regions)})")
         for e in self.egress:
             for r in (e.from_region, e.to_region):
                 if r not in regions:
@@ -153,6 +163,10 @@ class Deployment(_Strict):
     def regions(self) -> list[str]:
         """The regions, in the order their first cluster is named."""
         return list(dict.fromkeys(c.region for c in self.clusters))
+
+    def ledger(self) -> str:
+        """The ledger's region: ``ledger_region``, else the first cluster's."""
+        return self.ledger_region or self.regions()[0]
 
     def store(self, region: str) -> Store:
         return next(c.store for c in self.clusters if c.region == region and c.store is not None)

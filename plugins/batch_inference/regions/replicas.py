@@ -7,12 +7,14 @@ that is the sha256 of its bytes; the digest is recorded in the ledger
 digest (``read_replica``); one that is missing or does not match is rebuilt
 from the ledger's rows of the shard, never read.
 
-``place`` is the deployment's part of a submit: after ``plan.submit`` made the
-job version (regions are not part of it, I2), it checks every store and
-Kubernetes connection (a refusal writes nothing), gives each region a range of
-shards in proportion to its clusters' capacity, writes their replicas, and
-records clusters, egress prices, replicas and what replication cost (bytes,
-seconds) in one transaction.
+``submit`` is a submit onto a deployment: every store and Kubernetes
+connection is asked first (``check_reachable``: a refusal writes nothing, not
+even the job version), then ``plan.submit`` makes the job version (regions are
+not part of it, I2) and ``place`` replicates it. ``place`` gives each region a
+range of shards in proportion to its clusters' capacity, writes their replicas,
+and records clusters, egress prices, replicas and what replication cost (bytes,
+seconds, and dollars: the bytes at the egress price from the ledger's region)
+in one transaction.
 """
 
 from __future__ import annotations
@@ -32,7 +34,7 @@ from psycopg.rows import tuple_row
 from batch_inference.db import q
 from batch_inference.exceptions import UnknownJob
 from batch_inference.regions.deployment import Deployment, DeploymentError, check_connections
-from batch_inference.regions.store import StoreUnavailable, key_for, store_for
+from batch_inference.regions.store import ObjectStore, StoreUnavailable, key_for, store_for
 
 log = logging.getLogger(__name__)
 
@@ -110,13 +112,40 @@ def assign(deployment: Deployment, shard_nos: Sequence[int], weights: dict[str, 
     return out
 
 
+def check_reachable(deployment: Deployment) -> dict[str, ObjectStore]:
+    """Every Kubernetes connection exists and every region's store answers (DeploymentError, one line,
+    otherwise); the stores by region."""
+    check_connections(deployment)
+    stores = {r: store_for(deployment.store(r)) for r in deployment.regions()}
+    for region, store in stores.items():
+        try:
+            store.check()
+        except StoreUnavailable as exc:
+            raise DeploymentError(f"region {region!r}: {exc}") from None
+    return stores
+
+
+def submit(conn: psycopg.Connection, spec: Any, deployment: Deployment, *, reader: Any = None,
+           weights: dict[str, float] | None = None) -> tuple[Any, dict[str, Any]]:
+    """Submit ``spec`` onto ``deployment``: the stores and connections asked before anything is written,
+    then ``plan.submit`` (the same job version as without a deployment) and ``place``. Returns the
+    manifest and the placement."""
+    from batch_inference.plan import submit as plan_submit
+
+    stores = check_reachable(deployment)
+    manifest = plan_submit(conn, spec, reader=reader)
+    return manifest, place(conn, manifest.job_version, deployment, weights, stores=stores)
+
+
 def place(conn: psycopg.Connection, job_version: str, deployment: Deployment,
-          weights: dict[str, float] | None = None) -> dict[str, Any]:
+          weights: dict[str, float] | None = None, *, stores: dict[str, ObjectStore] | None = None
+          ) -> dict[str, Any]:
     """Place the job version on the deployment's clusters and write each region's replicas (module
     docstring; ``weights``: each region's share, as a plan's records per region). Returns per region: shards,
-    bytes, seconds. A version placed before on the same
-    clusters is left as it is; on other clusters it is refused. Nothing is written to the ledger
-    when a store or connection cannot be reached (DeploymentError, one line)."""
+    bytes, seconds, usd. A version placed before on the same clusters, or with nothing left to run, is
+    left as it is; on other clusters it is refused. Nothing is written to the ledger when a store or
+    connection cannot be reached (DeploymentError, one line; ``stores``: already checked by
+    ``check_reachable``)."""
     placed = conn.execute(q("regions_placed"), {"job": job_version}).fetchall()
     shards = conn.execute(q("region_shards"), {"job": job_version}).fetchall()
     if not shards:
@@ -128,20 +157,16 @@ def place(conn: psycopg.Connection, job_version: str, deployment: Deployment,
             return {"placed": False, "regions": {}}
         raise DeploymentError(f"job version {job_version} is placed on clusters {', '.join(names)} already")
     if shards[0]["status"] != "running":
-        raise DeploymentError(f"job version {job_version} is {shards[0]['status']}: nothing left to place")
-    check_connections(deployment)
-    stores = {r: store_for(deployment.store(r)) for r in deployment.regions()}
-    for region, store in stores.items():
-        try:
-            store.check()
-        except StoreUnavailable as exc:
-            raise DeploymentError(f"region {region!r}: {exc}") from None
+        log.info("job version %s is %s: nothing left to place", job_version, shards[0]["status"])
+        return {"placed": False, "regions": {}}
+    stores = check_reachable(deployment) if stores is None else stores
     numbers = [r["shard_no"] for r in shards if r["shard_no"] is not None]
     if weights is not None and not any(weights.get(r, 0) > 0 for r in deployment.regions()):
         raise DeploymentError("the placement's weights give no region of the deployment any shard")
     homes = assign(deployment, numbers, weights)
     rows: list[dict[str, Any]] = []
-    cost: dict[str, dict[str, float]] = {r: {"shards": 0, "bytes": 0, "seconds": 0.0} for r in set(homes.values())}
+    cost: dict[str, dict[str, float]] = {r: {"shards": 0, "bytes": 0, "seconds": 0.0, "usd": 0.0}
+                                         for r in set(homes.values())}
     for shard_no in numbers:
         region = homes[shard_no]
         t0 = time.perf_counter()
@@ -163,6 +188,9 @@ def place(conn: psycopg.Connection, job_version: str, deployment: Deployment,
         c["shards"] += 1
         c["bytes"] += len(data)
         c["seconds"] += seconds
+    ledger = deployment.ledger()
+    for region, c in cost.items():   # written from the ledger's region: egress to every other
+        c["usd"] = c["bytes"] / 1e9 * (deployment.egress_price(ledger, region) or 0.0) if region != ledger else 0.0
     with conn.transaction():
         for c in deployment.clusters:
             conn.execute(q("region_cluster_insert"), {"job": job_version, "cluster": c.name, "region": c.region,
@@ -176,8 +204,9 @@ def place(conn: psycopg.Connection, job_version: str, deployment: Deployment,
             cur.executemany(q("replica_insert"), rows)
         for region, c in cost.items():
             conn.execute(q("region_replication_record"), {
-                "job": job_version, "region": region, "bytes": int(c["bytes"]), "seconds": c["seconds"],
-                "reason": f"{int(c['shards'])} shard replicas written to {stores[region].where}"})
+                "job": job_version, "region": region, "ledger_region": ledger, "bytes": int(c["bytes"]),
+                "seconds": c["seconds"], "usd": c["usd"],
+                "reason": f"{int(c['shards'])} shard replicas written to {stores[region].where} from {ledger}"})
     for region, c in cost.items():
         log.info("%s: region %s: %d shard replicas, %d bytes in %.2fs", job_version, region, c["shards"],
                  c["bytes"], c["seconds"])
