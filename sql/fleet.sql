@@ -61,3 +61,61 @@ SELECT shard_no, epoch, stale FROM bi.abandon_dead_owner_v1(%(job)s, %(owner)s, 
 SELECT shard_no, state, last_error, last_error_at
   FROM bi.shards WHERE job_version = %(job)s AND last_error IS NOT NULL
  ORDER BY last_error_at DESC LIMIT 1;
+
+-- name: fleet_cluster_decide  record one cluster's decision; a change of its size becomes the cluster's desired size
+WITH d AS (
+    INSERT INTO bi.fleet_decisions (job_version, cluster, current, desired, action, reason, per_worker, finish_without,
+                                    finish_with, bill_without, bill_with, page, options)
+    VALUES (%(job)s, %(cluster)s, %(current)s, %(desired)s, %(action)s, %(reason)s, %(per_worker)s, %(finish_without)s,
+            %(finish_with)s, %(bill_without)s, %(bill_with)s, %(page)s, %(options)s)
+    RETURNING id, job_version, cluster, desired, reason, at)
+INSERT INTO bi.fleet_cluster_size AS s (job_version, cluster, desired, reason, decided_at, decision_id)
+SELECT job_version, cluster, desired, reason, at, id FROM d
+    ON CONFLICT (job_version, cluster) DO UPDATE
+   SET desired = excluded.desired, reason = excluded.reason, decided_at = excluded.decided_at,
+       decision_id = excluded.decision_id
+ WHERE s.desired IS DISTINCT FROM excluded.desired;
+
+-- name: fleet_cluster_sizes  each cluster's desired batch fleet and the action that last set it
+SELECT s.cluster, s.desired, s.decided_at, d.action
+  FROM bi.fleet_cluster_size s JOIN bi.fleet_decisions d ON d.id = s.decision_id
+ WHERE s.job_version = %(job)s ORDER BY s.cluster;
+
+-- name: fleet_cluster_decisions  a job version's per-cluster autopilot decisions, oldest first
+SELECT id, at, cluster, current, desired, action, reason, per_worker, bill_without, bill_with, page, options
+  FROM bi.fleet_decisions WHERE job_version = %(job)s AND cluster IS NOT NULL ORDER BY id;
+
+-- name: fleet_launcher_seconds  worker-seconds of a job version per launcher (each count times how long it held, the last until now)
+SELECT launcher, coalesce(sum(running * extract(epoch FROM (until - at))), 0)::double precision AS worker_seconds FROM (
+    SELECT launcher, running, at,
+           coalesce(lead(at) OVER (PARTITION BY launcher ORDER BY id), clock_timestamp()) AS until
+      FROM bi.fleet_observed WHERE job_version = %(job)s) spans
+ GROUP BY launcher ORDER BY launcher;
+
+-- the regions' autopilot (batch_inference.regions.fleet, .lost): steal gates and lost regions
+
+-- name: set_steal_gate  a region's steal gate opened or closed by the deadline's arithmetic, a change recorded (owner only)
+SELECT bi.set_steal_gate_v1(%(job)s, %(region)s, %(open)s, %(reason)s) AS changed;
+
+-- name: region_remaining  per home region: its shards and records not done yet, and the regions found lost
+SELECT r.region,
+       count(*) FILTER (WHERE s.state <> 'done')::integer AS shards_left,
+       coalesce(sum(greatest(s.records - s.stored - s.dead, 0)) FILTER (WHERE s.state <> 'done'), 0)::bigint
+           AS records_left,
+       EXISTS (SELECT 1 FROM bi.region_decisions d
+                WHERE d.job_version = %(job)s AND d.kind = 'region_lost' AND d.region = r.region) AS lost
+  FROM bi.replicas r JOIN bi.shards s ON s.job_version = r.job_version AND s.shard_no = r.shard_no
+ WHERE r.job_version = %(job)s
+ GROUP BY r.region ORDER BY r.region;
+
+-- name: region_lapsed  per region not found lost: the leases held by its workers now (the shard's epoch claimed or stolen there) and how many have run out unrenewed
+SELECT d.region, count(*)::integer AS held,
+       count(*) FILTER (WHERE s.lease_expires_at < clock_timestamp())::integer AS lapsed,
+       max(s.lease_renewed_at) AS last_renewed
+  FROM bi.shards s
+  JOIN bi.region_decisions d ON d.job_version = s.job_version AND d.shard_no = s.shard_no AND d.epoch = s.epoch
+                            AND d.kind IN ('claim', 'steal')
+ WHERE s.job_version = %(job)s AND s.state = 'leased'
+   AND NOT EXISTS (SELECT 1 FROM bi.region_decisions l
+                    WHERE l.job_version = %(job)s AND l.kind = 'region_lost' AND l.region = d.region)
+ GROUP BY d.region ORDER BY d.region;

@@ -36,9 +36,24 @@ CREATE TABLE IF NOT EXISTS bi.fleet_decisions (
     bill_without   numeric,
     bill_with      numeric,
     page           text,
-    options        jsonb NOT NULL DEFAULT '[]'
+    options        jsonb NOT NULL DEFAULT '[]',
+    cluster        text                         -- the cluster decided for (NULL: the one fleet of a job)
 );
 CREATE INDEX IF NOT EXISTS fleet_decisions_job ON bi.fleet_decisions (job_version, id);
+
+-- A job version placed over several clusters (batch_inference.regions): each
+-- cluster's desired batch fleet, the last per-cluster decision that changed it
+-- (bi.fleet_decisions with its cluster), which that cluster's launcher
+-- reconciles to.
+CREATE TABLE IF NOT EXISTS bi.fleet_cluster_size (
+    job_version text NOT NULL REFERENCES bi.jobs (job_version) ON DELETE CASCADE,
+    cluster     text NOT NULL,
+    desired     integer NOT NULL CHECK (desired >= 0),
+    reason      text NOT NULL,
+    decided_at  timestamptz NOT NULL DEFAULT clock_timestamp(),
+    decision_id bigint NOT NULL,
+    PRIMARY KEY (job_version, cluster)
+);
 
 -- What a launcher runs: a row whenever its count of running workers changes
 -- (0 when it stops).
@@ -52,7 +67,7 @@ CREATE TABLE IF NOT EXISTS bi.fleet_observed (
 CREATE INDEX IF NOT EXISTS fleet_observed_job ON bi.fleet_observed (job_version, launcher, id);
 
 -- Owner only, like the ledger's other tables (the launchers and the watch use the owner's connection).
-REVOKE ALL ON bi.fleet_size, bi.fleet_decisions, bi.fleet_observed FROM PUBLIC;
+REVOKE ALL ON bi.fleet_size, bi.fleet_cluster_size, bi.fleet_decisions, bi.fleet_observed FROM PUBLIC;
 REVOKE ALL ON SEQUENCE bi.fleet_decisions_id_seq, bi.fleet_observed_id_seq FROM PUBLIC;
 
 -- A launcher saw worker p_owner die by a signal (a fault in the engine, an OOM kill): every shard

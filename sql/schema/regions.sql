@@ -57,12 +57,13 @@ CREATE INDEX IF NOT EXISTS replicas_region ON bi.replicas (job_version, region, 
 -- a steal (a worker of another region took it; bytes read across priced at the
 -- egress price), a replica rebuilt from the ledger, a region's replication
 -- (bytes and seconds of writing its replicas), a region lost (the leases its
--- workers held ended at once, bi.end_region_leases_v1).
+-- workers held ended at once, bi.end_region_leases_v1), a region's steal gate
+-- opened or closed (bi.set_steal_gate_v1).
 CREATE TABLE IF NOT EXISTS bi.region_decisions (
     id          bigint GENERATED ALWAYS AS IDENTITY PRIMARY KEY,
     job_version text NOT NULL REFERENCES bi.jobs (job_version) ON DELETE CASCADE,
     kind        text NOT NULL CONSTRAINT region_decisions_kind_check
-                CHECK (kind IN ('claim', 'steal', 'rebuild', 'replicate', 'region_lost')),
+                CHECK (kind IN ('claim', 'steal', 'rebuild', 'replicate', 'region_lost', 'steal_gate')),
     shard_no    integer,
     epoch       bigint,
     region      text NOT NULL,          -- where the worker (or the replication) ran
@@ -75,6 +76,21 @@ CREATE TABLE IF NOT EXISTS bi.region_decisions (
     at          timestamptz NOT NULL DEFAULT clock_timestamp()
 );
 CREATE INDEX IF NOT EXISTS region_decisions_job ON bi.region_decisions (job_version, kind, shard_no);
+
+-- Whether workers of other regions may take a region's shards (its steal
+-- gate): open when the deadline's arithmetic says its remaining records cannot
+-- finish by the deadline with its own workers (the regions' autopilot,
+-- regions.fleet.steal_gates; a region lost has none), closed otherwise. No row:
+-- closed. bi.claim_shard_region_v2 steals only through an open gate.
+CREATE TABLE IF NOT EXISTS bi.region_steal_gates (
+    job_version text NOT NULL REFERENCES bi.jobs (job_version) ON DELETE CASCADE,
+    home_region text NOT NULL,
+    open        boolean NOT NULL,
+    reason      text NOT NULL,
+    decided_at  timestamptz NOT NULL DEFAULT clock_timestamp(),
+    PRIMARY KEY (job_version, home_region)
+);
+REVOKE ALL ON bi.region_steal_gates FROM PUBLIC;
 
 -- A far worker's results of one shard under one epoch: a Parquet file of keyed
 -- rows (record_id, output, category) in its region's store, handed in with one
@@ -110,7 +126,9 @@ CREATE INDEX IF NOT EXISTS result_files_unmerged ON bi.result_files (job_version
 
 -- Claim one shard from a worker in p_region: a pending or expired shard whose
 -- replica is in p_region first; with p_steal, a shard of another region when
--- p_region has none left and that region is behind (more of its shards
+-- p_region has none left, that region's steal gate is open (the deadline's
+-- arithmetic: its remaining records cannot finish by the deadline with its own
+-- workers, bi.region_steal_gates) and it is behind (more of its shards
 -- pending than its own workers hold: they will not reach them all this round,
 -- or none of them is left). Everything else is bi.claim_shard_v2's, in the same statement
 -- that changes the row: the epoch +1, the job's mode, the lost lease and the
@@ -152,14 +170,15 @@ BEGIN
         SELECT s.shard_no, s.state = 'leased' AS expired, s.epoch AS old_epoch,
                s.lease_transport AS old_transport, s.in_flight AS old_in_flight, s.lease_renewed_at AS old_renewed_at,
                r.region AS home, r.object_key AS key, r.digest AS dig, r.bytes AS nbytes,
-               b.pending AS home_pending, b.leased AS home_leased
+               b.pending AS home_pending, b.leased AS home_leased, g.reason AS gate_reason
         FROM bi.shards s
         JOIN bi.replicas r ON r.job_version = s.job_version AND r.shard_no = s.shard_no
         LEFT JOIN behind b ON b.region = r.region
+        LEFT JOIN bi.region_steal_gates g ON g.job_version = p_job AND g.home_region = r.region AND g.open
         WHERE s.job_version = p_job
           AND EXISTS (SELECT 1 FROM job)
           AND (s.state = 'pending' OR (s.state = 'leased' AND s.lease_expires_at < clock_timestamp()))
-          AND (r.region = p_region OR (p_steal AND b.pending > b.leased))
+          AND (r.region = p_region OR (p_steal AND g.open AND b.pending > b.leased))
         ORDER BY (r.region = p_region) DESC,   -- a steal takes the far end of the other region's range
                  CASE WHEN r.region = p_region THEN s.shard_no ELSE -s.shard_no END
         LIMIT 1
@@ -181,7 +200,7 @@ BEGIN
     RETURNING s.shard_no AS shard_no, s.epoch AS epoch, s.lease_expires_at AS lease_expires_at,
               s.records AS records, s.lost_leases AS lost_leases, pick.expired, pick.old_epoch,
               pick.old_transport, pick.old_in_flight, pick.old_renewed_at, pick.home, pick.key, pick.dig,
-              pick.nbytes, pick.home_pending, pick.home_leased,
+              pick.nbytes, pick.home_pending, pick.home_leased, pick.gate_reason,
               s.stored = 0 AND s.dead = 0
                   AND NOT EXISTS (SELECT 1 FROM bi.attempts a WHERE a.job_version = p_job) AS untouched
     INTO c;
@@ -197,8 +216,8 @@ BEGIN
            p_owner, CASE WHEN c.home = p_region THEN 0 ELSE c.nbytes END,
            CASE WHEN c.home = p_region THEN 0 ELSE c.nbytes / 1e9 * e.usd_per_gb END,
            CASE WHEN c.home <> p_region
-                THEN format('%s had no shard left; %s had %s pending against %s held by its own workers', p_region,
-                            c.home, c.home_pending, c.home_leased) END
+                THEN left(format('%s had no shard left; %s had %s pending against %s held by its own workers; %s',
+                                 p_region, c.home, c.home_pending, c.home_leased, c.gate_reason), 2000) END
       FROM (SELECT 1) one
       LEFT JOIN bi.region_egress e ON e.job_version = p_job AND e.from_region = c.home AND e.to_region = p_region;
     RETURN QUERY SELECT c.shard_no, c.epoch, c.lease_expires_at, c.records, c.lost_leases, c.home, c.key, c.dig,
@@ -399,4 +418,28 @@ BEGIN
             left(format('%s; %s lease(s) ended: shards %s', p_reason, coalesce(cardinality(v_shards), 0),
                         coalesce(array_to_string(v_shards, ', '), 'none')), 2000));
     RETURN coalesce(cardinality(v_shards), 0);
+END $$;
+
+-- A region's steal gate set by the deadline's arithmetic (owner only): open or
+-- closed with the sum that says so; a change of state is recorded as a
+-- steal_gate decision. Returns whether the state changed.
+CREATE OR REPLACE FUNCTION bi.set_steal_gate_v1(p_job text, p_region text, p_open boolean, p_reason text)
+RETURNS boolean
+LANGUAGE plpgsql SET search_path = pg_catalog, pg_temp AS $$
+DECLARE
+    v_was boolean;
+BEGIN
+    SELECT g.open INTO v_was FROM bi.region_steal_gates g
+     WHERE g.job_version = p_job AND g.home_region = p_region FOR UPDATE;
+    INSERT INTO bi.region_steal_gates AS g (job_version, home_region, open, reason)
+    VALUES (p_job, p_region, p_open, left(p_reason, 2000))
+    ON CONFLICT (job_version, home_region) DO UPDATE
+       SET open = excluded.open, reason = excluded.reason, decided_at = clock_timestamp();
+    IF v_was IS NOT DISTINCT FROM p_open OR (v_was IS NULL AND NOT p_open) THEN
+        RETURN false;
+    END IF;
+    INSERT INTO bi.region_decisions (job_version, kind, region, home_region, reason)
+    VALUES (p_job, 'steal_gate', p_region, p_region,
+            left(format('%s: %s', CASE WHEN p_open THEN 'open' ELSE 'closed' END, p_reason), 2000));
+    RETURN true;
 END $$;

@@ -109,6 +109,10 @@ def test_a_job_over_three_regions_runs_end_to_end_and_matches_a_single_region_ru
         try:
             logs = {"ap-south": finish(start_worker(db_url, job, "ap-south", "--result-files", "--no-steal",
                                                     "--max-shards", "2"))}
+            # no worker of ap-south's own is left with two of its shards to do: the deadline's arithmetic opens its
+            # steal gate (regions.fleet.steal_gates), and only then do the others take them
+            conn.execute("SELECT bi.set_steal_gate_v1(%s, 'ap-south', true, 'ap-south: 2 shards left and no worker "
+                         "of its own running')", (job,))
             near = start_worker(db_url, job, "us-east")
             far = start_worker(db_url, job, "eu-west", "--result-files")
             logs["us-east"], logs["eu-west"] = finish(near), finish(far)
