@@ -6,6 +6,9 @@
 -- name: regions_placed  the clusters a version was placed on already, if any
 SELECT cluster, region FROM bi.region_clusters WHERE job_version = %(job)s ORDER BY cluster;
 
+-- name: regions_placed_settings  the clusters a version was placed on, with their settings (no secret)
+SELECT cluster, region, settings FROM bi.region_clusters WHERE job_version = %(job)s ORDER BY cluster;
+
 -- name: region_shards  the version's shards in number order, with their records, and its status
 SELECT s.shard_no, s.records, j.status
   FROM bi.jobs j LEFT JOIN bi.shards s ON s.job_version = j.job_version

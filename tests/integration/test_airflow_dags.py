@@ -21,7 +21,8 @@ from batch_inference.spec import load_spec
 from batch_inference.status import job_counts
 from tests.fixtures.airflow_env import DAGS, airflow_home  # noqa: F401  (fixture)
 
-DAG_IDS = {"batch_inference_backfill", "batch_inference_nightly", "batch_inference_gpu", "batch_inference_hosted"}
+DAG_IDS = {"batch_inference_backfill", "batch_inference_nightly", "batch_inference_gpu", "batch_inference_hosted",
+           "batch_inference_regions"}
 ASSET_URI = f"batch-inference://published/{DEMO_DATASET}"
 
 
@@ -77,6 +78,12 @@ def test_dagbag_imports_the_example_dags_without_errors():
     assert hosted.params["spec_path"].endswith("tickets_hosted_spec.yaml") and hosted.params["deadline"] == "06:00"
     assert hosted.get_task("fallback").api_key_env == "OPENAI_API_KEY"
     assert load_spec(hosted.params["spec_path"]).engine.name == "openai-batch"
+    # Over regions: the far workers' files merged beside the workers, before validate; one region has no merge.
+    regions = bag.dags["batch_inference_regions"]
+    assert regions.get_task("merge").upstream_task_ids == {"submit"}
+    assert {"workers", "fallback", "merge"} <= regions.get_task("validate").upstream_task_ids
+    assert regions.get_task("workers").upstream_task_ids == {"regions", "submit"} and "deployment" in regions.params
+    assert "merge" not in backfill.task_dict
 
 
 def test_the_deadline_alert_is_on_when_not_switched_off(monkeypatch):

@@ -50,7 +50,11 @@ def three_endpoints(monkeypatch):
 
 
 def deployment(urls: dict[str, str]):
-    return parse_deployment({
+    return parse_deployment(deployment_dict(urls))
+
+
+def deployment_dict(urls: dict[str, str]) -> dict:
+    return ({
         "clusters": [{"name": f"{r}-gpu", "region": r, "workers": {"kind": "local"},
                       "gpu": {"kind": "L4", "spot_per_hour": 0.4 + 0.2 * i, "on_demand_per_hour": 0.8 + 0.3 * i,
                               "interruption_rate": 0.02 * i},
@@ -60,6 +64,13 @@ def deployment(urls: dict[str, str]):
         "egress": [{"from": "us-east", "to": "eu-west", "usd_per_gb": 0.02},
                    {"from": "us-east", "to": "ap-south", "usd_per_gb": 0.09},
                    {"from": "eu-west", "to": "ap-south", "usd_per_gb": 0.05}]})
+
+
+def cli(db_url: str, *args: str) -> subprocess.Popen:
+    """``batch-inference ARGS`` as its own process, as an operator near the ledger runs it."""
+    env = {**os.environ, **CREDS, "PYTHONUNBUFFERED": "1", "BATCH_INFERENCE_DB": db_url}
+    return subprocess.Popen([sys.executable, "-m", "batch_inference.cli", *args], env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
 
 
 def start_worker(db_url: str, job: str, region: str, *extra: str) -> subprocess.Popen:
@@ -81,14 +92,27 @@ def results(conn, job: str) -> dict[str, object]:
 
 
 def test_a_job_over_three_regions_runs_end_to_end_and_matches_a_single_region_run(conn, db_url, empty_db,
-                                                                                  three_endpoints):
+                                                                                  three_endpoints, tmp_path):
+    import json
+
     import boto3
+    import yaml
+
+    from batch_inference.status import bill
+    from tests.conftest import spec_dict
 
     rows = tickets(RECORDS)
     make_source(conn, rows)
     spec = make_spec(shard_size=SHARD)
-    job = submit(conn, spec).job_version
-    assert place(conn, job, deployment(three_endpoints))["placed"]
+    # submitted onto the deployment: every endpoint asked first, the replicas written at submit
+    (tmp_path / "spec.yaml").write_text(yaml.safe_dump(spec_dict(shard_size=SHARD)))
+    (tmp_path / "regions.yaml").write_text(yaml.safe_dump(deployment_dict(three_endpoints)))
+    out, err = (p := cli(db_url, "submit", str(tmp_path / "spec.yaml"), "--deployment",
+                         str(tmp_path / "regions.yaml"))).communicate(timeout=240)
+    assert p.returncode == 0, err
+    submitted = json.loads(out)
+    job = submitted["job_version"]
+    assert submitted["regions"]["placed"] and sorted(submitted["regions"]["regions"]) == sorted(REGIONS)
 
     # replicas: in each region's own endpoint, content-addressed, their digests in the ledger
     reps = conn.execute("SELECT shard_no, region, object_key, digest FROM bi.replicas WHERE job_version = %s "
@@ -99,26 +123,26 @@ def test_a_job_over_three_regions_runs_end_to_end_and_matches_a_single_region_ru
             Bucket=f"replicas-{r['region']}", Key=r["object_key"])["Body"].read()
         assert hashlib.sha256(body).hexdigest() == r["digest"]
 
-    # near the ledger: us-east writes straight to it; eu-west and ap-south hand in result files.
+    # near the ledger: us-east writes straight to it; eu-west and ap-south hand in result files, merged by
+    # `batch-inference regions merge` in its own process until nothing is outstanding.
     # ap-south's worker takes two of its own four shards and stops; the others then steal the rest.
-    stop = threading.Event()
-    merged: dict = {}
-    with db.connect(db_url) as merger_conn:
-        merger = threading.Thread(target=lambda: merged.update(merge_until(merger_conn, job, stop, poll_s=0.2)))
-        merger.start()
-        try:
-            logs = {"ap-south": finish(start_worker(db_url, job, "ap-south", "--result-files", "--no-steal",
-                                                    "--max-shards", "2"))}
-            # no worker of ap-south's own is left with two of its shards to do: the deadline's arithmetic opens its
-            # steal gate (regions.fleet.steal_gates), and only then do the others take them
-            conn.execute("SELECT bi.set_steal_gate_v1(%s, 'ap-south', true, 'ap-south: 2 shards left and no worker "
-                         "of its own running')", (job,))
-            near = start_worker(db_url, job, "us-east")
-            far = start_worker(db_url, job, "eu-west", "--result-files")
-            logs["us-east"], logs["eu-west"] = finish(near), finish(far)
-        finally:
-            stop.set()
-            merger.join(timeout=60)
+    merger = cli(db_url, "regions", "merge", job, "--poll-seconds", "0.2")
+    try:
+        logs = {"ap-south": finish(start_worker(db_url, job, "ap-south", "--result-files", "--no-steal",
+                                                "--max-shards", "2"))}
+        # no worker of ap-south's own is left with two of its shards to do: the deadline's arithmetic opens its
+        # steal gate (regions.fleet.steal_gates), and only then do the others take them
+        conn.execute("SELECT bi.set_steal_gate_v1(%s, 'ap-south', true, 'ap-south: 2 shards left and no worker "
+                     "of its own running')", (job,))
+        near = start_worker(db_url, job, "us-east")
+        far = start_worker(db_url, job, "eu-west", "--result-files")
+        logs["us-east"], logs["eu-west"] = finish(near), finish(far)
+        out, err = merger.communicate(timeout=120)
+    finally:
+        if merger.poll() is None:
+            merger.kill()
+    assert merger.returncode == 0, err
+    merged = json.loads(out)
     assert merged["merged"] >= 6 and not merged.get("stale") and not merged.get("unreadable"), merged
 
     # every shard read in its own region except the recorded steals, each priced as egress
@@ -139,6 +163,13 @@ def test_a_job_over_three_regions_runs_end_to_end_and_matches_a_single_region_ru
                          "WHERE job_version = %s AND outcome = 'merged' GROUP BY region", (job,)).fetchall()
     assert {f["region"] for f in files} <= {"eu-west", "ap-south"} and "ap-south" in {f["region"] for f in files}
     assert "handed in" in logs["eu-west"] and "handed in" not in logs["us-east"]
+    # the bill: replication as written at submit, egress as the steals' reads and the far files merged
+    regions = bill(conn, job)[0].regions
+    assert regions["replication_bytes"] == sum(int(r["bytes"]) for r in submitted["regions"]["regions"].values())
+    assert (regions["steals"], regions["merged_files"]) == (len(steals), merged["merged"])
+    far_usd = sum(int(f["bytes"]) / 1e9 * {"eu-west": 0.02, "ap-south": 0.09}[f["region"]] for f in conn.execute(
+        "SELECT region, bytes FROM bi.result_files WHERE job_version = %s AND outcome = 'merged'", (job,)))
+    assert float(regions["egress_cost"]) == pytest.approx(sum(r["usd"] for r in steals) + far_usd)
 
     # every record once, validated and published
     c = job_counts(conn, job)

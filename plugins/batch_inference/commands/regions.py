@@ -10,7 +10,6 @@ version has no shard left, or once with ``--once``.
 from __future__ import annotations
 
 import argparse
-import threading
 import time
 from typing import Any
 
@@ -88,25 +87,14 @@ def run_place(args: argparse.Namespace) -> int:
 
 
 def run_merge(args: argparse.Namespace) -> int:
-    from batch_inference.regions import merge_pending, merge_until
-    from batch_inference.status import job_counts
+    from batch_inference.regions import merge_pending, merge_until_settled
 
     with connect(args) as conn:
         if args.once:
             print_json(dict(merge_pending(conn, args.job_version)))
             return 0
-        stop = threading.Event()
-
-        def until_done() -> None:
-            with connect(args) as watch:
-                while not stop.wait(args.poll_seconds):
-                    if job_counts(watch, args.job_version)["outstanding"] == 0:
-                        stop.set()
-
-        watcher = threading.Thread(target=until_done, daemon=True)
         t0 = time.monotonic()
-        watcher.start()
-        total = merge_until(conn, args.job_version, stop, args.poll_seconds)
+        total = merge_until_settled(conn, args.job_version, poll_s=args.poll_seconds)
     print_json({**total, "seconds": round(time.monotonic() - t0, 2)})
     return 0
 

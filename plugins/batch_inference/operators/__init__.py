@@ -23,6 +23,7 @@ _WHERE = {
     "dataset_asset": "batch_inference.operators.publish",
     "FallbackPoolOperator": "batch_inference.operators.fallback",
     "ReviewGateOperator": "batch_inference.operators.review",
+    "RegionMergeOperator": "batch_inference.operators.regions",
 }
 
 __all__ = sorted(_WHERE)

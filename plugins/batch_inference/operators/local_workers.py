@@ -117,10 +117,15 @@ class LocalWorkersOperator(BaseOperator):
         gets SIGTERM (it releases its lease at once). Either way each change of size is recorded
         (``bi.fleet_observed``): the batch workers' GPU-hours in the bill.
     :param reconcile_seconds: how often the autopilot's desired size is read and the size recorded.
+    :param region: the workers' region, for a job version placed over regions (``python -m gpu_runner
+        --region``: its own shards first, records read from its replicas). Templated.
+    :param cluster: the cluster they run as (names the launcher in the fleet's record). Templated.
+    :param result_files: far from the ledger: each shard's results handed in as one file, merged by the
+        DAG's ``merge`` task (``--result-files``). Templated.
     """
 
     template_fields: Sequence[str] = ("job_version", "workers", "engine", "engine_options", "postgres_conn_id",
-                                      "env", "worker_conn_id", "grant_role")
+                                      "env", "worker_conn_id", "grant_role", "region", "cluster", "result_files")
     template_fields_renderers = {"engine_options": "json", "env": "json"}
     ui_color = "#f5d195"
 
@@ -129,8 +134,12 @@ class LocalWorkersOperator(BaseOperator):
                  postgres_conn_id: str = BatchInferenceHook.default_conn_name, max_restarts: int = 3,
                  grace_seconds: float = 20.0, env: Mapping[str, str] | None = None,
                  poll_seconds: float = 0.5, worker_conn_id: str | None = None, grant_role: str | None = None,
-                 autopilot: bool = True, reconcile_seconds: float = 5.0, **kwargs: Any) -> None:
+                 autopilot: bool = True, reconcile_seconds: float = 5.0, region: str | None = None,
+                 cluster: str | None = None, result_files: bool | str = False, **kwargs: Any) -> None:
         super().__init__(**kwargs)
+        self.region = region
+        self.cluster = cluster
+        self.result_files = result_files
         self.worker_conn_id = worker_conn_id
         self.grant_role = grant_role
         self.job_version = job_version
@@ -152,6 +161,11 @@ class LocalWorkersOperator(BaseOperator):
         import json
 
         args = [job_version, "--grace-seconds", str(self.grace_seconds)]
+        region = str(self.region or "").strip()
+        if region and region != "None":
+            args += ["--region", region]
+            if str(self.result_files).lower() in ("1", "true", "yes", "on"):
+                args.append("--result-files")
         if engine:
             args += ["--engine", engine]
         for key, value in options.items():
@@ -210,7 +224,8 @@ class LocalWorkersOperator(BaseOperator):
         env = worker_environment(self._worker_conninfo(job_version) or conninfo, options, self.env)
         self.log.info("starting %d local worker(s) for %s: engine %s, options %s", n, job_version, engine, options)
 
-        launcher = f"local:{self.task_id}"
+        cluster = str(self.cluster or "").strip()
+        launcher = f"local:{self.task_id}" + (f"@{cluster}" if cluster and cluster != "None" else "")
         self._conninfo, self._job_version, self._engine = conninfo, job_version, engine
         self._deaths = DeathWatch()
         self._reported: set[Any] = set()      # the workers whose signal death was reported

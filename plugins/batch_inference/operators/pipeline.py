@@ -15,6 +15,9 @@ file and this module builds the rest:
   past its deadline before submit (``estimate=False`` leaves it out);
 * :func:`local_workers` is the launcher for worker processes on the Airflow
   worker (a DAG with pods writes its own: see ``batch_inference_gpu``);
+  :func:`region_workers`, the same per cluster of a version placed over
+  regions (with ``deployment=``, a ``merge`` task beside them merges the far
+  workers' result files before validate: ``batch_inference_regions``);
 * :func:`pipeline_params` is the trigger form every such DAG offers;
 * :func:`pipeline_dag_args` is the rest of ``DAG(...)`` they share: one run at
   a time, no catch-up, retries and the on-call notifier on every task.
@@ -69,6 +72,7 @@ class Pipeline:
     review: Any
     publish: Any
     estimate: Any = None        # the preview before submit (None: left out)
+    merge: Any = None           # the far workers' result files merged (None: one region)
 
 
 @task(task_id="deadline")
@@ -93,7 +97,8 @@ def batch_inference_pipeline(*, dataset: str, workers: WorkerLauncher, spec: str
                              incremental: bool | str | None = None, cutoff_poll_interval: float | None = None,
                              review_poll_interval: float = 15, postgres_conn_id: str = DEFAULT_CONN_ID,
                              fallback_kwargs: dict[str, Any] | None = None,
-                             page_reserve_s: float | None = None, estimate: bool = True) -> Pipeline:
+                             page_reserve_s: float | None = None, estimate: bool = True,
+                             deployment: str | None = None) -> Pipeline:
     """Add estimate → submit → workers / deadline → cutoff → fallback → validate → review → publish to the
     current DAG.
 
@@ -117,6 +122,11 @@ def batch_inference_pipeline(*, dataset: str, workers: WorkerLauncher, spec: str
         ``cutoff.PAGE_RESERVE_SHARE`` of the spec's ``fallback.overhead_s``).
     :param estimate: add the preview task before submit (``EstimateOperator``: the run stops there, paged,
         when the preview is over ``cost.budget`` or cannot meet the deadline).
+    :param deployment: clusters in several regions (a deployment YAML, templated, e.g.
+        ``"{{ params.deployment }}"``; docs/regions.md): submit checks every store and connection and
+        replicates the snapshot near each cluster, and a ``merge`` task beside the workers merges the far
+        workers' result files by key before validate (``RegionMergeOperator``; the launcher is
+        :func:`region_workers`). None: one region, no merge task.
     """
     submit = SubmitJobOperator(
         task_id="submit",
@@ -125,6 +135,7 @@ def batch_inference_pipeline(*, dataset: str, workers: WorkerLauncher, spec: str
         shard_size="{{ params.shard_size }}",
         incremental=incremental,
         postgres_conn_id=postgres_conn_id,
+        **({"deployment": deployment} if deployment is not None else {}),
     )
     preview = None
     if estimate:
@@ -161,7 +172,14 @@ def batch_inference_pipeline(*, dataset: str, workers: WorkerLauncher, spec: str
     submit >> [first, deadline]
     deadline >> cutoff >> fallback
     [last, fallback] >> validate >> review >> publish
-    return Pipeline(submit, job_version, last, deadline, cutoff, fallback, validate, review, publish, preview)
+    merge = None
+    if deployment is not None:
+        # Beside the workers too: a far worker's shard is done when its file is merged, not at its hand-in.
+        from batch_inference.operators.regions import RegionMergeOperator
+
+        merge = RegionMergeOperator(task_id="merge", job_version=job_version, postgres_conn_id=postgres_conn_id)
+        submit >> merge >> validate
+    return Pipeline(submit, job_version, last, deadline, cutoff, fallback, validate, review, publish, preview, merge)
 
 
 def local_workers(*, workers: Any = "{{ params.workers }}", engine: Any = "{{ params.engine }}",
@@ -173,6 +191,29 @@ def local_workers(*, workers: Any = "{{ params.workers }}", engine: Any = "{{ pa
     def launch(job_version: Any, postgres_conn_id: str) -> Any:
         return LocalWorkersOperator(task_id="workers", job_version=job_version, workers=workers, engine=engine,
                                     postgres_conn_id=postgres_conn_id, **kwargs)
+
+    return launch
+
+
+def region_workers(*, workers: Any = "{{ params.workers }}", engine: Any = "{{ params.engine }}",
+                   **kwargs: Any) -> WorkerLauncher:
+    """A launcher for a version placed over regions: a ``regions`` task reads the placed clusters whose
+    workers are local, and ``LocalWorkersOperator`` (task id ``workers``) is mapped over them, each
+    cluster's processes with ``--region`` (and ``--result-files`` outside the ledger's region), at most
+    its capacity. A version never placed runs one set of plain workers. ``kwargs`` go to the operator."""
+    from batch_inference.operators.local_workers import LocalWorkersOperator
+
+    def launch(job_version: Any, postgres_conn_id: str) -> Any:
+        @task(task_id="regions")
+        def regions(job: str, n: Any) -> list[dict[str, Any]]:
+            from batch_inference.operators.regions import region_slots
+
+            return region_slots(postgres_conn_id, job, int(n))
+
+        slots = regions(job_version, workers)
+        mapped = LocalWorkersOperator.partial(task_id="workers", job_version=job_version, engine=engine,
+                                              postgres_conn_id=postgres_conn_id, **kwargs).expand_kwargs(slots)
+        return slots, mapped
 
     return launch
 

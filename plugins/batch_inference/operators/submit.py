@@ -103,10 +103,14 @@ class SubmitJobOperator(LedgerTask, BaseOperator):
         connection's ``endpoint_url`` extra instead. Templated.
     :param wait_poll_seconds: when an earlier DAG run (of any DAG) is still working on the same job
         version, this run waits, deferred, and checks again after this many seconds.
+    :param deployment: a deployment YAML (clusters in several regions, docs/regions.md; relative paths
+        next to the DAG file), or empty: every store and Kubernetes connection is asked before anything is
+        written, then the snapshot is replicated near each cluster (``regions.submit_placed``); the
+        manifest's ``regions`` says what replication cost. Templated.
     """
 
     template_fields: Sequence[str] = ("spec", "postgres_conn_id", "shard_size", "source_table", "incremental",
-                                      "overrides", "aws_conn_id", "s3_endpoint_url")
+                                      "overrides", "aws_conn_id", "s3_endpoint_url", "deployment")
     template_fields_renderers = {"spec": "json", "overrides": "json"}
     ui_color = "#f5d195"
 
@@ -114,8 +118,9 @@ class SubmitJobOperator(LedgerTask, BaseOperator):
                  shard_size: int | str | None = None, source_table: str | None = None,
                  incremental: bool | str | None = None, overrides: Mapping[str, Any] | None = None,
                  aws_conn_id: str | None = None, s3_endpoint_url: str | None = None,
-                 wait_poll_seconds: float = 30.0, **kwargs: Any) -> None:
+                 wait_poll_seconds: float = 30.0, deployment: str | None = None, **kwargs: Any) -> None:
         super().__init__(**kwargs)
+        self.deployment = deployment
         self.spec = spec
         self.postgres_conn_id = postgres_conn_id
         self.shard_size = shard_size
@@ -172,6 +177,7 @@ class SubmitJobOperator(LedgerTask, BaseOperator):
         from batch_inference.sources import for_spec
 
         spec = self.load_spec(context)
+        deployment = self.load_deployment(context)
         # Any source kind: a PostgreSQL table or query, an S3 manifest, any common-sql connection
         # (kind sql), Parquet files, an Iceberg snapshot (batch_inference.sources).
         reader = for_spec(spec, s3_endpoint_url=self.s3_endpoint_url, aws_conn_id=self.aws_conn_id)
@@ -179,7 +185,10 @@ class SubmitJobOperator(LedgerTask, BaseOperator):
         run = dag_run_ids(context)
         try:
             with hook.get_conn() as conn:
-                manifest = submit(conn, spec, reader=reader).as_dict()
+                if deployment is None:
+                    manifest = submit(conn, spec, reader=reader).as_dict()
+                else:
+                    manifest = self._submit_placed(conn, spec, deployment, reader)
                 if run:
                     record_job_run(conn, *run, manifest["job_version"], manifest["created"])
                     busy = self._earlier_active_run(conn, context, manifest["job_version"], *run)
@@ -202,6 +211,30 @@ class SubmitJobOperator(LedgerTask, BaseOperator):
                       manifest["reused"])
         context["ti"].xcom_push(key="job_version", value=manifest["job_version"])
         return manifest
+
+    def load_deployment(self, context: Context | None = None) -> Any:
+        """The deployment this task submits onto, or None (no ``deployment``); a bad file fails the task."""
+        from batch_inference.regions import DeploymentError, load_deployment
+
+        path = str(self.deployment or "").strip()
+        if not path or path == "None":
+            return None
+        try:
+            return load_deployment(resolve_spec_path(path, self._dag_fileloc(context)))
+        except DeploymentError as exc:
+            raise AirflowFailException(str(exc)) from None
+
+    def _submit_placed(self, conn: Any, spec: Any, deployment: Any, reader: Any) -> dict[str, Any]:
+        from batch_inference.regions import DeploymentError, submit_placed
+
+        try:
+            manifest, placement = submit_placed(conn, spec, deployment, reader=reader)
+        except DeploymentError as exc:   # a store or connection that does not answer: nothing written
+            raise AirflowFailException(str(exc)) from None
+        for region, c in placement["regions"].items():
+            self.log.info("region %s: %d shard replicas, %d bytes in %.2f s, $%.4f egress", region, c["shards"],
+                          c["bytes"], c["seconds"], c["usd"])
+        return {**manifest.as_dict(), "regions": placement}
 
     def execute_after_wait(self, context: Context, event: Any = None) -> dict[str, Any]:
         """Back from waiting for an earlier run of the same job version: submit again (it finds the version)."""

@@ -32,16 +32,17 @@ from batch_inference.regions.fleet import reconcile as reconcile_clusters
 from batch_inference.regions.lost import check as check_regions
 from batch_inference.regions.lost import end_region
 from batch_inference.regions.lost import watch as watch_regions
-from batch_inference.regions.merge import merge_pending, merge_until
+from batch_inference.regions.merge import merge_pending, merge_until, merge_until_settled
 from batch_inference.regions.planner import Workload, replan, single_regions
 from batch_inference.regions.planner import plan as plan_placement
-from batch_inference.regions.replicas import check_reachable, place, report
+from batch_inference.regions.replicas import check_reachable, local_slots, place, report
 from batch_inference.regions.replicas import submit as submit_placed
 from batch_inference.regions.store import StoreUnavailable, store_for
 
 __all__ = ["Deployment", "DeploymentError", "RegionLedger", "StoreUnavailable", "check_reachable", "check_regions",
            "ClusterPilot", "cluster_seconds", "decide_clusters", "launcher_name", "reconcile_clusters",
            "steal_gates", "watch_regions",
-           "end_region", "submit_placed",
-           "Workload", "load_deployment", "merge_pending", "merge_until", "parse_deployment", "place", "plan_placement",
+           "end_region", "local_slots", "submit_placed",
+           "Workload", "load_deployment", "merge_pending", "merge_until", "merge_until_settled", "parse_deployment",
+           "place", "plan_placement",
            "replan", "report", "single_regions", "store_for"]

@@ -11,7 +11,9 @@ is completed. So a file merged twice, a late worker's file and a stale epoch's
 file change nothing (I1). A file whose epoch has ended is refused without being
 read (its region's store may be gone with the region). A file missing or not
 matching its digest is marked unreadable and merges nothing: the shard's lease
-runs out and it is done again.
+runs out and it is done again. ``merge_until_settled`` runs the merge beside
+the workers until the version has nothing outstanding (the CLI's ``regions
+merge`` and the DAG's ``merge`` task, ``RegionMergeOperator``).
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from __future__ import annotations
 import json
 import logging
 import threading
+import time
 from collections import Counter
 from collections.abc import Sequence
 from typing import Any
@@ -99,6 +102,39 @@ def merge_pending(conn: psycopg.Connection, job_version: str, limit: int = 100) 
             log.warning("%s: result file of shard %d epoch %d refused: the epoch ended before the merge",
                         job_version, f["shard_no"], f["epoch"])
     return out
+
+
+def merge_until_settled(conn: psycopg.Connection, job_version: str, *, poll_s: float = 1.0,
+                        idle_s: float | None = None, stop: threading.Event | None = None) -> Counter[str]:
+    """Merge handed-in files until the version has nothing outstanding (every record stored or dead-lettered)
+    or is no longer running; with ``idle_s``, also once no shard has been leased and no file handed in for
+    that long (its workers are gone: what is left is the fallback's or a next run's); with ``stop``, when it
+    is set (then once more). The totals. What ``batch-inference regions merge`` and the DAG's merge task run."""
+    from batch_inference.status import job_counts
+
+    total: Counter[str] = Counter()
+    idle_since: float | None = None
+    while True:
+        got = merge_pending(conn, job_version)
+        total.update(got)
+        c = job_counts(conn, job_version)
+        if c["outstanding"] == 0 or c["status"] != "running":
+            return total
+        if got or c["shards"]["leased"]:
+            idle_since = None
+        elif idle_s is not None:
+            idle_since = time.monotonic() if idle_since is None else idle_since
+            if time.monotonic() - idle_since >= idle_s:
+                log.warning("%s: no shard leased and no file handed in for %.0f s: %d record(s) outstanding are "
+                            "left to the fallback or a next run", job_version, idle_s, c["outstanding"])
+                return total
+        if got:
+            continue
+        if stop is None:
+            time.sleep(poll_s)
+        elif stop.wait(poll_s):
+            total.update(merge_pending(conn, job_version))
+            return total
 
 
 def merge_until(conn: psycopg.Connection, job_version: str, stop: threading.Event, poll_s: float = 0.5

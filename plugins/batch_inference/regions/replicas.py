@@ -213,6 +213,26 @@ def place(conn: psycopg.Connection, job_version: str, deployment: Deployment,
     return {"placed": True, "regions": cost}
 
 
+def local_slots(conn: psycopg.Connection, job_version: str, workers: int) -> list[dict[str, Any]]:
+    """The worker processes to start for a placed version's clusters whose workers are local: per cluster,
+    its region, ``workers`` (at most its capacity) and ``result_files`` (a region other than the ledger's
+    hands its results in as files). A version never placed: one slot of plain workers (region None)."""
+    clusters = conn.execute(q("regions_placed_settings"), {"job": job_version}).fetchall()
+    if not clusters:
+        return [{"cluster": None, "region": None, "workers": workers, "result_files": False}]
+    ledger = conn.execute(q("region_bill"), {"job": job_version}).fetchone()["ledger_region"]
+    out = []
+    for c in clusters:
+        settings = c["settings"]
+        if settings["workers"]["kind"] != "local":
+            log.info("%s: cluster %s runs Kubernetes pods (%s), not local workers", job_version, c["cluster"],
+                     settings["workers"].get("conn_id"))
+            continue
+        out.append({"cluster": c["cluster"], "region": c["region"], "workers": min(workers, settings["capacity"]),
+                    "result_files": ledger is not None and c["region"] != ledger})
+    return out
+
+
 def report(conn: psycopg.Connection, job_version: str) -> list[dict[str, Any]]:
     """Per region: shards homed, replica bytes and seconds, claims, steals in with their egress, rebuilds."""
     return [dict(r) for r in conn.execute(q("region_report"), {"job": job_version})]
