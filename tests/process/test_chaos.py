@@ -1,21 +1,20 @@
 """The chaos harness: the default run (16 worker processes, at least 100
 faults, database restarts) must pass every check; and the checks themselves
-must see the failures they are there to catch, or a green run means nothing."""
+must see the failures they are there to catch, or a green run means nothing.
+The runs through PgBouncer are in test_chaos_pgbouncer.py, the overlapping
+shards' and the CLI's small run in test_chaos_overlap.py: files of their own,
+so that scripts/test.sh's workers (a file to a worker) run them side by side."""
 
 from __future__ import annotations
 
-import json
 import shutil
 import os
 import socket
-import subprocess
-import sys
 import tempfile
 import threading
 import time
 from pathlib import Path
 
-import psycopg
 import pytest
 
 from batch_inference import chaos, db
@@ -65,45 +64,6 @@ def test_default_chaos_run_passes():
     assert f["job_s"] < cfg.duration
 
 
-@pytest.mark.chaos
-def test_default_chaos_run_through_pgbouncer_with_database_restarts(tmp_path):
-    """The default run with every worker, the harness and the migration going
-    through PgBouncer in transaction mode, and PostgreSQL behind it
-    restarted twice under them."""
-    from tests.fixtures.pgbouncer import PgBouncer, pgbouncer_binary
-
-    if pgbouncer_binary() is None:
-        pytest.skip("no PgBouncer on this machine (scripts/test.sh installs Debian's pgbouncer)")
-    server = EmbeddedServer(Path(tempfile.mkdtemp(prefix="bi-chp-", dir="/tmp")))
-    bouncer = PgBouncer(server.url)
-    try:
-        with psycopg.connect(server.url, autocommit=True) as c:
-            c.execute("CREATE DATABASE chaos")
-        report = run_chaos(ChaosConfig(db_url=bouncer.url(server.server.get_uri("chaos")), restart=server.restart))
-    finally:
-        bouncer.close()
-        server.stop()
-    f = report.figures
-    assert report.passed, report.table()
-    assert f["faults"]["by_kind"]["db_restart"] == 2 and f["faults"]["total"] >= 100
-    assert f["duplicates"] == 0 and f["coverage"]["missing"] == 0
-    assert f["stale_writes_accepted"] == {"never_held": 0, "after_epoch_ended": 0}
-
-
-@pytest.mark.chaos
-def test_chaos_run_with_overlapping_shards_passes():
-    """The default run's faults with workers that overlap shards (noop streaming, as vLLM does, 256
-    requests queued across 200-record shards): several leases per worker, each fenced on its own."""
-    cfg = ChaosConfig(engine_options={"delay_s": 0.03, "max_num_seqs": 256})
-    report = run_chaos(cfg)
-    print(report.table())
-    f = report.figures
-    assert report.passed, report.table()
-    assert f["duplicates"] == 0 and f["coverage"]["missing"] == 0 and f["coverage"]["stored_and_dead"] == 0
-    assert f["stale_writes_accepted"] == {"never_held": 0, "after_epoch_ended": 0}
-    assert f["faults"]["total"] >= 100 and f["counter_drift_shards"] == 0 and f["healthy_dead_letters"] == 0
-
-
 def test_counting_engine_streams_when_its_inner_engine_does(tmp_path):
     spec = make_spec()
     eng = CountingEngine(spec, {"inner": "noop", "count_dir": str(tmp_path), "delay_s": 0, "max_num_seqs": 2})
@@ -124,19 +84,6 @@ def test_counting_engine_streams_when_its_inner_engine_does(tmp_path):
     assert eng.queue_depth() == 2 and [o.record_id for o in outs] == ["a", "b", "c"]
     (log,) = tmp_path.glob("*.log")
     assert log.read_text().splitlines() == ["a\tvalid", "b\tvalid", "c\tvalid"]
-
-
-@pytest.mark.chaos
-def test_cli_small_run_prints_json_and_exits_0(tmp_path):
-    p = subprocess.run([sys.executable, "-m", "batch_inference.cli", "chaos", "--workers", "3", "--records", "600",
-                        "--shard-size", "100", "--faults", "8", "--no-db-restart", "--seed", "3", "--json"],
-                       capture_output=True, text=True, timeout=300)
-    assert p.returncode == 0, p.stdout + p.stderr
-    report = json.loads(p.stdout.strip().splitlines()[-1])
-    assert report["passed"] is True
-    assert report["figures"]["faults"]["total"] >= 8
-    assert report["figures"]["faults"]["by_kind"].get("db_restart", 0) == 0
-    assert report["config"]["workers"] == 3
 
 
 def test_renew_must_be_shorter_than_the_lease():
@@ -350,16 +297,6 @@ def test_worker_whose_lease_went_stale_just_before_completing_moves_on(monkeypat
     assert ops == ["complete"]
     c = conn.execute("SELECT state, epoch FROM bi.shards WHERE job_version = %s", (job,)).fetchone()
     assert (c["state"], c["epoch"]) == ("done", 3)
-
-
-@pytest.mark.chaos
-def test_run_on_a_given_database_without_restarts(db_url):
-    """--db / ChaosConfig(db_url=...): the same run on a database the harness
-    did not start; with no restart callable it injects no restarts."""
-    report = run_chaos(ChaosConfig(db_url=db_url, workers=3, records=500, shard_size=100, faults=6, seed=5))
-    assert report.passed, report.table()
-    assert report.figures["faults"]["total"] >= 6
-    assert "db_restart" not in report.figures["faults"]["by_kind"]
 
 
 def _claim_once_free(lg: Ledger):

@@ -1,0 +1,55 @@
+"""The chaos harness through PgBouncer in transaction mode (batch_inference.chaos): the default run
+with every worker, the harness and the migration going through the pooler while PostgreSQL restarts
+under it, and a run on a given database (directly and through the pooler). A file of its own beside
+tests/process/test_chaos.py so that scripts/test.sh's workers (a file to a worker) run the chaos runs
+side by side."""
+
+from __future__ import annotations
+
+import tempfile
+from pathlib import Path
+
+import psycopg
+import pytest
+
+from batch_inference.chaos import ChaosConfig, run_chaos
+from batch_inference.harness.database import EmbeddedServer
+
+# The given-database run goes directly and through PgBouncer in transaction mode (tests/conftest.py).
+DB_ROUTES = ("direct", "pgbouncer")
+
+
+@pytest.mark.chaos
+def test_default_chaos_run_through_pgbouncer_with_database_restarts(tmp_path):
+    """The default run with every worker, the harness and the migration going
+    through PgBouncer in transaction mode, and PostgreSQL behind it
+    restarted twice under them."""
+    from tests.fixtures.pgbouncer import PgBouncer, pgbouncer_binary
+
+    if pgbouncer_binary() is None:
+        pytest.skip("no PgBouncer on this machine (scripts/test.sh installs Debian's pgbouncer)")
+    server = EmbeddedServer(Path(tempfile.mkdtemp(prefix="bi-chp-", dir="/tmp")))
+    bouncer = PgBouncer(server.url)
+    try:
+        with psycopg.connect(server.url, autocommit=True) as c:
+            c.execute("CREATE DATABASE chaos")
+        report = run_chaos(ChaosConfig(db_url=bouncer.url(server.server.get_uri("chaos")), restart=server.restart))
+    finally:
+        bouncer.close()
+        server.stop()
+    f = report.figures
+    assert report.passed, report.table()
+    assert f["faults"]["by_kind"]["db_restart"] == 2 and f["faults"]["total"] >= 100
+    assert f["duplicates"] == 0 and f["coverage"]["missing"] == 0
+    assert f["stale_writes_accepted"] == {"never_held": 0, "after_epoch_ended": 0}
+
+
+@pytest.mark.chaos
+def test_run_on_a_given_database_without_restarts(db_url):
+    """--db / ChaosConfig(db_url=...): the same run on a database the harness
+    did not start; with no restart callable it injects no restarts."""
+    report = run_chaos(ChaosConfig(db_url=db_url, workers=3, records=500, shard_size=100, faults=6, seed=5))
+    assert report.passed, report.table()
+    assert report.figures["faults"]["total"] >= 6
+    assert "db_restart" not in report.figures["faults"]["by_kind"]
+
