@@ -216,66 +216,96 @@ BEGIN
         NULL);
 END $$;
 
+-- Lease one shard the caller picked and locked (FOR UPDATE in the caller's
+-- statement) to p_owner: the epoch +1, the lease for p_lease_seconds (the
+-- job's lease_seconds when NULL), a claim counted; taking over an expired
+-- lease counts a lost lease and the deaths of the last batch the expired
+-- epoch marked in flight (none when the server restarted since that lease
+-- was last renewed). The one update of every claim (bi.claim_shard_v2,
+-- bi.claim_shard_region_v2). untouched: nothing stored or dead-lettered in
+-- the shard and no failed attempt or crash in the job. Owner only: the
+-- claims call it as their definer.
+CREATE OR REPLACE FUNCTION bi.lease_shard_v1(p_job text, p_shard integer, p_owner text, p_transport text,
+                                            p_lease_seconds integer)
+RETURNS TABLE (shard_no integer, epoch bigint, lease_expires_at timestamptz, records integer, lost_leases integer,
+               untouched boolean)
+LANGUAGE plpgsql SET search_path = pg_catalog, pg_temp AS $$
+#variable_conflict use_column
+DECLARE
+    o record;
+    c record;
+BEGIN
+    SELECT s.state = 'leased' AS expired, s.epoch, s.lease_transport, s.in_flight, s.lease_renewed_at INTO o
+      FROM bi.shards s WHERE s.job_version = p_job AND s.shard_no = p_shard;
+    IF NOT FOUND THEN
+        RETURN;
+    END IF;
+    UPDATE bi.shards s
+       SET state = 'leased',
+           epoch = s.epoch + 1,
+           lease_owner = p_owner,
+           lease_transport = p_transport,
+           lease_expires_at = clock_timestamp() + make_interval(secs => coalesce(p_lease_seconds,
+               (SELECT (j.spec ->> 'lease_seconds')::integer FROM bi.jobs j WHERE j.job_version = p_job))),
+           lease_renewed_at = clock_timestamp(),
+           claims = s.claims + 1,
+           first_claim_at = coalesce(s.first_claim_at, clock_timestamp()),
+           lost_leases = s.lost_leases + CASE WHEN o.expired THEN 1 ELSE 0 END,
+           in_flight = NULL
+     WHERE s.job_version = p_job AND s.shard_no = p_shard
+    RETURNING s.shard_no AS shard_no, s.epoch AS epoch, s.lease_expires_at AS lease_expires_at,
+              s.records AS records, s.lost_leases AS lost_leases,
+              s.stored = 0 AND s.dead = 0
+                  AND NOT EXISTS (SELECT 1 FROM bi.attempts a WHERE a.job_version = p_job) AS untouched
+    INTO c;
+    -- A release or a completion leaves no lease to expire, so only a holder
+    -- that vanished (or stalled) lands here; its marks were its own epoch's.
+    IF o.expired AND o.in_flight IS NOT NULL AND NOT bi.lapsed_over_restart_v1(o.lease_renewed_at) THEN
+        PERFORM bi.record_deaths_v1(p_job, c.shard_no, o.epoch, o.lease_transport, o.in_flight);
+    END IF;
+    RETURN QUERY SELECT c.shard_no, c.epoch, c.lease_expires_at, c.records, c.lost_leases, c.untouched;
+END $$;
+
+-- Whether a job version's shards may be claimed now by p_transport: running,
+-- and batch workers only while the job is in batch mode (a fallback claims in
+-- fallback mode too).
+CREATE OR REPLACE FUNCTION bi.claimable_v1(p_job text, p_transport text) RETURNS boolean
+LANGUAGE sql STABLE SET search_path = pg_catalog, pg_temp AS $$
+    SELECT EXISTS (SELECT 1 FROM bi.jobs j
+                    WHERE j.job_version = p_job AND j.status = 'running'
+                      AND (p_transport = 'fallback' OR j.mode = 'batch'))
+$$;
+
 -- Claim one shard: a pending one, or one whose lease expired (no sweeper
 -- needed for progress). The epoch goes up by one on every claim and never
 -- resets. Batch workers are refused once the job is in fallback mode. Taking
 -- over an expired lease counts a lost lease and the deaths of the last batch
--- the expired epoch marked in flight (none when the server restarted since
--- that lease was last renewed); the caller learns lost_leases (> 0: run this
--- shard carefully).
+-- the expired epoch marked in flight (bi.lease_shard_v1, the one update of
+-- every claim); the caller learns lost_leases (> 0: run this shard carefully).
 CREATE OR REPLACE FUNCTION bi.claim_shard_v2(p_job text, p_owner text, p_transport text DEFAULT 'batch',
                                             p_lease_seconds integer DEFAULT NULL)
 RETURNS TABLE (shard_no integer, epoch bigint, lease_expires_at timestamptz, records integer, lost_leases integer)
 LANGUAGE plpgsql SECURITY DEFINER SET search_path = pg_catalog, pg_temp AS $$
 #variable_conflict use_column
 DECLARE
-    c record;
+    v_shard integer;
 BEGIN
     PERFORM bi.assert_may_work_on_v1(p_job);
-    WITH job AS (
-        SELECT j.job_version,
-               coalesce(p_lease_seconds, (j.spec ->> 'lease_seconds')::integer) AS lease_s
-        FROM bi.jobs j
-        WHERE j.job_version = p_job
-          AND j.status = 'running'
-          AND (p_transport = 'fallback' OR j.mode = 'batch')
-    ), pick AS (
-        SELECT s.shard_no, s.state = 'leased' AS expired, s.epoch AS old_epoch,
-               s.lease_transport AS old_transport, s.in_flight AS old_in_flight, s.lease_renewed_at AS old_renewed_at
-        FROM bi.shards s
-        WHERE s.job_version = p_job
-          AND EXISTS (SELECT 1 FROM job)
-          AND (s.state = 'pending' OR (s.state = 'leased' AND s.lease_expires_at < clock_timestamp()))
-        ORDER BY s.shard_no
-        LIMIT 1
-        FOR UPDATE SKIP LOCKED
-    )
-    UPDATE bi.shards s
-       SET state = 'leased',
-           epoch = s.epoch + 1,
-           lease_owner = p_owner,
-           lease_transport = p_transport,
-           lease_expires_at = clock_timestamp() + make_interval(secs => job.lease_s),
-           lease_renewed_at = clock_timestamp(),
-           claims = s.claims + 1,
-           first_claim_at = coalesce(s.first_claim_at, clock_timestamp()),
-           lost_leases = s.lost_leases + CASE WHEN pick.expired THEN 1 ELSE 0 END,
-           in_flight = NULL
-      FROM pick, job
-     WHERE s.job_version = p_job AND s.shard_no = pick.shard_no
-    RETURNING s.shard_no AS shard_no, s.epoch AS epoch, s.lease_expires_at AS lease_expires_at,
-              s.records AS records, s.lost_leases AS lost_leases, pick.expired, pick.old_epoch,
-              pick.old_transport, pick.old_in_flight, pick.old_renewed_at
-    INTO c;
+    IF NOT bi.claimable_v1(p_job, p_transport) THEN
+        RETURN;
+    END IF;
+    SELECT s.shard_no INTO v_shard
+      FROM bi.shards s
+     WHERE s.job_version = p_job
+       AND (s.state = 'pending' OR (s.state = 'leased' AND s.lease_expires_at < clock_timestamp()))
+     ORDER BY s.shard_no
+     LIMIT 1
+       FOR UPDATE SKIP LOCKED;
     IF NOT FOUND THEN
         RETURN;
     END IF;
-    -- A release or a completion leaves no lease to expire, so only a holder
-    -- that vanished (or stalled) lands here; its marks were its own epoch's.
-    IF c.expired AND c.old_in_flight IS NOT NULL AND NOT bi.lapsed_over_restart_v1(c.old_renewed_at) THEN
-        PERFORM bi.record_deaths_v1(p_job, c.shard_no, c.old_epoch, c.old_transport, c.old_in_flight);
-    END IF;
-    RETURN QUERY SELECT c.shard_no, c.epoch, c.lease_expires_at, c.records, c.lost_leases;
+    RETURN QUERY SELECT l.shard_no, l.epoch, l.lease_expires_at, l.records, l.lost_leases
+                   FROM bi.lease_shard_v1(p_job, v_shard, p_owner, p_transport, p_lease_seconds) l;
 END $$;
 
 -- Renew: only the holder of the current epoch. Returns the job's mode so a

@@ -130,9 +130,9 @@ CREATE INDEX IF NOT EXISTS result_files_unmerged ON bi.result_files (job_version
 -- arithmetic: its remaining records cannot finish by the deadline with its own
 -- workers, bi.region_steal_gates) and it is behind (more of its shards
 -- pending than its own workers hold: they will not reach them all this round,
--- or none of them is left). Everything else is bi.claim_shard_v2's, in the same statement
--- that changes the row: the epoch +1, the job's mode, the lost lease and the
--- deaths of an expired epoch's in-flight batch. The claim is recorded in
+-- or none of them is left). Everything else is every claim's: the job's mode
+-- (bi.claimable_v1) and the one update (bi.lease_shard_v1: the epoch +1, the
+-- lost lease and the deaths of an expired epoch's in-flight batch). The claim is recorded in
 -- bi.region_decisions (a steal priced as egress: the replica's bytes at the
 -- price from its home region to p_region). Answers also the replica to read:
 -- its home region, key, digest and bytes, and whether the shard is untouched
@@ -146,17 +146,14 @@ RETURNS TABLE (shard_no integer, epoch bigint, lease_expires_at timestamptz, rec
 LANGUAGE plpgsql SECURITY DEFINER SET search_path = pg_catalog, pg_temp AS $$
 #variable_conflict use_column
 DECLARE
+    p record;
     c record;
 BEGIN
     PERFORM bi.assert_may_work_on_v1(p_job);
-    WITH job AS (
-        SELECT j.job_version,
-               coalesce(p_lease_seconds, (j.spec ->> 'lease_seconds')::integer) AS lease_s
-        FROM bi.jobs j
-        WHERE j.job_version = p_job
-          AND j.status = 'running'
-          AND (p_transport = 'fallback' OR j.mode = 'batch')
-    ), behind AS (
+    IF NOT bi.claimable_v1(p_job, p_transport) THEN
+        RETURN;
+    END IF;
+    WITH behind AS (
         SELECT r.region,
                count(*) FILTER (WHERE s.state = 'pending' OR s.lease_expires_at < clock_timestamp()) AS pending,
                count(*) FILTER (WHERE s.state = 'leased' AND s.lease_expires_at >= clock_timestamp()
@@ -166,62 +163,37 @@ BEGIN
           FROM bi.replicas r JOIN bi.shards s ON s.job_version = r.job_version AND s.shard_no = r.shard_no
          WHERE p_steal AND r.job_version = p_job AND r.region <> p_region AND s.state <> 'done'
          GROUP BY r.region
-    ), pick AS (
-        SELECT s.shard_no, s.state = 'leased' AS expired, s.epoch AS old_epoch,
-               s.lease_transport AS old_transport, s.in_flight AS old_in_flight, s.lease_renewed_at AS old_renewed_at,
-               r.region AS home, r.object_key AS key, r.digest AS dig, r.bytes AS nbytes,
-               b.pending AS home_pending, b.leased AS home_leased, g.reason AS gate_reason
-        FROM bi.shards s
-        JOIN bi.replicas r ON r.job_version = s.job_version AND r.shard_no = s.shard_no
-        LEFT JOIN behind b ON b.region = r.region
-        LEFT JOIN bi.region_steal_gates g ON g.job_version = p_job AND g.home_region = r.region AND g.open
-        WHERE s.job_version = p_job
-          AND EXISTS (SELECT 1 FROM job)
-          AND (s.state = 'pending' OR (s.state = 'leased' AND s.lease_expires_at < clock_timestamp()))
-          AND (r.region = p_region OR (p_steal AND g.open AND b.pending > b.leased))
-        ORDER BY (r.region = p_region) DESC,   -- a steal takes the far end of the other region's range
-                 CASE WHEN r.region = p_region THEN s.shard_no ELSE -s.shard_no END
-        LIMIT 1
-        FOR UPDATE OF s SKIP LOCKED
     )
-    UPDATE bi.shards s
-       SET state = 'leased',
-           epoch = s.epoch + 1,
-           lease_owner = p_owner,
-           lease_transport = p_transport,
-           lease_expires_at = clock_timestamp() + make_interval(secs => job.lease_s),
-           lease_renewed_at = clock_timestamp(),
-           claims = s.claims + 1,
-           first_claim_at = coalesce(s.first_claim_at, clock_timestamp()),
-           lost_leases = s.lost_leases + CASE WHEN pick.expired THEN 1 ELSE 0 END,
-           in_flight = NULL
-      FROM pick, job
-     WHERE s.job_version = p_job AND s.shard_no = pick.shard_no
-    RETURNING s.shard_no AS shard_no, s.epoch AS epoch, s.lease_expires_at AS lease_expires_at,
-              s.records AS records, s.lost_leases AS lost_leases, pick.expired, pick.old_epoch,
-              pick.old_transport, pick.old_in_flight, pick.old_renewed_at, pick.home, pick.key, pick.dig,
-              pick.nbytes, pick.home_pending, pick.home_leased, pick.gate_reason,
-              s.stored = 0 AND s.dead = 0
-                  AND NOT EXISTS (SELECT 1 FROM bi.attempts a WHERE a.job_version = p_job) AS untouched
-    INTO c;
+    SELECT s.shard_no, r.region AS home, r.object_key AS key, r.digest AS dig, r.bytes AS nbytes,
+           b.pending AS home_pending, b.leased AS home_leased, g.reason AS gate_reason
+      INTO p
+      FROM bi.shards s
+      JOIN bi.replicas r ON r.job_version = s.job_version AND r.shard_no = s.shard_no
+      LEFT JOIN behind b ON b.region = r.region
+      LEFT JOIN bi.region_steal_gates g ON g.job_version = p_job AND g.home_region = r.region AND g.open
+     WHERE s.job_version = p_job
+       AND (s.state = 'pending' OR (s.state = 'leased' AND s.lease_expires_at < clock_timestamp()))
+       AND (r.region = p_region OR (p_steal AND g.open AND b.pending > b.leased))
+     ORDER BY (r.region = p_region) DESC,   -- a steal takes the far end of the other region's range
+              CASE WHEN r.region = p_region THEN s.shard_no ELSE -s.shard_no END
+     LIMIT 1
+       FOR UPDATE OF s SKIP LOCKED;
     IF NOT FOUND THEN
         RETURN;
     END IF;
-    IF c.expired AND c.old_in_flight IS NOT NULL AND NOT bi.lapsed_over_restart_v1(c.old_renewed_at) THEN
-        PERFORM bi.record_deaths_v1(p_job, c.shard_no, c.old_epoch, c.old_transport, c.old_in_flight);
-    END IF;
+    SELECT * INTO c FROM bi.lease_shard_v1(p_job, p.shard_no, p_owner, p_transport, p_lease_seconds);
     INSERT INTO bi.region_decisions (job_version, kind, shard_no, epoch, region, home_region, worker_id, bytes,
                                      usd, reason)
-    SELECT p_job, CASE WHEN c.home = p_region THEN 'claim' ELSE 'steal' END, c.shard_no, c.epoch, p_region, c.home,
-           p_owner, CASE WHEN c.home = p_region THEN 0 ELSE c.nbytes END,
-           CASE WHEN c.home = p_region THEN 0 ELSE c.nbytes / 1e9 * e.usd_per_gb END,
-           CASE WHEN c.home <> p_region
+    SELECT p_job, CASE WHEN p.home = p_region THEN 'claim' ELSE 'steal' END, c.shard_no, c.epoch, p_region, p.home,
+           p_owner, CASE WHEN p.home = p_region THEN 0 ELSE p.nbytes END,
+           CASE WHEN p.home = p_region THEN 0 ELSE p.nbytes / 1e9 * e.usd_per_gb END,
+           CASE WHEN p.home <> p_region
                 THEN left(format('%s had no shard left; %s had %s pending against %s held by its own workers; %s',
-                                 p_region, c.home, c.home_pending, c.home_leased, c.gate_reason), 2000) END
+                                 p_region, p.home, p.home_pending, p.home_leased, p.gate_reason), 2000) END
       FROM (SELECT 1) one
-      LEFT JOIN bi.region_egress e ON e.job_version = p_job AND e.from_region = c.home AND e.to_region = p_region;
-    RETURN QUERY SELECT c.shard_no, c.epoch, c.lease_expires_at, c.records, c.lost_leases, c.home, c.key, c.dig,
-                        c.nbytes, c.untouched;
+      LEFT JOIN bi.region_egress e ON e.job_version = p_job AND e.from_region = p.home AND e.to_region = p_region;
+    RETURN QUERY SELECT c.shard_no, c.epoch, c.lease_expires_at, c.records, c.lost_leases, p.home, p.key, p.dig,
+                        p.nbytes, c.untouched;
 END $$;
 
 -- The object store of p_region's clusters (their settings' store; the first
