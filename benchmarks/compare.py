@@ -103,6 +103,12 @@ def headlines(name: str, out: dict[str, Any]) -> Iterator[tuple[str, Any]]:
         if "index" in out:
             yield f"NN query ms at {dig(out, 'index', 'vectors'):,} vectors, before / after the index", pair(
                 dig(out, "index", "query_ms_before"), dig(out, "index", "query_ms_after"))
+    elif name == "regions":
+        yield "far worker, result files / near worker records/s", dig(out, "ratio_to_near", "far_files")
+        yield "far worker, per-flush writes / near worker records/s", dig(out, "ratio_to_near", "far_flush")
+    elif name == "region_nights":
+        yield "nights met or paged / nights", pair(out.get("met_or_paged"), out.get("of"))
+        yield "duplicates, lost records", pair(out.get("duplicates"), out.get("lost_records"))
     elif name == "estimate":
         yield "preview / (source read + tokenizer)", dig(out, "scale", "overhead")
         yield "demo: projected / actual worker time - 1", dig(out, "demo", "finish_error")

@@ -192,17 +192,6 @@ def test_a_job_over_three_regions_runs_end_to_end_and_matches_a_single_region_ru
         assert results(one, job) == many
 
 
-def test_the_far_worker_benchmark_runs_every_arm_to_the_end_behind_its_latency_proxy(capsys):
-    """A quick run of benchmarks.regions (its figures are docs/performance.md's): every arm stores every
-    record (the benchmark checks it), and the proxy adds at least the round trip it was given."""
-    from benchmarks.regions import ARMS, main
-
-    out = main(["--records", "120", "--shard-size", "40", "--delay-ms", "1", "--rtt-ms", "30", "--repeats", "1"])
-    assert set(out["records_per_s"]) == set(ARMS) and all(v > 0 for v in out["records_per_s"].values())
-    assert out["measured_rtt_ms"] >= 30
-    assert '"benchmark":"regions"' in capsys.readouterr().out
-
-
 def test_a_region_lost_mid_night_its_workers_killed_and_its_endpoint_gone_the_night_still_ends_once(
         conn, db_url, monkeypatch):
     """ap-south's worker is killed (SIGKILL) after its first hand-in and its S3 endpoint stops: the check finds
@@ -291,17 +280,6 @@ def test_a_far_worker_preempted_mid_shard_writes_what_it_holds_to_the_ledger_and
     c = job_counts(conn, job)
     assert (c["stored"], c["outstanding"]) == (200, 0)
     assert duplicates(conn, job) == 0
-
-
-def test_compressed_nights_over_regions_run_to_the_end_once(capsys):
-    """A quick run of benchmarks.region_nights (its figures are docs/regions.md's): the night over regions and
-    the same night in one region, each published with every record once, met or paged."""
-    from benchmarks.region_nights import main
-
-    out = main(["--nights", "1", "--first-seed", "3", "--records", "400", "--delay-ms", "10",
-                "--deadline-s", "12"])
-    assert out["duplicates"] == 0 and out["lost_records"] == 0 and out["met_or_paged"] == out["of"] == 1
-    assert {n["mode"] for n in out["nights"]} == {"regions", "one"}
 
 
 def test_a_worker_of_a_region_the_version_was_not_placed_in_stops_with_one_line_before_any_claim(conn, db_url,
