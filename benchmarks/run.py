@@ -49,8 +49,7 @@ BENCHMARKS: dict[str, tuple[list[str], list[str]]] = {
     "embed": ([], ["--records", "8", "--vectors", "400", "--queries", "3", "--engines", "llama", "--repeats", "1"]),
     "hostile_specs": ([], ["--repeats", "3"]),
     "regions": ([], ["--records", "120", "--shard-size", "40", "--delay-ms", "1", "--rtt-ms", "30", "--repeats", "1"]),
-    "region_nights": ([], ["--nights", "1", "--first-seed", "3", "--records", "400", "--delay-ms", "10",
-                           "--deadline-s", "12"]),
+    "region_nights": ([], ["--seeds", "22", "--records", "600", "--deadline-s", "40"]),
 }
 
 

@@ -119,3 +119,7 @@ SELECT d.region, count(*)::integer AS held,
    AND NOT EXISTS (SELECT 1 FROM bi.region_decisions l
                     WHERE l.job_version = %(job)s AND l.kind = 'region_lost' AND l.region = d.region)
  GROUP BY d.region ORDER BY d.region;
+
+-- name: region_autopilot_decisions  the regions found lost, the steal gates opened or closed and the steals (egress priced), oldest first
+SELECT kind, region, home_region, at, usd, reason FROM bi.region_decisions
+ WHERE job_version = %(job)s AND kind IN ('region_lost', 'steal_gate', 'steal') ORDER BY id;

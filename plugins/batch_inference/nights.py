@@ -124,6 +124,10 @@ class NightsConfig:
     tiers: str = "off"                # off | on | both: the fallback at one price, with price tiers, or both (paired)
     flex_refuse: float = 0.2          # share of flex requests refused (429 Resource Unavailable) or dropped, at random
     flex_latency_s: float = 0.05      # how long flex holds each answer it gives (default answers at once)
+    # Each night over three simulated regions (regions.RegionNight: prices, interruption rates, a region lost,
+    # a store unreachable) beside the single-region autopilot on the same night (paired, no hosted faults).
+    regions: bool = False
+    region_capacity: int = 2          # workers at most per region's cluster (the single region: the three's)
 
     def __post_init__(self) -> None:
         for name, low in (("nights", 1), ("records", 10), ("shard_size", 1), ("workers", 1),
@@ -144,6 +148,9 @@ class NightsConfig:
             raise InvalidValue(f"nights: on_budget must be page or spend, got {self.on_budget!r}")
         if self.tiers not in ("off", "on", "both"):
             raise InvalidValue(f"nights: tiers must be off, on or both, got {self.tiers!r}")
+        if self.regions and (self.tiers != "off" or self.autopilot != "off" or self.budget is not None):
+            raise InvalidValue("nights: regions pair each night with the single-region autopilot: no tiers, "
+                               "autopilot or budget beside them")
         if self.tiers == "both" and self.autopilot == "both":
             raise InvalidValue("nights: pair the nights on the autopilot or on the tiers, not both at once")
         if not 0 <= self.flex_refuse < 1 or self.flex_latency_s < 0:
@@ -555,6 +562,7 @@ class Night:
     slowed: bool = False                      # the night's batch was slowed (the comparison's nights)
     gpu_hours: float = 0.0                    # the batch workers' (bi.fleet_observed)
     pilot: dict[str, Any] = field(default_factory=dict)   # decisions, first add, largest fleet, pages
+    regions: dict[str, Any] = field(default_factory=dict)  # a region night's (role regions) or its pair's (one)
 
     @property
     def lost(self) -> int:
@@ -618,6 +626,7 @@ class _Supervisor(threading.Thread):
     def run(self) -> None:
         f, n = self.n.faults, self.n
         todo = sorted([(t, "kill") for t in f.kills] + [(t, "stall") for t in f.stalls]
+                      + (n.regions.fault_times() if n.regions is not None else [])
                       + ([(f.slow_at, "slow")] if f.slow_at is not None else [])
                       + ([(f.db_restart_at, "db_restart")] if f.db_restart_at is not None else []))
         cancel_done = False
@@ -675,7 +684,13 @@ class _Supervisor(threading.Thread):
                     end = time.monotonic() + 1.0
                     while n.fleet.alive() and time.monotonic() < end:
                         time.sleep(0.01)
-                autopilot.observe(self._conn, n.job, "nights", len(n.fleet.alive()))
+                if n.regions is not None:
+                    n.regions.observe(self._conn, n.job)
+                else:
+                    autopilot.observe(self._conn, n.job, "nights", len(n.fleet.alive()))
+                return
+            if n.regions is not None:       # the regions' launcher: the autopilot over every cluster
+                n.regions.launch(self._conn, n.job, n.deadline)
                 return
 
             def scale(k: int) -> None:
@@ -697,7 +712,9 @@ class _Supervisor(threading.Thread):
     def _inject(self, kind: str, now: float) -> None:
         n = self.n
         t = now - n.t0
-        if kind == "slow":
+        if kind in ("region_lost", "store_down"):
+            n.regions.inject(kind, t, self.events)
+        elif kind == "slow":
             n.pace.write_text(str(n.faults.slow_factor))
             if n.provider is not None:
                 n.provider.slow(n.faults.slow_factor)
@@ -721,7 +738,7 @@ class _Supervisor(threading.Thread):
 
 class _NightRun:
     def __init__(self, cfg: NightsConfig, seed: int, server: EmbeddedServer, work: Path, pilot: bool = False,
-                 tiered: bool = False):
+                 tiered: bool = False, regions: Any = None, one_region: tuple[float, int, int] | None = None):
         self.cfg, self.seed, self.server = cfg, seed, server
         self.pilot, self.tiered = pilot, tiered
         self.url = server.url
@@ -729,13 +746,23 @@ class _NightRun:
         self.work.mkdir(parents=True, exist_ok=True)
         self.pace = self.work / "pace"
         self.faults = draw_faults(seed, cfg)
+        # A region night and its single-region pair: the worker processes' faults, none of a hosted API's.
+        self.regions, self.one_region = regions, one_region     # RegionNight; (price, first size, capacity)
+        if cfg.regions:
+            self.faults = replace(self.faults, hosted=None, hosted_batch=0, hosted_cancel_s=None)
         self.rng = random.Random(f"nights-targets-{seed}")
         self.admin = Admin(self.url)
         self.rec = Night(seed=seed, faults=self.faults.names(), autopilot=pilot, tiered=tiered,
                          slowed=self.faults.slow_at is not None)
         # Its own dataset per run: the autopilot is not part of the job version, so the paired run
         # would otherwise resume the first run's finished job.
-        self.dataset = f"nights_{seed}{'_autopilot' if pilot else ''}{'_tiers' if tiered else ''}"
+        self.dataset = f"nights_{seed}{'_autopilot' if pilot else ''}{'_tiers' if tiered else ''}" + \
+            ("_regions" if regions is not None else "_one" if one_region is not None else "")
+        if regions is not None or one_region is not None:
+            self.work = work / f"night-{seed}-{'regions' if regions is not None else 'one'}"
+            self.work.mkdir(parents=True, exist_ok=True)
+            self.pace = self.work / "pace"
+            self.rec.faults += regions.faults.names() if regions is not None else []
         self.provider: HostedProvider | None = None
         self.job = ""
         self.t0 = 0.0
@@ -768,7 +795,9 @@ class _NightRun:
             **({"cleared_for_hosted": True, "engine": {"name": "openai-batch", "options": {
                 "base_url": self.provider.base_url, "api_key_env": HOSTED_KEY_ENV, "poll_seconds": 0.2}}}
                if self.provider is not None else {}),
-            "cost": {"gpu_hour_spot": c.gpu_hour, "min_workers": c.min_workers, "max_workers": c.max_workers,
+            "cost": {"gpu_hour_spot": self.one_region[0] if self.one_region else c.gpu_hour,
+                     "min_workers": c.min_workers,
+                     "max_workers": self.one_region[2] if self.one_region else c.max_workers,
                      **({"budget": c.budget, "on_budget": c.on_budget} if c.budget is not None else {})},
             "autopilot": {"enabled": self.pilot, "margin_s": c.pilot_margin_s, "start_s": c.pilot_start_s,
                           "cooldown_s": c.pilot_cooldown_s, "window_s": c.pilot_window_s},
@@ -796,6 +825,8 @@ class _NightRun:
             self.job = self.rec.job_version = manifest.job_version
             self.drain_s, self.steered = autopilot.drain_s(spec), self.pilot and autopilot.steers(spec)
             self.worker_url, _ = worker_credentials(conn, self.url, self.job)
+            if self.regions is not None:
+                self.regions.place(conn, self.job)
 
     def _argv(self, owner: str) -> list[str]:
         if self.provider is not None:     # the spec's engine: openai-batch
@@ -816,7 +847,14 @@ class _NightRun:
         self._setup()
         log.info("nights %d: %s, faults: %s", self.seed, self.job, "; ".join(rec.faults) or "none")
         env = {**os.environ, "BATCH_INFERENCE_DB": self.worker_url, HOSTED_KEY_ENV: f"sk-nights-{self.seed}"}
-        self.fleet = Fleet(self._argv, env, c.workers,
+
+        def fleet(name: str, argv: Any, size: int) -> Fleet:
+            return Fleet(argv, env, size, name=lambda slot, gen: f"n{self.seed}-{name}-w{slot}-g{gen}", log=log,
+                         echo=False, log_dir=self.work / "logs", tail_lines=20, backoff_s=0.5, backoff_max_s=4.0,
+                         new_session=True)
+
+        self.fleet = self.regions.start_fleets(fleet, self._argv, self.url) if self.regions is not None else Fleet(
+                           self._argv, env, self.one_region[1] if self.one_region else c.workers,
                            name=lambda slot, gen: f"n{self.seed}-w{slot}-g{gen}", log=log, echo=False,
                            log_dir=self.work / "logs", tail_lines=20, backoff_s=0.5, backoff_max_s=4.0,
                            new_session=True)
@@ -844,6 +882,8 @@ class _NightRun:
                 rec.hosted = self.provider.figures()
                 self.provider.close()
             self._fleet_stopped()
+            if self.regions is not None:
+                self.regions.stop()
         self._measure()
         rec.fallback["supervisor"] = sup.events
         rec.endpoint = {str(k): v for k, v in sorted(self.endpoint.answers.items(), key=lambda kv: str(kv[0]))}
@@ -954,6 +994,8 @@ class _NightRun:
         try:
             with db.connect(self.url, retries=10) as conn:
                 autopilot.observe(conn, self.job, "nights", 0)
+                if self.regions is not None:
+                    self.regions.observe(conn, self.job, stopped=True)
         except (psycopg.Error, db.DatabaseUnavailable) as exc:
             log.warning("nights %d: could not record the fleet's end: %s", self.seed, exc)
 
@@ -1031,6 +1073,13 @@ class _NightRun:
             rec.bill["fallback_tiers"] = {str(t["tier"]): t["rows"] for t in b["fallback_tiers"]}
             rec.bill["fallback_tier_cost"] = {str(t["tier"]): t["cost"] for t in b["fallback_tiers"]}
         rec.bill["total_exact"] = float(bill.total)       # unrounded, for the budget's check
+        if self.regions is not None or self.one_region is not None:
+            from batch_inference.regions import one_region_figures
+
+            with db.connect(self.url, retries=10) as conn:
+                rec.regions = (self.regions.figures(conn, self.job, rec.bill["rows_total"]) if self.regions is not None
+                               else one_region_figures(rec.gpu_hours, self.one_region[0], rec.bill["rows_total"],
+                                                       self.one_region[1]))
         rec.cost_ratio = round(float(bill.total / bill.all_synchronous_ceiling), 4) \
             if bill.all_synchronous_ceiling else None
         rec.dead_letters = [{"record_id": d["record_id"], "stage": d["stage"], "attempts": d["attempts"],
@@ -1163,14 +1212,15 @@ class NightsReport:
                             and n.bill.get("total_exact", n.bill.get("total", 0.0)) > self.config["budget"]],
             "autopilot": self.comparison(),
             "tiers": self.tier_comparison(),
+            "regions": self.region_comparison(),
         }
 
     def comparison(self) -> dict[str, Any] | None:
         """The autopilot off against on, over all nights and over the slowed ones: met rate, bill,
         fallback rows, GPU-hours, and how early the controller acted (its first add, and how long
         before the fixed fleet's cutoff fired that night). None unless both modes ran."""
-        off = {n.seed: n for n in self.nights if not n.autopilot}
-        on = {n.seed: n for n in self.nights if n.autopilot}
+        off = {n.seed: n for n in self.nights if not n.autopilot and not n.regions}
+        on = {n.seed: n for n in self.nights if n.autopilot and not n.regions}
         seeds = sorted(set(off) & set(on))
         if not seeds:
             return None
@@ -1216,6 +1266,41 @@ class NightsReport:
                                                                                           tiered[s].slack_s]}
                               for s in seeds]}
 
+    def region_comparison(self) -> dict[str, Any] | None:
+        """The nights over three regions against the single-region autopilot on the same nights: met, paged,
+        failed, duplicates, lost records, the bill (GPU at each cluster's price, replication and egress, the
+        rows), and per night the ratio and whether the regions' prices differed from the ledger region's
+        (``cheaper_elsewhere``: another region's record is cheaper, so the bill should be at most one region's).
+        None unless region nights ran."""
+        one = {n.seed: n for n in self.nights if n.regions.get("role") == "one"}
+        reg = {n.seed: n for n in self.nights if n.regions.get("role") == "regions"}
+        seeds = sorted(set(one) & set(reg))
+        if not seeds:
+            return None
+        a, b = run_totals([one[s] for s in seeds]), run_totals([reg[s] for s in seeds])
+        for side, runs in ((a, one), (b, reg)):
+            side["bill"] = round(sum(runs[s].regions["bill_usd"] for s in seeds), 6)
+        per = [{"seed": s, "verdict": [one[s].verdict, reg[s].verdict],
+                "bill": [one[s].regions["bill_usd"], reg[s].regions["bill_usd"]],
+                "ratio": round(reg[s].regions["bill_usd"] / one[s].regions["bill_usd"], 4)
+                if one[s].regions["bill_usd"] else None,
+                "plan": [one[s].regions["plan"], reg[s].regions["plan"]],
+                "faults": reg[s].regions["faults"], "lost": reg[s].regions["lost"], "steals": reg[s].regions["steals"],
+                "pages": reg[s].regions["pages"][:1], "slack_s": [one[s].slack_s, reg[s].slack_s],
+                "gpu_usd": [one[s].regions["gpu_usd"], reg[s].regions["gpu_usd"]],
+                "egress_usd": reg[s].regions["egress_usd"],
+                "cheaper_elsewhere": reg[s].regions.get("cheaper_elsewhere")}
+               for s in seeds]
+        differ = [x for x in per if x["cheaper_elsewhere"]]
+        return {"one_region": a, "regions": b, "bill_ratio": round(b["bill"] / a["bill"], 4) if a["bill"] else None,
+                "region_lost_nights": sum(1 for x in per if x["lost"]),
+                "prices_differ": {"nights": len(differ),
+                                  "at_most_one_region": sum(1 for x in differ if x["ratio"] is not None
+                                                            and x["ratio"] <= 1.0),
+                                  "worst_ratio": max((x["ratio"] for x in differ if x["ratio"] is not None),
+                                                     default=None)},
+                "per_night": per}
+
     def as_dict(self) -> dict[str, Any]:
         return {"passed": self.passed, "summary": self.summary(), "config": self.config,
                 "nights": [asdict(n) for n in self.nights], "wall_s": self.wall_s, "work_dir": self.work_dir}
@@ -1248,6 +1333,7 @@ class NightsReport:
                      f"{s['over_budget'] or 'none'}"] if s.get("budget") is not None else []),
                   *self._comparison_lines(s["autopilot"]),
                   *self._tier_lines(s["tiers"]),
+                  *self._region_lines(s["regions"]),
                   "PASSED" if self.passed else f"FAILED: nights {s['failing_seeds']} (replay one with --night SEED)"
                   + (f"; logs kept in {self.work_dir}" if self.work_dir else "")]
         return "\n".join(lines)
@@ -1265,6 +1351,26 @@ class NightsReport:
                 f"{b['lost']}, tail rows {a['fallback_rows']:,} -> {b['fallback_rows']:,}, tail bill "
                 f"${a['tail_bill']:,.4f} -> ${b['tail_bill']:,.4f}"
                 + (f" ({ratio:.3f} of one price)" if ratio is not None else "")]
+
+    @staticmethod
+    def _region_lines(cmp: dict[str, Any] | None) -> list[str]:
+        if not cmp:
+            return []
+        a, b, d = cmp["one_region"], cmp["regions"], cmp["prices_differ"]
+        out = ["", "one region (its autopilot) -> three regions (the autopilot over every cluster), same nights:",
+               f"  {a['nights']} nights: met {a['met']} -> {b['met']}, paged {a['paged']} -> {b['paged']}, failed "
+               f"{a['failed']} -> {b['failed']}, duplicates {a['duplicates']} -> {b['duplicates']}, lost {a['lost']} -> "
+               f"{b['lost']}, bill ${a['bill']:,.4f} -> ${b['bill']:,.4f}"
+               + (f" ({cmp['bill_ratio']:.3f} of one region)" if cmp["bill_ratio"] is not None else ""),
+               f"  a region lost on {cmp['region_lost_nights']} night(s); another region's record cheaper on "
+               f"{d['nights']} night(s), the regions' bill at most one region's on {d['at_most_one_region']} of them"
+               + (f" (worst {d['worst_ratio']:.3f})" if d["worst_ratio"] is not None else "")]
+        for x in cmp["per_night"]:
+            out.append(f"  night {x['seed']}: {x['verdict'][0]} -> {x['verdict'][1]}, bill ${x['bill'][0]:.4f} -> "
+                       f"${x['bill'][1]:.4f} ({x['ratio']}), plan {x['plan'][0]} -> {x['plan'][1]}, "
+                       f"{x['steals']} steal(s){', lost ' + ', '.join(x['lost']) if x['lost'] else ''}"
+                       f"{'; ' + '; '.join(x['faults']) if x['faults'] else ''}")
+        return out
 
     @staticmethod
     def _comparison_lines(cmp: dict[str, Any] | None) -> list[str]:
@@ -1285,6 +1391,27 @@ class NightsReport:
         return out
 
 
+def _region_pair(cfg: NightsConfig, seed: int, server: EmbeddedServer, work: Path) -> list[Night]:
+    """One night over three regions (``regions.RegionNight``) and the same night (its seed's faults) in
+    the ledger's region alone under the single-region autopilot, from the planner's first size there."""
+    from batch_inference.autopilot import Policy
+    from batch_inference.regions import RegionNight
+
+    policy = Policy(min_workers=cfg.min_workers, max_workers=cfg.region_capacity, margin_s=cfg.pilot_margin_s,
+                    start_s=cfg.pilot_start_s, cooldown_s=cfg.pilot_cooldown_s, window_s=cfg.pilot_window_s)
+    rn = RegionNight(seed, work / f"regions-{seed}", cfg.records, cfg.shard_size, cfg.batch_delay_s, cfg.deadline_s,
+                     cfg.overhead_s, policy, price_scale=cfg.gpu_hour / SEED_GPU_HOUR, capacity=cfg.region_capacity,
+                     poll_s=cfg.poll_s)
+    only, price, capacity = rn.one_region()
+    first = max(cfg.min_workers, sum(c.workers for c in only.clusters))
+    out = []
+    for run in (_NightRun(cfg, seed, server, work, pilot=True, one_region=(price, first, capacity)),
+                _NightRun(cfg, seed, server, work, regions=rn)):
+        out.append(run.run())
+        log.warning("%s", out[-1].line())
+    return out
+
+
 def run_nights(cfg: NightsConfig) -> NightsReport:
     """Run the configured nights one after another on one database server."""
     t_start = time.monotonic()
@@ -1299,6 +1426,9 @@ def run_nights(cfg: NightsConfig) -> NightsReport:
         for seed in cfg.seeds():
             for pilot in cfg.modes():
                 for tiered in cfg.tier_modes():
+                    if cfg.regions:
+                        nights += _region_pair(cfg, seed, server, work)
+                        continue
                     nights.append(_NightRun(cfg, seed, server, work, pilot, tiered).run())
                     log.warning("%s", nights[-1].line())
         report = NightsReport(asdict(cfg), nights, round(time.monotonic() - t_start, 1))

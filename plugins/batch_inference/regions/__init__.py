@@ -18,6 +18,8 @@
 * ``fleet``: one autopilot over every cluster: each cluster's size against
   the deadline at the least bill, recorded per cluster, and the steal gates
   the deadline's arithmetic opens.
+* ``nights``: a compressed night over three simulated regions for the
+  nights harness (``NightsConfig.regions``).
 * ``planner``: on paper, the least bill that meets a deadline across the
   clusters, and a lost region's shards placed again.
 
@@ -32,6 +34,7 @@ from batch_inference.regions.fleet import reconcile as reconcile_clusters
 from batch_inference.regions.lost import check as check_regions
 from batch_inference.regions.lost import end_region
 from batch_inference.regions.lost import watch as watch_regions
+from batch_inference.regions.nights import RegionNight, one_region_figures
 from batch_inference.regions.merge import merge_pending, merge_until, merge_until_settled
 from batch_inference.regions.planner import Workload, replan, single_regions
 from batch_inference.regions.planner import plan as plan_placement
@@ -41,7 +44,7 @@ from batch_inference.regions.store import StoreUnavailable, store_for
 
 __all__ = ["Deployment", "DeploymentError", "RegionLedger", "StoreUnavailable", "check_reachable", "check_regions",
            "ClusterPilot", "cluster_seconds", "decide_clusters", "launcher_name", "reconcile_clusters",
-           "steal_gates", "watch_regions",
+           "steal_gates", "watch_regions", "RegionNight", "one_region_figures",
            "end_region", "local_slots", "submit_placed",
            "Workload", "load_deployment", "merge_pending", "merge_until", "merge_until_settled", "parse_deployment",
            "place", "plan_placement",

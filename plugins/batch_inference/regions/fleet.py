@@ -380,8 +380,9 @@ class ClusterPilot:
              unreachable: Mapping[str, str] | None = None) -> FleetDecision:
         """One poll: ``stored`` batch rows so far, ``outstanding`` records, ``running``: what each cluster's
         launcher runs now; ``unreachable``: regions a launcher cannot reach (a Kubernetes API), with why."""
-        for found in watch_lost(conn, job_version, unreachable=unreachable, known=set(self.lost)):
-            self.lost[found["region"]] = found["reason"]
+        found = watch_lost(conn, job_version, unreachable=unreachable, known=set(self.lost))
+        for f in found:
+            self.lost[f["region"]] = f["reason"]
         live = {c.name: int(running.get(c.name, 0)) for c in self.deployment.clusters if c.region not in self.lost}
         assert self.throughput is not None
         per_worker = self.throughput.add(now.timestamp(), stored, sum(live.values()))
@@ -399,7 +400,7 @@ class ClusterPilot:
                 if c.action != HOLD:
                     log.warning("autopilot of %s, cluster %s: %s %d -> %d: %s", job_version, c.cluster, c.action,
                                 c.current, c.desired, c.reason)
-        if d.page and d.page not in self.pages:
+        if d.page and (not self.pages or found):      # paged once, and again when a region is lost
             self.pages.append(d.page)
             log.error("autopilot of %s: PAGE: %s", job_version, d.page)
         remaining = {r["region"]: int(r["records_left"])

@@ -1,0 +1,57 @@
+"""Compressed nights over three regions in the nights harness (``NightsConfig(regions=True)``,
+batch_inference.regions.RegionNight), each beside the same night in one region under its own autopilot.
+
+On the real parts: one embedded PostgreSQL, a path store and worker processes per region (``--region``,
+the far ones handing in result files), the merger near the ledger, the cutoff watch, the fallback pool
+against its loopback endpoint, validate and publish; the autopilot over every cluster sizes each
+cluster, opens steal gates by the deadline's arithmetic, and finds a region lost by itself. Seed 38
+draws a region lost a quarter into the night (its workers killed at once, its cluster unreachable) and
+another region's store gone soon after, beside the harness's own "history longer". The bill against
+one region is a figure (benchmarks/region_nights.py, docs/regions.md), not asserted here."""
+
+from __future__ import annotations
+
+from batch_inference.autopilot import Policy
+from batch_inference.nights import NightsConfig, run_nights
+from batch_inference.regions import RegionNight
+
+# Three workers' worth of work over a 40 s night: the planner spreads it over two regions (two workers each at
+# most), the single region gets the three regions' six.
+CFG = dict(records=600, shard_size=20, batch_delay_s=0.1, deadline_s=40.0, hosted_nights=0)
+
+
+def test_a_region_night_is_drawn_from_its_seed_alone_and_planned_over_the_cheapest_regions(tmp_path):
+    policy = Policy(margin_s=5, start_s=2, cooldown_s=8, window_s=4)
+    a, b = (RegionNight(38, tmp_path / x, 600, 20, 0.1, 40.0, 8.0, policy, capacity=2) for x in ("a", "b"))
+    assert a.deployment.model_dump()["clusters"][0]["gpu"] == b.deployment.model_dump()["clusters"][0]["gpu"]
+    assert a.faults == b.faults and a.faults.lost == "ap" and a.faults.store == "eu"
+    assert [(c.region, c.workers) for c in a.plan.clusters] == [("eu", 2), ("ap", 1)] and a.plan.meets
+    only, price, capacity = a.one_region()
+    assert capacity == 6 and [c.region for c in only.clusters] == ["us"] and price > 0
+
+
+def test_nights_over_three_regions_with_a_region_lost_are_met_or_paged_once_each_record():
+    report = run_nights(NightsConfig(nights=1, seed=38, regions=True, **CFG))
+    assert report.passed, report.table()
+    one, reg = report.nights
+    assert (one.regions["role"], reg.regions["role"]) == ("one", "regions")
+    for n in report.nights:
+        # met, or paged before the deadline; every record once (no duplicate, none lost)
+        assert n.verdict in ("met", "paged") and n.coverage["duplicates"] == 0 and n.lost == 0, n.line()
+    r = reg.regions
+    # the region killed and the store gone were found by the regions' autopilot's poll, not by hand
+    assert sorted(r["lost"]) == ["ap", "eu"], r
+    assert any("cluster cannot be reached" in x for x in r["lost_reasons"])
+    assert any("store does not answer" in x for x in r["lost_reasons"])
+    # their gates opened, their shards went to the region left, each steal read across and priced with the
+    # gate's arithmetic: the egress is in the bill
+    assert {g[0] for g in r["gates"]} >= {"ap", "eu"} and all(g[1].startswith("open: ") for g in r["gates"][:2])
+    assert r["steals"] > 0 and all(usd > 0 and "lost" in why for usd, why in r["steal_reasons"])
+    assert r["egress_usd"] > 0 and r["bill_usd"] > r["gpu_usd"]
+    # each cluster's decision with its reason: us had no worker in the plan and was added; the lost ones removed
+    assert r["worker_seconds"]["us-gpu"] > 0
+    assert any(c == "us-gpu" and a == "add" and "behind" in why for c, a, why in r["decisions"])
+    assert any(a == "remove" and "lost" in why for c, a, why in r["decisions"])
+    cmp = report.summary()["regions"]
+    assert cmp["one_region"]["nights"] == cmp["regions"]["nights"] == 1 and cmp["region_lost_nights"] == 1
+    assert "one region (its autopilot) -> three regions" in report.table()
