@@ -28,7 +28,10 @@ through ``Ledger.put_results`` (the database side of the control plane with no
 worker around it), and CPU per record of every arm, which the machine's load
 moves far less than wall time.
 
-    python -m benchmarks.control_plane [--records N] [--workers W] [--flush 200,1000] [--repeats R]
+With ``--components``, also ``put_components``: the put's server CPU taken apart beside the raw
+insert's on one backend (the 8-way hash partitions of a job's results, the snapshot read, the guards).
+
+    python -m benchmarks.control_plane [--records N] [--workers W] [--flush 200,1000] [--repeats R] [--components]
 """
 
 from __future__ import annotations
@@ -71,6 +74,20 @@ INSERT INTO public.raw_results (job_version, record_id, output, category, model_
 SELECT %(job)s, u.id, u.output, u.category, 'noop', %(digest)s, 'v1', 'batch', 'noop', 'local', 'raw', 1,
        ARRAY['team0'], md5(u.id)
   FROM unnest(%(ids)b::text[], %(outputs)b::text[]::jsonb[], %(categories)b::text[]) AS u(id, output, category)
+ON CONFLICT (job_version, record_id) DO NOTHING
+"""
+
+
+# The put's own snapshot read: the ACL and content hash every result carries, from the rows of the
+# shard's snapshot (bi.put_results_v3 joins them the same way: one key scan with all of the call's ids).
+RAW_INSERT_JOINED = """
+INSERT INTO public.raw_results (job_version, record_id, output, category, model_name, model_digest,
+                                prompt_version, transport, engine, endpoint, worker_id, epoch, acl, content_hash)
+SELECT %(job)s, u.id, u.output, u.category, 'noop', %(digest)s, 'v1', 'batch', 'noop', 'local', 'raw', 1,
+       sr.acl, sr.content_hash
+  FROM unnest(%(ids)b::text[], %(outputs)b::text[]::jsonb[], %(categories)b::text[]) AS u(id, output, category)
+  JOIN bi.snapshot_rows sr ON sr.record_id = u.id
+ WHERE sr.job_version = %(snapshot)s AND sr.record_id = ANY (%(ids)b::text[])
 ON CONFLICT (job_version, record_id) DO NOTHING
 """
 
@@ -138,14 +155,16 @@ def ledger_put(conn: psycopg.Connection, run: str, records: int, shard_size: int
     control plane alone, comparable with the raw ceiling on the same single connection."""
     spec = bench_spec(shard_size=shard_size, prompt={"version": f"put_{run}", "system": "Classify the support ticket."})
     job = submit(conn, spec).job_version
-    answer = minimal_instance(BENCH_SCHEMA)
+    # JSON text, as the worker sends it (check_for_storage keeps the engine's text): the arm is the
+    # database side, so no json.dumps per record in it.
+    answer = json.dumps(minimal_instance(BENCH_SCHEMA), ensure_ascii=False)
     ledger = Ledger(conn, job, f"bench-{run}")
     server = ServerCpu(conn)
     s0 = server()
     t0 = time.perf_counter()
     written = 0
     while (lease := ledger.claim()) is not None:
-        ids = [r["record_id"] for r in ledger.records(lease)]
+        ids = ledger.record_columns(lease)[0]   # the worker's read (ids, texts, attempts, crashes)
         for s in range(0, len(ids), batch):
             chunk = ids[s:s + batch]
             written += ledger.put_results(lease, chunk, [answer] * len(chunk), ["billing"] * len(chunk))
@@ -155,6 +174,64 @@ def ledger_put(conn: psycopg.Connection, run: str, records: int, shard_size: int
     assert written == records, (written, records)
     conn.execute("SELECT bi.drop_job_version_v1(%s)", (job,))
     return records / elapsed, server_s / records
+
+
+def put_components(conn: psycopg.Connection, run: str, records: int, shard_size: int, batch: int
+                   ) -> dict[str, float]:
+    """Where the put's server CPU goes beside the raw insert's: CPU of this connection's backend alone
+    (so neither the machine's other work nor the server's background processes count), us per row,
+    ``batch`` rows a statement, each arm on a new partition, in one run:
+
+    * ``raw``: the raw ceiling's insert;
+    * ``raw_hash8``: the same into a partition hash-partitioned by record id into 8, as a job's results are;
+    * ``raw_snapshot``: the raw insert reading each row's ACL and content hash from a job's snapshot;
+    * ``raw_hash8_snapshot``: both;
+    * ``put``: ``Ledger.put_results`` over a whole job (its calls alone timed: the fence, the shard's
+      counters and the category stripes on top of the last arm).
+    """
+    import psutil
+
+    backend = psutil.Process(conn.info.backend_pid)
+
+    def cpu() -> float:
+        return sum(backend.cpu_times()[:2])
+
+    spec = bench_spec(shard_size=shard_size, prompt={"version": f"parts_{run}", "system": "Classify the support ticket."})
+    job = submit(conn, spec).job_version
+    payload = json.dumps(minimal_instance(BENCH_SCHEMA), ensure_ascii=False)
+    ids = [f"t{i:09d}" for i in range(1, records + 1)]
+    conn.execute(RAW_TABLE)
+    out: dict[str, float] = {}
+    for name, hashed, statement in (("raw", False, RAW_INSERT), ("raw_hash8", True, RAW_INSERT),
+                                    ("raw_snapshot", False, RAW_INSERT_JOINED),
+                                    ("raw_hash8_snapshot", True, RAW_INSERT_JOINED)):
+        part = f"raw_results_{run}_{name}"
+        conn.execute(f"CREATE TABLE {part} PARTITION OF public.raw_results FOR VALUES IN ('{part}')"
+                     + (" PARTITION BY HASH (record_id)" if hashed else ""))
+        for i in range(8 if hashed else 0):
+            conn.execute(f"CREATE TABLE {part}_{i} PARTITION OF {part} FOR VALUES WITH (MODULUS 8, REMAINDER {i})")
+        conn.execute("CHECKPOINT")
+        c0 = cpu()
+        for s in range(0, records, batch):
+            chunk = ids[s:s + batch]
+            conn.execute(statement, {"job": part, "snapshot": job, "digest": "0" * 64, "ids": chunk,
+                                     "outputs": [payload] * len(chunk), "categories": ["billing"] * len(chunk)})
+        out[name] = (cpu() - c0) / records
+        conn.execute(f"DROP TABLE {part}")
+    ledger = Ledger(conn, job, f"bench-{run}")
+    conn.execute("CHECKPOINT")
+    put_s = 0.0
+    while (lease := ledger.claim()) is not None:
+        rids = ledger.record_columns(lease)[0]
+        for s in range(0, len(rids), batch):
+            chunk = rids[s:s + batch]
+            c0 = cpu()
+            ledger.put_results(lease, chunk, [payload] * len(chunk), ["billing"] * len(chunk))
+            put_s += cpu() - c0
+        assert ledger.complete(lease) == "done"
+    out["put"] = put_s / records
+    conn.execute("SELECT bi.drop_job_version_v1(%s)", (job,))
+    return out
 
 
 def startup_cpu(url: str, job: str) -> float:
@@ -202,7 +279,7 @@ def pipeline(url: str, conn: psycopg.Connection, run: str, records: int, shard_s
 
 
 def run(records: int = 100_000, shard_size: int = 5000, workers: int = 2, flush: tuple[int, ...] = (200, 1000),
-        repeats: int = 3, patches: tuple[str, ...] = ()) -> dict[str, Any]:
+        repeats: int = 3, patches: tuple[str, ...] = (), components: bool = False) -> dict[str, Any]:
     with fresh_server() as url, db.connect(url) as conn:
         for path in patches:  # a prototype of a core change, applied over the migrated schema
             conn.execute((REPO / path).read_text() if not path.startswith("/") else open(path).read())
@@ -214,9 +291,14 @@ def run(records: int = 100_000, shard_size: int = 5000, workers: int = 2, flush:
                                                           "writers": [], "writers_ratio": []}
                                                        for f in flush}
         start_cpu: float | None = None
+        judged = WorkerConfig.flush_every if WorkerConfig.flush_every in flush else flush[0]
+        parts: dict[str, list[float]] = {}
         for rep in range(repeats):
             for f in flush:
                 run_id = f"r{rep}_f{f}"
+                if components and f == judged:
+                    for k, v in put_components(conn, run_id, records, shard_size, f).items():
+                        parts.setdefault(k, []).append(v)
                 ceiling, raw_server, raw_client = raw_ceiling(conn, run_id, records, f)
                 ceiling_cpu = raw_server + raw_client
                 put, put_server = ledger_put(conn, run_id, records, shard_size, f)
@@ -264,7 +346,6 @@ def run(records: int = 100_000, shard_size: int = 5000, workers: int = 2, flush:
                      "ratio_vs_writers": round(median(d["writers_ratio"]), 3)} if d["writers"] else {})}
         for f, d in per_flush.items()}
     # Judged at the flush size workers use unless told otherwise.
-    judged = WorkerConfig.flush_every if WorkerConfig.flush_every in flush else flush[0]
     default = results[str(judged)]
     return {"benchmark": "control_plane", "records": records, "shard_size": shard_size, "workers": workers,
             "repeats": repeats, "flush_every": list(flush), "judged_flush": judged, "by_flush": results,
@@ -272,7 +353,10 @@ def run(records: int = 100_000, shard_size: int = 5000, workers: int = 2, flush:
             "ratio": default["ratio"], "ratio_vs_writers": default.get("ratio_vs_writers"),
             "target": f">= {TARGET} (against one connection and against as many raw writers as workers)",
             "met": default["ratio"] >= TARGET and default.get("ratio_vs_writers", TARGET) >= TARGET,
-            "patches": list(patches), "postgres": version, "machine": machine()}
+            "patches": list(patches),
+            **({"put_components_backend_cpu_us_per_row": {k: rnd(median(v) * 1e6) for k, v in parts.items()}}
+               if parts else {}),
+            "postgres": version, "machine": machine()}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -285,9 +369,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--patch", action="append", default=[],
                     help="SQL file applied after the migrations (a prototype of a core fix, e.g. "
                          "a CREATE OR REPLACE FUNCTION of bi.put_results_v3)")
+    ap.add_argument("--components", action="store_true",
+                    help="also time the put's parts beside the raw insert on one backend's CPU (put_components), "
+                         "at the judged flush size")
     a = ap.parse_args(argv)
     emit(run(a.records, a.shard_size, a.workers, tuple(int(x) for x in a.flush.split(",")), a.repeats,
-             tuple(a.patch)))
+             tuple(a.patch), a.components))
     return 0
 
 

@@ -73,6 +73,7 @@ def check_control_plane(out: dict) -> None:
 
 def check_submit(out: dict) -> None:
     assert {"snapshot_scan", "snapshot_insert", "snapshot_attach", "commit"} <= out["steps_s"].keys()
+    assert out["cli_submit_s"] > out["submit_s"] > 0 and out["cli_keyed_ratio"] > 0   # the CLI's start-up on top
     if importlib.util.find_spec("batch_inference.validate") is not None:
         assert out["validate_s"] > 0 and "validate_ratio" in out
 
