@@ -42,23 +42,42 @@ class Manifest:
     applied: list[str] = field(default_factory=list)
     # The output schema's limits the engine cannot enforce while generating, in one line (engines.unenforced_line).
     not_enforced: str | None = None
+    # Submitted onto a deployment of several regions: what placing it did (regions.place: per region, shards,
+    # bytes, seconds and dollars of replication).
+    regions: dict[str, Any] | None = None
 
     def as_dict(self) -> dict[str, Any]:
         """The manifest as JSON, its dead-letter count named for what it counts: the records refused at
         planning (too long, empty, ...), not those the workers dead-letter later (``status`` counts all)."""
         out = asdict(self)
         return {k if k != "dead_letters" else "dead_letters_at_planning": v for k, v in out.items()
-                if k != "not_enforced" or v}
+                if k not in ("not_enforced", "regions") or v}
 
 
 def submit(conn: psycopg.Connection, spec: JobSpec,
            rows: Iterable[Mapping[str, Any]] | None = None, *,
-           reader: sources.Reader | None = None) -> Manifest:
+           reader: sources.Reader | None = None, deployment: Any = None) -> Manifest:
     """Snapshot the source and plan shards. ``rows`` overrides the source (rows
     read elsewhere); otherwise ``reader`` (default: ``sources.for_spec(spec)``)
     checks the source before anything is written, pins it (what pins it is
     recorded in the job's stored spec) and streams its rows, or, for a
-    PostgreSQL table or query, names the relation the ledger reads in SQL."""
+    PostgreSQL table or query, names the relation the ledger reads in SQL.
+    ``deployment`` (a ``regions.Deployment``): every store and Kubernetes
+    connection it names is asked first (``regions.DeploymentError``, nothing
+    written), and the version is placed on it after (``regions.place``: each
+    shard's replica written near its cluster; the manifest's ``regions``). The
+    job version is the same with or without one (I2)."""
+    if deployment is None:
+        return _check_and_submit(conn, spec, rows, reader)
+    from batch_inference.regions import check_reachable, place
+
+    stores = check_reachable(deployment)
+    m = _check_and_submit(conn, spec, rows, reader)
+    return replace(m, regions=place(conn, m.job_version, deployment, stores=stores))
+
+
+def _check_and_submit(conn: psycopg.Connection, spec: JobSpec, rows: Iterable[Mapping[str, Any]] | None,
+                      reader: sources.Reader | None) -> Manifest:
     _check_engine(spec)                   # a dotted-path engine that does not resolve: one line, nothing written
     destinations.check_spec(conn, spec)   # an unreachable or uncleared destination: one line, nothing written
     if spec.task == "embed":

@@ -67,19 +67,13 @@ def run_submit(args: argparse.Namespace) -> int:
     from batch_inference.status import job_counts
 
     weights = check_at_submit(spec)   # weights here that do not match the pin: refused before anything is written
-    placement = None
     with connect(args) as conn:
-        if deployment is None:
-            m = submit(conn, spec, reader=reader)
-        else:   # a store or connection that does not answer: one line, nothing written
-            from batch_inference.regions import submit_placed
-
-            m, placement = submit_placed(conn, spec, deployment, reader=reader)
+        # with a deployment: a store or connection that does not answer is one line, nothing written
+        m = submit(conn, spec, reader=reader, deployment=deployment)
         total = job_counts(conn, m.job_version)["dead_letters"]
     # dead_letters_at_planning counts the records refused at planning; dead_letters_total, the version's
     # dead letters now (a resubmit of a version the workers already ran counts theirs too).
-    print_json({**m.as_dict(), "dead_letters_total": total, "weights": weights,
-                **({"regions": placement} if placement is not None else {})})
+    print_json({**m.as_dict(), "dead_letters_total": total, "weights": weights})
     if weights.startswith("not checked here"):
         print(f"note: model weights {printable(weights)}", file=sys.stderr)
     if m.applied:

@@ -105,7 +105,7 @@ class SubmitJobOperator(LedgerTask, BaseOperator):
         version, this run waits, deferred, and checks again after this many seconds.
     :param deployment: a deployment YAML (clusters in several regions, docs/regions.md; relative paths
         next to the DAG file), or empty: every store and Kubernetes connection is asked before anything is
-        written, then the snapshot is replicated near each cluster (``regions.submit_placed``); the
+        written, then the snapshot is replicated near each cluster (``plan.submit``'s ``deployment``); the
         manifest's ``regions`` says what replication cost. Templated.
     """
 
@@ -171,7 +171,6 @@ class SubmitJobOperator(LedgerTask, BaseOperator):
             raise AirflowFailException(str(exc)) from None
 
     def execute(self, context: Context) -> dict[str, Any]:
-        from batch_inference.plan import submit
         from batch_inference.snapshot import SnapshotError
 
         from batch_inference.sources import for_spec
@@ -185,10 +184,7 @@ class SubmitJobOperator(LedgerTask, BaseOperator):
         run = dag_run_ids(context)
         try:
             with hook.get_conn() as conn:
-                if deployment is None:
-                    manifest = submit(conn, spec, reader=reader).as_dict()
-                else:
-                    manifest = self._submit_placed(conn, spec, deployment, reader)
+                manifest = self._submit(conn, spec, reader, deployment)
                 if run:
                     record_job_run(conn, *run, manifest["job_version"], manifest["created"])
                     busy = self._earlier_active_run(conn, context, manifest["job_version"], *run)
@@ -224,17 +220,18 @@ class SubmitJobOperator(LedgerTask, BaseOperator):
         except DeploymentError as exc:
             raise AirflowFailException(str(exc)) from None
 
-    def _submit_placed(self, conn: Any, spec: Any, deployment: Any, reader: Any) -> dict[str, Any]:
-        from batch_inference.regions import DeploymentError, submit_placed
+    def _submit(self, conn: Any, spec: Any, reader: Any, deployment: Any) -> dict[str, Any]:
+        from batch_inference.plan import submit
+        from batch_inference.regions import DeploymentError
 
         try:
-            manifest, placement = submit_placed(conn, spec, deployment, reader=reader)
+            manifest = submit(conn, spec, reader=reader, deployment=deployment).as_dict()
         except DeploymentError as exc:   # a store or connection that does not answer: nothing written
             raise AirflowFailException(str(exc)) from None
-        for region, c in placement["regions"].items():
+        for region, c in (manifest.get("regions") or {}).get("regions", {}).items():
             self.log.info("region %s: %d shard replicas, %d bytes in %.2f s, $%.4f egress", region, c["shards"],
                           c["bytes"], c["seconds"], c["usd"])
-        return {**manifest.as_dict(), "regions": placement}
+        return manifest
 
     def execute_after_wait(self, context: Context, event: Any = None) -> dict[str, Any]:
         """Back from waiting for an earlier run of the same job version: submit again (it finds the version)."""

@@ -4,9 +4,9 @@
   interruption rate, capacity, object store) and the egress prices between
   regions, validated; not part of the job version (I2).
 * ``store``: a region's object store (S3 at an endpoint, or a path).
-* ``replicas``: a submit onto a deployment (stores and connections checked
-  before anything is written) and the placement of the version over the
-  regions, each shard's replica in its home region (content-addressed Parquet,
+* ``replicas``: the stores and connections checked before a submit onto a
+  deployment writes anything (``plan.submit(deployment=...)``), and the
+  placement of the version over the regions, each shard's replica in its home region (content-addressed Parquet,
   digest in the ledger), what replication cost.
 * ``ledger``: ``RegionLedger``, what a worker started with ``--region`` is
   given in place of the plain ledger: near shards first, steals recorded and
@@ -39,13 +39,12 @@ from batch_inference.regions.merge import merge_pending, merge_until, merge_unti
 from batch_inference.regions.planner import Workload, replan, single_regions
 from batch_inference.regions.planner import plan as plan_placement
 from batch_inference.regions.replicas import check_reachable, local_slots, place, report
-from batch_inference.regions.replicas import submit as submit_placed
 from batch_inference.regions.store import StoreUnavailable, store_for
 
 __all__ = ["Deployment", "DeploymentError", "RegionLedger", "StoreUnavailable", "check_reachable", "check_regions",
            "ClusterPilot", "cluster_seconds", "decide_clusters", "launcher_name", "reconcile_clusters",
            "steal_gates", "watch_regions", "RegionNight", "one_region_figures",
-           "end_region", "local_slots", "submit_placed",
+           "end_region", "local_slots",
            "Workload", "load_deployment", "merge_pending", "merge_until", "merge_until_settled", "parse_deployment",
            "place", "plan_placement",
            "replan", "report", "single_regions", "store_for"]

@@ -7,14 +7,14 @@ that is the sha256 of its bytes; the digest is recorded in the ledger
 digest (``read_replica``); one that is missing or does not match is rebuilt
 from the ledger's rows of the shard, never read.
 
-``submit`` is a submit onto a deployment: every store and Kubernetes
-connection is asked first (``check_reachable``: a refusal writes nothing, not
-even the job version), then ``plan.submit`` makes the job version (regions are
-not part of it, I2) and ``place`` replicates it. ``place`` gives each region a
-range of shards in proportion to its clusters' capacity, writes their replicas,
-and records clusters, egress prices, replicas and what replication cost (bytes,
-seconds, and dollars: the bytes at the egress price from the ledger's region)
-in one transaction.
+``plan.submit`` with a deployment asks every store and Kubernetes connection
+first (``check_reachable``: a refusal writes nothing, not even the job
+version), then makes the job version (regions are not part of it, I2) and
+``place`` replicates it. ``place`` gives each region a range of shards in
+proportion to its clusters' capacity, writes their replicas, and records
+clusters, egress prices, replicas and what replication cost (bytes, seconds,
+and dollars: the bytes at the egress price from the ledger's region) in one
+transaction.
 """
 
 from __future__ import annotations
@@ -123,18 +123,6 @@ def check_reachable(deployment: Deployment) -> dict[str, ObjectStore]:
         except StoreUnavailable as exc:
             raise DeploymentError(f"region {region!r}: {exc}") from None
     return stores
-
-
-def submit(conn: psycopg.Connection, spec: Any, deployment: Deployment, *, reader: Any = None,
-           weights: dict[str, float] | None = None) -> tuple[Any, dict[str, Any]]:
-    """Submit ``spec`` onto ``deployment``: the stores and connections asked before anything is written,
-    then ``plan.submit`` (the same job version as without a deployment) and ``place``. Returns the
-    manifest and the placement."""
-    from batch_inference.plan import submit as plan_submit
-
-    stores = check_reachable(deployment)
-    manifest = plan_submit(conn, spec, reader=reader)
-    return manifest, place(conn, manifest.job_version, deployment, weights, stores=stores)
 
 
 def place(conn: psycopg.Connection, job_version: str, deployment: Deployment,
