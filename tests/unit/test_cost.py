@@ -239,3 +239,23 @@ def test_a_ladder_is_priced_rung_by_rung():
     d = priced.to_dict()
     assert [r["cost"] for r in d["rungs"]] == [0.04, 0.03] and d["batch_cost"] == 0.07
     assert priced_by_rung(report, []) is report
+
+
+def test_the_regions_add_replication_and_egress_to_the_bill_and_its_floor_not_to_the_overage():
+    from batch_inference.cost import cost_report, with_regions
+
+    night = cost_report(800, 200, total_rows=1000)
+    row = {"placed": True, "ledger_region": "us-east", "replication_bytes": 5_000_000_000,
+           "replication_seconds": 12.5, "replication_usd": 0.25, "steals": 3, "steal_bytes": 1_000_000_000,
+           "steal_usd": 0.05, "merged_files": 7, "merge_bytes": 2_000_000_000, "merge_usd": 0.04}
+    placed = with_regions(night, row)
+    assert placed.total == night.total + Decimal("0.34")
+    assert placed.clean_batch_floor == night.clean_batch_floor + Decimal("0.34")
+    assert placed.overage == night.overage and placed.all_synchronous_ceiling == night.all_synchronous_ceiling
+    out = placed.to_dict()["regions"]
+    assert (out["replication_cost"], out["egress_cost"], out["egress_bytes"]) == (0.25, 0.09, 3_000_000_000)
+    lines = placed.lines()
+    assert any(ln.startswith("replication") and "from us-east" in ln for ln in lines)
+    assert any(ln.startswith("egress") and "3 steals, 7 result files" in ln for ln in lines)
+    # a version in one region: nothing added, no lines
+    assert with_regions(night, {**row, "placed": False}) is night and "regions" not in night.to_dict()
