@@ -19,7 +19,8 @@ process of its own, timed from its start to its exit (interpreter start-up,
 imports, the spec file, the connection and its migration check, the weights
 check and the counts it prints included), a new job version over the same
 source in the same repeat; ``cli_keyed_ratio`` is it against the keyed copy,
-``cli_fixed_s`` what the CLI adds to the in-process submit.
+``cli_fixed_s`` what the CLI adds to the in-process submit, ``cli_keyed_cpu_ratio`` the
+CLI's process and server CPU against the keyed copy's server CPU.
 
 Validate runs over the same job version after its results have been written
 directly with SQL (one result per record, as a finished job has), because the
@@ -43,6 +44,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import json
+import os
 import re
 import subprocess
 import tempfile
@@ -169,23 +171,30 @@ def keyed_copy(conn: psycopg.Connection, n: int) -> tuple[float, float]:
     return elapsed, server_cpu
 
 
-def cli_submit(url: str, conn: psycopg.Connection, shard_size: int, version: str) -> float:
-    """Wall seconds of ``batch-inference submit SPEC`` in its own process, start to exit, for a new job
-    version (prompt version ``version``) over the same source; the version is dropped after."""
+def cli_submit(url: str, conn: psycopg.Connection, shard_size: int, version: str) -> tuple[float, float, float]:
+    """(wall seconds, the process's CPU seconds, server CPU seconds) of ``batch-inference submit SPEC`` in
+    its own process, start to exit, for a new job version (prompt version ``version``) over the same
+    source; the version is dropped after."""
     spec = bench_spec(shard_size=shard_size, prompt={"version": version, "system": "Classify the support ticket."})
     cli = str(Path(PYTHON).with_name("batch-inference"))
-    with tempfile.NamedTemporaryFile("w", suffix=".yaml") as f:
+    server = ServerCpu(conn)
+    with tempfile.NamedTemporaryFile("w", suffix=".yaml") as f, tempfile.TemporaryFile("w+") as out, \
+            tempfile.TemporaryFile("w+") as err:
         f.write(json.dumps(spec.model_dump(mode="json", exclude_none=True)))   # JSON is YAML
         f.flush()
-        t0 = time.perf_counter()
-        done = subprocess.run([cli, "submit", f.name], cwd=REPO, env=worker_env(url), capture_output=True, text=True)
-        elapsed = time.perf_counter() - t0
-    if done.returncode != 0:
-        raise RuntimeError(f"batch-inference submit exited {done.returncode}: {done.stderr[-2000:]}")
-    job = json.loads(done.stdout.strip().splitlines()[-1])["job_version"]
+        s0, t0 = server(), time.perf_counter()
+        proc = subprocess.Popen([cli, "submit", f.name], cwd=REPO, env=worker_env(url), stdout=out, stderr=err)
+        _, status, usage = os.wait4(proc.pid, 0)
+        elapsed, server_cpu = time.perf_counter() - t0, server() - s0
+        proc.returncode = os.waitstatus_to_exitcode(status)
+        out.seek(0)
+        err.seek(0)
+        if proc.returncode != 0:
+            raise RuntimeError(f"batch-inference submit exited {proc.returncode}: {err.read()[-2000:]}")
+        job = json.loads(out.read().strip().splitlines()[-1])["job_version"]
     conn.execute("SELECT bi.drop_job_version_v1(%s)", (job,))
     conn.execute("CHECKPOINT")
-    return elapsed
+    return elapsed, usage.ru_utime + usage.ru_stime, server_cpu
 
 
 def write_results(conn: psycopg.Connection, job: str) -> None:
@@ -222,7 +231,8 @@ def run(records: int = 1_000_000, repeats: int = 3, shard_size: int = 5000, text
     outs = {order: run_order(records, repeats, shard_size, text_len, order) for order in id_orders}
     out = dict(outs[id_orders[0]])
     out["by_id_order"] = {order: {k: o[k] for k in ("raw_copy_s", "keyed_copy_s", "submit_s", "ratio", "keyed_ratio",
-                                                     "cli_submit_s", "cli_keyed_ratio", "keyed_server_cpu_ratio",
+                                                     "cli_submit_s", "cli_keyed_ratio", "cli_keyed_cpu_ratio",
+                                                     "keyed_server_cpu_ratio",
                                                      "steps_s")}
                           for order, o in outs.items()}
     out["keyed_target"] = f"<= {TARGET} (submit / keyed copy, every id order)"
@@ -246,6 +256,7 @@ def run_order(records: int, repeats: int, shard_size: int, text_len: int, ids: s
     vstep_server: dict[str, list[float]] = {}
     submits: list[float] = []
     clis: list[float] = []
+    cli_cpus: list[float] = []
     validates: list[float] = []
     analyzes: list[float] = []
     vsteps: dict[str, list[float]] = {}
@@ -316,7 +327,9 @@ def run_order(records: int, repeats: int, shard_size: int, text_len: int, ids: s
             # Keep the database the same size for every repeat.
             conn.execute("SELECT bi.drop_job_version_v1(%s)", (m.job_version,))
             conn.execute("CHECKPOINT")
-            clis.append(cli_submit(url, conn, shard_size, f"cli{rep}"))
+            cli_wall, cli_cpu, cli_server = cli_submit(url, conn, shard_size, f"cli{rep}")
+            clis.append(cli_wall)
+            cli_cpus.append(cli_cpu + cli_server)
         version = pg_version(conn)
     copy_s, submit_s = median(copies), median(submits)
     out: dict[str, Any] = {
@@ -335,6 +348,8 @@ def run_order(records: int, repeats: int, shard_size: int, text_len: int, ids: s
         # Through the CLI, start-up included, and what the CLI adds to the in-process submit.
         "cli_submit_s": rnd(median(clis)), "cli_keyed_ratio": round(median(clis) / median(keyed), 2),
         "cli_fixed_s": rnd(median(clis) - submit_s),
+        # The same in CPU, which the load moves less: the CLI's process and the server against the keyed copy's server.
+        "cli_cpu_s": rnd(median(cli_cpus)), "cli_keyed_cpu_ratio": _ratio(median(cli_cpus), median(keyed_server)),
         "keyed_server_cpu_ratio": _ratio(median(submit_server), median(keyed_server)),
         "steps_s": {k: rnd(median(v)) for k, v in sorted(steps.items(), key=lambda kv: -median(kv[1]))},
         "steps_cpu_s": {k: rnd(median(v)) for k, v in sorted(step_cpus.items(), key=lambda kv: -median(kv[1]))},
