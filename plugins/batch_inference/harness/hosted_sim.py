@@ -27,6 +27,8 @@ from collections.abc import Callable
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
+from batch_inference.harness.loopback import POLL_S
+
 Route = tuple[str, "re.Pattern[str]", Callable[..., tuple[int, Any]]]
 
 
@@ -48,7 +50,7 @@ class BatchProvider(ThreadingHTTPServer):
         self.calls: list[tuple[str, str]] = []
         self.auth: set[str] = set()       # the credentials requests carried (Authorization or x-api-key)
         self._stop = threading.Event()
-        threading.Thread(target=self.serve_forever, daemon=True).start()
+        threading.Thread(target=self.serve_forever, args=(POLL_S,), daemon=True).start()
         threading.Thread(target=self._run, daemon=True).start()
 
     @property

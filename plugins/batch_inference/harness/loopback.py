@@ -21,6 +21,9 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
 Answer = tuple[int, dict[str, str], Any]   # or (status, headers, payload, seconds to hold this answer)
+# How often a server's loop looks for a shutdown, so close() returns within it (socketserver's default
+# is 0.5 s, half a second at every close of a test's server).
+POLL_S = 0.05
 DROP = b"\0drop"      # a payload that drops the request: the connection closes with no answer
 
 
@@ -43,7 +46,7 @@ class ChatServer(ThreadingHTTPServer):
         self.lock = threading.Lock()
         self.in_flight = 0
         self.max_in_flight = 0
-        threading.Thread(target=self.serve_forever, daemon=True).start()
+        threading.Thread(target=self.serve_forever, args=(POLL_S,), daemon=True).start()
 
     @property
     def base_url(self) -> str:
