@@ -24,6 +24,12 @@ fallback are untouched: the autopilot only makes firing rarer.
 
 The arithmetic is pure (``decide``); the ledger reads and writes at the bottom are sync,
 for the launchers (the watch awaits the same named statements).
+
+This is the autopilot of one fleet at one price: a job version with no deployment, or one
+cluster. A version placed over several clusters (``batch_inference.regions``) is steered per
+cluster by ``regions.ClusterPilot`` with this module's policy, throughput and hysteresis: each
+cluster's size at its own price (spot or on demand, egress counted), recorded per cluster
+(bi.fleet_decisions.cluster, bi.fleet_cluster_size), with steal gates and lost regions.
 """
 
 from __future__ import annotations

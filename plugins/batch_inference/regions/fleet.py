@@ -189,6 +189,11 @@ def decide_clusters(now: datetime, deadline: datetime, outstanding: int, per_wor
             out[c.name] = (ADD, f"behind: {outstanding:,} records need {need:.2f} more records/s from "
                                 f"{policy.start_s:g}s on; +{k} here at ${ch.record_usd * 1e6:,.2f} per million "
                                 f"records ({ch.reason})")
+        for c in live:
+            if c.name not in out:
+                out[c.name] = (HOLD, f"behind, holding {cur[c.name]} here: at its capacity" if cur[c.name] >= c.capacity
+                               else f"behind, holding {cur[c.name]} here: cheaper records elsewhere cover the "
+                                    f"{need:.2f} records/s wanted")
         if added < need:
             capacity = sum(c.capacity * choices[c.name].per_worker for c in live)
             page = (f"the deadline cannot be met across the clusters{' not lost' if lost else ''}: {outstanding:,} "
