@@ -27,7 +27,8 @@ from benchmarks.common import REPO  # noqa: E402
 
 # name -> (arguments at full size, arguments with --quick)
 BENCHMARKS: dict[str, tuple[list[str], list[str]]] = {
-    "control_plane": ([], ["--records", "2000", "--shard-size", "500", "--flush", "200,1000", "--repeats", "1"]),
+    "control_plane": (["--components"], ["--records", "2000", "--shard-size", "500", "--flush", "200,1000",
+                                          "--repeats", "1", "--components"]),
     "submit": ([], ["--records", "5000", "--shard-size", "500", "--repeats", "1"]),
     "cutoff_poll": ([], ["--cases", "100:500000,100:5000000,1000:5000000", "--polls", "20"]),
     "memory": ([], ["--shards", "1,2", "--shard-size", "200", "--repeats", "1"]),
