@@ -123,3 +123,14 @@ SELECT d.region, count(*)::integer AS held,
 -- name: region_autopilot_decisions  the regions found lost, the steal gates opened or closed and the steals (egress priced), oldest first
 SELECT kind, region, home_region, at, usd, reason FROM bi.region_decisions
  WHERE job_version = %(job)s AND kind IN ('region_lost', 'steal_gate', 'steal') ORDER BY id;
+
+-- name: region_egress_of_job  the egress prices a placed version was given, every ordered pair of its regions
+SELECT from_region, to_region, usd_per_gb FROM bi.region_egress WHERE job_version = %(job)s
+ ORDER BY from_region, to_region;
+
+-- name: fleet_running_by_launcher  what each launcher of a job version last said it runs
+SELECT DISTINCT ON (launcher) launcher, running FROM bi.fleet_observed
+ WHERE job_version = %(job)s ORDER BY launcher, id DESC;
+
+-- name: fleet_cluster_size  one cluster's desired batch fleet (no row: the regions' autopilot has not sized it)
+SELECT desired, decided_at FROM bi.fleet_cluster_size WHERE job_version = %(job)s AND cluster = %(cluster)s;

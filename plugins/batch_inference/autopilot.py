@@ -466,12 +466,23 @@ def decide(now: datetime, deadline: datetime, outstanding: int, per_worker: floa
 # -- the ledger (sync: launchers, the CLI) -------------------------------------------------
 
 
-def desired_size(conn: Any, job_version: str) -> int | None:
-    """The fleet's desired size, or None before the autopilot decided."""
+def desired_size(conn: Any, job_version: str, cluster: str | None = None) -> int | None:
+    """The fleet's desired size, or None before the autopilot decided; with ``cluster``, that cluster's
+    (a version placed over several clusters: ``regions.ClusterPilot``), else the fleet's."""
     from batch_inference import db
 
+    if cluster:
+        row = conn.execute(db.q("fleet_cluster_size"), {"job": job_version, "cluster": cluster}).fetchone()
+        if row is not None:
+            return int(row["desired"])
     row = conn.execute(db.q("fleet_size"), {"job": job_version}).fetchone()
     return None if row is None else int(row["desired"])
+
+
+def launcher_cluster(launcher: str) -> str | None:
+    """The cluster a launcher runs (``NAME@CLUSTER``), or None."""
+    head, at, cluster = launcher.rpartition("@")
+    return cluster if at and head and cluster else None
 
 
 def record(conn: Any, job_version: str, decision: Decision) -> None:
@@ -508,8 +519,10 @@ def reconcile(conn: Any, job_version: str, launcher: str, running: Callable[[], 
     ``bounds``, make the launcher run that many (``scale``), and record what it runs. Returns the
     size it reconciled to. A restarted launcher calls this first and resumes from the ledger.
     ``follow`` False: a fixed fleet (the autopilot off), which follows only the budget's stop (a
-    desired size of 0, ``stop_at_budget``) and otherwise keeps what it runs."""
-    want = desired_size(conn, job_version)
+    desired size of 0, ``stop_at_budget``) and otherwise keeps what it runs. A launcher of one cluster of a
+    version placed over several (named ``NAME@CLUSTER``) follows that cluster's size once the regions'
+    autopilot has sized it."""
+    want = desired_size(conn, job_version, launcher_cluster(launcher))
     if not follow:
         want = 0 if want == 0 else running()
     want = default if want is None else want

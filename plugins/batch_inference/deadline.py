@@ -214,6 +214,41 @@ async def steer_fleet(aconn: psycopg.AsyncConnection, cfg: WatchConfig, ctx: Job
     return decision.to_dict()
 
 
+def conninfo_of(aconn: psycopg.AsyncConnection) -> str:
+    """The watch's own connection string (its password included), for the regions' autopilot's sync calls."""
+    from psycopg.conninfo import make_conninfo
+
+    password = aconn.info.password
+    return make_conninfo(aconn.info.dsn, **({"password": password} if password else {}))
+
+
+def cluster_pilot(conninfo: str, cfg: WatchConfig, ctx: JobContext) -> Any:
+    """The autopilot over every cluster (``regions.ClusterPilot``) of a version placed over several; None for a
+    version on one cluster or none (the single fleet's autopilot, ``steer_fleet``). Sync: run in a thread."""
+    from batch_inference.regions import ClusterPilot
+
+    with _sync(conninfo) as conn:
+        return ClusterPilot.for_job(conn, cfg.job_version, autopilot.Policy.from_spec(ctx.spec),
+                                    ctx.constants.overhead_s, shard_s=600.0)
+
+
+def steer_clusters(conninfo: str, cfg: WatchConfig, pilot: Any, now: datetime) -> dict[str, Any]:
+    """One poll of the autopilot over every cluster: regions found lost, each cluster's size decided and
+    recorded (bi.fleet_decisions per cluster, bi.fleet_cluster_size), the steal gates set. Sync: run in a
+    thread."""
+    with _sync(conninfo) as conn:
+        return pilot.steer(conn, cfg.job_version, now, cfg.deadline).to_dict()
+
+
+def _sync(conninfo: str) -> psycopg.Connection:
+    """A sync connection for the regions' autopilot; one that cannot be made is the watch's own database
+    error (it reconnects with back-off)."""
+    try:
+        return db.connect(conninfo, retries=0)
+    except db.DatabaseUnavailable as exc:
+        raise psycopg.OperationalError(str(exc)) from exc
+
+
 async def budget_page(aconn: psycopg.AsyncConnection, cfg: WatchConfig, ctx: JobContext, counts: dict[str, Any],
                       d: CutoffDecision, logger: Any = log) -> str | None:
     """``cost.budget`` where the autopilot does not steer: a hosted batch transport's rows (the workers
@@ -379,6 +414,7 @@ async def watch(connect: Callable[[], Awaitable[psycopg.AsyncConnection]], cfg: 
     ctx: JobContext | None = None
     polls = failures = 0
     pilot: Throughput | None = None
+    clusters: Any = None        # the regions' autopilot of a version placed over several clusters (False: none)
     decision: dict[str, Any] | None = None
     try:
         while True:
@@ -407,8 +443,14 @@ async def watch(connect: Callable[[], Awaitable[psycopg.AsyncConnection]], cfg: 
                 await record_progress(conn, cfg.job_version, counts, verdict.decision)
                 if autopilot.steers(ctx.spec) and verdict.status in (WAIT, EARLY_WARNING):
                     a = ctx.spec.autopilot
-                    pilot = pilot or Throughput(start_s=a.start_s, window_s=a.window_s)
-                    decision = await steer_fleet(conn, cfg, ctx, counts, verdict.decision, pilot, logger)
+                    if clusters is None:
+                        clusters = await asyncio.to_thread(cluster_pilot, conninfo_of(conn), cfg, ctx) or False
+                    if clusters:
+                        decision = await asyncio.to_thread(steer_clusters, conninfo_of(conn), cfg, clusters,
+                                                           verdict.decision.now)
+                    else:
+                        pilot = pilot or Throughput(start_s=a.start_s, window_s=a.window_s)
+                        decision = await steer_fleet(conn, cfg, ctx, counts, verdict.decision, pilot, logger)
                     if decision and decision.get("page") and not cfg.paged and verdict.status == WAIT:
                         verdict = replace(verdict, status=BUDGET, reason=decision["page"])
                 elif verdict.status in (WAIT, EARLY_WARNING) and ctx.spec.cost.budget is not None:

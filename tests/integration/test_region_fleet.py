@@ -129,3 +129,55 @@ def test_a_region_whose_every_worker_is_gone_at_once_is_found_lost_its_leases_en
     # a launcher that cannot reach its cluster reports it: that region is lost too
     found = watch_regions(conn, placed, unreachable={"eu-west": "Kubernetes API refused"}, known={"ap-south"})
     assert [(f["region"], f["ended"]) for f in found] == [("eu-west", 1)] and "cannot be reached" in found[0]["reason"]
+
+
+def test_the_cutoff_watch_steers_each_cluster_of_a_placed_version_and_its_launchers_follow_their_own_size(
+        conn, db_url, stores):
+    """The watch's poll (a fake clock whose sleep settles ten rows a minute; the ledger is real): a version
+    placed over three clusters is steered per cluster (no row for the one fleet), and a launcher named
+    LAUNCHER@CLUSTER reconciles to its cluster's size."""
+    import asyncio
+
+    from batch_inference import autopilot, db
+    from batch_inference import deadline as watchlib
+    from batch_inference.plan import submit
+    from batch_inference.regions import place
+    from tests.conftest import make_source, make_spec, tickets
+
+    make_source(conn, tickets(60))
+    job = submit(conn, make_spec(autopilot={"enabled": True, "margin_s": 60, "start_s": 30, "cooldown_s": 600,
+                                            "window_s": 120})).job_version
+    place(conn, job, parse_deployment(deployment_dict(stores)))
+    autopilot.observe(conn, job, "local:w@us-east-gpu", 1)
+    t = [datetime.now(timezone.utc)]
+    deadline = t[0] + timedelta(seconds=1800 + 240)         # the spec's overhead and four minutes
+
+    async def sleep(s: float) -> None:
+        t[0] += timedelta(seconds=60)
+        lease = conn.execute("SELECT * FROM bi.claim_shard_v2(%s, 'w', 'batch', 600)", (job,)).fetchone()
+        ids = [r["record_id"] for r in conn.execute(
+            "SELECT record_id FROM bi.snapshot_rows WHERE job_version = %s AND shard_no = %s", (job, lease["shard_no"]))]
+        conn.execute(db.q("put_results"), {"job": job, "shard": lease["shard_no"], "epoch": lease["epoch"],
+                                           "owner": "w", "transport": "batch", "engine": "noop", "endpoint": "local",
+                                           "ids": ids, "outputs": ['{"category": "bug", "summary": "x"}'] * len(ids),
+                                           "categories": ["bug"] * len(ids)})
+        conn.execute("SELECT bi.complete_shard_v2(%s, %s, %s, 'w')", (job, lease["shard_no"], lease["epoch"]))
+
+    payload = asyncio.run(watchlib.watch(lambda: watchlib.connect_async(db_url),
+                                         watchlib.WatchConfig(job_version=job, deadline=deadline, poll_interval_s=60,
+                                                              warned=True),
+                                         now=lambda: t[0], sleep=sleep, max_polls=3))
+    rows = conn.execute("SELECT cluster, action, desired, reason FROM bi.fleet_decisions WHERE job_version = %s "
+                        "ORDER BY id", (job,)).fetchall()
+    assert rows and all(r["cluster"] for r in rows), rows           # per cluster, never the one fleet's row
+    assert {r["cluster"] for r in rows} == {"us-east-gpu", "eu-west-gpu", "ap-south-gpu"}
+    assert any(r["action"] == "add" and "behind" in r["reason"] for r in rows), rows
+    assert conn.execute(db.q("fleet_size"), {"job": job}).fetchone() is None
+    assert {c["cluster"] for c in payload["autopilot"]["clusters"]} == {"us-east-gpu", "eu-west-gpu", "ap-south-gpu"}
+    sizes = {r["cluster"]: r["desired"] for r in conn.execute(db.q("fleet_cluster_sizes"), {"job": job})}
+    fleet = {"n": 0}
+    got = autopilot.reconcile(conn, job, "local:w@eu-west-gpu", lambda: fleet["n"],
+                              lambda k: fleet.__setitem__("n", k), default=1, bounds=(1, 8))
+    assert got == fleet["n"] == sizes["eu-west-gpu"] > 0
+    # a launcher of no cluster keeps the one fleet's default (no one-fleet decision here)
+    assert autopilot.reconcile(conn, job, "local:w", lambda: 3, lambda k: None, default=3, bounds=(1, 8)) == 3

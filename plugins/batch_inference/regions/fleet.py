@@ -41,7 +41,7 @@ import psycopg
 
 from batch_inference.autopilot import ADD, HOLD, REMOVE, REMOVE_DERATE, Policy, Throughput
 from batch_inference.db import q
-from batch_inference.regions.deployment import Deployment
+from batch_inference.regions.deployment import Deployment, parse_deployment
 from batch_inference.regions.lost import watch as watch_lost
 from batch_inference.regions.planner import Choice, Workload, choose
 
@@ -348,6 +348,30 @@ def cluster_seconds(conn: psycopg.Connection, job_version: str, launcher: str) -
             if r["launcher"].startswith(prefix)}
 
 
+def placed_deployment(conn: psycopg.Connection, job_version: str) -> Deployment | None:
+    """The deployment a version was placed on, from the ledger (its clusters' settings and egress prices);
+    None for a version on one cluster or none: the single-cluster autopilot's."""
+    rows = conn.execute(q("regions_placed_settings"), {"job": job_version}).fetchall()
+    if len(rows) < 2:
+        return None
+    egress = [{"from": r["from_region"], "to": r["to_region"], "usd_per_gb": r["usd_per_gb"]}
+              for r in conn.execute(q("region_egress_of_job"), {"job": job_version})]
+    ledger = conn.execute(q("region_bill"), {"job": job_version}).fetchone()["ledger_region"]
+    regions = {r["region"] for r in rows}
+    return parse_deployment({"clusters": [r["settings"] for r in rows], "egress": egress,
+                             **({"ledger_region": ledger} if ledger in regions else {})})
+
+
+def cluster_running(conn: psycopg.Connection, job_version: str) -> dict[str, int]:
+    """What each cluster runs, from its launchers' last records (``LAUNCHER@CLUSTER``)."""
+    out: dict[str, int] = {}
+    for r in conn.execute(q("fleet_running_by_launcher"), {"job": job_version}):
+        head, at, cluster = str(r["launcher"]).rpartition("@")
+        if at and head:
+            out[cluster] = out.get(cluster, 0) + int(r["running"])
+    return out
+
+
 @dataclass
 class ClusterPilot:
     """The autopilot over every cluster, one poll at a time (``poll``): regions found lost
@@ -369,6 +393,26 @@ class ClusterPilot:
     def __post_init__(self) -> None:
         if self.throughput is None:
             self.throughput = Throughput(start_s=self.policy.start_s, window_s=self.policy.window_s)
+
+    @classmethod
+    def for_job(cls, conn: psycopg.Connection, job_version: str, policy: Policy, overhead_s: float,
+                shard_s: float) -> "ClusterPilot | None":
+        """The pilot of a version placed over several clusters (its deployment from the ledger); None
+        otherwise."""
+        d = placed_deployment(conn, job_version)
+        return None if d is None else cls(d, d.ledger(), policy, shard_s=shard_s, overhead_s=overhead_s)
+
+    def steer(self, conn: psycopg.Connection, job_version: str, now: datetime, deadline: datetime,
+              unreachable: Mapping[str, str] | None = None) -> FleetDecision:
+        """One poll from the ledger alone (the cutoff watch's): the counts, and what each cluster runs as its
+        launchers last recorded it."""
+        from batch_inference.status import job_counts
+
+        c = job_counts(conn, job_version)
+        return self.poll(conn, job_version, now, deadline, stored=int(c["stored_batch"]),
+                         outstanding=int(c["outstanding"]),
+                         shards_left=int(c["shards"]["pending"]) + int(c["shards"]["leased"]),
+                         running=cluster_running(conn, job_version), unreachable=unreachable)
 
     def first(self, conn: psycopg.Connection, job_version: str, now: datetime, sizes: Mapping[str, int],
               reason: str) -> FleetDecision:
@@ -417,5 +461,6 @@ class ClusterPilot:
         return d
 
 
-__all__ = ["ClusterDecision", "ClusterPilot", "FleetDecision", "Gate", "cluster_seconds",
-           "decide_clusters", "desired_sizes", "launcher_name", "reconcile", "record", "set_gates", "steal_gates"]
+__all__ = ["ClusterDecision", "ClusterPilot", "FleetDecision", "Gate", "cluster_running", "cluster_seconds",
+           "decide_clusters", "desired_sizes", "launcher_name", "placed_deployment", "reconcile", "record", "set_gates",
+           "steal_gates"]
