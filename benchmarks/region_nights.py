@@ -70,19 +70,25 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ratio = [(n["seed"], rnd(n["bill_usd"] / one[n["seed"]]["bill_usd"]) if one[n["seed"]]["bill_usd"] else None)
              for n in regions]
     clean = [(s, x) for (s, x), n in zip(ratio, regions) if n["cheaper_elsewhere"] and not n["lost"]]
+    # The part of the bill the regions' prices decide (GPU-seconds at each cluster's price, replication and
+    # egress), apart from the fallback's rows, which the cutoff's timing decides.
+    gpu = [(n["seed"], rnd((n["gpu_usd"] + n["egress_usd"]) / one[n["seed"]]["gpu_usd"])
+            if one[n["seed"]]["gpu_usd"] else None) for n in regions]
     out = {
         "benchmark": "region_nights", "records": args.records, "deadline_s": args.deadline_s, "nights": nights,
         "met_or_paged": sum(1 for n in regions if n["verdict"] in ("met", "paged")), "of": len(regions),
         "one_region_met_or_paged": sum(1 for n in one.values() if n["verdict"] in ("met", "paged")),
         "duplicates": sum(n["duplicates"] for n in nights), "lost_records": sum(n["lost_records"] for n in nights),
         "bill_ratio_to_one_region": [x for _, x in ratio],
+        "gpu_egress_ratio_to_one_region": [x for _, x in gpu],
         "bill": {"one_region": round(sum(n["bill_usd"] for n in one.values()), 6),
                  "regions": round(sum(n["bill_usd"] for n in regions), 6)},
         # Another region's record cheaper than the ledger region's and no region lost: the regions' bill
         # should be at most one region's.
         "prices_differ_no_loss": {"nights": len(clean), "at_most_one_region": sum(1 for _, x in clean
                                                                                   if x is not None and x <= 1.0),
-                                  "ratios": dict(clean)},
+                                  "ratios": dict(clean),
+                                  "gpu_egress_ratios": {k: x for k, x in gpu if k in dict(clean)}},
         "region_lost_nights": sum(1 for n in regions if n["lost"]),
         "target": "every night met or paged before its deadline, 0 duplicates, 0 lost records",
     }

@@ -90,3 +90,14 @@ def test_a_steal_gate_opens_only_when_the_regions_own_workers_cannot_finish_its_
     lost = {g.region: g for g in steal_gates(T0, DEADLINE, 0.0, 60.0, {"us": 100, "eu": 0}, {"us-1": 1}, d, 10.0,
                                              {"us"}, ledger_region="us", policy=POLICY, shard_s=60.0)}
     assert lost["us"].open and "lost" in lost["us"].reason and not lost["eu"].open
+
+
+def test_a_cluster_whose_region_has_nothing_left_while_no_other_gate_is_open_is_idle_and_sized_zero():
+    current = {"us-1": 1, "eu-1": 2, "ap-1": 1}
+    d = by(decide(100_000, current, remaining={"us": 50_000, "eu": 0, "ap": 50_000}))
+    assert (d["eu-1"].desired, d["eu-1"].action) == (0, REMOVE) and d["eu-1"].reason.startswith("idle: eu")
+    # behind, the adds go elsewhere: eu's workers would find nothing to claim
+    assert d["us-1"].desired + d["ap-1"].desired > 2
+    # another region's gate open: eu's workers may take its shards, eu is not idle
+    d = by(decide(100_000, current, remaining={"us": 50_000, "eu": 0, "ap": 50_000}, open_gates={"ap"}))
+    assert d["eu-1"].desired >= 2 and not d["eu-1"].reason.startswith("idle")

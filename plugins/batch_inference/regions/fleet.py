@@ -137,11 +137,14 @@ def decide_clusters(now: datetime, deadline: datetime, outstanding: int, per_wor
                     policy: Policy, *, shard_s: float, lost: set[str] | frozenset[str] = frozenset(),
                     last_change: datetime | None = None, steady: bool = True, shards_left: int | None = None,
                     replica_bytes: float = 400.0, result_bytes: float = 300.0,
-                    max_spot_interruption: float = 0.2) -> FleetDecision:
+                    max_spot_interruption: float = 0.2, remaining: Mapping[str, int] | None = None,
+                    open_gates: set[str] | frozenset[str] = frozenset()) -> FleetDecision:
     """Each cluster's size for this poll (pure; the module docstring). ``current``: each cluster's size in
     force; ``lost``: the regions found lost; ``last_change``: the last change of any cluster's size (or the
     first claim), for the cooldown; ``shards_left``: shards pending or leased, beyond which a worker has
-    nothing to claim."""
+    nothing to claim; ``remaining``: each region's records not done, and ``open_gates`` the regions whose
+    steal gate is open: a cluster whose region has none left while no other region's gate is open has
+    nothing to claim (idle: sized 0 at once, and no worker added there this poll)."""
     target = (deadline - now).total_seconds() - overhead_s - policy.margin_s
     cur = {c.name: int(current.get(c.name, 0)) for c in deployment.clusters}
     out: dict[str, tuple[str, str]] = {}       # cluster -> (action, reason)
@@ -150,7 +153,14 @@ def decide_clusters(now: datetime, deadline: datetime, outstanding: int, per_wor
         if c.region in lost:
             desired[c.name] = 0
             out[c.name] = (REMOVE if cur[c.name] else HOLD, f"region {c.region} lost: its workers are gone")
-    live = [c for c in deployment.clusters if c.region not in lost]
+    if remaining is not None:
+        for c in deployment.clusters:
+            if c.region not in lost and remaining.get(c.region, 0) <= 0 and not set(open_gates) - {c.region}:
+                desired[c.name] = 0
+                out[c.name] = (REMOVE if cur[c.name] else HOLD,
+                               f"idle: {c.region} has no records left and no other region's steal gate is open")
+    idle = {n for n, (_, why) in out.items() if why.startswith("idle")}
+    live = [c for c in deployment.clusters if c.region not in lost and c.name not in idle]
 
     def finish(decision: list[ClusterDecision], page: str | None = None, **kw: Any) -> FleetDecision:
         return FleetDecision(now, tuple(decision), per_worker, page=page, **kw)
@@ -435,13 +445,20 @@ class ClusterPilot:
         live = {c.name: int(running.get(c.name, 0)) for c in self.deployment.clusters if c.region not in self.lost}
         assert self.throughput is not None
         per_worker = self.throughput.add(now.timestamp(), stored, sum(live.values()))
+        remaining = {r["region"]: int(r["records_left"])
+                     for r in conn.execute(q("region_remaining"), {"job": job_version})}
+        gates = steal_gates(now, deadline, self.overhead_s, self.policy.margin_s, remaining, live, self.deployment,
+                            per_worker, set(self.lost), ledger_region=self.ledger_region, policy=self.policy,
+                            shard_s=self.shard_s, max_spot_interruption=self.max_spot_interruption)
+        set_gates(conn, job_version, gates)
         sizes = {n: int(r["desired"]) for n, r in desired_sizes(conn, job_version).items()}
         current = {c.name: sizes.get(c.name, int(running.get(c.name, 0))) for c in self.deployment.clusters}
         d = decide_clusters(now, deadline, outstanding, per_worker, current, self.deployment, self.ledger_region,
                             self.overhead_s, self.policy, shard_s=self.shard_s, lost=set(self.lost),
                             last_change=self.last_change, steady=self.throughput.steady, shards_left=shards_left,
                             replica_bytes=self.replica_bytes, result_bytes=self.result_bytes,
-                            max_spot_interruption=self.max_spot_interruption)
+                            max_spot_interruption=self.max_spot_interruption, remaining=remaining,
+                            open_gates={g.region for g in gates if g.open})
         record(conn, job_version, d)
         if d.changed:
             self.last_change = now
@@ -452,12 +469,6 @@ class ClusterPilot:
         if d.page and (not self.pages or found):      # paged once, and again when a region is lost
             self.pages.append(d.page)
             log.error("autopilot of %s: PAGE: %s", job_version, d.page)
-        remaining = {r["region"]: int(r["records_left"])
-                     for r in conn.execute(q("region_remaining"), {"job": job_version})}
-        set_gates(conn, job_version, steal_gates(
-            now, deadline, self.overhead_s, self.policy.margin_s, remaining, live, self.deployment, per_worker,
-            set(self.lost), ledger_region=self.ledger_region, policy=self.policy, shard_s=self.shard_s,
-            max_spot_interruption=self.max_spot_interruption))
         return d
 
 
