@@ -73,6 +73,9 @@ SELECT bi.halt_job_v1(%(job)s, %(reason)s) AS halted_at;
 -- name: listen_halts  a cutoff watch hears each halt at once (bi.halt_job_v1 notifies bi_halt with the job version)
 LISTEN bi_halt;
 
+-- name: listen_done  a cutoff watch hears at once that a job's last shard is done (bi.complete_shard_v2 notifies bi_done with the job version)
+LISTEN bi_done;
+
 -- name: job_halt  the job's latest halt, if any, the first work on the version seen after it (a shard claimed, renewed or finished, a DAG run's submit) and a later resubmit that changed its settings: either makes the halt a past one
 SELECT j.halted_at, j.halt_reason, CASE WHEN j.resubmitted_at > j.halted_at THEN j.resubmitted_at END AS resubmitted_after,
        (SELECT min(t) FROM (SELECT v.t FROM bi.shards s

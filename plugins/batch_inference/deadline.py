@@ -422,6 +422,7 @@ async def watch(connect: Callable[[], Awaitable[psycopg.AsyncConnection]], cfg: 
                 if conn is None:
                     conn = await connect()
                     await conn.execute(db.q("listen_halts"))
+                    await conn.execute(db.q("listen_done"))
                 if ctx is None:
                     ctx = await load_context(conn, cfg)
                     logger.info("cutoff watch of %s (dataset %s), deadline %s%s: %s", cfg.job_version, ctx.dataset,
@@ -498,8 +499,9 @@ async def watch(connect: Callable[[], Awaitable[psycopg.AsyncConnection]], cfg: 
 async def pause(conn: psycopg.AsyncConnection | None, job_version: str, seconds: float,
                 sleep: Callable[[float], Awaitable[Any]] = asyncio.sleep) -> None:
     """Wait ``seconds`` between polls; on the real clock a halt of ``job_version`` (``bi.halt_job_v1``
-    notifies channel bi_halt, which the watch listens on) ends the wait at once. A connection lost while
-    listening (a database restart) ends the wait too: the next poll meets it and reconnects."""
+    notifies channel bi_halt) or its last shard done (``bi.complete_shard_v2`` notifies bi_done), both
+    channels the watch listens on, ends the wait at once. A connection lost while listening (a database
+    restart) ends the wait too: the next poll meets it and reconnects."""
     if sleep is not asyncio.sleep or conn is None:
         await sleep(seconds)
         return

@@ -348,7 +348,9 @@ BEGIN
 END $$;
 
 -- Complete: only the current epoch, and only when every record of the shard
--- is stored or dead-lettered. done is false while records are left.
+-- is stored or dead-lettered. done is false while records are left. The
+-- completion that leaves no shard of the job undone notifies channel bi_done
+-- with the job version: a cutoff watch between polls reads the counts at once.
 CREATE OR REPLACE FUNCTION bi.complete_shard_v2(p_job text, p_shard integer, p_epoch bigint, p_worker text,
                                               OUT stale boolean, OUT done boolean)
 LANGUAGE plpgsql SECURITY DEFINER SET search_path = pg_catalog, pg_temp AS $$
@@ -361,6 +363,9 @@ BEGIN
     done := FOUND;
     stale := false;
     IF done THEN
+        IF NOT EXISTS (SELECT 1 FROM bi.shards s WHERE s.job_version = p_job AND s.state <> 'done') THEN
+            PERFORM pg_notify('bi_done', p_job);
+        END IF;
         RETURN;
     END IF;
     -- Not a guard, only the reason for the refusal.

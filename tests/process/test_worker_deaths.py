@@ -198,3 +198,37 @@ def test_the_cutoff_watch_between_polls_ends_at_once_on_a_halt(db_url, conn):
     t.join()
     assert event["status"] == "halted" and "died by SIGSEGV" in event["reason"], event
     assert ended - halted_at[0] < 5          # not the 600 s poll interval
+
+
+def test_the_cutoff_watch_between_polls_ends_at_once_when_the_last_shard_is_done(db_url, conn):
+    """The same watch, polling every 600 s, hears the completion that leaves no shard undone
+    (bi.complete_shard_v2 notifies bi_done): the run goes on to validate within seconds of its last
+    record, not at the next poll."""
+    import asyncio
+    from datetime import datetime, timedelta, timezone
+
+    from batch_inference import deadline as watchlib
+    from gpu_runner.worker import WorkerConfig, run_worker
+
+    make_source(conn, tickets(20))
+    job = submit(conn, make_spec(shard_size=10)).job_version
+    cfg = watchlib.WatchConfig(job_version=job, deadline=datetime.now(timezone.utc) + timedelta(hours=20),
+                               poll_interval_s=600)
+    done_at: list[float] = []
+
+    def work_later() -> None:
+        time.sleep(3)
+        assert run_worker(WorkerConfig(job_version=job, db_url=db_url, max_shards=1)) == 0   # one of two
+        time.sleep(2)
+        assert run_worker(WorkerConfig(job_version=job, db_url=db_url)) == 0
+        done_at.append(time.monotonic())
+
+    t = threading.Thread(target=work_later)
+    t0 = time.monotonic()
+    t.start()
+    event = asyncio.run(watchlib.watch(lambda: watchlib.connect_async(db_url), cfg))
+    ended = time.monotonic()
+    t.join()
+    assert event["status"] == "complete", event
+    assert done_at and ended - t0 > 5, (ended - t0, done_at)   # the first shard done ended nothing
+    assert ended - done_at[0] < 5                              # not the 600 s poll interval
