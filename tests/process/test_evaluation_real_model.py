@@ -29,6 +29,9 @@ GOLDEN_RECORDS = 12   # the golden set: the next labelled ones, outside the job'
 # SmolLM2 scores about a quarter of the categories here (chance is a fifth):
 # a gate it clears, and one no 135M model clears on this set.
 LENIENT, STRICT = 0.15, 0.99
+# One llama.cpp thread (the job's, and so the golden run's): on the suite's shared cores two threads spin
+# while they wait for a core (docs/engines.md). Speed only: engine options are not part of the job version.
+ENGINE = {"name": "llama-cpp", "options": {"n_threads": 1}}
 
 
 def _setup(conn) -> tuple[list[dict], dict[str, dict[str, str]]]:
@@ -51,7 +54,7 @@ def _spec(dataset: str, least: float, judge: dict | None = None):
     if judge:
         evaluation["judge"] = judge
     return base.with_overrides(
-        dataset=dataset, source={"table": "public.tickets", "id_column": "id", "text_column": "body",
+        dataset=dataset, engine=ENGINE, source={"table": "public.tickets", "id_column": "id", "text_column": "body",
                                  "acl_column": "acl"},
         validation={"sample_size": JOB_RECORDS, "max_dead_letter_rate": 1.0}, evaluation=evaluation)
 
