@@ -99,6 +99,8 @@ def test_smollm2_as_both_rungs_calibrates_runs_validates_and_publishes(conn, db_
     for k in ("model", "engine", "params"):
         del d[k]
     d["models"] = smollm2_rungs(n_ctx=(512, 1024))
+    for rung in d["models"]:      # one llama.cpp thread: on shared cores two spin (docs/engines.md); not pinned
+        rung["engine"]["options"]["n_threads"] = 1
     spec = parse_spec(d)
     cal = calibrate(conn, spec)
     r = cal.report
