@@ -61,7 +61,9 @@ def test_vllm_embedding_job_end_to_end(conn, db_url, vllm_model, tmp_path):
 def test_a_killed_embedding_worker_loses_nothing_and_stores_nothing_twice(conn, db_url):
     n = 40
     make_source(conn, records(n))
-    job = submit(conn, parse_spec(embed_spec(shard_size=5, lease_seconds=30, renew_seconds=1))).job_version
+    # One llama.cpp thread a worker: three workers share two cores, and waiting threads spin (docs/engines.md).
+    job = submit(conn, parse_spec(embed_spec(shard_size=5, lease_seconds=30, renew_seconds=1, engine={
+        "name": "llama-cpp", "options": {"n_threads": 1}}))).job_version
     doomed, other = start_worker(db_url, job), start_worker(db_url, job)
     try:
         deadline = time.monotonic() + 240
