@@ -23,25 +23,41 @@ import json
 import re
 from dataclasses import dataclass
 from decimal import Decimal
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import jsonschema_rs
-import numpy as np
-
-from jsonschema import Draft202012Validator
-from jsonschema.exceptions import best_match
 
 from batch_inference.exceptions import BatchInferenceError
 from batch_inference.spec import JobSpec, Rule
 
+if TYPE_CHECKING:
+    from jsonschema import Draft202012Validator
+
+# numpy (an embedding's vectors) and jsonschema (the reason an output is
+# invalid) are imported where they are used: every CLI command and worker
+# imports this module, and most never need either (about 0.2 s of start-up).
+
 MAX_REASON = 300
 
-@dataclass(frozen=True)
+@dataclass
 class _Compiled:
-    """Both validators of one output schema, built once."""
+    """Both validators of one output schema, each built once: jsonschema's when first asked for (a
+    job whose outputs are all valid never needs it)."""
 
-    full: Draft202012Validator      # jsonschema: the reason for an invalid output
+    schema: dict[str, Any]
     fast: Any                       # jsonschema-rs: "is it valid?" in about 1 us instead of about 40
+    _full: Draft202012Validator | None = None
+
+    @property
+    def full(self) -> Draft202012Validator:
+        """jsonschema's validator: the reason for an invalid output."""
+        if self._full is None:
+            from jsonschema import Draft202012Validator
+
+            # Formats are asserted: an LLM writing "yesterday" into a "date" field
+            # is exactly the failure worth catching.
+            self._full = Draft202012Validator(self.schema, format_checker=Draft202012Validator.FORMAT_CHECKER)
+        return self._full
 
 
 _by_hash: dict[str, _Compiled] = {}
@@ -61,11 +77,7 @@ def _compiled(schema: dict[str, Any]) -> _Compiled:
     key = schema_hash(schema)
     compiled = _by_hash.get(key)
     if compiled is None:
-        # Formats are asserted: an LLM writing "yesterday" into a "date" field
-        # is exactly the failure worth catching.
-        compiled = _Compiled(
-            Draft202012Validator(schema, format_checker=Draft202012Validator.FORMAT_CHECKER),
-            jsonschema_rs.Draft202012Validator(schema, validate_formats=True))
+        compiled = _Compiled(schema, jsonschema_rs.Draft202012Validator(schema, validate_formats=True))
         _by_hash[key] = compiled
     if len(_by_id) > 256:  # a long-lived process checking many specs
         _by_id.clear()
@@ -182,6 +194,12 @@ def _decode(raw: str) -> Any:
     return _DECODE(raw)
 
 
+def _best_match(errors: Any) -> Any:
+    from jsonschema.exceptions import best_match
+
+    return best_match(errors)
+
+
 def _message(error: Any) -> str:
     """A schema error's message with a long instance shortened in the middle, so
     the reason still says what is wrong ("'xxx...xxx' is too long")."""
@@ -240,7 +258,7 @@ def check_for_storage(spec: JobSpec, raw: str | None) -> tuple[dict[str, Any] | 
     compiled = _compiled(spec.output_schema)
     # Valid outputs (nearly all) are vouched for by jsonschema-rs; the reason
     # for an invalid one comes from jsonschema (its messages and best_match).
-    error = None if compiled.fast.is_valid(obj) else best_match(compiled.full.iter_errors(obj))
+    error = None if compiled.fast.is_valid(obj) else _best_match(compiled.full.iter_errors(obj))
     if error is not None:
         where = "/".join(str(p) for p in error.absolute_path) or "(top level)"
         return None, None, _short(f"output does not match the schema at {where}: {_message(error)}")
@@ -289,13 +307,31 @@ def check_rule(rule: Rule, obj: dict[str, Any]) -> str | None:
 
 # -- an embedding job's vectors ------------------------------------------------
 
-DTYPE = np.dtype("<f4")
 # A vector whose norm is below this cannot be normalized: it points nowhere.
 MIN_NORM = 1e-12
 
 
+def _vector_dtype() -> Any:
+    """The stored form of a vector's values, little-endian float32 (``DTYPE``), made when first needed."""
+    dtype = globals().get("DTYPE")
+    if dtype is None:
+        import numpy as np
+
+        globals()["DTYPE"] = dtype = np.dtype("<f4")
+    return dtype
+
+
+def __getattr__(name: str) -> Any:
+    """``DTYPE`` for the modules that import it (``embed.vectors``): numpy only once one does."""
+    if name == "DTYPE":
+        return _vector_dtype()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
 def to_storage(spec: JobSpec, vector: Any) -> tuple[bytes | None, str | None, str | None]:
     """``(bytes, output JSON text, None)`` for a vector fit to store under ``spec``, else ``(None, None, error)``."""
+    import numpy as np
+
     dims = spec.embedding.dimensions
     try:
         v = np.asarray(vector, dtype=np.float64)
@@ -312,7 +348,7 @@ def to_storage(spec: JobSpec, vector: Any) -> tuple[bytes | None, str | None, st
         if norm < MIN_NORM:
             return None, None, "embedding is the zero vector: it cannot be normalized"
         v = v / norm
-    stored = v.astype(DTYPE)
+    stored = v.astype(_vector_dtype())
     if not np.isfinite(stored).all():     # a float64 value past float32's range
         return None, None, "embedding holds a value outside float32's range"
     return stored.tobytes(), json.dumps({"dimensions": dims, "norm": round(norm, 6)}), None

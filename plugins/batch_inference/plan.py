@@ -17,7 +17,7 @@ from typing import Any
 import psycopg
 from psycopg import errors, sql
 
-from batch_inference import destinations, embed, snapshot, sources
+from batch_inference import destinations, snapshot, sources
 from batch_inference.db import q
 from batch_inference.engines import unenforced_line
 from batch_inference.exceptions import GrantRefused, RedriveRefused, SpecError
@@ -81,6 +81,8 @@ def _check_and_submit(conn: psycopg.Connection, spec: JobSpec, rows: Iterable[Ma
     _check_engine(spec)                   # a dotted-path engine that does not resolve: one line, nothing written
     destinations.check_spec(conn, spec)   # an unreachable or uncleared destination: one line, nothing written
     if spec.task == "embed":
+        from batch_inference import embed  # here: its numpy is no part of a submit that embeds nothing
+
         embed.check_spec(spec)            # a model of another size than embedding.dimensions: one line, nothing written
     not_enforced = unenforced_line(spec)  # the schema's limits the engine cannot enforce: one line, a warning
     if not_enforced:
@@ -254,6 +256,7 @@ def drop_job_version(conn: psycopg.Connection, job_version: str) -> bool:
 
     :raises PublishRefused: the version is published (roll its dataset back first); nothing is dropped.
     """
+    from batch_inference import embed
     from batch_inference.publish import PublishRefused
 
     try:
