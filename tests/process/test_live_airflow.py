@@ -248,17 +248,18 @@ def test_the_autopilot_adds_a_local_worker_when_the_batch_is_behind(live_airflow
     """The autopilot in the deployment: the cutoff's trigger decides the fleet's size at every poll
     (``LIVE_CUTOFF_POLL_S``, the deployment's cutoff_poll_interval) and the workers task reconciles its
     processes to it. One worker at
-    2 s a record would finish 150 records just inside the cutoff's last moment, not a margin before
-    it: the autopilot adds a worker, the cutoff never fires, and the run publishes."""
+    2 s a record would finish 60 records (120 s) just inside the cutoff's last moment of a 3-minute
+    deadline, not a margin before it: the autopilot, its throughput measured once its polls span half
+    of a 40 s window, adds a worker, the cutoff never fires, and the run publishes."""
     dep = live_airflow
-    table = make_table(dep.ledger_url, "live_autopilot", 150)
+    table = make_table(dep.ledger_url, "live_autopilot", 60)
     spec = make_spec(dep, "live_autopilot", model=NOOP_MODEL, engine={"name": "noop", "options": {"delay_s": 2.0}},
                      renew_seconds=2, fallback={"overhead_s": 30, "rate": 50},
                      cost={"gpu_hour_spot": 3.5, "min_workers": 1, "max_workers": 4},
-                     autopilot={"enabled": True, "margin_s": 60, "start_s": 10, "cooldown_s": 600, "window_s": 300})
+                     autopilot={"enabled": True, "margin_s": 60, "start_s": 10, "cooldown_s": 600, "window_s": 40})
     t0 = time.monotonic()
     run_id = dep.trigger(BACKFILL, {"spec_path": spec, "source_table": table, "shard_size": 5, "workers": 1,
-                                    "deadline": "+6m"})
+                                    "deadline": "+3m"})
     run = dep.wait_run(BACKFILL, run_id, timeout=600)
     assert run["state"] == "success", dep.explain(BACKFILL, run_id)
     assert dep.xcom(BACKFILL, run_id, "cutoff")["fired"] is False
