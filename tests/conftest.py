@@ -28,6 +28,10 @@ NOOP_DIGEST = "0" * 64
 # Test engines are loaded by dotted path from this package (tests.process.test_worker:BrokenEngine, ...);
 # worker processes the tests start inherit the setting.
 os.environ.setdefault("BATCH_INFERENCE_ENGINE_MODULES", "tests")
+# llama.cpp and vLLM's CPU build run their threads on libgomp, whose threads spin between steps by
+# default: with the suite's workers on the 2 cores, a spinning thread holds a core its partner needs
+# (several times the wall and CPU time; docs/facts.md). Passive waits, here and in every process started.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 
 @pytest.fixture(scope="session")
@@ -66,9 +70,11 @@ def template_db(pg_server) -> str:
 # scripts/test.sh's workers (a file to a worker, in collection order) start them at once instead of
 # finishing on one of them alone.
 LONG_FILES = ("process/test_live_airflow.py", "process/test_vllm_worker.py", "process/test_benchmarks.py",
-              "process/test_benchmarks_models.py",
+              "process/test_benchmarks_models.py", "process/test_benchmarks_vllm.py",
               "process/test_nights.py", "process/test_live_ladder_embed.py", "process/test_chaos.py",
-              "integration/test_fallback.py", "process/test_engines.py")
+              "process/test_nights_hosted.py", "process/test_chaos_pgbouncer.py", "process/test_chaos_overlap.py",
+              "process/test_nights_budget.py", "integration/test_fallback.py", "process/test_engines.py",
+              "process/test_nights_tiers.py", "process/test_nights_autopilot.py")
 
 
 # The fast lane (`./scripts/test.sh --fast`, `pytest -m fast`): every test that starts no server, loads no
@@ -85,8 +91,47 @@ SLOW_MARKERS = ("slow", "live", "browser", "chaos")
 _STARTS_A_SERVER = ("getfixturevalue", "embedded_postgres")
 
 
+# Files that scripts/test.sh's scheduler hands to one worker together, so they share its session's
+# servers: the live Airflow deployment's smaller files (tests/fixtures/live_airflow.py) run against one
+# deployment. test_live_airflow.py, the longest, has a deployment of its own on another worker: a
+# deployment runs one backfill at a time (the pipeline's max_active_runs=1), so a second one is what lets
+# two live tests run at once.
+SHARED_SCOPES = {"process/test_live_ladder_embed.py": "live-deployment-2",
+                 "process/test_live_regions.py": "live-deployment-2"}
+
+
 def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line("markers", "fast: needs no server, model or deployment (set by tests/conftest.py)")
+
+
+def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
+    """``--dist loadfile`` (scripts/test.sh) with the suite's own scheduler, ``SuiteScheduling``."""
+    if config.getvalue("dist") != "loadfile":
+        return None
+    from xdist.scheduler import LoadFileScheduling   # pytest-xdist is there whenever --dist is
+
+    class SuiteScheduling(LoadFileScheduling):
+        """A file to a worker, as loadfile does, but: the files of a ``SHARED_SCOPES`` entry are one scope;
+        the files go out in collection order (``LONG_FILES`` first, see ``pytest_collection_modifyitems``),
+        not xdist's most-tests-first; and a worker gets its next file only once it is down to its last
+        test, so no file waits behind a long test while another worker is idle."""
+
+        def __init__(self, config: pytest.Config, log: Any = None) -> None:
+            super().__init__(config, log)
+            config.option.loadscopereorder = False
+
+        def _split_scope(self, nodeid: str) -> str:
+            path = super()._split_scope(nodeid)
+            return next((scope for f, scope in SHARED_SCOPES.items() if path.endswith("tests/" + f)), path)
+
+        def _reschedule(self, node: Any) -> None:
+            # xdist hands out more work below three pending tests; a worker holds its last test until it
+            # knows the next one (or stops), so one pending test is the latest point that keeps it busy.
+            if self.workqueue and not node.shutting_down and self._pending_of(self.assigned_work[node]) > 1:
+                return
+            super()._reschedule(node)
+
+    return SuiteScheduling(config, log)
 
 
 def _starts_a_server(fixturedef: Any) -> bool:
