@@ -65,16 +65,19 @@ def template_db(pg_server) -> str:
     return name
 
 
-# The files that take longest (minutes each, under a full run's load: the live Airflow deployment's, the
-# vLLM worker's, the benchmarks' quick runs, the nights and the chaos runs). They are collected first, so
-# scripts/test.sh's workers (a file to a worker, in collection order) start them at once instead of
-# finishing on one of them alone.
-LONG_FILES = ("process/test_live_airflow.py", "process/test_vllm_worker.py", "process/test_benchmarks.py",
-              "process/test_benchmarks_models.py", "process/test_benchmarks_vllm.py",
-              "process/test_nights.py", "process/test_live_ladder_embed.py", "process/test_chaos.py",
-              "process/test_nights_hosted.py", "process/test_chaos_pgbouncer.py", "process/test_chaos_overlap.py",
-              "process/test_nights_budget.py", "integration/test_fallback.py", "process/test_engines.py",
-              "process/test_nights_tiers.py", "process/test_nights_autopilot.py")
+# The files that take longest, longest first (a minute or more each in a full run: the live Airflow
+# deployment's, the benchmarks' quick runs, the vLLM worker's, the chaos runs and the nights). They are
+# collected first and scripts/test.sh's scheduler hands out files in collection order, so the longest start
+# at once and the short ones fill in around them, instead of the run finishing on one long file alone.
+LONG_FILES = ("process/test_live_airflow.py", "process/test_benchmarks_vllm.py", "process/test_live_ladder_embed.py",
+              "process/test_vllm_worker.py", "process/test_chaos_pgbouncer.py", "process/test_benchmarks.py",
+              "process/test_nights_hosted.py", "process/test_chaos.py", "process/test_nights.py",
+              "process/test_benchmarks_models.py", "process/test_chaos_overlap.py", "process/test_demo_reruns.py",
+              "process/test_nights_budget.py", "integration/test_fallback.py", "process/test_vllm.py",
+              "process/test_demo_env.py", "process/test_engines.py", "process/test_nights_tiers.py",
+              "process/test_nights_autopilot.py", "process/test_embed_workers.py", "process/test_chaos_jobs.py",
+              "integration/test_first_hour_cli.py", "process/test_worker_deaths.py", "process/test_regions.py",
+              "process/test_evaluation_real_model.py", "process/test_ladder.py", "process/test_estimate.py")
 
 
 # The fast lane (`./scripts/test.sh --fast`, `pytest -m fast`): every test that starts no server, loads no
