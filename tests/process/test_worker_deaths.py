@@ -16,45 +16,24 @@ import tests.fixtures.airflow_env  # noqa: F401  (before anything imports Airflo
 
 import json
 import os
-import signal
 import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 import pytest
 from airflow.sdk.exceptions import AirflowFailException
 
 from batch_inference import db
-from batch_inference.engines.base import Engine, Outcome, Request
 from batch_inference.plan import submit
 from batch_inference.fleet import worker_death
 from batch_inference.status import job_counts, job_halt
 from tests.conftest import make_source, make_spec, tickets
 
 CONN_ID = "bi_test_deaths"
-SEGV = "tests.process.test_worker_deaths:SegvEngine"
-ANSWER = json.dumps({"category": "billing", "summary": "charged twice"})
-
-
-class SegvEngine(Engine):
-    """Answers ``after`` records, then kills its own process with SIGSEGV (a fault in native code)."""
-
-    name = "segv"
-    option_names = frozenset({"after"})
-    serves_models = ("noop",)   # the test specs' model (batch_inference.provenance)
-
-    def load(self) -> None:
-        self.left = int(self.option("after", 0))
-
-    def generate(self, requests: Sequence[Request], stop: threading.Event) -> Iterator[Outcome]:
-        for req in requests:
-            if self.left <= 0:
-                os.kill(os.getpid(), signal.SIGSEGV)
-            self.left -= 1
-            yield Outcome(req.record_id, ANSWER)
+# The dying engine lives in a module that imports no Airflow (this one does): each worker start loads it.
+SEGV = "tests.fixtures.segv_engine:SegvEngine"
 
 
 @pytest.fixture
