@@ -106,6 +106,9 @@ def headlines(name: str, out: dict[str, Any]) -> Iterator[tuple[str, Any]]:
     elif name == "regions":
         yield "far worker, result files / near worker records/s", dig(out, "ratio_to_near", "far_files")
         yield "far worker, per-flush writes / near worker records/s", dig(out, "ratio_to_near", "far_flush")
+    elif name == "tier_nights":
+        yield "tail bill with tiers / one price", out.get("tail_bill_ratio")
+        yield "nights met or paged / nights", pair(out.get("met_or_paged"), out.get("of"))
     elif name == "region_nights":
         yield "nights met or paged / nights", pair(out.get("met_or_paged"), out.get("of"))
         yield "duplicates, lost records", pair(out.get("duplicates"), out.get("lost_records"))

@@ -51,6 +51,7 @@ BENCHMARKS: dict[str, tuple[list[str], list[str]]] = {
     "hostile_specs": ([], ["--repeats", "3"]),
     "regions": ([], ["--records", "120", "--shard-size", "40", "--delay-ms", "1", "--rtt-ms", "30", "--repeats", "1"]),
     "region_nights": ([], ["--seeds", "22", "--records", "600", "--deadline-s", "40"]),
+    "tier_nights": ([], ["--seeds", "15"]),
 }
 
 

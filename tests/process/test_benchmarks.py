@@ -44,6 +44,8 @@ KEYS = {
     "regions": {"records", "rtt_ms", "measured_rtt_ms", "near_records_per_s", "records_per_s", "ratio_to_near"},
     "region_nights": {"records", "deadline_s", "nights", "met_or_paged", "of", "duplicates", "lost_records",
                       "bill_ratio_to_one_region"},
+    "tier_nights": {"records", "seeds", "nights", "met_or_paged", "of", "duplicates", "lost_records", "tail_bill",
+                    "tail_rows", "tail_split", "tail_bill_ratio", "tail_per_row_ratio"},
 }
 
 
@@ -217,6 +219,15 @@ def check_region_nights(out: dict) -> None:
     """The night over regions and the same night in one region, each published with every record once."""
     assert out["duplicates"] == 0 and out["lost_records"] == 0 and out["met_or_paged"] == out["of"] == 1
     assert {n["mode"] for n in out["nights"]} == {"regions", "one"}
+
+
+def check_tier_nights(out: dict) -> None:
+    """Seed 15's night at one price and with tiers: both met or paged, every record once, a tail on each,
+    part of the tiered tail at flex and each tiered row no dearer than a one-price row."""
+    assert out["duplicates"] == 0 and out["lost_records"] == 0 and out["met_or_paged"] == out["of"] == 2
+    assert {n["tiers"] for n in out["nights"]} == {False, True}
+    assert out["tail_rows"]["one_price"] > 0 and out["tail_split"].get("flex", 0) > 0
+    assert 0 < out["tail_per_row_ratio"] < 1
 
 
 # The benchmarks that run a real model: tests/process/test_benchmarks_models.py runs them, so
