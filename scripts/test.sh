@@ -1,10 +1,10 @@
 #!/usr/bin/env bash
 # The test suite on a fresh machine: builds .venv, then runs pytest against the
-# embedded PostgreSQL and the real CPU model, on three pytest-xdist workers
-# (more than the two cores: most tests wait on servers, workers and deadlines;
-# docs/facts.md has the timings): the tests of a file run on one worker, so a
-# module's servers start once (the live Airflow deployment and the loaded vLLM
-# each serve one file). Extra
+# embedded PostgreSQL and the real CPU model, on four pytest-xdist workers
+# (twice the two cores: most tests wait on servers, workers and deadlines; with
+# three the cores were idle a third of the run; docs/facts.md has the timings):
+# the tests of a file run on one worker, so a module's servers start once, and
+# tests/conftest.py's scheduler hands out the longest files first. Extra
 # arguments go to pytest after these, so `-n 0` runs in one process.
 #
 # `./scripts/test.sh --fast`: the fast lane for the edit-test loop, every test that starts no server,
@@ -41,7 +41,7 @@ if ! python -c "import MySQLdb, fakesnow, airflow.providers.sqlite, airflow.prov
     || echo "warning: could not install the snowflake provider; its source test will be skipped" >&2
 fi
 set +e
-python -m pytest -n 3 --dist loadfile "$@"
+python -m pytest -n 4 --dist loadfile "$@"
 rc=$?
 set -e
 if [ "$rc" = 5 ]; then
