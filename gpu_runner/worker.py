@@ -306,8 +306,12 @@ class Worker:
         self._phase("spec")
         spec = self.spec
         name = cfg.engine or spec.engine.name
+        # Options given at run time go over the spec's, as LocalWorkersOperator's do (a speed option such as
+        # vLLM's enforce_eager is not lost by giving another); another engine than the spec's takes only these.
+        options = cfg.engine_options if cfg.engine_options is None or name != spec.engine.name \
+            else {**spec.engine.options, **cfg.engine_options}
         try:
-            self.engine = load_engine(name, spec, cfg.engine_options)
+            self.engine = load_engine(name, spec, options)
             made_by = provenance.made_by(spec, self.engine)   # refuses an engine that cannot serve the pinned model
         except (ValueError, ImportError) as exc:
             named, said = f"engine {name!r}: ", str(exc)

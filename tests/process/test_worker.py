@@ -247,3 +247,18 @@ def test_truncations_finishing_together_after_stored_records_do_not_halt_the_job
     c = job_counts(conn, job)
     assert (c["stored"], c["dead_letters"], c["outstanding"]) == (12, 8, 0), c
     assert job_halt(conn, job)["halted_at"] is None
+
+
+def test_engine_options_given_at_run_time_go_over_the_specs(conn, db_url):
+    """``--engine-option`` (WorkerConfig.engine_options) merges over the spec's engine options, as the
+    launcher's do: giving one option keeps the others (a vLLM worker given max_num_seqs keeps the spec's
+    enforce_eager)."""
+    from gpu_runner.worker import Worker
+
+    make_source(conn, tickets(4))
+    spec = make_spec(engine={"name": "noop", "options": {"delay_s": 0.001}}, shard_size=4)
+    job = submit(conn, spec).job_version
+    worker = Worker(WorkerConfig(job_version=job, db_url=db_url, engine_options={"seed": 7}))
+    assert worker.run() == 0
+    assert worker.engine.options == {"delay_s": 0.001, "seed": 7}
+    assert job_counts(conn, job)["stored"] == 4

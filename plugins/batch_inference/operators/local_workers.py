@@ -186,7 +186,7 @@ class LocalWorkersOperator(BaseOperator):
         self._bounds = (spec.cost.min_workers, spec.cost.max_workers)
         self._follow = bool(self.autopilot) and autopilot.steers(spec)   # not a hosted batch transport's workers
         engine = (self.engine or "").strip() or spec.engine.name
-        # The CLI's --engine-option replaces the spec's options, so pass the merge.
+        # The merge, so the n_threads default below sees the spec's own.
         options = {**spec.engine.options, **dict(self.engine_options or {})}
         if engine == "llama-cpp" and "n_threads" not in options:
             # Several llama.cpp processes each using every CPU thrash; share them out.
