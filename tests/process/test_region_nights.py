@@ -44,9 +44,12 @@ def test_nights_over_three_regions_with_a_region_lost_are_met_or_paged_once_each
     assert any("cluster cannot be reached" in x for x in r["lost_reasons"])
     assert any("store does not answer" in x for x in r["lost_reasons"])
     # their gates opened, their shards went to the region left, each steal read across and priced with the
-    # gate's arithmetic: the egress is in the bill
+    # arithmetic of the gate it went through (a gate may also open for a region behind before any is lost,
+    # as on a loaded machine): the egress is in the bill
     assert {g[0] for g in r["gates"]} >= {"ap", "eu"} and all(g[1].startswith("open: ") for g in r["gates"][:2])
-    assert r["steals"] > 0 and all(usd > 0 and "lost" in why for usd, why in r["steal_reasons"])
+    assert r["steals"] > 0 and all(usd > 0 and any(k in why for k in ("lost:", "it needs help", "no worker of its own"))
+                                   for usd, why in r["steal_reasons"]), r["steal_reasons"]
+    assert set(r["steals_from"]) & {"ap", "eu"}, r["steals_from"]
     assert r["egress_usd"] > 0 and r["bill_usd"] > r["gpu_usd"]
     # each cluster's decision with its reason: us had no worker in the plan and was added; the lost ones removed
     assert r["worker_seconds"]["us-gpu"] > 0

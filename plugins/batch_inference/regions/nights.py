@@ -29,6 +29,7 @@ import logging
 import random
 import threading
 import time
+from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
@@ -330,6 +331,7 @@ class RegionNight:
                         for c in self.deployment.clusters},
             "pages": list(self.pilot.pages), "merged": dict(self.merged), "events": self.events[-20:],
             "steal_reasons": [(r["usd"], r["reason"]) for r in reads if r["kind"] == "steal"][:5],
+            "steals_from": dict(Counter(r["home_region"] for r in reads if r["kind"] == "steal")),
             "gates": [(r["region"], r["reason"]) for r in reads if r["kind"] == "steal_gate"],
             "decisions": [(d["cluster"], d["action"], d["reason"][:200]) for d in decisions if d["action"] != "hold"],
         }
