@@ -91,7 +91,7 @@ def engine_prompt_tokens(spec: Any, texts: list[str]) -> int:
 
 def demo(url: str, records: int, pilot: int) -> dict[str, Any]:
     from batch_inference import plan
-    from batch_inference.evaluation import run_in_process
+    from batch_inference.companion import run_in_process
     from batch_inference.status import bill, job_counts
 
     base = load_spec(DEMO_SPEC)

@@ -8,8 +8,8 @@ shape checks; this module owns the four correctness checks the spec's
   record is in the job's snapshot with the same text, the job's own results
   are graded (``join``); otherwise the job's engine runs over them under a
   companion job version (``engine``): the same spec (model, prompt, params,
-  schema) with the golden table as its source, submitted through
-  ``plan.submit`` and run by an in-process worker, so it is keyed, resumable
+  schema) with the golden table as its source, submitted and run by the
+  validator's companion runner (``batch_inference.companion``), so it is keyed, resumable
   and stored like any job, and a second validate reads it instead of
   generating again. Each field is graded by its grader (exact for enums,
   numbers and booleans, normalized text otherwise, or a similarity ratio),
@@ -35,18 +35,15 @@ import hashlib
 import json
 import logging
 import re
-import signal
-import threading
 import time
 import unicodedata
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, Protocol
 
 import psycopg
 from psycopg import errors, sql
-from psycopg.conninfo import make_conninfo
 
-from batch_inference import drift, plan
+from batch_inference import drift
 from batch_inference.cost import Prices, night_cost
 from batch_inference.db import composed, first_line, q
 from batch_inference.exceptions import InvalidValue, ReviewRefused
@@ -69,6 +66,15 @@ JUDGE_SCHEMA: dict[str, Any] = {
     "additionalProperties": False,
 }
 NO_OUTPUT = "(no output)"   # the confusion matrix's column for a golden record without a result
+
+
+class RunCompanion(Protocol):
+    """Submits ``spec`` (over ``rows``, else its source) as the ``kind`` companion of version ``serves``,
+    runs what is left of it, and returns (its job version, the worker's exit code):
+    ``batch_inference.companion.run_companion``."""
+
+    def __call__(self, conn: psycopg.Connection, spec: JobSpec, serves: str, kind: str,
+                 rows: list[dict[str, Any]] | None = None) -> tuple[str, int]: ...
 
 
 # -- graders --------------------------------------------------------------------
@@ -149,49 +155,8 @@ def grade(spec: JobSpec, golden: list[Mapping[str, Any]], outputs: Mapping[str, 
 # -- companion job versions -----------------------------------------------------
 
 
-def conninfo_of(conn: psycopg.Connection) -> str:
-    """The conninfo ``conn`` was opened with, password included, for an in-process worker."""
-    return make_conninfo(conn.info.dsn, password=conn.info.password) if conn.info.password else conn.info.dsn
-
-
 def _key(*parts: str) -> str:
     return hashlib.sha256("\x1f".join(parts).encode()).hexdigest()[:12]
-
-
-def run_companion(conn: psycopg.Connection, spec: JobSpec, serves: str, kind: str,
-                  rows: list[dict[str, Any]] | None = None) -> tuple[str, int]:
-    """Submit ``spec`` (over ``rows``, else its source read as for any job) as the ``kind``
-    ('golden' or 'judge') companion of version ``serves`` (bi.companion_versions: left out of
-    job lists, dropped with the last version it serves), and run what is left of it with an
-    in-process worker; a version already done is only read. Returns (job version, worker exit code)."""
-    job = plan.submit(conn, spec, rows).job_version
-    conn.execute(q("companion_link"), {"job": serves, "companion": job, "kind": kind})
-    if job_counts(conn, job)["outstanding"] == 0:
-        return job, 0
-    return job, run_in_process(conn, job)
-
-
-def run_in_process(conn: psycopg.Connection, job: str, startup: dict[str, float] | None = None) -> int:
-    """Run what is left of version ``job`` with one worker in this process (the engine its spec
-    names), until no shard is pending; returns the worker's exit code. A companion version's
-    run, and a pilot's (``batch_inference.estimate``). ``startup``, when given, receives the
-    worker's start-up phases in seconds (connect, engine import, weights digest, engine load)."""
-    from gpu_runner.worker import Worker, WorkerConfig   # the GPU runner imports no Airflow either
-
-    # The worker takes SIGTERM and SIGINT as its preemption notice; the caller's own handlers
-    # (an Airflow task's, the CLI's Ctrl-C) come back when it is done.
-    saved = ({s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT)}
-             if threading.current_thread() is threading.main_thread() else {})
-    try:
-        worker = Worker(WorkerConfig(job_version=job, db_url=conninfo_of(conn), wait_for_leases=False,
-                                     backoff=(0.5, 1.0, 2.0), flush_seconds=1.0))
-        code = worker.run()
-    finally:
-        for sig, handler in saved.items():
-            signal.signal(sig, handler)
-    if startup is not None:
-        startup.update(worker.startup)
-    return int(code)
 
 
 def _stopped(conn: psycopg.Connection, job: str, code: int) -> str:
@@ -218,7 +183,7 @@ def golden_rows(conn: psycopg.Connection, spec: JobSpec) -> list[dict[str, Any]]
     shape = (f"{g.id_column}, {', '.join(cols) if cols else g.text_column}, {g.expected_column} (a JSON object "
              "with some or all of the output's fields)")
     if cols:
-        shape += (f": with source.columns a golden record is the same columns as a source record, not one text "
+        shape += (": with source.columns a golden record is the same columns as a source record, not one text "
                   "(docs/evaluation.md, a golden set for columns)")
     try:
         with conn.transaction():
@@ -277,7 +242,7 @@ def judge_text(text: str, output: Any) -> str:
 
 
 def _golden(conn: psycopg.Connection, spec: JobSpec, job: str, failures: list[str],
-            notes: list[str]) -> dict[str, Any] | None:
+            notes: list[str], run: RunCompanion) -> dict[str, Any] | None:
     g = spec.evaluation.golden
     if g is None:
         return None
@@ -306,7 +271,7 @@ def _golden(conn: psycopg.Connection, spec: JobSpec, job: str, failures: list[st
     if mode == "join":
         graded_job = job
     else:
-        graded_job, code = run_companion(conn, golden_spec(spec), job, "golden")
+        graded_job, code = run(conn, golden_spec(spec), job, "golden")
         out["worker_exit"] = code
         left = job_counts(conn, graded_job)["outstanding"]
         if left:
@@ -328,14 +293,15 @@ def _golden(conn: psycopg.Connection, spec: JobSpec, job: str, failures: list[st
     return out
 
 
-def _judge(conn: psycopg.Connection, spec: JobSpec, job: str, failures: list[str]) -> dict[str, Any] | None:
+def _judge(conn: psycopg.Connection, spec: JobSpec, job: str, failures: list[str],
+           run: RunCompanion) -> dict[str, Any] | None:
     j = spec.evaluation.judge
     if j is None:
         return None
     t = time.perf_counter()
     rows = conn.execute(q("review_rows"), {"job": job, "n": j.sample_size}).fetchall()
     # The pairs it grades are the judge's records (plan.submit's rows), each with its record's ACL.
-    judge_job, code = run_companion(conn, judge_spec(spec), job, "judge", [
+    judge_job, code = run(conn, judge_spec(spec), job, "judge", [
         {"record_id": r["record_id"], "text": judge_text(r["text"], r["output"]), "acl": r["acl"]} for r in rows])
     verdicts = {r["record_id"]: r["output"] for r in conn.execute(q("outputs_of"), {
         "job": judge_job, "ids": [r["record_id"] for r in rows]})}
@@ -412,14 +378,17 @@ def _against_published(conn: psycopg.Connection, spec: JobSpec, dataset: str, jo
 
 
 def evaluate(conn: psycopg.Connection, spec: JobSpec, job_version: str, dataset: str,
-             failures: list[str], notes: list[str], categories: Mapping[str, int] | None = None) -> dict[str, Any]:
+             failures: list[str], notes: list[str], categories: Mapping[str, int] | None = None, *,
+             run: RunCompanion) -> dict[str, Any]:
     """The ``evaluation`` section of the validation report; each failed threshold appended to ``failures``.
 
     Needs the review sample stored (validate stores it first) for the judge. ``categories``: the
-    version's rows per category, as the validator's schema scan counted them (else read again)."""
+    version's rows per category, as the validator's schema scan counted them (else read again).
+    ``run`` submits and runs a companion version (the golden run, the judge): the validator passes
+    ``companion.run_companion``."""
     t = time.perf_counter()
-    golden = _golden(conn, spec, job_version, failures, notes)
-    judge = _judge(conn, spec, job_version, failures)
+    golden = _golden(conn, spec, job_version, failures, notes, run)
+    judge = _judge(conn, spec, job_version, failures, run)
     review = review_state(conn, job_version)
     return {
         "graded": golden["graded"] if golden and "graded" in golden else 0,

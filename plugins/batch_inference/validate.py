@@ -51,7 +51,7 @@ import psycopg
 from psycopg import sql
 from psycopg.types.json import Jsonb
 
-from batch_inference import db, embed, provenance
+from batch_inference import companion, db, embed, provenance
 from batch_inference import drift as drifts
 from batch_inference.db import q
 from batch_inference.evaluation import evaluate
@@ -136,7 +136,8 @@ def validate(conn: psycopg.Connection, job_version: str, *, sample_dir: str | Pa
 
     # After the sample is stored: the judge grades rows of it.
     t = time.perf_counter()
-    evaluation = evaluate(conn, spec, job_version, job["dataset"], failures, notes, categories)
+    evaluation = evaluate(conn, spec, job_version, job["dataset"], failures, notes, categories,
+                          run=companion.run_companion)
     if spec.task == "embed":
         evaluation["pairs"] = embed.recall(conn, spec, job_version, failures, notes)
     timings["evaluation_s"] = time.perf_counter() - t

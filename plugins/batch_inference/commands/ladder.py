@@ -34,22 +34,21 @@ def _money(x: float) -> str:
 def run_calibrate(args: argparse.Namespace) -> int:
     import yaml
 
-    from batch_inference.ladder.calibrate import check, calibrate
+    from batch_inference import ladder   # ladder.calibrate: `import calibrate` from it, grimp reads as the submodule
     from batch_inference.spec import load_spec
 
     spec = load_spec(args.spec)
-    check(spec)                      # before any connection: a spec it cannot work on is one line
+    ladder.check(spec)               # before any connection: a spec it cannot work on is one line
     if args.out is not None and args.out.exists() and args.out.resolve() == Path(args.spec).resolve():
         from batch_inference.exceptions import InvalidValue
 
         raise InvalidValue("calibrate --out must not be the spec it reads: write the calibrated spec beside it")
     with connect(args) as conn:
-        cal = calibrate(conn, spec)
+        cal = ladder.calibrate(conn, spec)
     if args.out is not None:   # the spec as written, its rungs' thresholds set: comments and order kept
-        from batch_inference.ladder.calibrate import with_thresholds
         from batch_inference.spec import loads_spec
 
-        text = with_thresholds(Path(args.spec).read_text(encoding="utf-8"), cal.thresholds)
+        text = ladder.with_thresholds(Path(args.spec).read_text(encoding="utf-8"), cal.thresholds)
         if loads_spec(text, name=str(args.out)).spec_hash != cal.spec.spec_hash:   # never a different spec
             text = yaml.safe_dump(cal.spec.model_dump(mode="json", exclude_defaults=True), sort_keys=False,
                                   allow_unicode=True)

@@ -5,7 +5,7 @@ The seed's "time 1,000 real records" made a command. The records are drawn
 over the source) and submitted as a scratch job version: the spec's own
 model, engine, prompt, params and schema under the dataset
 ``pilot_<hash>``, never validated, never published, no view over it. One
-worker runs it in this process (``evaluation.run_in_process``: engine,
+worker runs it in this process (``companion.run_in_process``: engine,
 output checks, the keyed write, retries and dead letters as in any run);
 then what it measured is read back: records/s after the worker's start-up
 (its wall time less what it took before its first claim: connect, engine
@@ -51,7 +51,7 @@ def run_pilot(conn: psycopg.Connection, spec: JobSpec, n: int, *, reader: source
               counter: Counter | None = None, seed: int = 0) -> dict[str, Any]:
     """Run ``n`` records drawn from ``spec``'s source through one in-process worker; record and return
     its figures (a ``bi.estimate_pilots`` row). The scratch version is dropped afterwards."""
-    from batch_inference.evaluation import run_in_process
+    from batch_inference.companion import run_in_process
 
     if not 1 <= n <= MAX_PILOT:
         raise InvalidValue(f"estimate: --pilot takes 1 to {MAX_PILOT:,} records, got {n}")

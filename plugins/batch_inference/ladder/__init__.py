@@ -16,8 +16,8 @@ record goes on to the next rung (docs/ladder.md). The interface:
   rung's at the least bill; ``report``: each rung's share of records, accuracy
   and cost for a job version.
 
-Nothing here imports Airflow; ``engine`` and ``calibrate`` are imported
-only where they run.
+Nothing here imports Airflow; ``engine`` is imported
+only where it runs.
 """
 
 from __future__ import annotations
@@ -25,10 +25,11 @@ from __future__ import annotations
 from typing import Any
 
 from batch_inference.ladder.audit import WRITE_EVERY
+from batch_inference.ladder.calibrate import calibrate, check, with_thresholds
 from batch_inference.ladder.rungs import Answer, agree, check_engines, keeps, rung_spec, rungs_of, samples
 
-__all__ = ["WRITE_EVERY", "Answer", "agree", "check_engines", "keeps", "rung_report", "rung_spec", "rungs_of",
-           "samples"]
+__all__ = ["WRITE_EVERY", "Answer", "agree", "calibrate", "check", "check_engines", "keeps", "rung_report",
+           "rung_spec", "rungs_of", "samples", "with_thresholds"]
 
 
 def rung_report(conn: Any, job_version: str) -> dict[str, Any] | None:
