@@ -37,7 +37,8 @@ def register(sub: Any) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from batch_inference.cutoff import parse_clock
-    from batch_inference.estimate import counter_for, default_workers, preview, render, run_pilot
+    from batch_inference import estimate   # estimate.preview: `import preview` from it, grimp reads as the submodule
+    from batch_inference.estimate import counter_for, default_workers, render, run_pilot
     from batch_inference.exceptions import InvalidValue
     from batch_inference.params import resolve_deadline
     from batch_inference.sources import for_spec
@@ -61,7 +62,7 @@ def run(args: argparse.Namespace) -> int:
                 print(f"pilot: {figures['records']} records in {figures['seconds']:.1f}s, "
                       f"{figures['records_per_s']:.3g} records/s, {figures['valid_rate']:.0%} valid",
                       file=sys.stderr)
-            p = preview(conn, spec, counter=counter, workers=workers, deadline=deadline, now=now,
+            p = estimate.preview(conn, spec, counter=counter, workers=workers, deadline=deadline, now=now,
                         reader=for_spec(spec, s3_endpoint_url=args.s3_endpoint))
     finally:
         counter.close()

@@ -78,7 +78,8 @@ class EstimateOperator(SubmitJobOperator):
     def execute(self, context: Context) -> dict[str, Any]:
         from datetime import UTC
 
-        from batch_inference.estimate import CharEstimate, counter_for, default_workers, preview
+        from batch_inference import estimate   # estimate.preview: `import preview` from it, grimp reads as the submodule
+        from batch_inference.estimate import CharEstimate, counter_for, default_workers
         from batch_inference.exceptions import BatchInferenceError, InvalidValue
         from batch_inference.snapshot import SnapshotError
         from batch_inference.sources import for_spec
@@ -97,7 +98,7 @@ class EstimateOperator(SubmitJobOperator):
         run = dag_run_ids(context)
         try:
             with hook.get_conn() as conn:
-                p = preview(conn, spec, reader=reader, counter=counter, workers=workers, deadline=deadline,
+                p = estimate.preview(conn, spec, reader=reader, counter=counter, workers=workers, deadline=deadline,
                             now=now)
                 figures = p.as_dict()
                 if run:
