@@ -97,13 +97,15 @@ SELECT launcher, coalesce(sum(running * extract(epoch FROM (until - at))), 0)::d
 -- name: set_steal_gate  a region's steal gate opened or closed by the deadline's arithmetic, a change recorded (owner only)
 SELECT bi.set_steal_gate_v1(%(job)s, %(region)s, %(open)s, %(reason)s) AS changed;
 
--- name: region_remaining  per home region: its shards and records not done yet, and the regions found lost
+-- name: region_remaining  per home region: its shards and records not done yet, the regions found lost, and whose steal gate is open now
 SELECT r.region,
        count(*) FILTER (WHERE s.state <> 'done')::integer AS shards_left,
        coalesce(sum(greatest(s.records - s.stored - s.dead, 0)) FILTER (WHERE s.state <> 'done'), 0)::bigint
            AS records_left,
        EXISTS (SELECT 1 FROM bi.region_decisions d
-                WHERE d.job_version = %(job)s AND d.kind = 'region_lost' AND d.region = r.region) AS lost
+                WHERE d.job_version = %(job)s AND d.kind = 'region_lost' AND d.region = r.region) AS lost,
+       EXISTS (SELECT 1 FROM bi.region_steal_gates g
+                WHERE g.job_version = %(job)s AND g.home_region = r.region AND g.open) AS gate_open
   FROM bi.replicas r JOIN bi.shards s ON s.job_version = r.job_version AND s.shard_no = r.shard_no
  WHERE r.job_version = %(job)s
  GROUP BY r.region ORDER BY r.region;

@@ -51,6 +51,9 @@ def test_the_whole_capacity_short_of_the_deadline_fills_every_cluster_and_pages_
     dec = decide(1_000_000, {"us-1": 1}, deployment(2, 2, 2))
     assert dec.sizes() == {"us-1": 2, "eu-1": 2, "ap-1": 2}
     assert dec.page and "cannot be met" in dec.page and "6 workers" in dec.page and "page now" in dec.page
+    # on a throughput not yet measured over a whole window the same clusters are filled, and no page yet
+    early = decide(1_000_000, {"us-1": 1}, deployment(2, 2, 2), steady=False)
+    assert early.sizes() == dec.sizes() and early.page is None
 
 
 def test_ahead_it_removes_where_a_record_is_dearest_first_past_the_cooldown_on_a_steady_measure():
@@ -90,6 +93,21 @@ def test_a_steal_gate_opens_only_when_the_regions_own_workers_cannot_finish_its_
     lost = {g.region: g for g in steal_gates(T0, DEADLINE, 0.0, 60.0, {"us": 100, "eu": 0}, {"us-1": 1}, d, 10.0,
                                              {"us"}, ledger_region="us", policy=POLICY, shard_s=60.0)}
     assert lost["us"].open and "lost" in lost["us"].reason and not lost["eu"].open
+
+
+def test_an_open_steal_gate_closes_only_when_the_regions_own_workers_finish_at_the_removal_derate():
+    d = deployment()
+
+    def gate(left, was_open):
+        return {g.region: g for g in steal_gates(T0, DEADLINE, 0.0, 60.0, {"us": left}, {"us-1": 1}, d, 10.0,
+                                                 ledger_region="us", policy=POLICY, shard_s=60.0,
+                                                 was_open=was_open)}["us"]
+    # us's one worker makes 35,370 in the time left: 30,000 do not open a closed gate ...
+    assert not gate(30_000, frozenset()).open
+    # ... and keep an open one open (35,370 at 80% is 28,296), which closes at 28,296 and below
+    still = gate(30_000, {"us"})
+    assert still.open and "28,296 at 80%: it still needs help" in still.reason
+    assert not gate(28_000, {"us"}).open and gate(36_000, frozenset()).open
 
 
 def test_a_cluster_whose_region_has_nothing_left_while_no_other_gate_is_open_is_idle_and_sized_zero():

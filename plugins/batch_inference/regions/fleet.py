@@ -10,7 +10,9 @@ each cluster's size (``decide_clusters``, pure):
   cheaper, on demand where not, a spot worker's throughput derated by its interruptions, a record
   outside the ledger's region paying egress for its replica in and its result back), each cluster
   up to its capacity, until the added throughput, counted from ``start_s`` on, makes the target.
-  When every cluster of the regions not lost cannot, the decision pages now with the arithmetic.
+  When every cluster of the regions not lost cannot, the decision pages now with the arithmetic, on a
+  throughput measured over a whole window only (workers still starting read as slow ones: every night
+  paged at its first poll).
 * **ahead**: workers are removed where a record is dearest first, one at a time, while the smaller
   fleet at ``REMOVE_DERATE`` of the measured throughput still keeps a second margin; only past the
   cooldown and on a throughput measured over a whole window (the single-cluster hysteresis).
@@ -24,7 +26,8 @@ the cluster's desired size (bi.fleet_cluster_size), which the cluster's launcher
 Steals (``steal_gates``, pure): a region's shards may be taken by workers of another region only
 when its remaining records cannot finish by the deadline with its own workers (none left: a
 region lost, or none started there), the gate recorded with that sum (bi.set_steal_gate_v1) and
-each steal with its egress price (bi.claim_shard_region_v2).
+each steal with its egress price (bi.claim_shard_region_v2); an open gate closes only when the region's
+own workers finish at ``REMOVE_DERATE`` of their rate (the sizes' hysteresis, for the gates).
 """
 
 from __future__ import annotations
@@ -204,7 +207,7 @@ def decide_clusters(now: datetime, deadline: datetime, outstanding: int, per_wor
                 out[c.name] = (HOLD, f"behind, holding {cur[c.name]} here: at its capacity" if cur[c.name] >= c.capacity
                                else f"behind, holding {cur[c.name]} here: cheaper records elsewhere cover the "
                                     f"{need:.2f} records/s wanted")
-        if added < need:
+        if added < need and steady:
             capacity = sum(c.capacity * choices[c.name].per_worker for c in live)
             page = (f"the deadline cannot be met across the clusters{' not lost' if lost else ''}: {outstanding:,} "
                     f"records need {cur_rate + need:.2f} records/s for {max(useful, 0):.0f}s, every cluster's "
@@ -265,12 +268,15 @@ class Gate:
 def steal_gates(now: datetime, deadline: datetime, overhead_s: float, margin_s: float,
                 remaining: Mapping[str, int], running: Mapping[str, int], deployment: Deployment,
                 per_worker: float | None, lost: set[str] | frozenset[str] = frozenset(), *,
-                ledger_region: str, policy: Policy, shard_s: float, max_spot_interruption: float = 0.2
-                ) -> list[Gate]:
+                ledger_region: str, policy: Policy, shard_s: float, max_spot_interruption: float = 0.2,
+                was_open: set[str] | frozenset[str] = frozenset()) -> list[Gate]:
     """Each region's steal gate (pure): open when its ``remaining`` records cannot finish by the target (the
     deadline less the overhead and the margin) with its own ``running`` workers (per cluster) at their
     rate (``choose``'s: spot derated by its interruptions); a region lost or with no worker of its own
-    and records left is open whatever was measured."""
+    and records left is open whatever was measured. A gate open now (``was_open``) closes only when its
+    own workers finish its records at ``REMOVE_DERATE`` of that rate, the autopilot's own hysteresis: a
+    gate that flapped with the measured rate around its sum sized another region's clusters up and down
+    with it (idle at every close), each add paying a start-up."""
     left_s = max(0.0, (deadline - now).total_seconds() - overhead_s - margin_s)
     out = []
     for region in deployment.regions():
@@ -295,7 +301,13 @@ def steal_gates(now: datetime, deadline: datetime, overhead_s: float, margin_s: 
         can = rate * left_s
         sums = (f"{todo:,} records left at {workers} worker(s) x {rate / workers:.2f} records/s = {can:,.0f} in "
                 f"the {left_s:.0f}s before the deadline's overhead and margin")
-        out.append(Gate(region, todo > can, f"{region}: {sums}" + (": it needs help" if todo > can else "")))
+        if todo > can:
+            out.append(Gate(region, True, f"{region}: {sums}: it needs help"))
+        elif region in was_open and todo > can * REMOVE_DERATE:
+            out.append(Gate(region, True, f"{region}: {sums}, {can * REMOVE_DERATE:,.0f} at {REMOVE_DERATE:.0%}: "
+                                          f"it still needs help"))
+        else:
+            out.append(Gate(region, False, f"{region}: {sums}"))
     return out
 
 
@@ -445,11 +457,12 @@ class ClusterPilot:
         live = {c.name: int(running.get(c.name, 0)) for c in self.deployment.clusters if c.region not in self.lost}
         assert self.throughput is not None
         per_worker = self.throughput.add(now.timestamp(), stored, sum(live.values()))
-        remaining = {r["region"]: int(r["records_left"])
-                     for r in conn.execute(q("region_remaining"), {"job": job_version})}
+        rows = conn.execute(q("region_remaining"), {"job": job_version}).fetchall()
+        remaining = {r["region"]: int(r["records_left"]) for r in rows}
         gates = steal_gates(now, deadline, self.overhead_s, self.policy.margin_s, remaining, live, self.deployment,
                             per_worker, set(self.lost), ledger_region=self.ledger_region, policy=self.policy,
-                            shard_s=self.shard_s, max_spot_interruption=self.max_spot_interruption)
+                            shard_s=self.shard_s, max_spot_interruption=self.max_spot_interruption,
+                            was_open={r["region"] for r in rows if r["gate_open"]})
         set_gates(conn, job_version, gates)
         sizes = {n: int(r["desired"]) for n, r in desired_sizes(conn, job_version).items()}
         current = {c.name: sizes.get(c.name, int(running.get(c.name, 0))) for c in self.deployment.clusters}
