@@ -43,7 +43,7 @@ BENCHMARKS: dict[str, tuple[list[str], list[str]]] = {
                          "--jobs", "12:3", "--job-max-tokens", "96", "--one-shard-arm"]),
     "lakehouse": ([], ["--records", "5000", "--rollback-sizes", "500,5000", "--repeats", "1"]),
     "reads": ([], ["--sizes", "20000,200000", "--repeats", "3"]),
-    "sources": ([], ["--sizes", "2000,20000", "--kinds", "sqlite,parquet,iceberg"]),
+    "sources": ([], ["--sizes", "2000,20000", "--kinds", "sqlite,parquet,iceberg", "--fork-children"]),
     "bounded_fields": (["--threads", "1"], ["--records", "2", "--threads", "1"]),
     "ladder": (["--real", "4"], ["--records", "400", "--golden", "100"]),
     "estimate": ([], ["--records", "2000", "--demo-records", "3", "--pilot", "1"]),

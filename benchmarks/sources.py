@@ -15,7 +15,7 @@ hook and snowflake-connector-python over HTTP, read by ``fetch_arrow_batches``;
 tests/fixtures/warehouses.fakesnow_process). fakesnow is not Snowflake: it is
 DuckDB behind an HTTP server that speaks the connector's protocol, so that
 kind's figures measure fakesnow and the connector here, not a warehouse.
-Then, each in its own fresh process (so its peak RSS is its own):
+Then, each in its own fresh process (so its peak RSS is its own; --fork-children: see CHILD_IMPORTS):
 ``client`` reads every row with the source's own client (with Python's cyclic
 collector paused, as the reader pauses it for each batch; sqlite3 / psycopg2 /
 mysqlclient / snowflake-connector-python ``fetchmany``, over a server-side
@@ -360,22 +360,87 @@ def child(mode: str, kind: str, paths: dict[str, Any], url: str) -> dict[str, An
     return {"n": n, "s": time.perf_counter() - t0, "peak_rss_mib": _peak_mib(), "growth_mib": _peak_mib() - base}
 
 
-def run_child(mode: str, kind: str, paths: dict[str, Any], url: str, env: dict[str, str]) -> dict[str, Any]:
-    p = subprocess.run([sys.executable, "-m", "benchmarks.sources", "--child", mode, "--kinds", kind,
-                        "--paths", json.dumps(paths), "--url", url], cwd=REPO, env=env, capture_output=True,
-                       text=True, timeout=3600)
-    lines = [ln for ln in p.stdout.splitlines() if ln.startswith("{")]
-    if p.returncode != 0 or not lines:
-        raise RuntimeError(f"{mode} {kind}: {(p.stderr.strip().splitlines() or ['no output'])[-1]}")
-    return json.loads(lines[-1])
+# What every child imports before its clock starts (``child``'s shared imports: Airflow and its provider hooks,
+# pyarrow, pyiceberg, boto3). With --fork-children (the quick run's) the children are forked from one process
+# that imported these once (``zygote``) instead of each starting an interpreter and spending 2-3 CPU-seconds on
+# them. A forked child's RSS counts the memory it shares with its parent from the fork, and the libraries' pages
+# only once it touches them: its peak and growth are measured the same way at every size (the memory check
+# compares sizes), but not comparable with a fresh process's (a peak some 40 MiB lower, a growth some 15 higher,
+# on 20,000 Iceberg rows), which the full run's figures are.
+CHILD_IMPORTS = ("pyarrow.parquet", "pyiceberg.catalog.sql", "airflow.providers.postgres.hooks.postgres",
+                 "airflow.providers.sqlite.hooks.sqlite", "boto3", "airflow.providers.mysql.hooks.mysql",
+                 "airflow.sdk", "batch_inference.db", "batch_inference.plan", "batch_inference.sources.iceberg",
+                 "batch_inference.sources.parquet", "batch_inference.sources.sql")
 
 
-def run(sizes: list[int], kinds: list[str]) -> dict[str, Any]:
+def zygote() -> None:
+    """Import ``CHILD_IMPORTS``, then for each request line on stdin (mode, kind, paths, url, env as JSON) fork a
+    child that runs ``child`` and answer its result (or its error) as one JSON line on stdout. Ends at EOF."""
+    import importlib
+
+    for name in CHILD_IMPORTS:
+        try:
+            importlib.import_module(name)
+        except ImportError:       # an extra not installed here (mysql): its kind is not run
+            pass
+    answers = os.fdopen(os.dup(1), "w")
+    os.dup2(2, 1)                 # what the children log goes to stderr, not into the answers
+    for line in sys.stdin:
+        req = json.loads(line)
+        r, w = os.pipe()
+        pid = os.fork()
+        if pid == 0:
+            os.close(r)
+            code = 0
+            try:
+                os.environ.update(req["env"])
+                result = child(req["mode"], req["kind"], req["paths"], req["url"])
+            except BaseException as exc:  # noqa: BLE001 - the child's failure is its answer
+                result, code = {"error": f"{type(exc).__name__}: {exc}"}, 1
+            with os.fdopen(w, "w") as out:
+                out.write(json.dumps(result))
+            os._exit(code)
+        os.close(w)
+        with os.fdopen(r) as got:
+            text = got.read()
+        _, status = os.waitpid(pid, 0)
+        answers.write((text or json.dumps({"error": f"no answer (wait status {status})"})) + "\n")
+        answers.flush()
+
+
+def run_child(mode: str, kind: str, paths: dict[str, Any], url: str, env: dict[str, str],
+              zygote_proc: subprocess.Popen | None) -> dict[str, Any]:
+    """One child's figures: a fresh interpreter with ``env``, or a fork of ``zygote_proc`` given ``env``."""
+    if zygote_proc is None:
+        p = subprocess.run([sys.executable, "-m", "benchmarks.sources", "--child", mode, "--kinds", kind,
+                            "--paths", json.dumps(paths), "--url", url], cwd=REPO, env={**os.environ, **env},
+                           capture_output=True, text=True, timeout=3600)
+        lines = [ln for ln in p.stdout.splitlines() if ln.startswith("{")]
+        if p.returncode != 0 or not lines:
+            raise RuntimeError(f"{mode} {kind}: {(p.stderr.strip().splitlines() or ['no output'])[-1]}")
+        return json.loads(lines[-1])
+    zygote_proc.stdin.write(json.dumps({"mode": mode, "kind": kind, "paths": paths, "url": url, "env": env}) + "\n")
+    zygote_proc.stdin.flush()
+    line = zygote_proc.stdout.readline()
+    result = json.loads(line) if line else {"error": f"the zygote exited ({zygote_proc.poll()})"}
+    if "error" in result:
+        raise RuntimeError(f"{mode} {kind}: {result['error']}")
+    return result
+
+
+def run(sizes: list[int], kinds: list[str], fork: bool = False) -> dict[str, Any]:
     from contextlib import ExitStack
 
     out: dict[str, Any] = {"benchmark": "sources", "sizes": sizes, "results": {}, "job_versions": {}}
     with ExitStack() as stack:
         url = stack.enter_context(fresh_server())
+        home = stack.enter_context(tempfile.TemporaryDirectory(prefix="bi-bench-airflow-"))
+        run_env = {**S3_KEYS, "AIRFLOW_HOME": home, "AIRFLOW__CORE__LOAD_EXAMPLES": "False"}
+        # The children's parent with --fork-children (leaving the stack closes its stdin, which ends it, and
+        # waits for it).
+        zygote_proc = stack.enter_context(subprocess.Popen(
+            [sys.executable, "-m", "benchmarks.sources", "--zygote"], cwd=REPO, stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE, text=True, env={**os.environ, **run_env})) if fork else None
         maria = s3 = snow = None
         if "mariadb" in kinds:
             from tests.fixtures.warehouses import mariadb_server
@@ -401,17 +466,17 @@ def run(sizes: list[int], kinds: list[str]) -> dict[str, Any]:
         for n in sizes:
             with tempfile.TemporaryDirectory(prefix="bi-bench-src-") as d:
                 paths = prepare(n, Path(d), url, maria, s3, snow, kinds)
-                env = {**os.environ, **S3_KEYS, "AIRFLOW_HOME": str(Path(d) / "airflow"),
-                       "AIRFLOW__CORE__LOAD_EXAMPLES": "False",
-                       "AIRFLOW_CONN_BENCH_SQLITE": json.dumps({"conn_type": "sqlite", "host": paths["sqlite"]}),
+                env = {**run_env, "AIRFLOW_CONN_BENCH_SQLITE": json.dumps({"conn_type": "sqlite", "host": paths["sqlite"]}),
                        "AIRFLOW_CONN_BENCH_PG": json.dumps(paths["pg"]),
                        "AIRFLOW_CONN_BENCH_MARIA": json.dumps(paths["maria"] or {}),
                        "AIRFLOW_CONN_BENCH_SNOW": json.dumps(paths["snow"] or {})}
                 versions: dict[str, str] = {}
                 if n == min(sizes):
-                    versions["reference"] = run_child("reference", "sqlite", paths, url, env)["job_version"]
+                    versions["reference"] = run_child("reference", "sqlite", paths, url, env,
+                                                      zygote_proc)["job_version"]
                 for kind in kinds:
-                    r = {mode: run_child(mode, kind, paths, url, env) for mode in ("client", "reader", "submit")}
+                    r = {mode: run_child(mode, kind, paths, url, env, zygote_proc)
+                         for mode in ("client", "reader", "submit")}
                     assert r["client"]["n"] == r["reader"]["n"] == r["submit"]["n"] == n, r
                     versions[kind] = r["submit"]["job_version"]
                     base = r["client"]["s"]
@@ -439,14 +504,21 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--sizes", default="100000,1000000")
     ap.add_argument("--kinds", default=",".join(KINDS))
+    ap.add_argument("--fork-children", action="store_true",
+                    help="fork each child from one process that did the shared imports (quick; RSS not "
+                         "comparable with fresh processes')")
     ap.add_argument("--child", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--paths", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--url", default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--zygote", action="store_true", help=argparse.SUPPRESS)
     a = ap.parse_args(argv)
     if a.child:
         print(json.dumps(child(a.child, a.kinds, json.loads(a.paths), a.url)))
         return 0
-    emit(run([int(s) for s in a.sizes.split(",")], a.kinds.split(",")))
+    if a.zygote:
+        zygote()
+        return 0
+    emit(run([int(s) for s in a.sizes.split(",")], a.kinds.split(","), fork=a.fork_children))
     return 0
 
 
