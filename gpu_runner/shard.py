@@ -34,6 +34,8 @@ class Shard:
     ok_cat: list[str | None] = field(default_factory=list)
     ok_vec: list[bytes] = field(default_factory=list)   # task embed: each result's float32 vector
     failures: dict[str, Failure] = field(default_factory=dict)
+    # A put written behind (the worker's ``flush``): (its future, the batch it writes), answered at the next write.
+    behind: tuple[Any, tuple[list[str], list[str], list[str | None], list[bytes] | None]] | None = None
     last_flush: float = field(default_factory=time.monotonic)
     closed: bool = False        # completed, released or dropped: its renewals and outcomes are over
     # Retries (``request``, ``failed``): how each record's attempt in flight was asked, and the last

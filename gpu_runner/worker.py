@@ -43,6 +43,7 @@ Airflow: the same code runs in a pod, on the Airflow worker and from the CLI.
 from __future__ import annotations
 
 import argparse
+import concurrent.futures
 import contextlib
 import dataclasses
 import gc
@@ -206,6 +207,8 @@ class Worker:
         self._released_on_notice = False
         self._dead_in_a_row: tuple[str, int] = ("", 0)   # (a SETTING_FAILURES error, records dead of it in a row)
         self.halting: str | None = None                   # why this worker halts the job (_count_dead)
+        # The thread that writes a shard's results behind its generation (``flush``); None: every write waits.
+        self.putter: concurrent.futures.ThreadPoolExecutor | None = None
 
     # -- connections ------------------------------------------------------
     def _connect(self) -> psycopg.Connection:
@@ -268,6 +271,8 @@ class Worker:
             return ExitCode.CONFIG
         finally:
             self._restore_signals()
+            if self.putter is not None:
+                self.putter.shutdown(wait=True)
             if self.engine is not None:
                 self.engine.close()
             if self.conn is not None:
@@ -344,6 +349,10 @@ class Worker:
         self.made_by = tuple(made_by)
         self.ledger = Ledger(self.conn, cfg.job_version, self.owner, self.transport, cfg.lease_seconds, *made_by)
         self.ledger.call = self._db   # an engine's calls through it (the ladder's answers) reconnect as ours do
+        if not cfg.region and type(self.engine).begin_shard is Engine.begin_shard:
+            # The engine makes no ledger calls of its own, so a put may be in flight on the connection while it
+            # generates: the worker and its database backend work at once instead of taking turns.
+            self.putter = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix=f"put-{self.owner[:20]}")
         if cfg.region:
             from batch_inference.regions import RegionLedger
 
@@ -744,6 +753,7 @@ class Worker:
         retry: list[str] = []
         # Read once: the loop below runs per record.
         take, flush_every, flush_seconds = self.take, self.cfg.flush_every, self.cfg.flush_seconds
+        flush = self.write if self.putter is None or shard.lease.careful else self.flush
         stale, lease = shard.stale.is_set, shard.lease
         requests, same = same_inputs(self.engine, requests)
         try:
@@ -753,12 +763,14 @@ class Worker:
                     shard.shared.add(rid)
                     take(shard, dataclasses.replace(outcome, record_id=rid))
                 if shard.due(flush_every, flush_seconds):
-                    retry += self.write(shard)
+                    retry += flush(shard)
                 if stale():
                     raise StaleLease(f"lease on shard {lease.shard_no} epoch {lease.epoch} went stale")
         except EndpointUnavailable:
             self.write(shard)   # what the endpoint did answer before it went down is kept
             raise
+        finally:
+            self.settled(shard)
         return retry + self.write(shard)
 
     def take(self, shard: Shard, outcome: Outcome) -> None:
@@ -795,25 +807,68 @@ class Worker:
                 return []
             return self._write(shard, self.ledger, self._db)
 
+    def flush(self, shard: Shard) -> list[str]:
+        """``write`` while the shard is still generating, its results written behind: the put of the
+        results held goes to the writer thread (``putter``) and the engine goes on at once. The put before
+        is answered first (waited for if still in flight: one put at a time; its rows stored, results
+        refused as data, a stale epoch raised here). Failed attempts make it a ``write``. Every put is
+        answered before the shard completes or is released: ``write`` (and ``settled``) wait for it."""
+        if shard.failures:
+            return self.write(shard)
+        with self.writing:
+            if shard.closed:
+                return []
+            self._take_behind(shard, self.ledger, self._db)
+            if shard.failures:     # the put before refused results: their failed attempts, now
+                return self._write(shard, self.ledger, self._db)
+            if shard.ok_ids:
+                batch = (shard.ok_ids, shard.ok_out, shard.ok_cat, shard.ok_vec or None)
+                shard.ok_ids, shard.ok_out, shard.ok_cat, shard.ok_vec = [], [], [], []
+                shard.behind = (self.putter.submit(self._put_results, self.ledger, self._db, shard.lease, *batch),
+                                batch)
+            shard.last_flush = time.monotonic()
+            return []
+
+    def settled(self, shard: Shard) -> None:
+        """Wait for the shard's put in flight, if any (its answer is taken by the next write)."""
+        behind = shard.behind
+        if behind is not None:
+            concurrent.futures.wait([behind[0]])
+
+    def _take_behind(self, shard: Shard, ledger: Ledger, call: typing.Callable[..., Any]) -> None:
+        """Wait for the shard's put in flight and take its answer (StaleLease, or any error of the put,
+        raised here)."""
+        behind, shard.behind = shard.behind, None
+        if behind is not None:
+            future, (ids, _, _, _) = behind
+            self._stored(shard, ledger, call, ids, *future.result())
+
+    def _stored(self, shard: Shard, ledger: Ledger, call: typing.Callable[..., Any], ids: list[str], n: int,
+                refused: list[tuple[str, str, str]]) -> None:
+        """Count a put of the results ``ids``: ``n`` rows new, ``refused`` failed attempts now."""
+        lease, progress = shard.lease, shard.progress
+        for rid, out, reason in refused:
+            shard.failed(rid, reason, out)
+        if shard.shared:   # stored with another record's result: counted for `status`
+            kept = shard.shared.difference(rid for rid, _, _ in refused)
+            n_shared = sum(1 for rid in ids if rid in kept)
+            if n_shared:
+                call(ledger.note_shared, lease, n_shared)
+        self.stats["stored"] += n
+        if n:
+            self._dead_in_a_row = ("", 0)
+        if progress is not None:
+            progress.add(len(ids) - len(refused))
+
     def _write(self, shard: Shard, ledger: Ledger, call: typing.Callable[..., Any]) -> list[str]:
         """``write`` through ``ledger``, each ledger call made by ``call`` (``_db``: reconnect and retry)."""
         lease, progress = shard.lease, shard.progress
         retry: list[str] = []
+        self._take_behind(shard, ledger, call)
         if shard.ok_ids:
-            n, refused = self._put_results(ledger, call, lease, shard.ok_ids, shard.ok_out, shard.ok_cat,
-                                           shard.ok_vec or None)
-            for rid, out, reason in refused:
-                shard.failed(rid, reason, out)
-            if shard.shared:   # stored with another record's result: counted for `status`
-                kept = shard.shared.difference(rid for rid, _, _ in refused)
-                n_shared = sum(1 for rid in shard.ok_ids if rid in kept)
-                if n_shared:
-                    call(ledger.note_shared, lease, n_shared)
-            self.stats["stored"] += n
-            if n:
-                self._dead_in_a_row = ("", 0)
-            if progress is not None:
-                progress.add(len(shard.ok_ids) - len(refused))
+            ids = shard.ok_ids
+            self._stored(shard, ledger, call, ids, *self._put_results(ledger, call, lease, ids, shard.ok_out,
+                                                                      shard.ok_cat, shard.ok_vec or None))
             shard.ok_ids.clear(); shard.ok_out.clear(); shard.ok_cat.clear(); shard.ok_vec.clear()
         if shard.failures:
             errors = {f.record_id: f.error for f in shard.failures.values()}
