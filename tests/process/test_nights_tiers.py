@@ -15,6 +15,9 @@ import pytest
 
 from batch_inference import nights
 from batch_inference.nights import Endpoint, Faults, NightsConfig, run_nights
+from benchmarks import tier_nights
+from benchmarks.common import machine
+from tests.process.test_benchmarks import check_line
 from tests.process.test_nights import _post
 
 
@@ -84,7 +87,8 @@ def test_with_price_tiers_the_tail_costs_at_most_0_6_of_one_price_and_every_nigh
     verdicts, no duplicate, no loss, and each row of the tail cheaper with tiers. How much cheaper the whole
     tail is (the goal: at most 0.6 of one price) follows the machine's speed, since a row's tier is chosen by
     the throughput measured against the time left: benchmarks/tier_nights.py measures it (0.51 alone on a quiet
-    2-core AMD EPYC, 0.86 inside a full run of the suite)."""
+    2-core AMD EPYC, 0.86 inside a full run of the suite). The same night is that benchmark's quick run: the line
+    it makes of this report has its documented shape (tests/process/test_benchmarks.py's checks)."""
     report = run_nights(NightsConfig(night=15, autopilot="off", tiers="both", hosted_nights=0))
     print(report.table())
     assert report.passed, report.table()
@@ -98,3 +102,5 @@ def test_with_price_tiers_the_tail_costs_at_most_0_6_of_one_price_and_every_nigh
     by_tier = report.summary()["fallback_by_tier"]
     assert {k: v["rows"] for k, v in by_tier.items()} == tiered.bill["fallback_tiers"]
     assert sum(v["cost"] for v in by_tier.values()) == pytest.approx(tiered.bill["fallback_cost"], abs=0.01)
+    line = tier_nights.line([report], report.config["records"])
+    check_line("tier_nights", {**line, "machine": machine(), "wall_s": report.wall_s})
