@@ -110,11 +110,14 @@ SELECT r.region,
  WHERE r.job_version = %(job)s
  GROUP BY r.region ORDER BY r.region;
 
--- name: region_lapsed  per region not found lost: the leases held by its workers now (the shard's epoch claimed or stolen there) and how many have run out unrenewed
+-- name: region_lapsed  per region not found lost: the leases held by its workers now (the shard's epoch claimed or stolen there), how many have run out unrenewed, and whether every one ran out a whole lease (the job's lease_seconds) ago: time for a worker killed alone and restarted to claim again
 SELECT d.region, count(*)::integer AS held,
        count(*) FILTER (WHERE s.lease_expires_at < clock_timestamp())::integer AS lapsed,
+       bool_and(s.lease_expires_at < clock_timestamp()
+                - make_interval(secs => (j.spec ->> 'lease_seconds')::integer)) AS quiet,
        max(s.lease_renewed_at) AS last_renewed
   FROM bi.shards s
+  JOIN bi.jobs j ON j.job_version = s.job_version
   JOIN bi.region_decisions d ON d.job_version = s.job_version AND d.shard_no = s.shard_no AND d.epoch = s.epoch
                             AND d.kind IN ('claim', 'steal')
  WHERE s.job_version = %(job)s AND s.state = 'leased'

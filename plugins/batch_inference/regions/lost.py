@@ -3,9 +3,11 @@ out at once, or by a launcher that cannot reach its cluster), and its leases end
 
 ``watch`` is the scheduled check, run at every poll of the regions' autopilot (``fleet.ClusterPilot``):
 a region is lost when its store does not answer, when two or more leases its workers hold have all run
-out unrenewed (every worker gone at once; a single worker's death is the lease's own business: its
-expiry counts the lost lease and the deaths, I4), or when a launcher says it cannot reach the region's
-cluster (a Kubernetes API gone). ``check`` asks the stores when it is run (``regions check``), and
+out unrenewed a whole lease ago with none claimed there since (every worker gone at once; a single
+worker's death is the lease's own business: its expiry counts the lost lease and the deaths, I4; two
+workers killed alone within a lease of each other are restarted and claim again within it, where on
+loaded nights a check at the first lapse found their region lost), or when a launcher says it cannot
+reach the region's cluster (a Kubernetes API gone). ``check`` asks the stores when it is run (``regions check``), and
 ``end_region`` is what both do for a region found lost, or what ``regions lost`` does by hand.
 
 A lost region has its leases ended at once: every shard its workers hold is pending again now, not
@@ -80,8 +82,9 @@ def watch(conn: psycopg.Connection, job_version: str, *, unreachable: Mapping[st
     for r in conn.execute(q("region_lapsed"), {"job": job_version}).fetchall():
         if r["region"] in known or r["region"] in found:
             continue
-        if r["held"] >= 2 and r["lapsed"] == r["held"]:
+        if r["held"] >= 2 and r["lapsed"] == r["held"] and r["quiet"]:
             found[r["region"]] = (f"every worker gone at once: all {r['held']} leases its workers held ran out "
-                                  f"unrenewed (last renewed {r['last_renewed']:%H:%M:%S})")
+                                  f"unrenewed a whole lease ago, none claimed since (last renewed "
+                                  f"{r['last_renewed']:%H:%M:%S})")
     return [{"region": region, "reason": why, "ended": end_region(conn, job_version, region, why)}
             for region, why in sorted(found.items())]
