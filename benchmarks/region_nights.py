@@ -8,7 +8,11 @@ database restart, fallback 5xx bursts and 429s, a drifted fallback history; host
 
 * **one region**: the ledger's region alone, with as many GPUs as the three regions together, under the
   single-region autopilot (``autopilot.decide`` in the cutoff watch), at that region's price (spot where
-  its interruption rate allows);
+  its interruption rate allows); on a night where the regions lose a region (killed, or its store gone),
+  its one cluster meets the same loss: the same share of its running workers ended at the same moment
+  (killed, or stopped for a store gone) and the same share of its GPUs gone for the rest of the night.
+  A single region has no other region to lose, but a loss of GPUs it can meet as well, and a bill
+  against a baseline that met no fault would price the fault, not the regions;
 * **three regions** (``regions.RegionNight``): each region's prices and interruption rate drawn, the
   shards placed where the planner puts its workers, the autopilot over every cluster
   (``regions.ClusterPilot``) sizing each cluster and opening steal gates by the deadline's arithmetic,
@@ -62,7 +66,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                "rows": n.rows, "bill_usd": n.regions["bill_usd"], "gpu_usd": n.regions["gpu_usd"],
                "egress_usd": n.regions["egress_usd"], "rows_usd": n.regions["rows_usd"],
                "cheaper_elsewhere": n.regions.get("cheaper_elsewhere"), "duplicates": n.coverage.get("duplicates", 0),
-               "lost_records": n.lost} for n in ns]
+               "lost_records": n.lost, "faced": n.regions.get("faced", [])} for n in ns]
     for r in reports:
         print(r.table(), file=sys.stderr, flush=True)
     regions = [n for n in nights if n["mode"] == "regions"]
@@ -70,6 +74,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ratio = [(n["seed"], rnd(n["bill_usd"] / one[n["seed"]]["bill_usd"]) if one[n["seed"]]["bill_usd"] else None)
              for n in regions]
     clean = [(s, x) for (s, x), n in zip(ratio, regions) if n["cheaper_elsewhere"] and not n["lost"]]
+    loss = [(s, x) for (s, x), n in zip(ratio, regions) if n["cheaper_elsewhere"] and n["lost"]]
     # The part of the bill the regions' prices decide (GPU-seconds at each cluster's price, replication and
     # egress), apart from the fallback's rows, which the cutoff's timing decides.
     gpu = [(n["seed"], rnd((n["gpu_usd"] + n["egress_usd"]) / one[n["seed"]]["gpu_usd"])
@@ -89,7 +94,16 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                                                                                   if x is not None and x <= 1.0),
                                   "ratios": dict(clean),
                                   "gpu_egress_ratios": {k: x for k, x in gpu if k in dict(clean)}},
+        # The same with a region lost (its store gone counts: the autopilot finds the region lost), against the
+        # single region that met the same loss.
+        "prices_differ_region_lost": {"nights": len(loss), "at_most_one_region": sum(1 for _, x in loss
+                                                                                     if x is not None and x <= 1.0),
+                                      "ratios": dict(loss),
+                                      "gpu_egress_ratios": {k: x for k, x in gpu if k in dict(loss)}},
         "region_lost_nights": sum(1 for n in regions if n["lost"]),
+        "baseline": "the single-region autopilot on the same nights; on a night with a region lost, its one "
+                    "cluster loses the same share of its running workers at the same moment and the same share of "
+                    "its GPUs",
         "target": "every night met or paged before its deadline, 0 duplicates, 0 lost records",
     }
     out["met"] = out["met_or_paged"] == out["of"] and out["duplicates"] == 0 and out["lost_records"] == 0

@@ -627,6 +627,7 @@ class _Supervisor(threading.Thread):
         f, n = self.n.faults, self.n
         todo = sorted([(t, "kill") for t in f.kills] + [(t, "stall") for t in f.stalls]
                       + (n.regions.fault_times() if n.regions is not None else [])
+                      + [(x.at_s, "same_loss") for x in n.losses]
                       + ([(f.slow_at, "slow")] if f.slow_at is not None else [])
                       + ([(f.db_restart_at, "db_restart")] if f.db_restart_at is not None else []))
         cancel_done = False
@@ -696,6 +697,7 @@ class _Supervisor(threading.Thread):
             def scale(k: int) -> None:
                 before = len(n.fleet.slots())
                 k = min(k, before) if n.fleet.drained else k
+                k = k if n.capacity_left is None else min(k, n.capacity_left)    # the GPUs a loss left
                 if k != before:
                     n.fleet.scale_to(k)
                     self.events.append(f"{now - n.t0:.1f}s {'autopilot' if n.steered else 'budget stop'} "
@@ -709,11 +711,33 @@ class _Supervisor(threading.Thread):
                 self._conn.close()
             self._conn = None
 
+    def _same_loss(self, loss: Any, t: float) -> None:
+        """The single region meets a region's loss (``regions.Loss``): the same share of its running workers
+        ended (the newest: killed at once for a region lost, stopped for a store gone), not restarted, and the
+        same share of its capacity gone for the rest of the night."""
+        n = self.n
+        slots = n.fleet.slots()
+        alive = [s for s in slots if n.fleet.workers[s] is not None and n.fleet.workers[s].popen.poll() is None]
+        k = min(len(alive), max(1, round(loss.workers / loss.of * len(alive)))) if loss.workers and loss.of else 0
+        gone = sorted(alive, reverse=True)[:k]
+        if loss.kind == "region_lost":
+            for s in gone:
+                n.fleet.signal(n.fleet.workers[s], signal.SIGCONT)
+                n.fleet.signal(n.fleet.workers[s], signal.SIGKILL)
+        if gone:       # scale_to retires the newest slots: the ended ones (and any newer one waiting to restart)
+            n.fleet.scale_to(len([s for s in slots if s < min(gone)]))
+        capacity = n.one_region[2] if n.capacity_left is None else n.capacity_left
+        n.capacity_left = max(0, capacity - round(n.one_region[2] * loss.capacity / loss.of_capacity))
+        n.faced.append(loss.line(k, n.capacity_left))
+        self.events.append(f"{t:.1f}s {n.faced[-1]}")
+
     def _inject(self, kind: str, now: float) -> None:
         n = self.n
         t = now - n.t0
         if kind in ("region_lost", "store_down"):
             n.regions.inject(kind, t, self.events)
+        elif kind == "same_loss":
+            self._same_loss(n.losses[len(n.faced)], t)
         elif kind == "slow":
             n.pace.write_text(str(n.faults.slow_factor))
             if n.provider is not None:
@@ -738,7 +762,8 @@ class _Supervisor(threading.Thread):
 
 class _NightRun:
     def __init__(self, cfg: NightsConfig, seed: int, server: EmbeddedServer, work: Path, pilot: bool = False,
-                 tiered: bool = False, regions: Any = None, one_region: tuple[float, int, int] | None = None):
+                 tiered: bool = False, regions: Any = None, one_region: tuple[float, int, int] | None = None,
+                 losses: Sequence[Any] = ()):
         self.cfg, self.seed, self.server = cfg, seed, server
         self.pilot, self.tiered = pilot, tiered
         self.url = server.url
@@ -748,6 +773,9 @@ class _NightRun:
         self.faults = draw_faults(seed, cfg)
         # A region night and its single-region pair: the worker processes' faults, none of a hosted API's.
         self.regions, self.one_region = regions, one_region     # RegionNight; (price, first size, capacity)
+        # The single region's pair meets the regions' losses (regions.Loss): its capacity after them, and each
+        # as it met it.
+        self.losses, self.capacity_left, self.faced = list(losses), None, []
         if cfg.regions:
             self.faults = replace(self.faults, hosted=None, hosted_batch=0, hosted_cancel_s=None)
         self.rng = random.Random(f"nights-targets-{seed}")
@@ -762,7 +790,9 @@ class _NightRun:
             self.work = work / f"night-{seed}-{'regions' if regions is not None else 'one'}"
             self.work.mkdir(parents=True, exist_ok=True)
             self.pace = self.work / "pace"
-            self.rec.faults += regions.faults.names() if regions is not None else []
+            self.rec.faults += regions.faults.names() if regions is not None else \
+                [f"the regions' loss at {x.at_s:.1f}s: {x.workers} of {x.of} workers, {x.capacity} of "
+                 f"{x.of_capacity} GPUs" for x in self.losses]
         self.provider: HostedProvider | None = None
         self.job = ""
         self.t0 = 0.0
@@ -1079,7 +1109,7 @@ class _NightRun:
             with db.connect(self.url, retries=10) as conn:
                 rec.regions = (self.regions.figures(conn, self.job, rec.bill["rows_total"]) if self.regions is not None
                                else one_region_figures(rec.gpu_hours, self.one_region[0], rec.bill["rows_total"],
-                                                       self.one_region[1]))
+                                                       self.one_region[1], self.faced))
         rec.cost_ratio = round(float(bill.total / bill.all_synchronous_ceiling), 4) \
             if bill.all_synchronous_ceiling else None
         rec.dead_letters = [{"record_id": d["record_id"], "stage": d["stage"], "attempts": d["attempts"],
@@ -1271,7 +1301,8 @@ class NightsReport:
         failed, duplicates, lost records, the bill (GPU at each cluster's price, replication and egress, the
         rows), and per night the ratio and whether the regions' prices differed from the ledger region's
         (``cheaper_elsewhere``: another region's record is cheaper, so the bill should be at most one region's).
-        None unless region nights ran."""
+        On a night with a region lost the single region met the same loss (``faced``). None unless region
+        nights ran."""
         one = {n.seed: n for n in self.nights if n.regions.get("role") == "one"}
         reg = {n.seed: n for n in self.nights if n.regions.get("role") == "regions"}
         seeds = sorted(set(one) & set(reg))
@@ -1288,7 +1319,7 @@ class NightsReport:
                 "faults": reg[s].regions["faults"], "lost": reg[s].regions["lost"], "steals": reg[s].regions["steals"],
                 "pages": reg[s].regions["pages"][:1], "slack_s": [one[s].slack_s, reg[s].slack_s],
                 "gpu_usd": [one[s].regions["gpu_usd"], reg[s].regions["gpu_usd"]],
-                "egress_usd": reg[s].regions["egress_usd"],
+                "egress_usd": reg[s].regions["egress_usd"], "faced": one[s].regions.get("faced", []),
                 "cheaper_elsewhere": reg[s].regions.get("cheaper_elsewhere")}
                for s in seeds]
         differ = [x for x in per if x["cheaper_elsewhere"]]
@@ -1357,7 +1388,8 @@ class NightsReport:
         if not cmp:
             return []
         a, b, d = cmp["one_region"], cmp["regions"], cmp["prices_differ"]
-        out = ["", "one region (its autopilot) -> three regions (the autopilot over every cluster), same nights:",
+        out = ["", "one region (its autopilot) -> three regions (the autopilot over every cluster), same nights "
+                   "(a region's loss met by the one region too: the same share of its workers and GPUs):",
                f"  {a['nights']} nights: met {a['met']} -> {b['met']}, paged {a['paged']} -> {b['paged']}, failed "
                f"{a['failed']} -> {b['failed']}, duplicates {a['duplicates']} -> {b['duplicates']}, lost {a['lost']} -> "
                f"{b['lost']}, bill ${a['bill']:,.4f} -> ${b['bill']:,.4f}"
@@ -1393,7 +1425,9 @@ class NightsReport:
 
 def _region_pair(cfg: NightsConfig, seed: int, server: EmbeddedServer, work: Path) -> list[Night]:
     """One night over three regions (``regions.RegionNight``) and the same night (its seed's faults) in
-    the ledger's region alone under the single-region autopilot, from the planner's first size there."""
+    the ledger's region alone under the single-region autopilot, from the planner's first size there. The
+    regions run first: the single region then meets their losses as they fell (the same share of its
+    workers at the same moment, the same share of its capacity). Returned single region first."""
     from batch_inference.autopilot import Policy
     from batch_inference.regions import RegionNight
 
@@ -1404,12 +1438,11 @@ def _region_pair(cfg: NightsConfig, seed: int, server: EmbeddedServer, work: Pat
                      poll_s=cfg.poll_s)
     only, price, capacity = rn.one_region()
     first = max(cfg.min_workers, sum(c.workers for c in only.clusters))
-    out = []
-    for run in (_NightRun(cfg, seed, server, work, pilot=True, one_region=(price, first, capacity)),
-                _NightRun(cfg, seed, server, work, regions=rn)):
-        out.append(run.run())
-        log.warning("%s", out[-1].line())
-    return out
+    regions = _NightRun(cfg, seed, server, work, regions=rn).run()
+    log.warning("%s", regions.line())
+    one = _NightRun(cfg, seed, server, work, pilot=True, one_region=(price, first, capacity), losses=rn.losses).run()
+    log.warning("%s", one.line())
+    return [one, regions]
 
 
 def run_nights(cfg: NightsConfig) -> NightsReport:

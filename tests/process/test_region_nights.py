@@ -6,8 +6,10 @@ the far ones handing in result files), the merger near the ledger, the cutoff wa
 against its loopback endpoint, validate and publish; the autopilot over every cluster sizes each
 cluster, opens steal gates by the deadline's arithmetic, and finds a region lost by itself. Seed 38
 draws a region lost a quarter into the night (its workers killed at once, its cluster unreachable) and
-another region's store gone soon after, beside the harness's own "history longer". The bill against
-one region is a figure (benchmarks/region_nights.py, docs/regions.md), not asserted here."""
+another region's store gone soon after, beside the harness's own "history longer"; the single region
+meets the same losses (the same share of its workers at the same moments, the same share of its GPUs).
+The bill against one region is a figure (benchmarks/region_nights.py, docs/regions.md), not asserted
+here."""
 
 from __future__ import annotations
 
@@ -55,6 +57,12 @@ def test_nights_over_three_regions_with_a_region_lost_are_met_or_paged_once_each
     assert r["worker_seconds"]["us-gpu"] > 0
     assert any(c == "us-gpu" and a == "add" and "behind" in why for c, a, why in r["decisions"])
     assert any(a == "remove" and "lost" in why for c, a, why in r["decisions"])
+    # the single region met the same losses at the same moments: a share of its running workers ended each time,
+    # its six GPUs cut by the lost regions' two each
+    assert [x["region"] for x in r["losses"]] == ["ap", "eu"] and [x["of_capacity"] for x in r["losses"]] == [6, 6]
+    faced = one.regions["faced"]
+    assert len(faced) == 2 and faced[0].endswith("capacity 4") and faced[1].endswith("capacity 2"), faced
+    assert any("the same loss at" in e for e in one.fallback["supervisor"])
     cmp = report.summary()["regions"]
     assert cmp["one_region"]["nights"] == cmp["regions"]["nights"] == 1 and cmp["region_lost_nights"] == 1
     assert "one region (its autopilot) -> three regions" in report.table()

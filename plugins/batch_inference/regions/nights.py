@@ -20,7 +20,10 @@ The bill (``figures``): each cluster's worker-seconds at the price its capacity 
 compressed second is a second of GPU at the scaled hourly price, as the harness bills one region),
 plus replication and egress (steals, far result files merged), plus the rows' part of the night's
 bill. ``one_region`` is what the same night's single-region autopilot runs with: the ledger's
-region's cluster, at its chosen price.
+region's cluster, at its chosen price; and ``losses`` the region faults as they fell (``Loss``), which
+its one cluster faces too: the same share of its running workers ended at the same moment and the same
+share of its capacity gone for the rest of the night (a single region has no other region to lose, but
+the GPUs a region's loss takes are GPUs its one cluster can lose as well).
 """
 
 from __future__ import annotations
@@ -31,7 +34,7 @@ import threading
 import time
 from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
@@ -54,6 +57,31 @@ SEED_GPU_HOUR = 3.50
 LAUNCHER = "nights"
 EGRESS = ({"from": "us", "to": "eu", "usd_per_gb": 0.02}, {"from": "us", "to": "ap", "usd_per_gb": 0.09},
           {"from": "eu", "to": "ap", "usd_per_gb": 0.08})
+
+
+@dataclass(frozen=True)
+class Loss:
+    """A region fault as it fell (``RegionNight.inject``): when, which, and the share of the night's
+    workers running then and of its capacity that were that region's. The single region's autopilot faces
+    the same share at the same moment (``nights``: its cluster's workers ended, its capacity cut), so the
+    bills compare one product against the other under one fault. A store gone takes its region's workers
+    out as a region lost does (the autopilot finds it lost and sizes its clusters 0): its workers stop,
+    they are not killed."""
+
+    at_s: float
+    kind: str                 # region_lost | store_down
+    region: str
+    workers: int              # the region's workers running when it fell ...
+    of: int                   # ... of every cluster's
+    capacity: int             # the region's capacity ...
+    of_capacity: int          # ... of every cluster's
+
+    def line(self, workers: int, capacity: int) -> str:
+        """What the single region faces: ``workers`` of its running ones ended, its ``capacity`` cut."""
+        how = "killed at once" if self.kind == "region_lost" else "stopped"
+        return (f"the same loss at {self.at_s:.1f}s ({self.region} "
+                f"{'lost' if self.kind == 'region_lost' else 'store gone'}: {self.workers} of {self.of} workers, "
+                f"{self.capacity} of {self.of_capacity} GPUs): {workers} worker(s) {how}, capacity {capacity}")
 
 
 @dataclass(frozen=True)
@@ -161,6 +189,7 @@ class RegionNight:
         self._stop = threading.Event()
         self.merged: dict[str, int] = {}
         self.events: list[str] = []
+        self.losses: list[Loss] = []
 
     def workload(self) -> Workload:
         return Workload(records=self.records, per_worker=1.0 / self.batch_delay_s,
@@ -240,18 +269,19 @@ class RegionNight:
 
     def inject(self, kind: str, t: float, events: list[str]) -> None:
         assert self.fleets is not None
+        region = self.faults.lost if kind == "region_lost" else self.faults.store
+        mine = [c for c in self.deployment.clusters if c.region == region]
+        # The share of the night's workers and capacity the fault takes, for the single region's same loss.
+        self.losses.append(Loss(t, kind, region, sum(len(self.fleets.by_cluster[c.name].alive()) for c in mine),
+                                len(self.fleets.alive()), sum(c.capacity for c in mine),
+                                sum(c.capacity for c in self.deployment.clusters)))
         if kind == "region_lost":
-            region = self.faults.lost
             self.unreachable[region] = "the region's Kubernetes API does not answer"
-            killed = 0
-            for c in self.deployment.clusters:
-                if c.region == region:
-                    fleet = self.fleets.by_cluster[c.name]
-                    killed += len(fleet.alive())
-                    fleet.kill()
-            events.append(f"{t:.1f}s region {region} lost: {killed} worker(s) killed at once, its cluster unreachable")
+            for c in mine:
+                self.fleets.by_cluster[c.name].kill()
+            events.append(f"{t:.1f}s region {region} lost: {self.losses[-1].workers} worker(s) killed at once, "
+                          f"its cluster unreachable")
         elif kind == "store_down":
-            region = self.faults.store
             where = self.root / region
             if where.exists():
                 where.rename(self.root / f"{region}-unreachable")
@@ -326,6 +356,7 @@ class RegionNight:
             "egress_usd": round(egress, 6), "rows_usd": round(rows_usd, 6),
             "bill_usd": round(sum(gpu.values()) + egress + rows_usd, 6),
             "steals": steals, "lost": [r["region"] for r in lost], "lost_reasons": [r["reason"][:160] for r in lost],
+            "losses": [asdict(x) for x in self.losses],
             "changes": sum(1 for d in decisions if d["action"] != "hold"),
             "largest": {c.name: max([int(d["desired"]) for d in decisions if d["cluster"] == c.name] or [0])
                         for c in self.deployment.clusters},
@@ -337,10 +368,13 @@ class RegionNight:
         }
 
 
-def one_region_figures(gpu_hours: float, price: float, rows_usd: float, first: int) -> dict[str, Any]:
-    """The single-region autopilot's bill on the same night, priced as the regions' is."""
+def one_region_figures(gpu_hours: float, price: float, rows_usd: float, first: int,
+                       faced: Sequence[str] = ()) -> dict[str, Any]:
+    """The single-region autopilot's bill on the same night, priced as the regions' is; ``faced``: the
+    regions' losses as its one cluster met them (``Loss.line``)."""
     return {"role": "one", "plan": [f"{LEDGER}:{first}"], "gpu_usd": round(gpu_hours * price, 6), "egress_usd": 0.0,
-            "rows_usd": round(rows_usd, 6), "bill_usd": round(gpu_hours * price + rows_usd, 6)}
+            "rows_usd": round(rows_usd, 6), "bill_usd": round(gpu_hours * price + rows_usd, 6),
+            "faced": list(faced)}
 
 
-__all__ = ["ClusterFleets", "RegionFaults", "RegionNight", "draw", "one_region_figures"]
+__all__ = ["ClusterFleets", "Loss", "RegionFaults", "RegionNight", "draw", "one_region_figures"]
