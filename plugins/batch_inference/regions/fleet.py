@@ -304,8 +304,8 @@ def steal_gates(now: datetime, deadline: datetime, overhead_s: float, margin_s: 
         if todo > can:
             out.append(Gate(region, True, f"{region}: {sums}: it needs help"))
         elif region in was_open and todo > can * REMOVE_DERATE:
-            out.append(Gate(region, True, f"{region}: {sums}, {can * REMOVE_DERATE:,.0f} at {REMOVE_DERATE:.0%}: "
-                                          f"it still needs help"))
+            out.append(Gate(region, True, f"{region}: {sums}, {can * REMOVE_DERATE:,.0f} at {REMOVE_DERATE:.0%} "
+                                          f"(its gate open): it needs help"))
         else:
             out.append(Gate(region, False, f"{region}: {sums}"))
     return out
