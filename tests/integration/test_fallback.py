@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 import textwrap
@@ -376,7 +377,8 @@ FALLBACK_SERVERS = {"llama_server": "json_object", "vllm_server": "json_schema"}
 
 @pytest.mark.slow
 @pytest.mark.parametrize("server", sorted(FALLBACK_SERVERS))
-def test_cutoff_night_end_to_end_through_dag_test(conn, db_url, server, request, tmp_path, capsys):
+def test_cutoff_night_end_to_end_through_dag_test(conn, db_url, server, request, tmp_path, capsys,
+                                                  migrated_airflow_db):
     from batch_inference.cli import main
     from batch_inference.engines import load_engine
     from batch_inference.engines.base import Request
@@ -407,10 +409,7 @@ def test_cutoff_night_end_to_end_through_dag_test(conn, db_url, server, request,
     env = airflow_env(home, db_url) | {
         "BI_E2E_JOB": job, "BI_E2E_OUT": str(out), "BI_E2E_DB": db_url, "BI_E2E_URL": base_url,
         "BI_E2E_BATCH_DELAY": "2.0", "BI_E2E_OFFSET": "20"}
-    airflow = str(Path(sys.executable).parent / "airflow")
-    t0 = time.monotonic()
-    mig = subprocess.run([airflow, "db", "migrate"], env=env, capture_output=True, text=True, timeout=300)
-    assert mig.returncode == 0, mig.stdout[-3000:] + mig.stderr[-3000:]
+    shutil.copyfile(migrated_airflow_db, home / "airflow.db")     # `airflow db migrate`, done once a session
     t1 = time.monotonic()
     run = subprocess.run([sys.executable, str(home / "dags" / "bi_cutoff_e2e.py")], env=env, capture_output=True,
                          text=True, timeout=600, cwd=str(REPO))
@@ -463,7 +462,7 @@ def test_cutoff_night_end_to_end_through_dag_test(conn, db_url, server, request,
     assert so_far["total"] == pytest.approx(round(r["b"] * 0.003625 + r["f"] * 0.00725, 2), abs=0.011)
     assert cost["if_fallback_now"]["total"] == so_far["total"]        # nothing left to re-drive
 
-    print(f"\ne2e ({server}): airflow db migrate {t1 - t0:.1f} s; dag.test {t2 - t1:.1f} s; batch {r['b']} rows, "
+    print(f"\ne2e ({server}): dag.test {t2 - t1:.1f} s; batch {r['b']} rows, "
           f"fallback {r['f']} rows at {pool['rate']:.2f} rows/s (busy {pool['busy_s']:.1f} s), "
           f"cutoff to done {pool['wall_s']:.1f} s, overhead {pool['overhead_s']:.1f} s; "
           f"cost ${so_far['total']:.4f} (ceiling ${so_far['all_synchronous_ceiling']:.4f})")
