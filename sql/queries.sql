@@ -259,11 +259,12 @@ VALUES (%(dag_id)s, %(run_id)s, %(job)s, %(created)s)
 ON CONFLICT (dag_id, run_id) DO UPDATE
    SET job_version = excluded.job_version, created = excluded.created, at = excluded.at;
 
--- name: job_runs_earlier  the latest other DAG runs that submitted the same job version before this run did
-SELECT dag_id, run_id FROM bi.job_runs
- WHERE job_version = %(job)s AND NOT (dag_id = %(dag_id)s AND run_id = %(run_id)s)
-   AND at < (SELECT at FROM bi.job_runs WHERE dag_id = %(dag_id)s AND run_id = %(run_id)s)
- ORDER BY at DESC LIMIT 20;
+-- name: job_runs_earlier  the latest other DAG runs that submitted a version of the same dataset (this job version or another) before this run did
+SELECT r.dag_id, r.run_id FROM bi.job_runs r JOIN bi.jobs j ON j.job_version = r.job_version
+ WHERE j.dataset = (SELECT dataset FROM bi.jobs WHERE job_version = %(job)s)
+   AND NOT (r.dag_id = %(dag_id)s AND r.run_id = %(run_id)s)
+   AND r.at < (SELECT at FROM bi.job_runs WHERE dag_id = %(dag_id)s AND run_id = %(run_id)s)
+ ORDER BY r.at DESC LIMIT 20;
 
 -- name: job_run_version  the job version a DAG run submitted, if its submit got that far
 SELECT job_version, created FROM bi.job_runs WHERE dag_id = %(dag_id)s AND run_id = %(run_id)s;

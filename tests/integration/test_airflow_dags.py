@@ -147,7 +147,7 @@ def test_the_pipeline_builder_wires_any_launcher_between_submit_and_validate():
     assert p.workers.task_id == "run_workers" and p.cutoff.poll_interval == 5
     assert {t.postgres_conn_id for t in (p.submit, p.validate, p.review, p.publish)} == {"probe_conn"}
     assert p.publish.outlets[0].uri == "batch-inference://published/probe_set"
-    assert dag.max_active_runs == 1 and dag.default_args["retries"] == 2
+    assert dag.max_active_runs == 16 and dag.default_args["retries"] == 2   # [core] max_active_runs_per_dag
 
 
 # -- running -------------------------------------------------------------------

@@ -257,14 +257,18 @@ def pipeline_params(*, spec_path: str | Path = DEMO_SPEC, source_table: str = ""
 
 
 def pipeline_dag_args(postgres_conn_id: str = DEFAULT_CONN_ID, *, retries: int = 2,
-                      start_date: datetime = datetime(2025, 1, 1)) -> dict[str, Any]:
-    """``DAG(**pipeline_dag_args())``: one run at a time (a second would submit the same job version
-    beside it), no catch-up, and on every task ``retries`` for transient failures (configuration
-    errors fail at once) and the on-call page (``OnCallNotifier``)."""
+                      start_date: datetime = datetime(2025, 1, 1), max_active_runs: int | None = None
+                      ) -> dict[str, Any]:
+    """``DAG(**pipeline_dag_args())``: no catch-up, and on every task ``retries`` for transient failures
+    (configuration errors fail at once) and the on-call page (``OnCallNotifier``). Runs of different
+    datasets go on side by side, up to ``max_active_runs`` at once (None: the deployment's ``[core]
+    max_active_runs_per_dag``, 16 by default); a run on a dataset that an earlier run (of any DAG) still
+    works waits in its submit for that run to end, so one dataset's versions are worked and published in
+    the order they were submitted (``SubmitJobOperator``)."""
     return {
         "start_date": start_date,
         "catchup": False,
-        "max_active_runs": 1,
+        **({} if max_active_runs is None else {"max_active_runs": max_active_runs}),
         "default_args": {
             "retries": retries,
             "retry_delay": timedelta(minutes=1),

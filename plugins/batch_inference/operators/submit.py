@@ -101,8 +101,10 @@ class SubmitJobOperator(LedgerTask, BaseOperator):
         ``source.conn_id``: any connection whose hook is a common-sql ``DbApiHook``.
     :param s3_endpoint_url: S3-compatible endpoint; usually the AWS
         connection's ``endpoint_url`` extra instead. Templated.
-    :param wait_poll_seconds: when an earlier DAG run (of any DAG) is still working on the same job
-        version, this run waits, deferred, and checks again after this many seconds.
+    :param wait_poll_seconds: when an earlier DAG run (of any DAG) is still working on a version of the
+        same dataset (this job version or another), this run waits, deferred, and checks again after
+        this many seconds: one dataset's runs work and publish in the order they submitted, while
+        other datasets' runs go on beside them.
     :param deployment: a deployment YAML (clusters in several regions, docs/regions.md; relative paths
         next to the DAG file), or empty: every store and Kubernetes connection is asked before anything is
         written, then the snapshot is replicated near each cluster (``plan.submit``'s ``deployment``); the
@@ -191,11 +193,12 @@ class SubmitJobOperator(LedgerTask, BaseOperator):
         except SnapshotError as exc:
             raise AirflowFailException(f"snapshot refused: {exc}") from None
         if run and busy:
-            # Two runs on one job version side by side would race each other's
-            # workers, validation and publish (a backfill's runs do not count
-            # against the DAG's max_active_runs): this one waits its turn.
-            self.log.info("job version %s is being worked by the earlier run %s/%s; this run waits for it "
-                          "(checking every %.0f s)", manifest["job_version"], *busy, self.wait_poll_seconds)
+            # Two runs on one job version side by side would race each other's workers, validation and
+            # publish, and two versions of one dataset would publish in whichever order they finish (an
+            # older snapshot last): this one waits its turn, whatever DAG the earlier run belongs to.
+            self.log.info("job version %s of dataset %s: the dataset is being worked by the earlier run "
+                          "%s/%s; this run waits for it (checking every %.0f s)", manifest["job_version"],
+                          spec.dataset, *busy, self.wait_poll_seconds)
             from airflow.providers.standard.triggers.temporal import TimeDeltaTrigger
 
             self.defer(trigger=TimeDeltaTrigger(timedelta(seconds=self.wait_poll_seconds)),
@@ -234,12 +237,13 @@ class SubmitJobOperator(LedgerTask, BaseOperator):
         return manifest
 
     def execute_after_wait(self, context: Context, event: Any = None) -> dict[str, Any]:
-        """Back from waiting for an earlier run of the same job version: submit again (it finds the version)."""
+        """Back from waiting for an earlier run of the same dataset: submit again (it finds the version)."""
         return self.execute(context)
 
     def _earlier_active_run(self, conn: Any, context: Context, job_version: str, dag_id: str,
                             run_id: str) -> tuple[str, str] | None:
-        """An earlier DAG run on this job version that Airflow still has queued or running, if any."""
+        """An earlier DAG run on a version of this job version's dataset that Airflow still has queued or
+        running, if any."""
         ti = context.get("ti")
         if ti is None or not hasattr(ti, "get_dagrun_state"):
             return None

@@ -1,0 +1,55 @@
+"""A DAG run's turn at its dataset: the submit waits while an earlier run that Airflow still has queued or
+running works on a version of the same dataset (``SubmitJobOperator._earlier_active_run``, the query
+``job_runs_earlier``), whatever DAG that run belongs to, and waits neither for a run of another dataset nor
+for one that ended. The real ledger; a run's state comes from a stand-in for the task instance's
+``get_dagrun_state`` (in a deployment, the Execution API's answer). The live nightly backfill test
+(tests/process/test_live_airflow.py) proves the wait as deployed."""
+
+from __future__ import annotations
+
+from batch_inference import db
+from batch_inference.operators.submit import SubmitJobOperator
+from batch_inference.plan import submit
+from tests.conftest import make_source, make_spec
+
+
+class RunStates:
+    """The part of Airflow's task instance the wait asks: the state of another DAG run."""
+
+    def __init__(self, states: dict[tuple[str, str], str]) -> None:
+        self.states = states
+
+    def get_dagrun_state(self, dag_id: str, run_id: str) -> str:
+        return self.states[(dag_id, run_id)]
+
+
+def test_a_run_waits_for_an_earlier_active_run_of_its_dataset_and_not_for_another_dataset(conn):
+    make_source(conn, [(f"r{i}", f"ticket {i}: charged twice") for i in range(4)])
+    first = submit(conn, make_spec(dataset="orders")).job_version
+    second = submit(conn, make_spec(dataset="orders", prompt={"version": "v2"})).job_version   # a new version
+    other = submit(conn, make_spec(dataset="refunds")).job_version
+    assert len({first, second, other}) == 3
+
+    def record(dag_id: str, run_id: str, job: str) -> None:
+        conn.execute(db.q("job_run_record"), {"dag_id": dag_id, "run_id": run_id, "job": job, "created": True})
+
+    record("batch_inference_nightly", "night", first)      # the dataset's earlier run, in another DAG
+    record("batch_inference_backfill", "refunds", other)   # an earlier run of another dataset
+    record("batch_inference_backfill", "orders_v2", second)
+    record("batch_inference_backfill", "refunds_2", other)  # a later run of the other dataset
+    op = SubmitJobOperator(task_id="submit", spec="unused.yaml")
+    states = {("batch_inference_nightly", "night"): "running", ("batch_inference_backfill", "refunds"): "running",
+              ("batch_inference_backfill", "orders_v2"): "queued"}
+    context = {"ti": RunStates(states)}
+
+    # The new version of "orders" waits for the running night on "orders"; the running "refunds" run and
+    # the queued "orders" run hold nobody of the other dataset.
+    assert op._earlier_active_run(conn, context, second, "batch_inference_backfill", "orders_v2") == (
+        "batch_inference_nightly", "night")
+    assert op._earlier_active_run(conn, context, other, "batch_inference_backfill", "refunds") is None
+    # The same job version in a later run waits as before (two runs never work one version side by side).
+    assert op._earlier_active_run(conn, context, other, "batch_inference_backfill", "refunds_2") == (
+        "batch_inference_backfill", "refunds")
+    # Once the night has ended, the new version goes on.
+    states[("batch_inference_nightly", "night")] = "success"
+    assert op._earlier_active_run(conn, context, second, "batch_inference_backfill", "orders_v2") is None
