@@ -62,7 +62,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ns = [n for r in reports for n in r.nights]
     nights = [{"seed": n.seed, "mode": n.regions["role"], "verdict": n.verdict, "met": n.verdict == "met",
                "paged_s": n.page_s, "slack_s": n.slack_s, "fired_s": n.fired_s, "faults": n.faults,
-               "plan": n.regions["plan"], "lost": n.regions.get("lost", []), "steals": n.regions.get("steals", 0),
+               "plan": n.regions["plan"], "lost": n.regions.get("lost", []),
+               "lost_reasons": n.regions.get("lost_reasons", []), "steals": n.regions.get("steals", 0),
                "rows": n.rows, "bill_usd": n.regions["bill_usd"], "gpu_usd": n.regions["gpu_usd"],
                "egress_usd": n.regions["egress_usd"], "rows_usd": n.regions["rows_usd"],
                "cheaper_elsewhere": n.regions.get("cheaper_elsewhere"), "duplicates": n.coverage.get("duplicates", 0),
