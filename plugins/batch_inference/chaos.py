@@ -58,14 +58,20 @@ from collections import Counter
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from batch_inference import db
 from batch_inference.data import NOOP_MODEL, TRIAGE_SCHEMA
 from batch_inference.engines.base import Engine, Outcome, Request
 from batch_inference.exceptions import InvalidValue
 from batch_inference.fleet import Exit, Fleet, Worker
-from batch_inference.harness import SOURCE, Admin, EmbeddedServer, make_source, worker_credentials
+from batch_inference.outputs import check_output, to_storage
+
+# Every worker imports this module for CountingEngine (by dotted path), at each of the run's hundred
+# worker starts: the harness (its loopback servers, hosted emulators and numpy) is the run's alone, so
+# _spec and run_chaos import it where they run.
+if TYPE_CHECKING:
+    from batch_inference.harness import Admin, EmbeddedServer
 
 log = logging.getLogger("batch_inference.chaos")
 
@@ -258,9 +264,6 @@ class CountingEngine(Engine):
         return self._count(self.inner.stream(feed, stop))
 
     def _count(self, outcomes: Iterator[Outcome]) -> Iterator[Outcome]:
-        from batch_inference.embed import to_storage
-        from batch_inference.outputs import check_output
-
         embed = self.spec.task == "embed"
         for outcome in outcomes:
             if self._fd is not None:
@@ -317,8 +320,11 @@ class _Workers:
         inner = {"generate": self.cfg.engine, "ladder": "ladder", "embed": NOOP_EMBEDDER}[self.cfg.job]
         opts = {"inner": inner, "count_dir": str(self.counts),
                 **(self.cfg.engine_options if self.cfg.job != "ladder" else {})}
+        # An idle worker looks for an expired lease once a renewal interval: the production default (5 s)
+        # is longer than the run's lease, and a killed holder's shard would lie expired while they slept.
         argv = [self.job, "--engine", "batch_inference.chaos:CountingEngine", "--worker-id", owner,
-                "--flush-every", str(self.cfg.flush_every), "--grace-seconds", str(self.cfg.grace_seconds)]
+                "--flush-every", str(self.cfg.flush_every), "--grace-seconds", str(self.cfg.grace_seconds),
+                "--poll-seconds", str(self.cfg.renew_seconds)]
         for k, v in opts.items():
             argv += ["--engine-option", f"{k}={json.dumps(v) if not isinstance(v, str) else v}"]
         return argv
@@ -375,6 +381,7 @@ class _Workers:
 # -- the run ------------------------------------------------------------------------
 
 def _spec(cfg: ChaosConfig):
+    from batch_inference.harness import SOURCE
     from batch_inference.spec import parse_spec
 
     d: dict[str, Any] = {
@@ -539,15 +546,27 @@ class _Run:
                 next_fault = time.monotonic() + self._interval(time.monotonic(), progress)
             time.sleep(0.05)
         job_s = time.monotonic() - t0
-        # Resume anyone still stopped and give them a renewal to be refused.
+        # Resume anyone still stopped, and wait until each resumed worker whose shard moved on has been
+        # refused (its next ledger call), for at most two renewals and a second.
         self._service_stalls(time.monotonic(), finishing=True)
-        time.sleep(2 * cfg.renew_seconds + 1)
+        waiting = [st for st in self.stalls if st.moved_on]
+        end = time.monotonic() + 2 * cfg.renew_seconds + 1
+        while waiting and time.monotonic() < end:
+            waiting = [st for st in waiting if not self._refused(st)]
+            if waiting:
+                time.sleep(0.1)
         self.fleet.reap(restart=False)
         return job_s
+
+    def _refused(self, st: _Stall) -> bool:
+        row = self.admin.one("chaos_fence_for", {"job": self.job, "worker": st.proc.name, "shard": st.shard,
+                                                 "epoch": st.epoch})
+        return bool(row and row["n"] > 0)
 
 
 def run_chaos(cfg: ChaosConfig) -> ChaosReport:
     """Run one chaos job end to end; see the module docstring."""
+    from batch_inference.harness import Admin, EmbeddedServer, make_source, worker_credentials
     from batch_inference.plan import submit
 
     t_start = time.monotonic()
