@@ -317,7 +317,10 @@ def run(args: argparse.Namespace) -> int:
 
     env = airflow_env(home, url)
     log_path = home / f"demo-{time.strftime('%Y%m%d-%H%M%S')}.log"
-    if not _airflow_migrated(env, home, log_path, args.verbose) or not _clear_left_behind(env, log_path):
+    # A metadata database made in this run holds no run an interrupted demo left behind: no Airflow
+    # process (seconds of imports) is started to look for one.
+    fresh = not (home / "airflow" / "airflow.db").exists()
+    if not _airflow_migrated(env, home, log_path, args.verbose) or not (fresh or _clear_left_behind(env, log_path)):
         return 1
     # The noop engine runs only a spec whose engine is noop (batch_inference.provenance): the demo spec on it.
     spec_path = DEMO_SPEC if args.engine == "llama-cpp" else write_noop_spec(home)
