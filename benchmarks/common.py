@@ -126,6 +126,22 @@ def machine() -> dict[str, Any]:
             "load1": round(os.getloadavg()[0], 2), "code": code_version()}
 
 
+def cpu_name() -> str:
+    """The CPU's model name with its family and model numbers (a name such as "AMD EPYC" alone covers
+    several generations), as a benchmark prints it beside its figures."""
+    ids = {}
+    try:
+        for line in Path("/proc/cpuinfo").read_text(errors="replace").splitlines():
+            key, _, value = line.partition(":")
+            if key.strip() in ("cpu family", "model") and key.strip() not in ids:
+                ids[key.strip()] = value.strip()
+            if len(ids) == 2:
+                break
+    except OSError:
+        pass
+    return this_cpu().model + (f" (family {ids['cpu family']} model {ids['model']})" if len(ids) == 2 else "")
+
+
 def code_version() -> str:
     """The commit measured, with "+dirty" when the core's files differ from it."""
     import subprocess

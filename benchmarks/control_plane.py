@@ -52,8 +52,8 @@ from batch_inference import db
 from batch_inference.engines.noop import minimal_instance
 from batch_inference.ledger import Ledger
 from batch_inference.plan import submit
-from benchmarks.common import (BENCH_SCHEMA, PYTHON, REPO, ServerCpu, bench_spec, emit, fresh_server, machine,
-                               make_tickets, median, pg_version, rnd, self_cpu, worker_env)
+from benchmarks.common import (BENCH_SCHEMA, PYTHON, REPO, ServerCpu, bench_spec, cpu_name, emit, fresh_server,
+                               machine, make_tickets, median, pg_version, rnd, self_cpu, worker_env)
 from gpu_runner.worker import WorkerConfig
 
 TARGET = 0.80  # pipeline rate / raw ceiling
@@ -351,6 +351,7 @@ def run(records: int = 100_000, shard_size: int = 5000, workers: int = 2, flush:
             "repeats": repeats, "flush_every": list(flush), "judged_flush": judged, "by_flush": results,
             "worker_startup_cpu_s": rnd(start_cpu or 0.0),
             "ratio": default["ratio"], "ratio_vs_writers": default.get("ratio_vs_writers"),
+            "ledger_ratio": default["ledger_ratio"], "cpu": cpu_name(),
             "target": f">= {TARGET} (against one connection and against as many raw writers as workers)",
             "met": default["ratio"] >= TARGET and default.get("ratio_vs_writers", TARGET) >= TARGET,
             "patches": list(patches),

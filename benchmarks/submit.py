@@ -18,9 +18,11 @@ Through the CLI, as a user runs it: ``batch-inference submit SPEC`` in a
 process of its own, timed from its start to its exit (interpreter start-up,
 imports, the spec file, the connection and its migration check, the weights
 check and the counts it prints included), a new job version over the same
-source in the same repeat; ``cli_keyed_ratio`` is it against the keyed copy,
-``cli_fixed_s`` what the CLI adds to the in-process submit, ``cli_keyed_cpu_ratio`` the
-CLI's process and server CPU against the keyed copy's server CPU.
+source in the same repeat; ``cli_keyed_ratio`` is it against a keyed copy run
+just before it (the median of the repeats' ratios: the load on a shared machine
+moves within a repeat), ``cli_fixed_s`` what the CLI adds to the in-process submit,
+``cli_keyed_cpu_ratio`` the CLI's process and server CPU against that keyed copy's
+server CPU. ``cpu`` names the CPU beside the ratios.
 
 Validate runs over the same job version after its results have been written
 directly with SQL (one result per record, as a finished job has), because the
@@ -60,8 +62,8 @@ from psycopg import sql as pgsql
 
 from batch_inference import db
 from batch_inference.plan import submit
-from benchmarks.common import (PYTHON, REPO, ServerCpu, bench_spec, emit, fresh_server, machine, make_tickets,
-                               median, pg_version, rnd, worker_env)
+from benchmarks.common import (PYTHON, REPO, ServerCpu, bench_spec, cpu_name, emit, fresh_server, machine,
+                               make_tickets, median, pg_version, rnd, worker_env)
 
 TARGET = 1.5  # submit time / raw copy time
 # The source rows every copy writes: what submit snapshots, unchecked and unclassified
@@ -232,7 +234,7 @@ def run(records: int = 1_000_000, repeats: int = 3, shard_size: int = 5000, text
     out = dict(outs[id_orders[0]])
     out["by_id_order"] = {order: {k: o[k] for k in ("raw_copy_s", "keyed_copy_s", "submit_s", "ratio", "keyed_ratio",
                                                      "cli_submit_s", "cli_keyed_ratio", "cli_keyed_cpu_ratio",
-                                                     "keyed_server_cpu_ratio",
+                                                     "keyed_server_cpu_ratio", "cpu",
                                                      "steps_s")}
                           for order, o in outs.items()}
     out["keyed_target"] = f"<= {TARGET} (submit / keyed copy, every id order)"
@@ -257,6 +259,8 @@ def run_order(records: int, repeats: int, shard_size: int, text_len: int, ids: s
     submits: list[float] = []
     clis: list[float] = []
     cli_cpus: list[float] = []
+    cli_ratios: list[float] = []       # each repeat's CLI submit against the keyed copy run just before it
+    cli_cpu_ratios: list[float] = []
     validates: list[float] = []
     analyzes: list[float] = []
     vsteps: dict[str, list[float]] = {}
@@ -327,9 +331,15 @@ def run_order(records: int, repeats: int, shard_size: int, text_len: int, ids: s
             # Keep the database the same size for every repeat.
             conn.execute("SELECT bi.drop_job_version_v1(%s)", (m.job_version,))
             conn.execute("CHECKPOINT")
+            # The CLI's baseline is a keyed copy run just before it: the two arms of one ratio meet the
+            # same load (on a shared machine it moves within a repeat).
+            near_keyed, near_keyed_server = keyed_copy(conn, rep)
             cli_wall, cli_cpu, cli_server = cli_submit(url, conn, shard_size, f"cli{rep}")
             clis.append(cli_wall)
             cli_cpus.append(cli_cpu + cli_server)
+            cli_ratios.append(cli_wall / near_keyed)
+            if near_keyed_server > 0:   # not below the CPU clock's resolution (tiny --quick runs)
+                cli_cpu_ratios.append((cli_cpu + cli_server) / near_keyed_server)
         version = pg_version(conn)
     copy_s, submit_s = median(copies), median(submits)
     out: dict[str, Any] = {
@@ -344,12 +354,14 @@ def run_order(records: int, repeats: int, shard_size: int, text_len: int, ids: s
         "server_cpu_ratio": _ratio(median(submit_server), median(copy_server)),
         # The floor of any keyed snapshot: the raw copy and its primary key.
         "keyed_copy_s": rnd(median(keyed)), "keyed_copy_server_cpu_s": rnd(median(keyed_server)),
-        "keyed_ratio": round(submit_s / median(keyed), 2),
+        "keyed_ratio": round(submit_s / median(keyed), 2), "cpu": cpu_name(),
         # Through the CLI, start-up included, and what the CLI adds to the in-process submit.
-        "cli_submit_s": rnd(median(clis)), "cli_keyed_ratio": round(median(clis) / median(keyed), 2),
+        # Each ratio the median of the repeats' own, the CLI's against the keyed copy run just before it.
+        "cli_submit_s": rnd(median(clis)), "cli_keyed_ratio": round(median(cli_ratios), 2),
         "cli_fixed_s": rnd(median(clis) - submit_s),
         # The same in CPU, which the load moves less: the CLI's process and the server against the keyed copy's server.
-        "cli_cpu_s": rnd(median(cli_cpus)), "cli_keyed_cpu_ratio": _ratio(median(cli_cpus), median(keyed_server)),
+        "cli_cpu_s": rnd(median(cli_cpus)),
+        "cli_keyed_cpu_ratio": round(median(cli_cpu_ratios), 2) if cli_cpu_ratios else None,
         "keyed_server_cpu_ratio": _ratio(median(submit_server), median(keyed_server)),
         "steps_s": {k: rnd(median(v)) for k, v in sorted(steps.items(), key=lambda kv: -median(kv[1]))},
         "steps_cpu_s": {k: rnd(median(v)) for k, v in sorted(step_cpus.items(), key=lambda kv: -median(kv[1]))},
