@@ -154,11 +154,13 @@ class _Server:
         if self.proc.poll() is None:
             os.killpg(self.proc.pid, signal.SIGTERM)  # its own session: the server and its worker
 
-    def join(self, timeout: float = 8) -> None:
+    def join(self, timeout: float = 2) -> None:
         try:
             self.proc.wait(timeout=timeout)
         except subprocess.TimeoutExpired:
-            os.killpg(self.proc.pid, signal.SIGKILL)  # a test server need not drain its connections
+            # A test server need not drain its connections (an api-server went on for more than 8 s
+            # after its SIGTERM).
+            os.killpg(self.proc.pid, signal.SIGKILL)
             self.proc.wait()
 
 
