@@ -88,8 +88,9 @@ def template_db(pg_server) -> str:
 # deployment's, the benchmarks' quick runs, the vLLM worker's, the chaos runs and the nights). They are
 # collected first and scripts/test.sh's scheduler hands out files in collection order, so the longest start
 # at once and the short ones fill in around them, instead of the run finishing on one long file alone.
-LONG_FILES = ("process/test_live_airflow.py", "process/test_benchmarks_vllm.py", "process/test_live_ladder_embed.py",
-              "process/test_vllm_worker.py", "process/test_chaos_pgbouncer.py", "process/test_benchmarks.py",
+LONG_FILES = ("process/test_live_deadlines.py", "process/test_benchmarks_vllm.py", "process/test_live_airflow.py",
+              "process/test_live_ladder_embed.py", "process/test_vllm_worker.py", "process/test_live_actions.py",
+              "process/test_chaos_pgbouncer.py", "process/test_benchmarks.py",
               "process/test_nights_hosted.py", "process/test_chaos.py", "process/test_nights.py",
               "process/test_benchmarks_models.py", "process/test_chaos_overlap.py", "process/test_demo_reruns.py",
               "process/test_nights_budget.py", "integration/test_fallback.py", "process/test_vllm.py",
@@ -114,12 +115,9 @@ _STARTS_A_SERVER = ("getfixturevalue", "embedded_postgres")
 
 
 # Files that scripts/test.sh's scheduler hands to one worker together, so they share its session's
-# servers: the live Airflow deployment's smaller files (tests/fixtures/live_airflow.py) run against one
-# deployment. test_live_airflow.py, the longest, has a deployment of its own on another worker: a
-# deployment runs one backfill at a time (the pipeline's max_active_runs=1), so a second one is what lets
-# two live tests run at once.
-SHARED_SCOPES = {"process/test_live_ladder_embed.py": "live-deployment-2",
-                 "process/test_live_regions.py": "live-deployment-2"}
+# servers. None now: the live files (test_live_*.py) go to any worker, all of them driving the run's one
+# Airflow deployment at once (tests/fixtures/live_airflow.py shares it across workers).
+SHARED_SCOPES: dict[str, str] = {}
 
 
 def pytest_configure(config: pytest.Config) -> None:

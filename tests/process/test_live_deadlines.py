@@ -1,0 +1,153 @@
+"""The deadline's paths on the live Airflow deployment (tests/fixtures/live_airflow.py): a cutoff that fires
+at once and the fallback pool through the real llama.cpp server, a fallback endpoint down for the tail
+that pages before the deadline, and the autopilot adding a worker; driven through the REST API, the ledger
+read over SQL (the helpers of test_live_airflow.py)."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from batch_inference import db
+from tests.fixtures.chat_server import completion
+from tests.process.test_live_airflow import BACKFILL, NOOP_MODEL, counts, make_spec, make_table, published_rows
+
+pytestmark = pytest.mark.live
+
+
+def test_cutoff_firing_at_once_is_redriven_by_the_fallback_through_llama_cpp(live_airflow, webhook_sink,
+                                                                              llama_server):
+    """The deadline is a minute away, the overhead 30 minutes: the cutoff is already past when the
+    sensor starts. The slow batch worker drains; the fallback pool re-drives the rest through the
+    real llama.cpp server (the spec's default response format), and the run publishes. By the spec's
+    constants (10 minutes to publish, a third of the overhead) the deadline is already lost as the
+    cutoff fires, so the sensor pages on-call then; the run still makes it, because this deployment's
+    load takes seconds, not the 10 minutes the constants assume."""
+    dep = live_airflow
+    table = make_table(dep.ledger_url, "live_cutoff", 12)
+    spec = make_spec(dep, "live_cutoff", engine={"name": "noop", "options": {"delay_s": 2.0}},
+                     renew_seconds=2, fallback={"base_url": llama_server, "rate": 5, "concurrency": 2})
+    t0 = time.monotonic()
+    run_id = dep.trigger(BACKFILL, {"spec_path": spec, "source_table": table, "shard_size": 3, "workers": 1,
+                                    "deadline": "+1m"})
+    run = dep.wait_run(BACKFILL, run_id, timeout=500)
+    tis = dep.task_instances(BACKFILL, run_id)
+    assert run["state"] == "success", dep.explain(BACKFILL, run_id)
+    # The cutoff fired in the sensor's first try: no race with the scheduler (apache/airflow#72716).
+    assert tis["cutoff"]["try_number"] == 1
+    cutoff = dep.xcom(BACKFILL, run_id, "cutoff")
+    assert cutoff["fired"] is True
+    assert cutoff["page"].startswith("deadline ") and "at 5/s + 600s to publish" in cutoff["page"], cutoff
+    msg = webhook_sink.wait_for(lambda m: m.get("job_version") == cutoff["job_version"]
+                                and m.get("task_id") == "cutoff", 30)
+    assert msg["kind"] == "deadline will be missed" and msg["error"] == cutoff["page"]
+    fallback = dep.xcom(BACKFILL, run_id, "fallback")
+    job = fallback["job_version"]
+    c = counts(dep, job)
+    assert fallback["stored"] > 0, fallback
+    assert c["status"] == "published" and c["outstanding"] == 0
+    assert c["stored"] + c["dead_letters"] == c["records"]
+    with db.connect(dep.ledger_url) as conn:
+        by = {r["transport"]: r["n"] for r in conn.execute(
+            "SELECT transport, count(*) AS n FROM bi.results WHERE job_version = %s GROUP BY 1", (job,))}
+        dupes = conn.execute("SELECT count(*) - count(DISTINCT record_id) AS d FROM bi.results WHERE job_version = %s",
+                             (job,)).fetchone()["d"]
+    assert by.get("fallback", 0) == fallback["stored"] and dupes == 0
+    print(f"cutoff path: trigger to published in {time.monotonic() - t0:.1f} s; cutoff to nothing outstanding "
+          f"{fallback['wall_s']} s; {by}")
+
+
+def test_a_fallback_endpoint_down_for_the_tail_pages_before_the_deadline_and_the_run_publishes_late(
+        live_airflow, webhook_sink):
+    """The Airflow fallback pages early: the cutoff fires in time (the deadline not yet lost: no page
+    from the sensor), the fallback endpoint answers 503 from then until past the deadline. The fallback
+    task pages on-call once the rows left at the pool's limit plus the publish's reserve no longer fit
+    before the deadline (the nights' one message), keeps re-driving in the same try, and once the
+    endpoint is back the run publishes, late but announced."""
+    from datetime import datetime, timezone
+
+    from batch_inference.deadline import parse_iso
+    from tests.fixtures.chat_server import ChatServer
+
+    answer = completion('{"category": "billing", "priority": "normal", "summary": "charged twice"}')
+    up = {"now": False}
+    endpoint = ChatServer(lambda body: (200, {}, answer) if up["now"] else
+                          (503, {}, {"error": {"message": "down for the night", "type": "server_error"}}))
+    try:
+        dep = live_airflow
+        table = make_table(dep.ledger_url, "live_down", 12)
+        # 2 rows/s, 240 s overhead: the cutoff fires at once (the deadline is 4 minutes out), and the
+        # page's reserve is a third of the overhead (80 s), so the deadline is not lost when it fires: that
+        # takes the page's latest start (the deadline less 86 s, down to its minute), at least 94 s after the
+        # run's start, and the run's first four tasks take up to a minute where the suite's workers share
+        # the cores.
+        spec = make_spec(dep, "live_down", engine={"name": "noop", "options": {"delay_s": 5.0}}, renew_seconds=2,
+                         fallback={"base_url": endpoint.base_url, "rate": 2, "overhead_s": 240, "concurrency": 2})
+        run_id = dep.trigger(BACKFILL, {"spec_path": spec, "source_table": table, "shard_size": 3, "workers": 1,
+                                        "deadline": "+4m"})
+        dep.wait_task(BACKFILL, run_id, "cutoff", ("success",), timeout=300)
+        cutoff = dep.xcom(BACKFILL, run_id, "cutoff")
+        assert cutoff["fired"] is True and cutoff["page"] is None, cutoff
+        deadline = parse_iso(cutoff["deadline"])
+        job = cutoff["job_version"]
+        left = (deadline - datetime.now(timezone.utc)).total_seconds()
+        msg = webhook_sink.wait_for(lambda m: m.get("job_version") == job and m.get("kind") ==
+                                    "deadline will be missed", max(1.0, left))
+        assert msg["task_id"] == "fallback" and parse_iso(msg["at"]) < deadline, msg
+        assert msg["error"].startswith(f"deadline {deadline:%H:%M:%S} will be missed: "), msg["error"]
+        assert "at 2/s + 80s to publish" in msg["error"] and "the fallback endpoint is failing" in msg["error"]
+        assert counts(dep, job)["outstanding"] > 0
+        while datetime.now(timezone.utc) < deadline:
+            time.sleep(0.5)
+        up["now"] = True                                      # back only after the deadline
+        run = dep.wait_run(BACKFILL, run_id, timeout=300)
+        tis = dep.task_instances(BACKFILL, run_id)
+        assert run["state"] == "success", dep.explain(BACKFILL, run_id)
+        assert tis["fallback"]["try_number"] == 1              # re-driven in the same try, no retry needed
+        c = counts(dep, job)
+        assert c["status"] == "published" and c["outstanding"] == 0 and c["dead_letters"] == 0
+        assert c["stored_fallback"] > 0 and published_rows(dep, "live_down") == 12
+        assert parse_iso(tis["publish"]["end_date"]) > deadline          # late, and paged before it
+        pages = [m for m in webhook_sink.received if m.get("job_version") == job]
+        assert [m["task_id"] for m in pages] == ["fallback"], pages      # one page, no task failed
+        print(f"endpoint down for the tail: paged {(deadline - parse_iso(msg['at'])).total_seconds():.0f} s "
+              f"before the deadline; published {(parse_iso(tis['publish']['end_date']) - deadline).total_seconds():.0f}"
+              " s after it")
+    finally:
+        endpoint.close()
+
+
+def test_the_autopilot_adds_a_local_worker_when_the_batch_is_behind(live_airflow):
+    """The autopilot in the deployment: the cutoff's trigger decides the fleet's size at every poll
+    (``LIVE_CUTOFF_POLL_S``, the deployment's cutoff_poll_interval) and the workers task reconciles its
+    processes to it. One worker at
+    2 s a record would finish 60 records (120 s) just inside the cutoff's last moment of a 3-minute
+    deadline, not a margin before it: the autopilot, its throughput measured once its polls span half
+    of a 40 s window, adds a worker, the cutoff never fires, and the run publishes."""
+    dep = live_airflow
+    table = make_table(dep.ledger_url, "live_autopilot", 60)
+    spec = make_spec(dep, "live_autopilot", model=NOOP_MODEL, engine={"name": "noop", "options": {"delay_s": 2.0}},
+                     renew_seconds=2, fallback={"overhead_s": 30, "rate": 50},
+                     cost={"gpu_hour_spot": 3.5, "min_workers": 1, "max_workers": 4},
+                     autopilot={"enabled": True, "margin_s": 60, "start_s": 10, "cooldown_s": 600, "window_s": 40})
+    t0 = time.monotonic()
+    run_id = dep.trigger(BACKFILL, {"spec_path": spec, "source_table": table, "shard_size": 5, "workers": 1,
+                                    "deadline": "+3m"})
+    run = dep.wait_run(BACKFILL, run_id, timeout=600)
+    assert run["state"] == "success", dep.explain(BACKFILL, run_id)
+    assert dep.xcom(BACKFILL, run_id, "cutoff")["fired"] is False
+    job = dep.xcom(BACKFILL, run_id, "workers")["job_version"]
+    with db.connect(dep.ledger_url) as conn:
+        decisions = conn.execute(db.q("fleet_decisions"), {"job": job}).fetchall()
+        observed = conn.execute("SELECT launcher, running FROM bi.fleet_observed WHERE job_version = %s ORDER BY id",
+                                (job,)).fetchall()
+        dupes = conn.execute("SELECT count(*) - count(DISTINCT record_id) AS d FROM bi.results WHERE job_version = %s",
+                             (job,)).fetchone()["d"]
+    adds = [d for d in decisions if d["action"] == "add"]
+    assert adds, [(d["action"], d["reason"]) for d in decisions]
+    assert {o["launcher"] for o in observed} == {"local:workers"}
+    assert max(o["running"] for o in observed) >= 2 and observed[-1]["running"] == 0
+    assert dupes == 0 and counts(dep, job)["status"] == "published"
+    print(f"autopilot: trigger to published in {time.monotonic() - t0:.1f} s; {len(decisions)} decisions, first add "
+          f"{adds[0]['current']} -> {adds[0]['desired']}: {adds[0]['reason']}")
