@@ -4,7 +4,8 @@ One process, one engine; for each shard:
 
     claim -> list what is left -> submit it all -> validate each outcome ->
     put-if-absent in batches (every ``flush_every`` results or
-    ``flush_seconds``) -> retry failures with backoff -> complete
+    ``flush_seconds``; each put written behind, by a thread, while the
+    engine goes on: ``Worker.flush``) -> retry failures with backoff -> complete
 
 An engine that streams (``Engine.queue_depth() > 0``: vLLM, its batch of
 ``max_num_seqs``) runs several shards at once (``gpu_runner.overlap``): the
