@@ -11,6 +11,7 @@ import shutil
 import tempfile
 import uuid
 from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -204,17 +205,23 @@ def db_route(request) -> str:
     return getattr(request, "param", "direct")
 
 
-@pytest.fixture
-def db_url(request, pg_server, template_db, db_route) -> str:
+@contextmanager
+def database_from_template(pg_server, template_db: str) -> Iterator[str]:
+    """A new database made from the migrated template, its URL; dropped on exit."""
     name = "t_" + uuid.uuid4().hex[:12]
     with psycopg.connect(pg_server.get_uri(), autocommit=True) as c:
         c.execute(f"CREATE DATABASE {name} TEMPLATE {template_db}")
-    url = pg_server.get_uri(name)
-    if db_route == "pgbouncer":
-        url = request.getfixturevalue("pgbouncer").url(url)
-    yield url
+    yield pg_server.get_uri(name)
     with psycopg.connect(pg_server.get_uri(), autocommit=True) as c:
         c.execute(f"DROP DATABASE IF EXISTS {name} WITH (FORCE)")
+
+
+@pytest.fixture
+def db_url(request, pg_server, template_db, db_route) -> Iterator[str]:
+    with database_from_template(pg_server, template_db) as url:
+        if db_route == "pgbouncer":
+            url = request.getfixturevalue("pgbouncer").url(url)
+        yield url
 
 
 @pytest.fixture

@@ -28,7 +28,7 @@ from batch_inference.spec import MAX_LEASE_SECONDS, SpecError, loads_spec, parse
 from batch_inference.status import job_counts, job_spec
 from batch_inference.validate import validate
 from gpu_runner.worker import WorkerConfig, run_worker
-from tests.conftest import make_source, make_spec, spec_dict, tickets
+from tests.conftest import database_from_template, make_source, make_spec, spec_dict, tickets
 from tests.fixtures.hostile_specs import SPEC_VECTORS, bomb, spec_yaml
 from tests.integration.test_privileges import url_as, worker_role  # noqa: F401  (worker_role: a fixture)
 
@@ -146,24 +146,23 @@ def _cli(db_url: str, *args: str, timeout: float = 60) -> subprocess.CompletedPr
     return p
 
 
-@pytest.fixture
-def published_job(conn, db_url):
-    """A job version of dataset tickets_triage, done, validated and published; and a second, unpublished."""
-    make_source(conn, tickets(6))
-    job = submit(conn, make_spec()).job_version
-    assert run_worker(WorkerConfig(job_version=job, db_url=db_url)) == 0
-    validate(conn, job)
-    publish(conn, job)
-    other = submit(conn, make_spec(dataset="tickets_other")).job_version
-    return job, other
-
-
-@pytest.fixture
-def outsider_role(conn):
-    role = "bi_test_outsider_" + uuid.uuid4().hex[:8]
-    conn.execute(f"CREATE ROLE {role} NOLOGIN")
-    yield role
-    conn.execute(f"DROP ROLE {role}")
+@pytest.fixture(scope="module")
+def refused_db(pg_server, template_db):
+    """The database every CLI refusal below runs against: a job version of dataset tickets_triage, done,
+    validated and published; a second, unpublished; and a role outside bi_worker. Each refusal asserts
+    that it changed nothing, so they share it (a database of their own each cost a clone, a submit, a
+    worker run and a publish per vector). Yields (url, connection, job, other job, role)."""
+    with database_from_template(pg_server, template_db) as url, db.connect(url) as conn:
+        make_source(conn, tickets(6))
+        job = submit(conn, make_spec()).job_version
+        assert run_worker(WorkerConfig(job_version=job, db_url=url)) == 0
+        validate(conn, job)
+        publish(conn, job)
+        other = submit(conn, make_spec(dataset="tickets_other")).job_version
+        role = "bi_test_outsider_" + uuid.uuid4().hex[:8]
+        conn.execute(f"CREATE ROLE {role} NOLOGIN")
+        yield url, conn, job, other, role
+        conn.execute(f"DROP ROLE {role}")
 
 
 LONG = "x" * 10_000
@@ -198,9 +197,8 @@ CLI_VECTORS = [
 
 
 @pytest.mark.parametrize("what,argv,words", CLI_VECTORS, ids=[v[0] for v in CLI_VECTORS])
-def test_a_cli_error_is_one_line_exit_2_and_writes_nothing(what, argv, words, conn, db_url, tmp_path,
-                                                           published_job, outsider_role):
-    job, other = published_job
+def test_a_cli_error_is_one_line_exit_2_and_writes_nothing(what, argv, words, tmp_path, refused_db):
+    db_url, conn, job, other, outsider_role = refused_db
     files = {
         "spec": spec_yaml(),
         "bomb": bomb(),
