@@ -88,10 +88,13 @@ def template_db(pg_server) -> str:
 # The files that take longest, longest first (a minute or more each in a full run: the live Airflow
 # deployment's, the benchmarks' quick runs, the vLLM worker's, the chaos runs and the nights). They are
 # collected first and scripts/test.sh's scheduler hands out files in collection order, so the longest start
-# at once and the short ones fill in around them, instead of the run finishing on one long file alone.
+# at once and the short ones fill in around them, instead of the run finishing on one long file alone. The
+# live files are all early, test_live_regions.py too: they share one deployment while any of them runs, and
+# a live file after the last one ended would start it again.
 LONG_FILES = ("process/test_live_deadlines.py", "process/test_benchmarks_vllm.py", "process/test_live_airflow.py",
               "process/test_live_ladder_embed.py", "process/test_vllm_worker.py", "process/test_live_actions.py",
-              "process/test_chaos_pgbouncer.py", "process/test_benchmarks.py",
+              "process/test_live_autopilot.py", "process/test_live_regions.py", "process/test_chaos_pgbouncer.py",
+              "process/test_benchmarks.py",
               "process/test_nights_hosted.py", "process/test_chaos.py", "process/test_nights.py",
               "process/test_benchmarks_models.py", "process/test_chaos_overlap.py", "process/test_demo_reruns.py",
               "process/test_nights_budget.py", "integration/test_fallback.py", "process/test_vllm.py",
