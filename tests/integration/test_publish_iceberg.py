@@ -288,6 +288,9 @@ def test_publish_and_rollback_with_a_glue_catalog_through_an_airflow_connection(
 
     endpoint, bucket, secret = glue_connection
     caplog.set_level(logging.DEBUG)
+    # Every Airflow line too (the connection's is the one a secret would ride in), whatever level an
+    # in-process CLI call earlier in this process left the airflow logger at.
+    caplog.set_level(logging.DEBUG, logger="airflow")
     dest = destination(f"s3://{bucket}/warehouse", aws_conn_id=GLUE_CONN, catalog={"type": "glue", "name": "glue"})
     v1 = version(conn, db_url, 20, 0, "one", dest)
     v2 = version(conn, db_url, 25, 10, "two", dest)
