@@ -45,8 +45,32 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 SHM = Path("/dev/shm")
 
 
+def _left_behind(data: Path) -> bool:
+    """A data directory of a run that was killed: an hour old, and no live postmaster holds it."""
+    import time
+
+    try:
+        if time.time() - data.stat().st_mtime < 3600:
+            return False
+        pid = int((data / "postmaster.pid").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return True
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    except PermissionError:
+        return False
+    return False
+
+
 def server_dir(prefix: str) -> Path:
-    """A new data directory for an embedded PostgreSQL: on ``SHM`` with 4 GiB free, else in /tmp."""
+    """A new data directory for an embedded PostgreSQL: on ``SHM`` with 4 GiB free, else in /tmp. On
+    ``SHM`` the directories a killed run left (memory until the next boot) are removed first."""
+    if SHM.is_dir():
+        for old in SHM.glob(f"{prefix}*"):
+            if old.is_dir() and _left_behind(old):
+                shutil.rmtree(old, ignore_errors=True)
     room = SHM.is_dir() and shutil.disk_usage(SHM).free > 4 << 30
     return Path(tempfile.mkdtemp(prefix=prefix, dir=SHM if room else "/tmp"))
 
