@@ -9,6 +9,7 @@ import logging
 import os
 import shutil
 import tempfile
+import time
 import uuid
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -47,8 +48,6 @@ SHM = Path("/dev/shm")
 
 def _left_behind(data: Path) -> bool:
     """A data directory of a run that was killed: an hour old, and no live postmaster holds it."""
-    import time
-
     try:
         if time.time() - data.stat().st_mtime < 3600:
             return False
@@ -59,8 +58,8 @@ def _left_behind(data: Path) -> bool:
         os.kill(pid, 0)
     except ProcessLookupError:
         return True
-    except PermissionError:
-        return False
+    except PermissionError:   # alive, another user's
+        pass
     return False
 
 
