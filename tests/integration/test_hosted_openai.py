@@ -147,7 +147,8 @@ def test_a_job_runs_end_to_end_on_openai_batch(conn, db_url, emulator):
 def test_an_expired_batch_gives_its_completed_part_and_the_rest_goes_into_the_next_batch(conn, db_url, emulator):
     """The completion window ran out with 150 of 500 done: those are stored (they were paid for), the
     other 350 spend no attempt and go into the shard's next batch."""
-    emulator.rate, emulator.expire_s, emulator.hold_after = 1000.0, 0.4, 150
+    # 150 completions take 0.15 s at this rate on an idle machine: the 3 s window holds them on a loaded one
+    emulator.rate, emulator.expire_s, emulator.hold_after = 1000.0, 3.0, 150
 
     def second_gets_a_full_window(batch):
         if emulator.created == 2:
