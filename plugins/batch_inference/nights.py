@@ -928,9 +928,6 @@ class _NightRun:
         from batch_inference import deadline as dl
         from batch_inference.exceptions import FallbackIncomplete
         from batch_inference.fallback import enter_fallback, run_fallback
-        from batch_inference.publish import publish
-        from batch_inference.status import job_counts
-        from batch_inference.validate import validate
 
         c, rec = self.cfg, self.rec
         wcfg = dl.WatchConfig(job_version=self.job, deadline=self.deadline, poll_interval_s=c.poll_s, step_s=1)
@@ -998,7 +995,25 @@ class _NightRun:
                 time.sleep(0.5)
         redriven["tries"] = tries
         rec.fallback.update(redriven)
-        # Validate and publish (the load), as the DAG's last two tasks.
+        # Validate and publish (the load), as the DAG's last two tasks, retried like them when the
+        # database goes away under them (a drawn restart can land here).
+        for attempt in range(1, 6):
+            try:
+                self._load(redriven["budget_stop"])
+                break
+            except (psycopg.OperationalError, db.DatabaseUnavailable) as exc:
+                log.warning("nights %d: validate/publish try %d: %s", self.seed, attempt,
+                            str(exc).splitlines()[0] if str(exc) else type(exc).__name__)
+                if attempt == 5:
+                    rec.failures.append(f"validate/publish failed 5 times: {exc}")
+                time.sleep(0.5)
+
+    def _load(self, budget_stop: bool) -> None:
+        from batch_inference.publish import publish
+        from batch_inference.status import job_counts
+        from batch_inference.validate import validate
+
+        rec = self.rec
         with db.connect(self.url, retries=10) as conn:
             counts = job_counts(conn, self.job)
             if counts["outstanding"] == 0 and counts["shards"]["pending"] + counts["shards"]["leased"] == 0:
@@ -1009,7 +1024,7 @@ class _NightRun:
                     rec.published_s = self._s(row["switched_at"])
                 else:
                     rec.failures.append("validation failed: " + "; ".join(report["failures"]))
-            elif not redriven["budget_stop"]:
+            elif not budget_stop:
                 rec.failures.append(f"not finished: {counts['outstanding']} outstanding")
 
     # -- the autopilot's part --------------------------------------------------------
