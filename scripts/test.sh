@@ -11,6 +11,10 @@
 # loads no model and needs no deployment (tests/conftest.py marks them `fast` by the fixtures they use),
 # on two workers; nothing is installed beyond .venv.
 BI_EXTRA=dev source "$(dirname "$0")/_venv.sh"
+# Bytecode caches are written (beside the sources, git-ignored) even where the environment says not to:
+# the suite starts hundreds of Python processes (workers, CLI calls, the deployment's tasks), and each
+# would otherwise compile the package and every test module again (docs/facts.md has the figures).
+unset PYTHONDONTWRITEBYTECODE
 if [ "${1:-}" = "--fast" ]; then
   shift
   exec python -m pytest -n 2 -m fast "$@"
