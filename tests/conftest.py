@@ -119,7 +119,7 @@ LONG_FILES = ("process/test_live_deadlines.py", "process/test_benchmarks_vllm.py
               "process/test_live_autopilot.py", "process/test_live_regions.py", "process/test_chaos_pgbouncer.py",
               "process/test_benchmarks.py",
               "process/test_nights_hosted.py", "process/test_chaos.py", "process/test_nights.py",
-              "process/test_benchmarks_models.py", "process/test_chaos_overlap.py", "process/test_demo_reruns.py",
+              "process/test_benchmarks_models.py", "process/test_demo_reruns.py",
               "process/test_nights_budget.py", "integration/test_fallback.py", "process/test_vllm.py",
               "process/test_demo_env.py", "process/test_engines.py", "process/test_nights_tiers.py",
               "process/test_nights_autopilot.py", "process/test_embed_workers.py", "process/test_chaos_jobs.py",

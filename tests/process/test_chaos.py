@@ -1,15 +1,19 @@
 """The chaos harness: the default run (16 worker processes, at least 100
-faults, database restarts) must pass every check; and the checks themselves
-must see the failures they are there to catch, or a green run means nothing.
-The runs through PgBouncer are in test_chaos_pgbouncer.py, the overlapping
-shards' and the CLI's small run in test_chaos_overlap.py: files of their own,
-so that scripts/test.sh's workers (a file to a worker) run them side by side."""
+faults, database restarts) must pass every check, and so must the CLI's small
+run; and the checks themselves must see the failures they are there to catch,
+or a green run means nothing. The run with overlapping shards through PgBouncer
+is in test_chaos_pgbouncer.py, the ladder's and the embedding job's in
+test_chaos_jobs.py: files of their own, so that scripts/test.sh's workers (a
+file to a worker) run them side by side."""
 
 from __future__ import annotations
 
+import json
 import shutil
 import os
 import socket
+import subprocess
+import sys
 import tempfile
 import threading
 import time
@@ -62,6 +66,19 @@ def test_default_chaos_run_passes():
     # workers ran with worker credentials, not the owner's
     assert f["worker_role"] == WORKER_ROLE
     assert f["job_s"] < cfg.duration
+
+
+@pytest.mark.chaos
+def test_cli_small_run_prints_json_and_exits_0(tmp_path):
+    p = subprocess.run([sys.executable, "-m", "batch_inference.cli", "chaos", "--workers", "3", "--records", "600",
+                        "--shard-size", "100", "--faults", "8", "--no-db-restart", "--seed", "3", "--json"],
+                       capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stdout + p.stderr
+    report = json.loads(p.stdout.strip().splitlines()[-1])
+    assert report["passed"] is True
+    assert report["figures"]["faults"]["total"] >= 8
+    assert report["figures"]["faults"]["by_kind"].get("db_restart", 0) == 0
+    assert report["config"]["workers"] == 3
 
 
 def test_counting_engine_streams_when_its_inner_engine_does(tmp_path):
