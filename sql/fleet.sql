@@ -110,11 +110,12 @@ SELECT r.region,
  WHERE r.job_version = %(job)s
  GROUP BY r.region ORDER BY r.region;
 
--- name: region_lapsed  per region not found lost: the leases held by its workers now (the shard's epoch claimed or stolen there), how many have run out unrenewed, and whether every one ran out a whole lease (the job's lease_seconds) ago: time for a worker killed alone and restarted to claim again
+-- name: region_lapsed  per region not found lost: the leases held by its workers now (the shard's epoch claimed or stolen there), how many have run out unrenewed, and whether every one ran out a whole lease (the job's lease_seconds) ago: time for a worker killed alone and restarted to claim again; a lease last renewed before the server (re)started (bi.lapsed_over_restart_v1: the restart cut its holder's renewals) counts from the server's start
 SELECT d.region, count(*)::integer AS held,
        count(*) FILTER (WHERE s.lease_expires_at < clock_timestamp())::integer AS lapsed,
-       bool_and(s.lease_expires_at < clock_timestamp()
-                - make_interval(secs => (j.spec ->> 'lease_seconds')::integer)) AS quiet,
+       bool_and(CASE WHEN bi.lapsed_over_restart_v1(s.lease_renewed_at)
+                     THEN greatest(s.lease_expires_at, pg_postmaster_start_time()) ELSE s.lease_expires_at END
+                < clock_timestamp() - make_interval(secs => (j.spec ->> 'lease_seconds')::integer)) AS quiet,
        max(s.lease_renewed_at) AS last_renewed
   FROM bi.shards s
   JOIN bi.jobs j ON j.job_version = s.job_version
