@@ -25,8 +25,11 @@ def test_cutoff_firing_at_once_is_redriven_by_the_fallback_through_llama_cpp(liv
     cutoff fires, so the sensor pages on-call then; the run still makes it, because this deployment's
     load takes seconds, not the 10 minutes the constants assume."""
     dep = live_airflow
-    table = make_table(dep.ledger_url, "live_cutoff", 12)
-    spec = make_spec(dep, "live_cutoff", engine={"name": "noop", "options": {"delay_s": 2.0}},
+    # Six rows at 4 s a record (24 s of batch work, as twelve at 2 s were): the sensor's first poll fires
+    # the cutoff long before the batch could finish them, and the fallback re-drives the rest through the
+    # model, the costly part (CPU-seconds a row).
+    table = make_table(dep.ledger_url, "live_cutoff", 6)
+    spec = make_spec(dep, "live_cutoff", engine={"name": "noop", "options": {"delay_s": 4.0}},
                      renew_seconds=2, fallback={"base_url": llama_server, "rate": 5, "concurrency": 2})
     t0 = time.monotonic()
     run_id = dep.trigger(BACKFILL, {"spec_path": spec, "source_table": table, "shard_size": 3, "workers": 1,
@@ -58,6 +61,9 @@ def test_cutoff_firing_at_once_is_redriven_by_the_fallback_through_llama_cpp(liv
           f"{fallback['wall_s']} s; {by}")
 
 
+ROWS, RATE, RESERVE_S = 12, 2.0, 35.0   # the endpoint-down run: its rows, the pool's rate, the page's reserve
+
+
 def test_a_fallback_endpoint_down_for_the_tail_pages_before_the_deadline_and_the_run_publishes_late(
         live_airflow, webhook_sink):
     """The Airflow fallback pages early: the cutoff fires in time (the deadline not yet lost: no page
@@ -65,7 +71,7 @@ def test_a_fallback_endpoint_down_for_the_tail_pages_before_the_deadline_and_the
     task pages on-call once the rows left at the pool's limit plus the publish's reserve no longer fit
     before the deadline (the nights' one message), keeps re-driving in the same try, and once the
     endpoint is back the run publishes, late but announced."""
-    from datetime import datetime, timezone
+    from datetime import datetime, timedelta, timezone
 
     from batch_inference.deadline import parse_iso
     from tests.fixtures.chat_server import ChatServer
@@ -76,27 +82,36 @@ def test_a_fallback_endpoint_down_for_the_tail_pages_before_the_deadline_and_the
                           (503, {}, {"error": {"message": "down for the night", "type": "server_error"}}))
     try:
         dep = live_airflow
-        table = make_table(dep.ledger_url, "live_down", 12)
-        # 2 rows/s, 240 s overhead: the cutoff fires at once (the deadline is 4 minutes out), and the
-        # page's reserve is a third of the overhead (80 s), so the deadline is not lost when it fires: that
-        # takes the page's latest start (the deadline less 86 s, down to its minute), at least 94 s after the
-        # run's start, and the run's first four tasks take up to a minute where the suite's workers share
-        # the cores.
+        table = make_table(dep.ledger_url, "live_down", ROWS)
+        # The deadline is lost, with the endpoint down, at the page's latest start: the deadline less the
+        # rows at 2/s and the reserve (a third of the overhead), floored to the minute as the cutoff and the
+        # fallback floor it. The deadline is placed so that this minute, LOST, is the first one at least a
+        # minute after the trigger (the run's first four tasks take up to a minute where the suite's workers
+        # share the cores) and the floor takes nothing off it: the rows at 2/s and the reserve end 1 s
+        # after LOST, whatever the batch did first. The cutoff's own latest start (the rows and the whole
+        # overhead) is then two minutes before LOST, at or before the trigger, so the cutoff fires at its
+        # first poll with no page from the sensor, and the fallback pages from LOST on, RESERVE_S + 7 s
+        # before the deadline.
+        now = datetime.now(timezone.utc)
+        lost = (now + timedelta(seconds=60)).replace(second=0, microsecond=0) + timedelta(minutes=1)
+        deadline = lost + timedelta(seconds=ROWS / RATE + RESERVE_S + 1)
         spec = make_spec(dep, "live_down", engine={"name": "noop", "options": {"delay_s": 5.0}}, renew_seconds=2,
-                         fallback={"base_url": endpoint.base_url, "rate": 2, "overhead_s": 240, "concurrency": 2})
+                         fallback={"base_url": endpoint.base_url, "rate": RATE, "overhead_s": 3 * RESERVE_S,
+                                   "concurrency": 2})
         run_id = dep.trigger(BACKFILL, {"spec_path": spec, "source_table": table, "shard_size": 3, "workers": 1,
-                                        "deadline": "+4m"})
+                                        "deadline": deadline.isoformat()})
         dep.wait_task(BACKFILL, run_id, "cutoff", ("success",), timeout=300)
         cutoff = dep.xcom(BACKFILL, run_id, "cutoff")
         assert cutoff["fired"] is True and cutoff["page"] is None, cutoff
-        deadline = parse_iso(cutoff["deadline"])
+        assert parse_iso(cutoff["deadline"]) == deadline, cutoff
         job = cutoff["job_version"]
         left = (deadline - datetime.now(timezone.utc)).total_seconds()
         msg = webhook_sink.wait_for(lambda m: m.get("job_version") == job and m.get("kind") ==
                                     "deadline will be missed", max(1.0, left))
-        assert msg["task_id"] == "fallback" and parse_iso(msg["at"]) < deadline, msg
+        assert msg["task_id"] == "fallback" and lost <= parse_iso(msg["at"]) < deadline, (msg, lost)
         assert msg["error"].startswith(f"deadline {deadline:%H:%M:%S} will be missed: "), msg["error"]
-        assert "at 2/s + 80s to publish" in msg["error"] and "the fallback endpoint is failing" in msg["error"]
+        assert f"at {RATE:g}/s + {RESERVE_S:g}s to publish" in msg["error"] \
+            and "the fallback endpoint is failing" in msg["error"]
         assert counts(dep, job)["outstanding"] > 0
         while datetime.now(timezone.utc) < deadline:
             time.sleep(0.5)
@@ -107,7 +122,7 @@ def test_a_fallback_endpoint_down_for_the_tail_pages_before_the_deadline_and_the
         assert tis["fallback"]["try_number"] == 1              # re-driven in the same try, no retry needed
         c = counts(dep, job)
         assert c["status"] == "published" and c["outstanding"] == 0 and c["dead_letters"] == 0
-        assert c["stored_fallback"] > 0 and published_rows(dep, "live_down") == 12
+        assert c["stored_fallback"] > 0 and published_rows(dep, "live_down") == ROWS
         assert parse_iso(tis["publish"]["end_date"]) > deadline          # late, and paged before it
         pages = [m for m in webhook_sink.received if m.get("job_version") == job]
         assert [m["task_id"] for m in pages] == ["fallback"], pages      # one page, no task failed
