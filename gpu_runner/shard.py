@@ -37,6 +37,8 @@ class Shard:
     # A put written behind (the worker's ``flush``): (its future, the batch it writes), answered at the next write.
     behind: tuple[Any, tuple[list[str], list[str], list[str | None], list[bytes] | None]] | None = None
     last_flush: float = field(default_factory=time.monotonic)
+    # Results held past the flush size while a put is in flight (the worker's ``flush``): the next look is due then.
+    held_over: int = 0
     closed: bool = False        # completed, released or dropped: its renewals and outcomes are over
     # Retries (``request``, ``failed``): how each record's attempt in flight was asked, and the last
     # failed answer this worker saw of each record.
@@ -74,7 +76,7 @@ class Shard:
         return len(self.ok_ids) + len(self.failures)
 
     def due(self, every: int, seconds: float) -> bool:
-        return self.buffered >= every or time.monotonic() - self.last_flush >= seconds
+        return self.buffered >= every + self.held_over or time.monotonic() - self.last_flush >= seconds
 
 
 def computes_once(engine: Engine) -> bool:

@@ -95,6 +95,9 @@ RENEW_JITTER = 0.8
 # (a halt the cutoff watch and `status` report) instead of spending every record's attempts.
 SETTING_FAILURES = {TRUNCATED: "params.max_tokens"}
 HALT_AFTER_DEAD = 5
+# While a put is in flight, ``flush`` holds up to this many times ``flush_every`` results for the next
+# put instead of waiting for it: the put grows to what the engine made meanwhile.
+HOLD_WHILE_IN_FLIGHT = 4
 
 
 class Fatal(BatchInferenceError, RuntimeError):
@@ -813,7 +816,15 @@ class Worker:
         results held goes to the writer thread (``putter``) and the engine goes on at once. The put before
         is answered first (waited for if still in flight: one put at a time; its rows stored, results
         refused as data, a stale epoch raised here). Failed attempts make it a ``write``. Every put is
-        answered before the shard completes or is released: ``write`` (and ``settled``) wait for it."""
+        answered before the shard completes or is released: ``write`` (and ``settled``) wait for it.
+        While the put before is still in flight the results stay held, up to ``HOLD_WHILE_IN_FLIGHT``
+        flushes' worth, and the next put takes them all: the engine waits on a put only past that."""
+        behind, every = shard.behind, self.cfg.flush_every
+        if (behind is not None and not shard.failures
+                and shard.buffered < HOLD_WHILE_IN_FLIGHT * every and not behind[0].done()):
+            shard.held_over = shard.buffered - every + max(1, every // 16)   # look again after a few more
+            return []
+        shard.held_over = 0
         if shard.failures:
             return self.write(shard)
         with self.writing:

@@ -1,6 +1,7 @@
 """The worker's results written behind its generation (``Worker.flush``): a put in flight on the
 writer thread while the engine goes on, its answer (rows stored, results refused as data, a stale
-epoch) taken at the next write, and every put answered before the shard completes."""
+epoch) taken at the next write, every put answered before the shard completes, and the results made
+while a put is in flight held for the next put, up to ``HOLD_WHILE_IN_FLIGHT`` flushes' worth."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ import psycopg
 from batch_inference.ledger import Ledger
 from batch_inference.plan import submit
 from batch_inference.status import dead_letters, job_counts
-from gpu_runner.worker import Worker, WorkerConfig, run_worker
+from gpu_runner.worker import HOLD_WHILE_IN_FLIGHT, Worker, WorkerConfig, run_worker
 from tests.conftest import make_source, make_spec, tickets
 
 
@@ -21,26 +22,26 @@ def test_the_put_is_written_while_the_engine_goes_on_and_answered_before_the_sha
     job = submit(conn, make_spec(shard_size=30)).job_version
     real_put, real_take, real_complete = Ledger.put_results, Worker.take, Ledger.complete
     went_on = threading.Event()
-    seen = {"takes": 0, "puts_started": 0, "puts_answered": 0, "overlapped": None, "in_flight_at_complete": []}
+    seen = {"takes": 0, "puts": [], "puts_answered": 0, "overlapped": None, "in_flight_at_complete": []}
 
     def take(self, shard, outcome):
         real_take(self, shard, outcome)
         seen["takes"] += 1
-        if seen["takes"] == 15:          # five records past the first flush of 10
+        if seen["takes"] == 30:          # every record, past the first flush of 10 and the second's 20
             went_on.set()
 
-    def put(self, *args, **kw):
-        seen["puts_started"] += 1
-        if seen["puts_started"] == 1:
-            # A worker that waits for its put would never reach record 15 while this one waits.
+    def put(self, lease, ids, *args, **kw):
+        seen["puts"].append(len(ids))
+        if len(seen["puts"]) == 1:
+            # A worker that waits for its put would never reach record 30 while this one waits.
             seen["overlapped"] = went_on.wait(10)
         try:
-            return real_put(self, *args, **kw)
+            return real_put(self, lease, ids, *args, **kw)
         finally:
             seen["puts_answered"] += 1
 
     def complete(self, lease):
-        seen["in_flight_at_complete"].append(seen["puts_started"] - seen["puts_answered"])
+        seen["in_flight_at_complete"].append(len(seen["puts"]) - seen["puts_answered"])
         return real_complete(self, lease)
 
     monkeypatch.setattr(Worker, "take", take)
@@ -48,11 +49,41 @@ def test_the_put_is_written_while_the_engine_goes_on_and_answered_before_the_sha
     monkeypatch.setattr(Ledger, "complete", complete)
     assert run_worker(WorkerConfig(job_version=job, db_url=db_url, flush_every=10)) == 0
     assert seen["overlapped"] is True
-    assert seen["puts_started"] == seen["puts_answered"] == 3
+    # The results made while the first put was in flight were held, not waited on: the next put took them all.
+    assert seen["puts"] == [10, 20] and seen["puts_answered"] == 2
     assert seen["in_flight_at_complete"] == [0]
     c = job_counts(conn, job)
     assert (c["stored"], c["dead_letters"], c["outstanding"]) == (30, 0, 0)
     assert c["shards"] == {"pending": 0, "leased": 0, "done": 1}
+
+
+def test_the_engine_waits_on_a_put_in_flight_once_it_holds_the_most_results_held(monkeypatch, conn, db_url):
+    make_source(conn, tickets(40))
+    job = submit(conn, make_spec(shard_size=40)).job_version
+    real_put, real_take = Ledger.put_results, Worker.take
+    seen = {"takes": 0, "puts": [], "takes_at_answer": []}
+    never = threading.Event()
+
+    def take(self, shard, outcome):
+        real_take(self, shard, outcome)
+        seen["takes"] += 1
+
+    def put(self, lease, ids, *args, **kw):
+        seen["puts"].append(len(ids))
+        if len(seen["puts"]) == 1:
+            never.wait(1.0)              # a slow put: the engine goes on until it holds the most it may
+        seen["takes_at_answer"].append(seen["takes"])
+        return real_put(self, lease, ids, *args, **kw)
+
+    monkeypatch.setattr(Worker, "take", take)
+    monkeypatch.setattr(Ledger, "put_results", put)
+    assert run_worker(WorkerConfig(job_version=job, db_url=db_url, flush_every=5)) == 0
+    held = HOLD_WHILE_IN_FLIGHT * 5
+    # The first put's 5, then the engine held up to 20 more and waited there for the put in flight.
+    assert seen["takes_at_answer"][0] == 5 + held
+    assert seen["puts"][:2] == [5, held] and sum(seen["puts"]) == 40
+    c = job_counts(conn, job)
+    assert (c["stored"], c["dead_letters"], c["outstanding"]) == (40, 0, 0)
 
 
 def test_a_stale_epoch_met_by_a_put_behind_drops_the_shard_and_a_new_claim_finishes_it(monkeypatch, conn, db_url):
