@@ -4,13 +4,12 @@ Airflow runs as it would in production, with a SQLite metadata database in a
 temporary AIRFLOW_HOME: the plugin is found through the package's
 ``airflow.plugins`` entry point, and the ledger is the conftest's embedded
 PostgreSQL, named to the plugin by the Airflow connection
-``batch_inference_default`` (AIRFLOW_CONN_...). Two servers share the home:
-
-- ``open_server``: ``SIMPLE_AUTH_MANAGER_ALL_ADMINS=True`` (no login), for
-  the page tests: the page renders, its numbers are the ledger's, the chart
-  has the cutoff, the DAG-run view finds the run's job, rollback works;
-- ``auth_server``: the simple auth manager with two users and passwords,
-  for what a signed-out caller or a viewer may not do.
+``batch_inference_default`` (AIRFLOW_CONN_...). One server, the simple auth
+manager with two users and passwords: the page tests sign the browser in as
+the admin (the UI's ``_token`` cookie: the page renders, its numbers are the
+ledger's, the chart has the cutoff, the DAG-run view finds the run's job,
+rollback works); the auth tests are what a signed-out caller or a viewer may
+not do.
 
 Chromium is Debian's (/usr/bin/chromium), driven by Playwright without a
 browser download. A screenshot of the seeded job lands in artifacts/; set
@@ -88,15 +87,15 @@ def night(pg_server, template_db):
         info = seed_night(c, url)
         c.execute("UPDATE bi.dead_letters SET error = %s || ': ' || error, raw_output = %s WHERE job_version = %s",
                   (CANARY, CANARY, info["v3"]))
-        # The open server's user (all admins) and the admin read it; vera, a viewer, has no reader role.
-        map_night_readers(c, "Anonymous", "admin")
+        # The admin reads it; vera, a viewer, has no reader role.
+        map_night_readers(c, "admin")
     yield url, info
     with psycopg.connect(pg_server.get_uri(), autocommit=True) as c:
         c.execute(f"DROP DATABASE IF EXISTS {name} WITH (FORCE)")
 
 
 @pytest.fixture(scope="module")
-def airflow_home(request):
+def dashboard_home(night, migrated_airflow_db):
     if not Path(CHROMIUM).exists():
         pytest.fail(f"{CHROMIUM} is missing: apt-get install -y chromium (scripts/test.sh does it)")
     home = Path(tempfile.mkdtemp(prefix="bi-af-"))
@@ -115,14 +114,10 @@ def airflow_home(request):
         "PYTHONUNBUFFERED": "1",
     })
     (home / "passwords.json").write_text(json.dumps({u: pw for u, (_, pw) in USERS.items()}))
-    t0 = time.monotonic()
-    migrate = subprocess.Popen([AIRFLOW, "db", "migrate"], env=env, stdout=(home / "migrate.log").open("w"),
-                               stderr=subprocess.STDOUT)
-    url, info = request.getfixturevalue("night")          # seeded while Airflow migrates
+    shutil.copyfile(migrated_airflow_db, home / "airflow.db")     # `airflow db migrate`, done once a session
+    url, info = night
     env["AIRFLOW_CONN_BATCH_INFERENCE_DEFAULT"] = db.airflow_connection_json(url)
     env["BI_PROBE_JOB"] = info["v3"]
-    assert migrate.wait(timeout=300) == 0, (home / "migrate.log").read_text()[-4000:]
-    print(f"ledger seeded and airflow db migrated: {time.monotonic() - t0:.1f}s")
     yield home, env
     shutil.rmtree(home, ignore_errors=True)
 
@@ -165,42 +160,28 @@ class _Server:
 
 
 @pytest.fixture(scope="module")
-def servers(airflow_home):
-    """Both servers and the probe DAG run, started together: their start-ups
+def server(dashboard_home):
+    """The api-server and the probe DAG run, started together: their start-ups
     (imports, mostly) overlap instead of queueing."""
-    home, env = airflow_home
+    home, env = dashboard_home
     t0 = time.monotonic()
-    open_ = _Server({**env, "AIRFLOW__CORE__SIMPLE_AUTH_MANAGER_ALL_ADMINS": "True"}, home, "open")
-    auth = _Server(env, home, "auth")
-    # A real DAG run with the job version in its XCom, made while the servers start.
+    api = _Server(env, home, "api")
+    # A real DAG run with the job version in its XCom, made while the server starts.
     probe = subprocess.Popen([AIRFLOW, "dags", "test", "bi_dashboard_probe"], env=env,
                              stdout=(home / "probe.log").open("w"), stderr=subprocess.STDOUT)
     try:
-        open_.wait()
-        auth.wait()
-        print(f"api-servers healthy after {time.monotonic() - t0:.1f}s")
+        api.wait()
+        print(f"api-server healthy after {time.monotonic() - t0:.1f}s")
         assert probe.wait(timeout=300) == 0, (home / "probe.log").read_text()[-4000:]
-        yield open_, auth
+        yield api
     finally:
         t1 = time.monotonic()
-        open_.terminate()
-        auth.terminate()
-        open_.join()
-        auth.join()
-        print(f"api-servers stopped in {time.monotonic() - t1:.1f}s")
+        api.terminate()
+        api.join()
+        print(f"api-server stopped in {time.monotonic() - t1:.1f}s")
         if probe.poll() is None:
             probe.kill()
             probe.wait()
-
-
-@pytest.fixture(scope="module")
-def open_server(servers):
-    return servers[0]
-
-
-@pytest.fixture(scope="module")
-def auth_server(servers):
-    return servers[1]
 
 
 @pytest.fixture(scope="module")
@@ -215,8 +196,10 @@ def browser():
 
 
 @pytest.fixture
-def page(browser):
+def page(browser, server):
+    """A browser signed in as the admin (the cookie the UI's login sets)."""
     ctx = browser.new_context(viewport={"width": 1280, "height": 900}, timezone_id="UTC")
+    ctx.add_cookies([{"name": "_token", "value": _token(server, "admin"), "url": server.base}])
     pg = ctx.new_page()
     errors: list[str] = []
     pg.on("pageerror", lambda e: errors.append(str(e)))
@@ -237,8 +220,8 @@ def _open_job(page, server: _Server, job: str) -> None:
 # -- the pages -------------------------------------------------------------------------
 
 
-def test_plugin_is_registered_with_its_nav_and_dag_run_views(open_server):
-    plugins = httpx.get(open_server.base + "/api/v2/plugins").json()["plugins"]
+def test_plugin_is_registered_with_its_nav_and_dag_run_views(server):
+    plugins = httpx.get(server.base + "/api/v2/plugins", headers=_admin(server)).json()["plugins"]
     ours = next(p for p in plugins if p["name"] == "batch_inference")
     assert ours["fastapi_apps"][0]["url_prefix"] == "/batch-inference"
     views = {v["destination"]: v for v in ours["external_views"]}
@@ -246,10 +229,10 @@ def test_plugin_is_registered_with_its_nav_and_dag_run_views(open_server):
     assert "{RUN_ID}" in views["dag_run"]["href"] and "{DAG_ID}" in views["dag_run"]["href"]
 
 
-def test_job_page_numbers_are_the_ledgers_and_the_chart_has_the_cutoff(open_server, night, page):
+def test_job_page_numbers_are_the_ledgers_and_the_chart_has_the_cutoff(server, night, page):
     url, info = night
     job = info["v3"]
-    _open_job(page, open_server, job)
+    _open_job(page, server, job)
     with db.connect(url) as conn:
         c = job_counts(conn, job)
     shown = {k: _num(page.text_content(f"#count-{k}")) for k in ("records", "stored", "dead", "outstanding")}
@@ -292,9 +275,9 @@ def test_job_page_numbers_are_the_ledgers_and_the_chart_has_the_cutoff(open_serv
         shutil.copyfile(ARTIFACTS / "dashboard.png", ROOT / "docs" / "img" / "dashboard.png")
 
 
-def test_jobs_list_links_every_version(open_server, night, page):
+def test_jobs_list_links_every_version(server, night, page):
     url, info = night
-    page.goto(f"{open_server.base}/batch-inference/")
+    page.goto(f"{server.base}/batch-inference/")
     page.wait_for_selector("#jobs-table")
     rows = page.locator("#jobs-table tbody tr")
     assert rows.count() == 3
@@ -307,20 +290,21 @@ def test_jobs_list_links_every_version(open_server, night, page):
     assert page.text_content("#job-version") == info["v3"]
 
 
-def test_dag_run_view_finds_the_runs_job_version(open_server, night, page):
+def test_dag_run_view_finds_the_runs_job_version(server, night, page):
     _, info = night
-    runs = httpx.get(open_server.base + "/api/v2/dags/bi_dashboard_probe/dagRuns").json()["dag_runs"]
+    runs = httpx.get(server.base + "/api/v2/dags/bi_dashboard_probe/dagRuns", headers=_admin(server)).json()[
+        "dag_runs"]
     run_id = runs[0]["dag_run_id"]
     # The UI fills {RUN_ID} with encodeURIComponent; a manual run id holds a "+".
-    page.goto(f"{open_server.base}/batch-inference/run?dag_id=bi_dashboard_probe&run_id={quote(run_id, safe='')}")
+    page.goto(f"{server.base}/batch-inference/run?dag_id=bi_dashboard_probe&run_id={quote(run_id, safe='')}")
     page.wait_for_selector("body[data-loaded=true]", timeout=30000)
     assert page.text_content("#job-version") == info["v3"]
     assert run_id in page.text_content("#run-note")
 
 
-def test_rollback_from_the_page_switches_the_pointer(open_server, night, page):
+def test_rollback_from_the_page_switches_the_pointer(server, night, page):
     url, info = night
-    _open_job(page, open_server, info["v3"])
+    _open_job(page, server, info["v3"])
     assert page.text_content("#pointer-version") == info["v2"]
     page.click("#rollback-button")
     page.fill("#rollback-reason", "v2 labels look wrong")
@@ -349,9 +333,13 @@ def _token(server: _Server, user: str) -> str:
     return r.json()["access_token"]
 
 
-def test_signed_out_callers_and_viewers_cannot_roll_back(auth_server, night):
+def _admin(server: _Server) -> dict[str, str]:
+    return {"Authorization": "Bearer " + _token(server, "admin")}
+
+
+def test_signed_out_callers_and_viewers_cannot_roll_back(server, night):
     url, info = night
-    base = auth_server.base + "/batch-inference"
+    base = server.base + "/batch-inference"
     with db.connect(url) as conn:
         before = conn.execute("SELECT job_version FROM bi.publish_pointer WHERE dataset = %s",
                               (DATASET,)).fetchone()["job_version"]
@@ -362,13 +350,13 @@ def test_signed_out_callers_and_viewers_cannot_roll_back(auth_server, night):
     page = httpx.get(base + "/", follow_redirects=False)
     assert page.status_code == 303 and "/auth/login" in page.headers["location"]
 
-    viewer = {"Authorization": "Bearer " + _token(auth_server, "vera")}
+    viewer = {"Authorization": "Bearer " + _token(server, "vera")}
     assert httpx.get(base + "/api/jobs", headers=viewer).status_code == 200
     r = httpx.post(f"{base}/api/datasets/{DATASET}/rollback", json=body, headers=viewer)
     assert r.status_code == 403, r.text
 
     # The UI's cookie signs a browser in, but a form post riding on it is refused.
-    cookie = {"_token": _token(auth_server, "admin")}
+    cookie = {"_token": _token(server, "admin")}
     assert httpx.get(f"{base}/jobs/{info['v3']}", cookies=cookie).status_code == 200
     forged = httpx.post(f"{base}/api/datasets/{DATASET}/rollback", data=body, cookies=cookie)
     assert forged.status_code == 415
@@ -378,44 +366,45 @@ def test_signed_out_callers_and_viewers_cannot_roll_back(auth_server, night):
         assert conn.execute("SELECT count(*) AS n FROM bi.publish_history").fetchone()["n"] == n_hist
 
 
-def test_a_viewer_without_a_reader_role_sees_counts_and_no_customer_text(auth_server, night, browser):
+def test_a_viewer_without_a_reader_role_sees_counts_and_no_customer_text(server, night, browser):
     """Signed in as vera (the UI's cookie), the job page counts the dead letters but shows none of their text."""
     _, info = night
     ctx = browser.new_context(viewport={"width": 1280, "height": 900}, timezone_id="UTC")
     try:
-        ctx.add_cookies([{"name": "_token", "value": _token(auth_server, "vera"), "url": auth_server.base}])
+        ctx.add_cookies([{"name": "_token", "value": _token(server, "vera"), "url": server.base}])
         page = ctx.new_page()
-        page.goto(f"{auth_server.base}/batch-inference/jobs/{info['v3']}")
+        page.goto(f"{server.base}/batch-inference/jobs/{info['v3']}")
         page.wait_for_selector("body[data-loaded=true]", timeout=30000)
         assert _num(page.text_content("#dead-total")) == 3
         assert "no reader role" in page.text_content("#dead-hidden")
         assert page.locator("#dead-letters").count() == 0 and page.locator("#dead-reasons").count() == 0
         assert CANARY not in page.content()
         for path in ("dead-letters", ""):
-            r = httpx.get(f"{auth_server.base}/batch-inference/api/jobs/{info['v3']}/{path}".rstrip("/"),
-                          cookies={"_token": _token(auth_server, "vera")})
+            r = httpx.get(f"{server.base}/batch-inference/api/jobs/{info['v3']}/{path}".rstrip("/"),
+                          cookies={"_token": _token(server, "vera")})
             assert r.status_code == 200 and CANARY not in r.text
         # The admin, mapped to a reader role, sees the same records' text.
-        admin = httpx.get(f"{auth_server.base}/batch-inference/api/jobs/{info['v3']}/dead-letters",
-                          headers={"Authorization": "Bearer " + _token(auth_server, "admin")}).json()
+        admin = httpx.get(f"{server.base}/batch-inference/api/jobs/{info['v3']}/dead-letters",
+                          headers={"Authorization": "Bearer " + _token(server, "admin")}).json()
         assert admin["visible"] == 3 and all(CANARY in d["error"] for d in admin["dead_letters"])
-        csp = httpx.get(f"{auth_server.base}/batch-inference/jobs/{info['v3']}",
-                        cookies={"_token": _token(auth_server, "vera")}).headers["content-security-policy"]
+        csp = httpx.get(f"{server.base}/batch-inference/jobs/{info['v3']}",
+                        cookies={"_token": _token(server, "vera")}).headers["content-security-policy"]
         assert "frame-ancestors 'self'" in csp
     finally:
         ctx.close()
 
 
-def test_airflow_ui_embeds_the_dashboard_in_browse_and_on_the_dag_run(open_server, night, page):
+def test_airflow_ui_embeds_the_dashboard_in_browse_and_on_the_dag_run(server, night, page):
     """Airflow's own React UI: the Browse item and the DAG-run tab load our pages in an iframe."""
     _, info = night
-    page.goto(f"{open_server.base}/plugin/batch-inference")
+    page.goto(f"{server.base}/plugin/batch-inference")
     frame = page.frame_locator("iframe")
     frame.locator("#jobs-table").wait_for(timeout=60000)
     assert frame.locator(f'#jobs-table tr[data-job="{info["v3"]}"]').count() == 1
 
-    run_id = httpx.get(open_server.base + "/api/v2/dags/bi_dashboard_probe/dagRuns").json()["dag_runs"][0]["dag_run_id"]
-    page.goto(f"{open_server.base}/dags/bi_dashboard_probe/runs/{quote(run_id, safe='')}/plugin/batch-inference-run")
+    run_id = httpx.get(server.base + "/api/v2/dags/bi_dashboard_probe/dagRuns",
+                       headers=_admin(server)).json()["dag_runs"][0]["dag_run_id"]
+    page.goto(f"{server.base}/dags/bi_dashboard_probe/runs/{quote(run_id, safe='')}/plugin/batch-inference-run")
     frame = page.frame_locator("iframe")
     frame.locator("body[data-loaded=true]").wait_for(timeout=60000)
     assert frame.locator("#job-version").text_content() == info["v3"]
@@ -442,9 +431,9 @@ def reviewed(night):
     return url, job
 
 
-def test_a_review_recorded_in_the_dashboard_moves_the_gate(open_server, reviewed, page):
+def test_a_review_recorded_in_the_dashboard_moves_the_gate(server, reviewed, page):
     url, job = reviewed
-    page.goto(f"{open_server.base}/batch-inference/jobs/{job}/review")
+    page.goto(f"{server.base}/batch-inference/jobs/{job}/review")
     page.wait_for_selector("body[data-loaded=true]", timeout=30000)
     assert page.text_content("#review-problem") == "review: 0 of 2 required sample rows reviewed"
     assert page.text_content("#review-publish").startswith("Publish: refused")
@@ -482,16 +471,16 @@ def test_a_review_recorded_in_the_dashboard_moves_the_gate(open_server, reviewed
         assert evaluation.withdraw_rejections(conn, job, actor="test", reason="checked") == 1
 
 
-def test_a_viewer_cannot_record_a_review(auth_server, reviewed):
+def test_a_viewer_cannot_record_a_review(server, reviewed):
     url, job = reviewed
-    base = auth_server.base + "/batch-inference"
+    base = server.base + "/batch-inference"
     with db.connect(url) as conn:
         record = conn.execute("SELECT record_id FROM bi.review_sample WHERE job_version = %s ORDER BY record_id "
                               "DESC LIMIT 1", (job,)).fetchone()["record_id"]
         before = conn.execute("SELECT count(*) AS n FROM bi.reviews WHERE job_version = %s", (job,)).fetchone()["n"]
     body = {"record_id": record, "verdict": "right"}
     assert httpx.post(f"{base}/api/jobs/{job}/review", json=body).status_code == 401
-    viewer = {"Authorization": "Bearer " + _token(auth_server, "vera")}
+    viewer = {"Authorization": "Bearer " + _token(server, "vera")}
     shown = httpx.get(f"{base}/api/jobs/{job}/review", headers=viewer).json()
     assert shown["may_review"] is False and shown["rows"] == []          # no reader role: no text either
     r = httpx.post(f"{base}/api/jobs/{job}/review", json=body, headers=viewer)
@@ -501,13 +490,13 @@ def test_a_viewer_cannot_record_a_review(auth_server, reviewed):
                             (job,)).fetchone()["n"] == before
 
 
-def test_a_companion_version_is_shown_under_the_version_it_serves_not_in_the_list(open_server, night, page):
+def test_a_companion_version_is_shown_under_the_version_it_serves_not_in_the_list(server, night, page):
     url, info = night
     v1, v2, v3 = info["v1"], info["v2"], info["v3"]
     with db.connect(url) as conn:                     # v1 recorded as v3's golden run, as run_companion does
         conn.execute(db.q("companion_link"), {"job": v3, "companion": v1, "kind": "golden"})
     try:
-        page.goto(f"{open_server.base}/batch-inference/")
+        page.goto(f"{server.base}/batch-inference/")
         page.wait_for_selector("#jobs-table")
         rows = page.locator("#jobs-table tbody tr")
         listed = {rows.nth(i).get_attribute("data-job") for i in range(rows.count())}
@@ -515,11 +504,11 @@ def test_a_companion_version_is_shown_under_the_version_it_serves_not_in_the_lis
         page.click("#companions-toggle")
         page.wait_for_selector(f'#jobs-table tr[data-job="{v1}"]')
         assert page.locator("#jobs-table tbody tr").count() == len(listed) + 1
-        _open_job(page, open_server, v3)
+        _open_job(page, server, v3)
         companions = page.locator("#companions-table tbody tr")
         assert companions.count() == 1 and companions.first.get_attribute("data-job") == v1
         assert companions.first.locator("td").first.text_content() == "golden"
-        _open_job(page, open_server, v1)
+        _open_job(page, server, v1)
         assert page.text_content("#serves") == f"Companion version: the golden run of {v3}"
     finally:
         with db.connect(url) as conn:
