@@ -371,35 +371,65 @@ def airflow_env(home: Path, db_url: str) -> dict[str, str]:
     }
 
 
-# The fallback pool's endpoint: llama.cpp's server (JSON mode only) or vLLM's (the schema as its constraint).
-FALLBACK_SERVERS = {"llama_server": "json_object", "vllm_server": "json_schema"}
+def night_spec(style: str):
+    """The cutoff night's job: 4-record shards, one short answer a record. vLLM serves the model under its
+    name (the openai engine asks for spec.model.name); the batch path is noop."""
+    from tests.fixtures.vllm import MODEL_NAME
+
+    return make_spec(shard_size=4, lease_seconds=30, renew_seconds=0.5, output_schema=CATEGORY_ONLY,
+                     params={"max_tokens": 32}, prompt={"system": "Classify the support ticket."},
+                     model={"name": MODEL_NAME, "digest": "0" * 64}, fallback={"response_format_style": style})
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("server", sorted(FALLBACK_SERVERS))
-def test_cutoff_night_end_to_end_through_dag_test(conn, db_url, server, request, tmp_path, capsys,
-                                                  migrated_airflow_db):
-    from batch_inference.cli import main
+def warm_up(spec, base_url: str, style: str) -> None:
+    """Keep the pool warm, as the seed says of a fallback that must work at 04:39: the first request to a
+    cold server evaluates the whole prompt (and vLLM compiles the schema's grammar) and can take half a
+    minute on a loaded machine."""
     from batch_inference.engines import load_engine
     from batch_inference.engines.base import Request
     from batch_inference.prompting import build_messages
-    from tests.fixtures.vllm import MODEL_NAME
 
-    base_url = request.getfixturevalue(server)
-    style = FALLBACK_SERVERS[server]
-    # vLLM serves the model under its name (the openai engine asks for spec.model.name); the batch path is noop.
-    spec = make_spec(shard_size=4, lease_seconds=30, renew_seconds=0.5, output_schema=CATEGORY_ONLY,
-                     params={"max_tokens": 32}, prompt={"system": "Classify the support ticket."},
-                     model={"name": MODEL_NAME, "digest": "0" * 64}, fallback={"response_format_style": style})
-    make_source(conn, tickets(16))
-    job = submit(conn, spec).job_version
-
-    # Keep the pool warm, as the seed says of a fallback that must work at
-    # 04:39: the first request to a cold server evaluates the whole prompt
-    # (and vLLM compiles the schema's grammar) and can take half a minute on a loaded machine.
     warm = load_engine("openai", spec, {"base_url": base_url, "response_format_style": style})
     warm.load()
     list(warm.generate([Request("warm", build_messages(spec, "warm-up"))], threading.Event()))
+
+
+@pytest.mark.slow
+def test_vllm_serve_takes_the_schema_as_its_constraint_and_the_pool_stores_every_record(conn, db_url, vllm_server):
+    """The pool against ``vllm serve`` with the spec's json_schema style (vLLM's server takes the schema as
+    its constraint, which llama.cpp's refuses): every record stored once by the fallback, each output within
+    the schema, the run measured. The night around the pool (batch worker, cutoff sensor, operator through
+    dag.test) is the same whatever the endpoint: test_cutoff_night_end_to_end_through_dag_test runs it on
+    llama.cpp's server."""
+    spec = night_spec("json_schema")
+    make_source(conn, tickets(8))
+    job = submit(conn, spec).job_version
+    warm_up(spec, vllm_server, "json_schema")
+    r = run_fallback(db_url, job, vllm_server, rate=20.0, concurrency=2, parallel_shards=2)
+    assert (r.records, r.stored, r.dead, r.outstanding) == (8, 8, 0, 0), r
+    rows = conn.execute("SELECT record_id, output, transport FROM bi.results WHERE job_version = %s",
+                        (job,)).fetchall()
+    assert len(rows) == len({row["record_id"] for row in rows}) == 8
+    assert all(row["transport"] == "fallback" for row in rows)
+    enum = set(CATEGORY_ONLY["properties"]["category"]["enum"])
+    assert all(set(row["output"]) == {"category"} and row["output"]["category"] in enum for row in rows), rows
+    c = job_counts(conn, job)
+    assert (c["stored_fallback"], c["dead_letters"], c["outstanding"]) == (8, 0, 0)
+    assert c["shards"] == {"pending": 0, "leased": 0, "done": 2}
+    fr = conn.execute("SELECT * FROM bi.fallback_runs WHERE job_version = %s", (job,)).fetchall()
+    assert len(fr) == 1 and fr[0]["records"] == 8 and fr[0]["rate"] > 0
+
+
+@pytest.mark.slow
+def test_cutoff_night_end_to_end_through_dag_test(conn, db_url, llama_server, tmp_path, capsys, migrated_airflow_db):
+    from batch_inference.cli import main
+
+    # The fallback pool's endpoint: llama.cpp's server (JSON mode only, the spec's default style).
+    base_url, style = llama_server, "json_object"
+    spec = night_spec(style)
+    make_source(conn, tickets(16))
+    job = submit(conn, spec).job_version
+    warm_up(spec, base_url, style)
 
     home = tmp_path / "airflow"
     (home / "dags").mkdir(parents=True)
@@ -462,7 +492,7 @@ def test_cutoff_night_end_to_end_through_dag_test(conn, db_url, server, request,
     assert so_far["total"] == pytest.approx(round(r["b"] * 0.003625 + r["f"] * 0.00725, 2), abs=0.011)
     assert cost["if_fallback_now"]["total"] == so_far["total"]        # nothing left to re-drive
 
-    print(f"\ne2e ({server}): dag.test {t2 - t1:.1f} s; batch {r['b']} rows, "
+    print(f"\ne2e (llama.cpp): dag.test {t2 - t1:.1f} s; batch {r['b']} rows, "
           f"fallback {r['f']} rows at {pool['rate']:.2f} rows/s (busy {pool['busy_s']:.1f} s), "
           f"cutoff to done {pool['wall_s']:.1f} s, overhead {pool['overhead_s']:.1f} s; "
           f"cost ${so_far['total']:.4f} (ceiling ${so_far['all_synchronous_ceiling']:.4f})")
