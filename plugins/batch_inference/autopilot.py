@@ -124,9 +124,8 @@ class Throughput:
 
     Given ``holding`` (the leases the job's shards are held under now, from the ledger), a worker
     counts as producing while it holds one instead: a worker still starting holds none however
-    long its start takes (at load 18 the nights' workers produced nothing for 4-8 s, and a start
-    counted over after ``start_s`` read as 0.4-0.8 rows/s against 10, sizing every fleet and
-    cluster to its capacity), and one that claimed sooner counts at once."""
+    long its start takes on a loaded machine (docs/regions.md has what a start counted over after
+    ``start_s`` read as), and one that claimed sooner counts at once."""
 
     start_s: float
     window_s: float
