@@ -121,7 +121,7 @@ LONG_FILES = ("process/test_live_deadlines.py", "process/test_benchmarks_vllm.py
               "process/test_nights_hosted.py", "process/test_chaos.py", "process/test_nights.py",
               "process/test_benchmarks_models.py", "process/test_demo_reruns.py",
               "process/test_nights_budget.py", "integration/test_fallback.py", "process/test_vllm.py",
-              "process/test_demo_env.py", "process/test_engines.py", "process/test_nights_tiers.py",
+              "process/test_engines.py", "process/test_nights_tiers.py",
               "process/test_nights_autopilot.py", "process/test_embed_workers.py", "process/test_chaos_jobs.py",
               "integration/test_first_hour_cli.py", "process/test_worker_deaths.py", "process/test_regions.py",
               "process/test_evaluation_real_model.py", "process/test_ladder.py", "process/test_estimate.py")
