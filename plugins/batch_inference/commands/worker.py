@@ -10,10 +10,10 @@ from batch_inference.commands.common import connect, one_line
 
 
 def register(sub: Any) -> None:
-    from gpu_runner.worker import add_arguments
-
-    w = sub.add_parser("worker", help="run a worker: lease shards, run the engine, write keyed results")
-    add_arguments(w)
+    # The worker's flags are built from gpu_runner.worker's WorkerConfig: imported when this command is
+    # parsed, not by every other command.
+    w = sub.add_parser("worker", help="run a worker: lease shards, run the engine, write keyed results",
+                       arguments=_worker_arguments)
     w.set_defaults(func=run)
 
     g = sub.add_parser("grant", help="let a worker role work on a job version (least privilege)")
@@ -21,6 +21,12 @@ def register(sub: Any) -> None:
     g.add_argument("job_version")
     g.add_argument("--revoke", action="store_true")
     g.set_defaults(func=run_grant)
+
+
+def _worker_arguments(p: argparse.ArgumentParser) -> None:
+    from gpu_runner.worker import add_arguments
+
+    add_arguments(p)
 
 
 def run(args: argparse.Namespace) -> int:
