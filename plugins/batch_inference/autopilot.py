@@ -120,12 +120,7 @@ class Throughput:
     stops counting at once. The estimate is over the polls of the last ``window_s``, and the
     first one waits for polls spanning half of it (a worker's results arrive in flushes: a short
     span reads a burst as a rate); until then, and while no rows or no producing worker-seconds
-    are seen, the previous estimate stands. ``steady``: the polls span the whole window.
-
-    Given ``holding`` (the leases the job's shards are held under now, from the ledger), a worker
-    counts as producing while it holds one instead: a worker still starting holds none however
-    long its start takes on a loaded machine (docs/regions.md has what a start counted over after
-    ``start_s`` read as), and one that claimed sooner counts at once."""
+    are seen, the previous estimate stands. ``steady``: the polls span the whole window."""
 
     start_s: float
     window_s: float
@@ -137,7 +132,7 @@ class Throughput:
     def producing(self, t: float) -> int:
         return self._running - int(sum(k for at, k in self._young if t - at < self.start_s))
 
-    def add(self, t: float, done: int, running: int, holding: int | None = None) -> float | None:
+    def add(self, t: float, done: int, running: int) -> float | None:
         if running > self._running:
             self._young.append([t, running - self._running])
         else:
@@ -150,7 +145,7 @@ class Throughput:
                     self._young.pop()
         self._running = running
         self._young = [y for y in self._young if t - y[0] < self.start_s]
-        self._polls.append((t, done, self.producing(t) if holding is None else min(running, max(0, holding))))
+        self._polls.append((t, done, self.producing(t)))
         while len(self._polls) > 2 and t - self._polls[1][0] >= self.window_s:
             self._polls.pop(0)
         rows = self._polls[-1][1] - self._polls[0][1]

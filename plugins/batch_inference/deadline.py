@@ -199,8 +199,7 @@ async def steer_fleet(aconn: psycopg.AsyncConnection, cfg: WatchConfig, ctx: Job
     policy = autopilot.Policy.from_spec(ctx.spec)
     current = int(state["desired"]) if state else (int(seen["running"]) if seen["launchers"] else policy.min_workers)
     running = int(seen["running"]) if seen["launchers"] else current
-    per_worker = pilot.add(d.now.timestamp(), int(counts["stored_batch"]), running,
-                           holding=int(counts["shards"].get("leased", 0)))
+    per_worker = pilot.add(d.now.timestamp(), int(counts["stored_batch"]), running)
     spent, _ = job_bill(counts, ctx.prices, gpu_hours=float(gpu["worker_seconds"]) / 3600.0)
     decision = autopilot.decide(d.now, cfg.deadline, d.outstanding, per_worker, current, ctx.constants.rate,
                                 ctx.constants.overhead_s, policy, ctx.prices, spent.total,

@@ -49,10 +49,8 @@ def set_desired(conn, job: str, n: int, current: int = 0) -> None:
 # -- the watch --------------------------------------------------------------------------------
 
 
-def store_rows(conn, job: str, k: int, holding: int = 2) -> None:
-    """Settle one shard of ``k`` rows through the real ledger functions (claim, put, release), with
-    ``holding`` shards leased at the poll, as the launcher's two workers hold theirs while they run (the
-    autopilot counts a worker as producing while it holds a lease: autopilot.Throughput)."""
+def store_rows(conn, job: str, k: int) -> None:
+    """Settle one shard of ``k`` rows through the real ledger functions (claim, put, release)."""
     lease = conn.execute("SELECT * FROM bi.claim_shard_v2(%s, 'w', 'batch', 600)", (job,)).fetchone()
     ids = [r["record_id"] for r in conn.execute(
         "SELECT record_id FROM bi.snapshot_rows WHERE job_version = %s AND shard_no = %s ORDER BY record_id "
@@ -62,10 +60,6 @@ def store_rows(conn, job: str, k: int, holding: int = 2) -> None:
                                        "ids": ids, "outputs": ['{"category": "bug", "summary": "x"}'] * len(ids),
                                        "categories": ["bug"] * len(ids)})
     conn.execute("SELECT bi.release_shard_v2(%s, %s, %s, 'w')", (job, lease["shard_no"], lease["epoch"]))
-    held = conn.execute("SELECT count(*) AS n FROM bi.shards WHERE job_version = %s AND state = 'leased'",
-                        (job,)).fetchone()["n"]
-    for i in range(held, holding):
-        conn.execute("SELECT * FROM bi.claim_shard_v2(%s, %s, 'batch', 600)", (job, f"holder-{i}"))
 
 
 def test_the_watch_adds_workers_when_behind_and_records_every_decision(conn, db_url):

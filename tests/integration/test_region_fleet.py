@@ -137,8 +137,7 @@ def test_a_region_whose_every_worker_is_gone_at_once_is_found_lost_its_leases_en
 
 def test_the_cutoff_watch_steers_each_cluster_of_a_placed_version_and_its_launchers_follow_their_own_size(
         conn, db_url, stores):
-    """The watch's poll (a fake clock whose sleep claims a shard and settles it the next minute, its worker
-    holding a lease at every poll as a producing one does; the ledger is real): a version
+    """The watch's poll (a fake clock whose sleep settles ten rows a minute; the ledger is real): a version
     placed over three clusters is steered per cluster (no row for the one fleet), and a launcher named
     LAUNCHER@CLUSTER reconciles to its cluster's size."""
     import asyncio
@@ -157,14 +156,9 @@ def test_the_cutoff_watch_steers_each_cluster_of_a_placed_version_and_its_launch
     t = [datetime.now(timezone.utc)]
     deadline = t[0] + timedelta(seconds=1800 + 240)         # the spec's overhead and four minutes
 
-    held: list[dict] = []       # the worker's lease at the poll: it holds its shard while it runs it
-
     async def sleep(s: float) -> None:
         t[0] += timedelta(seconds=60)
-        if not held:
-            held.append(conn.execute("SELECT * FROM bi.claim_shard_v2(%s, 'w', 'batch', 600)", (job,)).fetchone())
-            return
-        lease = held.pop()
+        lease = conn.execute("SELECT * FROM bi.claim_shard_v2(%s, 'w', 'batch', 600)", (job,)).fetchone()
         ids = [r["record_id"] for r in conn.execute(
             "SELECT record_id FROM bi.snapshot_rows WHERE job_version = %s AND shard_no = %s", (job, lease["shard_no"]))]
         conn.execute(db.q("put_results"), {"job": job, "shard": lease["shard_no"], "epoch": lease["epoch"],
@@ -172,7 +166,6 @@ def test_the_cutoff_watch_steers_each_cluster_of_a_placed_version_and_its_launch
                                            "ids": ids, "outputs": ['{"category": "bug", "summary": "x"}'] * len(ids),
                                            "categories": ["bug"] * len(ids)})
         conn.execute("SELECT bi.complete_shard_v2(%s, %s, %s, 'w')", (job, lease["shard_no"], lease["epoch"]))
-        held.append(conn.execute("SELECT * FROM bi.claim_shard_v2(%s, 'w', 'batch', 600)", (job,)).fetchone())
 
     payload = asyncio.run(watchlib.watch(lambda: watchlib.connect_async(db_url),
                                          watchlib.WatchConfig(job_version=job, deadline=deadline, poll_interval_s=60,

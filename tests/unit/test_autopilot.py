@@ -104,23 +104,6 @@ def test_throughput_is_measured_per_worker_past_the_start_up():
     assert tp.add(205, 900 + 160 * 20 + 5 * 5, 1) == pytest.approx(5.0, rel=0.1)
 
 
-def test_with_the_ledgers_leases_a_worker_produces_while_it_holds_one():
-    # Three workers whose start takes 8 s on a loaded machine, not the 2 s start_s says: counted from start_s,
-    # 3 workers x 4 s of "producing" over 40 rows read as 3.3 rows/s a worker; by their leases, 10.
-    by_start, by_lease = Throughput(start_s=2, window_s=4), Throughput(start_s=2, window_s=4)
-    polls = [(0, 0, 0), (2, 0, 0), (4, 0, 0), (6, 0, 0), (8, 0, 2), (10, 40, 2)]
-    for t, done, holding in polls:
-        by_start.add(t, done, 3)
-        by_lease.add(t, done, 3, holding=holding)
-    assert by_start.estimate == pytest.approx(40 / 12) and by_lease.estimate == pytest.approx(10.0)
-    # one that claimed within start_s counts at once; more leases than workers (a far worker's file awaiting
-    # its merge) count as the workers running
-    tp = Throughput(start_s=10, window_s=4)
-    for t, done in ((0, 0), (2, 20), (4, 40)):
-        tp.add(t, done, 1, holding=2)
-    assert tp.estimate == pytest.approx(10.0)
-
-
 def test_the_decision_records_its_options_and_the_finish_with_and_without():
     now = T0 + timedelta(hours=6)
     d = decide(now, DEADLINE, 300_000, 18.7, 2, 85.0, 1800.0, POLICY, PRICES)

@@ -434,8 +434,7 @@ class ClusterPilot:
         return self.poll(conn, job_version, now, deadline, stored=int(c["stored_batch"]),
                          outstanding=int(c["outstanding"]),
                          shards_left=int(c["shards"]["pending"]) + int(c["shards"]["leased"]),
-                         running=cluster_running(conn, job_version), unreachable=unreachable,
-                         holding=int(c["shards"]["leased"]))
+                         running=cluster_running(conn, job_version), unreachable=unreachable)
 
     def first(self, conn: psycopg.Connection, job_version: str, now: datetime, sizes: Mapping[str, int],
               reason: str) -> FleetDecision:
@@ -449,16 +448,15 @@ class ClusterPilot:
 
     def poll(self, conn: psycopg.Connection, job_version: str, now: datetime, deadline: datetime, *,
              stored: int, outstanding: int, shards_left: int, running: Mapping[str, int],
-             unreachable: Mapping[str, str] | None = None, holding: int | None = None) -> FleetDecision:
+             unreachable: Mapping[str, str] | None = None) -> FleetDecision:
         """One poll: ``stored`` batch rows so far, ``outstanding`` records, ``running``: what each cluster's
-        launcher runs now; ``unreachable``: regions a launcher cannot reach (a Kubernetes API), with why;
-        ``holding``: the leases held now (a worker producing holds one: ``Throughput.add``)."""
+        launcher runs now; ``unreachable``: regions a launcher cannot reach (a Kubernetes API), with why."""
         found = watch_lost(conn, job_version, unreachable=unreachable, known=set(self.lost))
         for f in found:
             self.lost[f["region"]] = f["reason"]
         live = {c.name: int(running.get(c.name, 0)) for c in self.deployment.clusters if c.region not in self.lost}
         assert self.throughput is not None
-        per_worker = self.throughput.add(now.timestamp(), stored, sum(live.values()), holding)
+        per_worker = self.throughput.add(now.timestamp(), stored, sum(live.values()))
         rows = conn.execute(q("region_remaining"), {"job": job_version}).fetchall()
         remaining = {r["region"]: int(r["records_left"]) for r in rows}
         gates = steal_gates(now, deadline, self.overhead_s, self.policy.margin_s, remaining, live, self.deployment,

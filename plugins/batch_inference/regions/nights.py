@@ -305,7 +305,7 @@ class RegionNight:
             self.pilot.poll(conn, job_version, datetime.now(UTC), deadline, stored=int(c["stored_batch"]),
                             outstanding=int(c["outstanding"]),
                             shards_left=int(c["shards"]["pending"]) + int(c["shards"]["leased"]),
-                            running=running, unreachable=self.unreachable, holding=int(c["shards"]["leased"]))
+                            running=running, unreachable=self.unreachable)
 
         def scaler(name: str) -> tuple[Callable[[], int], Callable[[int], Any]]:
             fleet = self.fleets.by_cluster[name]
