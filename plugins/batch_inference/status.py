@@ -17,7 +17,7 @@ from batch_inference.autopilot import gpu_hours
 from batch_inference.cost import CostReport, Prices, job_bill, priced_by_rung
 from batch_inference.db import q
 from batch_inference.exceptions import UnknownJob
-from batch_inference.spec import JobSpec
+from batch_inference.spec import JobSpec, stored_spec
 
 
 class ShardCounts(TypedDict):
@@ -171,7 +171,7 @@ def job_spec(conn: psycopg.Connection, job_version: str) -> JobSpec:
     r = conn.execute(q("job_spec"), {"job": job_version}).fetchone()
     if r is None:
         raise unknown_job(job_version)
-    return JobSpec.model_validate(r["spec"])
+    return stored_spec(r["spec"])
 
 
 def job_mode(conn: psycopg.Connection, job_version: str) -> tuple[str, str]:
