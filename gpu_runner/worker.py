@@ -898,7 +898,7 @@ class Worker:
                 else:
                     retry.append(f.record_id)
             shard.failures.clear()
-        shard.last_flush = time.monotonic()
+        shard.last_flush, shard.held_over = time.monotonic(), 0
         return retry
 
     def _count_dead(self, error: str, attempts: int) -> None:

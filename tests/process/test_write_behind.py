@@ -20,13 +20,16 @@ def test_the_put_is_written_while_the_engine_goes_on_and_answered_before_the_sha
                                                                                                 db_url):
     make_source(conn, tickets(30))
     job = submit(conn, make_spec(shard_size=30)).job_version
-    real_put, real_take, real_complete = Ledger.put_results, Worker.take, Ledger.complete
+    real_put, real_take, real_complete, real_write = Ledger.put_results, Worker.take, Ledger.complete, Worker._write
     went_on = threading.Event()
-    seen = {"takes": 0, "puts": [], "puts_answered": 0, "overlapped": None, "in_flight_at_complete": []}
+    seen = {"takes": 0, "puts": [], "puts_answered": 0, "overlapped": None, "in_flight_at_complete": [],
+            "held_over": []}
 
     def take(self, shard, outcome):
         real_take(self, shard, outcome)
         seen["takes"] += 1
+        if seen["takes"] == 25:          # the first put in flight: the results past the flush size are held
+            seen["held_over"].append(shard.held_over)
         if seen["takes"] == 30:          # every record, past the first flush of 10 and the second's 20
             went_on.set()
 
@@ -44,13 +47,21 @@ def test_the_put_is_written_while_the_engine_goes_on_and_answered_before_the_sha
         seen["in_flight_at_complete"].append(len(seen["puts"]) - seen["puts_answered"])
         return real_complete(self, lease)
 
+    def write(self, shard, *args):
+        try:
+            return real_write(self, shard, *args)
+        finally:
+            seen["held_over"].append(shard.held_over)  # a retry round's flushes come at flush_every again
+
     monkeypatch.setattr(Worker, "take", take)
     monkeypatch.setattr(Ledger, "put_results", put)
     monkeypatch.setattr(Ledger, "complete", complete)
+    monkeypatch.setattr(Worker, "_write", write)
     assert run_worker(WorkerConfig(job_version=job, db_url=db_url, flush_every=10)) == 0
     assert seen["overlapped"] is True
     # The results made while the first put was in flight were held, not waited on: the next put took them all.
     assert seen["puts"] == [10, 20] and seen["puts_answered"] == 2
+    assert seen["held_over"][0] > 0 and seen["held_over"][-1] == 0
     assert seen["in_flight_at_complete"] == [0]
     c = job_counts(conn, job)
     assert (c["stored"], c["dead_letters"], c["outstanding"]) == (30, 0, 0)
