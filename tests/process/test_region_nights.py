@@ -66,3 +66,49 @@ def test_nights_over_three_regions_with_a_region_lost_are_met_or_paged_once_each
     cmp = report.summary()["regions"]
     assert cmp["one_region"]["nights"] == cmp["regions"]["nights"] == 1 and cmp["region_lost_nights"] == 1
     assert "one region (its autopilot) -> three regions" in report.table()
+
+
+def test_leases_lapsed_over_a_database_restart_are_no_region_lost_until_a_lease_after_it(tmp_path):
+    """The ledger's server restarted (a server of the test's own, restarted for real): every holder's renewals
+    were cut, so two leases of one region last renewed before the restart and run out more than a lease ago
+    are no region lost until a whole lease after the server's start (region night 14 found the ledger's region
+    lost with no region fault drawn, its database restarted right after two kills); a lease after it they are."""
+    import shutil
+    import tempfile
+    import time
+    from pathlib import Path
+
+    from batch_inference import db
+    from batch_inference.harness import EmbeddedServer
+    from batch_inference.plan import submit
+    from batch_inference.regions import parse_deployment, place, watch_regions
+    from tests.conftest import make_source, make_spec, tickets
+    from tests.integration.test_regions import deployment_dict, region_ledger
+
+    for r in ("us-east", "eu-west", "ap-south"):
+        (tmp_path / r).mkdir()
+    short = Path(tempfile.mkdtemp(prefix="bi-rl-", dir="/tmp"))     # a Unix socket lives in it
+    server = EmbeddedServer(short / "pg")
+    try:
+        with db.connect(server.url) as conn:
+            db.migrate(conn)
+            make_source(conn, tickets(60))
+            job = submit(conn, make_spec(lease_seconds=6, renew_seconds=1)).job_version
+            place(conn, job, parse_deployment(deployment_dict(tmp_path)))
+        held = [region_ledger(server.url, job, f"ap-{i}", "ap-south").claim() for i in (1, 2)]
+        assert all(h is not None for h in held)
+        server.restart()
+        with db.connect(server.url, retries=5) as conn:
+            # both run out 7 s before now (more than the 6 s lease), last renewed before the restart
+            conn.execute("UPDATE bi.shards SET lease_expires_at = clock_timestamp() - interval '7 seconds' "
+                         "WHERE job_version = %s AND shard_no = ANY(%s)", (job, [h.shard_no for h in held]))
+            up = float(conn.execute("SELECT extract(epoch FROM clock_timestamp() - pg_postmaster_start_time()) AS s"
+                                    ).fetchone()["s"])
+            assert up < 6 and watch_regions(conn, job) == [], up
+            time.sleep(6.2 - up)
+            found = watch_regions(conn, job)
+            assert [(f["region"], f["ended"]) for f in found] == [("ap-south", 2)], found
+            assert "every worker gone at once" in found[0]["reason"]
+    finally:
+        server.stop()
+        shutil.rmtree(short, ignore_errors=True)
