@@ -40,7 +40,7 @@ BENCHMARKS: dict[str, tuple[list[str], list[str]]] = {
     "evaluation": ([], ["--records", "2000", "--golden", "100", "--repeats", "1"]),
     "hosted_drain": ([], ["--records", "2000", "--shard-size", "500", "--settle", "0.3", "--repeats", "1"]),
     "vllm_engine": ([], ["--records", "6", "--prefix-records", "0", "--max-tokens", "96", "--repeats", "1",
-                         "--jobs", "12:3", "--job-max-tokens", "96", "--one-shard-arm"]),
+                         "--jobs", "12:3", "--job-max-tokens", "96", "--one-shard-arm", "--one-bare-process"]),
     "lakehouse": ([], ["--records", "5000", "--rollback-sizes", "500,5000", "--repeats", "1"]),
     "reads": ([], ["--sizes", "20000,200000", "--repeats", "3"]),
     "sources": ([], ["--sizes", "2000,20000", "--kinds", "sqlite,parquet,iceberg", "--fork-children"]),

@@ -38,6 +38,10 @@ on, temperature 0:
   ticket, with ``enable_prefix_caching`` on and off (``--prefix-records 0``
   leaves them out).
 
+``--one-bare-process`` (the quick run's, with ``--repeats 1``): one process, after the other arms,
+runs both bare arms (the one-shard records, then each job's), loading vLLM once for them and
+emptying the prefix cache before each; each gets the one start-up and its own generation.
+
 Records/s is over generation only (start-up apart) for ``bare`` and
 ``worker``; start-up includes starting the process and importing vLLM in
 both; the worker's clock stops at its "exiting" line (its last shard
@@ -148,6 +152,10 @@ def peak_rss_mib() -> float:
 
 # -- the arms, each run as `python -m benchmarks.vllm_engine --arm NAME` -------------------------------
 def arm_bare(records: int, max_tokens: int, system: str, prefix_caching: bool) -> dict[str, Any]:
+    """``LLM.chat`` over the records. With ``BENCH_BARE_RUNS`` (a JSON list of ``[records, stored spec]``)
+    one process loads the model once and runs each list entry in turn, the prefix cache emptied before each;
+    it returns ``{"runs": [...]}``, each run's figures as a process of its own would give them (the one
+    start-up, its own generation, and start-up plus generation as its whole run)."""
     t0 = time.perf_counter()   # start-up includes importing vLLM, as the worker's does
     import vllm
     import vllm.sampling_params as sampling_module
@@ -156,21 +164,34 @@ def arm_bare(records: int, max_tokens: int, system: str, prefix_caching: bool) -
     from batch_inference.engines.vllm import VllmEngine, build_llm_kwargs, make_sampling_params, \
         parse_request_output
     from batch_inference.prompting import build_messages
+    from batch_inference.spec import JobSpec
 
-    spec = stored_spec(make_spec(max_tokens, system))
-    kwargs = build_llm_kwargs(spec, VllmEngine(spec).options) | {"enable_prefix_caching": prefix_caching}
-    data = rows(records)
-    llm = vllm.LLM(**kwargs)
+    shared = "BENCH_BARE_RUNS" in os.environ
+    runs = [(n, JobSpec.model_validate(s)) for n, s in json.loads(os.environ["BENCH_BARE_RUNS"])] if shared \
+        else [(records, stored_spec(make_spec(max_tokens, system)))]
+    kwargs = [build_llm_kwargs(spec, VllmEngine(spec).options) for _, spec in runs]
+    if any(k != kwargs[0] for k in kwargs):
+        raise ValueError("the bare runs in one process need the same vllm.LLM arguments")
+    llm = vllm.LLM(**kwargs[0] | {"enable_prefix_caching": prefix_caching})
     started = time.perf_counter()
-    meter = meter_steps(llm)
-    outs = llm.chat([build_messages(spec, text) for _, text in data], make_sampling_params(sampling_module, spec),
-                    use_tqdm=False)
-    done = time.perf_counter()
-    outcomes = [parse_request_output(rid, o) for (rid, _), o in zip(data, outs)]
-    return {"startup_s": started - t0, "generate_s": done - started, "total_s": done - t0,
-            "outputs": {o.record_id: canon(o.text) if o.error is None else None for o in outcomes},
-            "truncated": sum(o.error == TRUNCATED for o in outcomes), "peak_rss_mib": peak_rss_mib(),
-            "activity": meter.figures}
+    step = llm.llm_engine.step
+    figures = []
+    for n, spec in runs:
+        llm.reset_prefix_cache()       # each run starts as cold as in a process of its own
+        llm.llm_engine.step = step
+        meter = meter_steps(llm)
+        data = rows(n)
+        began = time.perf_counter()
+        outs = llm.chat([build_messages(spec, text) for _, text in data],
+                        make_sampling_params(sampling_module, spec), use_tqdm=False)
+        done = time.perf_counter()
+        outcomes = [parse_request_output(rid, o) for (rid, _), o in zip(data, outs)]
+        figures.append({"startup_s": started - t0, "generate_s": done - began,
+                        "total_s": started - t0 + done - began,
+                        "outputs": {o.record_id: canon(o.text) if o.error is None else None for o in outcomes},
+                        "truncated": sum(o.error == TRUNCATED for o in outcomes), "peak_rss_mib": peak_rss_mib(),
+                        "activity": meter.figures})
+    return {"runs": figures} if shared else figures[0]
 
 
 def meter_steps(llm: Any) -> Any:
@@ -341,14 +362,22 @@ def run_job(records: int, shards: int, max_tokens: int, one_shard_arm: bool = Fa
     ``one_shard_arm`` also the worker one shard at a time (``--no-overlap``). ``repeats`` times, the
     arms' order turned round each repeat (a load that rises or falls during the run lands on both);
     times are medians over the repeats, the rest the last repeat's."""
+    load = {"before": rnd(os.getloadavg()[0])}
+    return job_figures(records, max_tokens, repeats, job_arms(records, shards, max_tokens, one_shard_arm, repeats)[0],
+                       load)
+
+
+def job_arms(records: int, shards: int, max_tokens: int, one_shard_arm: bool, repeats: int,
+             bare: bool = True) -> tuple[dict[str, list[dict[str, Any]]], str]:
+    """The job's arms (run_job's), and the spec its worker stored; without ``bare`` its bare arm is left
+    to the caller (``run``'s one bare process)."""
     args = ["--records", str(records), "--max-tokens", str(max_tokens), "--ticket-schema"]
     sharded = [*args, "--shard-size", str(math.ceil(records / shards))]
-    load = {"before": rnd(os.getloadavg()[0])}
     names = ["worker"] + (["worker_no_overlap"] if one_shard_arm else [])
     runs: dict[str, list[dict[str, Any]]] = {name: [] for name in [*names, "bare"]}
     spec_json = None
     for rep in range(max(1, repeats)):
-        order = [*names, "bare"]
+        order = [*names, "bare"] if bare else names
         for name in order if rep % 2 == 0 else order[::-1]:   # the worker first: it writes the stored spec
             if name == "bare":
                 arm = run_arm("bare", args, {"BENCH_STORED_SPEC": spec_json})
@@ -357,7 +386,14 @@ def run_job(records: int, shards: int, max_tokens: int, one_shard_arm: bool = Fa
                 spec_json = spec_json or json.dumps(arm["stored_spec"])
                 arm.pop("stored_spec")
             runs[name].append(arm)
+    return runs, spec_json or ""
+
+
+def job_figures(records: int, max_tokens: int, repeats: int, runs: dict[str, list[dict[str, Any]]],
+                load: dict[str, float]) -> dict[str, Any]:
+    """The job's line from its arms' runs (``job_arms``, bare's included)."""
     load["after"] = rnd(os.getloadavg()[0])
+    names = [name for name in runs if name != "bare"]
     arms = {name: {**got[-1], **{k: median([a[k] for a in got]) for k in ("startup_s", "generate_s", "total_s")}}
             for name, got in runs.items()}
     bare = arms["bare"]
@@ -402,24 +438,47 @@ def run_job(records: int, shards: int, max_tokens: int, one_shard_arm: bool = Fa
     return out
 
 
+def run_jobs(jobs: tuple[tuple[int, int], ...], max_tokens: int, one_shard_arm: bool, repeats: int,
+             one_bare: bool, first: tuple[int, str] | None = None
+             ) -> tuple[list[dict[str, Any]], dict[str, Any] | None]:
+    """Each multi-shard job's line (``run_job``'s). With ``one_bare``, one bare process runs ``first``
+    (records and the stored spec of the one-shard arm) and every job's conversations, and its run of
+    ``first`` comes back beside the lines; else that is None."""
+    if not one_bare:
+        return [run_job(n, k, max_tokens, one_shard_arm, repeats) for n, k in jobs], None
+    load = {"before": rnd(os.getloadavg()[0])}
+    done = [job_arms(n, k, max_tokens, one_shard_arm, repeats, bare=False) for n, k in jobs]
+    asked = ([first] if first else []) + [(n, spec_json) for (n, _), (_, spec_json) in zip(jobs, done)]
+    bare = run_arm("bare", [], {"BENCH_BARE_RUNS": json.dumps([[n, json.loads(s)] for n, s in asked])})["runs"]
+    for (runs, _), got in zip(done, bare[-len(jobs):] if jobs else []):
+        runs["bare"].append(got)
+    return [job_figures(n, max_tokens, repeats, runs, dict(load)) for (n, _), (runs, _) in zip(jobs, done)], \
+        bare[0] if first else None
+
+
 def run(records: int = 500, prefix_records: int = 200, max_tokens: int = 24, repeats: int = 2,
         jobs: tuple[tuple[int, int], ...] = ((1000, 8), (240, 6)), job_max_tokens: int = 96,
-        one_shard_arm: bool = False) -> dict[str, Any]:
+        one_shard_arm: bool = False, one_bare: bool = False) -> dict[str, Any]:
     """Every arm ``repeats`` times, the arms' order turned round each repeat so a busy minute of the
     shared machine lands on all of them; each figure is the median over the repeats. ``records`` 0
-    leaves the one-shard arms out (the multi-shard jobs only)."""
+    leaves the one-shard arms out (the multi-shard jobs only). ``one_bare`` (the quick run's, with
+    ``repeats`` 1): one bare process, after the other arms, runs the one-shard arm's records and every
+    job's, the prefix cache emptied before each (a vLLM load a job fewer)."""
+    if one_bare and repeats != 1:
+        raise ValueError("one bare process runs with repeats 1")
     head = {"benchmark": "vllm_engine", "engine": "vllm", "vllm": _vllm_version(),
             "model": "SmolLM2-135M-Instruct bf16 (CPU)", "cpu": cpu_vector_extensions()}
     if not records:
-        multi = [run_job(n, k, job_max_tokens, one_shard_arm, repeats) for n, k in jobs]
+        multi, _ = run_jobs(jobs, job_max_tokens, one_shard_arm, repeats, one_bare)
         return {**head, "multi_shard": multi, "target": "multi-shard jobs: >= 0.95 of bare on generation, >= 0.9 "
                 "on whole runs", "met": all(job["met"] for job in multi), "machine": machine()}
     common = ["--records", str(records), "--max-tokens", str(max_tokens)]
     prefix_args = ["--records", str(prefix_records), "--max-tokens", str(max_tokens), "--long-prefix"]
     runs: dict[str, list[dict[str, Any]]] = {k: [] for k in ("worker", "bare", "run_batch", "prefix_on", "prefix_off")}
-    spec_json = None
+    spec_json = ""
     for rep in range(repeats):
-        order = ["worker", "bare", "run_batch"] + (["prefix_on", "prefix_off"] if prefix_records else [])
+        order = ["worker", *([] if one_bare else ["bare"]), "run_batch"] + \
+            (["prefix_on", "prefix_off"] if prefix_records else [])
         for name in order if rep % 2 == 0 else order[::-1]:   # the worker first: it writes the stored spec
             if name == "worker":
                 arm = run_arm("worker", common)
@@ -432,6 +491,9 @@ def run(records: int = 500, prefix_records: int = 200, max_tokens: int = 24, rep
             else:
                 arm = run_arm("bare", prefix_args + ([] if name == "prefix_on" else ["--no-prefix-caching"]))
             runs[name].append(arm)
+    multi, bare = run_jobs(jobs, job_max_tokens, one_shard_arm, repeats, one_bare, (records, spec_json))
+    if bare is not None:
+        runs["bare"].append(bare)
 
     def med(name: str, key: str) -> float:
         return median([arm[key] for arm in runs[name]])
@@ -444,7 +506,6 @@ def run(records: int = 500, prefix_records: int = 200, max_tokens: int = 24, rep
     prefix_ratio = med("prefix_off", "generate_s") / med("prefix_on", "generate_s") if prefix_records else None
     # run-batch's whole run ends when its process does, so the worker's runs through its engine's teardown here.
     b_a, b_c = rate["worker"] / rate["bare"], med("run_batch", "total_s") / med("worker", "exit_s")
-    multi = [run_job(n, k, job_max_tokens, one_shard_arm, repeats) for n, k in jobs]
     return {**head, "records": records, "max_tokens": max_tokens,
             "repeats": repeats,
             "records_s": {k: rnd(v) for k, v in rate.items()},
@@ -504,6 +565,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--job-max-tokens", type=int, default=96, help="max_tokens of the multi-shard jobs")
     ap.add_argument("--one-shard-arm", action="store_true",
                     help="multi-shard jobs: also the worker one shard at a time (--no-overlap)")
+    ap.add_argument("--one-bare-process", action="store_true",
+                    help="one bare process for the one-shard arm and every job, after the other arms (--repeats 1)")
     ap.add_argument("--ticket-schema", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--arm", choices=["bare", "worker", "run_batch"], help=argparse.SUPPRESS)
     ap.add_argument("--shard-size", type=int, default=100_000, help=argparse.SUPPRESS)
@@ -523,7 +586,8 @@ def main(argv: list[str] | None = None) -> None:
         print(json.dumps(arm_run_batch(a.records, a.max_tokens, a.spec, a.workdir)))
     else:
         jobs = tuple(tuple(int(x) for x in job.split(":")) for job in a.jobs.split(",") if job)
-        emit(run(a.records, a.prefix_records, a.max_tokens, a.repeats, jobs, a.job_max_tokens, a.one_shard_arm))
+        emit(run(a.records, a.prefix_records, a.max_tokens, a.repeats, jobs, a.job_max_tokens, a.one_shard_arm,
+                 a.one_bare_process))
 
 
 if __name__ == "__main__":

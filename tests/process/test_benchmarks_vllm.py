@@ -1,8 +1,8 @@
-"""The vLLM engine's benchmark keeps working: its quick run loads vLLM's CPU build six times (the
-bare, worker and run-batch arms, and a multi-shard job's worker, one-shard worker and bare arms), the
-longest of the model benchmarks, so it has a file of its own beside tests/process/test_benchmarks_models.py
-and scripts/test.sh's workers (a file to a worker) run them side by side. The same check
-(check_quick_run)."""
+"""The vLLM engine's benchmark keeps working: its quick run loads vLLM's CPU build five times (the
+worker and run-batch arms, a multi-shard job's worker and one-shard worker arms, and one bare process
+for both bare arms, ``--one-bare-process``), the longest of the model benchmarks, so it has a file of
+its own beside tests/process/test_benchmarks_models.py and scripts/test.sh's workers (a file to a
+worker) run them side by side. The same check (check_quick_run)."""
 
 from __future__ import annotations
 
