@@ -51,7 +51,7 @@ import psycopg
 from psycopg import sql
 from psycopg.types.json import Jsonb
 
-from batch_inference import companion, db, embed, provenance
+from batch_inference import companion, db, provenance
 from batch_inference import drift as drifts
 from batch_inference.db import q
 from batch_inference.evaluation import evaluate
@@ -139,6 +139,8 @@ def validate(conn: psycopg.Connection, job_version: str, *, sample_dir: str | Pa
     evaluation = evaluate(conn, spec, job_version, job["dataset"], failures, notes, categories,
                           run=companion.run_companion)
     if spec.task == "embed":
+        from batch_inference import embed  # here, as in plan: its numpy is no part of a job that embeds nothing
+
         evaluation["pairs"] = embed.recall(conn, spec, job_version, failures, notes)
     timings["evaluation_s"] = time.perf_counter() - t
 
@@ -249,6 +251,8 @@ def _vectors(conn: psycopg.Connection, spec: JobSpec, job: str, failures: list[s
              notes: list[str]) -> tuple[dict[str, Any], dict[str, int]]:
     """An embedding job's stored vectors (``embed.scan``) in place of the schema section; its results
     have no category, so they count as one."""
+    from batch_inference import embed
+
     section, made_by = embed.scan(conn, spec, job, failures)
     section["engines"] = _engines(spec, made_by, failures, notes)
     return section, ({drifts.category_key(None): section["checked"]} if section["checked"] else {})
@@ -296,6 +300,8 @@ def _drift(conn: psycopg.Connection, spec: JobSpec, dataset: str, job: str, cate
         notes.append("drift: skipped, this version is the one published")
         return out
     if spec.task == "embed":   # nearest neighbours, not categories
+        from batch_inference import embed
+
         return embed.drift(conn, spec, job, against, failures, notes)
     base, _source = drifts.category_counts(conn, against, pub["validation"])
     d = drifts.compare(categories, base)
