@@ -40,7 +40,12 @@ def test_workers_marked_failed_stop_and_a_clear_finishes_the_job(live_airflow):
     ti = dep.wait_task(BACKFILL, run_id, "workers", ("failed",), timeout=60)
     c = counts(dep, job)
     assert c["outstanding"] > 0 and c["shards"]["leased"] == 0
-    time.sleep(3)  # the task process had its chance to report success over the failed state
+    # The try's processes (the LocalExecutor's worker running it, the task process) ended, so the task
+    # process had its chance to report success over the failed state.
+    end = time.monotonic() + 60
+    while task_pids(ti["id"]):
+        assert time.monotonic() < end, f"the try's processes {task_pids(ti['id'])} still run"
+        time.sleep(0.2)
     assert dep.task_instances(BACKFILL, run_id)["workers"]["state"] == "failed"
     # Clearing it (the on-call advice) re-runs it; the run finishes and publishes.
     dep.api("POST", f"/api/v2/dags/{BACKFILL}/clearTaskInstances",
@@ -54,6 +59,17 @@ def test_workers_marked_failed_stop_and_a_clear_finishes_the_job(live_airflow):
 
 def worker_pids(job: str) -> list[int]:
     """Worker processes of the job still alive on this machine (``python -m gpu_runner JOB``)."""
+    return _pids(lambda cmd: b"gpu_runner" in cmd and job.encode() in cmd)
+
+
+def task_pids(ti_id: str) -> list[int]:
+    """Airflow's processes of a task instance's try still alive: the LocalExecutor worker running it and
+    the task process, whose titles name the try (``airflow worker -- [LocalExecutor: ]<id>``)."""
+    return _pids(lambda cmd: any(part.endswith(ti_id.encode()) for part in cmd))
+
+
+def _pids(match: Any) -> list[int]:
+    """Processes on this machine whose command line (its parts) ``match`` accepts, zombies left out."""
     import os
 
     pids = []
@@ -61,9 +77,10 @@ def worker_pids(job: str) -> list[int]:
         if entry.isdigit():
             try:
                 cmd = Path(f"/proc/{entry}/cmdline").read_bytes().split(b"\0")
+                stat = Path(f"/proc/{entry}/stat").read_text()
             except OSError:
                 continue
-            if b"gpu_runner" in cmd and job.encode() in cmd:
+            if match(cmd) and not stat[stat.rfind(")") + 2:].startswith("Z"):
                 pids.append(int(entry))
     return pids
 
