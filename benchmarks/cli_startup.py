@@ -43,6 +43,7 @@ COMMANDS = {   # name -> argv, {spec} and {job} filled in
     "submit": [BI, "submit", "{spec}"],
     "status": [BI, "status", "{job}"],
     "dead_letters": [BI, "dead-letters", "{job}", "--json"],
+    "validate": [BI, "validate", "{job}"],
     "published": [BI, "published", "bench"],
     "worker": [BI, "worker", "{job}"],
     "gpu_runner": [PYTHON, "-m", "gpu_runner", "{job}"],
