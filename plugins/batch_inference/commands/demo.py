@@ -150,12 +150,26 @@ def _airflow(env: dict[str, str], args: list[str], log_path: Path, verbose: bool
         proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                                 errors="replace", bufsize=1)
         assert proc.stdout is not None
-        for line in proc.stdout:
-            log.write(line)
-            if verbose or _SHOW.search(line):
-                sys.stderr.write("  " + _tidy(line))
-                sys.stderr.flush()
-        return proc.wait()
+        try:
+            for line in proc.stdout:
+                log.write(line)
+                if verbose or _SHOW.search(line):
+                    sys.stderr.write("  " + _tidy(line))
+                    sys.stderr.flush()
+            return proc.wait()
+        except KeyboardInterrupt:
+            # Ctrl-C reaches Airflow too, and `airflow dags test` goes on after it: the demo ends it, so
+            # the interrupted run stays marked running, and the next demo names it and marks it failed.
+            proc.terminate()
+            try:
+                proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+            log.write("\n(interrupted: the demo ended this command)\n")
+            print(f"batch-inference demo: interrupted; `airflow {' '.join(args[:2])}` ended (full output in "
+                  f"{log_path}); the next demo clears what it left", file=sys.stderr)
+            raise SystemExit(130) from None
 
 
 def _tidy(line: str) -> str:
