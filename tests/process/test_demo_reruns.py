@@ -45,6 +45,13 @@ SCHEMA = {"type": "object", "properties": {"sentiment": {"type": "string", "enum
           "required": ["sentiment", "rating"], "additionalProperties": False}
 
 
+def ctrl_c_as_in_a_terminal() -> None:
+    """SIGINT back to its default in the demo's process: a suite started in the background by a shell
+    without job control ignores SIGINT, every child inherits that, and Python then installs no
+    KeyboardInterrupt for it."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def user_env(home: Path, **extra: str) -> dict[str, str]:
     """A user's shell: nothing of the test process's Airflow settings or ledger URL."""
     env = {k: v for k, v in os.environ.items()
@@ -102,8 +109,8 @@ def test_the_demo_says_what_it_does_runs_again_after_an_interrupt_and_its_env_ru
     env = user_env(home)
     try:
         args = [BI, "demo", "--engine", "noop", "--records", "40", "--shard-size", "5"]
-        first = subprocess.Popen(args, env=env,
-                                 stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+        first = subprocess.Popen(args, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                 start_new_session=True, preexec_fn=ctrl_c_as_in_a_terminal)
         seen = []
         assert first.stdout is not None
         for line in first.stdout:
