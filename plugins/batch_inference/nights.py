@@ -77,6 +77,7 @@ from batch_inference.harness import SOURCE, Admin, EmbeddedServer, make_source, 
 log = logging.getLogger("batch_inference.nights")
 UTC = timezone.utc
 DRIFTS = ("slower", "longer", "faster")
+LOAD_TRIES = 5          # validate and publish, tried again when the database goes away under them
 # The hosted batch provider's faults: a batch that expires with partial results, one stuck validating,
 # a cancel that settles slowly.
 HOSTED_FAULTS = ("expire", "validating", "slow_cancel")
@@ -997,16 +998,17 @@ class _NightRun:
         rec.fallback.update(redriven)
         # Validate and publish (the load), as the DAG's last two tasks, retried like them when the
         # database goes away under them (a drawn restart can land here).
-        for attempt in range(1, 6):
+        for attempt in range(1, LOAD_TRIES + 1):
             try:
                 self._load(redriven["budget_stop"])
                 break
             except (psycopg.OperationalError, db.DatabaseUnavailable) as exc:
                 log.warning("nights %d: validate/publish try %d: %s", self.seed, attempt,
                             str(exc).splitlines()[0] if str(exc) else type(exc).__name__)
-                if attempt == 5:
-                    rec.failures.append(f"validate/publish failed 5 times: {exc}")
-                time.sleep(0.5)
+                if attempt == LOAD_TRIES:
+                    rec.failures.append(f"validate/publish failed {LOAD_TRIES} times: {exc}")
+                else:
+                    time.sleep(0.5)
 
     def _load(self, budget_stop: bool) -> None:
         from batch_inference.publish import publish
