@@ -12,8 +12,13 @@ CREATE TABLE IF NOT EXISTS chaos.lease_log (
     epoch       bigint NOT NULL,
     event       text NOT NULL CHECK (event IN ('claim', 'release', 'done')),
     owner       text,
-    at          timestamptz NOT NULL DEFAULT clock_timestamp()
+    at          timestamptz NOT NULL DEFAULT clock_timestamp(),
+    -- A lost lease (taken over after it expired, swept or abandoned): the holder that lost it and the
+    -- batch it had marked in flight, which the ledger charged a death (bi.record_deaths_v1).
+    lost_owner  text,
+    lost_in_flight text[]
 );
+ALTER TABLE chaos.lease_log ADD COLUMN IF NOT EXISTS lost_owner text, ADD COLUMN IF NOT EXISTS lost_in_flight text[];
 CREATE INDEX IF NOT EXISTS lease_log_shard ON chaos.lease_log (job_version, shard_no, epoch);
 -- The trigger fires inside the ledger's own UPDATE, which holds the shard
 -- row lock that every fenced write takes first (put_results_v2 and
@@ -23,12 +28,15 @@ CREATE INDEX IF NOT EXISTS lease_log_shard ON chaos.lease_log (job_version, shar
 CREATE OR REPLACE FUNCTION chaos.log_lease() RETURNS trigger
 LANGUAGE plpgsql SET search_path = pg_catalog, pg_temp AS $$
 BEGIN
-    INSERT INTO chaos.lease_log (job_version, shard_no, epoch, event, owner)
+    INSERT INTO chaos.lease_log (job_version, shard_no, epoch, event, owner, lost_owner, lost_in_flight)
     VALUES (NEW.job_version, NEW.shard_no, NEW.epoch,
             CASE WHEN NEW.epoch <> OLD.epoch THEN 'claim'
                  WHEN NEW.state = 'done' THEN 'done'
                  ELSE 'release' END,
-            CASE WHEN NEW.epoch <> OLD.epoch THEN NEW.lease_owner ELSE OLD.lease_owner END);
+            CASE WHEN NEW.epoch <> OLD.epoch THEN NEW.lease_owner ELSE OLD.lease_owner END,
+            CASE WHEN NEW.lost_leases > OLD.lost_leases THEN OLD.lease_owner END,
+            CASE WHEN NEW.lost_leases > OLD.lost_leases AND NOT bi.lapsed_over_restart_v1(OLD.lease_renewed_at)
+                 THEN OLD.in_flight END);
     RETURN NULL;
 END $$;
 DROP TRIGGER IF EXISTS chaos_lease_log ON bi.shards;
@@ -125,6 +133,12 @@ SELECT d.record_id
   JOIN bi.attempts a ON a.job_version = d.job_version AND a.record_id = d.record_id
   JOIN bi.jobs j ON j.job_version = d.job_version
  WHERE d.job_version = %(job)s AND d.stage = 'worker' AND a.crashes >= (j.spec ->> 'max_attempts')::integer;
+
+-- name: chaos_death_charges  for each record dead-lettered for deaths, the holders whose lost lease charged it a death
+SELECT x.id AS record_id, l.lost_owner
+  FROM chaos.lease_log l
+ CROSS JOIN LATERAL unnest(l.lost_in_flight) AS x(id)
+ WHERE l.job_version = %(job)s AND x.id = ANY(%(ids)s);
 
 -- name: chaos_fence_for  refusals of one worker's one epoch of one shard
 SELECT count(*) AS n FROM bi.fence_events

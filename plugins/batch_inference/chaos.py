@@ -186,6 +186,10 @@ class ChaosReport:
             f"healthy records: {f['computations']['extra']} extra, {f['computations']['recomputed_records']} records "
             f"computed more than once (bound: {f['handoffs']['handoffs']} handoffs x "
             f"{f['computations']['per_handoff']} = {f['computations']['bound']})",
+            *([f"  {len(f['healthy_dead_for_injected_deaths'])} healthy record(s) dead-lettered by the ledger's "
+               f"rule, in flight at {c['max_attempts']} deaths the harness caused: "
+               + ", ".join(f["healthy_dead_for_injected_deaths"][:5])]
+              if f.get("healthy_dead_for_injected_deaths") else []),
             *([f"  ladder: final answers at rung 1 {f['ladder']['final_by_rung'].get('1', 0):,}, rung 2 "
                f"{f['ladder']['final_by_rung'].get('2', 0):,}; escalated {f['ladder']['escalated']:,} "
                f"(rung 1 unsure of {f['ladder']['unsure_healthy']:,} healthy records)"] if "ladder" in f else []),
@@ -424,6 +428,7 @@ class _Run:
         self.cfg, self.rng, self.admin, self.fleet, self.restart, self.job = cfg, rng, admin, fleet, restart, job
         self.faults: Counter[str] = Counter()
         self.stalls: list[_Stall] = []
+        self.deaths: set[str] = set()       # workers it killed or stopped: to their ledger, deaths
         self.injected = 0
         n_restarts = cfg.db_restarts if (cfg.db_restart and restart is not None) else 0
         # db restarts at evenly spaced places in the fault sequence
@@ -486,6 +491,8 @@ class _Run:
                 held = self._holders().get(p.name)
                 self.stalls.append(_Stall(p, now, held[0] if held else None, held[1] if held else None))
         if ok:
+            if kind != "term":
+                self.deaths.add(p.name)
             self.fleet.fault[p.name] = kind
             self.faults[kind] += 1
             self.injected += 1
@@ -621,11 +628,28 @@ def run_chaos(cfg: ChaosConfig) -> ChaosReport:
 
 # -- the figures and checks ----------------------------------------------------------
 
+def injected_deaths(q: Callable[..., list[dict[str, Any]]], died: set[str], deaths: set[str],
+                    max_attempts: int) -> set[str]:
+    """The records of ``died`` (dead-lettered for deaths with them in flight) that the ledger's
+    rule dead-lettered for deaths the harness itself caused: every lost lease that charged one a
+    death (``chaos.lease_log``) was of a worker it killed or stopped (``deaths``), at least
+    ``max_attempts`` of them. A healthy record in flight at three sudden deaths is, to the
+    ledger, a record that kills its worker (bi.record_deaths_v1); one charged by a loss the
+    harness did not cause is a false death and fails the run."""
+    if not died:
+        return set()
+    owners: dict[str, list[str | None]] = {}
+    for r in q("chaos_death_charges", ids=sorted(died)):
+        owners.setdefault(r["record_id"], []).append(r["lost_owner"])
+    return {rid for rid, who in owners.items() if len(who) >= max_attempts and all(w in deaths for w in who)}
+
+
 def healthy_dead_check(dead: int, for_deaths: int, noisy_engine: bool) -> Check:
     """Healthy records in dead letters fail the run. An engine told to fail at random
     (``fail_rate``, ``invalid_rate``) may use up a healthy record's failed attempts, so
     those are allowed then; a healthy record dead-lettered for deaths with it in flight
-    (``for_deaths`` of ``dead``) fails the run whatever the engine."""
+    (``for_deaths`` of ``dead``) fails the run whatever the engine. Neither counts a record
+    the ledger's rule dead-lettered for deaths the harness caused (``injected_deaths``)."""
     if noisy_engine:
         return Check("healthy records dead-lettered for deaths", for_deaths, "0", for_deaths == 0)
     return Check("healthy records dead-lettered", dead, "0", dead == 0)
@@ -672,8 +696,9 @@ def _report(cfg: ChaosConfig, run: _Run, fleet: _Workers, admin: Admin, job: str
             ok = bool(d and d["stage"] == "worker" and d["attempts"] == cfg.max_attempts) \
                 and calls[rid] >= cfg.max_attempts
         poison_ok.append(ok)
-    healthy_dead = sorted(set(dead) - set(poison))
-    healthy_died = sorted(died - set(poison))
+    by_rule = injected_deaths(q, died - set(poison), run.deaths, cfg.max_attempts)
+    healthy_dead = sorted(set(dead) - set(poison) - by_rule)
+    healthy_died = sorted(died - set(poison) - by_rule)
 
     faults = {"total": run.injected, "by_kind": dict(run.faults)}
     figures = {
@@ -700,6 +725,7 @@ def _report(cfg: ChaosConfig, run: _Run, fleet: _Workers, admin: Admin, job: str
         "healthy_dead_letters": len(healthy_dead),
         "healthy_dead_letters_for_deaths": len(healthy_died),
         "healthy_dead_letter_ids": healthy_dead[:20],
+        "healthy_dead_for_injected_deaths": sorted(by_rule),
     }
     covered = cov["stored"] + cov["dead"] - cov["stored_and_dead"]
     pct = 100.0 * covered / cov["snapshot"] if cov["snapshot"] else 0.0
