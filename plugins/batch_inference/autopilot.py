@@ -503,11 +503,11 @@ def gpu_hours(conn: Any, job_version: str, spec: Any = None) -> float:
     hosted batch transport (``spec``, read from the ledger when not given): its workers hand the records
     to a provider, no GPU."""
     from batch_inference import db
-    from batch_inference.spec import JobSpec
+    from batch_inference.spec import stored_spec
 
     if spec is None:
         row = conn.execute(db.q("job_spec"), {"job": job_version}).fetchone()
-        spec = None if row is None else JobSpec.model_validate(row["spec"])
+        spec = None if row is None else stored_spec(row["spec"])
     if spec is not None and hosted(spec):
         return 0.0
     return float(conn.execute(db.q("fleet_gpu_seconds"), {"job": job_version}).fetchone()["worker_seconds"]) / 3600.0

@@ -75,7 +75,7 @@ from batch_inference.cutoff import (
     projected_finish,
 )
 from batch_inference.exceptions import InvalidValue
-from batch_inference.spec import JobSpec
+from batch_inference.spec import JobSpec, stored_spec
 from batch_inference.hosted.counts import with_hosted
 from batch_inference.status import JobCounts, UnknownJob, counts_from_row
 
@@ -177,7 +177,7 @@ async def load_context(aconn: psycopg.AsyncConnection, cfg: WatchConfig) -> JobC
     job = await _one(aconn, "cutoff_job", {"job": cfg.job_version})
     if job is None:
         raise UnknownJob(f"no job version {cfg.job_version!r}")
-    spec = JobSpec.model_validate(job["spec"])
+    spec = stored_spec(job["spec"])
     history = await fallback_history(aconn, job["dataset"], spec.fallback.history_runs,
                                      spec.fallback.min_history_runs)
     return JobContext(job_version=cfg.job_version, dataset=job["dataset"], spec=spec,

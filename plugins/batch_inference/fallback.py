@@ -81,7 +81,7 @@ from batch_inference.cutoff import PAGE_RESERVE_SHARE, deadline_lost
 from batch_inference.engines.openai import STYLES
 from batch_inference.exceptions import FallbackEndpointUnavailable, FallbackIncomplete, FallbackRefused
 from batch_inference.ratelimit import RequestAllowance, TokenBucket
-from batch_inference.spec import JobSpec
+from batch_inference.spec import JobSpec, stored_spec
 from batch_inference.status import JobCounts, UnknownJob, bill, job_counts, job_spec
 
 if TYPE_CHECKING:
@@ -483,7 +483,7 @@ def run_fallback(db_url: str | None, job_version: str, base_url: str | None = No
         job = conn.execute(db.q("cutoff_job"), {"job": job_version}).fetchone()
         if job is None:
             raise UnknownJob(f"no job version {job_version!r}")
-        spec = JobSpec.model_validate(job["spec"])
+        spec = stored_spec(job["spec"])
         url = base_url or spec.fallback.base_url
         is_hosted = check_hosted(spec, job_version, url, hosted)
         rate = float(rate if rate is not None else spec.fallback.rate)
