@@ -3,7 +3,10 @@ user types it: the installed ``batch-inference`` entry point in a subprocess, on
 PostgreSQL, SQLite files, a second PostgreSQL server, Debian's MariaDB and fakesnow.
 
 The Airflow connections are passed the way docs/sources.md shows (``AIRFLOW_CONN_...`` in the JSON and
-the URI form); stdout carries only the JSON line; every refusal is one line on stderr."""
+the URI form); stdout carries only the JSON line; every refusal is one line on stderr. A step that only sets
+up what the next command shows (a submit before a status, a worker run, a second refusal of the same
+kind) runs the CLI in this process (``bi_here``): each installed command is a new interpreter (0.4-0.9
+CPU-s, 2-3 with Airflow), and each test keeps the commands it is about in a subprocess."""
 
 from __future__ import annotations
 
@@ -36,6 +39,35 @@ ROOT = Path(__file__).resolve().parents[2]
 def bi(*argv: str, env: dict[str, str] | None = None, timeout: float = 180) -> subprocess.CompletedProcess:
     return subprocess.run([BI, *argv], env={**os.environ, **(env or {})}, capture_output=True, text=True,
                           timeout=timeout)
+
+
+def bi_here(capfd, *argv: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    """``bi`` in this process (cli.main, the environment set for the call, stdout and stderr read at the
+    file descriptors): for the steps a test is not about. Airflow's logging may write to stdout here
+    before the CLI starts, so read a JSON answer with ``json_here``."""
+    from batch_inference.cli import main as cli_main
+
+    saved = {k: os.environ.get(k) for k in env or {}}
+    os.environ.update(env or {})
+    capfd.readouterr()
+    try:
+        code = cli_main(list(argv))
+    except SystemExit as exc:                 # argparse: --help, a usage error
+        code = exc.code if isinstance(exc.code, int) else 1
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+    out = capfd.readouterr()
+    return subprocess.CompletedProcess([BI, *argv], code, out.out, out.err)
+
+
+def json_here(p: subprocess.CompletedProcess) -> dict[str, Any]:
+    """The JSON line a command run by ``bi_here`` printed last."""
+    assert p.returncode == 0, p.stderr
+    return json.loads(p.stdout.splitlines()[-1])
 
 
 def write(tmp_path: Path, data: dict[str, Any], name: str = "spec.yaml") -> str:
@@ -171,50 +203,52 @@ def test_a_placeholder_no_column_fills_is_refused_at_submit(conn, db_url, tmp_pa
 # -- engines, halts, datasets, dead-letter counts, validate -------------------------------------------------
 
 
-def test_an_engine_name_is_checked_at_submit_whatever_its_form(conn, db_url, tmp_path):
+def test_an_engine_name_is_checked_at_submit_whatever_its_form(conn, db_url, tmp_path, capfd):
     make_source(conn, tickets(3))
     line = one_error_line(bi("--db", db_url, "submit", write(tmp_path, spec_dict(engine={"name": "llama.cpp"}))))
     assert line.startswith("batch-inference submit: error: spec field 'engine.name': unknown engine 'llama.cpp': "
                            "did you mean 'llama-cpp'?"), line
     # A dotted path resolves at submit: a module without the class is refused here, not first in a worker.
-    line = one_error_line(bi("--db", db_url, "submit", write(tmp_path, spec_dict(engine={"name": "tests.fixtures:Nope"}))))
+    line = one_error_line(bi_here(capfd, "--db", db_url, "submit",
+                                  write(tmp_path, spec_dict(engine={"name": "tests.fixtures:Nope"}))))
     assert line == ("batch-inference submit: error: spec field 'engine.name': engine 'tests.fixtures:Nope': module "
                     "'tests.fixtures' has no attribute 'Nope'")
-    line = one_error_line(bi("--db", db_url, "submit", write(tmp_path, spec_dict(engine={"name": "mycorp.engines:Fast"}))))
+    line = one_error_line(bi_here(capfd, "--db", db_url, "submit",
+                                  write(tmp_path, spec_dict(engine={"name": "mycorp.engines:Fast"}))))
     assert "module 'mycorp.engines' is not in the allowed engine modules" in line
     assert jobs(conn) == 0
-    ok = one_json_line(bi("--db", db_url, "submit",
-                          write(tmp_path, spec_dict(engine={"name": "tests.fixtures.sources:EchoEngine"}))))
+    ok = json_here(bi_here(capfd, "--db", db_url, "submit",
+                           write(tmp_path, spec_dict(engine={"name": "tests.fixtures.sources:EchoEngine"}))))
     assert ok["records"] == 3
 
 
-def test_status_shows_a_halt_that_later_work_cleared_as_past(conn, db_url, tmp_path):
+def test_status_shows_a_halt_that_later_work_cleared_as_past(conn, db_url, tmp_path, capfd):
     make_source(conn, tickets(5))
-    job = one_json_line(bi("--db", db_url, "submit", write(tmp_path, spec_dict())))["job_version"]
+    job = json_here(bi_here(capfd, "--db", db_url, "submit", write(tmp_path, spec_dict())))["job_version"]
     conn.execute(db.q("halt_job"), {"job": job, "reason": "engine 'llama.cpp' cannot be loaded"})
-    p = bi("--db", db_url, "status", job)
+    p = bi_here(capfd, "--db", db_url, "status", job)
     assert "HALTED by its workers at " in p.stdout, p.stdout
     # The cause fixed, a worker runs the version to the end: the halt is past, not current.
-    w = bi("--db", db_url, "worker", job)
+    w = bi_here(capfd, "--db", db_url, "worker", job)
     assert w.returncode == 0, w.stderr
     p = bi("--db", db_url, "status", job)
     assert p.returncode == 0 and "HALTED" not in p.stdout, p.stdout
     assert "5/5 stored" in p.stdout and "an earlier halt at " in p.stdout and " is past (workers worked on it " \
         "again from " in p.stdout and p.stdout.rstrip().endswith(": engine 'llama.cpp' cannot be loaded"), p.stdout
-    shown = one_json_line(bi("--db", db_url, "status", job, "--json"))
+    shown = json_here(bi_here(capfd, "--db", db_url, "status", job, "--json"))
     assert shown["halted_at"] and shown["halt_cleared_at"] and shown["halt_cleared_at"] > shown["halted_at"]
 
 
-def test_status_shows_a_halt_a_later_resubmit_cleared_as_past(conn, db_url, tmp_path):
+def test_status_shows_a_halt_a_later_resubmit_cleared_as_past(conn, db_url, tmp_path, capfd):
     """The engine misconfigured, the worker halts the version; the user fixes the spec and submits it again.
     From that resubmit the halt is past, with when it was cleared (before, status showed it as current
     until a worker ran), and the version runs to the end."""
     make_source(conn, tickets(5))
-    job = one_json_line(bi("--db", db_url, "submit",
-                           write(tmp_path, spec_dict(engine={"name": "noop", "options": {"bogus": 1}}))))["job_version"]
-    w = bi("--db", db_url, "worker", job)
+    job = json_here(bi_here(capfd, "--db", db_url, "submit",
+                            write(tmp_path, spec_dict(engine={"name": "noop", "options": {"bogus": 1}}))))["job_version"]
+    w = bi_here(capfd, "--db", db_url, "worker", job)
     assert w.returncode == 4, w.stderr                       # a configuration error: the worker halts the version
-    p = bi("--db", db_url, "status", job)
+    p = bi_here(capfd, "--db", db_url, "status", job)
     assert "; HALTED by its workers at " in p.stdout and "unknown option 'bogus'" in p.stdout, p.stdout
     fixed = bi("--db", db_url, "submit", write(tmp_path, spec_dict(), "fixed.yaml"))
     assert one_json_line(fixed)["job_version"] == job and "applied: engine.options.bogus: 1 -> null" in fixed.stderr, fixed.stderr
@@ -222,50 +256,50 @@ def test_status_shows_a_halt_a_later_resubmit_cleared_as_past(conn, db_url, tmp_
     assert p.returncode == 0 and "HALTED" not in p.stdout, p.stdout
     assert "0/5 stored" in p.stdout and "an earlier halt at " in p.stdout and \
         " is past (cleared by a resubmit that changed its settings at " in p.stdout, p.stdout
-    shown = one_json_line(bi("--db", db_url, "status", job, "--json"))
+    shown = json_here(bi_here(capfd, "--db", db_url, "status", job, "--json"))
     assert shown["halt_cleared_by"] == "resubmit" and shown["halt_cleared_at"] > shown["halted_at"], shown
     # The cutoff watch with no run start to go by (the CLI's) no longer ends on the cleared halt.
     cfg = watchlib.WatchConfig(job_version=job, deadline=datetime.now(UTC) + timedelta(hours=2), warned=True)
     watched = asyncio.run(watchlib.watch(lambda: watchlib.connect_async(db_url), cfg, max_polls=1))
     assert watched["status"] == watchlib.WAIT, watched
-    w = bi("--db", db_url, "worker", job)
+    w = bi_here(capfd, "--db", db_url, "worker", job)
     assert w.returncode == 0, w.stderr
-    p = bi("--db", db_url, "status", job)
+    p = bi_here(capfd, "--db", db_url, "status", job)
     assert "5/5 stored" in p.stdout and " is past (cleared by a resubmit that changed its settings at " in p.stdout
 
 
-def test_published_of_an_unknown_dataset_is_one_line_and_non_zero(conn, db_url, tmp_path):
+def test_published_of_an_unknown_dataset_is_one_line_and_non_zero(conn, db_url, tmp_path, capfd):
     make_source(conn, tickets(3))
-    one_json_line(bi("--db", db_url, "submit", write(tmp_path, spec_dict())))
+    json_here(bi_here(capfd, "--db", db_url, "submit", write(tmp_path, spec_dict())))
     line = one_error_line(bi("--db", db_url, "published", "tickets_triag"), "published")
     assert line == ("batch-inference published: error: no dataset 'tickets_triag': no job version was ever "
                     "submitted for it; did you mean 'tickets_triage'?")
-    p = bi("--db", db_url, "published", "tickets_triage")          # known, nothing published yet: an answer
+    p = bi_here(capfd, "--db", db_url, "published", "tickets_triage")   # known, nothing published yet: an answer
     assert p.returncode == 0 and p.stdout == "tickets_triage: nothing published\n", p.stdout
 
 
-def test_the_submit_json_names_what_its_dead_letter_counts_count(conn, db_url, tmp_path):
+def test_the_submit_json_names_what_its_dead_letter_counts_count(conn, db_url, tmp_path, capfd):
     rows = tickets(4) + [("poison", "[[invalid-output]] always wrong", ["team0"]), ("long", "x" * 150, ["team0"])]
     make_source(conn, rows)
     spec = write(tmp_path, spec_dict(max_input_chars=100))
     first = one_json_line(bi("--db", db_url, "submit", spec))
     assert (first["dead_letters_at_planning"], first["dead_letters_total"]) == (1, 1) and "dead_letters" not in first
-    assert bi("--db", db_url, "worker", first["job_version"]).returncode == 0
-    again = one_json_line(bi("--db", db_url, "submit", spec))        # the workers dead-lettered one more
+    assert bi_here(capfd, "--db", db_url, "worker", first["job_version"]).returncode == 0
+    again = json_here(bi_here(capfd, "--db", db_url, "submit", spec))        # the workers dead-lettered one more
     assert again["job_version"] == first["job_version"] and not again["created"]
     assert (again["dead_letters_at_planning"], again["dead_letters_total"]) == (1, 2)
 
 
-def test_validate_says_its_reason_once_and_its_help_whole(conn, db_url, tmp_path):
+def test_validate_says_its_reason_once_and_its_help_whole(conn, db_url, tmp_path, capfd):
     rows = tickets(4) + [("poison", "[[invalid-output]] always wrong", ["team0"])]
     make_source(conn, rows)
-    job = one_json_line(bi("--db", db_url, "submit", write(tmp_path, spec_dict())))["job_version"]
-    assert bi("--db", db_url, "worker", job).returncode == 0
+    job = json_here(bi_here(capfd, "--db", db_url, "submit", write(tmp_path, spec_dict())))["job_version"]
+    assert bi_here(capfd, "--db", db_url, "worker", job).returncode == 0
     p = bi("--db", db_url, "validate", job)
     assert p.returncode == 1
     text = p.stdout + p.stderr
     assert text.count("dead-letter rate") + text.count("dead letters: 20.00%") == 1, text
-    h = bi("validate", "--help", env={"COLUMNS": "100"})
+    h = bi_here(capfd, "validate", "--help", env={"COLUMNS": "100"})
     assert "coverage, schema, dead letters, drift and a sample; exit 0 if the version passed, 1 if it failed" in \
         " ".join(h.stdout.split()), h.stdout
 
@@ -273,7 +307,7 @@ def test_validate_says_its_reason_once_and_its_help_whole(conn, db_url, tmp_path
 # -- issue 45, item 4: the traps a new user met, each refused in one line with the next step --------------
 
 
-def test_a_wrong_model_digest_is_refused_at_submit_where_the_weights_are_here(conn, db_url, tmp_path):
+def test_a_wrong_model_digest_is_refused_at_submit_where_the_weights_are_here(conn, db_url, tmp_path, capfd):
     """The worker's own check (``pinning.verify_weights``) runs at submit where the weights are: a wrong
     digest is one line and no job version; weights that are elsewhere (a pod's mount) are said to be
     unchecked, in the JSON line and a note on stderr."""
@@ -293,11 +327,11 @@ def test_a_wrong_model_digest_is_refused_at_submit_where_the_weights_are_here(co
                               "before it loads"), out
     assert p.stderr.splitlines()[-1] == f"note: model weights {out['weights']}"
     right = spec_dict(model={**model, "digest": SMOLLM2_GGUF_SHA256}, engine=llama)
-    assert one_json_line(bi("--db", db_url, "submit", write(tmp_path, right)))["weights"] == \
+    assert json_here(bi_here(capfd, "--db", db_url, "submit", write(tmp_path, right)))["weights"] == \
         f"verified sha256 {SMOLLM2_GGUF_SHA256}"
 
 
-def test_max_tokens_too_small_for_the_schema_halts_the_job_naming_the_setting(conn, db_url, tmp_path):
+def test_max_tokens_too_small_for_the_schema_halts_the_job_naming_the_setting(conn, db_url, tmp_path, capfd):
     """The real model with max_tokens 4: no answer fits the output schema. After HALT_AFTER_DEAD records
     in a row dead-lettered 'output truncated', the worker halts the version (exit 4) with one page naming
     params.max_tokens; the records after them stay pending with no attempt spent."""
@@ -308,14 +342,14 @@ def test_max_tokens_too_small_for_the_schema_halts_the_job_naming_the_setting(co
     spec = spec_dict(model={"name": "SmolLM2-135M-Instruct", "digest": SMOLLM2_GGUF_SHA256},
                      engine={"name": "llama-cpp", "options": {"n_ctx": 512}}, params={"temperature": 0, "max_tokens": 4},
                      shard_size=5)
-    job = one_json_line(bi("--db", db_url, "submit", write(tmp_path, spec)))["job_version"]
+    job = json_here(bi_here(capfd, "--db", db_url, "submit", write(tmp_path, spec)))["job_version"]
     w = bi("--db", db_url, "worker", job, timeout=600)
     page = (f"{HALT_AFTER_DEAD} records in a row dead-lettered 'output truncated at max_tokens' after 3 attempts "
             "each, none stored between: params.max_tokens (4) is too small for what the output schema asks; raise "
             "params.max_tokens in the spec and submit it again (a new job version)")
     assert w.returncode == 4 and w.stderr.splitlines()[-1] == f"batch-inference worker: error: {page}", \
         w.stderr[-2000:]
-    shown = one_json_line(bi("--db", db_url, "status", job, "--json"))
+    shown = json_here(bi_here(capfd, "--db", db_url, "status", job, "--json"))
     assert shown["halt_reason"] == f"fatal: {page}" and shown["halted_at"] and not shown["halt_cleared_at"], shown
     assert (shown["dead_letters"], shown["stored"], shown["outstanding"]) == (HALT_AFTER_DEAD, 0, 5), shown
     spent = conn.execute("SELECT count(*) AS n FROM bi.attempts WHERE job_version = %s AND attempts > 0 AND "
@@ -324,17 +358,18 @@ def test_max_tokens_too_small_for_the_schema_halts_the_job_naming_the_setting(co
     assert spent == 0
 
 
-def test_an_unknown_job_version_and_an_unknown_connection_name_the_next_step(conn, db_url, tmp_path, empty_db):
+def test_an_unknown_job_version_and_an_unknown_connection_name_the_next_step(conn, db_url, tmp_path, empty_db,
+                                                                           capfd):
     fresh = empty_db()                  # a database nothing was submitted to: the worker migrates nothing
     line = one_error_line(bi("--db", fresh, "worker", "jv_0000000000000000"), "worker")
     assert line == ("batch-inference worker: error: schema \"bi\" does not exist: this database has no ledger yet; "
                     "`batch-inference submit SPEC` creates it (with the same --db)")
-    w = bi("--db", db_url, "worker", "jv_0000000000000000")
+    w = bi_here(capfd, "--db", db_url, "worker", "jv_0000000000000000")
     assert w.returncode == 4 and one_error_line(w, "worker") == (
         "batch-inference worker: error: no job version 'jv_0000000000000000' in this database: `batch-inference "
         "submit SPEC` creates one and prints its id; pass that id (and the same --db) here and to "
         "`batch-inference status`"), w.stderr
-    line = one_error_line(bi("--db", db_url, "submit", write(tmp_path, sql_source_spec("my_reviews"))))
+    line = one_error_line(bi_here(capfd, "--db", db_url, "submit", write(tmp_path, sql_source_spec("my_reviews"))))
     assert "Airflow connection 'my_reviews': " in line and line.endswith(
         "; define it as the environment variable AIRFLOW_CONN_MY_REVIEWS (a URI or JSON, docs/sources.md) or with "
         "`airflow connections add my_reviews --conn-uri URI`"), line
@@ -342,20 +377,22 @@ def test_an_unknown_job_version_and_an_unknown_connection_name_the_next_step(con
 
 
 def test_a_null_or_duplicate_id_read_through_a_connection_is_one_line_with_nothing_before_it(conn, db_url, tmp_path,
-                                                                                               empty_db):
+                                                                                               empty_db, capfd):
     """The source's own 'row(s) read' line is debug, not info, and so is the line naming the migrations a
-    first command applies to a new database: the refusal is the only line on stderr."""
+    first command applies to a new database: the refusal is the only line on stderr (the installed
+    command's on the new database; estimate's and the duplicate's in this process)."""
     path = tmp_path / "reviews.db"
     env = {"AIRFLOW_CONN_MY_REVIEWS": json.dumps({"conn_type": "sqlite", "host": str(path)})}
     spec = write(tmp_path, sql_source_spec("my_reviews"))
-    for url, extra, said in ((empty_db(), (None, "No id", "a row without an id", None), "row(s) with a NULL id"),
-                             (db_url, (TICKETS[0][0], "Again", "the first id once more", None),
-                              "duplicate ids in column 'id'")):
+    for n, (url, extra, said) in enumerate((
+            (empty_db(), (None, "No id", "a row without an id", None), "row(s) with a NULL id"),
+            (db_url, (TICKETS[0][0], "Again", "the first id once more", None), "duplicate ids in column 'id'"))):
         _load_sqlite(path, [*TICKETS, extra])
-        line = one_error_line(bi("--db", url, "submit", spec, env=env))
+        line = one_error_line(bi("--db", url, "submit", spec, env=env) if n == 0 else
+                              bi_here(capfd, "--db", url, "submit", spec, env=env))
         assert said in line, line
         if extra[0] is None:          # estimate, run first, refuses what submit will
-            assert one_error_line(bi("--db", url, "estimate", spec, env=env), "estimate") == \
+            assert one_error_line(bi_here(capfd, "--db", url, "estimate", spec, env=env), "estimate") == \
                 line.replace("submit: error", "estimate: error")
     assert jobs(conn) == 0
 
@@ -369,7 +406,7 @@ def test_an_embedding_size_the_model_does_not_make_is_one_line_with_no_llama_cpp
     assert jobs(conn) == 0
 
 
-def test_a_ladder_job_is_billed_rung_by_rung_in_cost_and_the_dashboard(conn, db_url, tmp_path):
+def test_a_ladder_job_is_billed_rung_by_rung_in_cost_and_the_dashboard(conn, db_url, tmp_path, capfd):
     """Each rung's answers (bi.ladder_answers) times its price, not the stored rows at one per-row price."""
     from batch_inference.ui import data as dashboard
     from benchmarks.ladder import PRICES, known_ladder, ticket_rows, ticket_tables
@@ -377,8 +414,8 @@ def test_a_ladder_job_is_billed_rung_by_rung_in_cost_and_the_dashboard(conn, db_
     ticket_tables(conn, ticket_rows(30, hard_share=0.4), [])
     env = {"BATCH_INFERENCE_ENGINE_MODULES": "benchmarks.ladder"}
     spec = write(tmp_path, known_ladder("public.tickets", None, thresholds=(0.9,), shard_size=10))
-    job = one_json_line(bi("--db", db_url, "submit", spec, env=env))["job_version"]
-    assert bi("--db", db_url, "worker", job, env=env).returncode == 0
+    job = json_here(bi_here(capfd, "--db", db_url, "submit", spec, env=env))["job_version"]
+    assert bi_here(capfd, "--db", db_url, "worker", job, env=env).returncode == 0
     answered = {r["rung"]: r["n"] for r in conn.execute(
         "SELECT rung, count(*) AS n FROM bi.ladder_answers WHERE job_version = %s GROUP BY rung", (job,))}
     assert answered[1] == 30 and 0 < answered[2] < 30, answered          # some records went on to rung 2
@@ -389,12 +426,12 @@ def test_a_ladder_job_is_billed_rung_by_rung_in_cost_and_the_dashboard(conn, db_
         [(1, answered[1], PRICES["cheap"]), (2, answered[2], PRICES["dear"])]
     assert so_far["batch_cost"] == round(bill, 2) and so_far["total"] == round(bill, 2), so_far
     assert abs(sum(r["cost"] for r in so_far["rungs"]) - bill) < 1e-9
-    text = bi("--db", db_url, "cost", job).stdout
+    text = bi_here(capfd, "--db", db_url, "cost", job).stdout
     assert f"rung 2 known-dear {answered[2]:,} answers x $0.004 = ${answered[2] * PRICES['dear']:,.4f}" in text, text
     assert dashboard.cost(conn, job)["so_far"] == so_far                 # the dashboard reads the same bill
 
 
-def test_estimate_says_which_prices_its_bill_took(conn, db_url, tmp_path):
+def test_estimate_says_which_prices_its_bill_took(conn, db_url, tmp_path, capfd):
     make_source(conn, tickets(4))
     p = bi("--db", db_url, "estimate", write(tmp_path, spec_dict()))
     out = one_json_line(p)
@@ -403,7 +440,7 @@ def test_estimate_says_which_prices_its_bill_took(conn, db_url, tmp_path):
             "run costs on this machine; set cost.batch_per_row and cost.fallback_per_row in the spec (0 for rows run "
             "on your own CPU) to price yours")
     assert out["bill"]["prices"] == said and f"  prices        {said}" in p.stderr.splitlines(), p.stderr
-    own = one_json_line(bi("--db", db_url, "estimate", write(tmp_path, spec_dict(
+    own = json_here(bi_here(capfd, "--db", db_url, "estimate", write(tmp_path, spec_dict(
         cost={"batch_per_row": 0, "fallback_per_row": 0.002}))))
     assert own["bill"]["prices"] == "batch rows at cost.batch_per_row $0; fallback rows at cost.fallback_per_row $0.002"
     assert own["bill"]["planned"]["total"] == "0.00"
@@ -474,7 +511,8 @@ def test_calibrate_out_writes_the_spec_as_written_with_its_thresholds(conn, db_u
     assert load_spec(out).spec_hash == report["spec_hash"]
 
 
-def test_a_golden_set_for_source_columns_is_read_and_rendered_as_the_job_reads_a_record(conn, db_url, tmp_path):
+def test_a_golden_set_for_source_columns_is_read_and_rendered_as_the_job_reads_a_record(conn, db_url, tmp_path,
+                                                                                         capfd):
     """One reader of a golden set (evaluation.golden_rows, calibrate's too): with source.columns a golden
     record is those columns, rendered by the golden run as the job renders a record; a golden set of one
     text column does not fit such a spec and validate says so in one line naming it and its shape, not
@@ -510,8 +548,8 @@ def test_a_golden_set_for_source_columns_is_read_and_rendered_as_the_job_reads_a
         assert row["text"] == columns_text([subject, body])
         assert render_record(spec, row["text"])[:200] == expected_turn(subject, body)
     env = {"BATCH_INFERENCE_ENGINE_MODULES": "tests.fixtures"}
-    job = one_json_line(bi("--db", db_url, "submit", write(tmp_path, good), env=env))["job_version"]
-    assert bi("--db", db_url, "worker", job, env=env).returncode == 0
+    job = json_here(bi_here(capfd, "--db", db_url, "submit", write(tmp_path, good), env=env))["job_version"]
+    assert bi_here(capfd, "--db", db_url, "worker", job, env=env).returncode == 0
     report = one_json_line(bi("--db", db_url, "validate", job, "--json", env=env))
     golden = report["evaluation"]["golden"]
     assert golden["mode"] == "engine" and golden["graded"] == len(TICKETS), golden
@@ -527,8 +565,9 @@ def test_a_golden_set_for_source_columns_is_read_and_rendered_as_the_job_reads_a
     with pytest.raises(InvalidValue) as info:
         calibrate_rows(conn, parse_spec(plain))
     assert str(info.value) == f"calibrate: {shape}"
-    job = one_json_line(bi("--db", db_url, "submit", write(tmp_path, plain, "plain.yaml"), env=env))["job_version"]
-    assert bi("--db", db_url, "worker", job, env=env).returncode == 0
+    job = json_here(bi_here(capfd, "--db", db_url, "submit", write(tmp_path, plain, "plain.yaml"), env=env))[
+        "job_version"]
+    assert bi_here(capfd, "--db", db_url, "worker", job, env=env).returncode == 0
     p = bi("--db", db_url, "validate", job, env=env)
     assert p.returncode == 1 and f"evaluation: {shape}" in p.stdout + p.stderr, p.stdout + p.stderr
     assert "prompt.template" not in p.stdout + p.stderr
@@ -560,7 +599,7 @@ def test_calibrate_and_estimate_say_how_far_they_are(conn, db_url, tmp_path, mon
     assert all(line.endswith("records/s records read, judged and counted so far") for line in lines), lines
 
 
-def test_identical_inputs_in_a_job_are_embedded_once_and_share_their_vector(conn, db_url, tmp_path):
+def test_identical_inputs_in_a_job_are_embedded_once_and_share_their_vector(conn, db_url, tmp_path, capfd):
     """llama.cpp's vector for a text depends on the batch it lands in: identical rendered inputs are computed
     once and the result is stored under each record id (one row each, I1), counted in status."""
     from tests.integration.test_embed import embed_spec
@@ -570,27 +609,27 @@ def test_identical_inputs_in_a_job_are_embedded_once_and_share_their_vector(conn
             ("u2", "I cannot log in since the update.", ["a"]), ("d3", same, ["a"])]
     make_source(conn, rows)
     spec = embed_spec(embedding={"dimensions": 576, "pooling": "last"})
-    job = one_json_line(bi("--db", db_url, "submit", write(tmp_path, spec)))["job_version"]
-    w = bi("--db", db_url, "worker", job, timeout=600)
+    job = json_here(bi_here(capfd, "--db", db_url, "submit", write(tmp_path, spec)))["job_version"]
+    w = bi_here(capfd, "--db", db_url, "worker", job)
     assert w.returncode == 0, w.stderr
     stored = {r["record_id"]: bytes(r["embedding"]) for r in conn.execute(
         "SELECT record_id, embedding FROM bi.results WHERE job_version = %s", (job,))}
     assert sorted(stored) == ["d1", "d2", "d3", "u1", "u2"]                   # one row a record id
     assert stored["d1"] == stored["d2"] == stored["d3"] and stored["u1"] != stored["d1"]
-    shown = one_json_line(bi("--db", db_url, "status", job, "--json"))
+    shown = json_here(bi_here(capfd, "--db", db_url, "status", job, "--json"))
     assert (shown["stored"], shown["computed_once"]) == (5, 2), shown
     assert "5/5 stored (0 by fallback, 0 reused, 2 computed once for an identical input)" in \
         bi("--db", db_url, "status", job).stdout
 
 
-def test_identical_inputs_fail_together_each_with_its_own_dead_letter(conn, db_url, tmp_path):
+def test_identical_inputs_fail_together_each_with_its_own_dead_letter(conn, db_url, tmp_path, capfd):
     """An answer that fails is a failed attempt of each record asked the same thing: identical records are
     dead-lettered together after the same attempts, each with its error and raw output."""
     rows = tickets(3) + [("p1", "[[invalid-output]] the same", ["team0"]), ("p2", "[[invalid-output]] the same",
                                                                             ["team1"])]
     make_source(conn, rows)
-    job = one_json_line(bi("--db", db_url, "submit", write(tmp_path, spec_dict())))["job_version"]
-    assert bi("--db", db_url, "worker", job).returncode == 0
+    job = json_here(bi_here(capfd, "--db", db_url, "submit", write(tmp_path, spec_dict())))["job_version"]
+    assert bi_here(capfd, "--db", db_url, "worker", job).returncode == 0
     dead = {r["record_id"]: r for r in conn.execute(
         "SELECT record_id, attempts, reason, raw_output FROM bi.dead_letters WHERE job_version = %s", (job,))}
     assert sorted(dead) == ["p1", "p2"] and dead["p1"]["attempts"] == dead["p2"]["attempts"] == 3
@@ -599,18 +638,20 @@ def test_identical_inputs_fail_together_each_with_its_own_dead_letter(conn, db_u
     assert (shown["stored"], shown["dead_letters"], shown["computed_once"]) == (3, 2, 0), shown
 
 
-def test_a_worker_that_refuses_to_start_says_so_in_one_plain_line_with_its_exit_status(conn, db_url, tmp_path):
+def test_a_worker_that_refuses_to_start_says_so_in_one_plain_line_with_its_exit_status(conn, db_url, tmp_path,
+                                                                                       capfd):
     """Each start-up refusal of `batch-inference worker` is one line on stderr as every command's is, nothing
     before it and no log prefix, with the worker's exit status (exits.ExitCode) unchanged; a configuration
     error in the spec still halts the version with the reason; a flag the worker refuses is the CLI's bad
     input (exit 2)."""
     make_source(conn, tickets(3))
-    job = one_json_line(bi("--db", db_url, "submit",
-                           write(tmp_path, spec_dict(engine={"name": "noop", "options": {"bogus": 1}}))))["job_version"]
+    job = json_here(bi_here(capfd, "--db", db_url, "submit",
+                            write(tmp_path, spec_dict(engine={"name": "noop", "options": {"bogus": 1}}))))["job_version"]
     w = bi("--db", db_url, "worker", job)
     assert w.returncode == 4 and one_error_line(w, "worker").startswith(
         "batch-inference worker: error: engine 'noop': unknown option 'bogus' (known: "), w.stderr
-    assert one_json_line(bi("--db", db_url, "status", job, "--json"))["halt_reason"].startswith("fatal: engine 'noop'")
+    assert json_here(bi_here(capfd, "--db", db_url, "status", job, "--json"))["halt_reason"].startswith(
+        "fatal: engine 'noop'")
     w = bi("--db", db_url, "worker", job, "--engine-option", "delay_s")
     assert w.returncode == 2 and one_error_line(w, "worker") == (
         "batch-inference worker: error: --engine-option 'delay_s': expected KEY=VALUE"), w.stderr
