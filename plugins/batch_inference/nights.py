@@ -5,7 +5,7 @@ restartable) and a loopback OpenAI-compatible endpoint of its own (``Endpoint``)
 each night on the real parts:
 
 * the batch: ``workers`` processes of ``python -m gpu_runner`` on the process fleet
-  (``fleet.Fleet``), the noop engine paced by ``PacedEngine`` (the night's batch throughput,
+  (``fleet.Fleet``), the noop engine paced by ``engines.noop.PacedEngine`` (the night's batch throughput,
   which a fault may slow from some second on);
 * the cutoff: the real watch (``deadline.watch``, the loop ``CutoffTrigger`` runs) on the
   night's deadline, with the early warning re-armed as ``CutoffSensor`` does;
@@ -59,7 +59,7 @@ import tempfile
 import threading
 import time
 from collections import Counter
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field, replace
 from datetime import datetime, timedelta, timezone
 from pathlib import Path
@@ -70,7 +70,7 @@ import psycopg
 from batch_inference import db
 from batch_inference.cost import DEFAULT_FALLBACK_PER_ROW
 from batch_inference.data import NOOP_MODEL, TRIAGE_SCHEMA
-from batch_inference.engines.base import Engine, Outcome, Request
+from batch_inference.engines.noop import PACED_ENGINE
 from batch_inference.exceptions import InvalidValue
 from batch_inference.harness import SOURCE, Admin, EmbeddedServer, make_source, worker_credentials
 
@@ -314,51 +314,6 @@ def history_rows(seed: int, cfg: NightsConfig, drift: str | None) -> list[dict[s
                      "records": int(rate * busy), "drain_s": round(over / 2, 3), "load_s": load,
                      "days_ago": 5 - k})
     return rows
-
-
-# -- the batch engine ------------------------------------------------------------------
-
-
-class PacedEngine(Engine):
-    """The noop engine at the night's batch throughput: each answer takes ``delay_s`` times the
-    factor in ``pace_file`` (1 when absent), so the harness can slow the batch from any second
-    on without restarting a worker. Options: ``inner`` (default noop), ``delay_s``, ``pace_file``."""
-
-    name = "paced"
-    option_names = None
-
-    def __init__(self, spec, options=None):
-        super().__init__(spec, options)
-        opts = dict(self.options)
-        inner = str(opts.pop("inner", "noop"))
-        self.delay_s = float(opts.pop("delay_s", 0.0))
-        self.pace_file = opts.pop("pace_file", None)
-        from batch_inference.engines import load_engine
-
-        self.inner = load_engine(inner, spec, opts)
-
-    def weights_files(self) -> list[Path]:
-        return self.inner.weights_files()
-
-    def load(self) -> None:
-        self.inner.load()
-
-    def _factor(self) -> float:
-        if not self.pace_file:
-            return 1.0
-        try:
-            return float(Path(self.pace_file).read_text() or 1.0)
-        except (OSError, ValueError):
-            return 1.0
-
-    def generate(self, requests: Sequence[Request], stop: threading.Event) -> Iterator[Outcome]:
-        for outcome in self.inner.generate(requests, stop):
-            if self.delay_s:
-                stop.wait(self.delay_s * self._factor())
-            yield outcome
-
-    def close(self) -> None:
-        self.inner.close()
 
 
 # -- the fallback endpoint ---------------------------------------------------------------
@@ -863,7 +818,7 @@ class _NightRun:
         if self.provider is not None:     # the spec's engine: openai-batch
             return [self.job, "--worker-id", owner, "--flush-every", "20", "--grace-seconds", "1"]
         opts = {"inner": "noop", "delay_s": self.cfg.batch_delay_s, "pace_file": str(self.pace)}
-        argv = [self.job, "--engine", "batch_inference.nights:PacedEngine", "--worker-id", owner,
+        argv = [self.job, "--engine", PACED_ENGINE, "--worker-id", owner,
                 "--flush-every", "20", "--grace-seconds", "1"]
         for k, v in opts.items():
             argv += ["--engine-option", f"{k}={json.dumps(v) if not isinstance(v, str) else v}"]

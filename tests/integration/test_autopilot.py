@@ -26,6 +26,7 @@ import pytest
 from batch_inference import autopilot, db
 from batch_inference import deadline as watchlib
 from batch_inference.autopilot import Decision
+from batch_inference.engines.noop import PACED_ENGINE
 from batch_inference.fleet import Fleet
 from batch_inference.plan import submit
 from batch_inference.status import job_counts
@@ -148,7 +149,7 @@ def test_a_fixed_fleet_stops_at_the_budget_as_the_autopilots_does_and_its_launch
 
 
 def worker_fleet(db_url: str, job: str, size: int, tag: str) -> Fleet:
-    argv = lambda name: [job, "--engine", "batch_inference.nights:PacedEngine", "--engine-option",  # noqa: E731
+    argv = lambda name: [job, "--engine", PACED_ENGINE, "--engine-option",  # noqa: E731
                          "delay_s=0.2", "--worker-id", name, "--flush-every", "5", "--grace-seconds", "1"]
     env = {**os.environ, "BATCH_INFERENCE_DB": db_url, "PYTHONPATH": os.pathsep.join(sys.path)}
     return Fleet(argv, env, size, name=lambda slot, gen: f"{tag}-w{slot}-g{gen}", echo=False, new_session=True)

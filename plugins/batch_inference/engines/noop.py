@@ -26,8 +26,9 @@ Poison markers in a record's text force an outcome whatever the rates:
 ``[[engine-error]]`` always yields an engine error, ``[[invalid-output]]``
 always yields output that fails schema validation.
 
-Two derived engines, loaded by dotted path (the chaos harness runs a model
-ladder and an embedding job on them):
+Three derived engines, loaded by dotted path (the chaos harness runs a model
+ladder and an embedding job on the first two, the nights harness its batch on
+the third):
 
 * ``ScoredNoopEngine`` (``batch_inference.engines.noop:ScoredNoopEngine``):
   gives token log-probabilities when asked (``want_logprobs``, the model
@@ -40,6 +41,10 @@ ladder and an embedding job on them):
   drawn from the sha256 of the rendered input, so equal inputs get equal
   vectors. ``[[engine-error]]`` yields an engine error, ``[[invalid-output]]``
   a vector one dimension short (the worker's vector check fails it).
+* ``PacedEngine`` (``PACED_ENGINE``): another engine (``inner``, default
+  noop) at a set throughput that a file can slow while it runs: here,
+  beside the engine it paces, so that a worker process loading it imports
+  no harness.
 """
 
 from __future__ import annotations
@@ -53,6 +58,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Iterator, Sequence
+from pathlib import Path
 from typing import Any
 
 from batch_inference.engines.base import Engine, Feed, Outcome, Request
@@ -201,6 +207,51 @@ class NoopEmbedder(NoopEngine):
         if out.text == INVALID_OUTPUT:
             vector = vector[:-1]
         return Outcome(req.record_id, None, vector=vector)
+
+
+PACED_ENGINE = "batch_inference.engines.noop:PacedEngine"   # its --engine path
+
+
+class PacedEngine(Engine):
+    """The noop engine at a night's batch throughput (the nights harness's workers): each answer takes
+    ``delay_s`` times the factor in ``pace_file`` (1 when absent), so the harness can slow the batch from
+    any second on without restarting a worker. Options: ``inner`` (default noop), ``delay_s``, ``pace_file``."""
+
+    name = "paced"
+    option_names = None
+
+    def __init__(self, spec, options=None):
+        super().__init__(spec, options)
+        opts = dict(self.options)
+        inner = str(opts.pop("inner", "noop"))
+        self.delay_s = float(opts.pop("delay_s", 0.0))
+        self.pace_file = opts.pop("pace_file", None)
+        from batch_inference.engines import load_engine
+
+        self.inner = load_engine(inner, spec, opts)
+
+    def weights_files(self) -> list[Path]:
+        return self.inner.weights_files()
+
+    def load(self) -> None:
+        self.inner.load()
+
+    def _factor(self) -> float:
+        if not self.pace_file:
+            return 1.0
+        try:
+            return float(Path(self.pace_file).read_text() or 1.0)
+        except (OSError, ValueError):
+            return 1.0
+
+    def generate(self, requests: Sequence[Request], stop: threading.Event) -> Iterator[Outcome]:
+        for outcome in self.inner.generate(requests, stop):
+            if self.delay_s:
+                stop.wait(self.delay_s * self._factor())
+            yield outcome
+
+    def close(self) -> None:
+        self.inner.close()
 
 
 # -- the smallest valid instance of a JSON schema ---------------------------
