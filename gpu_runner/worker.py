@@ -515,7 +515,7 @@ class Worker:
     def _renew_loop(self, held: typing.Callable[[], typing.Iterable[Shard]], done: threading.Event) -> None:
         """Renew each lease ``held()`` names, every ``renew_seconds``, until ``done``: one
         fenced renewal per shard, so a stale epoch halts that shard alone."""
-        assert self.spec is not None
+        assert self.spec is not None and self.ledger is not None
         interval = self.spec.renew_seconds
         conn: psycopg.Connection | None = None
         try:
@@ -530,8 +530,8 @@ class Worker:
                     try:
                         if conn is None:
                             conn = self._connect()
-                        mode = Ledger(conn, self.cfg.job_version, self.owner, self.transport,
-                                      self.cfg.lease_seconds).renew(shard.lease)
+                        # The worker's own ledger on this connection: a region's far worker reports what it holds.
+                        mode = self.ledger.with_conn(conn).renew(shard.lease)
                     except StaleLease as exc:
                         if not shard.closed:
                             log.warning("%s: %s; abandoning the shard", self.owner, exc)

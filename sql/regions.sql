@@ -59,6 +59,12 @@ SELECT * FROM bi.replica_rebuilt_v1(%(job)s, %(shard)s, %(epoch)s, %(owner)s, %(
 SELECT * FROM bi.hand_in_results_v1(%(job)s, %(shard)s, %(epoch)s, %(owner)s, %(region)s, %(key)s, %(digest)s,
                                     %(records)s, %(bytes)s, %(transport)s, %(engine)s, %(endpoint)s);
 
+-- name: renew_lease_held  a far worker's renewal with the results it holds for the shard (not yet in a file)
+SELECT * FROM bi.renew_lease_held_v1(%(job)s, %(shard)s, %(epoch)s, %(owner)s, %(lease_s)s, %(held)s);
+
+-- name: region_held  results far workers have done and the ledger has not stored yet (held under a current lease, or in a file not yet merged)
+SELECT held FROM bi.region_held_v1(%(job)s);
+
 -- the merge (the owner, near the ledger)
 
 -- name: result_files_unmerged  handed-in result files not yet merged, oldest first, with their region's store
@@ -73,7 +79,14 @@ SELECT f.id, f.shard_no, f.epoch, f.region, f.object_key, f.digest, f.records,
  ORDER BY f.id LIMIT %(limit)s;
 
 -- name: merge_result_file  one file's rows through the one put-if-absent and fence, then the shard's completion
-SELECT * FROM bi.merge_result_file_v1(%(file)s, %(ids)s::text[], %(outputs)s::text[]::jsonb[], %(categories)s::text[]);
+-- The shard's held count goes with it (its epoch's results are in the ledger or refused).
+WITH m AS (
+    SELECT * FROM bi.merge_result_file_v1(%(file)s, %(ids)s::text[], %(outputs)s::text[]::jsonb[], %(categories)s::text[])
+), held AS (
+    DELETE FROM bi.held_results h USING bi.result_files f
+     WHERE f.id = %(file)s AND h.job_version = f.job_version AND h.shard_no = f.shard_no AND h.epoch = f.epoch
+)
+SELECT * FROM m;
 
 -- name: result_file_unreadable  a handed-in file missing or not matching its digest: nothing merged, the shard is done again
 UPDATE bi.result_files SET merged_at = clock_timestamp(), merged_rows = 0, outcome = 'unreadable', detail = %(detail)s

@@ -140,9 +140,14 @@ async def poll_counts(aconn: psycopg.AsyncConnection, job_version: str) -> JobCo
     """The job's live counts from the shard table's counters (``bi.job_counts_v1``):
     :func:`batch_inference.status.job_counts` without blocking the loop. Raises
     :class:`UnknownJob` for a missing job. Outstanding leaves out what hosted batches in
-    flight have succeeded at the provider (``hosted.counts``)."""
+    flight have succeeded at the provider (``hosted.counts``); ``region_held`` is what far
+    workers of a version placed over regions hold done (bi.region_held_v1)."""
     counts = counts_from_row(job_version, await _one(aconn, "job_counts", {"job": job_version}))
-    return with_hosted(counts, await _one(aconn, "hosted_counts", {"job": job_version}))
+    counts = with_hosted(counts, await _one(aconn, "hosted_counts", {"job": job_version}))
+    # What far workers of a placed version have done and hold (regions: stored when their shard's file is
+    # merged): the cutoff counts them done (``evaluate``).
+    held = await _one(aconn, "region_held", {"job": job_version})
+    return {**counts, "region_held": min(int(held["held"]) if held else 0, int(counts["outstanding"]))}
 
 
 async def fallback_history(aconn: psycopg.AsyncConnection, dataset: str, n: int,
@@ -338,7 +343,12 @@ def evaluate(cfg: WatchConfig, ctx: JobContext, counts: dict[str, Any], now: dat
     k = ctx.constants
     done = int(counts["stored_batch"]) + int(counts["stored_fallback"])
     outstanding = int(counts["outstanding"])
-    d = decide(now, cfg.deadline, outstanding, k.rate, k.overhead_s, done=done, step_s=cfg.step_s)
+    # Results far workers hold done are no work for the fallback: a drained worker writes them straight to the
+    # ledger, a lease that runs out takes them off the count. The job is complete only once they are stored.
+    held = min(int(counts.get("region_held", 0)), outstanding)
+    d = decide(now, cfg.deadline, outstanding - held, k.rate, k.overhead_s, done=done + held, step_s=cfg.step_s)
+    if held:
+        d = replace(d, complete=False)
     v = lambda status, reason, warning=None: Verdict(status, reason, d, counts, warning, cfg.relabel_at)  # noqa: E731
     if d.complete:
         return v(COMPLETE, "nothing outstanding")

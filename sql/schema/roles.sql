@@ -190,14 +190,16 @@ GRANT EXECUTE ON FUNCTION
 TO bi_worker;
 
 -- Regions (regions.sql): a worker of a region claims near shards first, reads its shard's replica (and
--- the ledger's rows of it, to rebuild one), and hands in its results as a file merged near the ledger.
+-- the ledger's rows of it, to rebuild one), hands in its results as a file merged near the ledger, and reports
+-- with each renewal the results it holds until then.
 GRANT EXECUTE ON FUNCTION
     bi.claim_shard_region_v2(text, text, text, integer, text, boolean),
     bi.region_store_v1(text, text),
     bi.region_shard_state_v1(text, integer, bigint),
     bi.replica_rows_v1(text, integer, bigint),
     bi.replica_rebuilt_v1(text, integer, bigint, text, text, text, bigint, double precision),
-    bi.hand_in_results_v1(text, integer, bigint, text, text, text, text, integer, bigint, text, text, text)
+    bi.hand_in_results_v1(text, integer, bigint, text, text, text, text, integer, bigint, text, text, text),
+    bi.renew_lease_held_v1(text, integer, bigint, text, integer, integer)
 TO bi_worker;
 
 -- Identical rendered inputs computed once (counts.sql): a worker counts the records it stored with another's result.

@@ -45,7 +45,7 @@ WORKER_FUNCTIONS = {
     "ladder_put_answers_v1", "ladder_answers_v1",
     # regions: near shards first, replicas read (and rebuilt), results handed in (batch_inference/regions/ledger.py)
     "claim_shard_region_v2", "region_store_v1", "region_shard_state_v1", "replica_rows_v1", "replica_rebuilt_v1",
-    "hand_in_results_v1",
+    "hand_in_results_v1", "renew_lease_held_v1",
     # identical rendered inputs computed once: the records stored with another's result (gpu_runner/worker.py)
     "note_shared_v1",
     # the tiered fallback: the price tier that answered each row, under the lease (batch_inference/tiers/engine.py)

@@ -460,3 +460,66 @@ def test_submit_onto_a_deployment_replicates_and_the_bill_shows_replication_and_
     one = submit(conn, make_spec(params={"max_tokens": 32})).job_version
     assert "regions" not in json.loads(_cli(db_url, "cost", one, "--json").stdout)["so_far"]
     assert "regions" not in json.loads(_cli(db_url, "status", one, "--json").stdout)
+
+
+def test_a_far_workers_held_results_count_done_for_the_cutoff_until_merged_and_not_once_its_lease_ends(
+        db_url, conn, placed):
+    """A far worker's results reach the ledger with its shard's file: each renewal reports how many it holds
+    (bi.renew_lease_held_v1), and bi.region_held_v1 sums them with the files handed in and not merged, under
+    leases that are current. The cutoff counts them done (it fires later by their share of the fallback's
+    time) but the job is complete only once they are stored."""
+    import asyncio
+    from datetime import datetime, timedelta, timezone
+
+    from batch_inference import deadline as watchlib
+    from batch_inference.cost import Prices
+    from batch_inference.cutoff import DerivedConstants
+
+    def held() -> int:
+        return conn.execute(db.q("region_held"), {"job": placed}).fetchone()["held"]
+
+    async def poll() -> dict:
+        async with await watchlib.connect_async(db_url) as a:
+            return await watchlib.poll_counts(a, placed)
+
+    far = region_ledger(db_url, placed, "ap-1", "ap-south", result_files=True)
+    lease = far.claim()
+    ids, _, _, _ = far.record_columns(lease)
+    assert far.renew(lease) == "batch" and held() == 0            # nothing held: the plain renewal
+    far.put_results(lease, ids[:4], [OUT] * 4, ["billing"] * 4)
+    assert far.renew(lease) == "batch" and held() == 4
+    got = asyncio.run(poll())
+    assert (got["outstanding"], got["region_held"], got["stored"]) == (60, 4, 0)   # the ledger's own, and held
+
+    # The cutoff: held results are no work for the fallback; the job is not complete while they are held.
+    at = datetime(2026, 12, 7, 5, 0, tzinfo=timezone.utc)
+    w = watchlib.WatchConfig(job_version=placed, deadline=at + timedelta(seconds=200), step_s=1)
+    ctx = watchlib.JobContext(placed, "tickets_triage", make_spec(), DerivedConstants(1.0, 10.0, "test"), Prices())
+    plain = watchlib.evaluate(w, ctx, {**got, "region_held": 0}, at)
+    counted = watchlib.evaluate(w, ctx, got, at)
+    assert (counted.decision.latest_safe_start - plain.decision.latest_safe_start).total_seconds() == 4
+    everything = watchlib.evaluate(w, ctx, {**got, "outstanding": 4}, at + timedelta(seconds=199))
+    assert everything.status == "wait" and not everything.decision.complete and not everything.decision.fire
+
+    # Handed in: the file counts until it is merged (no renewal after it), then the ledger's rows do.
+    far.put_results(lease, ids[4:], [OUT] * 6, ["billing"] * 6)
+    assert far.complete(lease) == "done" and held() == 10
+    assert merge_pending(conn, placed) == {"merged": 1, "rows": 10}
+    assert held() == 0 and job_counts(conn, placed)["stored"] == 10
+    assert not conn.execute("SELECT 1 FROM bi.held_results WHERE job_version = %s AND shard_no = %s",
+                            (placed, lease.shard_no)).fetchall()
+
+    # A lease that runs out (its worker gone) takes its held results off at once; its epoch's report is stale.
+    other = region_ledger(db_url, placed, "ap-2", "ap-south", result_files=True)
+    gone = other.claim()
+    ids, _, _, _ = other.record_columns(gone)
+    other.put_results(gone, ids[:3], [OUT] * 3, ["billing"] * 3)
+    assert other.renew(gone) == "batch" and held() == 3
+    conn.execute("UPDATE bi.shards SET lease_expires_at = clock_timestamp() - interval '1 second' "
+                 "WHERE job_version = %s AND shard_no = %s", (placed, gone.shard_no))
+    assert held() == 0
+    took = region_ledger(db_url, placed, "ap-3", "ap-south", result_files=True).claim()
+    assert (took.shard_no, took.epoch) == (gone.shard_no, gone.epoch + 1)
+    with pytest.raises(StaleLease):
+        other.renew(gone)
+    assert held() == 0 and fence_counts(conn, placed).get("renew") == 1

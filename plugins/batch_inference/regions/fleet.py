@@ -449,13 +449,18 @@ class ClusterPilot:
     def poll(self, conn: psycopg.Connection, job_version: str, now: datetime, deadline: datetime, *,
              stored: int, outstanding: int, shards_left: int, running: Mapping[str, int],
              unreachable: Mapping[str, str] | None = None) -> FleetDecision:
-        """One poll: ``stored`` batch rows so far, ``outstanding`` records, ``running``: what each cluster's
-        launcher runs now; ``unreachable``: regions a launcher cannot reach (a Kubernetes API), with why."""
+        """One poll: ``stored`` batch rows so far, ``outstanding`` records (the ledger's: the results far workers
+        hold, bi.region_held_v1, are counted as stored here), ``running``: what each cluster's launcher runs now;
+        ``unreachable``: regions a launcher cannot reach (a Kubernetes API), with why."""
         found = watch_lost(conn, job_version, unreachable=unreachable, known=set(self.lost))
         for f in found:
             self.lost[f["region"]] = f["reason"]
         live = {c.name: int(running.get(c.name, 0)) for c in self.deployment.clusters if c.region not in self.lost}
         assert self.throughput is not None
+        # Far workers' results done and held (stored when their shard's file is merged) are measured as they are
+        # made, and are no work left: otherwise a night whose workers are all far measures nothing for a shard.
+        held = min(int(conn.execute(q("region_held"), {"job": job_version}).fetchone()["held"]), max(outstanding, 0))
+        stored, outstanding = stored + held, outstanding - held
         per_worker = self.throughput.add(now.timestamp(), stored, sum(live.values()))
         rows = conn.execute(q("region_remaining"), {"job": job_version}).fetchall()
         remaining = {r["region"]: int(r["records_left"]) for r in rows}

@@ -21,7 +21,11 @@ of ``batch_inference.ledger.Ledger`` when it runs with ``--region``.
   given back (release, abandon) writes what it holds straight to the ledger
   first. Without ``result_files`` results go straight to the ledger as today.
 
-Every other transition (renew, fail, mark in flight) is the plain ledger's.
+* **renew**: a far worker's renewal reports how many results it holds for the
+  shard (bi.renew_lease_held_v1): done, not yet in the ledger, counted done by
+  the cutoff and the regions' autopilot (bi.region_held_v1).
+
+Every other transition (fail, mark in flight) is the plain ledger's.
 """
 
 from __future__ import annotations
@@ -171,6 +175,16 @@ class RegionLedger(Ledger):
         held[1].extend(merge.output_text(o) for o in outputs)
         held[2].extend(categories)
         return len(ids)
+
+    def renew(self, lease: Lease) -> str:
+        """Extend the lease; a far worker reports with it how many results it holds for the shard
+        (bi.renew_lease_held_v1), so the cutoff and the regions' autopilot count them done before the
+        shard's file is merged."""
+        held = self._results.get((lease.shard_no, lease.epoch))
+        if not self.result_files or not held or not held[0]:
+            return super().renew(lease)
+        return self.transition("renew", "renew_lease_held", lease, lease_s=self.lease_seconds,
+                               held=len(held[0]))["mode"]
 
     def fail(self, lease: Lease, failures: Sequence[Failure]) -> list[FailedAttempt]:
         counted = super().fail(lease, failures)
