@@ -301,6 +301,12 @@ SELECT * FROM bi.abandon_shard_v2(%(job)s, %(shard)s, %(epoch)s, %(owner)s);
 SELECT * FROM bi.put_results_v3(%(job)s, %(shard)s, %(epoch)s, %(owner)s, %(transport)s, %(engine)s, %(endpoint)s,
                                 %(ids)b::text[], %(outputs)b::text[]::jsonb[], %(categories)b::text[]);
 
+-- name: put_results_joined  put_results with each column one text split at U+001E, a NULL category as U+001F (Ledger.put_results: no array encoded element by element)
+SELECT * FROM bi.put_results_v3(%(job)s, %(shard)s, %(epoch)s, %(owner)s, %(transport)s, %(engine)s, %(endpoint)s,
+                                string_to_array(%(ids)s::text, E'\x1e'),
+                                string_to_array(%(outputs)s::text, E'\x1e')::jsonb[],
+                                string_to_array(%(categories)s::text, E'\x1e', E'\x1f'));
+
 -- name: fail_records  one failed attempt per record, the attempt numbers make a retried call count once
 SELECT * FROM bi.fail_records_v3(%(job)s, %(shard)s, %(epoch)s, %(owner)s, %(transport)s,
                                  %(ids)s::text[], %(errors)s::text[], %(outputs)s::text[],

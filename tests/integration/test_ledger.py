@@ -8,6 +8,7 @@ import threading
 import pytest
 
 from batch_inference import db
+from batch_inference.drift import NO_CATEGORY, category_counts
 from batch_inference.exceptions import SpecError
 from batch_inference.ledger import Failure, Ledger, StaleLease
 from batch_inference.plan import drop_job_version, submit
@@ -123,6 +124,36 @@ def test_results_are_put_if_absent_and_done_keys_resume(db_url, conn, job):
     c = job_counts(conn, job)
     assert c["stored"] == 10 and c["outstanding"] == 15
     assert conn.execute("SELECT count(*) AS n FROM bi.results").fetchone()["n"] == 10
+
+
+def test_a_put_stores_each_row_as_given_sent_as_one_text_or_as_arrays(db_url, conn, job, monkeypatch):
+    """A put goes as one text a column (put_results_joined) unless an element holds the separator
+    or a category the NULL mark (put_results, arrays): either way each row holds its own output and
+    category (None, '' and marks in text included), a repeat stores nothing, and the counts follow."""
+    from batch_inference import ledger as ledger_module
+
+    sent: list[str] = []
+    monkeypatch.setattr(ledger_module, "q", lambda name: sent.append(name) or db.q(name))
+    a = ledger(db_url, job, "a")
+    la = a.claim()
+    ids = [r["record_id"] for r in a.records(la)]
+    escaped = '{"category": "billing", "summary": "a\\u001eb\\u001fc"}'   # the marks escaped: valid JSON
+    batches = [(ids[:3], [OUT, escaped, OUT], ["billing", None, ""]),
+               (ids[3:5], [OUT, OUT], ["x\x1fy", None]),      # a category holding the NULL mark
+               (ids[5:6], [OUT], ["a\x1eb"]),                 # a category holding the separator
+               (ids[6:7], [OUT], [None])]
+    for b_ids, outs, cats in batches:
+        assert a.put_results(la, b_ids, outs, cats) == len(b_ids)
+    assert [n for n in sent if n.startswith("put_")] == ["put_results_joined", "put_results", "put_results",
+                                                          "put_results_joined"]
+    assert a.put_results(la, *batches[0]) == 0 and a.put_results(la, *batches[1]) == 0   # I1: once a key
+    rows = {r["record_id"]: (r["category"], r["output"]) for r in conn.execute(
+        "SELECT record_id, category, output FROM bi.results WHERE job_version = %s", (job,))}
+    assert rows == {ids[0]: ("billing", OUT), ids[1]: (None, {"category": "billing", "summary": "a\x1eb\x1fc"}),
+                    ids[2]: ("", OUT), ids[3]: ("x\x1fy", OUT), ids[4]: (None, OUT), ids[5]: ("a\x1eb", OUT),
+                    ids[6]: (None, OUT)}
+    assert job_counts(conn, job)["stored"] == 7
+    assert category_counts(conn, job)[0] == {"billing": 1, NO_CATEGORY: 3, "": 1, "x\x1fy": 1, "a\x1eb": 1}
 
 
 @pytest.mark.parametrize("page", [1, 3, 4, 10])
