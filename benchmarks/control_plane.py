@@ -11,9 +11,11 @@ completions are.
 Beside it, in the same run, the raw ceiling: one connection inserting the same
 number of rows, with the same ~280-byte jsonb payload, into a partitioned
 table shaped like ``bi.results``, with ``INSERT ... SELECT FROM unnest ... ON
-CONFLICT DO NOTHING`` in batches the size of the worker's flush. The arrays go
-as binary parameters (``%b``): text-format arrays cost the client ~18 us per
-row in psycopg's quoting, and a ceiling should use the cheapest encoding.
+CONFLICT DO NOTHING`` in batches the size of the worker's flush. Each column
+goes as one text split in the server (``string_to_array``), as the worker's
+puts go (``Ledger.put_results``): text-format arrays cost the client ~18 us per
+row in psycopg's quoting, binary ones about 1 us (its list dumper runs Python
+per element), and a ceiling should use the cheapest encoding.
 Ceiling and pipeline alternate within each repeat so both see the same load.
 
 With W > 1 workers, also ``raw_writers``: W processes, each with its own
@@ -50,7 +52,7 @@ import psycopg
 
 from batch_inference import db
 from batch_inference.engines.noop import minimal_instance
-from batch_inference.ledger import Ledger
+from batch_inference.ledger import PUT_SEPARATOR, Ledger
 from batch_inference.plan import submit
 from benchmarks.common import (BENCH_SCHEMA, PYTHON, REPO, ServerCpu, bench_spec, cpu_name, emit, fresh_server,
                                machine, make_tickets, median, pg_version, rnd, self_cpu, worker_env)
@@ -73,7 +75,8 @@ INSERT INTO public.raw_results (job_version, record_id, output, category, model_
                                 prompt_version, transport, engine, endpoint, worker_id, epoch, acl, content_hash)
 SELECT %(job)s, u.id, u.output, u.category, 'noop', %(digest)s, 'v1', 'batch', 'noop', 'local', 'raw', 1,
        ARRAY['team0'], md5(u.id)
-  FROM unnest(%(ids)b::text[], %(outputs)b::text[]::jsonb[], %(categories)b::text[]) AS u(id, output, category)
+  FROM unnest(string_to_array(%(ids)s::text, E'\\x1e'), string_to_array(%(outputs)s::text, E'\\x1e')::jsonb[],
+              string_to_array(%(categories)s::text, E'\\x1e')) AS u(id, output, category)
 ON CONFLICT (job_version, record_id) DO NOTHING
 """
 
@@ -85,11 +88,18 @@ INSERT INTO public.raw_results (job_version, record_id, output, category, model_
                                 prompt_version, transport, engine, endpoint, worker_id, epoch, acl, content_hash)
 SELECT %(job)s, u.id, u.output, u.category, 'noop', %(digest)s, 'v1', 'batch', 'noop', 'local', 'raw', 1,
        sr.acl, sr.content_hash
-  FROM unnest(%(ids)b::text[], %(outputs)b::text[]::jsonb[], %(categories)b::text[]) AS u(id, output, category)
+  FROM unnest(string_to_array(%(ids)s::text, E'\\x1e'), string_to_array(%(outputs)s::text, E'\\x1e')::jsonb[],
+              string_to_array(%(categories)s::text, E'\\x1e')) AS u(id, output, category)
   JOIN bi.snapshot_rows sr ON sr.record_id = u.id
- WHERE sr.job_version = %(snapshot)s AND sr.record_id = ANY (%(ids)b::text[])
+ WHERE sr.job_version = %(snapshot)s AND sr.record_id = ANY (string_to_array(%(ids)s::text, E'\\x1e'))
 ON CONFLICT (job_version, record_id) DO NOTHING
 """
+
+
+def _columns(ids: list[str], payload: str) -> dict[str, str]:
+    """A batch's three columns as the put sends them: each one text joined at ``PUT_SEPARATOR``."""
+    return {"ids": PUT_SEPARATOR.join(ids), "outputs": PUT_SEPARATOR.join([payload] * len(ids)),
+            "categories": PUT_SEPARATOR.join(["billing"] * len(ids))}
 
 
 def raw_ceiling(conn: psycopg.Connection, run: str, records: int, batch: int) -> tuple[float, float, float]:
@@ -106,8 +116,7 @@ def raw_ceiling(conn: psycopg.Connection, run: str, records: int, batch: int) ->
     t0 = time.perf_counter()
     for s in range(0, records, batch):
         chunk = ids[s:s + batch]
-        conn.execute(RAW_INSERT, {"job": run, "digest": "0" * 64, "ids": chunk,
-                                  "outputs": [payload] * len(chunk), "categories": ["billing"] * len(chunk)})
+        conn.execute(RAW_INSERT, {"job": run, "digest": "0" * 64, **_columns(chunk, payload)})
     elapsed = time.perf_counter() - t0
     server_s, client_s = server() - s0, self_cpu() - c0
     n = conn.execute(f"SELECT count(*) AS n FROM {part}").fetchone()["n"]  # type: ignore[index]
@@ -124,8 +133,7 @@ def _raw_writer(url: str, run: str, ids: list[str], batch: int, start: Any) -> t
         t0 = time.time()
         for s in range(0, len(ids), batch):
             chunk = ids[s:s + batch]
-            conn.execute(RAW_INSERT, {"job": run, "digest": "0" * 64, "ids": chunk,
-                                      "outputs": [payload] * len(chunk), "categories": ["billing"] * len(chunk)})
+            conn.execute(RAW_INSERT, {"job": run, "digest": "0" * 64, **_columns(chunk, payload)})
         return t0, time.time()
 
 
@@ -214,8 +222,7 @@ def put_components(conn: psycopg.Connection, run: str, records: int, shard_size:
         c0 = cpu()
         for s in range(0, records, batch):
             chunk = ids[s:s + batch]
-            conn.execute(statement, {"job": part, "snapshot": job, "digest": "0" * 64, "ids": chunk,
-                                     "outputs": [payload] * len(chunk), "categories": ["billing"] * len(chunk)})
+            conn.execute(statement, {"job": part, "snapshot": job, "digest": "0" * 64, **_columns(chunk, payload)})
         out[name] = (cpu() - c0) / records
         conn.execute(f"DROP TABLE {part}")
     ledger = Ledger(conn, job, f"bench-{run}")
