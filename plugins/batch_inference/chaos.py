@@ -82,6 +82,10 @@ SCORED_NOOP = "batch_inference.engines.noop:ScoredNoopEngine"
 NOOP_EMBEDDER = "batch_inference.engines.noop:NoopEmbedder"
 LADDER_THRESHOLD = 0.5      # rung 1 keeps an answer of probability SURE, escalates one of UNSURE
 EMBED_DIMENSIONS = 16
+# The run's loop: it reaps and restarts workers and injects faults every LOOP_S, and reads the job's
+# counts (bi.job_counts_v1, a query the server answers) every PROGRESS_S.
+LOOP_S = 0.05
+PROGRESS_S = 0.25
 
 
 @dataclass
@@ -533,25 +537,29 @@ class _Run:
         self.fleet.start_all()
         deadline = t0 + cfg.duration
         next_fault = float("inf")
+        next_progress = t0
         while True:
             now = time.monotonic()
-            progress = self.admin.one("job_counts", {"job": self.job})
-            assert progress is not None
-            if progress["outstanding"] == 0 and progress["shards_pending"] == 0 and progress["shards_leased"] == 0:
-                break
+            if now >= next_progress:
+                progress = self.admin.one("job_counts", {"job": self.job})
+                assert progress is not None
+                next_progress = now + PROGRESS_S
+                if progress["outstanding"] == 0 and progress["shards_pending"] == 0 \
+                        and progress["shards_leased"] == 0:
+                    break
+                if self.t_first_result is None and progress["stored"] > 0:
+                    self.t_first_result = now
+                    self.stored_at_first = progress["stored"] + progress["dead_letters"]
+                    next_fault = now + 0.5
             if now > deadline:
                 self.timed_out = True
                 break
-            if self.t_first_result is None and progress["stored"] > 0:
-                self.t_first_result = now
-                self.stored_at_first = progress["stored"] + progress["dead_letters"]
-                next_fault = now + 0.5
             self.fleet.reap(restart=True)
             self._service_stalls(now)
             if self.injected < cfg.faults and now >= next_fault:
                 self._inject(now)
                 next_fault = time.monotonic() + self._interval(time.monotonic(), progress)
-            time.sleep(0.05)
+            time.sleep(LOOP_S)
         job_s = time.monotonic() - t0
         # Resume anyone still stopped, and wait until each resumed worker whose shard moved on has been
         # refused (its next ledger call), for at most two renewals and a second.
