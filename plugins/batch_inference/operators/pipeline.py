@@ -93,9 +93,18 @@ def default_cutoff_poll() -> float:
     return conf.getfloat("batch_inference", "cutoff_poll_interval", fallback=60.0)
 
 
+def default_review_poll() -> float:
+    """Seconds between the review trigger's reads of the review gate where a DAG names no interval: the
+    deployment's ``[batch_inference] review_poll_interval`` (``AIRFLOW__BATCH_INFERENCE__REVIEW_POLL_INTERVAL``),
+    read when the DAG is parsed, 15 when unset."""
+    from airflow.sdk.configuration import conf
+
+    return conf.getfloat("batch_inference", "review_poll_interval", fallback=15.0)
+
+
 def batch_inference_pipeline(*, dataset: str, workers: WorkerLauncher, spec: str = "{{ params.spec_path }}",
                              incremental: bool | str | None = None, cutoff_poll_interval: float | None = None,
-                             review_poll_interval: float = 15, postgres_conn_id: str = DEFAULT_CONN_ID,
+                             review_poll_interval: float | None = None, postgres_conn_id: str = DEFAULT_CONN_ID,
                              fallback_kwargs: dict[str, Any] | None = None,
                              page_reserve_s: float | None = None, estimate: bool = True,
                              deployment: str | None = None) -> Pipeline:
@@ -114,7 +123,8 @@ def batch_inference_pipeline(*, dataset: str, workers: WorkerLauncher, spec: str
         None keeps the spec's.
     :param cutoff_poll_interval: seconds between the cutoff trigger's reads of the counts; None: the
         deployment's ``[batch_inference] cutoff_poll_interval`` (``default_cutoff_poll``), 60 when unset.
-    :param review_poll_interval: seconds between the review trigger's reads of the review gate.
+    :param review_poll_interval: seconds between the review trigger's reads of the review gate; None: the
+        deployment's ``[batch_inference] review_poll_interval`` (``default_review_poll``), 15 when unset.
     :param postgres_conn_id: the ledger's Airflow connection, for every task.
     :param fallback_kwargs: more arguments of the ``FallbackPoolOperator`` (``api_key_env``, ``base_url``...).
     :param page_reserve_s: what the publish needs after the re-drive, the margin by which the cutoff and the
@@ -164,7 +174,8 @@ def batch_inference_pipeline(*, dataset: str, workers: WorkerLauncher, spec: str
     validate = ValidateOperator(task_id="validate", job_version=job_version, postgres_conn_id=postgres_conn_id)
     # Holds publish while the spec's human review gate is open (a Required Action in Airflow's UI).
     review = ReviewGateOperator(task_id="review", job_version=job_version, timeout="{{ params.review_timeout }}",
-                                poll_interval=review_poll_interval, postgres_conn_id=postgres_conn_id)
+                                poll_interval=default_review_poll() if review_poll_interval is None
+                                else review_poll_interval, postgres_conn_id=postgres_conn_id)
     publish = PublishOperator(task_id="publish", job_version=job_version, postgres_conn_id=postgres_conn_id,
                               outlets=[dataset_asset(dataset)])
 
