@@ -57,6 +57,11 @@ ENGINES = ("llama-cpp", "openai", "vllm", "openai-batch", "anthropic-batch", "be
 # task, then the pods mapped over it).
 WorkerLauncher = Callable[[Any, str], Any]
 
+# The cutoff sensor's wait before a retry (the DAG's other tasks wait a minute): a try lost to the race of a
+# trigger that fires within seconds of the deferral (apache/airflow#72716, docs/airflow.md) leaves the
+# deadline unwatched for 10 s, not a minute; the next try's first poll decides at once.
+CUTOFF_RETRY_DELAY = timedelta(seconds=10)
+
 
 @dataclass(frozen=True)
 class Pipeline:
@@ -165,7 +170,7 @@ def batch_inference_pipeline(*, dataset: str, workers: WorkerLauncher, spec: str
     poll = default_cutoff_poll() if cutoff_poll_interval is None else cutoff_poll_interval
     cutoff = CutoffSensor(task_id="cutoff", job_version=job_version, deadline=deadline,
                           poll_interval=poll, postgres_conn_id=postgres_conn_id,
-                          page_reserve_s=page_reserve_s)
+                          page_reserve_s=page_reserve_s, retry_delay=CUTOFF_RETRY_DELAY)
     # The sensor's resolved deadline: with it a failing endpoint pages early and is re-driven in the try.
     resolved = f"{{{{ (ti.xcom_pull(task_ids='{cutoff.task_id}') or {{}}).get('deadline') }}}}"
     fallback = FallbackPoolOperator(task_id="fallback", job_version=job_version, postgres_conn_id=postgres_conn_id,
