@@ -20,7 +20,7 @@ from psycopg import errors, sql
 from batch_inference import destinations, snapshot, sources
 from batch_inference.db import q
 from batch_inference.engines import unenforced_line
-from batch_inference.exceptions import GrantRefused, RedriveRefused, SpecError
+from batch_inference.exceptions import BatchInferenceError, GrantRefused, RedriveRefused, SpecError
 from batch_inference.sources import postgres as postgres_source
 from batch_inference.spec import INT4_MAX, SETTINGS_UNDER_A_VERSION, JobSpec, settings_diff
 
@@ -52,6 +52,12 @@ class Manifest:
         out = asdict(self)
         return {k if k != "dead_letters" else "dead_letters_at_planning": v for k, v in out.items()
                 if k not in ("not_enforced", "regions") or v}
+
+
+class _VersionTaken(BatchInferenceError, RuntimeError):
+    """A concurrent submit of the same spec over the same rows committed the job version after this
+    submit's snapshot was taken (two DAG runs triggered together): this one's insert met its row, and
+    a submit again finds the version."""
 
 
 def submit(conn: psycopg.Connection, spec: JobSpec,
@@ -88,13 +94,23 @@ def _check_and_submit(conn: psycopg.Connection, spec: JobSpec, rows: Iterable[Ma
     if not_enforced:
         log.warning("%s", not_enforced)
     if rows is not None or spec.source.kind == "postgres":
-        return replace(_submit(conn, spec, rows), not_enforced=not_enforced)
+        try:
+            m = _submit(conn, spec, rows)
+        except _VersionTaken:
+            if rows is not None and not isinstance(rows, (list, tuple)):
+                raise                             # rows read once: the caller submits again
+            m = _submit(conn, spec, rows)         # a fresh snapshot: it finds the version, nothing written
+        return replace(m, not_enforced=not_enforced)
     reader = reader or sources.for_spec(spec)
     if reader.ledger is None:
         reader.ledger = conn
     try:
         reader.check()                    # an unreachable source, an unknown table: one line, nothing written
-        return replace(_submit(conn, reader.pinned(), reader.rows()), not_enforced=not_enforced)
+        try:
+            m = _submit(conn, reader.pinned(), reader.rows())
+        except _VersionTaken:
+            m = _submit(conn, reader.pinned(), reader.rows())
+        return replace(m, not_enforced=not_enforced)
     finally:
         reader.close()
 
@@ -159,11 +175,17 @@ def _submit(conn: psycopg.Connection, spec: JobSpec, rows: Iterable[Mapping[str,
             r = conn.execute(q("base_for_reuse"), {"dataset": spec.dataset, "spec_hash": spec.spec_hash,
                                                    "job": job}).fetchone()
             base = r["job_version"] if r else None
-        conn.execute(q("job_insert"), {
-            "job": job, "dataset": spec.dataset, "spec_hash": spec.spec_hash, "snapshot_id": identity,
-            "spec_text": json.dumps(spec.model_dump(mode="json")), "model_name": spec.model.name,
-            "model_digest": spec.model.digest, "prompt_version": spec.prompt.version, "records": n,
-            "base": base})
+        try:
+            conn.execute(q("job_insert"), {
+                "job": job, "dataset": spec.dataset, "spec_hash": spec.spec_hash, "snapshot_id": identity,
+                "spec_text": json.dumps(spec.model_dump(mode="json")), "model_name": spec.model.name,
+                "model_digest": spec.model.digest, "prompt_version": spec.prompt.version, "records": n,
+                "base": base})
+        except errors.UniqueViolation as exc:
+            if exc.diag.constraint_name != "jobs_pkey":
+                raise
+            raise _VersionTaken(f"job version {job} was created by a concurrent submit of the same spec "
+                                "over the same rows; submit again") from None
         part = conn.execute(q("job_partitions_create"), {"job": job}).fetchone()["p"]
         conn.execute(q("plan_work_mem"))
         params: dict[str, Any] = {"job": job, "base": base, "cap": cap,

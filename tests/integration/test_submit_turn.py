@@ -53,3 +53,32 @@ def test_a_run_waits_for_an_earlier_active_run_of_its_dataset_and_not_for_anothe
     # Once the night has ended, the new version goes on.
     states[("batch_inference_nightly", "night")] = "success"
     assert op._earlier_active_run(conn, context, second, "batch_inference_backfill", "orders_v2") is None
+
+
+def test_two_runs_submitting_one_version_together_both_get_it_and_one_created_it(conn, monkeypatch):
+    """Two runs triggered together (the live nightly backfill's two dates) submit the same spec over the same
+    rows at once: the later one's snapshot was taken before the other committed the version, so it does not
+    see it, and its insert meets the committed row. It submits again with a fresh snapshot and gets the
+    version, created by the other, instead of failing its try (a retry a minute later). The stand-in for the
+    race: the first look for an existing version misses, as that snapshot's would."""
+    from batch_inference import plan
+
+    make_source(conn, [(f"r{i}", f"ticket {i}: charged twice") for i in range(4)])
+    spec = make_spec(dataset="orders")
+    first = submit(conn, spec)
+    looks = []
+    real_q = plan.q
+
+    def q(name: str) -> str:
+        if name == "job_manifest":
+            looks.append(name)
+            if len(looks) == 1:           # the snapshot taken before the other submit committed
+                return real_q(name) + " AND false"
+        return real_q(name)
+
+    monkeypatch.setattr(plan, "q", q)
+    second = submit(conn, spec)
+    assert len(looks) == 2                 # missed, met the committed row, looked again
+    assert first.created and not second.created and second.job_version == first.job_version
+    assert (second.records, second.shards) == (first.records, first.shards)
+    assert conn.execute("SELECT count(*) AS n FROM bi.jobs WHERE dataset = 'orders'").fetchone()["n"] == 1
