@@ -29,6 +29,7 @@ import yaml
 from batch_inference import db
 from batch_inference import deadline as watchlib
 from tests.conftest import make_source, spec_dict, tickets
+from tests.fixtures.cli import cli_here
 from tests.fixtures.sources import TICKETS, two_column_spec
 from tests.integration.test_source_sql import _load_mariadb, _load_pg, _load_sqlite
 
@@ -42,26 +43,9 @@ def bi(*argv: str, env: dict[str, str] | None = None, timeout: float = 180) -> s
 
 
 def bi_here(capfd, *argv: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
-    """``bi`` in this process (cli.main, the environment set for the call, stdout and stderr read at the
-    file descriptors): for the steps a test is not about. Airflow's logging may write to stdout here
-    before the CLI starts, so read a JSON answer with ``json_here``."""
-    from batch_inference.cli import main as cli_main
-
-    saved = {k: os.environ.get(k) for k in env or {}}
-    os.environ.update(env or {})
-    capfd.readouterr()
-    try:
-        code = cli_main(list(argv))
-    except SystemExit as exc:                 # argparse: --help, a usage error
-        code = exc.code if isinstance(exc.code, int) else 1
-    finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
-    out = capfd.readouterr()
-    return subprocess.CompletedProcess([BI, *argv], code, out.out, out.err)
+    """``bi`` in this process (tests/fixtures/cli.py), for the steps a test is not about; read a JSON
+    answer with ``json_here``."""
+    return cli_here(capfd, argv, env)
 
 
 def json_here(p: subprocess.CompletedProcess) -> dict[str, Any]:

@@ -29,6 +29,7 @@ from batch_inference.status import job_counts, job_spec
 from batch_inference.validate import validate
 from gpu_runner.worker import WorkerConfig, run_worker
 from tests.conftest import database_from_template, make_source, make_spec, spec_dict, tickets
+from tests.fixtures.cli import cli_here
 from tests.fixtures.hostile_specs import SPEC_VECTORS, bomb, spec_yaml
 from tests.integration.test_privileges import url_as, worker_role  # noqa: F401  (worker_role: a fixture)
 
@@ -146,22 +147,6 @@ def _cli(db_url: str, *args: str, timeout: float = 60) -> subprocess.CompletedPr
     return p
 
 
-def _cli_here(capfd, monkeypatch, db_url: str, *args: str) -> subprocess.CompletedProcess:
-    """The CLI in this process (cli.main with $BATCH_INFERENCE_DB set, stdout and stderr read at the file
-    descriptors, argparse's exit taken as the status): for a vector of a command whose refusal another
-    vector shows through a process of its own (a new interpreter costs 0.4-0.9 CPU-s)."""
-    from batch_inference.cli import main as cli_main
-
-    monkeypatch.setenv("BATCH_INFERENCE_DB", db_url)
-    capfd.readouterr()
-    try:
-        code = cli_main(list(args))
-    except SystemExit as exc:
-        code = exc.code if isinstance(exc.code, int) else 1
-    out = capfd.readouterr()
-    return subprocess.CompletedProcess([sys.executable, "-m", "batch_inference.cli", *args], code, out.out, out.err)
-
-
 @pytest.fixture(scope="module")
 def refused_db(pg_server, template_db):
     """The database every CLI refusal below runs against: a job version of dataset tickets_triage, done,
@@ -220,8 +205,7 @@ OWN_PROCESS = {"submit --shard-size 0", "submit an alias bomb", "grant an unknow
 
 
 @pytest.mark.parametrize("what,argv,words", CLI_VECTORS, ids=[v[0] for v in CLI_VECTORS])
-def test_a_cli_error_is_one_line_exit_2_and_writes_nothing(what, argv, words, tmp_path, refused_db, capfd,
-                                                           monkeypatch):
+def test_a_cli_error_is_one_line_exit_2_and_writes_nothing(what, argv, words, tmp_path, refused_db, capfd):
     db_url, conn, job, other, outsider_role = refused_db
     files = {
         "spec": spec_yaml(),
@@ -237,7 +221,7 @@ def test_a_cli_error_is_one_line_exit_2_and_writes_nothing(what, argv, words, tm
         subs["{" + name + "}"] = str(tmp_path / f"{name}.yaml")
     before = _state(conn)
     args = [subs.get(a, a) for a in argv]
-    p = _cli(db_url, *args, timeout=30) if what in OWN_PROCESS else _cli_here(capfd, monkeypatch, db_url, *args)
+    p = _cli(db_url, *args, timeout=30) if what in OWN_PROCESS else cli_here(capfd, args, {db.DB_ENV: db_url})
     lines = [ln for ln in p.stderr.splitlines() if ln.strip()]
     assert p.returncode == 2, f"{what}: exit {p.returncode}\n{p.stderr[-2000:]}"
     assert p.stdout == "" and len(lines) == 1, f"{what}: {p.stdout[-500:]!r} {p.stderr[-2000:]!r}"
@@ -272,7 +256,7 @@ HOSTILE_OUTPUT = {
 
 
 @pytest.mark.parametrize("name", list(HOSTILE_OUTPUT))
-def test_dead_letters_print_control_characters_escaped(name, conn, db_url, capfd, monkeypatch):
+def test_dead_letters_print_control_characters_escaped(name, conn, db_url, capfd):
     """The first payload through the CLI's own process, the others through cli.main here: the escaping is
     the printing's, the same in both."""
     payload = HOSTILE_OUTPUT[name]
@@ -284,7 +268,7 @@ def test_dead_letters_print_control_characters_escaped(name, conn, db_url, capfd
                  (payload + '{"category": "bug"}', payload, m.job_version))
     for args in ((), ("--json",)):
         p = (_cli(db_url, "dead-letters", m.job_version, *args) if name == next(iter(HOSTILE_OUTPUT)) else
-             _cli_here(capfd, monkeypatch, db_url, "dead-letters", m.job_version, *args))
+             cli_here(capfd, ["dead-letters", m.job_version, *args], {db.DB_ENV: db_url}))
         assert p.returncode == 0, p.stderr
         bad = [c for c in p.stdout if (ord(c) < 0x20 and c not in "\n\t") or 0x7f <= ord(c) <= 0x9f
                or c in "\u202a\u202b\u202c\u202d\u202e\u2066\u2067\u2068\u2069"]
