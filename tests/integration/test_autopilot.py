@@ -148,9 +148,9 @@ def test_a_fixed_fleet_stops_at_the_budget_as_the_autopilots_does_and_its_launch
 # -- the local launcher: real worker processes --------------------------------------------------
 
 
-def worker_fleet(db_url: str, job: str, size: int, tag: str) -> Fleet:
+def worker_fleet(db_url: str, job: str, size: int, tag: str, delay_s: float = 0.2) -> Fleet:
     argv = lambda name: [job, "--engine", PACED_ENGINE, "--engine-option",  # noqa: E731
-                         "delay_s=0.2", "--worker-id", name, "--flush-every", "5", "--grace-seconds", "1"]
+                         f"delay_s={delay_s}", "--worker-id", name, "--flush-every", "5", "--grace-seconds", "1"]
     env = {**os.environ, "BATCH_INFERENCE_DB": db_url, "PYTHONPATH": os.pathsep.join(sys.path)}
     return Fleet(argv, env, size, name=lambda slot, gen: f"{tag}-w{slot}-g{gen}", echo=False, new_session=True)
 
@@ -203,8 +203,9 @@ def test_the_local_launcher_reconciles_to_the_ledger_and_a_removed_worker_releas
     finally:
         fleet.stop(5.0)
     autopilot.observe(conn, job, "local", 0)
-    # A restarted launcher resumes from the ledger (2), not from its default (1).
-    again = worker_fleet(db_url, job, 1, "b")
+    # A restarted launcher resumes from the ledger (2), not from its default (1). Its workers answer
+    # ten times faster: what is left of the job is only to be finished.
+    again = worker_fleet(db_url, job, 1, "b", delay_s=0.02)
     try:
         again.start_all()
         assert autopilot.reconcile(conn, job, "local", lambda: len(again.slots()), again.scale_to, 1, (1, 4)) == 2
