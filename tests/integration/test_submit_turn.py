@@ -7,6 +7,8 @@ for one that ended. The real ledger; a run's state comes from a stand-in for the
 
 from __future__ import annotations
 
+import pytest
+
 from batch_inference import db
 from batch_inference.operators.submit import SubmitJobOperator
 from batch_inference.plan import submit
@@ -82,3 +84,41 @@ def test_two_runs_submitting_one_version_together_both_get_it_and_one_created_it
     assert first.created and not second.created and second.job_version == first.job_version
     assert (second.records, second.shards) == (first.records, first.shards)
     assert conn.execute("SELECT count(*) AS n FROM bi.jobs WHERE dataset = 'orders'").fetchone()["n"] == 1
+
+
+def test_a_run_that_must_wait_defers_until_the_earlier_run_has_ended(conn, db_url, monkeypatch):
+    """The wait itself: the submit defers to Airflow's DagStateTrigger on the earlier run (the triggerer reads
+    its state, no task process runs while it waits), and once back it checks again and goes on."""
+    from airflow.providers.standard.triggers.external_task import DagStateTrigger
+    from airflow.sdk.exceptions import TaskDeferred
+
+    from batch_inference.hooks.batch_inference import airflow_connection_json
+    from tests.conftest import spec_dict, tickets
+
+    monkeypatch.setenv("AIRFLOW_CONN_BI_TEST_TURN", airflow_connection_json(db_url))
+    make_source(conn, tickets(6))
+    spec = {**spec_dict(), "dataset": "turns"}
+    class TI(RunStates):
+        def xcom_push(self, key: str, value: object) -> None:
+            pass
+
+    earlier = SubmitJobOperator(task_id="submit", spec=spec, postgres_conn_id="bi_test_turn").execute({"ti": TI({})})
+    conn.execute(db.q("job_run_record"), {"dag_id": "batch_inference_nightly", "run_id": "night",
+                                          "job": earlier["job_version"], "created": True})
+
+    class LaterTI(TI):
+        dag_id, run_id = "batch_inference_backfill", "later"
+
+    ti = LaterTI({("batch_inference_nightly", "night"): "running"})
+    op = SubmitJobOperator(task_id="submit", spec=spec, postgres_conn_id="bi_test_turn")
+    with pytest.raises(TaskDeferred) as waited:
+        op.execute({"ti": ti})
+    deferred = waited.value
+    trigger = deferred.trigger
+    assert isinstance(trigger, DagStateTrigger) and deferred.method_name == "execute_after_wait"
+    assert (trigger.dag_id, trigger.run_ids, trigger.states) == ("batch_inference_nightly", ["night"],
+                                                                 ["success", "failed"])
+    assert trigger.poll_interval == 5.0
+    ti.states[("batch_inference_nightly", "night")] = "success"
+    again = op.execute_after_wait({"ti": ti}, event=None)
+    assert again["job_version"] == earlier["job_version"] and again["created"] is False

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import os
 from collections.abc import Mapping, Sequence
-from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -102,9 +101,9 @@ class SubmitJobOperator(LedgerTask, BaseOperator):
     :param s3_endpoint_url: S3-compatible endpoint; usually the AWS
         connection's ``endpoint_url`` extra instead. Templated.
     :param wait_poll_seconds: when an earlier DAG run (of any DAG) is still working on a version of the
-        same dataset (this job version or another), this run waits, deferred, and checks again after
-        this many seconds: one dataset's runs work and publish in the order they submitted, while
-        other datasets' runs go on beside them.
+        same dataset (this job version or another), this run waits, deferred, until that run has ended
+        (the triggerer reads its state every this many seconds), then checks again: one dataset's runs
+        work and publish in the order they submitted, while other datasets' runs go on beside them.
     :param deployment: a deployment YAML (clusters in several regions, docs/regions.md; relative paths
         next to the DAG file), or empty: every store and Kubernetes connection is asked before anything is
         written, then the snapshot is replicated near each cluster (``plan.submit``'s ``deployment``); the
@@ -120,7 +119,7 @@ class SubmitJobOperator(LedgerTask, BaseOperator):
                  shard_size: int | str | None = None, source_table: str | None = None,
                  incremental: bool | str | None = None, overrides: Mapping[str, Any] | None = None,
                  aws_conn_id: str | None = None, s3_endpoint_url: str | None = None,
-                 wait_poll_seconds: float = 30.0, deployment: str | None = None, **kwargs: Any) -> None:
+                 wait_poll_seconds: float = 5.0, deployment: str | None = None, **kwargs: Any) -> None:
         super().__init__(**kwargs)
         self.deployment = deployment
         self.spec = spec
@@ -197,11 +196,14 @@ class SubmitJobOperator(LedgerTask, BaseOperator):
             # publish, and two versions of one dataset would publish in whichever order they finish (an
             # older snapshot last): this one waits its turn, whatever DAG the earlier run belongs to.
             self.log.info("job version %s of dataset %s: the dataset is being worked by the earlier run "
-                          "%s/%s; this run waits for it (checking every %.0f s)", manifest["job_version"],
-                          spec.dataset, *busy, self.wait_poll_seconds)
-            from airflow.providers.standard.triggers.temporal import TimeDeltaTrigger
+                          "%s/%s; this run waits for it to end (its state read every %.0f s)",
+                          manifest["job_version"], spec.dataset, *busy, self.wait_poll_seconds)
+            from airflow.providers.standard.triggers.external_task import DagStateTrigger
 
-            self.defer(trigger=TimeDeltaTrigger(timedelta(seconds=self.wait_poll_seconds)),
+            # The triggerer reads the earlier run's state (no task process while it waits); back here once
+            # it has ended, the submit checks again for any other earlier run.
+            self.defer(trigger=DagStateTrigger(dag_id=busy[0], run_ids=[busy[1]], states=["success", "failed"],
+                                               poll_interval=self.wait_poll_seconds),
                        method_name="execute_after_wait")
         self._lineage = self._datasets(spec.source, hook.get_conninfo(), reader)
         self.log.info("%s %s: %d records in %d shard(s), %d dead letters at planning, %d reused",
