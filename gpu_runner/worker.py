@@ -332,6 +332,8 @@ class Worker:
         except DigestMismatch as exc:
             raise Fatal(f"fatal: refusing to start: {exc}", ExitCode.DIGEST) from None
         self._phase("weights_digest")
+        if self.own_process:
+            gc.enable()   # off while ``python -m gpu_runner`` imports; on while the engine loads its model
         try:
             self.engine.load()
         except (ValueError, ImportError, OSError) as exc:
@@ -342,8 +344,9 @@ class Worker:
         if self.own_process:
             # Modules, the spec, the engine and its model stay until exit:
             # frozen out of the cyclic collector, so each full collection
-            # walks what the shards allocate, not the whole heap again.
-            gc.collect()
+            # walks what the shards allocate, not the whole heap again. No
+            # collection first: it walks the whole heap to find next to no
+            # garbage (none after a llama.cpp load).
             gc.freeze()
             self._phase("gc_freeze")
         log.info("%s: start-up %.2fs: %s", self.owner, sum(self.startup.values()),
