@@ -72,9 +72,9 @@ def test_dagbag_imports_the_example_dags_without_errors():
     assert backfill.get_task("publish").outlets[0].uri == ASSET_URI
     # The cutoff watches beside the workers, not after them; validate waits for both paths.
     assert backfill.get_task("cutoff").upstream_task_ids == {"submit", "deadline"}
-    # A lost try of the cutoff (apache/airflow#72716) is retried after 10 s, the other tasks after a minute.
-    assert backfill.get_task("cutoff").retry_delay.total_seconds() == 10
-    assert backfill.get_task("submit").retry_delay.total_seconds() == 60
+    # A lost try of a task that defers (apache/airflow#72716) is retried after 10 s, the others after a minute.
+    assert [backfill.get_task(t).retry_delay.total_seconds() for t in ("submit", "cutoff", "review")] == [10] * 3
+    assert backfill.get_task("validate").retry_delay.total_seconds() == 60
     assert {"workers", "fallback"} <= backfill.get_task("validate").upstream_task_ids
     assert bag.dags["batch_inference_nightly"].params["incremental"] is True
     hosted = bag.dags["batch_inference_hosted"]

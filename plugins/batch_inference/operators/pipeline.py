@@ -57,10 +57,11 @@ ENGINES = ("llama-cpp", "openai", "vllm", "openai-batch", "anthropic-batch", "be
 # task, then the pods mapped over it).
 WorkerLauncher = Callable[[Any, str], Any]
 
-# The cutoff sensor's wait before a retry (the DAG's other tasks wait a minute): a try lost to the race of a
-# trigger that fires within seconds of the deferral (apache/airflow#72716, docs/airflow.md) leaves the
-# deadline unwatched for 10 s, not a minute; the next try's first poll decides at once.
-CUTOFF_RETRY_DELAY = timedelta(seconds=10)
+# The wait before a retry of the tasks that defer (submit, cutoff, review; the DAG's other tasks wait a
+# minute): a try lost to the race of a trigger that fires within seconds of the deferral (apache/airflow#72716,
+# docs/airflow.md) costs the run 10 s, not a minute, and the next try decides at once (the cutoff's first poll,
+# the version already submitted, a rejection standing in the ledger).
+DEFERRING_RETRY_DELAY = timedelta(seconds=10)
 
 
 @dataclass(frozen=True)
@@ -150,6 +151,7 @@ def batch_inference_pipeline(*, dataset: str, workers: WorkerLauncher, spec: str
         shard_size="{{ params.shard_size }}",
         incremental=incremental,
         postgres_conn_id=postgres_conn_id,
+        retry_delay=DEFERRING_RETRY_DELAY,
         **({"deployment": deployment} if deployment is not None else {}),
     )
     preview = None
@@ -170,7 +172,7 @@ def batch_inference_pipeline(*, dataset: str, workers: WorkerLauncher, spec: str
     poll = default_cutoff_poll() if cutoff_poll_interval is None else cutoff_poll_interval
     cutoff = CutoffSensor(task_id="cutoff", job_version=job_version, deadline=deadline,
                           poll_interval=poll, postgres_conn_id=postgres_conn_id,
-                          page_reserve_s=page_reserve_s, retry_delay=CUTOFF_RETRY_DELAY)
+                          page_reserve_s=page_reserve_s, retry_delay=DEFERRING_RETRY_DELAY)
     # The sensor's resolved deadline: with it a failing endpoint pages early and is re-driven in the try.
     resolved = f"{{{{ (ti.xcom_pull(task_ids='{cutoff.task_id}') or {{}}).get('deadline') }}}}"
     fallback = FallbackPoolOperator(task_id="fallback", job_version=job_version, postgres_conn_id=postgres_conn_id,
@@ -179,6 +181,7 @@ def batch_inference_pipeline(*, dataset: str, workers: WorkerLauncher, spec: str
     validate = ValidateOperator(task_id="validate", job_version=job_version, postgres_conn_id=postgres_conn_id)
     # Holds publish while the spec's human review gate is open (a Required Action in Airflow's UI).
     review = ReviewGateOperator(task_id="review", job_version=job_version, timeout="{{ params.review_timeout }}",
+                                retry_delay=DEFERRING_RETRY_DELAY,
                                 poll_interval=default_review_poll() if review_poll_interval is None
                                 else review_poll_interval, postgres_conn_id=postgres_conn_id)
     publish = PublishOperator(task_id="publish", job_version=job_version, postgres_conn_id=postgres_conn_id,
