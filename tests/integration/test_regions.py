@@ -523,3 +523,31 @@ def test_a_far_workers_held_results_count_done_for_the_cutoff_until_merged_and_n
     with pytest.raises(StaleLease):
         other.renew(gone)
     assert held() == 0 and fence_counts(conn, placed).get("renew") == 1
+
+
+def test_a_far_worker_writes_what_it_held_past_hold_seconds_straight_and_hands_the_rest_in_as_its_file(
+        db_url, conn, placed, stores):
+    """A shard whose results a far worker has held for ``hold_seconds`` has them written straight to the ledger
+    (a worker that dies mid-shard loses at most that much work); the rest of the shard is its file, merged by
+    key, and the shard completes with every record once."""
+    import time
+
+    far = region_ledger(db_url, placed, "ap-1", "ap-south", result_files=True, hold_seconds=0.3)
+    lease = far.claim()
+    ids, _, _, _ = far.record_columns(lease)
+    far.put_results(lease, ids[:4], [OUT] * 4, ["billing"] * 4)
+    assert job_counts(conn, placed)["stored"] == 0                      # held, not yet old enough
+    time.sleep(0.35)
+    far.put_results(lease, ids[4:7], [OUT] * 3, ["billing"] * 3)
+    assert job_counts(conn, placed)["stored"] == 7                      # held too long: straight to the ledger
+    assert far.renew(lease) == "batch"
+    assert conn.execute(db.q("region_held"), {"job": placed}).fetchone()["held"] == 0
+    far.put_results(lease, ids[7:], [OUT] * 3, ["billing"] * 3)
+    assert far.complete(lease) == "done"
+    f = conn.execute("SELECT records FROM bi.result_files WHERE job_version = %s", (placed,)).fetchone()
+    assert f["records"] == 3
+    assert merge_pending(conn, placed) == {"merged": 1, "rows": 3}
+    shard = conn.execute("SELECT state, stored FROM bi.shards WHERE job_version = %s AND shard_no = %s",
+                         (placed, lease.shard_no)).fetchone()
+    assert (shard["state"], shard["stored"]) == ("done", 10)
+    assert duplicates(conn, placed) == 0

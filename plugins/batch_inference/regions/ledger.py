@@ -17,9 +17,10 @@ of ``batch_inference.ledger.Ledger`` when it runs with ``--region``.
 * **results** (``result_files``: a worker far from the ledger): held per shard
   and written at completion as one Parquet file of keyed rows in this region's
   store, handed in with one small call (bi.hand_in_results_v1) and merged near
-  the ledger (``regions.merge``) with the one put-if-absent and fence. A shard
-  given back (release, abandon) writes what it holds straight to the ledger
-  first. Without ``result_files`` results go straight to the ledger as today.
+  the ledger (``regions.merge``) with the one put-if-absent and fence. What a
+  shard has held for ``hold_seconds`` is written straight to the ledger (a death
+  loses at most that much work); a shard given back (release, abandon) writes
+  what it holds straight to the ledger first. Without ``result_files`` results go straight to the ledger as today.
 
 * **renew**: a far worker's renewal reports how many results it holds for the
   shard (bi.renew_lease_held_v1): done, not yet in the ledger, counted done by
@@ -45,15 +46,21 @@ from batch_inference.regions.store import ObjectStore, StoreUnavailable, key_for
 
 log = logging.getLogger("batch_inference.worker")
 
+# A far worker writes what it holds for a shard straight to the ledger once the oldest of it is this old
+# (one round trip per HOLD_SECONDS of work), so a worker that dies mid-shard loses at most that much work,
+# not a whole shard's (7-16 s at a slowed night's pace). A shard of less work goes in one file, as before.
+HOLD_SECONDS = 6.0
+
 
 class RegionLedger(Ledger):
     def __init__(self, conn: psycopg.Connection, job_version: str, owner: str, transport: str = "batch",
                  lease_seconds: int | None = None, engine: str | None = None, endpoint: str | None = None, *,
-                 region: str, result_files: bool = False, steal: bool = True):
+                 region: str, result_files: bool = False, steal: bool = True, hold_seconds: float = HOLD_SECONDS):
         super().__init__(conn, job_version, owner, transport, lease_seconds, engine, endpoint)
         self.region = region
         self.result_files = result_files
         self.steal = steal
+        self.hold_seconds = hold_seconds
         # Shared with every copy bound to another connection (``with_conn``): one worker's state.
         self._replicas: dict[tuple[int, int], Replica] = {}
         self._results: dict[tuple[int, int], tuple[list[str], list[str], list[str | None]]] = {}
@@ -62,6 +69,9 @@ class RegionLedger(Ledger):
         # Per shard and epoch: the records it had to do when read, and those dead-lettered since.
         self._todo: dict[tuple[int, int], set[str]] = {}
         self._dead: dict[tuple[int, int], set[str]] = {}
+        # Per shard and epoch: when the oldest result it holds was made, and those written straight already.
+        self._held_since: dict[tuple[int, int], float] = {}
+        self._written: dict[tuple[int, int], set[str]] = {}
         self.stats = {"claims": 0, "steals": 0, "rebuilds": 0, "files": 0, "replica_bytes": 0}
 
     @classmethod
@@ -170,10 +180,19 @@ class RegionLedger(Ledger):
                     categories: Sequence[str | None], vectors: Sequence[bytes] | None = None) -> int:
         if not self.result_files or vectors is not None or not ids:
             return super().put_results(lease, ids, outputs, categories, vectors)
-        held = self._results.setdefault((lease.shard_no, lease.epoch), ([], [], []))
+        key = (lease.shard_no, lease.epoch)
+        held = self._results.setdefault(key, ([], [], []))
+        now = time.monotonic()
+        if not held[0]:
+            self._held_since[key] = now
         held[0].extend(ids)
         held[1].extend(merge.output_text(o) for o in outputs)
         held[2].extend(categories)
+        if now - self._held_since.get(key, now) >= self.hold_seconds:
+            # Held long enough: straight to the ledger, the rest of the shard in its file.
+            out = self._results.pop(key)
+            super().put_results(lease, *out)
+            self._written.setdefault(key, set()).update(out[0])
         return len(ids)
 
     def renew(self, lease: Lease) -> str:
@@ -192,17 +211,20 @@ class RegionLedger(Ledger):
         return counted
 
     def complete(self, lease: Lease) -> str:
-        """Hand the shard's held results in as one file when they and its dead letters cover every record it
-        had to do; kept until the hand-in answers, so a call the worker retries after a lost reply writes the
+        """Hand the shard's held results in as one file when they, its dead letters and what it wrote straight
+        cover every record it had to do; kept until the hand-in answers, so a call the worker retries after a lost reply writes the
         same object and hands the same epoch's file in again (one file per epoch: nothing changes). A shard
         that stopped short (a preemption notice, a drain) writes what it holds straight to the ledger, and
         the ledger's completion says it is incomplete: the worker releases it at once."""
         key = (lease.shard_no, lease.epoch)
         held = self._results.get(key)
         if not held or not held[0]:
+            self._held_since.pop(key, None)
+            self._written.pop(key, None)
             return super().complete(lease)
         todo = self._todo.get(key)
-        if todo is not None and not todo <= set(held[0]) | self._dead.get(key, set()):
+        covered = set(held[0]) | self._dead.get(key, set()) | self._written.get(key, set())
+        if todo is not None and not todo <= covered:
             if not self._put_held(lease):
                 raise StaleLease(f"results refused: shard {lease.shard_no} epoch {lease.epoch} is stale")
             return super().complete(lease)
@@ -217,7 +239,7 @@ class RegionLedger(Ledger):
         except StaleLease:
             self._results.pop(key, None)
             raise
-        for kept in (self._results, self._todo, self._dead):
+        for kept in (self._results, self._todo, self._dead, self._held_since, self._written):
             kept.pop(key, None)
         self.stats["files"] += 1
         log.info("%s: shard %d: %d results handed in as %s in %s", self.owner, lease.shard_no, len(held[0]),
