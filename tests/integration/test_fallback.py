@@ -601,7 +601,7 @@ def test_with_a_deadline_the_operator_pages_when_it_is_lost_and_redrives_once_th
     monkeypatch.setenv("BATCH_INFERENCE_ONCALL_FILE", str(pages))
     monkeypatch.setattr(op_module, "PAGE_CHECK_S", 0.5)
     t0 = datetime.now(timezone.utc)
-    deadline = t0 + timedelta(seconds=16)
+    deadline = t0 + timedelta(seconds=12)
     lost_at = deadline - timedelta(seconds=30 / 50 + 10)          # 30 rows at the pool's 50/s, then 10 s to publish
     op = FallbackPoolOperator(task_id="fallback", job_version=job, base_url=endpoint.base_url, rate=50,
                               engine_options=QUICK, deadline=deadline.isoformat(), retry_wait_s=2, step_s=1)
