@@ -63,7 +63,6 @@ record by record as canonical JSON (``null``: dead-lettered or truncated).
 from __future__ import annotations
 
 import argparse
-import gc
 import json
 import math
 import os
@@ -159,26 +158,23 @@ def arm_bare(records: int, max_tokens: int, system: str, prefix_caching: bool) -
     start-up, its own generation, and start-up plus generation as its whole run)."""
     t0 = time.perf_counter()   # start-up includes importing vLLM, as the worker's does
     from batch_inference.engines.base import TRUNCATED
-    from batch_inference.engines.vllm import VllmEngine, build_llm_kwargs, collector_held_off_for_the_load, \
-        make_sampling_params, parse_request_output
+    from batch_inference.engines.vllm import VllmEngine, build_llm_kwargs, make_sampling_params, \
+        parse_request_output, vllm_for_a_start_up
     from batch_inference.prompting import build_messages
     from batch_inference.spec import JobSpec
 
     # vLLM imported and started as the engine does it (VllmEngine.load): the collector held off, the
     # imported modules frozen before vllm.LLM starts.
-    with collector_held_off_for_the_load():
-        import vllm
+    with vllm_for_a_start_up() as vllm:
         import vllm.sampling_params as sampling_module
 
-        llm_class = vllm.LLM
         shared = "BENCH_BARE_RUNS" in os.environ
         runs = [(n, JobSpec.model_validate(s)) for n, s in json.loads(os.environ["BENCH_BARE_RUNS"])] if shared \
             else [(records, stored_spec(make_spec(max_tokens, system)))]
         kwargs = [build_llm_kwargs(spec, VllmEngine(spec).options) for _, spec in runs]
         if any(k != kwargs[0] for k in kwargs):
             raise ValueError("the bare runs in one process need the same vllm.LLM arguments")
-        gc.freeze()
-        llm = llm_class(**kwargs[0] | {"enable_prefix_caching": prefix_caching})
+        llm = vllm.LLM(**kwargs[0] | {"enable_prefix_caching": prefix_caching})
     started = time.perf_counter()
     step = llm.llm_engine.step
     figures = []

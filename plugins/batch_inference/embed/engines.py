@@ -38,7 +38,6 @@ OpenAI's embedding models.
 
 from __future__ import annotations
 
-import gc
 import json
 import threading
 from collections.abc import Iterator, Sequence
@@ -50,8 +49,8 @@ from batch_inference.engines.llama_cpp import LlamaCppEngine, native_log_quiet, 
 from batch_inference.engines.openai import OpenAIEngine, extra_body_option
 from batch_inference.hosted.core import ERRORED, SUCCEEDED, HostedBatchEngine, Item
 from batch_inference.hosted.openai_batch import OpenAIBatchEngine
-from batch_inference.engines.vllm import VllmEngine, build_llm_kwargs, collector_held_off_for_the_load, \
-    tolerate_proxies_in_kernel_scan
+from batch_inference.engines.vllm import VllmEngine, build_llm_kwargs, tolerate_proxies_in_kernel_scan, \
+    vllm_for_a_start_up
 from batch_inference.exceptions import InvalidValue
 from batch_inference.prompting import render_record
 from batch_inference.spec import JobSpec
@@ -242,16 +241,9 @@ class VllmEmbedder(VllmEngine):
 
         os.environ["HF_HUB_OFFLINE"] = "1"
         os.environ["TRANSFORMERS_OFFLINE"] = "1"
-        with collector_held_off_for_the_load():
-            try:
-                import vllm
-
-                llm_class = vllm.LLM
-            except ImportError as exc:
-                raise InvalidValue(f"engine 'vllm' needs the vllm package ({one_line(exc)})") from None
+        with vllm_for_a_start_up() as vllm:
             tolerate_proxies_in_kernel_scan()
-            gc.freeze()     # as VllmEngine.load: vLLM's modules out of its start-up's full collections
-            self._llm = llm_class(**self.llm_kwargs())
+            self._llm = vllm.LLM(**self.llm_kwargs())
         _check_model_size(self.name, self.spec, int(self._llm.llm_engine.model_config.get_hidden_size()))
 
     def queue_depth(self) -> int:

@@ -305,15 +305,26 @@ def tolerate_proxies_in_kernel_scan() -> None:
 
 
 @contextlib.contextmanager
-def collector_held_off_for_the_load() -> Iterator[None]:
-    """Python's cyclic collector held off while vLLM is imported and ``vllm.LLM`` starts: vLLM's import
-    (about 5,000 modules) and start-up make objects that live as long as the model, and the collector's
-    passes over them as they were made were about 2 of a load's 12-13 CPU-s (2 AMD EPYC cores, load 9-10).
-    vLLM's own full collections during start-up still run. Restored on the way out (only if it was on)."""
+def vllm_for_a_start_up() -> Iterator[Any]:
+    """The ``vllm`` module, for a ``vllm.LLM`` started inside the block (the engines' loads, the benchmark's
+    bare arm): imported, and the block run, with Python's cyclic collector held off, and what the process
+    holds once ``vllm.LLM`` is imported (vLLM's modules with the rest) frozen out of it before the block.
+    vLLM's import (about 5,000 modules) and start-up make objects that live as long as the model: the
+    collector's passes over them as they were made were about 2 of a load's 12-13 CPU-s, and vLLM's own
+    full collections while it starts (it freezes the heap itself once started) walked the whole heap, 0.7
+    CPU-s more (2 AMD EPYC cores, load 9-10). The collector is restored on the way out (only if it was on).
+    No vLLM installed: one line (``InvalidValue``)."""
     was_on = gc.isenabled()
     gc.disable()
     try:
-        yield
+        try:
+            import vllm
+
+            vllm.LLM   # noqa: B018 - its lazy import (vllm.entrypoints.llm), done before the freeze
+        except ImportError as exc:
+            raise InvalidValue(f"engine 'vllm' needs the vllm package ({one_line(exc)}): {INSTALL_HINT}") from None
+        gc.freeze()
+        yield vllm
     finally:
         if was_on:
             gc.enable()
@@ -353,22 +364,14 @@ class VllmEngine(Engine):
 
             for note in vllm_cpu_notes(str(self.options.get("dtype") or "auto")):
                 log.info("%s", note)
-        with collector_held_off_for_the_load():
-            try:
-                import vllm
-                import vllm.exceptions
-                import vllm.sampling_params as sampling_module
-                llm_class = vllm.LLM
-            except ImportError as exc:
-                raise InvalidValue(f"engine 'vllm' needs the vllm package ({one_line(exc)}): {INSTALL_HINT}") \
-                    from None
+        with vllm_for_a_start_up() as vllm:
+            import vllm.exceptions
+            import vllm.sampling_params as sampling_module
+
             # What vLLM raises for one request it will not take (a prompt over max_model_len, say).
             self._request_errors = (ValueError, TypeError, vllm.exceptions.VLLMClientError)
             tolerate_proxies_in_kernel_scan()
-            # What the process holds now (vLLM's modules, touched above) frozen out of the full collections
-            # vLLM makes while it starts (it freezes the heap itself once started): 0.7 CPU-s less a load.
-            gc.freeze()
-            self._llm = llm_class(**build_llm_kwargs(self.spec, self.options))
+            self._llm = vllm.LLM(**build_llm_kwargs(self.spec, self.options))
         self._sampling = make_sampling_params(sampling_module, self.spec, self.want_logprobs)
 
     def with_spec(self, spec: JobSpec, options: dict[str, Any] | None = None) -> "VllmEngine":
