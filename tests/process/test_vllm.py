@@ -13,6 +13,7 @@ from __future__ import annotations
 import gc
 import json
 import re
+import sys
 import threading
 import time
 from pathlib import Path
@@ -173,6 +174,23 @@ def test_options_vllm_refuses_and_result_options_are_refused_at_construction(vll
     assert spec_for(vllm_model, engine={"options": {**RESULT_OPTIONS}}).spec_hash == spec.spec_hash
     left_out = load_engine("vllm", spec, {"enforce_eager": True})       # left out: the spec's value
     assert left_out.options["dtype"] == "bfloat16" and left_out.options["max_model_len"] == 2048
+
+
+def test_vllm_starts_with_the_collector_held_off_and_a_missing_vllm_is_one_line(monkeypatch):
+    """vllm_for_a_start_up: inside the block the cyclic collector is off and vllm.LLM is imported; after it,
+    and after a failed import, the collector is on again; without vLLM the error is one line with the hint."""
+    from batch_inference.engines.vllm import vllm_for_a_start_up
+    from batch_inference.exceptions import InvalidValue
+
+    assert gc.isenabled()
+    with vllm_for_a_start_up() as vllm:
+        assert not gc.isenabled() and "vllm.entrypoints.llm" in sys.modules and vllm.LLM
+    assert gc.isenabled()
+    monkeypatch.setitem(sys.modules, "vllm", None)          # `import vllm` fails as where it is not installed
+    with pytest.raises(InvalidValue, match=r"^engine 'vllm' needs the vllm package \(.+\): pip install ") as info:
+        with vllm_for_a_start_up():
+            raise AssertionError("the block ran without vLLM")
+    assert "\n" not in str(info.value) and gc.isenabled()
 
 
 def test_a_changed_file_in_the_model_directory_is_named_before_anything_loads(vllm_model, tmp_path):
