@@ -87,10 +87,12 @@ def test_two_runs_submitting_one_version_together_both_get_it_and_one_created_it
 
 
 def test_a_run_that_must_wait_defers_until_the_earlier_run_has_ended(conn, db_url, monkeypatch):
-    """The wait itself: the submit defers to Airflow's DagStateTrigger on the earlier run (the triggerer reads
-    its state, no task process runs while it waits), and once back it checks again and goes on."""
-    from airflow.providers.standard.triggers.external_task import DagStateTrigger
+    """The wait itself: the submit defers to a trigger on the earlier run (the triggerer reads its state
+    through Airflow's DagStateTrigger, no task process runs while it waits), and once back it checks again
+    and goes on."""
     from airflow.sdk.exceptions import TaskDeferred
+
+    from batch_inference.triggers.earlier_run import EarlierRunTrigger
 
     from batch_inference.hooks.batch_inference import airflow_connection_json
     from tests.conftest import spec_dict, tickets
@@ -115,10 +117,42 @@ def test_a_run_that_must_wait_defers_until_the_earlier_run_has_ended(conn, db_ur
         op.execute({"ti": ti})
     deferred = waited.value
     trigger = deferred.trigger
-    assert isinstance(trigger, DagStateTrigger) and deferred.method_name == "execute_after_wait"
-    assert (trigger.dag_id, trigger.run_ids, trigger.states) == ("batch_inference_nightly", ["night"],
-                                                                 ["success", "failed"])
-    assert trigger.poll_interval == 5.0
+    assert isinstance(trigger, EarlierRunTrigger) and deferred.method_name == "execute_after_wait"
+    state = trigger.state_trigger()
+    assert (state.dag_id, state.run_ids, state.states) == ("batch_inference_nightly", ["night"], ["success", "failed"])
+    assert state.poll_interval == 5.0
     ti.states[("batch_inference_nightly", "night")] = "success"
     again = op.execute_after_wait({"ti": ti}, event=None)
     assert again["job_version"] == earlier["job_version"] and again["created"] is False
+
+
+def test_the_wait_on_an_earlier_run_ends_when_it_ends_or_at_its_bound(monkeypatch):
+    """The trigger fires with ended true once Airflow's DagStateTrigger sees the run end, and with ended false
+    after recheck_seconds when it never does (a run deleted while another waits for it), so the submit
+    checks again instead of waiting for ever; it serializes to itself."""
+    import asyncio
+
+    from airflow.providers.standard.triggers.external_task import DagStateTrigger
+
+    from batch_inference.triggers.earlier_run import EarlierRunTrigger
+
+    async def first(trigger):
+        return [e.payload async for e in trigger.run()]
+
+    async def ends(self):
+        await asyncio.sleep(0.01)
+        yield "ended"
+
+    async def never(self):
+        await asyncio.sleep(3600)
+        yield "never"
+
+    monkeypatch.setattr(DagStateTrigger, "run", ends)
+    trigger = EarlierRunTrigger("nightly", "night", poll_interval=1.0, recheck_seconds=5.0)
+    assert asyncio.run(first(trigger)) == [{"dag_id": "nightly", "run_id": "night", "ended": True}]
+    monkeypatch.setattr(DagStateTrigger, "run", never)
+    trigger = EarlierRunTrigger("nightly", "night", poll_interval=1.0, recheck_seconds=0.05)
+    assert asyncio.run(first(trigger)) == [{"dag_id": "nightly", "run_id": "night", "ended": False}]
+    path, kwargs = trigger.serialize()
+    assert path == "batch_inference.triggers.earlier_run.EarlierRunTrigger"
+    assert EarlierRunTrigger(**kwargs).serialize() == (path, kwargs)

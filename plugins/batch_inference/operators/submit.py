@@ -102,7 +102,8 @@ class SubmitJobOperator(LedgerTask, BaseOperator):
         connection's ``endpoint_url`` extra instead. Templated.
     :param wait_poll_seconds: when an earlier DAG run (of any DAG) is still working on a version of the
         same dataset (this job version or another), this run waits, deferred, until that run has ended
-        (the triggerer reads its state every this many seconds), then checks again: one dataset's runs
+        (the triggerer reads its state every this many seconds) or five minutes have passed
+        (``triggers.earlier_run``), then checks again: one dataset's runs
         work and publish in the order they submitted, while other datasets' runs go on beside them.
     :param deployment: a deployment YAML (clusters in several regions, docs/regions.md; relative paths
         next to the DAG file), or empty: every store and Kubernetes connection is asked before anything is
@@ -198,12 +199,12 @@ class SubmitJobOperator(LedgerTask, BaseOperator):
             self.log.info("job version %s of dataset %s: the dataset is being worked by the earlier run "
                           "%s/%s; this run waits for it to end (its state read every %.0f s)",
                           manifest["job_version"], spec.dataset, *busy, self.wait_poll_seconds)
-            from airflow.providers.standard.triggers.external_task import DagStateTrigger
+            from batch_inference.triggers.earlier_run import EarlierRunTrigger
 
             # The triggerer reads the earlier run's state (no task process while it waits); back here once
-            # it has ended, the submit checks again for any other earlier run.
-            self.defer(trigger=DagStateTrigger(dag_id=busy[0], run_ids=[busy[1]], states=["success", "failed"],
-                                               poll_interval=self.wait_poll_seconds),
+            # it has ended, or after the trigger's bound (a run deleted meanwhile never ends), the submit
+            # checks again for any earlier run still active.
+            self.defer(trigger=EarlierRunTrigger(busy[0], busy[1], poll_interval=self.wait_poll_seconds),
                        method_name="execute_after_wait")
         self._lineage = self._datasets(spec.source, hook.get_conninfo(), reader)
         self.log.info("%s %s: %d records in %d shard(s), %d dead letters at planning, %d reused",
