@@ -143,7 +143,10 @@ def test_the_review_step_waits_in_required_actions_until_a_dashboard_review_meet
     run = dep.wait_run(BACKFILL, run_id, timeout=180)
     assert run["state"] == "success", dep.explain(BACKFILL, run_id)
     tis = dep.task_instances(BACKFILL, run_id)
-    assert tis["review"]["try_number"] == 1 and tis["publish"]["state"] == "success"
+    # The deployment reads the gate every 2 s, so the trigger can fire within seconds of the deferral and
+    # lose the try to the scheduler (apache/airflow#72716, docs/airflow.md); the second try, 10 s later
+    # (DEFERRING_RETRY_DELAY), reads the gate met at once.
+    assert tis["review"]["try_number"] in (1, 2) and tis["publish"]["state"] == "success"
     assert dep.xcom(BACKFILL, run_id, "review")["passed"] is True
     c = counts(dep, job)
     assert c["status"] == "published" and published_rows(dep, "live_review") == c["stored"] > 0
