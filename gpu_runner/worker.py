@@ -403,6 +403,8 @@ class Worker:
     def _should_wait(self) -> bool:
         """No shard to claim: wait while others hold leases that may still expire."""
         assert self.conn is not None
+        if not self.cfg.wait_for_leases:     # told not to wait: nothing to ask the ledger
+            return False
         mode, status = self._db(job_mode, self.conn, self.cfg.job_version)
         if status != "running" or (mode == "fallback" and self.transport != "fallback"):
             log.info("%s: job is %s/%s; nothing for this worker", self.owner, status, mode)
@@ -992,8 +994,10 @@ class _Progress:
             return
         now = m.last
         job = ""
-        # The job's counts (a query) at most every progress_seconds, and at the shard's end.
-        if m.done >= self.total or now - self.w.job_counts_at >= self.w.cfg.progress_seconds:
+        # The job's counts (a query) at most every progress_seconds, and at the shard's end; none for a far worker
+        # (--result-files): a round trip to a far ledger, for counts that leave out the results far workers hold.
+        if not self.w.cfg.result_files and (m.done >= self.total
+                                            or now - self.w.job_counts_at >= self.w.cfg.progress_seconds):
             self.w.job_counts_at = now
             try:
                 assert self.w.conn is not None

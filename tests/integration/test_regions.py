@@ -551,3 +551,36 @@ def test_a_far_worker_writes_what_it_held_past_hold_seconds_straight_and_hands_t
                          (placed, lease.shard_no)).fetchone()
     assert (shard["state"], shard["stored"]) == ("done", 10)
     assert duplicates(conn, placed) == 0
+
+
+def test_a_far_worker_asks_the_ledger_per_shard_only_its_claim_and_its_hand_in(db_url, conn, placed, monkeypatch):
+    """Behind a far round trip each statement is one (80 ms in benchmarks.regions): a far worker (--result-files)
+    sends per shard its claim and its hand-in, and once its start (the spec, its region's store) and its last
+    claim; no job counts for its progress line (counts that leave out what far workers hold) and none at the end
+    when it is not to wait for others' leases."""
+    import threading
+
+    from gpu_runner.worker import WorkerConfig, run_worker
+
+    sent: list[str] = []
+    real = psycopg.Cursor.execute
+
+    def counting(self, query, *args, **kw):
+        if threading.current_thread() is threading.main_thread():      # the renewals have a thread of their own
+            sent.append(" ".join(str(query).split())[:80])
+        return real(self, query, *args, **kw)
+
+    monkeypatch.setattr(psycopg.Cursor, "execute", counting)
+    assert run_worker(WorkerConfig(job_version=placed, db_url=db_url, region="ap-south", result_files=True,
+                                   wait_for_leases=False, progress_every=5)) == 0
+    monkeypatch.undo()
+    shards = conn.execute("SELECT count(*) AS n FROM bi.result_files WHERE job_version = %s", (placed,)
+                          ).fetchone()["n"]
+    assert shards == 2, sent                      # ap-south's own two of the six, no gate open to steal through
+    claims = [s for s in sent if "claim_shard_region" in s]
+    hand_ins = [s for s in sent if "hand_in_results" in s]
+    assert (len(claims), len(hand_ins)) == (shards + 1, shards), sent
+    assert not [s for s in sent if "job_counts" in s or "job_mode" in s], sent
+    start = sent[:sent.index(claims[0])]
+    assert len(sent) == len(start) + len(claims) + len(hand_ins) and len(start) <= 3, sent
+    assert merge_pending(conn, placed) == {"merged": 2, "rows": 20} and duplicates(conn, placed) == 0
