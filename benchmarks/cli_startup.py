@@ -20,7 +20,6 @@ PYTHONPATH (a commit before a change: ``git archive COMMIT plugins gpu_runner | 
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import resource
 import subprocess
@@ -31,10 +30,7 @@ from pathlib import Path
 if __package__ in (None, ""):  # run as `python benchmarks/cli_startup.py`
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-import yaml  # noqa: E402
-
-from benchmarks.common import PYTHON, bench_spec, emit, fresh_server, make_tickets, median, rnd, worker_env  # noqa: E402
-from batch_inference import db  # noqa: E402
+from benchmarks.common import PYTHON, emit, finished_noop_job, fresh_server, median, rnd, worker_env  # noqa: E402
 
 BI = str(Path(PYTHON).parent / "batch-inference")
 FLOOR = [PYTHON, "-c", "import gc, psycopg, batch_inference.spec; gc.freeze()"]
@@ -66,18 +62,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--against", help="another checkout whose code runs the same commands, interleaved")
     args = ap.parse_args(argv)
     with fresh_server() as url, tempfile.TemporaryDirectory(prefix="bi-cli-") as tmp:
-        with db.connect(url) as conn:
-            make_tickets(conn, 30)
-        spec = Path(tmp) / "spec.yaml"
-        spec.write_text(yaml.safe_dump(bench_spec(shard_size=10).model_dump(mode="json", exclude_none=True)))
+        job, spec = finished_noop_job(url, Path(tmp))
         arms = {"this": worker_env(url)}
         if args.against:
             root = Path(args.against).resolve()
             arms["against"] = {**arms["this"], "PYTHONPATH": os.pathsep.join([str(root / "plugins"), str(root)])}
-        env = arms["this"]
-        out = subprocess.run([BI, "submit", str(spec)], env=env, capture_output=True, text=True, check=True)
-        job = json.loads(out.stdout)["job_version"]
-        subprocess.run([BI, "worker", job], env=env, capture_output=True, check=True)   # finished: no records left
         fill = {"{spec}": str(spec), "{job}": job}
         cpu: dict[str, dict[str, list[float]]] = {arm: {} for arm in arms}
         for _ in range(args.repeats):

@@ -181,6 +181,24 @@ def worker_env(url: str) -> dict[str, str]:
 PYTHON = sys.executable
 
 
+def finished_noop_job(url: str, tmp: Path, records: int = 30) -> tuple[str, Path]:
+    """A ``bench_spec`` job over ``records`` tickets, submitted and run to its end through the CLI (a
+    worker started on it finds nothing left to claim and exits 0): its job version and its spec file."""
+    import subprocess
+
+    import yaml
+
+    with db.connect(url) as conn:
+        make_tickets(conn, records)
+    spec = tmp / "spec.yaml"
+    spec.write_text(yaml.safe_dump(bench_spec(shard_size=10).model_dump(mode="json", exclude_none=True)))
+    bi, env = str(Path(PYTHON).parent / "batch-inference"), worker_env(url)
+    out = subprocess.run([bi, "submit", str(spec)], env=env, capture_output=True, text=True, check=True)
+    job = json.loads(out.stdout)["job_version"]
+    subprocess.run([bi, "worker", job], env=env, capture_output=True, check=True)
+    return job, spec
+
+
 class ServerCpu:
     """CPU seconds used by the whole PostgreSQL server (postmaster, live
     backends, and backends that have exited: the postmaster reaps them, so

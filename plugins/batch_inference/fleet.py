@@ -23,6 +23,13 @@ the engine, an OOM kill) is its launcher's to report: ``last_step`` says what it
 and ``DeathWatch`` tells the same death at the same step with nothing done since, after
 which no restart would get further.
 
+A process is a fork of a warm server (``gpu_runner.forkserver``: psycopg, pydantic, the spec
+and the worker's modules already imported, no engine) when ``start_method`` is "forkserver"
+(the default; ``BATCH_INFERENCE_WORKER_START=popen`` sets the other), or ``subprocess.Popen``
+of a fresh interpreter: either way with its own environment, argv, pipe, pid, exit code and
+death by signal. A server that cannot start leaves the fleet on ``Popen``; the log says which
+started each process.
+
 ``LocalWorkersOperator`` runs its task's workers on it and the chaos harness
 its workers under injected faults. Does not import Airflow.
 """
@@ -45,11 +52,15 @@ from pathlib import Path
 from typing import Any
 
 from batch_inference.exits import ExitCode
+from gpu_runner.forkserver import ForkedProcess, ForkServerError, server_for
 
 # 143: the worker handled SIGTERM (a preemption notice) and released its lease;
 # -15: SIGTERM arrived before its handler was installed. Neither is the worker's fault.
 PREEMPTED = frozenset({int(ExitCode.PREEMPTED), -signal.SIGTERM})
 _SIGNAL_NAMES = {-signal.SIGKILL: "SIGKILL", -signal.SIGTERM: "SIGTERM"}
+# How the fleet starts a process: "forkserver" (a fork of a warm server) or "popen" (a fresh interpreter).
+START_ENV = "BATCH_INFERENCE_WORKER_START"
+START_METHODS = ("forkserver", "popen")
 
 
 class Action(Enum):
@@ -69,7 +80,7 @@ class Worker:
     slot: int
     gen: int
     name: str
-    popen: subprocess.Popen[str]
+    popen: subprocess.Popen[str] | ForkedProcess
     started: float
     tail: collections.deque[str]
     reader: threading.Thread | None = None
@@ -138,6 +149,7 @@ class Fleet:
     new_session: bool = False         # a session of their own: a Ctrl-C on the caller does not reach them
     worker_ids: Callable[[str], str] | None = None   # name -> the --worker-id (lease owner) of each new process
     on_killed: Callable[[Worker], None] | None = None  # after the fleet ended a process by SIGKILL
+    start_method: str = field(default_factory=lambda: os.environ.get(START_ENV, "forkserver"))
 
     def __post_init__(self) -> None:
         self.workers: list[Worker | None] = [None] * self.size     # each slot's current process
@@ -151,6 +163,8 @@ class Fleet:
         self._stopping = threading.Event()
         self._changed = threading.Event()                           # a process exited
         self._lock = threading.RLock()
+        if self.start_method not in START_METHODS:
+            raise ValueError(f"{START_ENV}/start_method: {self.start_method!r} is not one of {', '.join(START_METHODS)}")
         if self.log_dir is not None:
             self.log_dir.mkdir(parents=True, exist_ok=True)
 
@@ -173,17 +187,32 @@ class Fleet:
             name = self.name(slot, gen)
             owner = self.worker_ids(name) if self.worker_ids is not None else None
             command = self.command(name) + (["--worker-id", owner] if owner is not None else [])
-            popen = subprocess.Popen(command, env={**self.env, "PYTHONUNBUFFERED": "1"},
-                                     stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, errors="replace",
-                                     bufsize=1, start_new_session=self.new_session)
+            popen, how = self._spawn(command, {**self.env, "PYTHONUNBUFFERED": "1"})
             w = Worker(slot, gen, name, popen, time.monotonic(), collections.deque(maxlen=self.tail_lines),
                        owner=owner)
             w.reader = threading.Thread(target=self._read, args=(w,), daemon=True, name=f"bi-{name}-log")
             w.reader.start()
             self.workers[slot] = w
             self.started += 1
-        self.log.info("[%s] started pid %d", name, popen.pid)
+        self.log.info("[%s] started pid %d (%s)", name, popen.pid, how)
         return w
+
+    def _spawn(self, command: list[str], env: dict[str, str]) -> tuple[subprocess.Popen[str] | ForkedProcess, str]:
+        """The process, and how it started: a fork of the warm server, or ``Popen`` (the setting, a
+        command the server does not run, or a server that failed: said once in the log)."""
+        if self.start_method == "forkserver" and command[1:2] in (["-m"], ["-c"]) and command[0] == sys.executable:
+            try:
+                server, new = server_for(env, on_output=lambda line: self.log.warning("[fork server] %s", line))
+                if new:
+                    self.log.info("fork server pid %d started: workers are forks of it", server.pid)
+                return server.spawn(command, env, new_session=self.new_session), f"fork of server {server.pid}"
+            except ForkServerError as exc:
+                self.log.warning("fork server unavailable (%s): this fleet starts workers with subprocess.Popen",
+                                 str(exc)[:300])
+                self.start_method = "popen"
+        popen = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                 errors="replace", bufsize=1, start_new_session=self.new_session)
+        return popen, "popen"
 
     def _read(self, w: Worker) -> None:
         assert w.popen.stdout is not None

@@ -2,7 +2,9 @@
 
 Each process runs a short script instead of ``python -m gpu_runner`` (the one
 method the test overrides), so every exit code and signal path is exercised
-without a database. LocalWorkersOperator and the chaos harness run the real
+without a database, each both ways the fleet starts a process (``start_method``:
+a fork of the warm server, ``subprocess.Popen``; tests/process/test_forkserver.py
+checks what a fork gets). LocalWorkersOperator and the chaos harness run the real
 worker on it (tests/integration/test_airflow_operators.py, tests/process/test_chaos.py).
 """
 
@@ -14,7 +16,9 @@ import sys
 import time
 
 from batch_inference.exits import FATAL, ExitCode
-from batch_inference.fleet import Action, Fleet
+import pytest
+
+from batch_inference.fleet import START_METHODS, Action, Fleet
 
 # argv: exit:N (print, exit N) | hold (print "ready", sleep; SIGTERM exits 143) | deaf (ignore SIGTERM, sleep)
 SCRIPT = """
@@ -62,10 +66,16 @@ def gen_name(slot: int, gen: int) -> str:
     return f"w{slot}-g{gen}"
 
 
-def test_preempted_and_engine_crashed_slots_restart_and_a_clean_exit_ends_the_slot(caplog):
+@pytest.fixture(params=START_METHODS)
+def start(request):
+    """The fleet's start method under test (its log names it at each start)."""
+    return request.param
+
+
+def test_preempted_and_engine_crashed_slots_restart_and_a_clean_exit_ends_the_slot(caplog, start):
     caplog.set_level(logging.INFO, logger="batch_inference.fleet")
     fleet = ScriptFleet(by_generation("exit:143", "exit:5", "exit:1", "exit:0"), {}, 2, name=gen_name,
-                        fatal=FATAL, max_restarts=3)
+                        fatal=FATAL, max_restarts=3, start_method=start)
     seen = []
     fleet.start_all()
     run_until_settled(fleet, seen.append)
@@ -76,10 +86,14 @@ def test_preempted_and_engine_crashed_slots_restart_and_a_clean_exit_ends_the_sl
     assert seen[0].preempted and seen[0].label == "143"
     # each line streamed with the worker's name as prefix
     assert "[w0-g2] hello from w0-g2" in caplog.messages
+    # and the start of each, with how it started
+    how = "fork of server" if start == "forkserver" else "popen"
+    started = [m for m in caplog.messages if " started pid " in m]
+    assert len(started) == 8 and all(m.endswith(")") and f"({how}" in m for m in started), started
 
 
-def test_a_fatal_exit_is_reported_and_not_restarted():
-    fleet = ScriptFleet(["exit:3"], {}, 1, fatal=FATAL, max_restarts=3)
+def test_a_fatal_exit_is_reported_and_not_restarted(start):
+    fleet = ScriptFleet(["exit:3"], {}, 1, fatal=FATAL, max_restarts=3, start_method=start)
     fleet.start_all()
     run_until_settled(fleet)
     (e,) = fleet.exits
@@ -87,16 +101,17 @@ def test_a_fatal_exit_is_reported_and_not_restarted():
     assert list(e.worker.tail) == ["hello from w0"]
 
 
-def test_a_slot_out_of_restarts_gives_up():
-    fleet = ScriptFleet(["exit:1"], {}, 1, fatal=FATAL, max_restarts=2)
+def test_a_slot_out_of_restarts_gives_up(start):
+    fleet = ScriptFleet(["exit:1"], {}, 1, fatal=FATAL, max_restarts=2, start_method=start)
     fleet.start_all()
     run_until_settled(fleet)
     assert [e.action for e in fleet.exits] == [Action.RESTART, Action.RESTART, Action.GAVE_UP]
     assert not fleet.exits[-1].expected
 
 
-def test_stop_terms_then_kills_after_the_grace_and_restarts_nothing(tmp_path):
-    fleet = ScriptFleet(lambda name: ["deaf" if name == "w1" else "hold"], {}, 2, log_dir=tmp_path)
+def test_stop_terms_then_kills_after_the_grace_and_restarts_nothing(tmp_path, start):
+    fleet = ScriptFleet(lambda name: ["deaf" if name == "w1" else "hold"], {}, 2, log_dir=tmp_path,
+                        start_method=start)
     fleet.start_all()
     for slot in (0, 1):
         wait_for_line(fleet, slot, "ready")
@@ -110,8 +125,8 @@ def test_stop_terms_then_kills_after_the_grace_and_restarts_nothing(tmp_path):
     assert (tmp_path / "w0.log").read_text() == "hello from w0\nready\n"
 
 
-def test_a_stopped_worker_is_continued_before_its_sigterm():
-    fleet = ScriptFleet(["hold"], {}, 1)
+def test_a_stopped_worker_is_continued_before_its_sigterm(start):
+    fleet = ScriptFleet(["hold"], {}, 1, start_method=start)
     fleet.start_all()
     wait_for_line(fleet, 0, "ready")
     w = fleet.workers[0]
@@ -120,8 +135,8 @@ def test_a_stopped_worker_is_continued_before_its_sigterm():
     assert (e.code, e.expected, w.stopped) == (143, True, False)
 
 
-def test_wait_wakes_when_a_worker_exits():
-    fleet = ScriptFleet(["exit:0"], {}, 1)
+def test_wait_wakes_when_a_worker_exits(start):
+    fleet = ScriptFleet(["exit:0"], {}, 1, start_method=start)
     fleet.start_all()
     t0 = time.monotonic()
     fleet.wait(60)                  # woken by the end of the worker's output, not the timeout
