@@ -195,7 +195,8 @@ def put_components(conn: psycopg.Connection, run: str, records: int, shard_size:
     * ``raw_snapshot``: the raw insert reading each row's ACL and content hash from a job's snapshot;
     * ``raw_hash8_snapshot``: both;
     * ``put``: ``Ledger.put_results`` over a whole job (its calls alone timed: the fence, the shard's
-      counters and the category stripes on top of the last arm).
+      counters and the category stripes on top of the last arm);
+    * ``read``: the worker's shard read of the same job (``Ledger.record_columns``, its pages alone timed).
     """
     import psutil
 
@@ -227,9 +228,11 @@ def put_components(conn: psycopg.Connection, run: str, records: int, shard_size:
         conn.execute(f"DROP TABLE {part}")
     ledger = Ledger(conn, job, f"bench-{run}")
     conn.execute("CHECKPOINT")
-    put_s = 0.0
+    put_s = read_s = 0.0
     while (lease := ledger.claim()) is not None:
+        c0 = cpu()
         rids = ledger.record_columns(lease)[0]
+        read_s += cpu() - c0
         for s in range(0, len(rids), batch):
             chunk = rids[s:s + batch]
             c0 = cpu()
@@ -237,6 +240,7 @@ def put_components(conn: psycopg.Connection, run: str, records: int, shard_size:
             put_s += cpu() - c0
         assert ledger.complete(lease) == "done"
     out["put"] = put_s / records
+    out["read"] = read_s / records
     conn.execute("SELECT bi.drop_job_version_v1(%s)", (job,))
     return out
 

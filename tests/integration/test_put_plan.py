@@ -3,8 +3,10 @@
 Whatever the statistics say, the snapshot rows of a call's results are read
 in one scan of the primary key for all of the call's ids and hash-joined to
 its arrays: no nested loop (one probe, or one scan, per result) and no scan
-of the whole shard or job. The shard read probes bi.attempts per record only
-once the job has an attempts row (sql/schema/ledger.sql).
+of the whole shard or job. The shard read of a shard with nothing stored or
+dead in a job with no attempts row is the shard index's range alone; otherwise
+it probes bi.attempts per record only once the job has an attempts row
+(sql/schema/ledger.sql).
 """
 
 from __future__ import annotations
@@ -60,15 +62,30 @@ def test_shard_read_probes_attempts_once_the_job_has_any(conn):
     def reads() -> list[str]:
         return [p for p in plans if "FROM bi.snapshot_rows sr" in p and "FROM bi.attempts x" in p]
 
+    def fresh_reads() -> list[str]:
+        return [p for p in plans if "FROM bi.snapshot_rows sr" in p and "FROM bi.attempts x" not in p
+                and "bi.results r" not in p and "bi.dead_letters d" not in p]
+
     for _ in range(7):                                 # past the plan cache's first five calls
         rows = lg.records(lease)
-    assert len(rows) == 100 and not any(r["attempts"] for r in rows)
-    assert len(reads()) == 7
+    assert len(rows) == 100 and not any(r["attempts"] or r["crashes"] for r in rows)
+    # Nothing stored, dead or tried: the range of the shard's index alone, no anti-join, no probe.
+    assert len(fresh_reads()) == 7 and not reads()
+    for plan in fresh_reads():
+        assert "_shard on snapshot_rows_" in plan and "Seq Scan" not in plan and "Sort" not in plan, plan
+        assert "attempts_" not in plan and "results_" not in plan, plan
+    plans.clear()
+    first = rows[0]["record_id"]
+    assert lg.put_results(lease, [first], [OUT], ["billing"]) == 1   # one stored: the general read
+    for _ in range(7):
+        rows = lg.records(lease)
+    assert len(rows) == 99 and first not in {r["record_id"] for r in rows} and not any(r["attempts"] for r in rows)
+    assert len(reads()) == 7 and not fresh_reads()
     for plan in reads():   # custom plans leave the scan out, the generic one never runs it
         assert all("never executed" in line for line in plan.splitlines() if "on attempts_" in line), plan
     plans.clear()
     conn.execute("SET plan_cache_mode = force_generic_plan")   # the gate holds in the generic plan too
-    assert len(lg.records(lease)) == 100
+    assert len(lg.records(lease)) == 99
     [generic] = reads()
     scans = [line for line in generic.splitlines() if "on attempts_" in line]
     assert scans and all("never executed" in line for line in scans), generic
