@@ -137,6 +137,7 @@ class ForkServer:
         self._control = control
         self._lock = threading.Lock()
         self.env = dict(env)
+        self.cwd = os.getcwd()
         self.fixed = frozenset(fixed_names(env) | set(read))
         self.spawned = 0
         self._children: list[ForkedProcess] = []
@@ -179,7 +180,11 @@ class ForkServer:
         return self.proc.poll() is None
 
     def fits(self, env: Mapping[str, str]) -> bool:
-        """True when a process with ``env`` would start here as it would from its own interpreter."""
+        """True when a process with ``env`` would start here as it would from its own interpreter (a
+        relative PYTHONPATH entry also needs the working directory the server started in)."""
+        if any(not os.path.isabs(p) for p in env.get("PYTHONPATH", "").split(os.pathsep) if p) \
+                and os.getcwd() != self.cwd:
+            return False
         return all(env.get(k) == self.env.get(k) for k in self.fixed | fixed_names(env))
 
     def spawn(self, command: Sequence[str], env: Mapping[str, str], new_session: bool = False) -> ForkedProcess:
@@ -258,6 +263,19 @@ def server_for(env: Mapping[str, str], on_output: Callable[[str], None] | None =
             _closing_at_exit.append(True)
         _servers.append(s)
         return s, True
+
+
+def _forget_servers() -> None:
+    """In a child forked from a process with servers: they are its parent's (the child starts its own)."""
+    global _servers_lock
+    _servers_lock = threading.Lock()
+    for s in _servers:
+        with contextlib.suppress(OSError):
+            s._control.close()
+    _servers.clear()
+
+
+os.register_at_fork(after_in_child=_forget_servers)
 
 
 def close_all() -> None:
