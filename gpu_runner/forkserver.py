@@ -57,7 +57,8 @@ NEVER_PRELOADED = ("torch", "vllm", "llama_cpp", "airflow")
 FIXED_PREFIXES = ("PYTHON", "LC_", "LD_", "OPENSSL_")
 FIXED_NAMES = frozenset({"LANG", "LANGUAGE", "TZ", "HOME"})
 READY_TIMEOUT_S = 60.0
-# ``ForkedProcess.returncode`` when the server went away before it could say how a child ended.
+# ``ForkedProcess.returncode`` when the server went away before it could say how a child ended (the
+# child is then watched by its pid until it is gone).
 LOST = 255
 _MSG = 1 << 16
 
@@ -78,6 +79,7 @@ class ForkedProcess:
         self.returncode: int | None = None
         self.cpu_s: float | None = None    # user + system CPU seconds it spent (and its children it waited for)
         self._status = status
+        self._orphan = False               # the server went away while it ran: watched by its pid
         self._lock = threading.Lock()
 
     def _collect(self) -> None:
@@ -85,15 +87,21 @@ class ForkedProcess:
         with self._lock:
             if self.returncode is not None:
                 return
-            try:
-                msg = self._status.recv(_MSG, socket.MSG_DONTWAIT)
-            except BlockingIOError:
-                return
-            except OSError:
-                msg = b""
-            ended = json.loads(msg) if msg else {"exit": LOST}
-            self.returncode, self.cpu_s = ended["exit"], ended.get("cpu_s")
-            self._status.close()
+            if not self._orphan:
+                try:
+                    msg = self._status.recv(_MSG, socket.MSG_DONTWAIT)
+                except BlockingIOError:
+                    return
+                except OSError:
+                    msg = b""
+                self._status.close()
+                if msg:
+                    ended = json.loads(msg)
+                    self.returncode, self.cpu_s = ended["exit"], ended.get("cpu_s")
+                    return
+                self._orphan = True
+            if not _running(self.pid):
+                self.returncode = LOST
 
     def poll(self) -> int | None:
         self._collect()
@@ -105,6 +113,9 @@ class ForkedProcess:
             left = None if end is None else end - time.monotonic()
             if left is not None and left <= 0:
                 raise subprocess.TimeoutExpired(self.args, timeout)
+            if self._orphan:
+                time.sleep(0.05 if left is None else min(left, 0.05))
+                continue
             with contextlib.suppress(OSError, ValueError):     # closed meanwhile by another thread's poll
                 select.select([self._status], [], [], left)
         assert self.returncode is not None
@@ -120,6 +131,15 @@ class ForkedProcess:
 
     def kill(self) -> None:
         self.send_signal(signal.SIGKILL)
+
+
+def _running(pid: int) -> bool:
+    """``pid`` exists and is not a zombie (an orphan's zombie waits for whoever reaps orphans here)."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            return f.read().rsplit(b")", 1)[1].split()[0] != b"Z"
+    except (OSError, IndexError):
+        return False
 
 
 def fixed_names(env: Mapping[str, str]) -> set[str]:

@@ -101,6 +101,19 @@ def test_exit_codes_signals_and_the_interpreter_exit_are_those_of_a_process_of_i
     assert run(server, "print('still here')")[2] == "still here\n" and server.alive()
 
 
+def test_a_child_whose_server_died_is_watched_by_its_pid_until_it_is_gone():
+    lone = ForkServer.start({**os.environ, "PYTHONUNBUFFERED": "1"})
+    p = lone.spawn([sys.executable, "-c", "print('up', flush=True); import time; time.sleep(60)"], lone.env)
+    assert p.stdout.readline() == "up\n"
+    os.kill(lone.pid, signal.SIGKILL)
+    lone.close()
+    assert p.poll() is None
+    with pytest.raises(subprocess.TimeoutExpired):
+        p.wait(0.2)
+    os.kill(p.pid, signal.SIGKILL)
+    assert p.wait(30) == forkserver.LOST
+
+
 def test_the_environment_the_server_fixed_at_its_start_decides_which_server_a_worker_needs(server, tmp_path):
     # what the interpreter and the preload read at the server's start: its own, and those the preload read
     assert {"PYTHONUNBUFFERED", "PSYCOPG_IMPL"} <= server.fixed
