@@ -133,6 +133,15 @@ class ForkedProcess:
         self.send_signal(signal.SIGKILL)
 
 
+def _stdin() -> list[int]:
+    """This process's fd 0 while it has one."""
+    try:
+        os.fstat(0)
+    except OSError:
+        return []
+    return [0]
+
+
 def _running(pid: int) -> bool:
     """``pid`` exists and is not a zombie (an orphan's zombie waits for whoever reaps orphans here)."""
     try:
@@ -173,7 +182,8 @@ class ForkServer:
         mine, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         try:
             proc = subprocess.Popen([sys.executable, "-m", "gpu_runner.forkserver", str(theirs.fileno())],
-                                    env=dict(env), pass_fds=(theirs.fileno(),), stdout=subprocess.PIPE,
+                                    env=dict(env), pass_fds=(theirs.fileno(),), stdin=subprocess.DEVNULL,
+                                    stdout=subprocess.PIPE,
                                     stderr=subprocess.STDOUT, text=True, errors="replace")
         except OSError as exc:
             mine.close()
@@ -218,7 +228,8 @@ class ForkServer:
                               "new_session": new_session}).encode()
         try:
             with self._lock:
-                socket.send_fds(self._control, [request], [w, theirs.fileno()])
+                # the caller's stdin, as Popen's child inherits it (none when it has none)
+                socket.send_fds(self._control, [request], [w, theirs.fileno(), *_stdin()])
             ready, _, _ = select.select([status], [], [], READY_TIMEOUT_S)
             msg = status.recv(_MSG) if ready else b""
         except OSError as exc:
@@ -402,11 +413,11 @@ def serve(control_fd: int) -> _Child | None:
             reap()
         if control not in ready:
             continue
-        msg, fds, _, _ = socket.recv_fds(control, _MSG, 2)
+        msg, fds, _, _ = socket.recv_fds(control, _MSG, 3)
         if not msg:
             reap()
             return None       # the caller is gone or closed it: exit; running children run on
-        out_fd, status_fd = fds
+        out_fd, status_fd, *stdin_fd = fds
         request = json.loads(msg)
         sys.stdout.flush()
         sys.stderr.flush()
@@ -427,11 +438,18 @@ def serve(control_fd: int) -> _Child | None:
             os.dup2(out_fd, 1)
             os.dup2(out_fd, 2)
             os.close(out_fd)
+            if stdin_fd:
+                os.dup2(stdin_fd[0], 0)
+                os.close(stdin_fd[0])
+            else:
+                os.close(0)
+                sys.stdin = None    # type: ignore[assignment]  # as in an interpreter started without one
             os.chdir(request["cwd"])
             os.environ.clear()
             os.environ.update(request["env"])
             return _Child(request["argv"])
-        os.close(out_fd)
+        for fd in (out_fd, *stdin_fd):
+            os.close(fd)
         sock = socket.socket(fileno=status_fd)
         children[pid] = sock
         with contextlib.suppress(OSError):

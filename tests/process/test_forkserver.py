@@ -26,7 +26,7 @@ from gpu_runner.forkserver import ForkServer, ForkServerError
 REPORT = """
 import json, os, subprocess, sys
 print(json.dumps({
-    "pid": os.getpid(), "ppid": os.getppid(), "sid": os.getsid(0), "pgid": os.getpgid(0),
+    "pid": os.getpid(), "ppid": os.getppid(), "stdin": [os.fstat(0).st_dev, os.fstat(0).st_ino], "sid": os.getsid(0), "pgid": os.getpgid(0),
     "argv": sys.argv, "cwd": os.getcwd(), "path0": sys.path[0],
     "env": {k: os.environ.get(k) for k in ("BI_TEST_ONLY_HERE", "BI_TEST_GONE", "PYTHONUNBUFFERED")},
     "c_env": subprocess.run(["sh", "-c", "echo ${BI_TEST_ONLY_HERE:-unset} ${BI_TEST_GONE:-unset}"],
@@ -61,6 +61,7 @@ def test_a_fork_gets_its_own_environment_argv_cwd_and_signals_and_none_of_the_se
     p = server.spawn([sys.executable, "-c", REPORT, "one", "two"], env)
     r = json.loads(p.stdout.read())
     assert p.wait(30) == 0 and r["pid"] == p.pid != server.pid and r["ppid"] == server.pid
+    assert r["stdin"] == [os.fstat(0).st_dev, os.fstat(0).st_ino]     # the caller's, as Popen's child gets it
     assert r["argv"] == ["-c", "one", "two"] and r["cwd"] == str(tmp_path) and r["path0"] == ""
     # os.environ and the C environment (a child of the worker inherits it) are the worker's, not the server's
     assert r["env"] == {"BI_TEST_ONLY_HERE": "worker's", "BI_TEST_GONE": None, "PYTHONUNBUFFERED": "1"}
