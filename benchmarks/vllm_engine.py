@@ -25,7 +25,9 @@ on, temperature 0:
   urgency and a summary) and ``--job-max-tokens`` (96), the records planned
   into that many shards, run by the CLI worker with shards overlapping, and
   by bare ``LLM.chat`` over all of them at once (``--one-shard-arm`` adds
-  the worker one shard at a time, ``--no-overlap``), each ``--repeats``
+  the worker one shard at a time, ``--no-overlap``; ``--job-schema short``,
+  the quick run's, asks the one-shard arm's schema instead: a third of the
+  tokens and a grammar that compiles at once), each ``--repeats``
   times with the order turned round each repeat. Besides the ratios:
   each arm's engine steps and their time (``StepMeter``; the worker logs
   its own at exit), each step's time against bare's, the engine idle time
@@ -57,6 +59,7 @@ record by record as canonical JSON (``null``: dead-lettered or truncated).
 
     python -m benchmarks.vllm_engine [--records 500] [--prefix-records 200] [--max-tokens 24] [--repeats 2]
                                      [--jobs 1000:8,240:6] [--job-max-tokens 96] [--one-shard-arm]
+                                     [--job-schema ticket|short]
     python -m benchmarks.vllm_engine --records 0 --jobs 240:6     # the multi-shard job alone
 """
 
@@ -97,6 +100,11 @@ TICKET_SCHEMA = {
     "required": ["category", "urgent", "summary"],
     "additionalProperties": False,
 }
+# The multi-shard jobs' schema by name (--job-schema), and how their lines name it. The quick run's is the
+# short one: its line has every figure of the ticket schema's, for a third of the tokens (12 records: 264
+# against 765) and no grammar compile to wait out (2.3 CPU-s a process; 1.9 against 6.4 CPU-s a bare run,
+# one OpenMP thread, AMD EPYC, load 8).
+JOB_SCHEMAS = {"ticket": "ticket (category, urgent, summary)", "short": "short (category, urgent)"}
 TICKETS = [
     "I was charged twice for my subscription this month. Please refund one of the charges.",
     "The app crashes every time I open the settings page on Android 14.",
@@ -358,22 +366,23 @@ def run_arm(name: str, args: list[str], env: dict[str, str] | None = None) -> di
 
 
 def run_job(records: int, shards: int, max_tokens: int, one_shard_arm: bool = False,
-            repeats: int = 1) -> dict[str, Any]:
+            repeats: int = 1, schema: str = "ticket") -> dict[str, Any]:
     """One multi-shard job as a user runs it (the ticket schema, ``batch-inference worker`` as a process,
     shards overlapping), and bare ``LLM.chat`` over the same conversations at once; with
     ``one_shard_arm`` also the worker one shard at a time (``--no-overlap``). ``repeats`` times, the
     arms' order turned round each repeat (a load that rises or falls during the run lands on both);
-    times are medians over the repeats, the rest the last repeat's."""
+    times are medians over the repeats, the rest the last repeat's. ``schema``: a name in JOB_SCHEMAS."""
     load = {"before": rnd(os.getloadavg()[0])}
-    return job_figures(records, max_tokens, repeats, job_arms(records, shards, max_tokens, one_shard_arm, repeats)[0],
-                       load)
+    return job_figures(records, max_tokens, repeats,
+                       job_arms(records, shards, max_tokens, one_shard_arm, repeats, schema=schema)[0], load, schema)
 
 
 def job_arms(records: int, shards: int, max_tokens: int, one_shard_arm: bool, repeats: int,
-             bare: bool = True) -> tuple[dict[str, list[dict[str, Any]]], str]:
+             bare: bool = True, schema: str = "ticket") -> tuple[dict[str, list[dict[str, Any]]], str]:
     """The job's arms (run_job's), and the spec its worker stored; without ``bare`` its bare arm is left
     to the caller (``run``'s one bare process)."""
-    args = ["--records", str(records), "--max-tokens", str(max_tokens), "--ticket-schema"]
+    args = ["--records", str(records), "--max-tokens", str(max_tokens), *(["--ticket-schema"] if schema == "ticket"
+                                                                          else [])]
     sharded = [*args, "--shard-size", str(math.ceil(records / shards))]
     names = ["worker"] + (["worker_no_overlap"] if one_shard_arm else [])
     runs: dict[str, list[dict[str, Any]]] = {name: [] for name in [*names, "bare"]}
@@ -392,7 +401,7 @@ def job_arms(records: int, shards: int, max_tokens: int, one_shard_arm: bool, re
 
 
 def job_figures(records: int, max_tokens: int, repeats: int, runs: dict[str, list[dict[str, Any]]],
-                load: dict[str, float]) -> dict[str, Any]:
+                load: dict[str, float], schema: str = "ticket") -> dict[str, Any]:
     """The job's line from its arms' runs (``job_arms``, bare's included)."""
     load["after"] = rnd(os.getloadavg()[0])
     names = [name for name in runs if name != "bare"]
@@ -409,7 +418,7 @@ def job_figures(records: int, max_tokens: int, repeats: int, runs: dict[str, lis
         return arm["activity"]["step_s"] / steps if steps else None
 
     out: dict[str, Any] = {"records": records, "shards": planned, "max_tokens": max_tokens, "repeats": repeats,
-                           "schema": "ticket (category, urgent, summary)", "load1": load,
+                           "schema": JOB_SCHEMAS[schema], "load1": load,
                            "bare_s": {"startup": rnd(bare["startup_s"]), "generate": rnd(bare["generate_s"]),
                                       "whole_run": rnd(bare["total_s"])}}
     for name in names:
@@ -441,26 +450,26 @@ def job_figures(records: int, max_tokens: int, repeats: int, runs: dict[str, lis
 
 
 def run_jobs(jobs: tuple[tuple[int, int], ...], max_tokens: int, one_shard_arm: bool, repeats: int,
-             one_bare: bool, first: tuple[int, str] | None = None
+             one_bare: bool, first: tuple[int, str] | None = None, schema: str = "ticket"
              ) -> tuple[list[dict[str, Any]], dict[str, Any] | None]:
     """Each multi-shard job's line (``run_job``'s). With ``one_bare``, one bare process runs ``first``
     (records and the stored spec of the one-shard arm) and every job's conversations, and its run of
     ``first`` comes back beside the lines; else that is None."""
     if not one_bare:
-        return [run_job(n, k, max_tokens, one_shard_arm, repeats) for n, k in jobs], None
+        return [run_job(n, k, max_tokens, one_shard_arm, repeats, schema) for n, k in jobs], None
     load = {"before": rnd(os.getloadavg()[0])}
-    done = [job_arms(n, k, max_tokens, one_shard_arm, repeats, bare=False) for n, k in jobs]
+    done = [job_arms(n, k, max_tokens, one_shard_arm, repeats, bare=False, schema=schema) for n, k in jobs]
     asked = ([first] if first else []) + [(n, spec_json) for (n, _), (_, spec_json) in zip(jobs, done)]
     bare = run_arm("bare", [], {"BENCH_BARE_RUNS": json.dumps([[n, json.loads(s)] for n, s in asked])})["runs"]
     for (runs, _), got in zip(done, bare[-len(jobs):] if jobs else []):
         runs["bare"].append(got)
-    return [job_figures(n, max_tokens, repeats, runs, dict(load)) for (n, _), (runs, _) in zip(jobs, done)], \
+    return [job_figures(n, max_tokens, repeats, runs, dict(load), schema) for (n, _), (runs, _) in zip(jobs, done)], \
         bare[0] if first else None
 
 
 def run(records: int = 500, prefix_records: int = 200, max_tokens: int = 24, repeats: int = 2,
         jobs: tuple[tuple[int, int], ...] = ((1000, 8), (240, 6)), job_max_tokens: int = 96,
-        one_shard_arm: bool = False, one_bare: bool = False) -> dict[str, Any]:
+        one_shard_arm: bool = False, one_bare: bool = False, job_schema: str = "ticket") -> dict[str, Any]:
     """Every arm ``repeats`` times, the arms' order turned round each repeat so a busy minute of the
     shared machine lands on all of them; each figure is the median over the repeats. ``records`` 0
     leaves the one-shard arms out (the multi-shard jobs only). ``one_bare`` (the quick run's, with
@@ -471,7 +480,7 @@ def run(records: int = 500, prefix_records: int = 200, max_tokens: int = 24, rep
     head = {"benchmark": "vllm_engine", "engine": "vllm", "vllm": _vllm_version(),
             "model": "SmolLM2-135M-Instruct bf16 (CPU)", "cpu": cpu_vector_extensions()}
     if not records:
-        multi, _ = run_jobs(jobs, job_max_tokens, one_shard_arm, repeats, one_bare)
+        multi, _ = run_jobs(jobs, job_max_tokens, one_shard_arm, repeats, one_bare, schema=job_schema)
         return {**head, "multi_shard": multi, "target": "multi-shard jobs: >= 0.95 of bare on generation, >= 0.9 "
                 "on whole runs", "met": all(job["met"] for job in multi), "machine": machine()}
     common = ["--records", str(records), "--max-tokens", str(max_tokens)]
@@ -493,7 +502,7 @@ def run(records: int = 500, prefix_records: int = 200, max_tokens: int = 24, rep
             else:
                 arm = run_arm("bare", prefix_args + ([] if name == "prefix_on" else ["--no-prefix-caching"]))
             runs[name].append(arm)
-    multi, bare = run_jobs(jobs, job_max_tokens, one_shard_arm, repeats, one_bare, (records, spec_json))
+    multi, bare = run_jobs(jobs, job_max_tokens, one_shard_arm, repeats, one_bare, (records, spec_json), job_schema)
     if bare is not None:
         runs["bare"].append(bare)
 
@@ -565,6 +574,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--jobs", default="1000:8,240:6", help="multi-shard jobs as RECORDS:SHARDS,... ('' for none)")
     ap.add_argument("--job-max-tokens", type=int, default=96, help="max_tokens of the multi-shard jobs")
+    ap.add_argument("--job-schema", choices=sorted(JOB_SCHEMAS), default="ticket",
+                    help="the multi-shard jobs' schema: the ticket schema a user wrote, or the one-shard arm's")
     ap.add_argument("--one-shard-arm", action="store_true",
                     help="multi-shard jobs: also the worker one shard at a time (--no-overlap)")
     ap.add_argument("--one-bare-process", action="store_true",
@@ -589,7 +600,7 @@ def main(argv: list[str] | None = None) -> None:
     else:
         jobs = tuple(tuple(int(x) for x in job.split(":")) for job in a.jobs.split(",") if job)
         emit(run(a.records, a.prefix_records, a.max_tokens, a.repeats, jobs, a.job_max_tokens, a.one_shard_arm,
-                 a.one_bare_process))
+                 a.one_bare_process, a.job_schema))
 
 
 if __name__ == "__main__":
