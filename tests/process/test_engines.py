@@ -274,6 +274,39 @@ def test_llama_cpp_real_model():
     print(f"llama-cpp: {len(outcomes) / elapsed:.2f} records/s, {sum(o.tokens_out for o in outcomes) / elapsed:.1f} tokens/s")
 
 
+@pytest.mark.slow
+def test_llama_cpp_logprobs_are_llama_cpp_pythons_own():
+    """Asked for them (a model ladder's confidence), the engine's token log-probabilities are what
+    llama-cpp-python's ``logprobs=True`` gives for the same request, token by token and float by float,
+    and a completion cut at max_tokens has none (its outcome is a failed attempt)."""
+    pytest.importorskip("llama_cpp")
+    from batch_inference.engines.base import parse_chat_completion
+    from batch_inference.engines.llama_cpp import SMOLLM2_GGUF_SHA256
+
+    schema = {"type": "object", "properties": {"category": {"type": "string", "enum": ["billing", "bug", "other"]}},
+              "required": ["category"], "additionalProperties": False}
+    spec = make_spec(model={"digest": SMOLLM2_GGUF_SHA256}, output_schema=schema, params={"max_tokens": 16},
+                     prompt={"system": "Classify the support ticket: billing, bug or other."})
+    engine = load_engine("llama-cpp", spec, {"n_threads": 1})
+    engine.want_logprobs = True
+    engine.load()
+    try:
+        [req] = requests_for(spec, RECORDS[:1])
+        [mine] = engine.generate([req], threading.Event())
+        kwargs = engine.completion_kwargs()
+        theirs = parse_chat_completion(req.record_id, engine._llm.create_chat_completion(
+            messages=req.messages, **{**kwargs, "seed": req.seed(kwargs["seed"])}, logprobs=True, top_logprobs=1))
+        cut_spec = make_spec(model={"digest": SMOLLM2_GGUF_SHA256}, output_schema=schema, params={"max_tokens": 2})
+        cut = type(engine)(cut_spec, {"n_threads": 1})
+        cut._llm, cut.want_logprobs = engine._llm, True
+        [truncated] = cut.generate(requests_for(cut_spec, RECORDS[:1]), threading.Event())
+    finally:
+        engine.close()
+    assert mine.ok and mine.text == theirs.text and mine.logprobs and mine.logprobs == theirs.logprobs, (mine, theirs)
+    assert "".join(t for t, _ in mine.logprobs) == mine.text
+    assert truncated.error == TRUNCATED and truncated.logprobs is None
+
+
 # -- openai against the real llama.cpp server ---------------------------------------------------
 @pytest.mark.slow
 def test_openai_engine_against_llama_server(llama_server):
