@@ -85,7 +85,7 @@ def check_control_plane(out: dict) -> None:
         if out["workers"] > 1:
             assert row["raw_writers_rows_s"] > 0 and row["ratio_vs_writers"] > 0
     assert set(out["put_components_backend_cpu_us_per_row"]) == {"raw", "raw_hash8", "raw_snapshot",
-                                                                  "raw_hash8_snapshot", "put"}
+                                                                  "raw_hash8_snapshot", "put", "read"}
 
 
 def check_submit(out: dict) -> None:
