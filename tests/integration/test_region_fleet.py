@@ -35,6 +35,7 @@ def test_each_clusters_size_is_decided_recorded_with_its_reason_and_reconciled_b
     p.throughput.add(now.timestamp() - 6, 0, 1)
     p.throughput.add(now.timestamp() - 4, 0, 1)
     conn.execute("UPDATE bi.shards SET stored = 2 WHERE job_version = %s AND shard_no = 0", (placed,))
+    p.first_rows_at = now - timedelta(seconds=4)    # rows seen a whole window ago: dearer clusters may be added
     d = poll(p, conn, placed, now, now + timedelta(seconds=20), {"us-east-gpu": 1})
     assert d.per_worker == 0.5
     sizes = d.sizes()
@@ -149,8 +150,10 @@ def test_the_cutoff_watch_steers_each_cluster_of_a_placed_version_and_its_launch
     from tests.conftest import make_source, make_spec, tickets
 
     make_source(conn, tickets(60))
+    # a window of one poll: the rows of the first minute are a whole window's measure by the third poll, when a
+    # cluster dearer than the running one may be added
     job = submit(conn, make_spec(autopilot={"enabled": True, "margin_s": 60, "start_s": 30, "cooldown_s": 600,
-                                            "window_s": 120})).job_version
+                                            "window_s": 60})).job_version
     place(conn, job, parse_deployment(deployment_dict(stores)))
     autopilot.observe(conn, job, "local:w@us-east-gpu", 1)
     t = [datetime.now(timezone.utc)]

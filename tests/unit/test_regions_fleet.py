@@ -51,9 +51,16 @@ def test_the_whole_capacity_short_of_the_deadline_fills_every_cluster_and_pages_
     dec = decide(1_000_000, {"us-1": 1}, deployment(2, 2, 2))
     assert dec.sizes() == {"us-1": 2, "eu-1": 2, "ap-1": 2}
     assert dec.page and "cannot be met" in dec.page and "6 workers" in dec.page and "page now" in dec.page
-    # on a throughput not yet measured over a whole window the same clusters are filled, and no page yet
+    # on a throughput not yet measured over a whole window no page yet, and only the clusters whose record is no
+    # dearer than the dearest running (us's spot) are filled: ap's on demand waits for the whole window's measure
     early = decide(1_000_000, {"us-1": 1}, deployment(2, 2, 2), steady=False)
-    assert early.sizes() == dec.sizes() and early.page is None
+    assert early.sizes() == {"us-1": 2, "eu-1": 2, "ap-1": 0} and early.page is None
+    ap = by(early)["ap-1"]
+    assert ap.action == HOLD and "dearer than any running" in ap.reason and "whole window of rows" in ap.reason
+    # a whole window measured, but not yet a whole window of rows (ClusterPilot's settled): ap's still waits
+    assert decide(1_000_000, {"us-1": 1}, deployment(2, 2, 2), settled=False).sizes()["ap-1"] == 0
+    # nothing running yet: no price to hold to, every cluster filled as on a steady measure
+    assert decide(1_000_000, {}, deployment(2, 2, 2), steady=False).sizes() == dec.sizes()
 
 
 def test_ahead_it_removes_where_a_record_is_dearest_first_past_the_cooldown_on_a_steady_measure():

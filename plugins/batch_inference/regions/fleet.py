@@ -10,6 +10,9 @@ each cluster's size (``decide_clusters``, pure):
   cheaper, on demand where not, a spot worker's throughput derated by its interruptions, a record
   outside the ledger's region paying egress for its replica in and its result back), each cluster
   up to its capacity, until the added throughput, counted from ``start_s`` on, makes the target.
+  Until the throughput is measured over a whole window of rows (``window_s`` since the first rows
+  stored, so workers still starting are not read as slow ones) only clusters whose record is no
+  dearer than the dearest running are added to: the dearer ones wait for that measure.
   When every cluster of the regions not lost cannot, the decision pages now with the arithmetic, on a
   throughput measured over a whole window only (workers still starting read as slow ones: every night
   paged at its first poll).
@@ -141,13 +144,15 @@ def decide_clusters(now: datetime, deadline: datetime, outstanding: int, per_wor
                     last_change: datetime | None = None, steady: bool = True, shards_left: int | None = None,
                     replica_bytes: float = 400.0, result_bytes: float = 300.0,
                     max_spot_interruption: float = 0.2, remaining: Mapping[str, int] | None = None,
-                    open_gates: set[str] | frozenset[str] = frozenset()) -> FleetDecision:
+                    open_gates: set[str] | frozenset[str] = frozenset(), settled: bool | None = None) -> FleetDecision:
     """Each cluster's size for this poll (pure; the module docstring). ``current``: each cluster's size in
     force; ``lost``: the regions found lost; ``last_change``: the last change of any cluster's size (or the
     first claim), for the cooldown; ``shards_left``: shards pending or leased, beyond which a worker has
     nothing to claim; ``remaining``: each region's records not done, and ``open_gates`` the regions whose
     steal gate is open: a cluster whose region has none left while no other region's gate is open has
-    nothing to claim (idle: sized 0 at once, and no worker added there this poll)."""
+    nothing to claim (idle: sized 0 at once, and no worker added there this poll); ``settled``: the throughput
+    is measured over a whole window of rows (``steady`` when not given), before which no worker is added where
+    a record is dearer than the dearest running."""
     target = (deadline - now).total_seconds() - overhead_s - policy.margin_s
     cur = {c.name: int(current.get(c.name, 0)) for c in deployment.clusters}
     out: dict[str, tuple[str, str]] = {}       # cluster -> (action, reason)
@@ -187,10 +192,21 @@ def decide_clusters(now: datetime, deadline: datetime, outstanding: int, per_wor
         short = outstanding - cur_rate * max(target, 0.0)
         need = short / useful if useful > 0 else math.inf
         added = 0.0
+        # Before the throughput is measured over a whole window of rows (workers still starting read as slow ones)
+        # workers go only where a record costs no more than the dearest one running now: a dearer cluster waits
+        # for that measure, which adds it there if the fleet is still behind.
+        ceiling = math.inf
+        if not (steady if settled is None else settled) and any(cur[c.name] for c in live):
+            ceiling = max(choices[c.name].record_usd for c in live if cur[c.name])
         for c in by_cost:
             if added >= need or room_total <= 0:
                 break
             ch = choices[c.name]
+            if ch.record_usd > ceiling:
+                out[c.name] = (HOLD, f"behind, holding {cur[c.name]} here: its record (${ch.record_usd * 1e6:,.2f} per "
+                                     f"million) is dearer than any running, and the throughput is not yet measured "
+                                     f"over a whole window of rows")
+                continue
             room = max(0, c.capacity - cur[c.name])
             k = room if math.isinf(need) else min(room, math.ceil((need - added) / ch.per_worker))
             k = int(min(k, room_total))
@@ -409,6 +425,7 @@ class ClusterPilot:
     max_spot_interruption: float = 0.2
     throughput: Throughput | None = None
     last_change: datetime | None = None
+    first_rows_at: datetime | None = None       # the first poll that saw rows made
     lost: dict[str, str] = field(default_factory=dict)
     pages: list[str] = field(default_factory=list)
 
@@ -462,6 +479,10 @@ class ClusterPilot:
         held = min(int(conn.execute(q("region_held"), {"job": job_version}).fetchone()["held"]), max(outstanding, 0))
         stored, outstanding = stored + held, outstanding - held
         per_worker = self.throughput.add(now.timestamp(), stored, sum(live.values()))
+        if stored > 0 and self.first_rows_at is None:
+            self.first_rows_at = now
+        settled = (self.throughput.steady and self.first_rows_at is not None
+                   and (now - self.first_rows_at).total_seconds() >= self.policy.window_s)
         rows = conn.execute(q("region_remaining"), {"job": job_version}).fetchall()
         remaining = {r["region"]: int(r["records_left"]) for r in rows}
         gates = steal_gates(now, deadline, self.overhead_s, self.policy.margin_s, remaining, live, self.deployment,
@@ -476,7 +497,7 @@ class ClusterPilot:
                             last_change=self.last_change, steady=self.throughput.steady, shards_left=shards_left,
                             replica_bytes=self.replica_bytes, result_bytes=self.result_bytes,
                             max_spot_interruption=self.max_spot_interruption, remaining=remaining,
-                            open_gates={g.region for g in gates if g.open})
+                            open_gates={g.region for g in gates if g.open}, settled=settled)
         record(conn, job_version, d)
         if d.changed:
             self.last_change = now
