@@ -164,7 +164,8 @@ class Fleet:
         self._changed = threading.Event()                           # a process exited
         self._lock = threading.RLock()
         if self.start_method not in START_METHODS:
-            raise ValueError(f"{START_ENV}/start_method: {self.start_method!r} is not one of {', '.join(START_METHODS)}")
+            raise ValueError(f"{START_ENV}/start_method: {self.start_method!r} is not one of "
+                             f"{', '.join(START_METHODS)}")
         if self.log_dir is not None:
             self.log_dir.mkdir(parents=True, exist_ok=True)
 

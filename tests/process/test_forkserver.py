@@ -26,7 +26,8 @@ from gpu_runner.forkserver import ForkServer, ForkServerError
 REPORT = """
 import json, os, subprocess, sys
 print(json.dumps({
-    "pid": os.getpid(), "ppid": os.getppid(), "stdin": [os.fstat(0).st_dev, os.fstat(0).st_ino], "sid": os.getsid(0), "pgid": os.getpgid(0),
+    "pid": os.getpid(), "ppid": os.getppid(), "stdin": [os.fstat(0).st_dev, os.fstat(0).st_ino],
+    "sid": os.getsid(0), "pgid": os.getpgid(0),
     "argv": sys.argv, "cwd": os.getcwd(), "path0": sys.path[0],
     "env": {k: os.environ.get(k) for k in ("BI_TEST_ONLY_HERE", "BI_TEST_GONE", "PYTHONUNBUFFERED")},
     "c_env": subprocess.run(["sh", "-c", "echo ${BI_TEST_ONLY_HERE:-unset} ${BI_TEST_GONE:-unset}"],
