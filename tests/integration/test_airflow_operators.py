@@ -211,11 +211,13 @@ def test_a_preempted_local_worker_is_restarted_and_the_job_finishes(ledger, conn
 # -- validate, publish, rollback -----------------------------------------------
 
 def finished_job(conn, db_url, rows, **spec):
+    """A job version the worker has finished; its failed records retried at once (no backoff between
+    rounds: the operators under test read what the worker left, not how long it waited)."""
     from gpu_runner.worker import WorkerConfig, run_worker
 
     make_source(conn, rows)
     job = submit(conn, make_spec(**spec)).job_version
-    assert run_worker(WorkerConfig(job_version=job, db_url=db_url)) == 0
+    assert run_worker(WorkerConfig(job_version=job, db_url=db_url, backoff=(0.0,))) == 0
     return job
 
 
