@@ -955,7 +955,7 @@ class _NightRun:
         # database goes away under them (a drawn restart can land here).
         for attempt in range(1, LOAD_TRIES + 1):
             try:
-                self._load(redriven["budget_stop"])
+                self._load(redriven["budget_stop"], give_up)
                 break
             except (psycopg.OperationalError, db.DatabaseUnavailable) as exc:
                 log.warning("nights %d: validate/publish try %d: %s", self.seed, attempt,
@@ -965,7 +965,7 @@ class _NightRun:
                 else:
                     time.sleep(0.5)
 
-    def _load(self, budget_stop: bool) -> None:
+    def _load(self, budget_stop: bool, give_up: float) -> None:
         from batch_inference.publish import publish
         from batch_inference.status import job_counts
         from batch_inference.validate import validate
@@ -973,6 +973,13 @@ class _NightRun:
         rec = self.rec
         with db.connect(self.url, retries=10) as conn:
             counts = job_counts(conn, self.job)
+            # Every record done while a worker still holds the shard of its last results: the worker
+            # completes it once that put lands. The DAG's validate waits for the workers task (and
+            # retries NotReady); here the load waits for the open shards, up to the night's last moment.
+            while (counts["outstanding"] == 0 and counts["shards"]["pending"] + counts["shards"]["leased"]
+                   and time.monotonic() < give_up):
+                time.sleep(0.2)
+                counts = job_counts(conn, self.job)
             if counts["outstanding"] == 0 and counts["shards"]["pending"] + counts["shards"]["leased"] == 0:
                 report = validate(conn, self.job, sample_dir=self.work)
                 if report["passed"]:
