@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # The test suite on a fresh machine: builds .venv, then runs pytest against the
-# embedded PostgreSQL and the real CPU model, on four pytest-xdist workers
-# (twice the two cores: most tests wait on servers, workers and deadlines; with
-# three the cores were idle a third of the run; docs/facts.md has the timings):
+# embedded PostgreSQL and the real CPU model, on six pytest-xdist workers
+# (three to a core: most tests wait on servers, workers and deadlines; with four
+# the cores were idle 15-19% of the run, with six 3%; docs/facts.md has the timings):
 # the tests of a file run on one worker, so a module's servers start once, and
 # tests/conftest.py's scheduler hands out the longest files first. Extra
 # arguments go to pytest after these, so `-n 0` runs in one process.
@@ -45,7 +45,7 @@ if ! python -c "import MySQLdb, fakesnow, airflow.providers.sqlite, airflow.prov
     || echo "warning: could not install the snowflake provider; its source test will be skipped" >&2
 fi
 set +e
-python -m pytest -n 4 --dist loadfile "$@"
+python -m pytest -n 6 --dist loadfile "$@"
 rc=$?
 set -e
 if [ "$rc" = 5 ]; then
