@@ -364,6 +364,9 @@ class RegionNight:
             "steal_reasons": [(r["usd"], r["reason"]) for r in reads if r["kind"] == "steal"][:5],
             "steals_from": dict(Counter(r["home_region"] for r in reads if r["kind"] == "steal")),
             "gates": [(r["region"], r["reason"]) for r in reads if r["kind"] == "steal_gate"],
+            # the gates and the losses in the order they were recorded: a gate open at a region's loss
+            "gates_and_losses": [(r["kind"], r["region"], r["reason"][:120]) for r in reads
+                                 if r["kind"] in ("steal_gate", "region_lost")],
             "decisions": [(d["cluster"], d["action"], d["reason"][:200]) for d in decisions if d["action"] != "hold"],
         }
 
